@@ -1,0 +1,27 @@
+"""kfac_stream: training-time, streaming K-FAC curvature tracking for Hugging Face Trainer."""
+
+from .config import KFACConfig
+from .enums import FisherType, StorageDtype
+from .exceptions import KFACConfigError, KFACStreamError, SnapshotError, UnsupportedModuleError
+from .integrations.hf_callback import KFACStreamCallback
+from .snapshot.snapshot import LayerFactors, Snapshot
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # training-time tracking
+    "KFACConfig",
+    "KFACStreamCallback",
+    # snapshots
+    "Snapshot",
+    "LayerFactors",
+    # enums
+    "FisherType",
+    "StorageDtype",
+    # errors
+    "KFACStreamError",
+    "KFACConfigError",
+    "UnsupportedModuleError",
+    "SnapshotError",
+    "__version__",
+]

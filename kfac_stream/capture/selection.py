@@ -1,0 +1,153 @@
+"""Choose the tracked layers of a model.
+
+Supported layer types: ``torch.nn.Linear`` (``z = a Wᵀ + b``, weight ``[d_out, d_in]``) and
+transformers' ``Conv1D`` (GPT-2; ``z = a W + b``, weight ``[d_in, d_out]``): the same math, the
+A factor is over the ``d_in`` inputs and the G factor over the ``d_out`` outputs in both cases.
+PEFT LoRA layers are containers; their ``lora_A``/``lora_B`` children are plain ``nn.Linear``
+and are tracked as such, while the frozen ``base_layer`` is left out by the trainable filter.
+
+Default selection (``include=None``): every supported layer with a trainable weight inside the
+transformer blocks, i.e. under the longest ``nn.ModuleList`` of the model (``transformer.h``,
+``model.layers``, ...). The LM head and the embeddings are outside the blocks.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..exceptions import KFACConfigError, UnsupportedModuleError
+
+try:  # transformers is a dependency, but keep the math importable without it
+    from transformers.pytorch_utils import Conv1D
+except ImportError:  # pragma: no cover
+    Conv1D = ()  # type: ignore[assignment]
+
+SUPPORTED_TYPES: tuple[type, ...] = (nn.Linear,) + ((Conv1D,) if Conv1D else ())
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One tracked layer.
+
+    Attributes:
+        name: Module name as in ``model.named_modules()``.
+        d_in: Input features (without the bias column).
+        d_out: Output features.
+        has_bias: Whether ``ā = [a; 1]`` (the A factor then has side ``d_in + 1``).
+        kind: ``"linear"`` or ``"conv1d"``.
+    """
+
+    name: str
+    d_in: int
+    d_out: int
+    has_bias: bool
+    kind: str
+
+    @property
+    def a_dim(self) -> int:
+        """Side of the A factor: ``d_in + 1`` with a bias, else ``d_in``."""
+        return self.d_in + int(self.has_bias)
+
+    @property
+    def g_dim(self) -> int:
+        """Side of the G factor: ``d_out``."""
+        return self.d_out
+
+
+def layer_spec(name: str, module: nn.Module) -> LayerSpec:
+    """Describe a supported module. Never reads the weight's data (ZeRO-3 may have freed it)."""
+    if isinstance(module, nn.Linear):
+        return LayerSpec(name, module.in_features, module.out_features,
+                         module.bias is not None, "linear")
+    if Conv1D and isinstance(module, Conv1D):
+        d_in, d_out = _conv1d_dims(module)
+        return LayerSpec(name, d_in, d_out, getattr(module, "bias", None) is not None, "conv1d")
+    raise UnsupportedModuleError(
+        f"module {name!r} is a {type(module).__name__}, which kfac_stream cannot track: "
+        f"supported types are {tuple(t.__name__ for t in SUPPORTED_TYPES)}"
+    )
+
+
+def _conv1d_dims(module: nn.Module) -> tuple[int, int]:
+    d_out = int(getattr(module, "nf"))
+    w = module.weight
+    # Under DeepSpeed ZeRO-3 the local weight is a placeholder; ds_shape keeps the full shape.
+    shape = tuple(getattr(w, "ds_shape", None) or w.shape)
+    return int(shape[0]), d_out
+
+
+def _trainable(module: nn.Module) -> bool:
+    w = getattr(module, "weight", None)
+    return isinstance(w, torch.Tensor) and w.requires_grad
+
+
+def _block_prefix(model: nn.Module) -> str | None:
+    """Name of the longest ``nn.ModuleList`` (the transformer blocks), or None."""
+    best, best_len = None, 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > best_len:
+            best, best_len = name, len(module)
+    return best
+
+
+def select_layers(
+    model: nn.Module, include: list[str] | None = None, exclude: list[str] | None = None
+) -> dict[str, LayerSpec]:
+    """Return ``{name: LayerSpec}`` of the layers to track, in ``named_modules`` order.
+
+    A layer is tracked if it is supported, has a trainable weight, matches no ``exclude``
+    regex, and matches an ``include`` regex (``re.search``) or, with ``include=None``, lies
+    inside the transformer blocks.
+
+    Raises:
+        UnsupportedModuleError: an ``include`` regex selects no supported layer but matches a
+            module of another type that holds parameters (e.g. an embedding).
+        KFACConfigError: an ``include`` regex, or the whole selection, selects nothing.
+    """
+    inc = [re.compile(p) for p in include] if include is not None else None
+    exc = [re.compile(p) for p in exclude or []]
+    prefix = _block_prefix(model) if inc is None else None
+    kinds = "/".join(t.__name__ for t in SUPPORTED_TYPES)
+    candidates = {
+        name: m for name, m in model.named_modules()
+        if not any(p.search(name) for p in exc)
+    }
+    chosen: dict[str, LayerSpec] = {}
+    for name, module in candidates.items():
+        if not isinstance(module, SUPPORTED_TYPES) or not _trainable(module):
+            continue
+        if inc is not None:
+            if not any(p.search(name) for p in inc):
+                continue
+        elif prefix is None or not name.startswith(prefix + "."):
+            continue
+        chosen[name] = layer_spec(name, module)
+    for pattern in inc or []:
+        if any(pattern.search(name) for name in chosen):
+            continue
+        unsupported = [
+            (name, m) for name, m in candidates.items()
+            if pattern.search(name) and not isinstance(m, SUPPORTED_TYPES)
+            and any(True for _ in m.parameters(recurse=False))
+        ]
+        if unsupported:
+            name, m = unsupported[0]
+            raise UnsupportedModuleError(
+                f"KFACConfig.include regex {pattern.pattern!r} matches module {name!r} of type "
+                f"{type(m).__name__}, which kfac_stream cannot track: supported types are "
+                f"{tuple(t.__name__ for t in SUPPORTED_TYPES)}"
+            )
+        raise KFACConfigError(
+            f"KFACConfig.include regex {pattern.pattern!r} matches no trainable {kinds} module "
+            f"(exclude={exclude!r})"
+        )
+    if not chosen:
+        raise KFACConfigError(
+            f"KFACConfig.include/exclude select no layer: the default selection (trainable "
+            f"{kinds} modules under {prefix!r}) with exclude={exclude!r} is empty"
+        )
+    return chosen

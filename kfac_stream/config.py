@@ -1,0 +1,116 @@
+"""`KFACConfig`: every knob of the tracker, validated when it is built.
+
+Validation that needs the model (do the include/exclude regexes match a supported layer?) runs
+in `KFACStreamCallback.on_train_begin`, before the first training step.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .enums import FisherType, StorageDtype
+from .exceptions import KFACConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class KFACConfig:
+    """Configuration of the streaming K-FAC tracker.
+
+    Attributes:
+        token_fraction: Probability with which each usable (non-padding) token position of a
+            forward pass is kept for the factors; the same positions serve every layer of that
+            pass. ``1.0`` gives the exact full-batch factors. (Default: 0.05)
+        ema_decay: Per-update decay ``λ`` of the token-weighted, bias-free EMA
+            ``w ← λ·w + n;  F ← F + (n/w)·(S − F)``; ``1.0`` is the exact running mean.
+            (Default: 0.95)
+        update_every: Update the factors on every ``update_every``-th optimizer step (steps
+            0, k, 2k, ... counted from 0); other steps cost one Python branch per hook.
+            (Default: 1)
+        snapshot_every: Write a snapshot every ``snapshot_every`` optimizer steps; one is
+            also written at the end of training. (Default: 500)
+        fisher: ``"empirical"`` (observed labels, reuses the training backward) or ``"mc"``
+            (labels sampled from the model, own forward + backward after the optimizer step
+            of update steps). (Default: "empirical")
+        include: Regexes (``re.search``) over module names from ``model.named_modules()``;
+            a supported layer is tracked if one matches. ``None``: every trainable
+            Linear/Conv1D inside the transformer blocks (not the LM head or embeddings).
+            (Default: None)
+        exclude: Regexes; a layer matching one is never tracked. (Default: None)
+        output_dir: Where snapshots go. ``None``: ``<TrainingArguments.output_dir>/kfac``.
+            (Default: None)
+        storage_dtype: CPU dtype of the stored factors: ``"float16"`` (with a float32 scale
+            per factor, EMA arithmetic in float32), ``"float32"`` or ``"float64"`` (EMA in
+            float64; for exact tests with float64 models). (Default: "float16")
+        max_dense_dim: A factor whose side is longer than this is kept diagonal (the diagonal
+            of the same statistic), to bound memory at ``O(d)`` instead of ``O(d²)``.
+            (Default: 8192)
+        seed: Seed of the token sampler's generator. (Default: 0)
+        async_updates: Run the factor arithmetic (second moments, EMA, CPU store) on a
+            background thread. ``None``: on when the model is on a CUDA device (the CPU is then
+            idle during the step), off on CPU-only training, where a second thread only
+            competes with the training thread for the same cores. (Default: None)
+    """
+
+    token_fraction: float = 0.05
+    ema_decay: float = 0.95
+    update_every: int = 1
+    snapshot_every: int = 500
+    fisher: str = "empirical"
+    include: list[str] | None = None
+    exclude: list[str] | None = None
+    output_dir: str | None = None
+    storage_dtype: str = "float16"
+    max_dense_dim: int = 8192
+    seed: int = 0
+    async_updates: bool | None = None
+
+    def __post_init__(self) -> None:
+        _check_range("token_fraction", self.token_fraction, "in (0, 1]",
+                     lambda v: 0.0 < v <= 1.0)
+        _check_range("ema_decay", self.ema_decay, "in [0, 1]", lambda v: 0.0 <= v <= 1.0)
+        for name in ("update_every", "snapshot_every", "max_dense_dim"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise KFACConfigError(
+                    f"KFACConfig.{name}={value!r} is not allowed: must be a positive integer"
+                )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise KFACConfigError(f"KFACConfig.seed={self.seed!r} is not allowed: must be an int")
+        if self.fisher not in FisherType:
+            raise KFACConfigError(
+                f"KFACConfig.fisher={self.fisher!r} is not allowed: "
+                f"must be one of {tuple(f.value for f in FisherType)}"
+            )
+        if self.storage_dtype not in StorageDtype:
+            raise KFACConfigError(
+                f"KFACConfig.storage_dtype={self.storage_dtype!r} is not allowed: "
+                f"must be one of {tuple(d.value for d in StorageDtype)}"
+            )
+        for name in ("include", "exclude"):
+            patterns = getattr(self, name)
+            if patterns is None:
+                continue
+            if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
+                raise KFACConfigError(
+                    f"KFACConfig.{name}={patterns!r} is not allowed: must be a list of regex strings"
+                )
+            for p in patterns:
+                try:
+                    re.compile(p)
+                except re.error as e:
+                    raise KFACConfigError(
+                        f"KFACConfig.{name} has an invalid regex {p!r}: {e}"
+                    ) from None
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON view (lists, not tuples), as written into snapshot manifests."""
+        return asdict(self)
+
+
+def _check_range(name: str, value: Any, allowed: str, ok) -> None:
+    bad = isinstance(value, bool) or not isinstance(value, (int, float))
+    if bad or not math.isfinite(value) or not ok(value):
+        raise KFACConfigError(f"KFACConfig.{name}={value!r} is out of range: must be {allowed}")

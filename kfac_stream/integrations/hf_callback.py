@@ -1,0 +1,108 @@
+"""`KFACStreamCallback`: wires the tracker into ``transformers.Trainer``. No math here.
+
+Event order in a Trainer step: ``on_step_begin`` → per micro-batch forward/backward (hooks
+collect rows) → optimizer step → ``on_step_end`` (MC pass, EMA update, maybe a snapshot).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from transformers import TrainerCallback
+
+from ..capture.selection import select_layers
+from ..config import KFACConfig
+from ..snapshot.contents import snapshot_contents
+from ..snapshot.writer import clean_stale_tmp, write_snapshot
+from ..tracker import Tracker
+
+logger = logging.getLogger("kfac_stream")
+
+
+class KFACStreamCallback(TrainerCallback):
+    """Track streaming EMA K-FAC factors during ``Trainer.train()``.
+
+    Args:
+        config: A `KFACConfig` (defaults if None).
+
+    Attributes:
+        tracker: The live `Tracker` during training (None before ``on_train_begin``).
+        snapshots: Paths of the snapshots written by this callback.
+    """
+
+    def __init__(self, config: KFACConfig | None = None) -> None:
+        self.config = config or KFACConfig()
+        self.tracker: Tracker | None = None
+        self.output_dir: str | None = None
+        self.snapshots: list[str] = []
+        self._last_snapshot_step: int | None = None
+
+    # -- Trainer events --------------------------------------------------------------------------
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is None:
+            raise ValueError("KFACStreamCallback needs the model (Trainer passes it)")
+        cfg = KFACConfig(**self.config.to_dict())  # re-validate (the config may be a copy)
+        self.close()
+        specs = select_layers(model, cfg.include, cfg.exclude)
+        modules = dict(model.named_modules())
+        async_updates = cfg.async_updates
+        if async_updates is None:
+            async_updates = str(getattr(args, "device", "cpu")).startswith("cuda")
+        cfg = KFACConfig(**{**cfg.to_dict(), "async_updates": async_updates})
+        self.tracker = Tracker(model, {n: modules[n] for n in specs}, specs, cfg)
+        self.output_dir = cfg.output_dir or os.path.join(args.output_dir, "kfac")
+        self._last_snapshot_step = None
+        if state.is_world_process_zero:
+            clean_stale_tmp(self.output_dir)
+            logger.info("kfac_stream: tracking %d layers (%s Fisher, token_fraction=%g, "
+                        "ema_decay=%g, update_every=%d); snapshots in %s", len(specs),
+                        cfg.fisher, cfg.token_fraction, cfg.ema_decay, cfg.update_every,
+                        self.output_dir)
+        return control
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if self.tracker is not None:
+            self.tracker.begin_step(state.global_step)
+        return control
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if self.tracker is None:
+            return control
+        self.tracker.end_step(model)
+        if state.global_step % self.config.snapshot_every == 0:
+            self.save_snapshot(state.global_step, state.epoch)
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.tracker is not None:
+            if self._last_snapshot_step != state.global_step:
+                self.save_snapshot(state.global_step, state.epoch)
+            self.close()
+        return control
+
+    # -- public helpers --------------------------------------------------------------------------
+
+    def save_snapshot(self, step: int, epoch: float | None = None) -> str:
+        """Write ``<output_dir>/step-<step>/`` now and return its path."""
+        if self.tracker is None or self.output_dir is None:
+            raise RuntimeError("KFACStreamCallback.save_snapshot: training has not started")
+        tensors, manifest = snapshot_contents(self.tracker, step, epoch)
+        path = write_snapshot(self.output_dir, step, tensors, manifest)
+        self.snapshots.append(path)
+        self._last_snapshot_step = step
+        logger.info("kfac_stream: snapshot %s", path)
+        return path
+
+    def factors(self):
+        """``{layer: (A, G)}`` of the live tracker (dequantised)."""
+        if self.tracker is None:
+            raise RuntimeError("KFACStreamCallback.factors: training has not started")
+        return self.tracker.factors()
+
+    def close(self) -> None:
+        """Remove hooks and stop the background worker (also called by ``on_train_end``)."""
+        if self.tracker is not None:
+            self.tracker.close()
+        # keep the tracker object for inspection (factors(), counters); its hooks are gone

@@ -1,0 +1,77 @@
+r"""The Monte-Carlo (type-2) Fisher pass.
+
+For each micro-batch of an update step, after the optimizer step: a fresh forward of the
+stored inputs (labels dropped), labels :math:`\hat y_t \sim p_\theta(\cdot\mid x_{<t})`
+sampled at the loss-bearing positions, :math:`L = \sum_t -\log p_\theta(\hat y_t\mid x_{<t})`
+(a SUM, so the loss scale is exactly 1), and ``torch.autograd.grad`` of ``L`` with respect to
+the tracked layers' outputs, which fires the capture hooks. Parameters' ``.grad`` are never
+touched, and running after the optimizer step keeps the training backward untouched (also
+under DeepSpeed ZeRO-3, where a second backward inside the forward breaks partitioning).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .capture.hooks import CaptureHooks, _logits_of
+
+_DROP = ("labels", "num_items_in_batch", "return_loss")
+
+
+def loss_bearing_logits(logits: Tensor, inputs: dict[str, Tensor]) -> Tensor:
+    """Logit rows that carry a loss term.
+
+    Causal LM (``logits [B, T, V]``): position ``t`` predicts token ``t+1``; it bears a loss if
+    ``labels[:, t+1] != -100`` (without labels: if ``attention_mask[:, t+1] == 1``).
+    Classification (``logits [B, C]``): every row.
+
+    Returns:
+        ``[m, V]``.
+    """
+    if logits.dim() == 2:
+        return logits
+    labels = inputs.get("labels")
+    if labels is not None:
+        keep = labels[:, 1:] != -100  # [B, T-1]
+    else:
+        mask = inputs.get("attention_mask")
+        keep = (mask[:, 1:] != 0) if mask is not None else torch.ones_like(
+            logits[:, 1:, 0], dtype=torch.bool)
+    return logits[:, :-1][keep.to(logits.device)]
+
+
+def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Tensor],
+                   generator: torch.Generator) -> None:
+    """Run one MC Fisher forward/backward for one stored micro-batch (adds one PassRecord)."""
+    kwargs = {k: v for k, v in inputs.items() if k not in _DROP}
+    saved = capture.capturing, capture.record_inputs
+    capture.capturing, capture.record_inputs = True, False
+    capture.counting, capture.keep_outputs, capture.estimate_scale = False, True, False
+    try:
+        with torch.enable_grad():
+            out = model(**kwargs)
+            rec = capture.current
+            if rec is None:
+                return
+            rec.scale = 1.0
+            logits = loss_bearing_logits(_logits_of(out), inputs).float()  # [m, V]
+            if logits.shape[0] == 0 or not rec.outputs:
+                return
+            probs = torch.softmax(logits.detach(), dim=-1)
+            if probs.device.type == "cpu":
+                y = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            else:  # the CPU generator cannot drive device sampling: draw uniforms on CPU
+                u = torch.rand(probs.shape[0], 1, generator=generator).to(probs.device)
+                y = (probs.cumsum(-1) < u).sum(-1).clamp_(max=probs.shape[1] - 1)
+            loss = F.cross_entropy(logits, y, reduction="sum")
+            outputs = rec.outputs
+            if any(o.grad_fn is None for o in outputs):
+                raise RuntimeError("kfac_stream MC Fisher: a tracked output has no graph")
+            torch.autograd.grad(loss, outputs, allow_unused=True)
+            rec.outputs = []
+    finally:
+        capture.capturing, capture.record_inputs = saved
+        capture.counting, capture.keep_outputs, capture.estimate_scale = True, False, True
+        capture.current = None

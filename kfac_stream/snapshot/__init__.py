@@ -1,0 +1,1 @@
+"""Snapshots: atomic, verifiable directories of factors (and, later, their eigenbases)."""

@@ -1,0 +1,42 @@
+r"""Second moments of captured rows: the step statistics of K-FAC (expand form).
+
+For rows ``X`` (``[n, d]``) the step statistic is :math:`S = \frac1n X^\top X`, with
+:math:`\bar a = [a; 1]` (a ones column appended last) for layers with a bias.
+The diagonal variant (factors longer than ``max_dense_dim``) is
+:math:`\mathrm{diag}(S) = \frac1n \sum_s x_s \odot x_s`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def with_bias_column(rows: Tensor) -> Tensor:
+    """``[n, d]`` → ``[n, d+1]`` with a trailing column of ones."""
+    return torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+
+
+def second_moment(rows: Tensor, diagonal: bool = False) -> Tensor:
+    """Mean outer product of rows.
+
+    Args:
+        rows: ``[n, d]`` with ``n ≥ 1``.
+        diagonal: Return only the diagonal.
+
+    Returns:
+        ``[d, d]`` (dense) or ``[d]`` (diagonal), same dtype as ``rows``.
+    """
+    n = rows.shape[0]
+    if diagonal:
+        return rows.square().sum(0).div_(n)
+    return (rows.T @ rows).div_(n)
+
+
+def all_finite(tensors: list[Tensor]) -> bool:
+    """One host sync for a whole list: True if every entry of every tensor is finite."""
+    if not tensors:
+        return True
+    flags = torch.stack([torch.isfinite(t).all().to("cpu", non_blocking=False)
+                         for t in tensors])
+    return bool(flags.all())

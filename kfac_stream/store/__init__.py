@@ -1,0 +1,1 @@
+"""Owner-side CPU storage of the EMA factors."""
