@@ -27,7 +27,7 @@ test-slow: $(STAMP)  ## run the slow tests too
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)  ## train a tiny GPT-2 on local text with the callback and print the snapshot
-	$(PY) -m kfac_stream.demo
+	$(PY) -m kfac_stream.demo --output-dir out/demo
 
 bench: $(STAMP)  ## run the overhead benchmark and write benchmarks/RESULTS.md
 	$(PY) benchmarks/overhead.py

@@ -25,7 +25,7 @@ from .capture.selection import LayerSpec
 from .config import KFACConfig
 from .distributed.ownership import Ownership, assign_owners
 from .mc import mc_fisher_pass
-from .stats.covariance import all_finite, second_moment, with_bias_column
+from .stats.covariance import all_finite, with_bias_column
 from .store.factor_store import FactorStore
 
 logger = logging.getLogger("kfac_stream")
@@ -168,8 +168,7 @@ class Tracker:
                 if isinstance(rows, tuple):  # (pinned tensor, cuda event)
                     rows[1].synchronize()
                     rows = rows[0]
-                x = with_bias_column(rows) if bias else rows  # [n, d]
-                self.store.update(key, second_moment(x, owned[key].diagonal), x.shape[0])
+                self.store.push_rows(key, with_bias_column(rows) if bias else rows)  # [n, d]
 
     def _work(self) -> None:
         assert self._queue is not None
@@ -194,6 +193,7 @@ class Tracker:
         if self._queue is not None:
             self._queue.join()
         self._raise_worker_error()
+        self.store.flush()
 
     def close(self) -> None:
         """Flush, stop the worker and remove every hook."""

@@ -12,6 +12,14 @@ stored factor       float16 ``q`` with ``F = scale · q`` (scale a power of two,
                     float32 / float64 as is
 ==================  ======================================================================
 
+Deferred folding: rows pushed for an update are kept (``[n, d]`` each, a few percent of the
+tokens) and folded into the stored factor together, every ``flush_every`` updates or when the
+pending rows reach ``d`` (so they never take more memory than the factor itself). The EMA is
+linear, so ``K`` pending updates fold exactly as ``F ← α·F + YᵀY`` with
+``α = Π_k (1-η_k)`` and ``Y`` the stacked rows scaled by ``sqrt(η_k Π_{i>k}(1-η_i) / n_k)``:
+one GEMM and one pass over the stored ``d²`` entries (one FP16 rounding) per flush instead of
+per update. Readers (`values`, snapshots) flush first, so what they see is always exact.
+
 FP16 scaling: before each write the new scale is chosen from a bound on ``max|F_new|``
 (``(1-η)·max|F_old| + η·max|S|``) so that the largest stored magnitude is at most
 ``2**14`` (fp16 overflows at 65504): activations with outliers of 1e4 give second moments of
@@ -41,10 +49,12 @@ class StoredFactor:
     Attributes:
         data: ``[d, d]`` (dense) or ``[d]`` (diagonal) in the storage dtype.
         scale: ``F = scale · data`` (1.0 unless float16).
-        amax: Largest ``|F|`` entry (exact for the stored values), used to bound the next scale.
-        weight: EMA weight ``w``.
-        updates: Number of updates applied.
-        positions: Number of positions (rows) folded in over all updates.
+        amax: Bound on the largest ``|F|`` entry, used to choose the next scale.
+        weight: EMA weight ``w`` (includes pending updates).
+        updates: Number of updates (including pending ones).
+        positions: Number of positions (rows) over all updates.
+        diagonal: Whether only the diagonal is kept.
+        pending: ``[(rows [n, d], eta)]`` not yet folded into ``data``.
     """
 
     data: Tensor
@@ -53,21 +63,35 @@ class StoredFactor:
     weight: float = 0.0
     updates: int = 0
     positions: int = 0
-    diagonal: bool = field(default=False)
+    diagonal: bool = False
+    pending: list[tuple[Tensor, float]] = field(default_factory=list)
+
+    @property
+    def pending_rows(self) -> int:
+        """Rows waiting to be folded in."""
+        return sum(r.shape[0] for r, _ in self.pending)
 
     def value(self, dtype: torch.dtype | None = None) -> Tensor:
-        """Dequantised factor, ``[d, d]`` or ``[d]``, float32 (float64 if stored so)."""
+        """Dequantised folded factor, ``[d, d]`` or ``[d]``, float32 (float64 if stored so)."""
         out_dtype = dtype or (torch.float64 if self.data.dtype == torch.float64 else torch.float32)
-        return self.data.to(out_dtype) * self.scale if self.scale != 1.0 else self.data.to(out_dtype)
+        out = self.data.to(out_dtype)
+        return out * self.scale if self.scale != 1.0 else out
 
 
 class FactorStore:
-    """The factors this rank owns, keyed ``"<layer>.A"`` / ``"<layer>.G"``."""
+    """The factors this rank owns, keyed ``"<layer>.A"`` / ``"<layer>.G"``.
 
-    def __init__(self, storage_dtype: str, ema_decay: float) -> None:
+    Args:
+        storage_dtype: ``"float16"``, ``"float32"`` or ``"float64"``.
+        ema_decay: ``λ``.
+        flush_every: Fold pending updates after this many (default 8).
+    """
+
+    def __init__(self, storage_dtype: str, ema_decay: float, flush_every: int = 8) -> None:
         self.storage_dtype = _DTYPES[storage_dtype]
         self.compute_dtype = torch.float64 if storage_dtype == "float64" else torch.float32
         self.ema_decay = float(ema_decay)
+        self.flush_every = int(flush_every)
         self.factors: dict[str, StoredFactor] = {}
 
     def add(self, key: str, dim: int, diagonal: bool) -> None:
@@ -76,40 +100,80 @@ class FactorStore:
         self.factors[key] = StoredFactor(torch.zeros(shape, dtype=self.storage_dtype),
                                          diagonal=diagonal)
 
-    def update(self, key: str, stat: Tensor, n: int) -> None:
-        """Fold one step statistic into the EMA.
+    def push_rows(self, key: str, rows: Tensor) -> None:
+        """Record one update whose statistic is ``S = rowsᵀ rows / n``.
 
         Args:
             key: Factor key.
-            stat: ``S``, ``[d, d]`` or ``[d]`` (any device; moved to CPU here).
+            rows: ``[n, d]`` (``n ≥ 1``; the bias column already appended for A factors).
+        """
+        f = self.factors[key]
+        n = rows.shape[0]
+        f.weight, eta = ema_step(f.weight, n, self.ema_decay)
+        f.updates += 1
+        f.positions += int(n)
+        f.pending.append((rows.to(device="cpu", dtype=self.compute_dtype), eta))
+        limit = 256 if f.diagonal else f.data.shape[0]
+        if len(f.pending) >= self.flush_every or f.pending_rows >= limit:
+            self._flush(f)
+
+    def update(self, key: str, stat: Tensor, n: int) -> None:
+        """Fold one step statistic given as a matrix.
+
+        Args:
+            key: Factor key.
+            stat: ``S``, ``[d, d]`` or ``[d]`` (moved to CPU here).
             n: Number of positions ``S`` was built from (``n ≥ 1``).
         """
         f = self.factors[key]
-        stat = stat.to(device="cpu", dtype=self.compute_dtype)
-        new_weight, eta = ema_step(f.weight, n, self.ema_decay)
-        if self.storage_dtype == torch.float16:
-            self._update_fp16(f, stat, eta)
-        else:
-            f.data.mul_(1.0 - eta).add_(stat, alpha=eta)
-            f.amax = float(f.data.abs().max())
-        f.weight = new_weight
+        self._flush(f)
+        f.weight, eta = ema_step(f.weight, n, self.ema_decay)
         f.updates += 1
         f.positions += int(n)
+        stat = stat.to(device="cpu", dtype=self.compute_dtype)
+        self._fold(f, 1.0 - eta, lambda rows: stat[rows] * eta, eta * float(stat.abs().max()))
 
-    def _update_fp16(self, f: StoredFactor, stat: Tensor, eta: float) -> None:
-        bound = (1.0 - eta) * f.amax + eta * float(stat.abs().max())
-        new_scale = 2.0 ** math.ceil(math.log2(bound / _FP16_TARGET)) if bound > 0 else 1.0
+    def flush(self) -> None:
+        """Fold every pending update into the stored factors."""
+        for f in self.factors.values():
+            self._flush(f)
+
+    def _flush(self, f: StoredFactor) -> None:
+        if not f.pending:
+            return
+        alpha, tail, parts = 1.0, 1.0, []
+        for rows, eta in reversed(f.pending):  # coef_k = η_k Π_{i>k} (1-η_i)
+            parts.append(rows * math.sqrt(eta * tail / rows.shape[0]))
+            tail *= 1.0 - eta
+        alpha = tail
+        y = torch.cat(parts[::-1])  # [m, d]
+        f.pending = []
+        if f.diagonal:
+            add = y.square().sum(0)  # [d]
+            self._fold(f, alpha, lambda rows: add[rows], float(add.max()))
+        else:
+            # YᵀY is PSD, so its largest entry is on the diagonal: max |M_ij| ≤ max_i M_ii.
+            bound = float(y.square().sum(0).max())
+            self._fold(f, alpha, lambda rows: y[:, rows].T @ y, bound)
+
+    def _fold(self, f: StoredFactor, alpha: float, term, term_amax: float) -> None:
+        """``F ← alpha·F + term``, chunked over rows; ``term(rows)`` gives those rows."""
         data2d = f.data.view(f.data.shape[0], -1)  # [d, d] or [d, 1]
-        stat2d = stat.view(stat.shape[0], -1)
+        fp16 = self.storage_dtype == torch.float16
+        bound = alpha * f.amax + term_amax
+        new_scale = 2.0 ** math.ceil(math.log2(bound / _FP16_TARGET)) if fp16 and bound > 0 else 1.0
         amax = 0.0
         for start in range(0, data2d.shape[0], CHUNK_ROWS):
-            rows = slice(start, start + CHUNK_ROWS)
-            chunk = data2d[rows].to(self.compute_dtype).mul_(f.scale * (1.0 - eta))
-            chunk.add_(stat2d[rows], alpha=eta)  # F_new = (1-η)F + ηS
+            rows = slice(start, min(start + CHUNK_ROWS, data2d.shape[0]))
+            chunk = data2d[rows].to(self.compute_dtype).mul_(f.scale * alpha)
+            chunk.add_(term(rows).view(chunk.shape))
             amax = max(amax, float(chunk.abs().max()))
-            data2d[rows] = chunk.div_(new_scale).to(torch.float16)
+            if fp16:
+                chunk.div_(new_scale)
+            data2d[rows] = chunk.to(self.storage_dtype)
         f.scale, f.amax = new_scale, amax
 
     def values(self) -> dict[str, Tensor]:
-        """All dequantised factors (float32, or float64 for float64 storage)."""
+        """All factors, flushed and dequantised (float32, or float64 for float64 storage)."""
+        self.flush()
         return {k: f.value() for k, f in self.factors.items()}

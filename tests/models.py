@@ -1,0 +1,231 @@
+"""Tiny, offline model builders and real-text data for the test suite.
+
+Everything here is built from configs (no hub access) and seeded so that tests are
+deterministic.  The global torch RNG state is never disturbed: weight initialisation
+runs inside ``torch.random.fork_rng``.
+
+Public API
+----------
+* ``tiny_gpt2(dtype=torch.float64, seed=0, **overrides) -> GPT2LMHeadModel``
+* ``tiny_llama(dtype=torch.float64, seed=0, **overrides) -> LlamaForCausalLM``
+* ``lora_gpt2(dtype=torch.float64, seed=0) -> peft.PeftModelForCausalLM``
+* ``real_text() -> bytes``
+* ``text_examples(n_seq, seq_len, seed=0, pad_to=None, lengths=None) -> list[dict]``
+* ``ListDataset(examples)`` (a ``torch.utils.data.Dataset``)
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from typing import Sequence
+
+import torch
+from torch.utils.data import Dataset
+
+__all__ = [
+    "tiny_gpt2",
+    "tiny_llama",
+    "lora_gpt2",
+    "LORA_TARGETS",
+    "real_text",
+    "text_examples",
+    "ListDataset",
+]
+
+#: target modules used by :func:`lora_gpt2`
+LORA_TARGETS = ("c_attn", "c_fc")
+
+
+def _build(model_cls, config, dtype: torch.dtype, seed: int):
+    """Instantiate ``model_cls(config)`` under a private RNG seeded with ``seed``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    model = model.to(dtype)
+    model.train()
+    return model
+
+
+def tiny_gpt2(dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
+    """A 2-layer byte-level GPT-2 (``transformers.pytorch_utils.Conv1D`` layers).
+
+    Defaults: n_layer=2, n_embd=16, n_head=2, vocab_size=256, n_positions=64, all dropout
+    probabilities 0.0, tied input/output embeddings (``lm_head`` is an ``nn.Linear`` without
+    bias sharing its weight with ``transformer.wte``).  ``overrides`` are passed to
+    ``GPT2Config`` (e.g. ``vocab_size=32``, ``tie_word_embeddings=False``,
+    ``attn_implementation="eager"``).
+
+    Tracked-layer names (``model.named_modules()``): ``transformer.h.{i}.attn.c_attn``
+    (16->48), ``transformer.h.{i}.attn.c_proj`` (16->16), ``transformer.h.{i}.mlp.c_fc``
+    (16->64), ``transformer.h.{i}.mlp.c_proj`` (64->16), all Conv1D with bias, and
+    ``lm_head`` (Linear 16->256, no bias).
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    kw = dict(
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        vocab_size=256,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        summary_first_dropout=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    kw.update(overrides)
+    return _build(GPT2LMHeadModel, GPT2Config(**kw), dtype, seed)
+
+
+def tiny_llama(dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
+    """A 2-layer byte-level Llama with grouped-query attention (all ``nn.Linear``, no bias).
+
+    Defaults: hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+    max_position_embeddings=64, attention_bias=False, mlp_bias=False,
+    tie_word_embeddings=False.  ``overrides`` go to ``LlamaConfig``.
+
+    Tracked-layer names: ``model.layers.{i}.self_attn.{q,k,v,o}_proj``
+    (q: 16->16, k/v: 16->8, o: 16->16), ``model.layers.{i}.mlp.{gate,up}_proj`` (16->32),
+    ``model.layers.{i}.mlp.down_proj`` (32->16), ``lm_head`` (16->256).
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kw = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=64,
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    kw.update(overrides)
+    return _build(LlamaForCausalLM, LlamaConfig(**kw), dtype, seed)
+
+
+def lora_gpt2(dtype: torch.dtype = torch.float64, seed: int = 0, lora_b_std: float = 0.1):
+    """``tiny_gpt2`` wrapped by peft LoRA (r=4, alpha=8, targets c_attn and c_fc).
+
+    peft zero-initialises ``lora_B``, which would make every gradient w.r.t. the ``lora_A``
+    outputs exactly zero; here every ``lora_B`` weight is re-initialised with
+    N(0, lora_b_std^2) from a generator seeded with ``seed + 1``, so tests are non-trivial.
+
+    Module names (``model.named_modules()``) of the LoRA ``nn.Linear`` layers:
+    ``base_model.model.transformer.h.{i}.attn.c_attn.lora_A.default`` (16->4),
+    ``...attn.c_attn.lora_B.default`` (4->48), ``...mlp.c_fc.lora_A.default`` (16->4),
+    ``...mlp.c_fc.lora_B.default`` (4->64); none has a bias.  They receive [B, T, d]
+    inputs.  Only LoRA weights require grad; the base layers (``...c_attn.base_layer``,
+    Conv1D) are frozen.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_gpt2(dtype=dtype, seed=seed)
+    cfg = LoraConfig(
+        r=4,
+        lora_alpha=8,
+        target_modules=list(LORA_TARGETS),
+        lora_dropout=0.0,
+        fan_in_fan_out=True,
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = get_peft_model(base, cfg)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                # keep adapters in the requested dtype whatever peft's autocast policy is
+                if p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+            if ".lora_B." in name and name.endswith("weight"):
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * lora_b_std)
+    model.train()
+    return model
+
+
+@functools.lru_cache(maxsize=1)
+def real_text() -> bytes:
+    """Real English text shipped with CPython: the values of ``pydoc_data.topics.topics``
+    (Python's language-reference topics), joined by blank lines, UTF-8 encoded (~470 kB)."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+
+
+def _pad(ids: torch.Tensor, total: int) -> dict[str, torch.Tensor]:
+    n = ids.numel()
+    if total < n:
+        raise ValueError(f"pad length {total} is shorter than the example ({n})")
+    input_ids = torch.zeros(total, dtype=torch.long)
+    attention_mask = torch.zeros(total, dtype=torch.long)
+    labels = torch.full((total,), -100, dtype=torch.long)
+    input_ids[:n] = ids
+    attention_mask[:n] = 1
+    labels[:n] = ids
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def text_examples(
+    n_seq: int,
+    seq_len: int,
+    seed: int = 0,
+    pad_to: int | None = None,
+    lengths: Sequence[int] | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """Byte-level windows of :func:`real_text` as causal-LM examples.
+
+    Each example is a dict of 1-D ``torch.long`` tensors of length ``L``:
+    ``input_ids`` [L] (byte ids 0..255), ``attention_mask`` [L] and ``labels`` [L]
+    (``labels == input_ids`` on real tokens).  Window offsets are drawn from
+    ``random.Random(seed)``.
+
+    * ``lengths=None``: every example has true length ``seq_len``; ``L = pad_to`` if given
+      (must be >= seq_len) else ``seq_len``.
+    * ``lengths=[...]`` (``len(lengths) == n_seq``): example i has true length
+      ``lengths[i]``; all are padded to ``L = pad_to`` if given else ``max(lengths)``.
+
+    Padding is on the right: ``input_ids`` 0, ``attention_mask`` 0, ``labels`` -100.
+    """
+    text = real_text()
+    if lengths is None:
+        lengths = [seq_len] * n_seq
+    else:
+        lengths = [int(x) for x in lengths]
+        if len(lengths) != n_seq:
+            raise ValueError(f"len(lengths)={len(lengths)} != n_seq={n_seq}")
+    if any(x < 1 for x in lengths):
+        raise ValueError("every example needs at least one token")
+    total = max(lengths) if pad_to is None else int(pad_to)
+    rng = random.Random(seed)
+    out = []
+    for n in lengths:
+        off = rng.randrange(0, len(text) - n)
+        ids = torch.tensor(list(text[off : off + n]), dtype=torch.long)
+        out.append(_pad(ids, total))
+    return out
+
+
+class ListDataset(Dataset):
+    """A map-style dataset over a list of example dicts (usable by HF ``Trainer`` with its
+    default collator; examples batched together must have equal length)."""
+
+    def __init__(self, examples: Sequence[dict[str, torch.Tensor]]):
+        self.examples = list(examples)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return dict(self.examples[i])

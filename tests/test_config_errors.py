@@ -1,0 +1,59 @@
+"""Bad configurations fail before any training step, with a message naming field and value."""
+
+import pytest
+import torch
+from transformers import Trainer, TrainingArguments
+
+from kfac_stream import KFACConfig, KFACConfigError, KFACStreamCallback, UnsupportedModuleError
+from models import ListDataset, text_examples, tiny_gpt2
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("token_fraction", 0.0, "KFACConfig.token_fraction=0.0 is out of range: must be in (0, 1]"),
+    ("token_fraction", 1.5, "KFACConfig.token_fraction=1.5 is out of range: must be in (0, 1]"),
+    ("token_fraction", float("nan"), "KFACConfig.token_fraction=nan is out of range"),
+    ("ema_decay", -0.1, "KFACConfig.ema_decay=-0.1 is out of range: must be in [0, 1]"),
+    ("ema_decay", 1.01, "KFACConfig.ema_decay=1.01 is out of range: must be in [0, 1]"),
+    ("update_every", 0, "KFACConfig.update_every=0 is not allowed: must be a positive integer"),
+    ("update_every", 2.5, "KFACConfig.update_every=2.5 is not allowed: must be a positive int"),
+    ("snapshot_every", -3, "KFACConfig.snapshot_every=-3 is not allowed: must be a positive"),
+    ("fisher", "true", "KFACConfig.fisher='true' is not allowed: must be one of ('empirical', 'mc')"),
+    ("storage_dtype", "bfloat16", "KFACConfig.storage_dtype='bfloat16' is not allowed"),
+    ("include", ["(unclosed"], "KFACConfig.include has an invalid regex '(unclosed'"),
+])
+def test_field_errors_name_field_value_and_range(field, value, needle):
+    with pytest.raises(KFACConfigError) as e:
+        KFACConfig(**{field: value})
+    assert needle in str(e.value)
+
+
+def _trainer(cb, tmp_path):
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=2,
+                             report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
+    return Trainer(model=tiny_gpt2(torch.float32), args=args,
+                   train_dataset=ListDataset(text_examples(4, 8)), callbacks=[cb])
+
+
+
+@pytest.mark.parametrize("cfg,err,needle", [
+    (dict(include=[r"no_such_layer"]), KFACConfigError,
+     "KFACConfig.include regex 'no_such_layer' matches no trainable Linear/Conv1D module"),
+    (dict(include=[r"wte$"]), UnsupportedModuleError,
+     "matches module 'transformer.wte' of type Embedding, which kfac_stream cannot track"),
+    (dict(exclude=[r".*"]), KFACConfigError, "select no layer"),
+])
+def test_model_dependent_errors_at_train_begin(cfg, err, needle, tmp_path):
+    cb = KFACStreamCallback(KFACConfig(**cfg))
+    trainer = _trainer(cb, tmp_path)
+    steps = []
+    from transformers import TrainerCallback
+
+    class Count(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            steps.append(1)
+
+    trainer.add_callback(Count())
+    with pytest.raises(err) as e:
+        trainer.train()
+    assert needle in str(e.value)
+    assert steps == []  # failed before the first training step

@@ -1,0 +1,93 @@
+"""The EMA rule and the CPU factor store against closed forms and a float32/float64 EMA."""
+
+import pytest
+import torch
+
+from kfac_stream.stats.ema import ema_closed_form, ema_step
+from kfac_stream.store.factor_store import FactorStore
+
+# FP16 budget of brief §1: relative Frobenius error against a float32 EMA over 100 updates.
+FP16_BUDGET = 1e-3
+
+
+def rel(x, ref):
+    return float(torch.linalg.norm((x - ref).double()) / torch.linalg.norm(ref.double()))
+
+
+@pytest.mark.parametrize("decay", [0.0, 0.5, 0.95, 1.0])
+@pytest.mark.parametrize("path", ["update", "rows"])
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_ema_matches_closed_form_float64(decay, path, diagonal):
+    gen = torch.Generator().manual_seed(0)
+    store = FactorStore("float64", decay, flush_every=5)  # 12 updates: folds of 5, 5 and 2
+    store.add("f", 6, diagonal=diagonal)
+    stats, counts = [], []
+    for k in range(12):
+        n = int(torch.randint(1, 5, (1,), generator=gen))  # < d rows: only flush_every folds
+        x = torch.randn(n, 6, generator=gen, dtype=torch.float64)
+        s = x.T @ x / n
+        stats.append(s.diagonal().clone() if diagonal else s)
+        counts.append(n)
+        if path == "update":
+            store.update("f", stats[-1], n)
+        else:
+            store.push_rows("f", x)
+    ref = ema_closed_form(stats, counts, decay)
+    assert rel(store.values()["f"], ref) <= 1e-13
+    assert store.factors["f"].positions == sum(counts)
+    assert store.factors["f"].pending == []
+
+
+def test_first_update_is_the_statistic_no_startup_bias():
+    store = FactorStore("float64", 0.95)
+    store.add("f", 4, diagonal=False)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    s = x.T @ x / 5
+    store.update("f", s, 7)
+    assert torch.equal(store.factors["f"].value(), s)
+
+
+def test_ema_weight_recursion():
+    w, eta = ema_step(0.0, 10, 0.9)
+    assert (w, eta) == (10.0, 1.0)
+    w, eta = ema_step(w, 5, 0.9)
+    assert w == pytest.approx(14.0) and eta == pytest.approx(5 / 14)
+
+
+@pytest.mark.parametrize("decay", [0.95, 0.99, 1.0])
+def test_fp16_store_within_budget_after_100_updates(decay):
+    gen = torch.Generator().manual_seed(2)
+    d = 64
+    fp16, fp32 = FactorStore("float16", decay), FactorStore("float32", decay)
+    for s in (fp16, fp32):
+        s.add("f", d, diagonal=False)
+    base = torch.randn(d, d, generator=gen, dtype=torch.float64)
+    for k in range(100):
+        # a slowly drifting statistic plus sampling noise, like real factors
+        x = torch.randn(40, d, generator=gen, dtype=torch.float64) @ (base * (1 + 0.01 * k))
+        fp16.push_rows("f", x.float())  # the tracker's path: rows, folded every few updates
+        fp32.update("f", (x.T @ x / 40).float(), 40)  # reference: a float32 EMA, per update
+    err = rel(fp16.factors["f"].value(), fp32.factors["f"].value())
+    print(f"decay={decay}: fp16 vs fp32 relative Frobenius error after 100 updates = {err:.2e}")
+    assert err <= FP16_BUDGET
+    assert fp16.factors["f"].data.dtype == torch.float16
+
+
+def test_fp16_outlier_activations_do_not_overflow():
+    # |a| up to 1e4 gives second moments up to 1e8, beyond fp16's 65504 without the scale.
+    gen = torch.Generator().manual_seed(3)
+    a = torch.randn(32, 16, generator=gen)
+    a[:, 3] = 1e4
+    a[5, 7] = -1e4
+    stat = a.T @ a / 32
+    store = FactorStore("float16", 0.95)
+    store.add("f", 16, diagonal=False)
+    store.add("d", 16, diagonal=True)
+    for _ in range(5):
+        store.update("f", stat, 32)
+        store.update("d", stat.diagonal().clone(), 32)
+    v, dv = store.factors["f"].value(), store.factors["d"].value()
+    assert torch.isfinite(v).all() and torch.isfinite(dv).all()
+    assert float(v.abs().max()) == pytest.approx(1e8, rel=1e-3)
+    assert rel(v, stat) <= FP16_BUDGET
+    assert rel(dv, stat.diagonal()) <= FP16_BUDGET

@@ -1,0 +1,72 @@
+"""Pure pieces: loss-scale recovery, position sampling, ownership, bias column."""
+
+import pytest
+import torch
+
+from kfac_stream.distributed.ownership import assign_owners
+from kfac_stream.stats.covariance import second_moment, with_bias_column
+from kfac_stream.stats.loss_scale import cross_entropy_scale
+from kfac_stream.stats.rows import sample_positions, usable_positions
+
+
+@pytest.mark.parametrize("c", [1.0, 1 / 37, 65536.0 / 123])
+def test_cross_entropy_scale_recovers_c_without_labels(c):
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(20, 11, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 11, (20,), generator=gen)
+    p = torch.softmax(logits, -1)
+    grad = p.clone()
+    grad[torch.arange(20), y] -= 1
+    grad *= c
+    grad[3] = 0  # a position without a loss term
+    est, resid, used = cross_entropy_scale(logits, grad)
+    assert used == 19
+    assert est == pytest.approx(c, rel=1e-12)
+    assert resid < 1e-12
+
+
+def test_cross_entropy_scale_flags_label_smoothing():
+    logits = torch.randn(30, 7, dtype=torch.float64)
+    target = torch.full((30, 7), 0.1 / 7, dtype=torch.float64)
+    target[torch.arange(30), torch.randint(0, 7, (30,))] += 0.9
+    grad = torch.softmax(logits, -1) - target
+    _, resid, _ = cross_entropy_scale(logits, grad)
+    assert resid > 1e-2
+
+
+def test_sample_positions_full_and_fraction():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    usable = usable_positions(mask, (2, 4), torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    assert sample_positions(usable, 1.0, gen).tolist() == [0, 1, 2, 4, 5]
+    state = gen.get_state()
+    assert torch.equal(gen.get_state(), state)  # fraction 1 draws nothing
+    big = usable_positions(None, (64, 64), torch.device("cpu"))
+    kept = sample_positions(big, 0.25, gen)
+    assert abs(kept.numel() / 4096 - 0.25) < 0.03  # binomial sd is 0.007
+    padded = usable_positions(torch.tensor([[1, 0] * 32] * 64), (64, 64), torch.device("cpu"))
+    assert (sample_positions(padded, 0.5, gen) % 2 == 0).all()  # padding never sampled
+
+
+def test_second_moment_with_bias_and_diagonal():
+    x = torch.randn(5, 3, dtype=torch.float64)
+    xb = with_bias_column(x)
+    dense = second_moment(xb)
+    manual = sum(torch.outer(r, r) for r in xb) / 5
+    assert torch.allclose(dense, manual, rtol=1e-14, atol=1e-15)
+    assert torch.allclose(dense[-1, -1], torch.tensor(1.0, dtype=torch.float64))
+    assert torch.allclose(second_moment(xb, diagonal=True), manual.diagonal(), rtol=1e-14)
+
+
+def test_assign_owners_balances_bytes_and_is_deterministic():
+    dims = {f"l{i}.{f}": (d, False) for i, d in enumerate([768, 256, 1024, 256, 64])
+            for f in "AG"}
+    own = assign_owners(dims, 3, 2)
+    assert own == assign_owners(dims, 3, 2)
+    total = sum(own.bytes_per_rank)
+    largest = max(d * d * 2 for d, _ in dims.values())
+    assert all(abs(b - total / 3) <= largest for b in own.bytes_per_rank)
+    assert set(own.owner) == set(dims)
+    assert "rank" in str(own)
+    single = assign_owners(dims, 1, 2)
+    assert set(single.owner.values()) == {0}
