@@ -1,0 +1,67 @@
+"""Run a real ``transformers.Trainer`` with the callback and an independent forward recorder."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import Trainer, TrainingArguments
+
+from kfac_stream import KFACConfig, KFACStreamCallback
+from models import ListDataset
+from reference import ForwardRecorder
+
+EXACT = dict(token_fraction=1.0, ema_decay=1.0, storage_dtype="float64")
+
+
+def sum_nll_loss(outputs, labels, num_items_in_batch=None):
+    """A user ``compute_loss_func`` returning the SUM of token NLLs, in the logits' dtype."""
+    logits = outputs.logits
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                           labels[:, 1:].reshape(-1).to(logits.device),
+                           ignore_index=-100, reduction="sum")
+
+
+def mean_nll_loss(outputs, labels, num_items_in_batch=None):
+    """A user ``compute_loss_func`` that averages over the micro-batch's own tokens."""
+    n = (labels[:, 1:] != -100).sum()
+    return sum_nll_loss(outputs, labels) / n
+
+
+def run(model, examples, cfg: dict | None = None, *, batch=2, accum=1, steps=None, epochs=1,
+        lr=1e-2, loss=None, tmp_path, record=True, callbacks=(), **train_kwargs):
+    """Train ``model`` on ``examples`` with a `KFACStreamCallback`; return (cb, records, trainer).
+
+    Data order is sequential-equivalent across batch sizes (Trainer's seeded RandomSampler
+    draws one permutation; batch 8 × accum 1 and batch 2 × accum 4 see the same sequences
+    per optimizer step).
+    """
+    cb = KFACStreamCallback(KFACConfig(**{**EXACT, "snapshot_every": 10_000, **(cfg or {})}))
+    args = TrainingArguments(
+        str(tmp_path), per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
+        max_steps=steps if steps is not None else -1, num_train_epochs=epochs,
+        learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, report_to=[],
+        use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
+        **train_kwargs)
+    trainer = Trainer(model=model, args=args, train_dataset=ListDataset(examples),
+                      callbacks=[cb, *callbacks], compute_loss_func=loss)
+    if record:
+        with ForwardRecorder(model) as rec:
+            trainer.train()
+        return cb, rec.records, trainer
+    trainer.train()
+    return cb, [], trainer
+
+
+def factor_errors(cb, ref) -> dict[str, float]:
+    """Max of the A and G relative Frobenius errors per layer."""
+    from reference import rel_err
+
+    got = cb.factors()
+    assert set(got) == set(ref), (sorted(got), sorted(ref))
+    return {n: max(rel_err(got[n][0], ref[n][0]), rel_err(got[n][1], ref[n][1])) for n in ref}
+
+
+def set_threads(n=1):
+    prev = torch.get_num_threads()
+    torch.set_num_threads(n)
+    return prev
