@@ -124,6 +124,9 @@ class Tracker:
             if not rec.rows:
                 continue
             c = rec.scale
+            if c is None and all(not bool(g.any()) for pairs in rec.rows.values()
+                                 for _, g in pairs):
+                c = 1.0  # no loss term reached this micro-batch: g = 0, any c will do
             if c is None or not (c > 0.0) or c == float("inf"):
                 bad_scale = True
                 continue

@@ -21,6 +21,11 @@ def sum_nll_loss(outputs, labels, num_items_in_batch=None):
                            ignore_index=-100, reduction="sum")
 
 
+def hf_like_loss(outputs, labels, num_items_in_batch=None):
+    """transformers' default semantics (sum / tokens of the whole accumulated batch), float64."""
+    return sum_nll_loss(outputs, labels) / num_items_in_batch
+
+
 def mean_nll_loss(outputs, labels, num_items_in_batch=None):
     """A user ``compute_loss_func`` that averages over the micro-batch's own tokens."""
     n = (labels[:, 1:] != -100).sum()

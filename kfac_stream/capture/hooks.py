@@ -9,8 +9,13 @@ One ``PassRecord`` per training forward pass of the model (one micro-batch):
   (input rows, output-gradient rows) pair is appended only when that hook fires, so a forward
   that is recomputed by gradient checkpointing (hooks fire twice, only one output receives a
   gradient) counts each position once;
-* in empirical mode a forward hook on the model hooks the logits' gradient to recover the loss
-  scale ``c`` of the pass (``stats.loss_scale``).
+* in empirical mode the logits' gradient gives the loss scale ``c`` of the pass
+  (``stats.loss_scale``). Two places are hooked: the logits the model returns (the loss input
+  when the user computes the loss, after e.g. soft-capping) and the output of the output
+  embedding (``get_output_embeddings()``, the LM head), which is the loss input when the model
+  computes the loss itself but the returned logits are a copy (accelerate's mixed-precision
+  wrapper converts outputs to float32 after the loss was taken). The first hook that fires in
+  the backward (the one nearer the loss) sets ``c``.
 
 The hooks do no math beyond gathering rows; everything else happens in the tracker.
 """
@@ -108,6 +113,9 @@ class CaptureHooks:
             model.register_forward_pre_hook(self._on_model_pre, with_kwargs=True),
             model.register_forward_hook(self._on_model_post, with_kwargs=True),
         ]
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        if isinstance(head, nn.Module):
+            self.handles.append(head.register_forward_hook(self._on_head_post))
         for name, module in layers.items():
             self.handles.append(module.register_forward_hook(self._layer_hook(name)))
         self._model = model
@@ -151,14 +159,19 @@ class CaptureHooks:
 
     def _on_model_post(self, module: nn.Module, args: tuple, kwargs: dict[str, Any],
                        output: Any) -> None:
+        self._hook_logits(_logits_of(output))
+
+    def _on_head_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._hook_logits(output if isinstance(output, Tensor) else None)
+
+    def _hook_logits(self, logits: Tensor | None) -> None:
         rec = self.current
-        if rec is None or not self.estimate_scale:
-            return
-        logits = _logits_of(output)
-        if logits is None or not logits.requires_grad:
+        if rec is None or not self.estimate_scale or logits is None or not logits.requires_grad:
             return
 
         def on_logits_grad(grad: Tensor, rec: PassRecord = rec, logits: Tensor = logits) -> None:
+            if rec.scale is not None:  # already set by the hook nearer the loss
+                return
             lg = logits.detach().reshape(-1, logits.shape[-1])  # [rows, V]
             gr = grad.reshape(-1, grad.shape[-1])
             c, resid, used = float("nan"), 0.0, 0
@@ -166,8 +179,10 @@ class CaptureHooks:
                 c, resid, used = cross_entropy_scale(lg[rec.index], gr[rec.index])
             if used == 0:  # no loss-bearing row among the sampled ones: use all rows
                 c, resid, used = cross_entropy_scale(lg, gr)
+            if used == 0:
+                return  # no gradient reached these logits; leave c to another hook
             rec.scale, rec.residual = c, resid
-            if self.scale_warning is not None and resid > 1e-2 and used > 0:
+            if self.scale_warning is not None and resid > 1e-2:
                 self.scale_warning(resid)
 
         logits.register_hook(on_logits_grad)
