@@ -56,8 +56,14 @@ def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Te
             if rec is None:
                 return
             rec.scale = 1.0
+            if not rec.outputs:
+                raise RuntimeError(
+                    "kfac_stream fisher='mc': no tracked layer output has a graph in the MC "
+                    "forward pass. Reentrant gradient checkpointing runs blocks without "
+                    "autograd; use gradient_checkpointing_kwargs={'use_reentrant': False} "
+                    "(the transformers default) or fisher='empirical'")
             logits = loss_bearing_logits(_logits_of(out), inputs).float()  # [m, V]
-            if logits.shape[0] == 0 or not rec.outputs:
+            if logits.shape[0] == 0:
                 return
             probs = torch.softmax(logits.detach(), dim=-1)
             if probs.device.type == "cpu":

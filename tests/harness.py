@@ -33,7 +33,8 @@ def mean_nll_loss(outputs, labels, num_items_in_batch=None):
 
 
 def run(model, examples, cfg: dict | None = None, *, batch=2, accum=1, steps=None, epochs=1,
-        lr=1e-2, loss=None, tmp_path, record=True, callbacks=(), **train_kwargs):
+        lr=1e-2, loss=None, tmp_path, record=True, callbacks=(), optimizers=(None, None),
+        **train_kwargs):
     """Train ``model`` on ``examples`` with a `KFACStreamCallback`; return (cb, records, trainer).
 
     Data order is sequential-equivalent across batch sizes (Trainer's seeded RandomSampler
@@ -48,7 +49,8 @@ def run(model, examples, cfg: dict | None = None, *, batch=2, accum=1, steps=Non
         use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
         **train_kwargs)
     trainer = Trainer(model=model, args=args, train_dataset=ListDataset(examples),
-                      callbacks=[cb, *callbacks], compute_loss_func=loss)
+                      callbacks=[cb, *callbacks], compute_loss_func=loss,
+                      optimizers=optimizers)
     if record:
         with ForwardRecorder(model) as rec:
             trainer.train()

@@ -1,0 +1,127 @@
+"""Non-finite steps, hook lifecycle, repeated training, diagonal fallback, MC under GC."""
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from harness import factor_errors, run, sum_nll_loss
+from models import text_examples, tiny_gpt2
+from reference import reference_factors, rel_err
+
+
+class FrozenOptimizer(torch.optim.Optimizer):
+    """Never changes the weights (an injected Inf would otherwise poison them via the grads)."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 0.0})
+
+    def step(self, closure=None):
+        return None
+
+
+class InjectInf(TrainerCallback):
+    """Sets one activation to +Inf during the forward passes of optimizer step ``step``."""
+
+    def __init__(self, model, module, step):
+        self.step, self.active = step, False
+        model.get_submodule(module).register_forward_hook(self._hook)
+
+    def _hook(self, module, args, out):
+        if self.active:
+            out = out.clone()
+            out[0, 3, 0] = float("inf")
+            return out
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.active = state.global_step == self.step
+
+
+def test_injected_inf_step_is_skipped_and_counted(tmp_path):
+    model = tiny_gpt2()
+    inject = InjectInf(model, "transformer.h.1.ln_2", step=2)
+    ex = text_examples(8, 12)
+    cb, records, _ = run(model, ex, batch=2, loss=sum_nll_loss, tmp_path=tmp_path,
+                         callbacks=[inject], optimizers=(FrozenOptimizer(model.parameters()), None))
+    assert cb.tracker.counters.skipped_updates == 1
+    assert cb.tracker.counters.skipped_steps == [2]
+    assert cb.tracker.counters.updates == 3
+    kept = [r for i, r in enumerate(records) if i != 2]  # batch 2, accum 1: record i = step i
+    ref, _ = reference_factors(model, kept, list(cb.tracker.specs))
+    errs = factor_errors(cb, ref)
+    assert max(errs.values()) <= 1e-10
+    for A, G in cb.factors().values():
+        assert torch.isfinite(A).all() and torch.isfinite(G).all()
+
+
+def _hook_count(model):
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_two_trainings_in_a_row_leave_no_hooks_and_do_not_double_count(tmp_path):
+    model = tiny_gpt2()
+    base = _hook_count(model)
+    ex = text_examples(8, 12)
+    first, _, _ = run(model, ex, batch=2, loss=sum_nll_loss, tmp_path=tmp_path / "1",
+                      record=False)
+    assert _hook_count(model) == base
+    second, records, _ = run(model, ex, batch=2, loss=sum_nll_loss, tmp_path=tmp_path / "2")
+    assert _hook_count(model) == base
+    assert second.tracker.counters.positions_sampled == first.tracker.counters.positions_sampled
+    ref, _ = reference_factors(model, records, list(second.tracker.specs))
+    assert max(factor_errors(second, ref).values()) <= 1e-10
+
+
+class Crash(TrainerCallback):
+    def on_step_end(self, args, state, control, **kw):
+        raise RuntimeError("boom")
+
+
+def test_crashed_run_hooks_are_removed_by_the_next_callback(tmp_path):
+    model = tiny_gpt2()
+    base = _hook_count(model)
+    with pytest.raises(RuntimeError, match="boom"):
+        run(model, text_examples(4, 12), batch=2, tmp_path=tmp_path / "1", record=False,
+            callbacks=[Crash()])
+    assert _hook_count(model) > base  # Trainer never called on_train_end
+    run(model, text_examples(4, 12), batch=2, tmp_path=tmp_path / "2", record=False)
+    assert _hook_count(model) == base
+
+
+def test_diagonal_fallback_keeps_the_exact_diagonal(tmp_path):
+    ex = text_examples(8, 12)
+    dense, _, _ = run(tiny_gpt2(), ex, batch=2, loss=sum_nll_loss, tmp_path=tmp_path / "d",
+                      record=False)
+    diag, _, _ = run(tiny_gpt2(), ex, {"max_dense_dim": 20}, batch=2, loss=sum_nll_loss,
+                     tmp_path=tmp_path / "g", record=False)
+    fd, fg = dense.factors(), diag.factors()
+    n_diag = 0
+    for n in fd:
+        for i in range(2):
+            if fd[n][i].shape[0] > 20:
+                n_diag += 1
+                assert fg[n][i].shape == (fd[n][i].shape[0],)
+                assert rel_err(fg[n][i], fd[n][i].diagonal()) <= 1e-12
+            else:
+                assert torch.equal(fg[n][i], fd[n][i])
+    assert n_diag == 6  # mlp.c_proj A (65), attn.c_attn G (48), mlp.c_fc G (64); 2 blocks
+
+
+def test_snapshot_every_and_final_snapshot(tmp_path):
+    cb, _, _ = run(tiny_gpt2(torch.float32), text_examples(10, 12), {"snapshot_every": 2},
+                   batch=2, tmp_path=tmp_path, record=False)
+    names = [p.rsplit("/", 1)[1] for p in cb.snapshots]
+    assert names == ["step-00000002", "step-00000004", "step-00000005"]
+    assert not [p for p in (tmp_path / "kfac").iterdir() if p.name.startswith(".")]
+
+
+def test_mc_fisher_under_gradient_checkpointing(tmp_path):
+    ex = text_examples(4, 12)
+    cfg = {"fisher": "mc"}
+    plain, _, _ = run(tiny_gpt2(), ex, cfg, batch=2, tmp_path=tmp_path / "a", record=False)
+    ckpt, _, _ = run(tiny_gpt2(), ex, cfg, batch=2, tmp_path=tmp_path / "b", record=False,
+                     gradient_checkpointing=True)
+    f1, f2 = plain.factors(), ckpt.factors()
+    assert max(max(rel_err(f1[n][0], f2[n][0]), rel_err(f1[n][1], f2[n][1])) for n in f1) <= 1e-10
+    with pytest.raises(RuntimeError, match="use_reentrant"):
+        run(tiny_gpt2(), ex, cfg, batch=2, tmp_path=tmp_path / "c", record=False,
+            gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
