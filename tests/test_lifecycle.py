@@ -125,3 +125,16 @@ def test_mc_fisher_under_gradient_checkpointing(tmp_path):
     with pytest.raises(RuntimeError, match="use_reentrant"):
         run(tiny_gpt2(), ex, cfg, batch=2, tmp_path=tmp_path / "c", record=False,
             gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": True})
+
+
+def test_background_worker_gives_the_same_factors(tmp_path):
+    # async_updates is the GPU default; on CPU the same code path runs in a thread.
+    ex = text_examples(8, 12)
+    sync, _, _ = run(tiny_gpt2(), ex, {"storage_dtype": "float16"}, batch=2,
+                     tmp_path=tmp_path / "a", record=False)
+    bg, _, _ = run(tiny_gpt2(), ex, {"storage_dtype": "float16", "async_updates": True},
+                   batch=2, tmp_path=tmp_path / "b", record=False)
+    assert bg.tracker._worker is not None and not bg.tracker._worker.is_alive()
+    f1, f2 = sync.factors(), bg.factors()
+    for n in f1:
+        assert torch.equal(f1[n][0], f2[n][0]) and torch.equal(f1[n][1], f2[n][1])
