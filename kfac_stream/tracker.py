@@ -133,10 +133,10 @@ class Tracker:
             for name, pairs in rec.rows.items():
                 for a, g in pairs:
                     a_rows.setdefault(name, []).append(a)
-                    g_rows.setdefault(name, []).append(g / c)
+                    g_rows.setdefault(name, []).append(g.div_(c) if c != 1.0 else g)
         if not a_rows and not bad_scale:
             return None
-        job = {name: (torch.cat(a_rows[name]), torch.cat(g_rows[name])) for name in a_rows}
+        job = {name: (_cat(a_rows[name]), _cat(g_rows[name])) for name in a_rows}
         tensors = [t for pair in job.values() for t in pair]
         if bad_scale or not all_finite(tensors):
             self.counters.skipped_updates += 1
@@ -223,6 +223,10 @@ class Tracker:
                 "kfac_stream: the logits' gradient is not a scaled cross-entropy gradient "
                 "(relative residual %.2e): label smoothing or per-token loss weights make the "
                 "empirical-Fisher G scale approximate", residual)
+
+
+def _cat(parts: list[Tensor]) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _to_pinned_cpu(job):

@@ -122,7 +122,7 @@ class FactorStore:
 
         Args:
             key: Factor key.
-            stat: ``S``, ``[d, d]`` or ``[d]`` (moved to CPU here).
+            stat: ``S``, ``[d, d]`` (symmetric PSD) or ``[d]`` (moved to CPU here).
             n: Number of positions ``S`` was built from (``n ≥ 1``).
         """
         f = self.factors[key]
@@ -130,8 +130,8 @@ class FactorStore:
         f.weight, eta = ema_step(f.weight, n, self.ema_decay)
         f.updates += 1
         f.positions += int(n)
-        stat = stat.to(device="cpu", dtype=self.compute_dtype)
-        self._fold(f, 1.0 - eta, lambda rows: stat[rows] * eta, eta * float(stat.abs().max()))
+        stat = stat.to(device="cpu", dtype=self.compute_dtype) * eta
+        self._fold(f, 1.0 - eta, stat=stat)
 
     def flush(self) -> None:
         """Fold every pending update into the stored factors."""
@@ -141,37 +141,46 @@ class FactorStore:
     def _flush(self, f: StoredFactor) -> None:
         if not f.pending:
             return
-        alpha, tail, parts = 1.0, 1.0, []
+        m = f.pending_rows
+        y = torch.empty(m, f.data.shape[0], dtype=self.compute_dtype)  # [m, d]
+        tail, end = 1.0, m
         for rows, eta in reversed(f.pending):  # coef_k = η_k Π_{i>k} (1-η_i)
-            parts.append(rows * math.sqrt(eta * tail / rows.shape[0]))
+            n = rows.shape[0]
+            torch.mul(rows, math.sqrt(eta * tail / n), out=y[end - n:end])
             tail *= 1.0 - eta
-        alpha = tail
-        y = torch.cat(parts[::-1])  # [m, d]
+            end -= n
         f.pending = []
-        if f.diagonal:
-            add = y.square().sum(0)  # [d]
-            self._fold(f, alpha, lambda rows: add[rows], float(add.max()))
-        else:
-            # YᵀY is PSD, so its largest entry is on the diagonal: max |M_ij| ≤ max_i M_ii.
-            bound = float(y.square().sum(0).max())
-            self._fold(f, alpha, lambda rows: y[:, rows].T @ y, bound)
+        self._fold(f, tail, y=y)
 
-    def _fold(self, f: StoredFactor, alpha: float, term, term_amax: float) -> None:
-        """``F ← alpha·F + term``, chunked over rows; ``term(rows)`` gives those rows."""
-        data2d = f.data.view(f.data.shape[0], -1)  # [d, d] or [d, 1]
+    def _fold(self, f: StoredFactor, alpha: float, *, y: Tensor | None = None,
+              stat: Tensor | None = None) -> None:
+        """``F ← alpha·F + YᵀY`` (``y``: ``[m, d]``) or ``F ← alpha·F + stat``.
+
+        Both terms and ``F`` are PSD, so ``max|F_ij| = max_i F_ii``: the FP16 scale is chosen
+        from the diagonals alone, and the dense update is one fused ``addmm`` per chunk of rows
+        (``beta·F + gamma·YᵀY`` with the rescaling folded into ``beta``/``gamma``).
+        """
+        cd = self.compute_dtype
+        term_diag = y.square().sum(0) if y is not None else (
+            stat if f.diagonal else stat.diagonal())  # [d]
+        bound = alpha * f.amax + float(term_diag.abs().max())
         fp16 = self.storage_dtype == torch.float16
-        bound = alpha * f.amax + term_amax
         new_scale = 2.0 ** math.ceil(math.log2(bound / _FP16_TARGET)) if fp16 and bound > 0 else 1.0
-        amax = 0.0
-        for start in range(0, data2d.shape[0], CHUNK_ROWS):
-            rows = slice(start, min(start + CHUNK_ROWS, data2d.shape[0]))
-            chunk = data2d[rows].to(self.compute_dtype).mul_(f.scale * alpha)
-            chunk.add_(term(rows).view(chunk.shape))
-            amax = max(amax, float(chunk.abs().max()))
-            if fp16:
-                chunk.div_(new_scale)
-            data2d[rows] = chunk.to(self.storage_dtype)
-        f.scale, f.amax = new_scale, amax
+        beta, gamma = f.scale * alpha / new_scale, 1.0 / new_scale
+        if f.diagonal:
+            new = f.data.to(cd).mul_(beta).add_(term_diag, alpha=gamma)  # [d]
+            f.data.copy_(new)
+        else:
+            for start in range(0, f.data.shape[0], CHUNK_ROWS):
+                rows = slice(start, min(start + CHUNK_ROWS, f.data.shape[0]))
+                cur = f.data[rows].to(cd)  # [c, d]
+                if y is not None:
+                    cur = torch.addmm(cur, y[:, rows].T, y, beta=beta, alpha=gamma)
+                else:
+                    cur = cur * beta + stat[rows] * gamma
+                f.data[rows].copy_(cur)  # rounds to the storage dtype
+        diag = f.data if f.diagonal else f.data.diagonal()
+        f.scale, f.amax = new_scale, float(diag.to(cd).abs().max()) * new_scale
 
     def values(self) -> dict[str, Tensor]:
         """All factors, flushed and dequantised (float32, or float64 for float64 storage)."""
