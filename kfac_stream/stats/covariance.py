@@ -37,8 +37,8 @@ def all_finite(tensors: list[Tensor]) -> bool:
     """True if every entry of every tensor is finite; one reduction per tensor, one host sync.
 
     A sum is NaN/Inf whenever an entry is (Inf - Inf = NaN), and only overflows on its own for
-    magnitudes near float32's 3e38, which are as unusable for the factors as an Inf.
+    magnitudes near 3e38 (float32), which are as unusable for the factors as an Inf.
     """
     if not tensors:
         return True
-    return bool(torch.isfinite(torch.stack([t.sum(dtype=torch.float64) for t in tensors])).all())
+    return bool(torch.isfinite(torch.stack([t.sum() for t in tensors])).all())
