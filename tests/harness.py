@@ -10,7 +10,7 @@ from kfac_stream import KFACConfig, KFACStreamCallback
 from models import ListDataset
 from reference import ForwardRecorder
 
-EXACT = dict(token_fraction=1.0, ema_decay=1.0, storage_dtype="float64")
+EXACT = dict(token_fraction=1.0, ema_decay=1.0, storage_dtype="float64", update_every=1)
 
 
 def sum_nll_loss(outputs, labels, num_items_in_batch=None):

@@ -91,3 +91,24 @@ def test_fp16_outlier_activations_do_not_overflow():
     assert float(v.abs().max()) == pytest.approx(1e8, rel=1e-3)
     assert rel(v, stat) <= FP16_BUDGET
     assert rel(dv, stat.diagonal()) <= FP16_BUDGET
+
+
+def test_dense_fold_is_exactly_symmetric_and_matches_full_product():
+    # The fold computes only the upper triangle (half the flops) and mirrors it.
+    gen = torch.Generator().manual_seed(4)
+    d = 1100  # several CHUNK_ROWS blocks, last one partial
+    fp64 = FactorStore("float64", 0.9)
+    fp16 = FactorStore("float16", 0.9)
+    for s in (fp64, fp16):
+        s.add("f", d, diagonal=False)
+    stats, counts = [], []
+    for _ in range(3):
+        x = torch.randn(30, d, generator=gen, dtype=torch.float64)
+        fp64.push_rows("f", x)
+        fp16.push_rows("f", x.float())
+        stats.append(x.T @ x / 30)
+        counts.append(30)
+    v64, v16 = fp64.values()["f"], fp16.values()["f"]
+    assert torch.equal(v64, v64.T) and torch.equal(v16, v16.T)
+    assert rel(v64, ema_closed_form(stats, counts, 0.9)) <= 1e-13
+    assert rel(v16, v64) <= FP16_BUDGET

@@ -169,10 +169,15 @@ class CaptureHooks:
         if rec is None or not self.estimate_scale or logits is None or not logits.requires_grad:
             return
 
-        def on_logits_grad(grad: Tensor, rec: PassRecord = rec, logits: Tensor = logits) -> None:
+        # The closure must not hold `logits` itself: a tensor whose own hook references it is
+        # a cycle through autograd's C++ state that Python's GC cannot see (every update
+        # step's logits would leak). A detached alias shares the storage, not the cycle.
+        detached = logits.detach()
+
+        def on_logits_grad(grad: Tensor, rec: PassRecord = rec, logits: Tensor = detached) -> None:
             if rec.scale is not None:  # already set by the hook nearer the loss
                 return
-            lg = logits.detach().reshape(-1, logits.shape[-1])  # [rows, V]
+            lg = logits.reshape(-1, logits.shape[-1])  # [rows, V]
             gr = grad.reshape(-1, grad.shape[-1])
             c, resid, used = float("nan"), 0.0, 0
             if lg.shape[0] == rec.n_positions and rec.index.numel() > 0:

@@ -157,8 +157,10 @@ class FactorStore:
         """``F ← alpha·F + YᵀY`` (``y``: ``[m, d]``) or ``F ← alpha·F + stat``.
 
         Both terms and ``F`` are PSD, so ``max|F_ij| = max_i F_ii``: the FP16 scale is chosen
-        from the diagonals alone, and the dense update is one fused ``addmm`` per chunk of rows
-        (``beta·F + gamma·YᵀY`` with the rescaling folded into ``beta``/``gamma``).
+        from the diagonals alone. The dense update is one fused ``addmm`` per chunk of rows
+        (``beta·F + gamma·YᵀY``, the rescaling folded into ``beta``/``gamma``) over the upper
+        triangle only, mirrored below: half the flops of a full ``YᵀY``, and a stored factor
+        that is exactly symmetric.
         """
         cd = self.compute_dtype
         term_diag = y.square().sum(0) if y is not None else (
@@ -170,15 +172,22 @@ class FactorStore:
         if f.diagonal:
             new = f.data.to(cd).mul_(beta).add_(term_diag, alpha=gamma)  # [d]
             f.data.copy_(new)
+        elif y is not None:
+            d = f.data.shape[0]
+            for start in range(0, d, CHUNK_ROWS):
+                stop = min(start + CHUNK_ROWS, d)
+                # upper block row only (half the GEMM flops), then mirrored below the diagonal
+                cur = f.data[start:stop, start:].to(cd)  # [c, d-start]
+                cur = torch.addmm(cur, y[:, start:stop].T, y[:, start:], beta=beta, alpha=gamma)
+                blk = cur[:, :stop - start]  # diagonal block: made exactly symmetric
+                cur[:, :stop - start] = blk.triu() + blk.triu(1).T
+                f.data[start:stop, start:].copy_(cur)  # rounds to the storage dtype
+                if stop < d:
+                    f.data[stop:, start:stop].copy_(f.data[start:stop, stop:].T)
         else:
             for start in range(0, f.data.shape[0], CHUNK_ROWS):
                 rows = slice(start, min(start + CHUNK_ROWS, f.data.shape[0]))
-                cur = f.data[rows].to(cd)  # [c, d]
-                if y is not None:
-                    cur = torch.addmm(cur, y[:, rows].T, y, beta=beta, alpha=gamma)
-                else:
-                    cur = cur * beta + stat[rows] * gamma
-                f.data[rows].copy_(cur)  # rounds to the storage dtype
+                f.data[rows].copy_(f.data[rows].to(cd) * beta + stat[rows] * gamma)
         diag = f.data if f.diagonal else f.data.diagonal()
         f.scale, f.amax = new_scale, float(diag.to(cd).abs().max()) * new_scale
 
