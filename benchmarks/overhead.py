@@ -7,24 +7,26 @@ Method
   ``pydoc_data.topics`` (ships with CPython) as UTF-8 bytes, token id = byte (0..255); only
   256 of the 2048 vocabulary rows are ever targets, which does not change the cost (the LM
   head computes all 2048 logits anyway).
-* One *run* = a fresh model (same seed -> same init, same data order) trained ``warmup +
-  timed`` steps. Step time = ``on_step_begin`` -> ``on_step_end``, clocked by one callback
-  placed before the kfac callback and one after it, so the tracker's ``on_step_end`` is inside
-  and data loading (done by the Trainer before ``on_step_begin``) is outside. ``timed`` is
-  rounded up to a multiple of ``update_every`` so the window holds exactly its share of update
-  steps, and a run's statistic is the MEAN timed step (a median would hide the update steps).
-* The store folds pushed rows into the factors (the ``AᵀA`` GEMMs) only every few updates.
-  So that a short window neither misses nor double-counts folds, the tracked run flushes the
-  store untimed before the first timed step and TIMED after the last one (added to the
-  window): the window pays exactly for its own updates.
-* One *pair* = a plain and a tracked run with the same seed, order alternating between pairs.
-  Every run is a fresh spawned process. Reported: MEDIAN over pairs of tracked/plain
-  (min-max), also for process CPU time (all threads; less sensitive than wall time to other
-  processes competing for the cores).
+* One training run per configuration (in a fresh spawned process): a few tracked warm-up
+  steps, then ``--pairs`` pairs of blocks, each pair a PLAIN block and a TRACKED block of
+  ``--timed-steps`` steps (rounded up to a multiple of ``update_every``; blocks start at
+  multiples of it, so a tracked block holds exactly its share of update steps), the order
+  alternating between pairs. Interleaving inside one process removes the run-to-run and
+  process-to-process variance (allocator state, memory placement: +-5-15% here) that
+  separate runs suffer. In a plain block the kfac hooks are removed from the model (a true
+  plain step); they are re-attached for the tracked block.
+* Step time = ``on_step_begin`` -> ``on_step_end``, clocked by a callback placed before the
+  kfac callback and one after it (data loading, done by the Trainer before
+  ``on_step_begin``, is outside). A block's statistic is its MEAN step (a median would hide
+  the update steps). The store folds pushed rows into the factors (the ``AᵀA`` GEMMs) only
+  every few updates, so the last step of each tracked block also folds, TIMED: each block
+  pays exactly for its own updates.
+* Reported: MEDIAN over pairs of tracked/plain (min-max), also for process CPU time.
 * FLOP lower bound (multiply-add = 2 FLOPs; N = 8*256 tokens; P = weights of all matmuls
   incl. the LM head): plain step = 6*P*N + 3 * (4*B*T^2*E per layer: attention QK^T and AV
   forward, x3 for forward + backward). Tracker per update = sum over tracked layers of
-  2*n*(a_dim^2 + g_dim^2), n = token_fraction*N; fisher="mc" adds a forward (2*P*N +
+  n*(a_dim*(a_dim+1) + g_dim*(g_dim+1)) (the upper triangles of the symmetric second
+  moments, which is what the store computes), n = token_fraction*N; fisher="mc" adds a forward (2*P*N +
   attention) and a backward to the activations only (no weight gradients: ~2*P*N + 2x the
   attention forward). Per step: / update_every. Bound ratio = 1 + extra/plain. Row gathers,
   softmaxes, sampling and FP16 conversions are not counted.
@@ -57,6 +59,7 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback
+from kfac_stream.capture.hooks import CaptureHooks
 
 HERE = Path(__file__).resolve().parent
 BATCH, SEQ = 8, 256
@@ -92,90 +95,145 @@ def make_data(n: int) -> ListDataset:
 
     text = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
     ids = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-    assert len(ids) >= n * SEQ, "not enough text"
+    windows = len(ids) // SEQ  # ~1800; longer runs cycle through the text again
     return ListDataset([{"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()}
-                        for x in (ids[i * SEQ:(i + 1) * SEQ] for i in range(n))])
+                        for x in (ids[(i % windows) * SEQ:(i % windows + 1) * SEQ]
+                                  for i in range(n))])
 
 
-class StepStart(TrainerCallback):
-    """Placed first: starts the clock (before the kfac callback's on_step_begin)."""
+class BlockClock(TrainerCallback):
+    """Alternates plain and tracked blocks of steps inside ONE training run and times them.
 
-    def __init__(self, timer):
-        self.timer = timer
+    Placed first AND last in the callback list (``first=True`` instance starts the clock before
+    the kfac callback's ``on_step_begin``; the last one stops it after its ``on_step_end``).
+    Before a plain block the kfac hooks are removed from the model (a true plain step); before
+    a tracked block they are put back. The last step of a tracked block also pays, timed, for
+    folding its pending rows into the store, so every block pays exactly for its own updates.
+    """
 
-    def on_step_begin(self, args, state, control, **kw):
-        self.timer.start(state.global_step)
+    def __init__(self, schedule: list[str], kfac: KFACStreamCallback, model):
+        self.schedule, self.kfac, self.model = schedule, kfac, model  # schedule[step]
+        self.times, self.cpu = [], []
+        self.tracker_s: list[float] = []
 
-
-class StepStop(TrainerCallback):
-    """Placed last: stops the clock after the kfac callback's on_step_end."""
-
-    def __init__(self, warmup: int, total: int, kfac: KFACStreamCallback | None):
-        self.warmup, self.total, self.kfac = warmup, total, kfac
-        self.times, self.cpu, self.tracker_s, self.flush_s = [], [], [], 0.0
-
-    def _tracker_seconds(self) -> float:
-        return self.kfac.tracker.counters.tracker_seconds if self.kfac else 0.0
+    def _set_mode(self, step: int) -> None:
+        mode = self.schedule[step]
+        prev = self.schedule[step - 1] if step > 0 else None
+        tr = self.kfac.tracker
+        if mode == prev:
+            return
+        if mode == "plain":
+            tr.capture.remove()
+        elif prev == "plain":  # re-attach the same hooks a fresh tracker would
+            layers = {n: self.model.get_submodule(n) for n in tr.specs}
+            tr.capture = CaptureHooks(self.model, layers, tr.config.token_fraction,
+                                      tr.config.seed + step, tr.row_dtype)
 
     def start(self, step: int) -> None:
-        if step == self.warmup and self.kfac:  # untimed: fold what the warm-up updates left
-            self.kfac.tracker.flush()
-        self._c0 = self._tracker_seconds()
+        self._set_mode(step)
+        self._c0 = self.kfac.tracker.counters.tracker_seconds
         self._p0, self._t0 = time.process_time(), time.perf_counter()
 
-    def on_step_end(self, args, state, control, **kw):
-        dt = time.perf_counter() - self._t0
-        self.tracker_s.append(self._tracker_seconds() - self._c0)
-        if state.global_step == self.total and self.kfac:  # timed: fold the window's updates
+    def stop(self, step: int) -> None:
+        tr = self.kfac.tracker
+        flush_s = 0.0
+        if self.schedule[step] == "tracked" and (
+                step + 1 == len(self.schedule) or self.schedule[step + 1] != "tracked"):
             t = time.perf_counter()
-            self.kfac.tracker.flush()
-            self.flush_s = time.perf_counter() - t
-            dt += self.flush_s  # the window pays for the fold of its own updates
-        self.times.append(dt)
-        self.cpu.append(time.process_time() - self._p0)  # all threads: less load-sensitive
+            tr.flush()  # timed: the block pays for folding its own updates
+            flush_s = time.perf_counter() - t
+        self.times.append(time.perf_counter() - self._t0)
+        self.cpu.append(time.process_time() - self._p0)
+        self.tracker_s.append(tr.counters.tracker_seconds - self._c0 + flush_s)
+
+
+class _Start(TrainerCallback):
+    def __init__(self, clock):
+        self.clock = clock
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.clock.start(state.global_step)
+
+
+class _Stop(TrainerCallback):
+    def __init__(self, clock):
+        self.clock = clock
+
+    def on_step_end(self, args, state, control, **kw):
+        self.clock.stop(state.global_step - 1)
+
+
+class _GatedKFAC(TrainerCallback):
+    """Forwards step events to the kfac callback only in tracked blocks."""
+
+    def __init__(self, kfac, schedule):
+        self.kfac, self.schedule = kfac, schedule
+
+    def on_train_begin(self, *a, **kw):
+        return self.kfac.on_train_begin(*a, **kw)
+
+    def on_train_end(self, *a, **kw):
+        return self.kfac.on_train_end(*a, **kw)
+
+    def on_step_begin(self, args, state, control, **kw):
+        if self.schedule[state.global_step] == "tracked":
+            return self.kfac.on_step_begin(args, state, control, **kw)
+
+    def on_step_end(self, args, state, control, **kw):
+        if self.schedule[state.global_step - 1] == "tracked":
+            return self.kfac.on_step_end(args, state, control, **kw)
 
 
 def run_isolated(*args) -> dict:
-    """`run_once` in a fresh (spawned) process: no allocator state, thread pool or memory a
-    previous run left behind can bias the next one."""
+    """`run_blocks` in a fresh (spawned) process per configuration."""
     with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as ex:
-        return ex.submit(run_once, *args).result()
+        return ex.submit(run_blocks, *args).result()
 
 
-def run_once(cfg, tracked: bool, warmup: int, timed: int, seed: int) -> dict:
+def run_blocks(cfg, warmup: int, block: int, pairs: int, seed: int) -> dict:
+    """One training run: ``warmup`` tracked steps, then ``pairs`` x (plain block, tracked
+    block), the order alternating between pairs. All blocks start at multiples of
+    ``update_every`` so each tracked block holds exactly ``block / update_every`` updates."""
     # x86 CPUs slow down ~10x on denormal floats, which a tiny-weight model's training produces;
     # flushing them to zero is standard for CPU training and makes the timings meaningful.
     torch.set_flush_denormal(True)
-    data = make_data(BATCH * (warmup + timed))
+    schedule = ["tracked"] * warmup
+    for i in range(pairs):
+        order = ("plain", "tracked") if i % 2 == 0 else ("tracked", "plain")
+        for mode in order:
+            schedule += [mode] * block
+    data = make_data(BATCH * len(schedule))
     transformers.set_seed(seed)
     model = GPT2LMHeadModel(GPT2Config(**MODEL))
     with tempfile.TemporaryDirectory() as tmp:
-        kfac = None
-        if tracked:
-            kfac = KFACStreamCallback(KFACConfig(
-                token_fraction=cfg[0], ema_decay=0.95, update_every=cfg[2], fisher=cfg[1],
-                snapshot_every=10**9, output_dir=os.path.join(tmp, "kfac"), seed=seed))
-        stop = StepStop(warmup, warmup + timed, kfac)
+        kfac = KFACStreamCallback(KFACConfig(
+            token_fraction=cfg[0], ema_decay=0.95, update_every=cfg[2], fisher=cfg[1],
+            snapshot_every=10**9, output_dir=os.path.join(tmp, "kfac"), seed=seed))
+        clock = BlockClock(schedule, kfac, model)
         args = TrainingArguments(
             output_dir=tmp, use_cpu=True, report_to=[], save_strategy="no",
             logging_strategy="no", disable_tqdm=True, learning_rate=1e-4, seed=seed,
-            per_device_train_batch_size=BATCH, max_steps=warmup + timed,
+            per_device_train_batch_size=BATCH, max_steps=len(schedule),
             dataloader_num_workers=0)
-        cbs = [StepStart(stop)] + ([kfac] if kfac else []) + [stop]
-        t0 = time.perf_counter()
+        cbs = [_Start(clock), _GatedKFAC(kfac, schedule), _Stop(clock)]
         Trainer(model=model, args=args, train_dataset=data, callbacks=cbs).train()
-        wall = time.perf_counter() - t0
-    times = stop.times[warmup:]
-    assert len(times) == timed, (len(times), timed)
-    out = {"mean_s": sum(times) / timed, "cpu_mean_s": sum(stop.cpu[warmup:]) / timed,
-           "step_s": times, "wall_s": wall, "flush_s": stop.flush_s, "load": os.getloadavg()[0]}
-    if kfac:
-        tr = kfac.tracker
-        out["tracker_s_per_step"] = (sum(stop.tracker_s[warmup:]) + stop.flush_s) / timed
-        out["counters"] = {k: v for k, v in vars(tr.counters).items() if k != "skipped_steps"}
-        out["specs"] = [(s.a_dim, s.g_dim, s.d_in * s.d_out) for s in tr.specs.values()]
-    del model
-    gc.collect()
+    out = {"pairs": [], "specs": [(s.a_dim, s.g_dim, s.d_in * s.d_out)
+                                  for s in kfac.tracker.specs.values()],
+           "counters": {k: v for k, v in vars(kfac.tracker.counters).items()
+                        if k != "skipped_steps"}, "load": os.getloadavg()[0]}
+    pos = warmup
+    for i in range(pairs):
+        order = ("plain", "tracked") if i % 2 == 0 else ("tracked", "plain")
+        res = {}
+        for mode in order:
+            sl = slice(pos, pos + block)
+            res[mode] = {"mean_s": sum(clock.times[sl]) / block,
+                         "cpu_mean_s": sum(clock.cpu[sl]) / block,
+                         "tracker_s_per_step": sum(clock.tracker_s[sl]) / block}
+            pos += block
+        res["ratio"] = res["tracked"]["mean_s"] / res["plain"]["mean_s"]
+        res["cpu_ratio"] = res["tracked"]["cpu_mean_s"] / res["plain"]["cpu_mean_s"]
+        out["pairs"].append(res)
     return out
 
 
@@ -187,7 +245,8 @@ def flop_bound(cfg, specs) -> dict:
     params = sum(p for _, _, p in specs) + c["vocab_size"] * c["n_embd"]  # blocks + LM head
     attn_fwd = 4 * BATCH * SEQ**2 * c["n_embd"] * c["n_layer"]
     plain = 6 * params * n_tok + 3 * attn_fwd
-    per_update = sum(2 * tf * n_tok * (a * a + g * g) for a, g, _ in specs)
+    # symmetric second moments: only the upper triangle, d(d+1)/2 entries x n MACs x 2 FLOPs
+    per_update = sum(tf * n_tok * (a * (a + 1) + g * (g + 1)) for a, g, _ in specs)
     if fisher == "mc":
         per_update += 4 * params * n_tok + 3 * attn_fwd
     extra = per_update / k
@@ -206,33 +265,25 @@ def machine() -> dict:
             "python": platform.python_version()}
 
 
-def measure(cfg, a, estimate) -> dict:
+def measure(cfg, a) -> dict:
     k = cfg[2]
-    timed = math.ceil(a.timed_steps / k) * k
-    pairs = []
-    for i in range(a.pairs):
-        order = (False, True) if i % 2 == 0 else (True, False)
-        res = {}
-        for tracked in order:
-            r = run_isolated(cfg, tracked, a.warmup, timed, a.seed + i)
-            res["tracked" if tracked else "plain"] = r
-            log(f"  [{name(cfg)}] pair {i + 1}/{a.pairs} {'tracked' if tracked else 'plain  '}: "
-                f"mean step {1e3 * r['mean_s']:.1f} ms, CPU {1e3 * r['cpu_mean_s']:.0f} ms "
-                f"(run wall {r['wall_s']:.1f} s, load {r['load']:.2f})")
-            if estimate is not None:
-                estimate(r)
-                estimate = None
-        res["ratio"] = res["tracked"]["mean_s"] / res["plain"]["mean_s"]
-        res["cpu_ratio"] = res["tracked"]["cpu_mean_s"] / res["plain"]["cpu_mean_s"]
-        log(f"  [{name(cfg)}] pair {i + 1}: ratio {res['ratio']:.4f} "
-            f"(CPU time {res['cpu_ratio']:.4f})")
-        pairs.append(res)
+    block = math.ceil(a.timed_steps / k) * k
+    warmup = math.ceil(a.warmup / k) * k
+    t0 = time.perf_counter()
+    run = run_isolated(cfg, warmup, block, a.pairs, a.seed)
+    pairs = run["pairs"]
+    for i, p in enumerate(pairs):
+        log(f"  [{name(cfg)}] pair {i + 1}/{a.pairs}: plain {1e3 * p['plain']['mean_s']:.1f} ms, "
+            f"tracked {1e3 * p['tracked']['mean_s']:.1f} ms, ratio {p['ratio']:.4f} "
+            f"(CPU time {p['cpu_ratio']:.4f})")
+    log(f"  [{name(cfg)}] {warmup + 2 * a.pairs * block} steps in "
+        f"{time.perf_counter() - t0:.0f} s (load {run['load']:.2f})")
     ratios = [p["ratio"] for p in pairs]
-    bound = flop_bound(cfg, pairs[0]["tracked"]["specs"])
+    bound = flop_bound(cfg, run["specs"])
     med = statistics.median(ratios)
     return {
         "config": {"token_fraction": cfg[0], "fisher": cfg[1], "update_every": k},
-        "name": name(cfg), "timed_steps": timed, "warmup": a.warmup,
+        "name": name(cfg), "block_steps": block, "warmup": warmup,
         "plain_ms": 1e3 * statistics.median(p["plain"]["mean_s"] for p in pairs),
         "tracked_ms": 1e3 * statistics.median(p["tracked"]["mean_s"] for p in pairs),
         "tracker_ms_per_step": 1e3 * statistics.median(
@@ -293,10 +344,11 @@ def write_outputs(results, a, info) -> None:
         f"- load average (1 min) at start / end: {info['load_start']:.2f} / "
         f"{info['load_end']:.2f}",
         f"- command: `{a.command}`",
-        f"- {a.pairs} interleaved pairs per config, {a.warmup} warm-up steps, timed window "
-        "rounded up to a multiple of update_every; ratio = mean tracked step / mean plain step "
-        "of a pair (median over pairs); tracker ms/step = training-thread time in on_step_end "
-        "(+ the window's final fold). Method and FLOP model: docstring of the script.", "",
+        f"- one training run per config: {a.pairs} interleaved pairs of plain/tracked blocks of "
+        f"{a.timed_steps} steps (rounded up to a multiple of update_every), after "
+        f"{a.warmup} warm-up steps; ratio = mean tracked step / mean plain step of a pair "
+        "(median over pairs); tracker ms/step = training-thread time in on_step_end (+ the "
+        "block's final fold). Method and FLOP model: docstring of the script.", "",
         table(results), "", verdict(results), END])
     path = HERE / "RESULTS.md"
     old = path.read_text() if path.exists() else "# Benchmarks\n"
@@ -312,7 +364,7 @@ def main(argv=None) -> None:
     p.add_argument("--pairs", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timed-steps", type=int, default=20,
-                   help="timed steps per run (rounded up to a multiple of update_every)")
+                   help="steps per plain/tracked block (rounded up to a multiple of update_every)")
     p.add_argument("--configs", nargs="*", default=None,
                    help="TF:FISHER:K filters, '*' matches anything, e.g. 0.05:empirical:*; "
                         "'default' = the acceptance configs")
@@ -337,18 +389,13 @@ def main(argv=None) -> None:
             "load_start": os.getloadavg()[0]}
     log(f"overhead benchmark: {len(configs)} configs x {a.pairs} pairs; {info['cpu']}, "
         f"{info['cores']} cores, torch {info['torch']}, load {info['load_start']:.2f}")
-    steps = [a.warmup + math.ceil(a.timed_steps / c[2]) * c[2] for c in configs]
-
-    def estimate(first):
-        per_step = first["wall_s"] / steps[0]
-        total = sum(2 * a.pairs * (s * per_step + 6.0) for s in steps)  # + ~6 s process start
-        log(f"first run: {1e3 * first['mean_s']:.0f} ms/step, {first['wall_s']:.1f} s wall; "
-            f"expected total ≈ {total / 60:.1f} min (tracked runs take longer for mc/tf=1)")
-
+    steps = sum(math.ceil(a.warmup / c[2]) * c[2] + 2 * a.pairs * math.ceil(a.timed_steps / c[2])
+                * c[2] for c in configs)
+    log(f"{steps} training steps in all (~0.4 s each plain on this CPU; tracked ones more)")
     results = []
     for j, cfg in enumerate(configs):
         log(f"[{j + 1}/{len(configs)}] {name(cfg)}")
-        r = measure(cfg, a, estimate if j == 0 else None)
+        r = measure(cfg, a)
         log(f"[{name(cfg)}] plain {r['plain_ms']:.0f} ms, tracked {r['tracked_ms']:.0f} ms, "
             f"ratio {r['ratio_median']:.4f} [{r['ratio_min']:.4f}-{r['ratio_max']:.4f}], "
             f"FLOP bound {r['bound']['ratio']:.4f}, tracker {r['tracker_ms_per_step']:.1f} ms/step")

@@ -112,3 +112,29 @@ def test_dense_fold_is_exactly_symmetric_and_matches_full_product():
     assert torch.equal(v64, v64.T) and torch.equal(v16, v16.T)
     assert rel(v64, ema_closed_form(stats, counts, 0.9)) <= 1e-13
     assert rel(v16, v64) <= FP16_BUDGET
+
+
+def test_outlier_activations_end_to_end_fp16(tmp_path):
+    # Real LLMs carry activation outliers of ~1e4 in a few channels: A entries of ~1e8.
+    from harness import run
+    from models import text_examples, tiny_gpt2
+
+    model = tiny_gpt2(torch.float32)
+
+    def outlier(module, args):
+        x = args[0].clone()
+        x[..., 5] = 1e4
+        return (x,)
+
+    model.get_submodule("transformer.h.0.mlp.c_proj").register_forward_pre_hook(outlier)
+    fp16, _, _ = run(model, text_examples(4, 12), {"storage_dtype": "float16"}, batch=2,
+                     lr=0.0, tmp_path=tmp_path / "a", record=False)
+    ref, _, _ = run(model, text_examples(4, 12), {"storage_dtype": "float64"}, batch=2,
+                    lr=0.0, tmp_path=tmp_path / "b", record=False)
+    A16 = fp16.factors()["transformer.h.0.mlp.c_proj"][0]
+    A64 = ref.factors()["transformer.h.0.mlp.c_proj"][0]
+    assert torch.isfinite(A16).all()
+    assert float(A16[5, 5]) == pytest.approx(1e8, rel=1e-3)
+    assert rel(A16, A64) <= FP16_BUDGET
+    for A, G in fp16.factors().values():
+        assert torch.isfinite(A).all() and torch.isfinite(G).all()

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from ..stats.ema import ema_step
 
-CHUNK_ROWS = 512
+CHUNK_ROWS = 128
 _FP16_TARGET = 2.0**14
 
 _DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
