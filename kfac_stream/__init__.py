@@ -4,6 +4,7 @@ from .config import KFACConfig
 from .enums import FisherType, StorageDtype
 from .exceptions import KFACConfigError, KFACStreamError, SnapshotError, UnsupportedModuleError
 from .integrations.hf_callback import KFACStreamCallback
+from .query.laplace import LaplacePosterior, SnapshotMismatchError
 from .snapshot.snapshot import LayerFactors, Snapshot
 
 __version__ = "0.1.0"
@@ -15,6 +16,8 @@ __all__ = [
     # snapshots
     "Snapshot",
     "LayerFactors",
+    # queries
+    "LaplacePosterior",
     # enums
     "FisherType",
     "StorageDtype",
@@ -23,5 +26,6 @@ __all__ = [
     "KFACConfigError",
     "UnsupportedModuleError",
     "SnapshotError",
+    "SnapshotMismatchError",
     "__version__",
 ]

@@ -9,7 +9,7 @@ import yaml
 from harness import run
 from kfac_stream import KFACConfig, Snapshot
 from kfac_stream.cli import main as cli_main
-from kfac_stream.report import spectrum_stats
+from kfac_stream.stats.spectrum import spectrum_stats
 from models import text_examples, tiny_gpt2
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ def test_cli_inspect_prints_the_snapshot_table(tmp_path, capsys):
     assert cli_main(["inspect", str(tmp_path / "kfac")]) == 0
     out = capsys.readouterr().out
     name = snap.layer_names[0]
-    st = spectrum_stats(snap[name].A)
+    st = spectrum_stats(snap[name].A_eigvals)
     assert f"{st['max']:.3e}" in out and f"{st['trace']:.3e}" in out
     assert str(snap.path) in out
     assert cli_main(["inspect", str(tmp_path / "nowhere")]) == 2

@@ -8,12 +8,17 @@ from typing import Any
 
 import torch
 
+from ..stats.spectrum import safe_psd_eigh, spectrum_stats
 from .layout import FORMAT_NAME, FORMAT_VERSION, layer_fingerprint
 
 
 def snapshot_contents(tracker, step: int, epoch: float | None = None
                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Shard tensors and manifest (without ``shards``) for ``tracker``'s owned factors.
+
+    Every factor is stored as written by the store (storage dtype and scale) together with its
+    eigendecomposition (``<key>.eigvals``, ``<key>.eigvecs``; float32, float64 for float64
+    storage; no eigenvectors for diagonal factors) and its spectrum statistics in the manifest.
 
     Args:
         tracker: A `kfac_stream.tracker.Tracker` (flushed here).
@@ -22,10 +27,17 @@ def snapshot_contents(tracker, step: int, epoch: float | None = None
     """
     tracker.flush()
     cfg = tracker.config
+    eig_dtype = torch.float64 if cfg.storage_dtype == "float64" else torch.float32
     tensors: dict[str, torch.Tensor] = {}
+    spectra: dict[str, dict[str, float]] = {}
     for key, f in tracker.store.factors.items():
         tensors[key] = f.data.clone()
         tensors[f"{key}.scale"] = torch.tensor([f.scale], dtype=torch.float32)
+        eigvals, eigvecs = safe_psd_eigh(f.value())  # float64, from the stored (rounded) factor
+        tensors[f"{key}.eigvals"] = eigvals.to(eig_dtype)
+        if eigvecs is not None:
+            tensors[f"{key}.eigvecs"] = eigvecs.to(eig_dtype)
+        spectra[key] = spectrum_stats(eigvals)
     layers: dict[str, Any] = {}
     for name, spec in tracker.specs.items():
         entry: dict[str, Any] = {"kind": spec.kind, "d_in": spec.d_in, "d_out": spec.d_out,
@@ -36,7 +48,8 @@ def snapshot_contents(tracker, step: int, epoch: float | None = None
             entry[factor] = {"dim": int(f.data.shape[0]), "diagonal": f.diagonal,
                              "owner": tracker.ownership.owner[key], "weight": f.weight,
                              "updates": f.updates, "positions": f.positions,
-                             "dtype": str(f.data.dtype).removeprefix("torch.")}
+                             "dtype": str(f.data.dtype).removeprefix("torch."),
+                             "spectrum": spectra[key]}
         layers[name] = entry
     counters = dataclasses.asdict(tracker.counters)
     counters.pop("skipped_steps", None)

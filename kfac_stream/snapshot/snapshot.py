@@ -29,12 +29,20 @@ class LayerFactors:
             stored so). The trailing row/column is the bias when ``has_bias``.
         G: ``[d_out, d_out]`` dense or ``[d_out]`` diagonal.
         meta: The layer's manifest entry.
+        A_eigvals: ``[d_A]`` eigenvalues of A (ascending, ≥ 0).
+        A_eigvecs: ``[d_A, d_A]`` orthonormal eigenvectors (columns), None if A is diagonal.
+        G_eigvals: ``[d_out]``.
+        G_eigvecs: ``[d_out, d_out]`` or None.
     """
 
     name: str
     A: torch.Tensor
     G: torch.Tensor
     meta: dict[str, Any]
+    A_eigvals: torch.Tensor | None = None
+    A_eigvecs: torch.Tensor | None = None
+    G_eigvals: torch.Tensor | None = None
+    G_eigvecs: torch.Tensor | None = None
 
     @property
     def has_bias(self) -> bool:
@@ -112,7 +120,15 @@ class Snapshot:
                                         f"manifest says {want}")
                 out = torch.float64 if data.dtype == torch.float64 else torch.float32
                 parts[factor] = data.to(out) * tensors[f"{key}.scale"].to(out)
-            layers[name] = LayerFactors(name, parts["A"], parts["G"], info)
+                vals, vecs = tensors.get(f"{key}.eigvals"), tensors.get(f"{key}.eigvecs")
+                if vals is None or tuple(vals.shape) != (d,) or (
+                        not finfo["diagonal"] and (vecs is None or tuple(vecs.shape) != (d, d))):
+                    raise SnapshotError(f"{path}: eigendecomposition of {key!r} is missing or "
+                                        f"has the wrong shape (manifest says d={d})")
+                parts[f"{factor}_eigvals"], parts[f"{factor}_eigvecs"] = vals, vecs
+            layers[name] = LayerFactors(name, parts["A"], parts["G"], info,
+                                        parts["A_eigvals"], parts["A_eigvecs"],
+                                        parts["G_eigvals"], parts["G_eigvecs"])
         return cls(path, meta, layers)
 
     @classmethod

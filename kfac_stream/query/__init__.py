@@ -1,0 +1,1 @@
+"""Queries of a snapshot: the Laplace posterior over the tracked weights."""

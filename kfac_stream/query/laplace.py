@@ -1,0 +1,306 @@
+r"""`LaplacePosterior`: linearised-Laplace queries of a trained model and a snapshot.
+
+Posterior over the tracked layers' weights ``W̄ = [W b]``: a Gaussian around the trained
+weights with block-diagonal precision ``N·(A⊗G) + τI`` per layer (``kron_eigen``), exact in the
+snapshot's eigenbases for any prior precision ``τ`` chosen after training. Everything else in
+the model is held at its trained value.
+
+Predictive of chosen logits ``f`` (``[B, K]``), linearised: ``f ~ N(f_MAP, J Σ Jᵀ)`` with, per
+layer and logit ``c``, ``J_c = Σ_s g_s^{(c)} ā_sᵀ`` (``g^{(c)} = ∂f_c/∂z``, one backward per
+logit) and ``Cov[f_c, f_c'] = Σ_layers Σ_ij M_c[i,j] M_c'[i,j] / D_ij``,
+``M_c = Q_Gᵀ J_c Q_A``. Computed in float64.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from ..capture.hooks import _logits_of
+from ..capture.selection import layer_spec
+from ..exceptions import KFACStreamError
+from ..snapshot.snapshot import Snapshot
+from ..stats.covariance import with_bias_column
+from . import kron_eigen as ke
+
+
+class SnapshotMismatchError(KFACStreamError, ValueError):
+    """The model's tracked layers do not match the snapshot's (names or shapes)."""
+
+
+def default_num_data(meta: dict) -> float:
+    """``N``: non-padding positions in the data set, from the snapshot's counts.
+
+    ``tokens_seen`` counts every training position; divided by the epochs run (when known and
+    positive) it is the data set's size, also after a partial epoch.
+    """
+    seen = float(meta["counts"]["tokens_seen"])
+    epoch = meta.get("epoch")
+    return seen / epoch if epoch and epoch > 0 else seen
+
+
+class LaplacePosterior:
+    """Laplace posterior over the tracked layers of ``model`` from ``snapshot``.
+
+    Args:
+        model: The trained model (the one the snapshot was tracked on, or a copy).
+        snapshot: A loaded `Snapshot`.
+        prior_precision: ``τ``: a float, ``{layer: float}``, or ``"marglik"`` (maximise the
+            Laplace marginal likelihood over one shared ``τ``).
+        num_data: ``N``; default `default_num_data`.
+    """
+
+    def __init__(self, model: nn.Module, snapshot: Snapshot,
+                 prior_precision: float | dict[str, float] | str = 1.0,
+                 num_data: float | None = None) -> None:
+        self.model, self.snapshot = model, snapshot
+        self.modules = _match_layers(model, snapshot)
+        self.num_data = float(num_data) if num_data is not None else default_num_data(snapshot.meta)
+        self.eig = {}
+        for name in snapshot.layer_names:
+            lf = snapshot[name]
+            self.eig[name] = tuple(None if t is None else t.double() for t in (
+                lf.A_eigvecs, lf.A_eigvals, lf.G_eigvecs, lf.G_eigvals))
+        self.prior_precision: float | dict[str, float] = 1.0
+        if prior_precision == "marglik":
+            self.optimize_prior_precision()
+        else:
+            self.prior_precision = prior_precision  # type: ignore[assignment]
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def tau(self, name: str, prior_precision=None) -> float:
+        """Prior precision of one layer."""
+        p = self.prior_precision if prior_precision is None else prior_precision
+        return float(p[name]) if isinstance(p, dict) else float(p)
+
+    def weights(self, name: str) -> Tensor:
+        """Trained ``W̄ = [W b]`` of a layer, ``[d_out, d_A]`` float64 (Conv1D transposed)."""
+        m = self.modules[name]
+        w = m.weight.detach().double()
+        w = w.T if layer_spec(name, m).kind == "conv1d" else w
+        if getattr(m, "bias", None) is not None:
+            w = torch.cat([w, m.bias.detach().double()[:, None]], dim=1)
+        return w
+
+    # -- predictive ------------------------------------------------------------------------------
+
+    def jacobian_features(self, batch: dict[str, Tensor], positions: int | Sequence[int] = -1,
+                          token_ids: Sequence[int] | None = None
+                          ) -> tuple[Tensor, dict[str, Tensor]]:
+        """MAP logits and ``M = Q_Gᵀ J Q_A`` per layer for the chosen logits.
+
+        Args:
+            batch: Model inputs (``input_ids``, ``attention_mask``, ...), batch size ``B``.
+            positions: Sequence position(s) of the logits, one int for all or one per example;
+                negative counts back from the last non-padding token (``-1``: the last one).
+                Ignored for classification heads (``logits [B, C]``).
+            token_ids: The ``K`` vocabulary (or class) indices; default all classes of a
+                classification head.
+
+        Returns:
+            ``(f [B, K] float64, {layer: M [B, K, d_out, d_A]})``.
+        """
+        acts: dict[str, Tensor] = {}
+        outs: dict[str, Tensor] = {}
+
+        def hook(name):
+            def fn(module, args, out):
+                acts[name] = args[0].detach()
+                if not out.requires_grad:  # frozen weights: make the output differentiable
+                    out = out.detach().requires_grad_()
+                outs[name] = out
+                return out
+            return fn
+
+        handles = [m.register_forward_hook(hook(n)) for n, m in self.modules.items()]
+        try:
+            with torch.enable_grad():
+                logits = _logits_of(self.model(**_model_inputs(batch)))
+                f = _select_logits(logits, batch, positions, token_ids)  # [B, K]
+                names = list(outs)
+                feats = {n: [] for n in names}
+                for k in range(f.shape[1]):
+                    grads = torch.autograd.grad(f[:, k].sum(), [outs[n] for n in names],
+                                                retain_graph=k + 1 < f.shape[1],
+                                                allow_unused=True)
+                    for n, g in zip(names, grads):
+                        feats[n].append(self._features(n, acts[n], g, outs[n]))
+        finally:
+            for h in handles:
+                h.remove()
+        return f.detach().double(), {n: torch.stack(v, dim=1) for n, v in feats.items()}
+
+    def _features(self, name: str, a: Tensor, g: Tensor | None, out: Tensor) -> Tensor:
+        qa, _, qg, _ = self.eig[name]
+        a = a.double().reshape(a.shape[0], -1, a.shape[-1])  # [B, T, d_in]
+        if self.snapshot[name].has_bias:
+            a = with_bias_column(a.reshape(-1, a.shape[-1])).reshape(a.shape[0], a.shape[1], -1)
+        if g is None:
+            g = torch.zeros_like(out)
+        g = g.double().reshape(g.shape[0], -1, g.shape[-1])  # [B, T, d_out]
+        return torch.einsum("bti,btj->bij", ke.rotate(g, qg), ke.rotate(a, qa))
+
+    def predictive(self, batch: dict[str, Tensor], positions: int | Sequence[int] = -1,
+                   token_ids: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
+        """Linearised predictive of chosen logits.
+
+        Returns:
+            ``(mean [B, K], cov [B, K, K])``, float64.
+        """
+        f, feats = self.jacobian_features(batch, positions, token_ids)
+        cov = f.new_zeros(f.shape[0], f.shape[1], f.shape[1])
+        for name, m in feats.items():
+            _, aval, _, gval = self.eig[name]
+            d = ke.precision_eigenvalues(gval, aval, self.num_data, self.tau(name))
+            cov += torch.einsum("bkij,blij->bkl", m / d, m)
+        return f, cov
+
+    def predictive_probs(self, batch: dict[str, Tensor], positions: int | Sequence[int] = -1,
+                         token_ids: Sequence[int] | None = None, method: str = "probit",
+                         n_samples: int = 1000, seed: int = 0) -> Tensor:
+        """Predictive probabilities over the ``K`` chosen logits (a K-way softmax).
+
+        ``method="probit"``: ``softmax(μ / sqrt(1 + π/8 · diag Σ))``; ``"mc"``: the mean of
+        ``softmax(f)`` over ``n_samples`` draws ``f ~ N(μ, Σ)``.
+
+        Returns:
+            ``[B, K]``.
+        """
+        mean, cov = self.predictive(batch, positions, token_ids)
+        return probs_from_gaussian(mean, cov, method, n_samples, seed)
+
+    # -- posterior samples -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def sampled_weights(self, seed: int = 0) -> Iterator[None]:
+        """Replace the tracked weights by one posterior sample inside the block.
+
+        The trained values are restored bit-identically on exit, also when the body raises.
+        """
+        gen = torch.Generator().manual_seed(seed)
+        saved = {}
+        with torch.no_grad():
+            for name, m in self.modules.items():
+                saved[name] = [p.detach().clone() for p in (m.weight, getattr(m, "bias", None))
+                               if p is not None]
+            try:
+                for name, m in self.modules.items():
+                    qa, aval, qg, gval = self.eig[name]
+                    dw = ke.sample_block(qg, gval, qa, aval, self.num_data, self.tau(name), gen)
+                    if self.snapshot[name].has_bias:
+                        m.bias.add_(dw[:, -1].to(m.bias.dtype))
+                        dw = dw[:, :-1]
+                    kind = layer_spec(name, m).kind
+                    m.weight.add_((dw.T if kind == "conv1d" else dw).to(m.weight.dtype))
+                yield
+            finally:
+                for name, m in self.modules.items():
+                    for p, old in zip([p for p in (m.weight, getattr(m, "bias", None))
+                                       if p is not None], saved[name]):
+                        p.copy_(old)
+
+    # -- evidence --------------------------------------------------------------------------------
+
+    def log_marginal_likelihood(self, prior_precision=None, log_likelihood: float = 0.0) -> float:
+        r"""Laplace log marginal likelihood over the tracked weights.
+
+        :math:`\log p(D|\theta^*) + \log p(\theta^*) + \frac P2\log 2\pi - \frac12\log\det H`
+        with ``H`` the posterior precision. ``log_likelihood`` is :math:`\log p(D|\theta^*)`
+        (minus the training loss summed over the data); it does not depend on ``τ``, so the
+        default 0 gives the evidence up to that constant, enough to choose ``τ``.
+        """
+        total = float(log_likelihood)
+        for name in self.modules:
+            _, aval, _, gval = self.eig[name]
+            tau = self.tau(name, prior_precision)
+            w = self.weights(name)
+            logdet = ke.log_det_precision(gval, aval, self.num_data, tau)
+            total += float(ke.marglik_terms(w.numel(), float((w * w).sum()), logdet, tau))
+        return total
+
+    def optimize_prior_precision(self, lower: float = 1e-6, upper: float = 1e6,
+                                 grid: int = 61, iters: int = 60) -> float:
+        """Maximise `log_marginal_likelihood` over one shared ``τ``; sets and returns it.
+
+        A log-spaced grid over ``[lower, upper]`` brackets the maximum, golden-section search
+        on ``log τ`` refines it.
+        """
+        f = lambda lt: self.log_marginal_likelihood(math.exp(lt))  # noqa: E731
+        lts = torch.linspace(math.log(lower), math.log(upper), grid).tolist()
+        vals = [f(x) for x in lts]
+        i = max(range(grid), key=vals.__getitem__)
+        lo, hi = lts[max(i - 1, 0)], lts[min(i + 1, grid - 1)]
+        r = (math.sqrt(5) - 1) / 2
+        c, d = hi - r * (hi - lo), lo + r * (hi - lo)
+        fc, fd = f(c), f(d)
+        for _ in range(iters):
+            if fc >= fd:
+                hi, d, fd = d, c, fc
+                c = hi - r * (hi - lo)
+                fc = f(c)
+            else:
+                lo, c, fc = c, d, fd
+                d = lo + r * (hi - lo)
+                fd = f(d)
+        self.prior_precision = math.exp((lo + hi) / 2)
+        return self.prior_precision
+
+
+def probs_from_gaussian(mean: Tensor, cov: Tensor, method: str = "probit",
+                        n_samples: int = 1000, seed: int = 0) -> Tensor:
+    """K-way softmax probabilities under ``f ~ N(mean, cov)`` (``[B, K]``, ``[B, K, K]``)."""
+    if method == "probit":
+        kappa = 1.0 / torch.sqrt(1.0 + math.pi / 8.0 * torch.diagonal(cov, dim1=-2, dim2=-1))
+        return torch.softmax(mean * kappa, dim=-1)
+    if method == "mc":
+        gen = torch.Generator().manual_seed(seed)
+        k = mean.shape[-1]
+        jitter = 1e-10 * torch.diagonal(cov, dim1=-2, dim2=-1).mean(-1).clamp(min=1e-30)
+        chol = torch.linalg.cholesky(cov + jitter[:, None, None] * torch.eye(k, dtype=cov.dtype))
+        z = torch.randn(n_samples, *mean.shape, generator=gen, dtype=mean.dtype)  # [S, B, K]
+        f = mean + torch.einsum("bkl,sbl->sbk", chol, z)
+        return torch.softmax(f, dim=-1).mean(0)
+    raise ValueError(f"method={method!r} is not supported: use 'probit' or 'mc'")
+
+
+def _model_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    return {k: v for k, v in batch.items() if k not in ("labels", "num_items_in_batch")}
+
+
+def _select_logits(logits: Tensor, batch: dict[str, Tensor], positions, token_ids) -> Tensor:
+    if logits.dim() == 2:  # classification head: [B, C]
+        ids = list(range(logits.shape[1])) if token_ids is None else list(token_ids)
+        return logits[:, ids]
+    if token_ids is None:
+        raise ValueError("token_ids is required for a language-model head")
+    B, T = logits.shape[:2]
+    mask = batch.get("attention_mask")
+    lengths = mask.sum(1).tolist() if mask is not None else [T] * B
+    pos = [positions] * B if isinstance(positions, int) else list(positions)
+    idx = [p if p >= 0 else int(lengths[b]) + p for b, p in enumerate(pos)]
+    rows = logits[torch.arange(B), torch.tensor(idx, device=logits.device)]  # [B, V]
+    return rows[:, list(token_ids)]
+
+
+def _match_layers(model: nn.Module, snapshot: Snapshot) -> dict[str, nn.Module]:
+    modules = dict(model.named_modules())
+    out = {}
+    for name in snapshot.layer_names:
+        info = snapshot[name].meta
+        if name not in modules:
+            raise SnapshotMismatchError(
+                f"snapshot {snapshot.path}: tracked layer {name!r} is not a module of the model")
+        spec = layer_spec(name, modules[name])
+        want = (info["d_in"], info["d_out"], bool(info["has_bias"]))
+        have = (spec.d_in, spec.d_out, spec.has_bias)
+        if want != have:
+            raise SnapshotMismatchError(
+                f"snapshot {snapshot.path}: layer {name!r} has (d_in, d_out, bias) = {have} in "
+                f"the model but {want} in the snapshot")
+        out[name] = modules[name]
+    return out

@@ -1,0 +1,140 @@
+"""Snapshot files: round trip, eigendecomposition, and every way a directory can be broken."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from harness import run
+from kfac_stream import Snapshot, SnapshotError
+from kfac_stream.stats.spectrum import safe_psd_eigh, spectrum_stats
+from models import text_examples, tiny_gpt2
+from reference import rel_err
+
+# The FP16-stored factor is PSD only up to its rounding (2**-11 relative per entry), so a few
+# eigenvalues come out slightly negative and are clipped to 0: Q diag(λ) Qᵀ then differs from
+# the stored factor by that clipped part, measured up to 4e-5 here; float32 eigenvectors add
+# ~1e-7.
+EIG_FP16_TOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def snapshots(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("snap")
+    cb, _, _ = run(tiny_gpt2(torch.float32), text_examples(8, 12),
+                   {"storage_dtype": "float16", "snapshot_every": 2, "max_dense_dim": 60},
+                   batch=2, tmp_path=tmp, record=False)
+    return tmp / "kfac", cb
+
+
+def copy_of(root, tmp_path, step="step-00000004"):
+    dst = tmp_path / "kfac"
+    shutil.copytree(root, dst)
+    return dst, dst / step
+
+
+def test_round_trip_is_bit_identical_and_eigendecomposition_reconstructs(snapshots):
+    root, cb = snapshots
+    snap = Snapshot.latest(root)
+    live = cb.factors()
+    assert snap.step == 4 and snap.meta["format_version"] == 1
+    n_diag = 0
+    for name in snap.layer_names:
+        lf = snap[name]
+        assert torch.equal(lf.A, live[name][0]) and torch.equal(lf.G, live[name][1])
+        for f in ("A", "G"):
+            mat, vals, vecs = getattr(lf, f), getattr(lf, f"{f}_eigvals"), getattr(lf, f"{f}_eigvecs")
+            assert (vals >= 0).all()
+            if mat.dim() == 1:
+                n_diag += 1
+                assert vecs is None and torch.equal(vals, mat.clamp(min=0))
+                continue
+            recon = (vecs.double() * vals.double()) @ vecs.double().T
+            assert rel_err(recon, mat.double()) <= EIG_FP16_TOL
+            st = lf.meta[f]["spectrum"]
+            assert st == spectrum_stats(safe_psd_eigh(mat)[0])
+    assert n_diag == 4  # mlp.c_fc G (64) and mlp.c_proj A (65) > max_dense_dim=60, two blocks
+
+
+def test_safe_psd_eigh_clips_and_symmetrises():
+    x = torch.randn(5, 3, dtype=torch.float64)
+    f = x @ x.T  # rank 3: two eigenvalues are rounding noise around 0
+    f[0, 1] += 1e-12  # slightly asymmetric
+    w, q = safe_psd_eigh(f)
+    assert (w >= 0).all() and w[:2].max() < 1e-12
+    assert rel_err(q @ torch.diag(w) @ q.T, (f + f.T) / 2) <= 1e-12
+    st = spectrum_stats(torch.tensor([0.0, 1.0, 1.0, 2.0]))
+    assert st["max"] == 2.0 and st["trace"] == 4.0 and st["cond"] == 2.0
+    assert st["eff_rank"] == pytest.approx(2.0 ** 1.5)  # exp(H([.25, .25, .5]))
+
+
+def _manifest(step_dir):
+    return json.loads((step_dir / "manifest.json").read_text())
+
+
+def _shard(step_dir):
+    return next(step_dir.glob("*.safetensors"))
+
+
+def flip_byte(step_dir):
+    p = _shard(step_dir)
+    b = bytearray(p.read_bytes())
+    b[len(b) // 2] ^= 0x01
+    p.write_bytes(bytes(b))
+
+
+def truncate(step_dir):
+    p = _shard(step_dir)
+    p.write_bytes(p.read_bytes()[:-100])
+
+
+def missing_shard(step_dir):
+    _shard(step_dir).unlink()
+
+
+def unknown_version(step_dir):
+    m = _manifest(step_dir)
+    m["format_version"] = 99
+    (step_dir / "manifest.json").write_text(json.dumps(m))
+
+
+def not_json(step_dir):
+    (step_dir / "manifest.json").write_text("{ this is not json")
+
+
+def lies_about_shapes(step_dir):
+    m = _manifest(step_dir)
+    first = next(iter(m["layers"]))
+    m["layers"][first]["A"]["dim"] += 1
+    (step_dir / "manifest.json").write_text(json.dumps(m))
+
+
+def half_written(step_dir):
+    (step_dir / "manifest.json").unlink()  # the writer puts the manifest in last
+
+
+@pytest.mark.parametrize("damage,needle", [
+    (flip_byte, "sha256 mismatch"), (truncate, "sha256 mismatch"),
+    (missing_shard, "is missing"), (unknown_version, "unknown format_version 99"),
+    (not_json, "not valid JSON"), (lies_about_shapes, "manifest says"),
+    (half_written, "manifest.json: missing (snapshot incomplete)"),
+])
+def test_damaged_snapshot_raises_and_latest_skips_it(snapshots, tmp_path, damage, needle):
+    root, _ = snapshots
+    root2, newest = copy_of(root, tmp_path)
+    damage(newest)
+    with pytest.raises(SnapshotError) as e:
+        Snapshot.load(newest)
+    assert needle in str(e.value) and "step-00000004" in str(e.value)
+    assert Snapshot.latest(root2).step == 2  # the previous complete snapshot
+
+
+def test_temporary_directories_are_invisible(snapshots, tmp_path):
+    root, _ = snapshots
+    root2, newest = copy_of(root, tmp_path)
+    os.rename(newest, root2 / ".step-00000004.tmp-0")
+    assert Snapshot.latest(root2).step == 2
+    with pytest.raises(SnapshotError, match="no complete snapshot"):
+        Snapshot.latest(tmp_path / "empty")
