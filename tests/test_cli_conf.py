@@ -1,0 +1,66 @@
+"""conf/ mirrors KFACConfig; the CLI reads real snapshots."""
+
+import dataclasses
+import pathlib
+
+import torch
+import yaml
+
+from harness import run
+from kfac_stream import KFACConfig, Snapshot
+from kfac_stream.cli import main as cli_main
+from kfac_stream.stats.spectrum import spectrum_stats
+from models import text_examples, tiny_gpt2
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_conf_defaults_match_kfacconfig():
+    conf = yaml.safe_load((ROOT / "conf" / "kfac" / "default.yaml").read_text())
+    defaults = {f.name: f.default for f in dataclasses.fields(KFACConfig)}
+    assert conf == defaults
+
+
+def test_cli_inspect_prints_the_snapshot_table(tmp_path, capsys):
+    run(tiny_gpt2(torch.float32), text_examples(4, 12), {"storage_dtype": "float16"}, batch=2,
+        tmp_path=tmp_path, record=False)
+    snap = Snapshot.latest(tmp_path / "kfac")
+    assert cli_main(["inspect", str(tmp_path / "kfac")]) == 0
+    out = capsys.readouterr().out
+    name = snap.layer_names[0]
+    st = spectrum_stats(snap[name].A_eigvals)
+    assert f"{st['max']:.3e}" in out and f"{st['trace']:.3e}" in out
+    assert str(snap.path) in out
+    assert cli_main(["inspect", str(tmp_path / "nowhere")]) == 2
+
+
+def test_cli_inspect_plot_writes_a_png(tmp_path, capsys):
+    run(tiny_gpt2(torch.float32), text_examples(4, 12), {"storage_dtype": "float16"}, batch=2,
+        tmp_path=tmp_path, record=False)
+    png = tmp_path / "spectra.png"
+    assert cli_main(["inspect", str(tmp_path / "kfac"), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_cli_query_prints_what_the_python_api_returns(tmp_path, capsys):
+    from kfac_stream import LaplacePosterior
+    from kfac_stream.query.topk import topk_predictive
+
+    model = tiny_gpt2(torch.float32)
+    run(model, text_examples(8, 12), {"storage_dtype": "float32"}, batch=2, tmp_path=tmp_path,
+        record=False)
+    model.save_pretrained(tmp_path / "model")
+    text = "def f(x):"
+    argv = ["query", "--snapshot", str(tmp_path / "kfac"), "--model", str(tmp_path / "model"),
+            "--text", text, "--byte-level", "--top-k", "3", "--prior-precision", "2.0",
+            "--samples", "400"]
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    model.eval()
+    post = LaplacePosterior(model, Snapshot.latest(tmp_path / "kfac"), prior_precision=2.0)
+    rows = topk_predictive(post, torch.tensor(list(text.encode())), k=3, n_samples=400)
+    assert len(rows) == len(text)
+    for row in rows:
+        for m, mu, sd in zip(row["map_prob"], row["mean_prob"], row["std_prob"]):
+            assert f"{m:.4f} {mu:.4f}±{sd:.4f}" in out
+    assert any(sd > 0 for row in rows for sd in row["std_prob"])
