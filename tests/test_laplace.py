@@ -180,3 +180,89 @@ def test_mismatched_model_names_the_first_mismatch(trained):
         LaplacePosterior(tiny_gpt2(n_embd=32), snap)
     with pytest.raises(SnapshotMismatchError, match="is not a module of the model"):
         LaplacePosterior(tiny_gpt2(n_layer=1), snap)
+
+
+def test_fit_confidence_beta_recovers_the_generating_beta():
+    from kfac_stream.query.laplace import fit_confidence_beta
+
+    gen = torch.Generator().manual_seed(0)
+    var = torch.rand(200_000, generator=gen, dtype=torch.float64) * 4
+    beta0 = 2.5
+    correct = torch.rand(200_000, generator=gen, dtype=torch.float64) < 1 / (1 + beta0 * var)
+    beta = fit_confidence_beta(var, correct)
+    # maximum-likelihood estimate from 2e5 Bernoulli draws: standard error ~1% here
+    assert beta == pytest.approx(beta0, rel=0.05)
+
+
+@pytest.fixture(scope="module")
+def trained_diag(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("laplace_diag")
+    model = tiny_gpt2()
+    run(model, text_examples(8, 12), {"max_dense_dim": 20}, batch=2, loss=sum_nll_loss,
+        tmp_path=tmp, record=False)
+    return model, Snapshot.latest(tmp / "kfac")
+
+
+def test_diagonal_fallback_layers_take_part_with_their_diagonal_structure(trained_diag):
+    model, snap = trained_diag
+    assert sum(snap[n].A.dim() == 1 or snap[n].G.dim() == 1 for n in snap.layer_names) == 6
+    post = LaplacePosterior(model, snap, prior_precision=TAU, num_data=N_DATA)
+    ex = text_examples(2, 10, seed=7)
+    batch = {k: torch.stack([e[k] for e in ex]) for k in ("input_ids", "attention_mask")}
+    mean, cov = post.predictive(batch, positions=-1, token_ids=[5, 40])
+    jac = dense_jacobian(model, snap.layer_names, batch, torch.tensor([9, 9]), [5, 40])
+    ref = torch.zeros(2, 2, 2, dtype=torch.float64)
+    logdet = 0.0
+    for n in snap.layer_names:
+        J = jac[n].reshape(2, 2, -1)
+        H = dense_block(snap[n], N_DATA, TAU)
+        ref += J @ torch.linalg.inv(H) @ J.transpose(1, 2)
+        w = post.weights(n)
+        logdet += 0.5 * H.shape[0] * math.log(TAU) - 0.5 * TAU * float((w * w).sum()) \
+            - 0.5 * float(torch.logdet(H))
+    assert rel_err(cov, ref) <= DENSE_TOL
+    assert abs(post.log_marginal_likelihood() - logdet) <= DENSE_TOL * abs(logdet)
+    with post.sampled_weights(seed=1):
+        pass
+
+
+def test_sequence_classification_head(tmp_path):
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    torch.manual_seed(0)
+    model = GPT2ForSequenceClassification(GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=256, n_positions=64, num_labels=4,
+        pad_token_id=0, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).double()
+    ex = text_examples(8, 12)
+    for i, e in enumerate(ex):
+        e["labels"] = torch.tensor(i % 4)
+    cb, _, _ = run(model, ex, batch=2, tmp_path=tmp_path, record=False)
+    assert cb.tracker.counters.updates == 4 and cb.tracker.counters.skipped_updates == 0
+    snap = Snapshot.latest(tmp_path / "kfac")
+    post = LaplacePosterior(model, snap, prior_precision=TAU, num_data=N_DATA)
+    batch = {k: torch.stack([e[k] for e in ex[:2]]) for k in ("input_ids", "attention_mask")}
+    mean, cov = post.predictive(batch)  # all 4 classes
+    assert mean.shape == (2, 4) and cov.shape == (2, 4, 4)
+
+    mods = dict(model.named_modules())
+
+    def f(wbar):
+        params = {}
+        for n, w in wbar.items():
+            params[n + ".weight"] = w[:, :-1].T  # Conv1D
+            params[n + ".bias"] = w[:, -1]
+        return functional_call(model, params, (), dict(batch)).logits
+
+    wbar = {n: torch.cat([mods[n].weight.detach().T, mods[n].bias.detach()[:, None]], 1)
+            for n in snap.layer_names}
+    jac = jacrev(f)(wbar)
+    ref = torch.zeros(2, 4, 4, dtype=torch.float64)
+    for n in snap.layer_names:
+        J = jac[n].reshape(2, 4, -1)
+        ref += J @ torch.linalg.inv(dense_block(snap[n], N_DATA, TAU)) @ J.transpose(1, 2)
+    assert rel_err(cov, ref) <= DENSE_TOL
+    probs = post.predictive_probs(batch, method="probit")
+    assert torch.allclose(probs.sum(-1), torch.ones(2, dtype=torch.float64))
+    heldout = [{"batch": batch, "token_ids": [0, 1, 2, 3], "labels": torch.tensor([0, 1])}]
+    beta = post.fit_beta(heldout)
+    assert beta > 0 and post.confidence(torch.tensor(1.0)) == pytest.approx(1 / (1 + beta))

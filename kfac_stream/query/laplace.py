@@ -204,6 +204,31 @@ class LaplacePosterior:
                                        if p is not None], saved[name]):
                         p.copy_(old)
 
+    # -- confidence score ------------------------------------------------------------------------
+
+    def confidence(self, variance: Tensor) -> Tensor:
+        """The seed report's score ``1 / (1 + β·var)`` (``β`` from `fit_beta`, default 1)."""
+        return 1.0 / (1.0 + getattr(self, "beta", 1.0) * variance)
+
+    def fit_beta(self, heldout) -> float:
+        """Fit ``β`` of `confidence` on held-out data; sets and returns it.
+
+        Args:
+            heldout: Iterable of dicts ``{"batch", "token_ids", "labels" [B] (index into
+                token_ids of the right answer), "positions" (optional, default -1)}``. The
+                score uses the predictive variance of the MAP-predicted logit and is fitted to
+                whether that prediction is right (`fit_confidence_beta`).
+        """
+        variances, correct = [], []
+        for item in heldout:
+            mean, cov = self.predictive(item["batch"], item.get("positions", -1),
+                                        item["token_ids"])
+            pred = mean.argmax(-1)  # [B]
+            variances.append(torch.diagonal(cov, dim1=-2, dim2=-1).gather(1, pred[:, None])[:, 0])
+            correct.append(pred.cpu() == torch.as_tensor(item["labels"]).cpu())
+        self.beta = fit_confidence_beta(torch.cat(variances), torch.cat(correct))
+        return self.beta
+
     # -- evidence --------------------------------------------------------------------------------
 
     def log_marginal_likelihood(self, prior_precision=None, log_likelihood: float = 0.0) -> float:
@@ -266,6 +291,37 @@ def probs_from_gaussian(mean: Tensor, cov: Tensor, method: str = "probit",
         f = mean + torch.einsum("bkl,sbl->sbk", chol, z)
         return torch.softmax(f, dim=-1).mean(0)
     raise ValueError(f"method={method!r} is not supported: use 'probit' or 'mc'")
+
+
+def fit_confidence_beta(variances: Tensor, correct: Tensor, lower: float = 1e-8,
+                        upper: float = 1e8) -> float:
+    """``β ≥ 0`` minimising the binary cross-entropy of ``1/(1+β·var)`` against correctness.
+
+    Args:
+        variances: ``[n]`` predictive variances (≥ 0).
+        correct: ``[n]`` bool, whether each prediction was right.
+
+    Returns:
+        The minimiser over a log-spaced grid on ``[lower, upper]`` refined by golden section.
+    """
+    v = variances.double().clamp(min=0.0)
+    y = correct.double()
+
+    def nll(log_beta: float) -> float:
+        conf = (1.0 / (1.0 + math.exp(log_beta) * v)).clamp(1e-12, 1 - 1e-12)
+        return -float((y * conf.log() + (1 - y) * (1 - conf).log()).mean())
+
+    lts = torch.linspace(math.log(lower), math.log(upper), 161).tolist()
+    i = min(range(len(lts)), key=lambda j: nll(lts[j]))
+    lo, hi = lts[max(i - 1, 0)], lts[min(i + 1, len(lts) - 1)]
+    r = (math.sqrt(5) - 1) / 2
+    for _ in range(80):
+        c, d = hi - r * (hi - lo), lo + r * (hi - lo)
+        if nll(c) <= nll(d):
+            hi = d
+        else:
+            lo = c
+    return math.exp((lo + hi) / 2)
 
 
 def _model_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]:
