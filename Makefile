@@ -18,19 +18,31 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
+# Test-only peer for tests/test_peer_laplace_torch.py. --no-deps: laplace-torch and backpack
+# declare torchvision, which nothing we run imports (and which would drag another torch).
+# If this fails (no registry), the peer test skips and says why.
+PEERS := $(VENV)/.peers
+PEER_PKGS := laplace-torch==0.3 asdfghjkl==0.1a4 backpack-for-pytorch==1.7.1 \
+	curvlinops-for-pytorch==3.0.1 einops unfoldNd einconv linear_operator opt-einsum \
+	torchmetrics lightning-utilities scipy
+
+$(PEERS): $(STAMP)
+	-$(PY) -m pip install -q --no-deps $(PEER_PKGS) && touch $(PEERS)
+
 venv: $(STAMP)  ## create or reuse .venv and install the project with its test extra
 
-test: $(STAMP)  ## run the test suite (CPU)
-	$(PY) -m pytest -q -m "not slow" tests
+test: $(STAMP) $(PEERS)  ## run the test suite (CPU)
+	$(PY) -m pytest -q -rs -m "not slow" tests
 
-test-slow: $(STAMP)  ## run the slow tests too
-	$(PY) -m pytest -q tests
+test-slow: $(STAMP) $(PEERS)  ## run the slow tests too
+	$(PY) -m pytest -q -rs tests
 
 demo: $(STAMP)  ## train a tiny GPT-2 on local text with the callback and print the snapshot
 	$(PY) -m kfac_stream.demo --output-dir out/demo
 
-bench: $(STAMP)  ## run the overhead benchmark and write benchmarks/RESULTS.md
+bench: $(STAMP)  ## run the benchmarks and write benchmarks/RESULTS.md
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/snapshot_query.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
