@@ -1,41 +1,30 @@
 """Cost of kfac_stream snapshots and Laplace predictive queries on the overhead.py GPT-2 (CPU).
 
-Method
-------
-Model, data and Trainer setup as ``benchmarks/overhead.py`` (imported from it): GPT-2 with 4
-layers, n_embd 256, vocabulary 2048, batch 8 x 256 byte tokens of ``pydoc_data.topics``, AdamW,
-CPU, ``torch.set_flush_denormal(True)``. One training run of ``k * --snapshots`` steps with
-``KFACStreamCallback(token_fraction=0.05, update_every=1, snapshot_every=k)`` (every step is an
-update step, so steps differ only by the snapshot); 16 tracked layers, 32 factors, FP16 store.
+Method (model, data, Trainer setup imported from ``benchmarks/overhead.py``: GPT-2, 4 layers,
+n_embd 256, vocab 2048, batch 8 x 256 byte tokens, AdamW, CPU, flush-denormal). One training run
+of ``--every * --snapshots`` steps with ``KFACStreamCallback(token_fraction=0.05, update_every=1,
+snapshot_every=--every)`` (every step updates the factors: steps differ only by the snapshot).
+16 tracked layers, 32 factors (sides 256..1025), FP16 store. Interleaved jobs run in an order
+rotated between repetitions; medians are reported.
 
-1. Snapshot vs eigh. After training, on the tracker's final factors, ``--reps`` interleaved
-   repetitions (order rotated) of: (a) ``snapshot_contents(tracker, step)`` (float64
-   ``safe_psd_eigh`` of every factor, clones, spectrum stats) + ``write_snapshot`` (safetensors,
-   fsync, sha256) into a temporary directory; (b) the sum over the 32 factors of a plain
-   ``torch.linalg.eigh`` of the same dequantised matrix in float64, and (c) in float32.
-   Reported: medians; ratio = snapshot / eigh sum.
-2. Snapshot step spike. In the training run, step time = ``on_step_begin`` -> ``on_step_end``
-   (a callback before the kfac callback starts the clock, one after it stops it, as in
-   overhead.py). Mean of the steps that write a snapshot (the snapshot runs synchronously in
-   the kfac callback's ``on_step_end``) vs the mean of the other steps; the first
-   ``WARMUP`` steps are left out.
-3. Predictive query. ``LaplacePosterior(model, Snapshot.load(last), prior_precision=1.0)
-   .predictive(batch, positions=-1, token_ids=range(K))`` for K in {1, 4, 16} on a batch of
-   2 x 128 tokens, vs one forward pass of the same batch (``torch.no_grad``, eval mode);
-   ``--reps`` interleaved repetitions, medians. Goal: query <= (K+2) x forward. If a query
-   misses its goal by more than 2x, a cProfile top list of one call (largest K) is printed
-   and stored in the json.
+1. Snapshot vs eigh, on the final factors: ``snapshot_contents`` (float64 ``safe_psd_eigh`` of
+   every factor, clones, spectrum stats) + ``write_snapshot`` (safetensors, fsync, sha256) vs
+   plain ``torch.linalg.eigh`` of the same dequantised matrices summed over the 32 factors, in
+   float64, float32, and float64 on one thread. Ratio = snapshot / eigh.
+2. Step spike: step time = ``on_step_begin`` -> ``on_step_end`` of a callback placed after the
+   kfac callback (whose on_step_end writes the snapshot, synchronously). Mean of the steps that
+   write a snapshot vs mean of the others, the first ``WARMUP`` steps left out.
+3. Query: ``LaplacePosterior(model, Snapshot.load(last), prior_precision=1.0).predictive(batch,
+   positions=-1, token_ids=range(K))``, K in {1, 4, 16}, batch 2 x 128, vs a no-grad forward
+   of the same batch (eval mode). Goal: query <= (K+2) x forward. A query more than 2x over
+   its goal triggers a cProfile top list of one call (largest K), printed and kept in the json.
 
-Usage: ``python benchmarks/snapshot_query.py [--reps 7] [--snapshots 6] [--every 5]``;
-``--quick`` is a smoke run. Writes the section of ``benchmarks/RESULTS.md`` between the
-``snapshot_query`` markers and ``benchmarks/results/snapshot_query.json``.
+Usage: ``python benchmarks/snapshot_query.py [--reps 7] [--snapshots 6] [--every 5]``; ``--quick``
+is a smoke run. Writes a section of ``benchmarks/RESULTS.md`` and ``results/snapshot_query.json``.
 """
-
-from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime
 import io
 import json
 import os
@@ -64,166 +53,143 @@ BEGIN, END = "<!-- snapshot_query:begin -->", "<!-- snapshot_query:end -->"
 WARMUP, KS, QB, QT = 2, (1, 4, 16), 2, 128  # warm-up steps left out; K values; query batch
 
 
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def med_ms(xs) -> float:
-    return 1e3 * statistics.median(xs)
-
-
 class _Clock(TrainerCallback):
-    """``first=True``: starts the clock in on_step_begin; otherwise stops it in on_step_end."""
-
-    def __init__(self, times: list, first: bool):
-        self.times, self.first = times, first
+    def __init__(self):
+        self.ms: list[float] = []
 
     def on_step_begin(self, args, state, control, **kw):
-        if self.first:
-            self.times.append(-time.perf_counter())
+        self._t0 = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kw):
-        if not self.first:
-            self.times[-1] += time.perf_counter()
+        self.ms.append(1e3 * (time.perf_counter() - self._t0))
 
 
 def train(a, tmp: str):
     """Part 2: one training run with snapshots every ``a.every`` steps, every step timed."""
     transformers.set_seed(a.seed)
     model = GPT2LMHeadModel(GPT2Config(**MODEL))
-    steps = a.every * a.snapshots
+    steps, clock = a.every * a.snapshots, _Clock()
     kfac = KFACStreamCallback(KFACConfig(token_fraction=0.05, update_every=1, seed=a.seed,
-                                         snapshot_every=a.every,
-                                         output_dir=os.path.join(tmp, "kfac")))
-    times: list[float] = []
+                                         snapshot_every=a.every, output_dir=tmp + "/kfac"))
+    save, save_ms = kfac.save_snapshot, []
+
+    def timed_save(*args, **kw):  # the part of the step spent in save_snapshot
+        t0 = time.perf_counter()
+        out = save(*args, **kw)
+        save_ms.append(1e3 * (time.perf_counter() - t0))
+        return out
+    kfac.save_snapshot = timed_save
     args = TrainingArguments(output_dir=tmp, use_cpu=True, report_to=[], save_strategy="no",
                              logging_strategy="no", disable_tqdm=True, learning_rate=1e-4,
                              seed=a.seed, per_device_train_batch_size=BATCH, max_steps=steps,
                              dataloader_num_workers=0)
-    cbs = [_Clock(times, True), kfac, _Clock(times, False)]
-    Trainer(model=model, args=args, train_dataset=make_data(BATCH * steps), callbacks=cbs).train()
-    snap = [s for s in range(WARMUP, steps) if (s + 1) % a.every == 0]  # 0-based step indices
-    other = [s for s in range(WARMUP, steps) if (s + 1) % a.every != 0]
-    res = {"steps": steps, "step_ms": [1e3 * t for t in times],
-           "snapshot_step_ms": 1e3 * statistics.mean(times[s] for s in snap),
-           "other_step_ms": 1e3 * statistics.mean(times[s] for s in other),
-           "n_snapshot_steps": len(snap), "n_other_steps": len(other),
-           "snapshot_bytes": sum(p.stat().st_size for p in Path(kfac.snapshots[-1]).iterdir())}
-    res["extra_ms"] = res["snapshot_step_ms"] - res["other_step_ms"]
-    res["ratio"] = res["snapshot_step_ms"] / res["other_step_ms"]
-    return model, kfac, res
+    Trainer(model=model, args=args, train_dataset=make_data(BATCH * steps),
+            callbacks=[kfac, clock]).train()
+    ms = clock.ms
+    snap = [ms[s] for s in range(WARMUP, steps) if (s + 1) % a.every == 0]  # 0-based steps
+    other = [ms[s] for s in range(WARMUP, steps) if (s + 1) % a.every != 0]
+    mean_s, mean_o = statistics.mean(snap), statistics.mean(other)
+    return model, kfac, {
+        "steps": steps, "step_ms": ms, "save_snapshot_ms": save_ms, "snapshot_step_ms": mean_s,
+        "other_step_ms": mean_o, "extra_ms": mean_s - mean_o, "ratio": mean_s / mean_o,
+        "n_snapshot_steps": len(snap), "n_other_steps": len(other),
+        "snapshot_bytes": sum(p.stat().st_size for p in Path(kfac.snapshots[-1]).iterdir())}
+
+
+def interleave(jobs: dict, reps: int) -> dict[str, list[float]]:
+    """Run each job once per repetition, the order rotated between repetitions; ms."""
+    out, names = {k: [] for k in jobs}, list(jobs)
+    for r in range(reps):
+        for j in range(len(names)):
+            name = names[(j + r) % len(names)]
+            t0 = time.perf_counter()
+            jobs[name]()
+            out[name].append(1e3 * (time.perf_counter() - t0))
+    return out
 
 
 def bench_snapshot(kfac, reps: int, tmp: str) -> dict:
     """Part 1: snapshot_contents + write_snapshot vs plain eigh of the same matrices."""
-    tracker = kfac.tracker
+    tracker, root, split = kfac.tracker, os.path.join(tmp, "bench"), {"contents": [], "write": []}
     tracker.flush()
-    mats = {k: f.value() for k, f in tracker.store.factors.items()}
-    dims = sorted(m.shape[0] for m in mats.values())
-    root = os.path.join(tmp, "bench")
-    t = {"contents": [], "write": [], "snapshot": [], "eigh64": [], "eigh32": []}
+    mats = [f.value() for f in tracker.store.factors.values()]  # dequantised, float32
 
-    def snapshot(r):
+    def snapshot():
         t0 = time.perf_counter()
-        tensors, manifest = snapshot_contents(tracker, 10**6 + r)
-        t1 = time.perf_counter()
-        write_snapshot(root, 10**6 + r, tensors, manifest)
-        t2 = time.perf_counter()
-        t["contents"].append(t1 - t0)
-        t["write"].append(t2 - t1)
-        t["snapshot"].append(t2 - t0)
-        shutil.rmtree(root)
+        tensors, manifest = snapshot_contents(tracker, 10**6)
+        split["contents"].append(1e3 * (time.perf_counter() - t0))
+        write_snapshot(root, 10**6, tensors, manifest)
+        split["write"].append(1e3 * (time.perf_counter() - t0) - split["contents"][-1])
+        shutil.rmtree(root)  # timed (small next to the write); every snapshot starts fresh
 
-    def eigh(dtype, key):
-        ms = {k: m.to(dtype) for k, m in mats.items()}
-        total = 0.0
-        for m in ms.values():
-            t0 = time.perf_counter()
+    def eigh(dtype, threads=None):
+        ms, n = [m.to(dtype) for m in mats], torch.get_num_threads()  # conversions: ~1 ms
+        torch.set_num_threads(threads or n)
+        for m in ms:
             torch.linalg.eigh(m)
-            total += time.perf_counter() - t0
-        t[key].append(total)
+        torch.set_num_threads(n)
 
-    jobs = [snapshot, lambda r: eigh(torch.float64, "eigh64"), lambda r: eigh(torch.float32, "eigh32")]
-    eigh(torch.float64, "eigh64"), t["eigh64"].clear()  # warm-up (LAPACK workspaces)
-    for r in range(reps):
-        for j in range(len(jobs)):
-            jobs[(j + r) % len(jobs)](r)
-    res = {k: med_ms(v) for k, v in t.items()}
-    res.update(factors=len(mats), dims=dims, raw_ms={k: [1e3 * x for x in v] for k, v in t.items()},
-               ratio_eigh64=res["snapshot"] / res["eigh64"],
-               ratio_eigh32=res["snapshot"] / res["eigh32"])
-    return res
+    eigh(torch.float64)  # warm-up (LAPACK workspaces)
+    t = interleave({"snapshot": snapshot, "eigh64": lambda: eigh(torch.float64),
+                    "eigh32": lambda: eigh(torch.float32),
+                    "eigh64_1thread": lambda: eigh(torch.float64, 1)}, reps)
+    t.update(split)
+    return {**{k: statistics.median(v) for k, v in t.items()}, "factors": len(mats), "raw_ms": t}
 
 
 def bench_query(model, path: str, reps: int) -> dict:
     """Part 3: predictive(K) vs one no-grad forward of a 2 x 128 batch."""
     model.eval()
-    t0 = time.perf_counter()
     post = LaplacePosterior(model, Snapshot.load(path), prior_precision=1.0)
-    setup_ms = 1e3 * (time.perf_counter() - t0)
-    ids = make_data(QB * 2)[QB]["input_ids"]  # a window not at the start of the text
-    ids = torch.stack([make_data(QB + i + 1)[QB + i]["input_ids"][:QT] for i in range(QB)])
+    data = make_data(2 * QB)  # windows QB.. (not the first training batch's start)
+    ids = torch.stack([data[QB + i]["input_ids"][:QT] for i in range(QB)])
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    t: dict[str, list[float]] = {"forward": [], **{f"K={k}": [] for k in KS}}
 
-    def forward():
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            model(**batch)
-        t["forward"].append(time.perf_counter() - t0)
-
-    def query(k):
-        t0 = time.perf_counter()
-        post.predictive(batch, positions=-1, token_ids=list(range(k)))
-        t[f"K={k}"].append(time.perf_counter() - t0)
-
-    jobs = [forward] + [lambda k=k: query(k) for k in KS]
-    forward(), query(1)  # warm-up
-    t["forward"].clear(), t["K=1"].clear()
-    for r in range(reps):
-        for j in range(len(jobs)):
-            jobs[(j + r) % len(jobs)]()
-    fwd = med_ms(t["forward"])
-    res = {"batch": [QB, QT], "setup_ms": setup_ms, "forward_ms": fwd, "per_k": {}}
-    for k in KS:
-        ms = med_ms(t[f"K={k}"])
-        res["per_k"][k] = {"ms": ms, "ratio": ms / fwd, "goal": k + 2, "met": ms / fwd <= k + 2}
+    forward = torch.no_grad()(lambda: model(**batch))
+    jobs = {"forward": forward, **{k: lambda k=k: post.predictive(
+        batch, positions=-1, token_ids=list(range(k))) for k in KS}}
+    interleave(jobs, 1)  # warm-up
+    t = interleave(jobs, reps)
+    med = {k: statistics.median(v) for k, v in t.items()}
+    res = {"forward_ms": med["forward"], "raw_ms": t, "per_k": {k: {
+        "ms": med[k], "ratio": med[k] / med["forward"], "goal": k + 2,
+        "met": med[k] / med["forward"] <= k + 2} for k in KS}}
     worst = max(res["per_k"].values(), key=lambda v: v["ratio"] / v["goal"])
     if worst["ratio"] > 2 * worst["goal"]:
         prof = cProfile.Profile()
         prof.runcall(post.predictive, batch, positions=-1, token_ids=list(range(KS[-1])))
-        s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
-        res["profile"] = s.getvalue()
-        log(f"cProfile of one predictive call, K={KS[-1]} (top 12 by tottime):\n{res['profile']}")
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(12)
+        res["profile"] = out.getvalue()
+        print(f"cProfile of one predictive(K={KS[-1]}) call, top 12 by tottime:\n{res['profile']}")
     return res
 
 
 def table(r) -> str:
-    s, st, q = r["snapshot"], r["steps"], r["query"]
-    rows = ["| measurement | ms | reference | ref ms | ratio | goal |", "|---|---|---|---|---|---|",
-            f"| snapshot: contents + write ({s['factors']} factors) | {s['snapshot']:.0f} | "
-            f"eigh float64, same matrices | {s['eigh64']:.0f} | {s['ratio_eigh64']:.2f} | – |",
-            f"| snapshot: contents + write | {s['snapshot']:.0f} | eigh float32, same matrices | "
-            f"{s['eigh32']:.0f} | {s['ratio_eigh32']:.2f} | – |",
-            f"| · of which snapshot_contents | {s['contents']:.0f} | eigh float64 | "
-            f"{s['eigh64']:.0f} | {s['contents'] / s['eigh64']:.2f} | – |",
-            f"| · of which write_snapshot ({st['snapshot_bytes'] / 2**20:.0f} MiB) | "
-            f"{s['write']:.0f} | | | | – |",
-            f"| training step writing a snapshot (every {r['args']['every']}) | "
-            f"{st['snapshot_step_ms']:.0f} | other steps | {st['other_step_ms']:.0f} | "
-            f"{st['ratio']:.2f} | – |"]
-    for k, v in q["per_k"].items():
-        rows.append(f"| predictive, K={k}, {QB}×{QT} tokens | {v['ms']:.0f} | forward, no grad | "
-                    f"{q['forward_ms']:.1f} | {v['ratio']:.1f} | ≤ {v['goal']} "
-                    f"({'met' if v['met'] else 'NOT met'}) |")
+    s, st, q, every = r["snapshot"], r["steps"], r["query"], r["args"]["every"]
+    rows = ["| measurement | ms | reference | ref ms | ratio | goal |", "|---|---|---|---|---|---|"]
+    for ref, key in (("float64", "eigh64"), ("float32", "eigh32"),
+                     ("float64, 1 thread", "eigh64_1thread")):
+        rows.append(f"| snapshot: contents + write ({s['factors']} factors) | {s['snapshot']:.0f} "
+                    f"| eigh {ref}, same matrices | {s[key]:.0f} | "
+                    f"{s['snapshot'] / s[key]:.2f} | – |")
+    rows += [f"| · of which snapshot_contents | {s['contents']:.0f} | eigh float64 | "
+             f"{s['eigh64']:.0f} | {s['contents'] / s['eigh64']:.2f} | – |",
+             f"| · of which write_snapshot ({st['snapshot_bytes'] / 2**20:.0f} MiB) | "
+             f"{s['write']:.0f} | | | | – |",
+             f"| training step writing a snapshot (every {every}; mean) | "
+             f"{st['snapshot_step_ms']:.0f} | other steps (mean) | {st['other_step_ms']:.0f} | "
+             f"{st['ratio']:.2f} | – |"]
+    rows += [f"| predictive, K={k}, {QB}×{QT} tokens | {v['ms']:.0f} | forward, no grad | "
+             f"{q['forward_ms']:.1f} | {v['ratio']:.1f} | ≤ {v['goal']} "
+             f"({'met' if v['met'] else 'NOT met'}) |" for k, v in q["per_k"].items()]
     return "\n".join(rows)
 
 
 def write_outputs(r, a, info) -> None:
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "snapshot_query.json").write_text(json.dumps(
-        {"machine": info, "command": a.command, "args": vars(a), **r}, indent=1, default=str))
+        {"machine": info, "command": a.command, **r}, indent=1, default=str))
     st = r["steps"]
     section = "\n".join([
         BEGIN, "## Snapshot and query cost (`benchmarks/snapshot_query.py`)", "",
@@ -231,23 +197,22 @@ def write_outputs(r, a, info) -> None:
         f"- machine: {info['cpu']}, {info['cores']} cores ({info['torch_threads']} torch "
         f"threads); torch {info['torch']}, transformers {info['transformers']}, "
         f"Python {info['python']}",
-        f"- load average (1 min) at start / end: {info['load_start']:.2f} / {info['load_end']:.2f}",
+        "- load average (1 min) at start / after training / snapshot part / query part: "
+        + " / ".join(f"{x:.2f}" for x in r["load"].values()),
         f"- command: `{a.command}`",
         f"- medians of {a.reps} interleaved repetitions (snapshot vs eigh; forward vs queries); "
-        f"step times: means over one run of {st['steps']} steps, snapshot_every={a.every}, "
+        f"step times: means over one run of {st['steps']} steps with snapshot_every={a.every}, "
         f"token_fraction=0.05, update_every=1 ({st['n_snapshot_steps']} snapshot steps vs "
-        f"{st['n_other_steps']} others, first {WARMUP} left out). Snapshots run synchronously "
-        "on the training thread: the extra step time is the snapshot's. Method: docstring of "
-        "the script.", "", table(r), "",
-        f"- snapshot step spike: +{st['extra_ms']:.0f} ms per snapshot "
-        f"(+{st['extra_ms'] / a.every:.0f} ms per step amortised over {a.every} steps).", END])
+        f"{st['n_other_steps']} others, first {WARMUP} left out). Method: docstring of the "
+        "script.", "", table(r), "",
+        f"- snapshot step spike (synchronous, on the training thread): +{st['extra_ms']:.0f} ms "
+        f"per snapshot on average (+{st['extra_ms'] / a.every:.0f} ms per step over "
+        f"{a.every} steps); save_snapshot took "
+        + ", ".join(f"{x:.0f}" for x in st["save_snapshot_ms"]) + " ms.", END])
     path = HERE / "RESULTS.md"
     old = path.read_text() if path.exists() else "# Benchmarks\n"
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + section + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(new)
+    path.write_text(old[:old.index(BEGIN)] + section + old[old.index(END) + len(END):]
+                    if BEGIN in old and END in old else old.rstrip("\n") + "\n\n" + section + "\n")
 
 
 def main(argv=None) -> None:
@@ -258,39 +223,26 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="smoke run: 2 reps, 2 snapshots")
     a = p.parse_args(argv)
-    a.command = "python benchmarks/snapshot_query.py " + " ".join(map(shlex.quote, sys.argv[1:]))
+    a.command = " ".join(["python benchmarks/snapshot_query.py", *map(shlex.quote, sys.argv[1:])])
     if a.quick:
         a.reps, a.snapshots = 2, 2
-    torch.set_flush_denormal(True)
-    info = {**machine(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "load_start": os.getloadavg()[0]}
-    log(f"snapshot/query benchmark; {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
-        f"load {info['load_start']:.2f}")
-    r = {"load": {}}
+    sys.stdout.reconfigure(line_buffering=True)  # progress lines appear as they come
+    torch.set_flush_denormal(True)  # as overhead.py: denormals slow x86 CPUs ~10x
+    info = {**machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    r = {"args": vars(a), "load": {"start": os.getloadavg()[0]}}
+    print(f"snapshot_query: {info['cpu']}, {info['cores']} cores, load {r['load']['start']:.2f}")
     with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
         model, kfac, r["steps"] = train(a, tmp)
-        st = r["steps"]
-        r["load"]["after_train"] = os.getloadavg()[0]
-        log(f"[2] {st['steps']} steps in {time.perf_counter() - t0:.0f} s: snapshot steps "
-            f"{st['snapshot_step_ms']:.0f} ms, others {st['other_step_ms']:.0f} ms "
-            f"(x{st['ratio']:.2f}; load {r['load']['after_train']:.2f})")
-        r["snapshot"] = s = bench_snapshot(kfac, a.reps, tmp)
-        r["load"]["after_snapshot"] = os.getloadavg()[0]
-        log(f"[1] snapshot {s['snapshot']:.0f} ms (contents {s['contents']:.0f} + write "
-            f"{s['write']:.0f}); eigh float64 {s['eigh64']:.0f} ms, float32 {s['eigh32']:.0f} ms; "
-            f"ratio {s['ratio_eigh64']:.2f} / {s['ratio_eigh32']:.2f} "
-            f"(load {r['load']['after_snapshot']:.2f})")
-        r["query"] = q = bench_query(model, kfac.snapshots[-1], a.reps)
-        r["load"]["after_query"] = os.getloadavg()[0]
-        log(f"[3] forward {q['forward_ms']:.1f} ms; " + ", ".join(
-            f"K={k}: {v['ms']:.0f} ms ({v['ratio']:.1f}x, goal {v['goal']}x)"
-            for k, v in q["per_k"].items()) + f" (load {r['load']['after_query']:.2f})")
-    info["load_end"] = os.getloadavg()[0]
-    r["args"] = vars(a)
-    log("\n" + table(r))
+        r["load"]["train"] = os.getloadavg()[0]
+        print(f"[2] step ms: {[round(x) for x in r['steps']['step_ms']]}")
+        r["snapshot"] = bench_snapshot(kfac, a.reps, tmp)
+        r["load"]["snapshot"] = os.getloadavg()[0]
+        print("[1] ms:", {k: [round(x) for x in v] for k, v in r["snapshot"]["raw_ms"].items()})
+        r["query"] = bench_query(model, kfac.snapshots[-1], a.reps)
+        r["load"]["query"] = os.getloadavg()[0]
+    print(f"load averages: {r['load']}\n\n" + table(r))
     write_outputs(r, a, info)
-    log(f"wrote {HERE / 'RESULTS.md'} and {HERE / 'results' / 'snapshot_query.json'}")
+    print(f"wrote {HERE / 'RESULTS.md'} and {HERE / 'results' / 'snapshot_query.json'}")
 
 
 if __name__ == "__main__":

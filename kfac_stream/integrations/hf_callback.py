@@ -13,7 +13,9 @@ from transformers import TrainerCallback
 
 from ..capture.selection import select_layers
 from ..config import KFACConfig
-from ..snapshot.contents import snapshot_contents
+from ..snapshot.background import SnapshotWorker
+from ..snapshot.contents import add_eigendecompositions, snapshot_contents
+from ..snapshot.layout import step_dir_name
 from ..snapshot.writer import clean_stale_tmp, write_snapshot
 from ..tracker import Tracker
 
@@ -31,11 +33,14 @@ class KFACStreamCallback(TrainerCallback):
         snapshots: Paths of the snapshots written by this callback.
     """
 
-    def __init__(self, config: KFACConfig | None = None) -> None:
+    def __init__(self, config: KFACConfig | None = None, background_snapshots: bool = True
+                 ) -> None:
         self.config = config or KFACConfig()
         self.tracker: Tracker | None = None
         self.output_dir: str | None = None
         self.snapshots: list[str] = []
+        self.background_snapshots = background_snapshots
+        self._worker = SnapshotWorker()
         self._last_snapshot_step: int | None = None
 
     # -- Trainer events --------------------------------------------------------------------------
@@ -84,16 +89,31 @@ class KFACStreamCallback(TrainerCallback):
 
     # -- public helpers --------------------------------------------------------------------------
 
-    def save_snapshot(self, step: int, epoch: float | None = None) -> str:
-        """Write ``<output_dir>/step-<step>/`` now and return its path."""
+    def save_snapshot(self, step: int, epoch: float | None = None, wait: bool = False) -> str:
+        """Snapshot the factors now as ``<output_dir>/step-<step>/`` and return that path.
+
+        The training thread only copies the stored factors; their eigendecomposition and the
+        atomic write run on a background thread (``background_snapshots``) unless ``wait``.
+        """
         if self.tracker is None or self.output_dir is None:
             raise RuntimeError("KFACStreamCallback.save_snapshot: training has not started")
         tensors, manifest = snapshot_contents(self.tracker, step, epoch)
-        path = write_snapshot(self.output_dir, step, tensors, manifest)
-        self.snapshots.append(path)
+        root = self.output_dir
+
+        def finish() -> None:
+            add_eigendecompositions(tensors, manifest)
+            path = write_snapshot(root, step, tensors, manifest)
+            self.snapshots.append(path)
+            logger.info("kfac_stream: snapshot %s", path)
+
         self._last_snapshot_step = step
-        logger.info("kfac_stream: snapshot %s", path)
-        return path
+        if self.background_snapshots:
+            self._worker.submit(finish)
+            if wait:
+                self._worker.wait()
+        else:
+            finish()
+        return os.path.join(root, step_dir_name(step))
 
     def factors(self):
         """``{layer: (A, G)}`` of the live tracker (dequantised)."""
@@ -102,7 +122,9 @@ class KFACStreamCallback(TrainerCallback):
         return self.tracker.factors()
 
     def close(self) -> None:
-        """Remove hooks and stop the background worker (also called by ``on_train_end``)."""
+        """Finish the snapshot in flight, remove hooks and stop the background worker (also
+        called by ``on_train_end``)."""
+        self._worker.wait()
         if self.tracker is not None:
             self.tracker.close()
         # keep the tracker object for inspection (factors(), counters); its hooks are gone

@@ -16,9 +16,8 @@ def snapshot_contents(tracker, step: int, epoch: float | None = None
                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Shard tensors and manifest (without ``shards``) for ``tracker``'s owned factors.
 
-    Every factor is stored as written by the store (storage dtype and scale) together with its
-    eigendecomposition (``<key>.eigvals``, ``<key>.eigvecs``; float32, float64 for float64
-    storage; no eigenvectors for diagonal factors) and its spectrum statistics in the manifest.
+    Cheap (copies of the stored factors), so it runs on the training thread; the expensive
+    part, `add_eigendecompositions`, works on these copies only and can run anywhere.
 
     Args:
         tracker: A `kfac_stream.tracker.Tracker` (flushed here).
@@ -27,17 +26,10 @@ def snapshot_contents(tracker, step: int, epoch: float | None = None
     """
     tracker.flush()
     cfg = tracker.config
-    eig_dtype = torch.float64 if cfg.storage_dtype == "float64" else torch.float32
     tensors: dict[str, torch.Tensor] = {}
-    spectra: dict[str, dict[str, float]] = {}
     for key, f in tracker.store.factors.items():
         tensors[key] = f.data.clone()
         tensors[f"{key}.scale"] = torch.tensor([f.scale], dtype=torch.float32)
-        eigvals, eigvecs = safe_psd_eigh(f.value())  # float64, from the stored (rounded) factor
-        tensors[f"{key}.eigvals"] = eigvals.to(eig_dtype)
-        if eigvecs is not None:
-            tensors[f"{key}.eigvecs"] = eigvecs.to(eig_dtype)
-        spectra[key] = spectrum_stats(eigvals)
     layers: dict[str, Any] = {}
     for name, spec in tracker.specs.items():
         entry: dict[str, Any] = {"kind": spec.kind, "d_in": spec.d_in, "d_out": spec.d_out,
@@ -48,8 +40,7 @@ def snapshot_contents(tracker, step: int, epoch: float | None = None
             entry[factor] = {"dim": int(f.data.shape[0]), "diagonal": f.diagonal,
                              "owner": tracker.ownership.owner[key], "weight": f.weight,
                              "updates": f.updates, "positions": f.positions,
-                             "dtype": str(f.data.dtype).removeprefix("torch."),
-                             "spectrum": spectra[key]}
+                             "dtype": str(f.data.dtype).removeprefix("torch.")}
         layers[name] = entry
     counters = dataclasses.asdict(tracker.counters)
     counters.pop("skipped_steps", None)
@@ -73,3 +64,25 @@ def snapshot_contents(tracker, step: int, epoch: float | None = None
         "layers": layers,
     }
     return tensors, manifest
+
+
+def add_eigendecompositions(tensors: dict[str, torch.Tensor], manifest: dict[str, Any]) -> None:
+    """Add ``<key>.eigvals`` / ``<key>.eigvecs`` and per-factor spectrum statistics, in place.
+
+    Each factor is decomposed as stored (dequantised, so the eigenbasis is that of exactly the
+    matrix in the shard) with `safe_psd_eigh` in float64, and kept in float32 (float64 for
+    float64 storage); diagonal factors get eigenvalues only.
+    """
+    eig_dtype = torch.float64 if manifest["storage_dtype"] == "float64" else torch.float32
+    for name, entry in manifest["layers"].items():
+        for factor in ("A", "G"):
+            key = f"{name}.{factor}"
+            if key not in tensors:  # owned by another rank
+                continue
+            data = tensors[key]
+            value = data.double() * float(tensors[f"{key}.scale"])
+            eigvals, eigvecs = safe_psd_eigh(value)
+            tensors[f"{key}.eigvals"] = eigvals.to(eig_dtype)
+            if eigvecs is not None:
+                tensors[f"{key}.eigvecs"] = eigvecs.to(eig_dtype)
+            entry[factor]["spectrum"] = spectrum_stats(eigvals)
