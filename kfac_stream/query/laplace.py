@@ -24,7 +24,6 @@ from ..capture.hooks import _logits_of
 from ..capture.selection import layer_spec
 from ..exceptions import KFACStreamError
 from ..snapshot.snapshot import Snapshot
-from ..stats.covariance import with_bias_column
 from . import kron_eigen as ke
 
 
@@ -91,8 +90,8 @@ class LaplacePosterior:
 
     def jacobian_features(self, batch: dict[str, Tensor], positions: int | Sequence[int] = -1,
                           token_ids: Sequence[int] | None = None
-                          ) -> tuple[Tensor, dict[str, Tensor]]:
-        """MAP logits and ``M = Q_Gᵀ J Q_A`` per layer for the chosen logits.
+                          ) -> tuple[Tensor, Iterator[tuple[str, Tensor]]]:
+        """MAP logits and, layer by layer, ``M = Q_Gᵀ J Q_A`` for the chosen logits.
 
         Args:
             batch: Model inputs (``input_ids``, ``attention_mask``, ...), batch size ``B``.
@@ -103,7 +102,8 @@ class LaplacePosterior:
                 classification head.
 
         Returns:
-            ``(f [B, K] float64, {layer: M [B, K, d_out, d_A]})``.
+            ``(f [B, K] float64, iterator of (layer, M [B, K, d_out, d_A]))``; the features
+            of one layer at a time, so memory stays at one layer's ``B·K·d_out·d_A``.
         """
         acts: dict[str, Tensor] = {}
         outs: dict[str, Tensor] = {}
@@ -123,27 +123,28 @@ class LaplacePosterior:
                 logits = _logits_of(self.model(**_model_inputs(batch)))
                 f = _select_logits(logits, batch, positions, token_ids)  # [B, K]
                 names = list(outs)
-                feats = {n: [] for n in names}
-                for k in range(f.shape[1]):
-                    grads = torch.autograd.grad(f[:, k].sum(), [outs[n] for n in names],
-                                                retain_graph=k + 1 < f.shape[1],
-                                                allow_unused=True)
-                    for n, g in zip(names, grads):
-                        feats[n].append(self._features(n, acts[n], g, outs[n]))
+                grads: dict[str, list[Tensor]] = {n: [] for n in names}
+                for k in range(f.shape[1]):  # one backward per chosen logit
+                    gs = torch.autograd.grad(f[:, k].sum(), [outs[n] for n in names],
+                                             retain_graph=k + 1 < f.shape[1], allow_unused=True)
+                    for n, g in zip(names, gs):
+                        grads[n].append(torch.zeros_like(outs[n]) if g is None else g.detach())
         finally:
             for h in handles:
                 h.remove()
-        return f.detach().double(), {n: torch.stack(v, dim=1) for n, v in feats.items()}
+        outs.clear()
+        return f.detach().double(), (
+            (n, self._features(n, acts.pop(n), torch.stack(grads.pop(n)))) for n in names)
 
-    def _features(self, name: str, a: Tensor, g: Tensor | None, out: Tensor) -> Tensor:
+    def _features(self, name: str, a: Tensor, g: Tensor) -> Tensor:
+        """``M[b, k] = Σ_t (Q_Gᵀ g_{k,b,t}) (Q_Aᵀ ā_{b,t})ᵀ`` from ``a [B, T, d_in]`` and
+        ``g [K, B, T, d_out]``; the input side is rotated once for all K logits."""
         qa, _, qg, _ = self.eig[name]
         a = a.double().reshape(a.shape[0], -1, a.shape[-1])  # [B, T, d_in]
         if self.snapshot[name].has_bias:
-            a = with_bias_column(a.reshape(-1, a.shape[-1])).reshape(a.shape[0], a.shape[1], -1)
-        if g is None:
-            g = torch.zeros_like(out)
-        g = g.double().reshape(g.shape[0], -1, g.shape[-1])  # [B, T, d_out]
-        return torch.einsum("bti,btj->bij", ke.rotate(g, qg), ke.rotate(a, qa))
+            a = torch.cat([a, a.new_ones(a.shape[0], a.shape[1], 1)], dim=-1)  # [B, T, d_A]
+        g = g.double().reshape(g.shape[0], g.shape[1], -1, g.shape[-1])  # [K, B, T, d_out]
+        return torch.einsum("kbti,btj->bkij", ke.rotate(g, qg), ke.rotate(a, qa))
 
     def predictive(self, batch: dict[str, Tensor], positions: int | Sequence[int] = -1,
                    token_ids: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
@@ -154,7 +155,7 @@ class LaplacePosterior:
         """
         f, feats = self.jacobian_features(batch, positions, token_ids)
         cov = f.new_zeros(f.shape[0], f.shape[1], f.shape[1])
-        for name, m in feats.items():
+        for name, m in feats:
             _, aval, _, gval = self.eig[name]
             d = ke.precision_eigenvalues(gval, aval, self.num_data, self.tau(name))
             cov += torch.einsum("bkij,blij->bkl", m / d, m)
