@@ -7,13 +7,18 @@ snapshot_every=--every)`` (every step updates the factors: steps differ only by 
 16 tracked layers, 32 factors (sides 256..1025), FP16 store. Interleaved jobs run in an order
 rotated between repetitions; medians are reported.
 
-1. Snapshot vs eigh, on the final factors: ``snapshot_contents`` (float64 ``safe_psd_eigh`` of
-   every factor, clones, spectrum stats) + ``write_snapshot`` (safetensors, fsync, sha256) vs
+1. Snapshot vs eigh, on the final factors: ``snapshot_contents`` (copies of the stored factors,
+   on the training thread) + ``add_eigendecompositions`` (float64 ``safe_psd_eigh`` of every
+   factor, spectrum stats; a background thread in training) + ``write_snapshot`` (safetensors,
+   fsync, sha256), all timed here in one thread, vs
    plain ``torch.linalg.eigh`` of the same dequantised matrices summed over the 32 factors, in
    float64, float32, and float64 on one thread. Ratio = snapshot / eigh.
 2. Step spike: step time = ``on_step_begin`` -> ``on_step_end`` of a callback placed after the
-   kfac callback (whose on_step_end writes the snapshot, synchronously). Mean of the steps that
-   write a snapshot vs mean of the others, the first ``WARMUP`` steps left out.
+   kfac callback (whose on_step_end copies the factors and hands the eigendecomposition and the
+   write to a background thread). Mean of the steps that start a snapshot vs mean of the
+   others, the first ``WARMUP`` steps left out. On 2 cores the background eigh competes with
+   the following steps, so "other steps" carry the snapshot's cost: compare both with a plain
+   step (``overhead.py``).
 3. Query: ``LaplacePosterior(model, Snapshot.load(last), prior_precision=1.0).predictive(batch,
    positions=-1, token_ids=range(K))``, K in {1, 4, 16}, batch 2 x 128, vs a no-grad forward
    of the same batch (eval mode). Goal: query <= (K+2) x forward. A query more than 2x over
@@ -45,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import BATCH, MODEL, make_data, machine  # noqa: E402
 
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot  # noqa: E402
-from kfac_stream.snapshot.contents import snapshot_contents  # noqa: E402
+from kfac_stream.snapshot.contents import add_eigendecompositions, snapshot_contents  # noqa: E402
 from kfac_stream.snapshot.writer import write_snapshot  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -117,6 +122,7 @@ def bench_snapshot(kfac, reps: int, tmp: str) -> dict:
     def snapshot():
         t0 = time.perf_counter()
         tensors, manifest = snapshot_contents(tracker, 10**6)
+        add_eigendecompositions(tensors, manifest)
         split["contents"].append(1e3 * (time.perf_counter() - t0))
         write_snapshot(root, 10**6, tensors, manifest)
         split["write"].append(1e3 * (time.perf_counter() - t0) - split["contents"][-1])
@@ -173,7 +179,7 @@ def table(r) -> str:
         rows.append(f"| snapshot: contents + write ({s['factors']} factors) | {s['snapshot']:.0f} "
                     f"| eigh {ref}, same matrices | {s[key]:.0f} | "
                     f"{s['snapshot'] / s[key]:.2f} | – |")
-    rows += [f"| · of which snapshot_contents | {s['contents']:.0f} | eigh float64 | "
+    rows += [f"| · of which contents + eigendecompositions | {s['contents']:.0f} | eigh float64 | "
              f"{s['eigh64']:.0f} | {s['contents'] / s['eigh64']:.2f} | – |",
              f"| · of which write_snapshot ({st['snapshot_bytes'] / 2**20:.0f} MiB) | "
              f"{s['write']:.0f} | | | | – |",
