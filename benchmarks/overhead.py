@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import math
 import multiprocessing

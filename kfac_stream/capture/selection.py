@@ -73,7 +73,7 @@ def layer_spec(name: str, module: nn.Module) -> LayerSpec:
 
 
 def _conv1d_dims(module: nn.Module) -> tuple[int, int]:
-    d_out = int(getattr(module, "nf"))
+    d_out = int(module.nf)
     w = module.weight
     # Under DeepSpeed ZeRO-3 the local weight is a placeholder; ds_shape keeps the full shape.
     shape = tuple(getattr(w, "ds_shape", None) or w.shape)
