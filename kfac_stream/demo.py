@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 
 import torch
@@ -38,7 +39,7 @@ def byte_windows(text: bytes, seq_len: int, n: int) -> list[dict[str, torch.Tens
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output-dir", default="out/demo")
-    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--steps", type=int, default=200)
     p.add_argument("--token-fraction", type=float, default=0.05)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -49,9 +50,12 @@ def main(argv: list[str] | None = None) -> None:
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=128, n_head=4, vocab_size=256,
                                        n_positions=128, bos_token_id=0, eos_token_id=0))
     data = byte_windows(pydoc_text(), 128, 8 * a.steps)
-    cb = KFACStreamCallback(KFACConfig(token_fraction=a.token_fraction, snapshot_every=20))
+    # update_every=1: a small model whose every step is cheap to track (the library default,
+    # 10, is for keeping the overhead of real models low; see benchmarks/RESULTS.md)
+    cb = KFACStreamCallback(KFACConfig(token_fraction=a.token_fraction, update_every=1,
+                                       snapshot_every=50))
     args = TrainingArguments(a.output_dir, per_device_train_batch_size=8, max_steps=a.steps,
-                             learning_rate=1e-3, logging_steps=20, save_strategy="no",
+                             learning_rate=1e-3, logging_steps=50, save_strategy="no",
                              report_to=[], use_cpu=True, disable_tqdm=False)
     t0 = time.perf_counter()
     Trainer(model=model, args=args, train_dataset=data, callbacks=[cb]).train()
@@ -64,6 +68,13 @@ def main(argv: list[str] | None = None) -> None:
           f"{c['tokens_seen']} seen, {c['skipped_updates']} skipped; tracker time on the "
           f"training thread {c['tracker_seconds']:.2f} s of {wall:.1f} s training")
     print(f"snapshots: {', '.join(cb.snapshots)}")
+    try:
+        from .plot import plot_spectra
+
+        png = os.path.join(os.path.dirname(snap.path), f"{os.path.basename(snap.path)}.spectra.png")
+        print(f"spectra: {plot_spectra(snap, png)}")
+    except ImportError as e:
+        print(f"(no spectra plot: {e})")
 
 
 if __name__ == "__main__":
