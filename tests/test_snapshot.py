@@ -138,3 +138,35 @@ def test_temporary_directories_are_invisible(snapshots, tmp_path):
     assert Snapshot.latest(root2).step == 2
     with pytest.raises(SnapshotError, match="no complete snapshot"):
         Snapshot.latest(tmp_path / "empty")
+
+
+def test_eigh_failure_is_retried_with_a_shift(monkeypatch):
+    real = torch.linalg.eigh
+    calls = []
+
+    def flaky(x):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.linalg.LinAlgError("simulated: the algorithm failed to converge")
+        return real(x)
+
+    monkeypatch.setattr(torch.linalg, "eigh", flaky)
+    x = torch.randn(40, 6, dtype=torch.float64)
+    f = x.T @ x / 40
+    w, q = safe_psd_eigh(f)
+    assert len(calls) == 2
+    assert rel_err((q * w) @ q.T, f) <= 1e-9  # the retry's tiny shift is taken out again
+
+
+def test_loading_never_unpickles(snapshots, monkeypatch):
+    import pickle
+
+    def forbidden(*a, **k):
+        raise AssertionError("pickle/torch.load reached from Snapshot.load")
+
+    for mod, name in ((pickle, "load"), (pickle, "loads"), (pickle, "Unpickler"),
+                      (torch, "load")):
+        monkeypatch.setattr(mod, name, forbidden)
+    root, _ = snapshots
+    snap = Snapshot.latest(root)
+    assert len(snap.layer_names) == 8
