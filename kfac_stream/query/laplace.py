@@ -59,11 +59,18 @@ class LaplacePosterior:
         self.model, self.snapshot = model, snapshot
         self.modules = _match_layers(model, snapshot)
         self.num_data = float(num_data) if num_data is not None else default_num_data(snapshot.meta)
-        self.eig = {}
+        # Eigenvalue algebra (D, log-determinants, samples) runs in float64; the per-token
+        # Jacobian features run in the model's precision (float64 models: float64, else
+        # float32 — a float32 model's gradients carry no more digits than that).
+        wdtypes = {m.weight.dtype for m in self.modules.values()}
+        self.feature_dtype = torch.float64 if torch.float64 in wdtypes else torch.float32
+        self.eig, self._qf = {}, {}
         for name in snapshot.layer_names:
             lf = snapshot[name]
             self.eig[name] = tuple(None if t is None else t.double() for t in (
                 lf.A_eigvecs, lf.A_eigvals, lf.G_eigvecs, lf.G_eigvals))
+            self._qf[name] = tuple(None if t is None else t.to(self.feature_dtype)
+                                   for t in (lf.A_eigvecs, lf.G_eigvecs))
         self.prior_precision: float | dict[str, float] = 1.0
         if prior_precision == "marglik":
             self.optimize_prior_precision()
@@ -103,7 +110,8 @@ class LaplacePosterior:
 
         Returns:
             ``(f [B, K] float64, iterator of (layer, M [B, K, d_out, d_A]))``; the features
-            of one layer at a time, so memory stays at one layer's ``B·K·d_out·d_A``.
+            of one layer at a time (in ``feature_dtype``), so memory stays at one layer's
+            ``B·K·d_out·d_A``.
         """
         acts: dict[str, Tensor] = {}
         outs: dict[str, Tensor] = {}
@@ -139,11 +147,12 @@ class LaplacePosterior:
     def _features(self, name: str, a: Tensor, g: Tensor) -> Tensor:
         """``M[b, k] = Σ_t (Q_Gᵀ g_{k,b,t}) (Q_Aᵀ ā_{b,t})ᵀ`` from ``a [B, T, d_in]`` and
         ``g [K, B, T, d_out]``; the input side is rotated once for all K logits."""
-        qa, _, qg, _ = self.eig[name]
-        a = a.double().reshape(a.shape[0], -1, a.shape[-1])  # [B, T, d_in]
+        qa, qg = self._qf[name]
+        fd = self.feature_dtype
+        a = a.to(fd).reshape(a.shape[0], -1, a.shape[-1])  # [B, T, d_in]
         if self.snapshot[name].has_bias:
             a = torch.cat([a, a.new_ones(a.shape[0], a.shape[1], 1)], dim=-1)  # [B, T, d_A]
-        g = g.double().reshape(g.shape[0], g.shape[1], -1, g.shape[-1])  # [K, B, T, d_out]
+        g = g.to(fd).reshape(g.shape[0], g.shape[1], -1, g.shape[-1])  # [K, B, T, d_out]
         return torch.einsum("kbti,btj->bkij", ke.rotate(g, qg), ke.rotate(a, qa))
 
     def predictive(self, batch: dict[str, Tensor], positions: int | Sequence[int] = -1,
@@ -158,7 +167,7 @@ class LaplacePosterior:
         for name, m in feats:
             _, aval, _, gval = self.eig[name]
             d = ke.precision_eigenvalues(gval, aval, self.num_data, self.tau(name))
-            cov += torch.einsum("bkij,blij->bkl", m / d, m)
+            cov += torch.einsum("bkij,blij->bkl", m / d.to(m.dtype), m).double()
         return f, cov
 
     def predictive_probs(self, batch: dict[str, Tensor], positions: int | Sequence[int] = -1,
