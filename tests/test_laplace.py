@@ -266,3 +266,19 @@ def test_sequence_classification_head(tmp_path):
     heldout = [{"batch": batch, "token_ids": [0, 1, 2, 3], "labels": torch.tensor([0, 1])}]
     beta = post.fit_beta(heldout)
     assert beta > 0 and post.confidence(torch.tensor(1.0)) == pytest.approx(1 / (1 + beta))
+
+
+def test_per_layer_prior_precision(trained):
+    model, snap = trained
+    ex = text_examples(2, 10, seed=9)
+    batch = {k: torch.stack([e[k] for e in ex]) for k in ("input_ids", "attention_mask")}
+    same = {n: TAU for n in snap.layer_names}
+    _, c_float = LaplacePosterior(model, snap, TAU, N_DATA).predictive(batch, token_ids=[1, 2])
+    post = LaplacePosterior(model, snap, same, N_DATA)
+    _, c_dict = post.predictive(batch, token_ids=[1, 2])
+    assert torch.allclose(c_float, c_dict, rtol=1e-14)
+    stiffer = dict(same, **{snap.layer_names[0]: 1e6})  # one layer pinned near its MAP value
+    _, c_stiff = LaplacePosterior(model, snap, stiffer, N_DATA).predictive(batch, token_ids=[1, 2])
+    assert (torch.diagonal(c_stiff, dim1=1, dim2=2) < torch.diagonal(c_dict, dim1=1, dim2=2)).all()
+    assert post.log_marginal_likelihood(same) == pytest.approx(post.log_marginal_likelihood(TAU),
+                                                               rel=1e-14)
