@@ -1,4 +1,5 @@
-"""`Snapshot`: load and verify a snapshot directory. No pickle anywhere on this path.
+"""`Snapshot`: load and verify a snapshot directory (JSON + safetensors only: nothing on this
+path can execute code from a file; tests/test_snapshot.py checks it).
 
 ``Snapshot.load(path)`` checks the manifest (JSON, format name and version), that every shard
 listed exists and matches its sha256, and that every tensor has the shape the manifest states;
