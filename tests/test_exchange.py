@@ -1,0 +1,78 @@
+"""Rows/partial statistics reach their owners exactly (2 and 3 gloo processes, uneven counts)."""
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from kfac_stream.distributed.exchange import choose_strategy, exchange_to_owners, rows_bytes, stats_bytes
+from kfac_stream.distributed.ownership import assign_owners
+
+DIMS = {"l0.A": (7, False), "l0.G": (5, False), "l1.A": (9, True), "l1.G": (300, False)}
+COUNTS = {0: {"l0.A": 4, "l0.G": 4, "l1.A": 0, "l1.G": 2},  # a rank with zero rows for a key
+          1: {"l0.A": 1, "l0.G": 1, "l1.A": 3, "l1.G": 6},
+          2: {"l0.A": 6, "l0.G": 6, "l1.A": 2, "l1.G": 0}}
+
+
+def local_rows(rank):
+    gen = torch.Generator().manual_seed(100 + rank)
+    return {k: torch.randn(n, DIMS[k][0], generator=gen, dtype=torch.float64)
+            for k, n in COUNTS[rank].items() if n > 0}
+
+
+def _worker(rank, world, init_file, q):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    try:
+        for strategy in ("rows", "stats", None):  # forced either way, then chosen per factor
+            got = _check(rank, world, strategy)
+        q.put((rank, sorted(got)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _check(rank, world, strategy):
+    own = assign_owners(DIMS, world, 8)
+    got = exchange_to_owners(local_rows(rank), DIMS, own, rank, world, strategy=strategy)
+    for key, (kind, payload) in got.items():
+        assert own.owner[key] == rank
+        union = torch.cat([local_rows(r)[key] for r in range(world) if key in local_rows(r)])
+        d, diag = DIMS[key]
+        want = union.square().sum(0) if diag else union.T @ union
+        if kind == "rows":
+            stat, n = (payload.square().sum(0) if diag else payload.T @ payload), payload.shape[0]
+            assert torch.equal(payload, union), key  # rows arrive in rank order, exactly
+        else:
+            stat, n = payload
+        assert n == union.shape[0], (key, n)
+        assert torch.allclose(stat, want, rtol=1e-13, atol=1e-13), key
+    return got
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_owner_receives_the_union_of_all_ranks(world):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "init"), q))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    owned = dict(q.get() for _ in range(world))
+    got_keys = sorted(k for keys in owned.values() for k in keys)
+    assert got_keys == sorted(k for k in DIMS if any(COUNTS[r][k] for r in range(world)))
+
+
+def test_strategy_choice_by_bytes():
+    # 5% of 2048 tokens on 2 ranks, d = 1024: rows move ~0.4 MB, statistics 4 MB
+    assert rows_bytes([51, 51], 0, 1024, 4) == 51 * 1024 * 4
+    assert stats_bytes(2, 1024, False, 4) == 1024 * 1024 * 4
+    assert choose_strategy([51, 51], 0, 1024, False, 4) == "rows"
+    assert choose_strategy([4096, 4096], 0, 64, False, 4) == "stats"  # many rows, narrow factor
+    assert choose_strategy([4096, 4096], 0, 64, True, 4) == "stats"
