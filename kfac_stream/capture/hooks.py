@@ -145,8 +145,11 @@ class CaptureHooks:
         if shape is None:
             return
         mask = kwargs.get("attention_mask")
-        device = mask.device if isinstance(mask, Tensor) else torch.device("cpu")
-        usable = usable_positions(mask if isinstance(mask, Tensor) else None, shape, device)
+        mask = mask if isinstance(mask, Tensor) else None
+        ref = mask if mask is not None else next(
+            (v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)), None)
+        device = ref.device if ref is not None else torch.device("cpu")  # where the rows live
+        usable = usable_positions(mask, shape, device)
         if self.counting:
             self.tokens_seen += int(usable.sum())
         if self.record_inputs:
