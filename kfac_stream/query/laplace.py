@@ -64,12 +64,13 @@ class LaplacePosterior:
         # float32 — a float32 model's gradients carry no more digits than that).
         wdtypes = {m.weight.dtype for m in self.modules.values()}
         self.feature_dtype = torch.float64 if torch.float64 in wdtypes else torch.float32
+        self.device = next(iter(self.modules.values())).weight.device
         self.eig, self._qf = {}, {}
         for name in snapshot.layer_names:
             lf = snapshot[name]
             self.eig[name] = tuple(None if t is None else t.double() for t in (
                 lf.A_eigvecs, lf.A_eigvals, lf.G_eigvecs, lf.G_eigvals))
-            self._qf[name] = tuple(None if t is None else t.to(self.feature_dtype)
+            self._qf[name] = tuple(None if t is None else t.to(self.device, self.feature_dtype)
                                    for t in (lf.A_eigvecs, lf.G_eigvecs))
         self.prior_precision: float | dict[str, float] = 1.0
         if prior_precision == "marglik":
@@ -163,11 +164,11 @@ class LaplacePosterior:
             ``(mean [B, K], cov [B, K, K])``, float64.
         """
         f, feats = self.jacobian_features(batch, positions, token_ids)
-        cov = f.new_zeros(f.shape[0], f.shape[1], f.shape[1])
+        cov = f.new_zeros(f.shape[0], f.shape[1], f.shape[1])  # on the model's device
         for name, m in feats:
             _, aval, _, gval = self.eig[name]
             d = ke.precision_eigenvalues(gval, aval, self.num_data, self.tau(name))
-            cov += torch.einsum("bkij,blij->bkl", m / d.to(m.dtype), m).double()
+            cov += torch.einsum("bkij,blij->bkl", m / d.to(m.device, m.dtype), m).double()
         return f, cov
 
     def predictive_probs(self, batch: dict[str, Tensor], positions: int | Sequence[int] = -1,
@@ -203,10 +204,11 @@ class LaplacePosterior:
                     qa, aval, qg, gval = self.eig[name]
                     dw = ke.sample_block(qg, gval, qa, aval, self.num_data, self.tau(name), gen)
                     if self.snapshot[name].has_bias:
-                        m.bias.add_(dw[:, -1].to(m.bias.dtype))
+                        m.bias.add_(dw[:, -1].to(m.bias.device, m.bias.dtype))
                         dw = dw[:, :-1]
                     kind = layer_spec(name, m).kind
-                    m.weight.add_((dw.T if kind == "conv1d" else dw).to(m.weight.dtype))
+                    m.weight.add_((dw.T if kind == "conv1d" else dw).to(m.weight.device,
+                                                                        m.weight.dtype))
                 yield
             finally:
                 for name, m in self.modules.items():
@@ -234,7 +236,7 @@ class LaplacePosterior:
             mean, cov = self.predictive(item["batch"], item.get("positions", -1),
                                         item["token_ids"])
             pred = mean.argmax(-1)  # [B]
-            variances.append(torch.diagonal(cov, dim1=-2, dim2=-1).gather(1, pred[:, None])[:, 0])
+            variances.append(torch.diagonal(cov, dim1=-2, dim2=-1).gather(1, pred[:, None])[:, 0].cpu())
             correct.append(pred.cpu() == torch.as_tensor(item["labels"]).cpu())
         self.beta = fit_confidence_beta(torch.cat(variances), torch.cat(correct))
         return self.beta
@@ -349,7 +351,8 @@ def _select_logits(logits: Tensor, batch: dict[str, Tensor], positions, token_id
     lengths = mask.sum(1).tolist() if mask is not None else [T] * B
     pos = [positions] * B if isinstance(positions, int) else list(positions)
     idx = [p if p >= 0 else int(lengths[b]) + p for b, p in enumerate(pos)]
-    rows = logits[torch.arange(B), torch.tensor(idx, device=logits.device)]  # [B, V]
+    rows = logits[torch.arange(B, device=logits.device),
+                  torch.tensor(idx, device=logits.device)]  # [B, V]
     return rows[:, list(token_ids)]
 
 
