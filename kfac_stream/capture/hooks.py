@@ -57,13 +57,14 @@ class PassRecord:
     outputs: list[Tensor] = field(default_factory=list)
 
 
-def _batch_shape(args: tuple, kwargs: dict[str, Any]) -> tuple[int, int] | None:
+def _batch_input(args: tuple, kwargs: dict[str, Any]) -> Tensor | None:
+    """The ``[B, T, ...]`` tensor that gives a forward pass its batch shape and device."""
     for key in ("input_ids", "inputs_embeds", "attention_mask"):
         x = kwargs.get(key)
         if isinstance(x, Tensor) and x.dim() >= 2:
-            return int(x.shape[0]), int(x.shape[1])
+            return x
     if args and isinstance(args[0], Tensor) and args[0].dim() >= 2:
-        return int(args[0].shape[0]), int(args[0].shape[1])
+        return args[0]
     return None
 
 
@@ -141,15 +142,12 @@ class CaptureHooks:
         self.current = None
         if not (module.training and torch.is_grad_enabled()):
             return
-        shape = _batch_shape(args, kwargs)
-        if shape is None:
+        x = _batch_input(args, kwargs)
+        if x is None:
             return
+        shape = (int(x.shape[0]), int(x.shape[1]))
         mask = kwargs.get("attention_mask")
-        mask = mask if isinstance(mask, Tensor) else None
-        ref = mask if mask is not None else next(
-            (v for v in (*args, *kwargs.values()) if isinstance(v, Tensor)), None)
-        device = ref.device if ref is not None else torch.device("cpu")  # where the rows live
-        usable = usable_positions(mask, shape, device)
+        usable = usable_positions(mask if isinstance(mask, Tensor) else None, shape, x.device)
         if self.counting:
             self.tokens_seen += int(usable.sum())
         if self.record_inputs:

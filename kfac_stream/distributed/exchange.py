@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..stats.covariance import gram
 from .ownership import Ownership
 
 
@@ -97,7 +98,7 @@ def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool
             if rank == owner:
                 out[key] = ("rows", torch.cat([b[:n] for b, n in zip(bucket, per_rank)]))
         else:
-            part = rows.square().sum(0) if diagonal else rows.T @ rows  # [d] or [d, d]
+            part = gram(rows, diagonal)  # [d] or [d, d]
             dist.reduce(part, dst=owner, op=dist.ReduceOp.SUM, group=group)
             if rank == owner:
                 out[key] = ("stats", (part, total))

@@ -17,20 +17,22 @@ def with_bias_column(rows: Tensor) -> Tensor:
     return torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
 
 
-def second_moment(rows: Tensor, diagonal: bool = False) -> Tensor:
-    """Mean outer product of rows.
+def gram(rows: Tensor, diagonal: bool = False) -> Tensor:
+    """Summed outer product ``XᵀX`` of rows (its diagonal ``Σ x⊙x`` if ``diagonal``).
 
     Args:
-        rows: ``[n, d]`` with ``n ≥ 1``.
+        rows: ``[n, d]`` (``n = 0`` gives zeros).
         diagonal: Return only the diagonal.
 
     Returns:
         ``[d, d]`` (dense) or ``[d]`` (diagonal), same dtype as ``rows``.
     """
-    n = rows.shape[0]
-    if diagonal:
-        return rows.square().sum(0).div_(n)
-    return (rows.T @ rows).div_(n)
+    return rows.square().sum(0) if diagonal else rows.T @ rows
+
+
+def second_moment(rows: Tensor, diagonal: bool = False) -> Tensor:
+    """Mean outer product of rows, ``XᵀX / n`` (``n ≥ 1``); see `gram`."""
+    return gram(rows, diagonal).div_(rows.shape[0])
 
 
 def all_finite(tensors: list[Tensor]) -> bool:

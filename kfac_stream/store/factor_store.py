@@ -21,7 +21,8 @@ one GEMM and one pass over the stored ``d²`` entries (one FP16 rounding) per fl
 per update. Readers (`values`, snapshots) flush first, so what they see is always exact.
 
 FP16 scaling: before each write the new scale is chosen from a bound on ``max|F_new|``
-(``(1-η)·max|F_old| + η·max|S|``) so that the largest stored magnitude is at most
+(``α·max|F_old| + max|new term|``; both are PSD, so each maximum is that of the diagonal,
+cheap to read) so that the largest stored magnitude is at most
 ``2**14`` (fp16 overflows at 65504): activations with outliers of 1e4 give second moments of
 1e8, which fit after scaling. Relative rounding per entry is that of fp16 (``2**-11``).
 """
