@@ -50,7 +50,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from overhead import BATCH, MODEL, make_data, machine  # noqa: E402
 
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot  # noqa: E402
-from kfac_stream.snapshot.contents import add_eigendecompositions, snapshot_contents  # noqa: E402
+from kfac_stream.snapshot.contents import (add_eigendecompositions, merge_manifests,
+                                         snapshot_contents)  # noqa: E402
 from kfac_stream.snapshot.writer import write_snapshot  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -124,7 +125,7 @@ def bench_snapshot(kfac, reps: int, tmp: str) -> dict:
         tensors, manifest = snapshot_contents(tracker, 10**6)
         add_eigendecompositions(tensors, manifest)
         split["contents"].append(1e3 * (time.perf_counter() - t0))
-        write_snapshot(root, 10**6, tensors, manifest)
+        write_snapshot(root, 10**6, tensors, manifest, merge=merge_manifests)
         split["write"].append(1e3 * (time.perf_counter() - t0) - split["contents"][-1])
         shutil.rmtree(root)  # timed (small next to the write); every snapshot starts fresh
 

@@ -7,6 +7,11 @@ rows; ``end_step(model)`` runs the MC passes (``fisher="mc"``), checks every row
 scale ``c``, and folds ``S_A = ĀᵀĀ/n``, ``S_G = GᵀG/n`` (``n`` = positions of the update,
 union over micro-batches) into the EMA of every factor this rank owns — on a background thread
 when ``async_updates`` is on, so the step waits only when the tracker is a whole update behind.
+
+With several ranks (``dist_ctx``), each factor has one owner (`distributed.ownership`); at every
+update step each rank hands its local rows to `distributed.exchange`, which brings the rows (or
+partial sums) of all ranks to each owner, so the owner folds exactly the union of all ranks'
+sampled positions. A non-finite statistic on any rank skips the update on all of them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from torch import Tensor, nn
 from .capture.hooks import CaptureHooks
 from .capture.selection import LayerSpec
 from .config import KFACConfig
+from .distributed.context import DistContext
+from .distributed.exchange import exchange_to_owners
 from .distributed.ownership import Ownership, assign_owners
 from .mc import mc_fisher_pass
 from .stats.covariance import all_finite, with_bias_column
@@ -42,18 +49,36 @@ class Counters:
     updates: int = 0
     skipped_updates: int = 0  # steps dropped for NaN/Inf statistics or a bad loss scale
     tracker_seconds: float = 0.0  # time spent on the training thread in end_step
+    comm_bytes: int = 0  # bytes this rank sent to factor owners (multi-process only)
     skipped_steps: list[int] = field(default_factory=list)
+
+
+@dataclass
+class UpdateJob:
+    """One update step's local contribution, handed from the training thread to `_apply`.
+
+    Attributes:
+        step: Optimizer step.
+        rows: ``{layer: (a [n, d_in], g [n, d_out])}`` with ``g`` divided by the loss scale;
+            ``n`` may be 0 on this rank (then the layer is absent).
+        ok: This rank's statistics are finite and every pass's loss scale is known.
+    """
+
+    step: int
+    rows: dict[str, tuple[Tensor, Tensor]]
+    ok: bool = True
 
 
 class Tracker:
     """Streams K-FAC factors of the tracked layers of ``model`` into a CPU store."""
 
     def __init__(self, model: nn.Module, layers: dict[str, nn.Module],
-                 specs: dict[str, LayerSpec], config: KFACConfig, rank: int = 0,
-                 world_size: int = 1) -> None:
+                 specs: dict[str, LayerSpec], config: KFACConfig,
+                 dist_ctx: DistContext | None = None) -> None:
         self.config = config
         self.specs = specs
-        self.rank, self.world_size = rank, world_size
+        self.dist = dist_ctx
+        self.rank, self.world_size = (dist_ctx.rank, dist_ctx.world_size) if dist_ctx else (0, 1)
         self.row_dtype = torch.float64 if config.storage_dtype == "float64" else torch.float32
         self.capture = CaptureHooks(model, layers, config.token_fraction, config.seed,
                                     self.row_dtype)
@@ -67,10 +92,14 @@ class Tracker:
         for name, s in specs.items():
             dims[f"{name}.A"] = (s.a_dim, s.a_dim > config.max_dense_dim)
             dims[f"{name}.G"] = (s.g_dim, s.g_dim > config.max_dense_dim)
-        self.ownership: Ownership = assign_owners(dims, world_size, _BYTES[config.storage_dtype])
+        self.dims: dict[str, tuple[int, bool]] = dims  # {key: (side, diagonal)}, every factor
+        self.ownership: Ownership = assign_owners(dims, self.world_size,
+                                                  _BYTES[config.storage_dtype])
         self.store = FactorStore(config.storage_dtype, config.ema_decay)
-        for key in self.ownership.owned_by(rank):
+        for key in self.ownership.owned_by(self.rank):
             self.store.add(key, *dims[key])
+        self.exchange_strategy: str | None = None  # None: per factor by bytes (tests force)
+        self.last_exchange = None  # the latest `Exchanged` report (multi-process; benchmarks)
         self._async = bool(config.async_updates)
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
@@ -93,7 +122,11 @@ class Tracker:
         self.capture.record_inputs = self.is_update_step and mc
 
     def end_step(self, model: nn.Module) -> bool:
-        """Finish the step; returns True if the factors were updated."""
+        """Finish the step; returns True if an update was handed to the store.
+
+        With several ranks every rank hands one over on every update step (possibly with no
+        rows of its own): the exchange is collective, and the skip decision is shared.
+        """
         t0 = time.perf_counter()
         try:
             if not self.is_update_step:
@@ -116,7 +149,7 @@ class Tracker:
             self.counters.tokens_seen = self.capture.tokens_seen
             self.counters.tracker_seconds += time.perf_counter() - t0
 
-    def _collect(self, passes) -> dict[str, tuple[Tensor, Tensor]] | None:
+    def _collect(self, passes) -> UpdateJob | None:
         a_rows: dict[str, list[Tensor]] = {}
         g_rows: dict[str, list[Tensor]] = {}
         bad_scale = False
@@ -134,44 +167,66 @@ class Tracker:
                 for a, g in pairs:
                     a_rows.setdefault(name, []).append(a)
                     g_rows.setdefault(name, []).append(g.div_(c) if c != 1.0 else g)
-        if not a_rows and not bad_scale:
+        if not a_rows and not bad_scale and self.world_size == 1:
             return None
-        job = {name: (_cat(a_rows[name]), _cat(g_rows[name])) for name in a_rows}
-        tensors = [t for pair in job.values() for t in pair]
-        if bad_scale or not all_finite(tensors):
-            self.counters.skipped_updates += 1
-            self.counters.skipped_steps.append(int(self.step or 0))
-            logger.warning("kfac_stream: step %s has non-finite statistics (or loss scale); "
-                           "skipped for the factors (%d skipped so far)", self.step,
-                           self.counters.skipped_updates)
-            return None
-        return job
+        rows = {name: (_cat(a_rows[name]), _cat(g_rows[name])) for name in a_rows}
+        ok = not bad_scale and all_finite([t for pair in rows.values() for t in pair])
+        return UpdateJob(int(self.step or 0), rows if ok else {}, ok)
 
     # -- factor arithmetic (training thread or worker) -------------------------------------------
 
-    def _submit(self, job: dict[str, tuple[Tensor, Tensor]]) -> None:
-        n = next(iter(job.values()))[0].shape[0]
-        self.counters.updates += 1
-        self.counters.positions_sampled += int(n)
+    def _submit(self, job: UpdateJob) -> None:
         if self._queue is None:
             self._apply(job)
             return
         self._raise_worker_error()
-        if any(t.is_cuda for pair in job.values() for t in pair):
-            job = _to_pinned_cpu(job)
+        if any(t.is_cuda for pair in job.rows.values() for t in pair):
+            job.rows = _to_pinned_cpu(job.rows)
         self._queue.put(job)  # blocks only if the previous update is still being applied
 
-    def _apply(self, job) -> None:
-        owned = self.store.factors
-        for name, (a, g) in job.items():
-            spec = self.specs[name]
-            for key, rows, bias in ((f"{name}.A", a, spec.has_bias), (f"{name}.G", g, False)):
-                if key not in owned:
-                    continue
-                if isinstance(rows, tuple):  # (pinned tensor, cuda event)
-                    rows[1].synchronize()
-                    rows = rows[0]
-                self.store.push_rows(key, with_bias_column(rows) if bias else rows)  # [n, d]
+    def _apply(self, job: UpdateJob) -> None:
+        """Exchange (several ranks), then fold this rank's owned factors; skips are shared."""
+        rows = {name: tuple(_on_cpu(t) for t in pair) for name, pair in job.rows.items()}
+        local: dict[str, Tensor] = {}  # {factor key: rows [n, d]}, A with its bias column
+        for name, (a, g) in rows.items():
+            local[f"{name}.A"] = with_bias_column(a) if self.specs[name].has_bias else a
+            local[f"{name}.G"] = g
+        if self.dist is None:
+            if not job.ok:
+                self._skip(job.step)
+                return
+            delivered = {k: ("rows", v) for k, v in local.items() if k in self.store.factors}
+            total = max((v.shape[0] for v in local.values()), default=0)
+        else:
+            transport = torch.float16 if self.config.storage_dtype == "float16" else None
+            ex = exchange_to_owners(local, self.dims, self.ownership, self.rank,
+                                    self.world_size, self.dist.exchange_group,
+                                    self.exchange_strategy, job.ok, transport)
+            if not ex.ok:
+                self._skip(job.step)
+                return
+            self.last_exchange = ex
+            delivered = ex.owned
+            total = max(ex.totals.values(), default=0)
+            self.counters.comm_bytes += ex.bytes_moved
+        if total == 0:
+            return
+        self.counters.updates += 1
+        self.counters.positions_sampled += int(total)
+        for key, (how, payload) in delivered.items():
+            if how == "rows":
+                self.store.push_rows(key, payload)  # [n, d]
+            else:
+                stat, n = payload
+                self.store.update(key, stat.div_(n), n)
+
+    def _skip(self, step: int) -> None:
+        self.counters.skipped_updates += 1
+        self.counters.skipped_steps.append(step)
+        where = f" on at least one of {self.world_size} ranks" if self.world_size > 1 else ""
+        logger.warning("kfac_stream: step %s has non-finite statistics (or loss scale)%s; "
+                       "skipped for the factors (%d skipped so far)", step, where,
+                       self.counters.skipped_updates)
 
     def _work(self) -> None:
         assert self._queue is not None
@@ -229,10 +284,18 @@ def _cat(parts: list[Tensor]) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _to_pinned_cpu(job):
+def _on_cpu(t) -> Tensor:
+    """A CPU tensor from a CPU tensor, a device tensor, or a (pinned buffer, event) pair."""
+    if isinstance(t, tuple):
+        t[1].synchronize()
+        return t[0]
+    return t.cpu()
+
+
+def _to_pinned_cpu(rows):
     """Start non-blocking device→host copies into pinned buffers; the worker waits on events."""
     out = {}
-    for name, pair in job.items():
+    for name, pair in rows.items():
         moved = []
         for t in pair:
             buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)

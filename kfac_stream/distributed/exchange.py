@@ -18,7 +18,9 @@ This module (with ``ownership``) is the only place that calls ``torch.distribute
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -53,12 +55,48 @@ def all_ranks_agree(flag: bool, group=None) -> bool:
     return bool(t.item())
 
 
+_FP16_TARGET = 2.0**14  # largest transported magnitude (fp16 overflows at 65504)
+
+
+def transport_exponent(rows: Tensor) -> int:
+    """``e`` such that ``rows · 2^-e`` has its largest magnitude in ``(2^13, 2^14]`` (0 if all
+    zero): a power of two, so scaling is exact and only the fp16 rounding remains."""
+    amax = float(rows.abs().max()) if rows.numel() else 0.0
+    return math.ceil(math.log2(amax / _FP16_TARGET)) if amax > 0 else 0
+
+
+@dataclass
+class Exchanged:
+    """What `exchange_to_owners` delivered to this rank.
+
+    Attributes:
+        ok: False if any rank reported ``ok=False`` (nothing was moved then).
+        owned: For keys this rank owns with ``N = Σ n_r > 0``: ``("rows", rows [N, d])`` or
+            ``("stats", (sum [d, d] or [d], N))``.
+        totals: ``{key: N}`` for every key (all ranks see the same).
+        bytes_moved: Payload bytes this rank sent to owners for this update (padding included).
+        bytes_rows, bytes_stats: What the rows / the statistics strategy would move in total
+            over all ranks for this update (counts known to all ranks), for reports.
+    """
+
+    ok: bool
+    owned: dict[str, tuple[str, object]] = field(default_factory=dict)
+    totals: dict[str, int] = field(default_factory=dict)
+    bytes_moved: int = 0
+    bytes_rows: int = 0
+    bytes_stats: int = 0
+
+
 def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool]],
                        ownership: Ownership, rank: int, world_size: int, group=None,
-                       strategy: str | None = None) -> dict[str, tuple[str, object]]:
+                       strategy: str | None = None, ok: bool = True,
+                       transport: torch.dtype | None = None) -> Exchanged:
     """Bring every factor's rows (or partial sums) to its owner.
 
-    Collective: every rank calls it with the same keys (``dims``), in the same order.
+    Collective: every rank calls it with the same keys (``dims``), in the same order. One
+    ``all_gather`` of a small int64 table (row counts, transport exponents, ``ok``) comes
+    first, so all ranks agree on the strategy, the padding and whether to skip; then one
+    ``gather`` (rows) or ``reduce`` (statistics) per factor.
 
     Args:
         local: ``{key: rows [n_r, d]}`` on this rank (a missing key means ``n_r = 0``); A rows
@@ -67,39 +105,65 @@ def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool
         ownership: Who owns which key.
         rank, world_size: This process's place.
         strategy: Force ``"rows"`` or ``"stats"`` (tests, benchmarks); default per factor.
-
-    Returns:
-        For the keys this rank owns and that have ``N = Σ n_r > 0`` rows in total:
-        ``("rows", rows [N, d])`` or ``("stats", (sum [d, d] or [d], N))``.
+        ok: This rank's statistics are usable (finite, loss scale known); if any rank says
+            False, every rank skips the update and nothing else is sent.
+        transport: ``torch.float16`` sends rows as fp16 scaled by a power of two per rank and
+            factor (relative rounding 2^-11 per entry, the storage's own); None sends them in
+            their dtype. Partial statistics always travel in the rows' dtype (sums of
+            squares need its range and precision).
     """
     keys = list(dims)
     dtype = next((t.dtype for t in local.values()), torch.float32)
-    counts = torch.tensor([local[k].shape[0] if k in local else 0 for k in keys],
-                          dtype=torch.int64)
-    every = [torch.zeros_like(counts) for _ in range(world_size)]
-    dist.all_gather(every, counts, group=group)
-    table = torch.stack(every)  # [W, keys]
-    out: dict[str, tuple[str, object]] = {}
+    k = len(keys)
+    mine = torch.zeros(2 * k + 1, dtype=torch.int64)  # counts | exponents | ok
+    for j, key in enumerate(keys):
+        if key in local and ok:
+            mine[j] = local[key].shape[0]
+            if transport is not None:
+                mine[k + j] = transport_exponent(local[key])
+    mine[2 * k] = int(ok)
+    every = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(every, mine, group=group)
+    table = torch.stack(every)  # [W, 2K+1]
+    result = Exchanged(ok=bool(table[:, 2 * k].min().item()))
+    if not result.ok:
+        return result
+    wire = transport or dtype
     for j, key in enumerate(keys):
         d, diagonal = dims[key]
         owner = ownership.owner[key]
         per_rank = table[:, j].tolist()
         total = sum(per_rank)
+        result.totals[key] = total
         if total == 0:
             continue
         rows = local.get(key, torch.zeros(0, d, dtype=dtype))
-        how = strategy or choose_strategy(per_rank, owner, d, diagonal, rows.element_size())
+        esize = torch.tensor([], dtype=wire).element_size()
+        result.bytes_rows += rows_bytes(per_rank, owner, d, esize)
+        result.bytes_stats += stats_bytes(world_size, d, diagonal, rows.element_size())
+        how = strategy or choose_strategy(per_rank, owner, d, diagonal, esize)
         if how == "rows":
             width = max(per_rank)
-            padded = torch.zeros(width, d, dtype=dtype)
-            padded[: rows.shape[0]] = rows
+            padded = torch.zeros(width, d, dtype=wire)
+            exps = table[:, k + j].tolist()
+            if transport is not None:
+                padded[: rows.shape[0]] = rows * 2.0 ** -exps[rank]
+            else:
+                padded[: rows.shape[0]] = rows
             bucket = [torch.zeros_like(padded) for _ in range(world_size)] if rank == owner else None
             dist.gather(padded, bucket, dst=owner, group=group)
-            if rank == owner:
-                out[key] = ("rows", torch.cat([b[:n] for b, n in zip(bucket, per_rank)]))
+            if rank != owner:
+                result.bytes_moved += padded.numel() * esize
+            else:
+                parts = [b[:n].to(dtype) for b, n in zip(bucket, per_rank)]
+                if transport is not None:
+                    parts = [p.mul_(2.0 ** e) for p, e in zip(parts, exps)]
+                result.owned[key] = ("rows", torch.cat(parts))
         else:
             part = gram(rows, diagonal)  # [d] or [d, d]
             dist.reduce(part, dst=owner, op=dist.ReduceOp.SUM, group=group)
-            if rank == owner:
-                out[key] = ("stats", (part, total))
-    return out
+            if rank != owner:
+                result.bytes_moved += part.numel() * part.element_size()
+            else:
+                result.owned[key] = ("stats", (part, total))
+    return result

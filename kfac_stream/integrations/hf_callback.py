@@ -14,7 +14,8 @@ from transformers import TrainerCallback
 from ..capture.selection import select_layers
 from ..config import KFACConfig
 from ..snapshot.background import SnapshotWorker
-from ..snapshot.contents import add_eigendecompositions, snapshot_contents
+from ..distributed.context import LOCAL, DistContext
+from ..snapshot.contents import add_eigendecompositions, merge_manifests, snapshot_contents
 from ..snapshot.layout import step_dir_name
 from ..snapshot.writer import clean_stale_tmp, write_snapshot
 from ..tracker import Tracker
@@ -41,6 +42,7 @@ class KFACStreamCallback(TrainerCallback):
         self.snapshots: list[str] = []
         self.background_snapshots = background_snapshots
         self._worker = SnapshotWorker()
+        self._comm = LOCAL
         self._last_snapshot_step: int | None = None
 
     # -- Trainer events --------------------------------------------------------------------------
@@ -56,15 +58,19 @@ class KFACStreamCallback(TrainerCallback):
         if async_updates is None:
             async_updates = str(getattr(args, "device", "cpu")).startswith("cuda")
         cfg = KFACConfig(**{**cfg.to_dict(), "async_updates": async_updates})
-        self.tracker = Tracker(model, {n: modules[n] for n in specs}, specs, cfg)
+        dist_ctx = DistContext.from_torch()  # collective with several processes
+        self.tracker = Tracker(model, {n: modules[n] for n in specs}, specs, cfg, dist_ctx)
+        self._comm = dist_ctx.snapshot_comm if dist_ctx else LOCAL
         self.output_dir = cfg.output_dir or os.path.join(args.output_dir, "kfac")
         self._last_snapshot_step = None
-        if state.is_world_process_zero:
+        if self.tracker.rank == 0:
             clean_stale_tmp(self.output_dir)
             logger.info("kfac_stream: tracking %d layers (%s Fisher, token_fraction=%g, "
-                        "ema_decay=%g, update_every=%d); snapshots in %s", len(specs),
-                        cfg.fisher, cfg.token_fraction, cfg.ema_decay, cfg.update_every,
-                        self.output_dir)
+                        "ema_decay=%g, update_every=%d) on %d rank(s); snapshots in %s",
+                        len(specs), cfg.fisher, cfg.token_fraction, cfg.ema_decay,
+                        cfg.update_every, self.tracker.world_size, self.output_dir)
+            logger.info("kfac_stream: factor owners (bytes of the stored factors, eigh cost)"
+                        "\n%s", self.tracker.ownership)
         return control
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -94,17 +100,20 @@ class KFACStreamCallback(TrainerCallback):
 
         The training thread only copies the stored factors; their eigendecomposition and the
         atomic write run on a background thread (``background_snapshots``) unless ``wait``.
+        With several processes every rank must call it for the same step (the Trainer events
+        do): each writes the shard of the factors it owns, rank 0 the manifest.
         """
         if self.tracker is None or self.output_dir is None:
             raise RuntimeError("KFACStreamCallback.save_snapshot: training has not started")
         tensors, manifest = snapshot_contents(self.tracker, step, epoch)
-        root = self.output_dir
+        root, comm = self.output_dir, self._comm
 
-        def finish() -> None:
+        def finish() -> None:  # every rank: its own factors, in parallel; then the protocol
             add_eigendecompositions(tensors, manifest)
-            path = write_snapshot(root, step, tensors, manifest)
+            path = write_snapshot(root, step, tensors, manifest, comm, merge_manifests)
             self.snapshots.append(path)
-            logger.info("kfac_stream: snapshot %s", path)
+            if comm.rank == 0:
+                logger.info("kfac_stream: snapshot %s", path)
 
         self._last_snapshot_step = step
         if self.background_snapshots:

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from typing import Any
 
 import torch
 
 from ..stats.spectrum import safe_psd_eigh, spectrum_stats
-from .layout import FORMAT_NAME, FORMAT_VERSION, layer_fingerprint
+from .layout import FORMAT_NAME, FORMAT_VERSION, layer_fingerprint, shard_name
 
 
 def snapshot_contents(tracker, step: int, epoch: float | None = None
                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Shard tensors and manifest (without ``shards``) for ``tracker``'s owned factors.
+    """Shard tensors and manifest part (without ``shards``) for ``tracker``'s owned factors.
+
+    With several ranks each rank makes its part; `merge_manifests` combines them.
 
     Cheap (copies of the stored factors), so it runs on the training thread; the expensive
     part, `add_eigendecompositions`, works on these copies only and can run anywhere.
@@ -31,26 +34,35 @@ def snapshot_contents(tracker, step: int, epoch: float | None = None
         tensors[key] = f.data.clone()
         tensors[f"{key}.scale"] = torch.tensor([f.scale], dtype=torch.float32)
     layers: dict[str, Any] = {}
+    world = tracker.world_size
     for name, spec in tracker.specs.items():
         entry: dict[str, Any] = {"kind": spec.kind, "d_in": spec.d_in, "d_out": spec.d_out,
                                  "has_bias": spec.has_bias}
         for factor in ("A", "G"):
             key = f"{name}.{factor}"
-            f = tracker.store.factors[key]
-            entry[factor] = {"dim": int(f.data.shape[0]), "diagonal": f.diagonal,
-                             "owner": tracker.ownership.owner[key], "weight": f.weight,
-                             "updates": f.updates, "positions": f.positions,
-                             "dtype": str(f.data.dtype).removeprefix("torch.")}
+            dim, diagonal = tracker.dims[key]
+            owner = tracker.ownership.owner[key]
+            entry[factor] = {"dim": dim, "diagonal": diagonal, "owner": owner,
+                             "shard": shard_name(owner, world)}
+            f = tracker.store.factors.get(key)
+            if f is not None:  # owned here; other ranks' parts fill in theirs (merge)
+                entry[factor].update({"weight": f.weight, "updates": f.updates,
+                                      "positions": f.positions,
+                                      "dtype": str(f.data.dtype).removeprefix("torch.")})
         layers[name] = entry
     counters = dataclasses.asdict(tracker.counters)
     counters.pop("skipped_steps", None)
+    counters["comm_bytes"] = [counters["comm_bytes"]]  # per rank, filled in by the merge
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "step": int(step),
         "epoch": epoch,
         "created_unix": time.time(),
-        "world_size": tracker.world_size,
+        "world_size": world,
+        "rank": tracker.rank,
+        "ownership": {"bytes_per_rank": list(tracker.ownership.bytes_per_rank),
+                      "eigh_flops_per_rank": list(tracker.ownership.eigh_flops_per_rank)},
         "fisher": cfg.fisher,
         "ema_decay": cfg.ema_decay,
         "token_fraction": cfg.token_fraction,
@@ -64,6 +76,28 @@ def snapshot_contents(tracker, step: int, epoch: float | None = None
         "layers": layers,
     }
     return tensors, manifest
+
+
+def merge_manifests(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One manifest from every rank's part (rank order), as rank 0 writes it.
+
+    Each factor's statistics (weight, updates, positions, dtype, spectrum) come from its
+    owner's part; ``tokens_seen`` (counted per rank) is summed, ``tracker_seconds`` is the
+    slowest rank's, ``comm_bytes`` lists every rank's. Everything else is the same on all
+    ranks and is taken from rank 0.
+    """
+    out = json.loads(json.dumps(parts[0]))  # deep copy
+    for part in parts[1:]:
+        for name, entry in part["layers"].items():
+            for factor in ("A", "G"):
+                if entry[factor]["owner"] == part["rank"]:
+                    out["layers"][name][factor] = entry[factor]
+    counts = out["counts"]
+    counts["tokens_seen"] = sum(p["counts"]["tokens_seen"] for p in parts)
+    counts["tracker_seconds"] = max(p["counts"]["tracker_seconds"] for p in parts)
+    counts["comm_bytes"] = [b for p in parts for b in p["counts"]["comm_bytes"]]
+    out.pop("rank", None)
+    return out
 
 
 def add_eigendecompositions(tensors: dict[str, torch.Tensor], manifest: dict[str, Any]) -> None:

@@ -1,5 +1,8 @@
 """Write a snapshot atomically: shards and manifest into a temporary directory, then rename.
 
+One process or many: each owner rank writes its own shard, rank 0 writes the manifest once
+every shard is on disk and verified (see `write_snapshot`).
+
 Every file is fsynced before the manifest (which lists each shard's sha256) is written, and the
 manifest is fsynced before the rename; the parent directory is fsynced after it. A crash at any
 point leaves either the previous snapshots or a hidden ``.step-*.tmp-*`` directory that readers
@@ -11,10 +14,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import save_file
 
+from ..distributed.context import LOCAL
+from ..exceptions import SnapshotError
 from .layout import MANIFEST, sha256_file, shard_name, step_dir_name, tmp_dir_name
 
 
@@ -45,41 +51,100 @@ def clean_stale_tmp(root: str) -> None:
             shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
 
 
-def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor],
-                   manifest: dict, tag: str = "0") -> str:
-    """Single-writer snapshot: one shard (rank 0 of 1) plus the manifest.
+def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor], manifest: dict,
+                   comm=None, merge: Callable[[list[dict]], dict] | None = None,
+                   tag: str = "0") -> str:
+    """Write a snapshot: every rank its shard, rank 0 the manifest, then one rename.
+
+    Protocol (``comm`` is a `kfac_stream.distributed.context.JsonComm`; None = one process):
+
+    1. rank 0 creates the temporary directory ``.step-XXXXXXXX.tmp-<tag>``; all ranks wait;
+    2. each rank writes and fsyncs its shard (if it owns any factor) and reports
+       ``{shard file, sha256, bytes, manifest part}`` or the error it hit;
+    3. rank 0, if every rank succeeded, re-hashes every shard on disk against the reports,
+       merges the manifest parts (``merge``), writes and fsyncs ``manifest.json``, and renames
+       the directory to ``step-XXXXXXXX``; on any failure it removes the temporary directory;
+    4. all ranks learn the outcome; on failure every rank raises `SnapshotError` naming the
+       rank and the error, and no directory exists under the final name (earlier snapshots
+       are untouched).
 
     Args:
-        root: Snapshot root (``<output_dir>/kfac``).
+        root: Snapshot root (``<output_dir>/kfac``), the same path on every rank.
         step: Optimizer step; the directory is ``step-<8 digits>``.
-        tensors: Shard contents (see ``layout``).
-        manifest: Manifest fields; ``shards`` is filled in here.
+        tensors: This rank's shard contents (see ``layout``); empty: no shard.
+        manifest: This rank's manifest part; ``shards`` is filled in here.
+        comm: Collective helper; None for one process.
+        merge: Combines the ranks' manifest parts (rank order) into one; default: rank 0's.
         tag: Suffix of the temporary directory name.
 
     Returns:
         The final directory path.
     """
-    os.makedirs(root, exist_ok=True)
+    comm = comm or LOCAL
+    rank, world = comm.rank, comm.world_size
     final = os.path.join(root, step_dir_name(step))
     tmp = os.path.join(root, tmp_dir_name(step, tag))
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    prepared = None
+    if rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            prepared = f"rank 0: {type(e).__name__}: {e}"
+    errors = [e for e in comm.all_gather(prepared) if e]
+    if errors:
+        raise SnapshotError(f"snapshot of step {step} failed: {errors[0]}")
+    report: dict = {"rank": rank}
     try:
-        shard = write_shard(tmp, tensors, 0, 1)
-        manifest = dict(manifest, shards={shard["file"]: {"sha256": shard["sha256"],
-                                                           "bytes": shard["bytes"]}})
-        mpath = os.path.join(tmp, MANIFEST)
-        with open(mpath, "w") as f:
-            json.dump(manifest, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        if os.path.exists(final):  # re-snapshot of the same step: replace it whole
-            stale = os.path.join(root, tmp_dir_name(step, "replaced"))
-            os.replace(final, stale)
-            shutil.rmtree(stale, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_path(root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if tensors:
+            report["shard"] = write_shard(tmp, tensors, rank, world)
+        report["manifest"] = manifest
+    except Exception as e:  # reported to rank 0, which abandons the snapshot
+        report = {"rank": rank, "error": f"rank {rank}: {type(e).__name__}: {e}"}
+    reports = comm.all_gather(report)
+    outcome = None
+    if rank == 0:
+        errors = [r["error"] for r in reports if "error" in r]
+        try:
+            if not errors:
+                _finish(root, tmp, final, reports, merge)
+        except Exception as e:
+            errors.append(f"rank 0: {type(e).__name__}: {e}")
+        if errors:
+            shutil.rmtree(tmp, ignore_errors=True)
+        outcome = {"errors": errors}
+    outcome = comm.all_gather(outcome)[0]
+    if outcome["errors"]:
+        raise SnapshotError(f"snapshot of step {step} failed, nothing written under {final}: "
+                            + "; ".join(outcome["errors"]))
     return final
+
+
+def _finish(root: str, tmp: str, final: str, reports: list[dict],
+            merge: Callable[[list[dict]], dict] | None) -> None:
+    """Rank 0: verify every shard on disk, write the manifest last, rename."""
+    shards = {}
+    for r in reports:
+        if "shard" not in r:
+            continue
+        info = r["shard"]
+        path = os.path.join(tmp, info["file"])
+        if not os.path.isfile(path) or sha256_file(path) != info["sha256"]:
+            raise SnapshotError(f"shard {info['file']} of rank {r['rank']} is missing or "
+                                f"differs from what rank {r['rank']} wrote")
+        shards[info["file"]] = {"sha256": info["sha256"], "bytes": info["bytes"],
+                                "rank": r["rank"]}
+    parts = [r["manifest"] for r in reports]
+    manifest = dict(merge(parts) if merge else parts[0], shards=shards)
+    mpath = os.path.join(tmp, MANIFEST)
+    with open(mpath, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    if os.path.exists(final):  # re-snapshot of the same step: replace it whole
+        stale = os.path.join(root, tmp_dir_name(int(manifest["step"]), "replaced"))
+        os.replace(final, stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync_path(root)

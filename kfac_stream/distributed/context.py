@@ -1,0 +1,86 @@
+"""Where this process stands in a multi-process run, and the two process groups kfac_stream
+talks on.
+
+Two private gloo groups, created collectively when training starts:
+
+* ``exchange_group`` — used only by whichever thread applies factor updates (the training
+  thread, or the tracker's background worker): the per-update exchange of rows/statistics;
+* ``snapshot_group`` — used only by the snapshot thread: shard records and the outcome.
+
+Separate groups keep the two streams of collectives independent of each other and of the
+training's own (DDP's all-reduce, DeepSpeed's gathers), whatever thread issues them; gloo
+works on CPU tensors, which is where the factors live even when training runs on NCCL.
+
+Objects are exchanged as JSON in byte tensors (`JsonComm`), never pickled.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+class JsonComm:
+    """``all_gather`` of JSON-serialisable objects over one process group."""
+
+    def __init__(self, rank: int, world_size: int, group=None) -> None:
+        self.rank, self.world_size, self.group = rank, world_size, group
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (collective)."""
+        if self.world_size == 1:
+            return [json.loads(json.dumps(obj))]
+        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.group)
+        width = int(max(s.item() for s in sizes))
+        padded = torch.zeros(width, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        bucket = [torch.zeros_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(bucket, padded, group=self.group)
+        return [json.loads(bytes(b[: int(s.item())].tolist()).decode())
+                for b, s in zip(bucket, sizes)]
+
+
+LOCAL = JsonComm(0, 1)
+
+
+@dataclass
+class DistContext:
+    """This process's rank and the tracker's private groups (see module docstring)."""
+
+    rank: int
+    world_size: int
+    exchange_group: Any
+    snapshot_group: Any
+
+    @classmethod
+    def from_torch(cls) -> DistContext | None:
+        """The context of the initialised default process group, or None for one process.
+
+        Collective when ``world_size > 1``: every rank must call it at the same point (the
+        callback does so in ``on_train_begin``).
+        """
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        world = dist.get_world_size()
+        if world == 1:
+            return None
+        return cls(dist.get_rank(), world, dist.new_group(backend="gloo"),
+                   dist.new_group(backend="gloo"))
+
+    @property
+    def snapshot_comm(self) -> JsonComm:
+        """`JsonComm` over the snapshot group."""
+        return JsonComm(self.rank, self.world_size, self.snapshot_group)
+
+    def sum_int(self, value: int) -> int:
+        """Sum of an integer over ranks, on the exchange group (collective)."""
+        t = torch.tensor([int(value)], dtype=torch.int64)
+        dist.all_reduce(t, group=self.exchange_group)
+        return int(t.item())

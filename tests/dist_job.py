@@ -1,0 +1,131 @@
+"""A training job that the distributed tests start through the real launchers.
+
+``accelerate launch --config_file launch/cpu_<engine>.yaml tests/dist_job.py --out DIR ...``
+(2 processes) or ``python tests/dist_job.py --batch 4 ...`` (the 1-process reference over the
+same global batches). Each rank writes ``DIR/rank-<r>.safetensors`` (its owned factors,
+dequantised) and ``DIR/rank-<r>.json`` (ownership, counters, world size); snapshots go to
+``DIR/kfac``.
+
+Data: real text (``pydoc_data``) in fixed-length rows read in order (a sequential sampler), so
+that 2 ranks × batch b and 1 process × batch 2b see the same sequences per optimizer step
+(accelerate hands rank r the batches r, r+W, ...). ``--pad-rows`` turns chosen rows into pure
+padding (attention mask 0, labels -100): with batch 2, rows 2 and 3 are rank 1's whole first
+micro-batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from models import ListDataset, text_examples, tiny_gpt2  # noqa: E402
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--accum", type=int, default=2)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seq-len", type=int, default=24)
+    p.add_argument("--n-seq", type=int, default=48)
+    p.add_argument("--pad-rows", default="")
+    p.add_argument("--fisher", default="empirical")
+    p.add_argument("--storage-dtype", default="float32")
+    p.add_argument("--token-fraction", type=float, default=1.0)
+    p.add_argument("--ema-decay", type=float, default=1.0)
+    p.add_argument("--snapshot-every", type=int, default=2)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--strategy", default=None, help="force the exchange: rows or stats")
+    p.add_argument("--fail-rank", type=int, default=-1,
+                   help="this rank raises while writing its shard of the 2nd snapshot")
+    p.add_argument("--width", type=int, default=32)
+    return p.parse_args()
+
+
+def main() -> None:
+    opts = parse()
+    torch.set_flush_denormal(True)
+    torch.set_num_threads(1)
+    from transformers import Trainer, TrainingArguments
+
+    from kfac_stream import KFACConfig, KFACStreamCallback
+
+    examples = text_examples(opts.n_seq, opts.seq_len, seed=0)
+    for i in (int(x) for x in opts.pad_rows.split(",") if x):
+        examples[i]["attention_mask"] = torch.zeros_like(examples[i]["attention_mask"])
+        examples[i]["labels"] = torch.full_like(examples[i]["labels"], -100)
+    model = tiny_gpt2(torch.float32, n_embd=opts.width, n_layer=2, n_head=2,
+                      attn_implementation="eager")
+    cfg = KFACConfig(token_fraction=opts.token_fraction, ema_decay=opts.ema_decay,
+                     update_every=1, snapshot_every=opts.snapshot_every, fisher=opts.fisher,
+                     storage_dtype=opts.storage_dtype, seed=0)
+    cb = KFACStreamCallback(cfg)
+    if opts.strategy:
+        cb.exchange_strategy = opts.strategy
+    if opts.fail_rank >= 0:
+        _fail_second_shard(opts.fail_rank)
+    args = TrainingArguments(
+        opts.out, per_device_train_batch_size=opts.batch, gradient_accumulation_steps=opts.accum,
+        max_steps=opts.steps, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, report_to=[], use_cpu=True,
+        save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
+        bf16=opts.bf16, dataloader_drop_last=True)
+
+    class SequentialTrainer(Trainer):
+        def _get_train_sampler(self, *a, **k):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    trainer = SequentialTrainer(model=model, args=args, train_dataset=ListDataset(examples),
+                                callbacks=[cb])
+    failed = None
+    try:
+        trainer.train()
+    except RuntimeError as e:  # the injected shard failure surfaces here
+        failed = str(e) + (f" <- {e.__cause__}" if e.__cause__ else "")
+    dump(cb, opts.out, failed)
+
+
+def _fail_second_shard(rank: int) -> None:
+    import kfac_stream.snapshot.writer as writer
+
+    real = writer.write_shard
+    calls = {"n": 0}
+
+    def flaky(tmp_dir, tensors, r, world_size):
+        calls["n"] += 1
+        if r == rank and calls["n"] == 2:
+            raise OSError("injected: disk full while writing the shard")
+        return real(tmp_dir, tensors, r, world_size)
+
+    writer.write_shard = flaky
+
+
+def dump(cb, out: str, failed: str | None) -> None:
+    from safetensors.torch import save_file
+
+    tracker = cb.tracker
+    r = tracker.rank
+    factors = {}
+    if failed is None:
+        for name, (a, g) in cb.factors().items():
+            factors[f"{name}.A"], factors[f"{name}.G"] = a.contiguous(), g.contiguous()
+    save_file(factors, os.path.join(out, f"rank-{r}.safetensors"))
+    info = {"rank": r, "world_size": tracker.world_size,
+            "owner": tracker.ownership.owner,
+            "stored_bytes": sum(f.data.numel() * f.data.element_size()
+                                for f in tracker.store.factors.values()),
+            "counters": {k: v for k, v in vars(tracker.counters).items()},
+            "snapshots": cb.snapshots, "failed": failed}
+    with open(os.path.join(out, f"rank-{r}.json"), "w") as f:
+        json.dump(info, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
