@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+DEEPSPEED_VERSION ?= 0.19.8
 STAMP  := $(VENV)/.installed
 
 .PHONY: help venv test test-slow demo bench clean
@@ -16,6 +17,10 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e ".[test]"
+	# DeepSpeed ships as an sdist whose build imports torch: build it against the pinned torch
+	# above (--no-build-isolation), without compiling CUDA ops (DS_BUILD_OPS=0; CPU uses gloo).
+	$(PY) -m pip install -q setuptools wheel
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation deepspeed==$(DEEPSPEED_VERSION)
 	touch $(STAMP)
 
 # Test-only peer for tests/test_peer_laplace_torch.py. --no-deps: laplace-torch and backpack

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -42,6 +43,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--ema-decay", type=float, default=1.0)
     p.add_argument("--snapshot-every", type=int, default=2)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument("--async-updates", action="store_true",
+                   help="exchange and fold on the tracker's worker thread (the CUDA default)")
     p.add_argument("--strategy", default=None, help="force the exchange: rows or stats")
     p.add_argument("--fail-rank", type=int, default=-1,
                    help="this rank raises while writing its shard of the 2nd snapshot")
@@ -51,6 +54,11 @@ def parse() -> argparse.Namespace:
 
 def main() -> None:
     opts = parse()
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("[rank %(rank)s] %(message)s"))
+    handler.addFilter(_RankFilter())
+    logging.getLogger("kfac_stream").addHandler(handler)
+    logging.getLogger("kfac_stream").setLevel(logging.INFO)
     torch.set_flush_denormal(True)
     torch.set_num_threads(1)
     from transformers import Trainer, TrainingArguments
@@ -65,10 +73,9 @@ def main() -> None:
                       attn_implementation="eager")
     cfg = KFACConfig(token_fraction=opts.token_fraction, ema_decay=opts.ema_decay,
                      update_every=1, snapshot_every=opts.snapshot_every, fisher=opts.fisher,
-                     storage_dtype=opts.storage_dtype, seed=0)
+                     storage_dtype=opts.storage_dtype, seed=0,
+                     async_updates=opts.async_updates or None)
     cb = KFACStreamCallback(cfg)
-    if opts.strategy:
-        cb.exchange_strategy = opts.strategy
     if opts.fail_rank >= 0:
         _fail_second_shard(opts.fail_rank)
     args = TrainingArguments(
@@ -82,14 +89,30 @@ def main() -> None:
         def _get_train_sampler(self, *a, **k):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
+    if opts.strategy:
+        from transformers import TrainerCallback
+
+        class ForceStrategy(TrainerCallback):  # after KFACStreamCallback made the tracker
+            def on_train_begin(self, *a, **k):
+                cb.tracker.exchange_strategy = opts.strategy
+
+        extra = [ForceStrategy()]
+    else:
+        extra = []
     trainer = SequentialTrainer(model=model, args=args, train_dataset=ListDataset(examples),
-                                callbacks=[cb])
+                                callbacks=[cb, *extra])
     failed = None
     try:
         trainer.train()
     except RuntimeError as e:  # the injected shard failure surfaces here
         failed = str(e) + (f" <- {e.__cause__}" if e.__cause__ else "")
     dump(cb, opts.out, failed)
+
+
+class _RankFilter(logging.Filter):
+    def filter(self, record):
+        record.rank = os.environ.get("RANK", "0")
+        return True
 
 
 def _fail_second_shard(rank: int) -> None:
@@ -114,8 +137,8 @@ def dump(cb, out: str, failed: str | None) -> None:
     r = tracker.rank
     factors = {}
     if failed is None:
-        for name, (a, g) in cb.factors().items():
-            factors[f"{name}.A"], factors[f"{name}.G"] = a.contiguous(), g.contiguous()
+        tracker.flush()
+        factors = {k: v.contiguous() for k, v in tracker.store.values().items()}
     save_file(factors, os.path.join(out, f"rank-{r}.safetensors"))
     info = {"rank": r, "world_size": tracker.world_size,
             "owner": tracker.ownership.owner,

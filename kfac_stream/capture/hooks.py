@@ -176,8 +176,8 @@ class CaptureHooks:
         detached = logits.detach()
 
         def on_logits_grad(grad: Tensor, rec: PassRecord = rec, logits: Tensor = detached) -> None:
-            if rec.scale is not None:  # already set by the hook nearer the loss
-                return
+            if rec.scale is not None or grad is None:  # set by the hook nearer the loss, or
+                return  # an undefined gradient (DDP's output wrapper can pass None)
             lg = logits.reshape(-1, logits.shape[-1])  # [rows, V]
             gr = grad.reshape(-1, grad.shape[-1])
             c, resid, used = float("nan"), 0.0, 0
@@ -203,6 +203,8 @@ class CaptureHooks:
                 rec.outputs.append(output)
 
             def on_grad(grad: Tensor, rec: PassRecord = rec, a: Tensor = a) -> None:
+                if grad is None:
+                    return
                 g = gather_rows(grad, rec.index, rec.n_positions, self.row_dtype)  # [n, d_out]
                 rec.rows.setdefault(name, []).append((a, g))
 

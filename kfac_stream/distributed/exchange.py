@@ -160,7 +160,8 @@ def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool
                     parts = [p.mul_(2.0 ** e) for p, e in zip(parts, exps)]
                 result.owned[key] = ("rows", torch.cat(parts))
         else:
-            part = gram(rows, diagonal)  # [d] or [d, d]
+            # summed in float64 whatever the rows' dtype (order-independent to its rounding)
+            part = gram(rows.double(), diagonal).to(dtype)  # [d] or [d, d]
             dist.reduce(part, dst=owner, op=dist.ReduceOp.SUM, group=group)
             if rank != owner:
                 result.bytes_moved += part.numel() * part.element_size()

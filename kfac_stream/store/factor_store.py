@@ -7,7 +7,10 @@ stage               dtype
 ==================  ======================================================================
 captured rows       float32 (float64 when ``storage_dtype="float64"``)
 step statistic S    same as the rows, computed on the rows' device
-EMA arithmetic      float32 (float64 for float64 storage), in chunks of ``CHUNK_ROWS`` rows
+EMA arithmetic      float32 for float16 storage (its rounding dominates); float64 for float32
+                    and float64 storage, so a float32 factor is the exact EMA rounded once,
+                    whatever the order of its rows (ranks, micro-batches); in chunks of
+                    ``CHUNK_ROWS`` rows
 stored factor       float16 ``q`` with ``F = scale · q`` (scale a power of two, float32), or
                     float32 / float64 as is
 ==================  ======================================================================
@@ -90,7 +93,7 @@ class FactorStore:
 
     def __init__(self, storage_dtype: str, ema_decay: float, flush_every: int = 8) -> None:
         self.storage_dtype = _DTYPES[storage_dtype]
-        self.compute_dtype = torch.float64 if storage_dtype == "float64" else torch.float32
+        self.compute_dtype = torch.float32 if storage_dtype == "float16" else torch.float64
         self.ema_decay = float(ema_decay)
         self.flush_every = int(flush_every)
         self.factors: dict[str, StoredFactor] = {}

@@ -1,0 +1,239 @@
+"""Issue 4: 2 processes through the real launchers (``accelerate launch``, gloo on CPU) against
+one process over the same global batches.
+
+Every run is ``tests/dist_job.py`` (a real ``Trainer`` on a float32 GPT-2, SGD, gradient
+accumulation 2, sequential data): 2 ranks × batch 2 vs 1 process × batch 4 see the same
+sequences per optimizer step. Rows 2 and 3 of the data are pure padding, i.e. rank 1's whole
+first micro-batch (the uneven-tokens case) in every 2-process run.
+
+Tolerances:
+* ``EXACT_TOL = 1e-6`` (issue 4): fp32 storage with token_fraction 1 and ema_decay 1. The
+  factors accumulate in float64 (row order across ranks does not matter); what is left is the
+  float32 training itself (DDP's all-reduce vs one process's sum order changes the weights at
+  ~1e-7 relative after the first step): measured 1.7e-7.
+* ``FP16_TOL = 1e-3``: the FP16 storage budget of brief §1 (rows also travel in fp16).
+* ``BF16_TOL = 3e-2``: bf16 autocast (8-bit mantissa) on both sides, in different orders;
+  DeepSpeed's bf16 mode keeps bf16 weights where autocast keeps float32 ones. Measured 1e-3
+  (DDP) and 4e-3 (ZeRO-2).
+* ``MC_TRACE_TOL = 0.15``: MC Fisher draws labels independently per rank, so G is compared by
+  trace per layer (measured within 0.055); the empirical G differs from the MC one by 1.7-2.8x
+  on this model, and a wrong loss scale by 2x, so the check is not vacuous. The MC estimator
+  itself is tested against the exact expected Fisher in tests/test_mc_and_sampling.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from kfac_stream import LaplacePosterior, Snapshot
+from models import text_examples, tiny_gpt2
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="deepspeed is not installed (`make test` installs it with --no-build-isolation)")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+JOB = os.path.join(ROOT, "tests", "dist_job.py")
+PAD = ["--pad-rows", "2,3"]
+EXACT_TOL = 1e-6
+FP16_TOL = 1e-3
+BF16_TOL = 3e-2
+MC_TRACE_TOL = 0.15
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+class Runs:
+    """Launch each configuration once per session; ``get(name)`` → output directory."""
+
+    SPECS = {  # name: (launch config or None for one plain process, job arguments)
+        "ref": (None, ["--batch", "4", *PAD]),
+        "ref_mc": (None, ["--batch", "4", "--fisher", "mc", *PAD]),
+        "ref_bf16": (None, ["--batch", "4", "--bf16", *PAD]),
+        "ddp": ("cpu_ddp", PAD),
+        "zero2": ("cpu_zero2", PAD),
+        "zero3": ("cpu_zero3", PAD),
+        "zero3_async_stats": ("cpu_zero3", ["--async-updates", "--strategy", "stats", *PAD]),
+        "zero3_fp16": ("cpu_zero3", ["--storage-dtype", "float16", *PAD]),
+        "zero3_mc": ("cpu_zero3", ["--fisher", "mc", *PAD]),
+        "ddp_bf16": ("cpu_ddp", ["--bf16", *PAD]),
+        "zero2_bf16": ("cpu_zero2", ["--bf16", *PAD]),
+        "ddp_fail": ("cpu_ddp", ["--fail-rank", "1", *PAD]),
+    }
+
+    def __init__(self, base) -> None:
+        self.base = base
+        self.done: dict[str, str] = {}
+
+    def get(self, name: str) -> str:
+        if name in self.done:
+            return self.done[name]
+        launch, extra = self.SPECS[name]
+        out = str(self.base / name)
+        os.makedirs(out)
+        if launch is None:
+            cmd = [sys.executable, JOB]
+        else:
+            cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                   os.path.join(ROOT, "launch", f"{launch}.yaml"),
+                   "--main_process_port", str(_free_port()), JOB]
+        proc = subprocess.run(cmd + ["--out", out, *extra], cwd=ROOT, env=_env(),
+                              capture_output=True, text=True, timeout=600)
+        log = proc.stdout + proc.stderr
+        with open(os.path.join(out, "log.txt"), "w") as f:
+            f.write(log)
+        assert proc.returncode == 0, f"{name} failed (rc={proc.returncode}):\n{log[-4000:]}"
+        self.done[name] = out
+        return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return Runs(tmp_path_factory.mktemp("dist"))
+
+
+def factors(out: str) -> dict[str, torch.Tensor]:
+    """Union of every rank's owned factors (each key exactly once)."""
+    got: dict[str, torch.Tensor] = {}
+    for f in sorted(os.listdir(out)):
+        if f.startswith("rank-") and f.endswith(".safetensors"):
+            part = load_file(os.path.join(out, f))
+            assert not set(part) & set(got), "a factor is stored on two ranks"
+            got.update(part)
+    return got
+
+
+def info(out: str, rank: int) -> dict:
+    with open(os.path.join(out, f"rank-{rank}.json")) as f:
+        return json.load(f)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def errors(run: str, ref: str, runs) -> dict[str, float]:
+    got, want = factors(runs.get(run)), factors(runs.get(ref))
+    assert set(got) == set(want) and len(want) == 16
+    return {k: rel(got[k], want[k]) for k in want}
+
+
+@pytest.mark.parametrize("engine", ["ddp", "zero2", "zero3", "zero3_async_stats"])
+def test_two_ranks_equal_one_process(runs, engine):
+    errs = errors(engine, "ref", runs)
+    print(f"{engine}: max relative error vs 1 process {max(errs.values()):.2e}")
+    assert max(errs.values()) <= EXACT_TOL, errs
+    a, b = info(runs.get(engine), 0), info(runs.get(engine), 1)
+    assert a["counters"]["comm_bytes"] > 0 and b["counters"]["comm_bytes"] > 0
+    ref = info(runs.get("ref"), 0)
+    assert a["world_size"] == b["world_size"] == 2 and ref["world_size"] == 1
+    # every position of the union folded once: rank 1's first micro-batch is all padding
+    assert a["counters"]["positions_sampled"] == ref["counters"]["positions_sampled"]
+    assert a["counters"]["tokens_seen"] + b["counters"]["tokens_seen"] == \
+        ref["counters"]["tokens_seen"]
+    assert b["counters"]["tokens_seen"] < a["counters"]["tokens_seen"]  # uneven per rank
+    assert a["counters"]["skipped_updates"] == 0
+
+
+def test_fp16_storage_within_budget(runs):
+    errs = errors("zero3_fp16", "ref", runs)
+    print(f"zero3 fp16 storage: max relative error {max(errs.values()):.2e}")
+    assert max(errs.values()) <= FP16_TOL, errs
+
+
+@pytest.mark.parametrize("engine", ["ddp_bf16", "zero2_bf16"])
+def test_bf16(runs, engine):
+    errs = errors(engine, "ref_bf16", runs)
+    print(f"{engine}: max relative error vs 1 process bf16 {max(errs.values()):.2e}")
+    assert max(errs.values()) <= BF16_TOL, errs
+
+
+def test_mc_fisher_under_zero3(runs):
+    got, want = factors(runs.get("zero3_mc")), factors(runs.get("ref_mc"))
+    emp = factors(runs.get("ref"))
+    for key in want:
+        if key.endswith(".A"):  # same inputs, same weights after the optimizer step
+            assert rel(got[key], want[key]) <= EXACT_TOL, key
+        else:
+            ratio = float(got[key].trace() / want[key].trace())
+            assert abs(ratio - 1) <= MC_TRACE_TOL, (key, ratio)
+            assert abs(float(emp[key].trace() / want[key].trace()) - 1) > MC_TRACE_TOL
+    assert info(runs.get("zero3_mc"), 0)["counters"]["skipped_updates"] == 0
+
+
+def _log_table(log: str) -> dict[int, tuple[int, int]]:
+    """``{rank: (factors, bytes)}`` from the ownership table the callback logs on rank 0."""
+    head = log.index("rank  factors      bytes   eigh flops")
+    rows = {}
+    for line in log[head:].splitlines()[1:]:
+        m = re.match(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+\S+\s*$", line)
+        if not m:
+            break
+        rows[int(m.group(1))] = (int(m.group(2)), int(m.group(3)))
+    return rows
+
+
+def test_sharding_log_and_disk_agree_and_query_matches(runs):
+    out = runs.get("zero3")
+    snap_dir = os.path.join(out, "kfac", "step-00000003")
+    table = _log_table(open(os.path.join(out, "log.txt")).read())
+    assert sorted(table) == [0, 1]
+    ranks = [info(out, r) for r in (0, 1)]
+    total = sum(r["stored_bytes"] for r in ranks)
+    largest = max(int(t.numel() * t.element_size()) for t in factors(out).values())
+    on_disk = {}
+    for r in (0, 1):
+        assert abs(ranks[r]["stored_bytes"] - total / 2) <= largest
+        shard = os.path.join(snap_dir, f"shard-{r:05d}-of-00002.safetensors")
+        with safe_open(shard, framework="pt") as f:
+            keys = [k for k in f.keys() if k.endswith((".A", ".G"))]
+            on_disk[r] = (len(keys), sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size()
+                                          for k in keys))
+        assert sorted(keys) == sorted(k for k, o in ranks[r]["owner"].items() if o == r)
+    assert on_disk == table, (on_disk, table)
+    one, two = Snapshot.load(os.path.join(runs.get("ref"), "kfac", "step-00000003")), \
+        Snapshot.load(snap_dir)
+    assert two.meta["world_size"] == 2 and one.meta["world_size"] == 1
+    assert two.meta["counts"]["tokens_seen"] == one.meta["counts"]["tokens_seen"]
+    assert two.meta["fingerprint"] == one.meta["fingerprint"]
+    model = tiny_gpt2(torch.float32, n_embd=32, n_layer=2, n_head=2, attn_implementation="eager")
+    batch = {k: torch.stack([e[k] for e in text_examples(3, 16, seed=7)])
+             for k in ("input_ids", "attention_mask")}
+    res = [LaplacePosterior(model, s, prior_precision=1.0).predictive(batch, token_ids=[32, 101])
+           for s in (one, two)]
+    print(f"predictive: mean {rel(res[1][0], res[0][0]):.1e}, cov {rel(res[1][1], res[0][1]):.1e}")
+    assert torch.equal(res[0][0], res[1][0])  # same model: same MAP logits
+    assert rel(res[1][1], res[0][1]) <= 10 * EXACT_TOL  # the factors' 1e-6, through eigh
+
+
+def test_failed_shard_leaves_no_snapshot(runs):
+    out = runs.get("ddp_fail")
+    root = os.path.join(out, "kfac")
+    for r in (0, 1):  # every rank learns that the snapshot failed, and which rank broke it
+        failed = info(out, r)["failed"]
+        assert failed and "rank 1: OSError: injected" in failed, failed
+    assert sorted(os.listdir(root)) == ["step-00000002"]  # no step-3, no temporary leftovers
+    snap = Snapshot.latest(root)
+    assert snap.step == 2 and snap.meta["world_size"] == 2
