@@ -50,6 +50,8 @@ class Counters:
     skipped_updates: int = 0  # steps dropped for NaN/Inf statistics or a bad loss scale
     tracker_seconds: float = 0.0  # time spent on the training thread in end_step
     comm_bytes: int = 0  # bytes this rank sent to factor owners (multi-process only)
+    exchange_seconds: float = 0.0  # time in the exchange collectives (multi-process only)
+    fold_seconds: float = 0.0  # time folding rows/statistics into the owned factors
     skipped_steps: list[int] = field(default_factory=list)
 
 
@@ -191,6 +193,7 @@ class Tracker:
         for name, (a, g) in rows.items():
             local[f"{name}.A"] = with_bias_column(a) if self.specs[name].has_bias else a
             local[f"{name}.G"] = g
+        t0 = time.perf_counter()
         if self.dist is None:
             if not job.ok:
                 self._skip(job.step)
@@ -209,16 +212,19 @@ class Tracker:
             delivered = ex.owned
             total = max(ex.totals.values(), default=0)
             self.counters.comm_bytes += ex.bytes_moved
+            self.counters.exchange_seconds += time.perf_counter() - t0
         if total == 0:
             return
         self.counters.updates += 1
         self.counters.positions_sampled += int(total)
+        t1 = time.perf_counter()
         for key, (how, payload) in delivered.items():
             if how == "rows":
                 self.store.push_rows(key, payload)  # [n, d]
             else:
                 stat, n = payload
                 self.store.update(key, stat.div_(n), n)
+        self.counters.fold_seconds += time.perf_counter() - t1
 
     def _skip(self, step: int) -> None:
         self.counters.skipped_updates += 1
@@ -251,7 +257,9 @@ class Tracker:
         if self._queue is not None:
             self._queue.join()
         self._raise_worker_error()
+        t0 = time.perf_counter()
         self.store.flush()
+        self.counters.fold_seconds += time.perf_counter() - t0
 
     def close(self) -> None:
         """Flush, stop the worker and remove every hook."""

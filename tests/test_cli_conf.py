@@ -64,3 +64,33 @@ def test_cli_query_prints_what_the_python_api_returns(tmp_path, capsys):
         for m, mu, sd in zip(row["map_prob"], row["mean_prob"], row["std_prob"]):
             assert f"{m:.4f} {mu:.4f}±{sd:.4f}" in out
     assert any(sd > 0 for row in rows for sd in row["std_prob"])
+
+
+def test_launch_configs_parse_and_reference_existing_deepspeed_json():
+    """Every accelerate config in launch/ loads with accelerate's own reader, and every
+    DeepSpeed JSON it references exists, parses and names the ZeRO stage of its file name."""
+    import glob
+    import json
+    import os
+    import re
+
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = sorted(glob.glob(os.path.join(root, "launch", "*.yaml")))
+    assert len(files) >= 10
+    stages = set()
+    for path in files:
+        cfg = load_config_from_file(path)
+        ds = getattr(cfg, "deepspeed_config", None) or {}
+        if str(cfg.distributed_type).endswith("DEEPSPEED"):
+            ref = os.path.join(root, ds["deepspeed_config_file"])
+            with open(ref) as f:
+                stage = json.load(f)["zero_optimization"]["stage"]
+            assert f"zero{stage}" in os.path.basename(ref), (path, ref, stage)
+            stages.add(stage)
+        if os.path.basename(path).startswith("cpu_"):
+            assert cfg.use_cpu, path
+    assert stages == {1, 2, 3}
+    slurm = open(os.path.join(root, "launch", "slurm_multinode.sh")).read()
+    assert re.search(r"--config_file launch/multinode_zero3\.yaml", slurm)

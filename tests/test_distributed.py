@@ -73,6 +73,7 @@ class Runs:
         "ref_mc": (None, ["--batch", "4", "--fisher", "mc", *PAD]),
         "ref_bf16": (None, ["--batch", "4", "--bf16", *PAD]),
         "ddp": ("cpu_ddp", PAD),
+        "zero1": ("cpu_zero1", PAD),
         "zero2": ("cpu_zero2", PAD),
         "zero3": ("cpu_zero3", PAD),
         "zero3_async_stats": ("cpu_zero3", ["--async-updates", "--strategy", "stats", *PAD]),
@@ -140,7 +141,7 @@ def errors(run: str, ref: str, runs) -> dict[str, float]:
     return {k: rel(got[k], want[k]) for k in want}
 
 
-@pytest.mark.parametrize("engine", ["ddp", "zero2", "zero3", "zero3_async_stats"])
+@pytest.mark.parametrize("engine", ["ddp", "zero1", "zero2", "zero3", "zero3_async_stats"])
 def test_two_ranks_equal_one_process(runs, engine):
     errs = errors(engine, "ref", runs)
     print(f"{engine}: max relative error vs 1 process {max(errs.values()):.2e}")

@@ -82,9 +82,9 @@ def merge_manifests(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One manifest from every rank's part (rank order), as rank 0 writes it.
 
     Each factor's statistics (weight, updates, positions, dtype, spectrum) come from its
-    owner's part; ``tokens_seen`` (counted per rank) is summed, ``tracker_seconds`` is the
-    slowest rank's, ``comm_bytes`` lists every rank's. Everything else is the same on all
-    ranks and is taken from rank 0.
+    owner's part; ``tokens_seen`` (counted per rank) is summed; ``tracker_seconds``,
+    ``exchange_seconds`` and ``fold_seconds`` are the slowest rank's; ``comm_bytes`` lists
+    every rank's. Everything else is the same on all ranks and is taken from rank 0.
     """
     out = json.loads(json.dumps(parts[0]))  # deep copy
     for part in parts[1:]:
@@ -94,7 +94,8 @@ def merge_manifests(parts: list[dict[str, Any]]) -> dict[str, Any]:
                     out["layers"][name][factor] = entry[factor]
     counts = out["counts"]
     counts["tokens_seen"] = sum(p["counts"]["tokens_seen"] for p in parts)
-    counts["tracker_seconds"] = max(p["counts"]["tracker_seconds"] for p in parts)
+    for key in ("tracker_seconds", "exchange_seconds", "fold_seconds"):
+        counts[key] = max(p["counts"][key] for p in parts)
     counts["comm_bytes"] = [b for p in parts for b in p["counts"]["comm_bytes"]]
     out.pop("rank", None)
     return out

@@ -92,7 +92,12 @@ def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor], manif
             os.makedirs(tmp)
         except OSError as e:
             prepared = f"rank 0: {type(e).__name__}: {e}"
-    errors = [e for e in comm.all_gather(prepared) if e]
+    ready = comm.all_gather({"root": os.path.abspath(root), "error": prepared})
+    errors = [r["error"] for r in ready if r["error"]]
+    roots = sorted({r["root"] for r in ready})
+    if len(roots) > 1:
+        errors.append(f"the ranks were given different snapshot directories {roots}: every "
+                      "rank must write into the same (shared) directory")
     if errors:
         raise SnapshotError(f"snapshot of step {step} failed: {errors[0]}")
     report: dict = {"rank": rank}
