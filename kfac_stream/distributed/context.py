@@ -78,9 +78,3 @@ class DistContext:
     def snapshot_comm(self) -> JsonComm:
         """`JsonComm` over the snapshot group."""
         return JsonComm(self.rank, self.world_size, self.snapshot_group)
-
-    def sum_int(self, value: int) -> int:
-        """Sum of an integer over ranks, on the exchange group (collective)."""
-        t = torch.tensor([int(value)], dtype=torch.int64)
-        dist.all_reduce(t, group=self.exchange_group)
-        return int(t.item())

@@ -125,7 +125,8 @@ class KFACStreamCallback(TrainerCallback):
         return os.path.join(root, step_dir_name(step))
 
     def factors(self):
-        """``{layer: (A, G)}`` of the live tracker (dequantised)."""
+        """``{layer: (A, G)}`` of the live tracker (dequantised); with several ranks only the
+        layers whose A and G this rank both owns (snapshots hold every factor)."""
         if self.tracker is None:
             raise RuntimeError("KFACStreamCallback.factors: training has not started")
         return self.tracker.factors()
