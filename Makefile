@@ -42,8 +42,8 @@ test: $(STAMP) $(PEERS)  ## run the test suite (CPU)
 test-slow: $(STAMP) $(PEERS)  ## run the slow tests too
 	$(PY) -m pytest -q -rs tests
 
-demo: $(STAMP)  ## train a tiny GPT-2 on local text with the callback and print the snapshot
-	$(PY) -m kfac_stream.demo --output-dir out/demo
+demo: $(STAMP)  ## the main job on its offline defaults (tiny GPT-2, Python docs) → out/demo
+	$(PY) -m kfac_stream.train hydra.run.dir=out/demo
 
 bench: $(STAMP)  ## run the benchmarks and write benchmarks/RESULTS.md
 	$(PY) benchmarks/overhead.py

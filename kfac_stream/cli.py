@@ -1,4 +1,4 @@
-"""`kfac-stream` command line: ``inspect``, ``query`` and ``demo``."""
+"""`kfac-stream` command line: ``train`` (Hydra app), ``inspect``, ``query`` and ``demo``."""
 
 from __future__ import annotations
 
@@ -80,14 +80,19 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--top-k", type=int, default=5)
     q.add_argument("--prior-precision", default="marglik", help="a float or 'marglik'")
     q.add_argument("--samples", type=int, default=2000)
-    sub.add_parser("demo", help="train a small GPT-2 on local text with the callback",
+    sub.add_parser("demo", help="kfac-stream train with its offline defaults into out/demo",
                    add_help=False)
-    args, rest = p.parse_known_args(argv)
-    if args.cmd == "demo":
-        from .demo import main as demo_main
+    sub.add_parser("train", help="the Hydra training app (kfac_stream.train): "
+                   "kfac-stream train key=value ... (--help: Hydra's help)", add_help=False)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("train", "demo"):  # Hydra parses its own command line
+        from .train import main as train_main
 
-        demo_main(rest)
+        demo = ["hydra.run.dir=out/demo"] if argv[0] == "demo" else []
+        sys.argv = [f"kfac-stream {argv[0]}", *demo, *argv[1:]]
+        train_main()
         return 0
+    args, rest = p.parse_known_args(argv)
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     try:

@@ -78,3 +78,13 @@ class DistContext:
     def snapshot_comm(self) -> JsonComm:
         """`JsonComm` over the snapshot group."""
         return JsonComm(self.rank, self.world_size, self.snapshot_group)
+
+
+def agree_with_rank0(value: str) -> str:
+    """Rank 0's ``value`` on every rank (e.g. a run directory named after the start time);
+    ``value`` itself without an initialised multi-process group."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])

@@ -1,0 +1,1 @@
+"""The `kfac-stream train` application: Hydra configs, data, models, monitoring, report."""
