@@ -12,6 +12,7 @@ Public API
 * ``real_text() -> bytes``
 * ``text_examples(n_seq, seq_len, seed=0, pad_to=None, lengths=None) -> list[dict]``
 * ``ListDataset(examples)`` (a ``torch.utils.data.Dataset``)
+* ``save_bpe_tokenizer(directory, texts) -> PreTrainedTokenizerFast`` (trained offline)
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "real_text",
     "text_examples",
     "ListDataset",
+    "save_bpe_tokenizer",
 ]
 
 #: target modules used by :func:`lora_gpt2`
@@ -229,3 +231,20 @@ class ListDataset(Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return dict(self.examples[i])
+
+
+def save_bpe_tokenizer(directory, texts: list[str]):
+    """Train a small byte-level BPE on ``texts`` offline and save it as an HF tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    bpe.train_from_iterator(texts, trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+    hf.save_pretrained(directory)
+    return hf

@@ -1,0 +1,183 @@
+"""Issue 5: the Hydra app (`python -m kfac_stream.train`) end to end, in real subprocesses.
+
+* one process with ``report_to=[wandb, tensorboard]`` (W&B offline): the W&B run files and
+  TensorBoard event files are read back (tests/logreaders.py) and every logged spectrum
+  statistic must equal the one recomputed from the snapshot's eigenvalues;
+* 2 processes under ``accelerate launch`` with the CPU DeepSpeed ZeRO-3 config: the snapshot
+  loads and the metrics appear once (one W&B run, one TensorBoard value per snapshot);
+* bad overrides fail before training, naming the key;
+* the hub code path (``model=hf``, ``data=hf``) on a locally saved model and local text.
+
+``RTOL = 1e-6``: the logged statistics come from the float64 eigenvalues of the snapshot
+writer, the recomputed ones from the float32 eigenvalues the shard stores (relative rounding
+6e-8 per eigenvalue; measured 8e-9 on the statistics); TensorBoard stores scalars as float32
+(another 6e-8).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kfac_stream import Snapshot
+from kfac_stream.stats.spectrum import spectrum_stats
+from logreaders import latest_wandb_run_dir, read_tensorboard_scalars, read_wandb_offline
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RTOL = 1e-6
+TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.seq_len=32",
+        "trainer.max_steps=6", "trainer.per_device_train_batch_size=4", "trainer.use_cpu=true",
+        "trainer.logging_steps=2", "trainer.disable_tqdm=true", "kfac.update_every=1",
+        "kfac.snapshot_every=3", "kfac.token_fraction=0.5", "data.max_documents=60",
+        "report.windows=2", "report.positions=2", "logging.log_every=2"]
+
+
+def _env(tmp) -> dict[str, str]:
+    env = dict(os.environ, WANDB_MODE="offline", DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
+               HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp / "hf_datasets"),
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    for key in ("WANDB_API_KEY", "WANDB_DIR", "WANDB_PROJECT", "WORLD_SIZE", "RANK"):
+        env.pop(key, None)
+    return env
+
+
+def _app(tmp, run_dir, *overrides, launch=None, check=True):
+    cmd = [sys.executable, "-m", "kfac_stream.train"]
+    if launch:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               os.path.join(ROOT, "launch", launch), "--main_process_port", str(port),
+               "-m", "kfac_stream.train"]
+    # cwd: the launch configs name their DeepSpeed JSON relative to the repository root
+    proc = subprocess.run(cmd + [f"hydra.run.dir={run_dir}", *overrides], cwd=ROOT,
+                          env=_env(tmp), capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    if check:
+        assert proc.returncode == 0, out[-5000:]
+    return proc.returncode, out
+
+
+def _expected(snap: Snapshot) -> dict[str, float]:
+    """The spectrum statistics recomputed from the snapshot's eigenvalues (independently of
+    the manifest and of kfac_stream.monitor)."""
+    want = {}
+    for name in snap.layer_names:
+        for f in ("A", "G"):
+            st = spectrum_stats(getattr(snap[name], f"{f}_eigvals"))
+            for key in ("max", "trace", "eff_rank"):
+                want[f"kfac/{name}/{f}/{key}"] = st[key]
+            want[f"kfac/{name}/{f}/log10_cond"] = math.log10(st["cond"])
+    return want
+
+
+def _snapshots(run_dir) -> list[Snapshot]:
+    root = os.path.join(run_dir, "kfac")
+    return [Snapshot.load(os.path.join(root, e)) for e in sorted(os.listdir(root))
+            if e.startswith("step-") and not e.endswith(".png")]
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("app")
+    run_dir = tmp / "run"
+    _, out = _app(tmp, run_dir, *TINY)
+    return run_dir, out
+
+
+def test_app_logs_spectra_to_wandb_and_tensorboard(single_run):
+    run_dir, out = single_run
+    snaps = _snapshots(run_dir)
+    assert [s.step for s in snaps] == [3, 6]
+    rows = read_wandb_offline(latest_wandb_run_dir(str(run_dir)))
+    tb = read_tensorboard_scalars(str(run_dir / "runs"))
+    for snap in snaps:
+        want = _expected(snap)
+        logged = [r for r in rows if r.get("train/kfac/snapshot_step") == snap.step]
+        assert len(logged) == 1, f"snapshot {snap.step} logged {len(logged)} times to W&B"
+        tb_rows = [s for s, v in tb["train/kfac/snapshot_step"] if v == snap.step]
+        assert len(tb_rows) == 1
+        for key, value in want.items():
+            assert logged[0][f"train/{key}"] == pytest.approx(value, rel=RTOL), key
+            tb_value = dict(tb[f"train/{key}"])[tb_rows[0]]
+            assert tb_value == pytest.approx(value, rel=RTOL), key
+        for f in ("A", "G"):  # the across-layer summary is that of the per-layer values
+            vals = sorted(v for k, v in want.items() if k.endswith(f"/{f}/trace"))
+            assert logged[0][f"train/kfac/summary/{f}/trace_max"] == pytest.approx(vals[-1])
+            assert logged[0][f"train/kfac/summary/{f}/trace_min"] == pytest.approx(vals[0])
+    media = [r for r in rows if any(k.startswith("kfac_hist/") for k in r)]
+    assert len(media) == len(snaps) and all("kfac_media/spectra" in r for r in media)
+    assert any("train/kfac/tracker/positions_sampled" in r for r in rows)  # cheap, in between
+    assert "kfac_stream report" in out and "uncertainty contrast" in out
+    assert "AUROC out-vs-in" in out and os.path.exists(f"{snaps[-1].path}.spectra.png")
+    assert "wandb sync" in out  # offline: the app says how to upload
+
+
+def test_app_under_accelerate_deepspeed_zero3(tmp_path):
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (`make test` installs it)")
+    run_dir = tmp_path / "run"
+    _, out = _app(tmp_path, run_dir, *TINY, "kfac.fisher=mc", launch="cpu_zero3.yaml")
+    snaps = _snapshots(run_dir)
+    assert [s.step for s in snaps] == [3, 6]
+    assert all(s.meta["world_size"] == 2 for s in snaps)
+    assert sorted(os.listdir(snaps[-1].path)) == [
+        "manifest.json", "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+    runs = [e for e in os.listdir(run_dir / "wandb") if e.startswith("offline-run-")]
+    assert len(runs) == 1, runs  # the main process only
+    rows = read_wandb_offline(latest_wandb_run_dir(str(run_dir)))
+    assert sorted(r["train/kfac/snapshot_step"] for r in rows
+                  if "train/kfac/snapshot_step" in r) == [3, 6]
+    tb = read_tensorboard_scalars(str(run_dir / "runs"))
+    assert sorted(v for _, v in tb["train/kfac/snapshot_step"]) == [3.0, 6.0]
+    want = _expected(snaps[-1])
+    row = next(r for r in rows if r.get("train/kfac/snapshot_step") == 6)
+    for key, value in want.items():
+        assert row[f"train/{key}"] == pytest.approx(value, rel=RTOL), key
+    assert out.count("kfac_stream report") == 1
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("kfac.tokn_fraction=0.1", "kfac.tokn_fraction"),
+    ("trainer.max_steps=abc", "trainer.max_steps"),
+    ("kfac.token_fraction=2", "token_fraction=2.0"),
+    ("+trainer.extra.bogus_field=1", "trainer.extra.bogus_field"),
+    ("model=hf model.name_or_path=null", "model.name_or_path"),
+])
+def test_bad_override_fails_before_training(tmp_path, override, needle):
+    run_dir = tmp_path / "run"
+    rc, out = _app(tmp_path, run_dir, *override.split(), check=False)
+    assert rc != 0 and needle in out, out[-3000:]
+    assert "train_runtime" not in out and not (run_dir / "kfac").exists()
+
+
+def test_hub_code_path_on_local_files(tmp_path):
+    """``model=hf`` / ``data=hf`` take from_pretrained / load_dataset, here on local files."""
+    from kfac_stream.app.models import tiny_gpt2
+    from models import save_bpe_tokenizer
+
+    model_dir, text = tmp_path / "model", tmp_path / "corpus.txt"
+    lines = [f"line {i}: the quick brown fox jumps over the lazy dog {i * i}" for i in range(400)]
+    text.write_text("\n".join(lines))
+    tok = save_bpe_tokenizer(str(model_dir), lines)
+    tiny_gpt2(vocab_size=len(tok), n_layer=1, n_embd=32, n_head=2, seq_len=32).save_pretrained(
+        model_dir)
+    run_dir = tmp_path / "run"
+    _, out = _app(tmp_path, run_dir, *[o for o in TINY if not o.startswith("model.")],
+                  "model=hf", f"model.name_or_path={model_dir}", "model.seq_len=32",
+                  "model.dtype=float32", "data=hf", "data.path=text",
+                  f"data.data_files={text}", "data.name=null", "trainer.report_to=[]")
+    snap = _snapshots(run_dir)[-1]
+    manifest = json.load(open(os.path.join(snap.path, "manifest.json")))
+    assert manifest["counts"]["tokens_seen"] == 6 * 4 * 32
+    assert "kfac_stream report" in out and "uncertainty contrast" in out
+    assert torch.isfinite(snap[snap.layer_names[0]].G).all()

@@ -1,0 +1,227 @@
+"""`kfac_stream.monitor`: spectrum metrics of every snapshot, read back from what the reporters
+wrote (W&B offline run files and TensorBoard event files; nothing mocked).
+
+One real ``Trainer`` run (tiny GPT-2, 7 steps, snapshots at steps 3 and 6 and the final one
+at 7 written in ``on_train_end``) is shared by the end-to-end tests; the expected values are
+recomputed here from each snapshot's stored eigenvalues with `spectrum_stats`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+
+import pytest
+import torch
+from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
+
+from kfac_stream import KFACConfig, KFACStreamCallback, LayerFactors, Snapshot
+from kfac_stream.monitor import SpectrumMonitor, log10_histograms, snapshot_metrics
+from kfac_stream.stats.spectrum import spectrum_stats
+from logreaders import latest_wandb_run_dir, read_tensorboard_scalars, read_wandb_offline
+from models import ListDataset, text_examples, tiny_gpt2
+
+# The manifest's statistics come from float64 eigenvalues; the snapshot keeps them in float32
+# and TensorBoard stores float32 scalars: each rounding is 2**-24 ≈ 6e-8 relative, and the sums
+# and logs over ≤ 65 eigenvalues stay far below 1e-6.
+REL = 1e-6
+STEPS, LOG_EVERY = 7, 2
+STATS = ("max", "trace", "log10_cond", "eff_rank")
+
+
+def offline_wandb_env(root) -> dict[str, str]:
+    """Environment for an offline W&B run whose files all stay under ``root``."""
+    return {"WANDB_MODE": "offline", "WANDB_DIR": str(root), "WANDB_PROJECT": "kfac-stream-test",
+            "WANDB_CONFIG_DIR": str(root / "wandb-config"), "WANDB_CACHE_DIR": str(root / "cache"),
+            "WANDB_DATA_DIR": str(root / "data"), "WANDB_SILENT": "true", "WANDB_CONSOLE": "off"}
+
+
+def finish_wandb() -> None:
+    """Finish the run (flushes its files) and stop wandb's service, so nothing leaks."""
+    import wandb
+
+    wandb.finish()
+    wandb.teardown()
+    assert wandb.run is None
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Train once with W&B (offline) and TensorBoard; the W&B run is finished (files flushed,
+    no run leaks into other tests) before the tests read anything back."""
+    root = tmp_path_factory.mktemp("monitor")
+    env = {**offline_wandb_env(root),
+           "TENSORBOARD_LOGGING_DIR": str(root / "tb")}  # TrainingArguments has no logging_dir
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        kfac = KFACStreamCallback(KFACConfig(token_fraction=1.0, update_every=1,
+                                             snapshot_every=3, ema_decay=0.95))
+        monitor = SpectrumMonitor(kfac, log_every=LOG_EVERY)
+        args = TrainingArguments(
+            str(root / "out"), per_device_train_batch_size=2, max_steps=STEPS,
+            learning_rate=1e-3, report_to=["wandb", "tensorboard"], run_name="monitor-test",
+            logging_steps=LOG_EVERY, save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0)
+        trainer = Trainer(model=tiny_gpt2(dtype=torch.float32), args=args,
+                          train_dataset=ListDataset(text_examples(16, 32)),
+                          callbacks=[kfac, monitor])
+        monitor.bind(trainer)
+        try:
+            trainer.train()
+        finally:
+            finish_wandb()  # transformers' WandbCallback never finishes the run it started
+    run_dir = latest_wandb_run_dir(str(root))
+    return {"snapshots": [Snapshot.load(p) for p in kfac.snapshots], "paths": kfac.snapshots,
+            "run_dir": run_dir, "wandb": read_wandb_offline(run_dir),
+            "tb": read_tensorboard_scalars(str(root / "tb"))}
+
+
+def recomputed(snap: Snapshot) -> dict[str, float]:
+    """``{kfac/<layer>/<F>/<stat>: value}`` from the snapshot's eigenvalues."""
+    out = {}
+    for layer in snap.layer_names:
+        for f in ("A", "G"):
+            s = spectrum_stats(getattr(snap[layer], f"{f}_eigvals"))
+            s["log10_cond"] = math.log10(s.pop("cond"))
+            out.update({f"kfac/{layer}/{f}/{stat}": s[stat] for stat in STATS})
+    return out
+
+
+def snapshot_rows(run) -> list[dict]:
+    return [r for r in run["wandb"] if "train/kfac/snapshot_step" in r]
+
+
+def test_every_snapshot_logged_once_final_included(run):
+    steps = [s.step for s in run["snapshots"]]
+    assert steps == [3, 6, 7]
+    assert [r["train/kfac/snapshot_step"] for r in snapshot_rows(run)] == steps
+    assert [v for _, v in run["tb"]["train/kfac/snapshot_step"]] == steps
+
+
+def test_wandb_and_tensorboard_scalars_match_recomputed_spectra(run):
+    rows = snapshot_rows(run)
+    for i, snap in enumerate(run["snapshots"]):
+        for key, value in recomputed(snap).items():
+            assert rows[i][f"train/{key}"] == pytest.approx(value, rel=REL), (snap.step, key)
+            logged = run["tb"][f"train/{key}"]
+            assert len(logged) == len(run["snapshots"]), key
+            assert logged[i][1] == pytest.approx(value, rel=REL), (snap.step, key)
+
+
+def test_summaries_are_min_median_max_over_layers(run):
+    layers = run["snapshots"][0].layer_names
+    for row in snapshot_rows(run):
+        for f in ("A", "G"):
+            for stat in STATS:
+                values = [row[f"train/kfac/{layer}/{f}/{stat}"] for layer in layers]
+                for name, agg in (("min", min), ("median", statistics.median), ("max", max)):
+                    got = row[f"train/kfac/summary/{f}/{stat}_{name}"]
+                    assert got == pytest.approx(agg(values), rel=1e-12), (f, stat, name)
+
+
+def test_histograms_and_spectra_image_in_wandb(run):
+    media = [r for r in run["wandb"] if "kfac_media/spectra" in r]
+    assert len(media) == len(run["snapshots"])
+    for row, snap in zip(media, run["snapshots"]):
+        image = row["kfac_media/spectra"]
+        assert image["_type"] == "image-file" and image["caption"] == f"step {snap.step}"
+        assert os.path.isfile(os.path.join(run["run_dir"], "files", image["path"]))
+        assert os.path.isfile(snap.path + ".spectra.png")
+        for layer in snap.layer_names:
+            for f in ("A", "G"):
+                hist = row[f"kfac_hist/{layer}/{f}"]
+                ev = getattr(snap[layer], f"{f}_eigvals")
+                assert hist["_type"] == "histogram" and len(hist["bins"]) == 33
+                assert sum(hist["values"]) == int((ev > 0).sum())
+
+
+def test_step_metrics_and_trainer_loss_logs_kept(run):
+    tb, logged_steps = run["tb"], list(range(LOG_EVERY, STEPS + 1, LOG_EVERY))
+    assert [s for s, _ in tb["train/loss"]] == logged_steps  # not swallowed by our Trainer.log
+    assert tb["train/kfac/tracker/updates"] == [(s, float(s)) for s in logged_steps]
+    assert [v for _, v in tb["train/kfac/tracker/skipped_updates"]] == [0.0] * 3
+    assert all(v > 0 for _, v in tb["train/kfac/tracker/ms_per_step"])
+    # at step 6 the snapshot flushed the store just before: the live trace is that of the
+    # snapshot's dequantised factor (not the eigenvalue sum: float16 rounding leaves slightly
+    # negative eigenvalues, clipped to 0, which raises their sum by ~1e-5 relative)
+    snap6 = run["snapshots"][1]
+    for layer in snap6.layer_names:
+        for f in ("A", "G"):
+            live = dict(tb[f"train/kfac/{layer}/{f}/live_trace"])[6]
+            factor = getattr(snap6[layer], f).double()
+            trace = float(factor.diagonal().sum() if factor.dim() == 2 else factor.sum())
+            assert live == pytest.approx(trace, rel=REL), (layer, f)
+
+
+def test_unbound_monitor_logs_scalars_to_active_wandb_run(run, tmp_path, monkeypatch):
+    import wandb
+
+    for key, value in offline_wandb_env(tmp_path).items():
+        monkeypatch.setenv(key, value)
+    kfac = KFACStreamCallback()
+    kfac.snapshots.extend(run["paths"])  # as if this callback had written them
+    monitor = SpectrumMonitor(kfac, media=False)
+    wandb.init()
+    try:
+        monitor.on_train_end(None, TrainerState(), TrainerControl())
+    finally:
+        finish_wandb()
+    rows = read_wandb_offline(latest_wandb_run_dir(str(tmp_path)))
+    assert [r["kfac/snapshot_step"] for r in rows] == [3, 6, 7]
+    for row, snap in zip(rows, run["snapshots"]):
+        assert row == pytest.approx({**snapshot_metrics(snap.meta), "_step": row["_step"],
+                                     "_runtime": row["_runtime"],
+                                     "_timestamp": row["_timestamp"]})
+
+
+def test_monitor_before_kfac_is_refused(tmp_path):
+    kfac = KFACStreamCallback(KFACConfig(token_fraction=1.0))
+    monitor = SpectrumMonitor(kfac, media=False)
+    args = TrainingArguments(str(tmp_path), max_steps=1, report_to=[], use_cpu=True,
+                             save_strategy="no", disable_tqdm=True)
+    trainer = Trainer(model=tiny_gpt2(dtype=torch.float32), args=args,
+                      train_dataset=ListDataset(text_examples(2, 8)), callbacks=[monitor, kfac])
+    with pytest.raises(ValueError, match="after its KFACStreamCallback"):
+        monitor.bind(trainer).on_train_begin(args, trainer.state, trainer.control)
+
+
+def manifest(spectra: dict[str, tuple[dict, dict]]) -> dict:
+    return {"step": 12, "layers": {name: {"A": {"spectrum": a}, "G": {"spectrum": g}}
+                                   for name, (a, g) in spectra.items()}}
+
+
+def spec(top: float, trace: float, cond: float, eff_rank: float) -> dict[str, float]:
+    return {"max": top, "trace": trace, "cond": cond, "eff_rank": eff_rank}
+
+
+def test_snapshot_metrics_summaries_on_hand_built_manifest():
+    zero = spec(0.0, 0.0, math.inf, 0.0)
+    meta = manifest({"a": (spec(4.0, 6.0, 100.0, 1.5), spec(1.0, 2.0, 10.0, 2.0)),
+                     "b": (spec(1.0, 3.0, 1e4, 2.5), zero),
+                     "c": (spec(2.0, 9.0, 1e3, 3.5), spec(3.0, 5.0, 1e5, 1.0))})
+    m = snapshot_metrics(meta, prefix="kfac")
+    assert m["kfac/snapshot_step"] == 12.0
+    assert m["kfac/a/A/log10_cond"] == pytest.approx(2.0)
+    assert "kfac/b/G/log10_cond" not in m and m["kfac/b/G/max"] == 0.0  # zero factor
+    assert (m["kfac/summary/A/max_min"], m["kfac/summary/A/max_median"],
+            m["kfac/summary/A/max_max"]) == (1.0, 2.0, 4.0)
+    assert (m["kfac/summary/A/log10_cond_min"], m["kfac/summary/A/log10_cond_median"],
+            m["kfac/summary/A/log10_cond_max"]) == pytest.approx((2.0, 3.0, 4.0))
+    # G: the zero factor counts for max/trace/eff_rank, not for log10_cond
+    assert m["kfac/summary/G/trace_median"] == 2.0 and m["kfac/summary/G/eff_rank_min"] == 0.0
+    assert (m["kfac/summary/G/log10_cond_min"],
+            m["kfac/summary/G/log10_cond_median"]) == pytest.approx((1.0, 3.0))
+    per_factor = 3 * 2 * 4 - 1
+    assert len(m) == per_factor + 2 * 4 * 3 + 1
+
+
+def test_log10_histograms_count_positive_eigenvalues():
+    a = torch.tensor([0.0, 0.0, 1e-6, 1e-3, 1.0, 10.0])
+    g = torch.zeros(3)
+    layer = LayerFactors("lin", torch.diag(a), torch.diag(g), {"has_bias": False}, a, None, g, None)
+    hists = log10_histograms(Snapshot("unused", {"step": 1}, {"lin": layer}), bins=8)
+    assert list(hists) == ["lin/A"]  # a factor without a positive eigenvalue is left out
+    counts, edges = hists["lin/A"]
+    assert sum(counts) == 4 and len(counts) == 8
+    assert edges[0] == pytest.approx(-6.0) and edges[-1] == pytest.approx(1.0)
