@@ -78,14 +78,18 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
     trainer = Trainer(model=model, args=args, train_dataset=_ListDataset(train),
                       callbacks=[kfac, monitor])
     monitor.bind(trainer)
+    _quiet_console(trainer)
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
+    trainer.save_model(os.path.join(out, "model"))  # every rank (ZeRO-3 gathers the weights)
+    if trainer.is_world_process_zero() and hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(os.path.join(out, "model"))
     result: dict[str, Any] = {"output_dir": out, "snapshots": list(kfac.snapshots),
                               "train_seconds": wall}
     if trainer.is_world_process_zero() and kfac.snapshots:
         result.update(_report(cfg, model, tokenizer, seq_len, kfac, wall, heldout_docs,
-                              ood_docs, args.world_size))
+                              ood_docs, args.world_size, os.path.join(out, "model")))
     return result
 
 
@@ -94,7 +98,7 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
 def _check_choices(cfg: DictConfig) -> None:
     choices = {"model.kind": (cfg.model.kind, ("tiny", "hf")),
                "data.kind": (cfg.data.kind, ("pydoc", "hf")),
-               "data.ood": (cfg.data.ood, ("python_source", "none"))}
+               **{f"data.ood[{i}]": (v, tuple(OOD_SETS)) for i, v in enumerate(cfg.data.ood)}}
     for key, (value, allowed) in choices.items():
         if value not in allowed:
             raise AppConfigError(f"{key}={value!r}: must be one of {allowed}")
@@ -164,7 +168,10 @@ def _model(cfg: DictConfig):
     return model, tokenizer, m.seq_len
 
 
-def _documents(cfg: DictConfig) -> tuple[list[str], list[str], list[str]]:
+OOD_SETS = {"python_source": "ood_documents", "licenses": "license_documents"}
+
+
+def _documents(cfg: DictConfig) -> tuple[list[str], list[str], dict[str, list[str]]]:
     from .app import data as appdata
 
     d = cfg.data
@@ -176,8 +183,31 @@ def _documents(cfg: DictConfig) -> tuple[list[str], list[str], list[str]]:
     if d.max_documents:
         docs = docs[: d.max_documents]
     train, heldout = appdata.split_documents(docs, d.heldout_fraction, seed=cfg.model.seed)
-    ood = appdata.ood_documents() if d.ood == "python_source" else []
-    return train, heldout, ood
+    ood = {name: getattr(appdata, OOD_SETS[name])() for name in d.ood}
+    return train, heldout, {name: docs for name, docs in ood.items() if docs}
+
+
+def _quiet_console(trainer) -> None:
+    """Keep the per-layer ``kfac/...`` scalars out of the console (the Trainer prints every
+    logged dict; a 32-layer model logs ~900 spectrum keys per snapshot). Reporters still get
+    them; the report at the end prints the table."""
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    for cls in (ProgressCallback, PrinterCallback):
+        old = trainer.pop_callback(cls)
+        if old is not None:
+            trainer.add_callback(_without_kfac_keys(cls)())
+
+
+def _without_kfac_keys(cls):
+    class Quiet(cls):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            kept = {k: v for k, v in (logs or {}).items() if not k.startswith("kfac")}
+            if len(kept) > (1 if "epoch" in kept else 0):
+                return super().on_log(args, state, control, logs=kept, **kwargs)
+
+    Quiet.__name__ = f"Quiet{cls.__name__}"
+    return Quiet
 
 
 class _ListDataset(torch.utils.data.Dataset):
@@ -193,7 +223,8 @@ class _ListDataset(torch.utils.data.Dataset):
 
 # -- the report -----------------------------------------------------------------------------------
 
-def _report(cfg, model, tokenizer, seq_len, kfac, wall, heldout_docs, ood_docs, world_size):
+def _report(cfg, model, tokenizer, seq_len, kfac, wall, heldout_docs, ood_docs, world_size,
+            model_dir):
     from .app import data as appdata
     from .app.contrast import uncertainty_contrast
     from .query.laplace import LaplacePosterior
@@ -212,7 +243,7 @@ def _report(cfg, model, tokenizer, seq_len, kfac, wall, heldout_docs, ood_docs, 
                               else None}
     if result["spectra_png"]:
         lines.append(f"spectra plot: {png}")
-    if cfg.report.enabled and heldout_docs and ood_docs:
+    if cfg.report.enabled and heldout_docs and ood_docs:  # ood_docs: {set name: documents}
         if world_size > 1:
             lines.append("uncertainty contrast: skipped with several processes (the model may "
                          "be partitioned); load the snapshot in one process with "
@@ -227,17 +258,22 @@ def _report(cfg, model, tokenizer, seq_len, kfac, wall, heldout_docs, ood_docs, 
             model.eval()
             dev = next(model.parameters()).device
             post = LaplacePosterior(model, snap, prior_precision=r.prior_precision)
-            con = uncertainty_contrast(post, [w.to(dev) for w in windows(heldout_docs)],
-                                       [w.to(dev) for w in windows(ood_docs)], r.positions,
-                                       r.top_k)
-            lines += [""] + con.lines()
-            result["contrast"] = {"variance_in": float(con.variance["in"].mean()),
-                                  "variance_out": float(con.variance["out"].mean()),
-                                  "entropy_in": float(con.entropy["in"].mean()),
-                                  "entropy_out": float(con.entropy["out"].mean()),
-                                  "auroc_variance": con.auroc("variance"),
-                                  "auroc_entropy": con.auroc("entropy")}
-    lines.append("=" * 78)
+            held = [w.to(dev) for w in windows(heldout_docs)]
+            result["contrast"] = {}
+            for name, docs in ood_docs.items():
+                con = uncertainty_contrast(post, held, [w.to(dev) for w in windows(docs)],
+                                           r.positions, r.top_k)
+                lines += ["", f"[out-of-domain: {name}]"] + con.lines()
+                result["contrast"][name] = {
+                    "variance_in": float(con.variance["in"].mean()),
+                    "variance_out": float(con.variance["out"].mean()),
+                    "entropy_in": float(con.entropy["in"].mean()),
+                    "entropy_out": float(con.entropy["out"].mean()),
+                    "auroc_variance": con.auroc("variance"),
+                    "auroc_entropy": con.auroc("entropy")}
+    lines += [f"trained model: {model_dir} (kfac-stream query --snapshot {snap.path} --model "
+              f"{model_dir}{' --byte-level' if cfg.model.kind == 'tiny' else ''} --text ...)",
+              "=" * 78]
     print("\n".join(lines), flush=True)
     result["report"] = "\n".join(lines)
     return result

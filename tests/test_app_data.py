@@ -171,3 +171,12 @@ def test_load_hf_model_from_local_directory(tmp_path, caplog):
     assert all(p.dtype == torch.bfloat16 for p in model16.parameters())
     with pytest.raises(ValueError):
         load_hf_model(str(tmp_path / "ckpt"), dtype="float33")
+
+
+def test_license_documents_reads_files_in_order_within_budget(tmp_path):
+    from kfac_stream.app.data import license_documents
+
+    (tmp_path / "B").write_text("b" * 50)
+    (tmp_path / "A").write_text("a" * 10)
+    assert license_documents(str(tmp_path), max_chars=40) == ["a" * 10, "b" * 30]
+    assert license_documents(str(tmp_path / "absent")) == []

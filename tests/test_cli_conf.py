@@ -94,3 +94,15 @@ def test_launch_configs_parse_and_reference_existing_deepspeed_json():
     assert stages == {1, 2, 3}
     slurm = open(os.path.join(root, "launch", "slurm_multinode.sh")).read()
     assert re.search(r"--config_file launch/multinode_zero3\.yaml", slurm)
+
+
+def test_hydra_schema_mirrors_kfac_config():
+    """The app's typed `KFACConf` has exactly `KFACConfig`'s fields and defaults, and
+    `kfac_config` turns it into an equal `KFACConfig`."""
+    from dataclasses import fields
+
+    from kfac_stream import KFACConfig
+    from kfac_stream.app.schema import KFACConf, kfac_config
+
+    assert [f.name for f in fields(KFACConf)] == [f.name for f in fields(KFACConfig)]
+    assert kfac_config(KFACConf()) == KFACConfig()

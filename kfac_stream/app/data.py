@@ -109,6 +109,20 @@ def ood_documents(max_chars: int = 200_000) -> list[str]:
     return docs
 
 
+def license_documents(root: str = "/usr/share/common-licenses",
+                      max_chars: int = 200_000) -> list[str]:
+    """Out-of-domain prose: the license texts Debian-family systems ship (empty list if the
+    directory is absent), one document per file in sorted order, at most ``max_chars`` in
+    total with every file given an equal share of the budget."""
+    base = Path(root)
+    files = sorted(p for p in base.iterdir() if p.is_file()) if base.is_dir() else []
+    docs, budget = [], max_chars
+    for i, path in enumerate(files):
+        docs.append(path.read_text(encoding="utf-8", errors="replace")[:budget // (len(files) - i)])
+        budget -= len(docs[-1])
+    return docs
+
+
 def lm_examples(ids: list[int] | torch.Tensor, seq_len: int,
                 max_examples: int | None = None) -> list[dict[str, torch.Tensor]]:
     """Consecutive non-overlapping windows of ``seq_len`` ids as causal-LM examples.

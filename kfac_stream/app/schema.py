@@ -51,7 +51,8 @@ class DataConf:
     text_field: str = "text"
     max_documents: Optional[int] = None
     heldout_fraction: float = 0.1  # documents kept out of training for the report
-    ood: str = "python_source"  # out-of-domain text for the report: python_source | none
+    # out-of-domain text sets for the report: python_source (stdlib), licenses (license texts)
+    ood: list[str] = field(default_factory=lambda: ["python_source", "licenses"])
 
 
 @dataclass
@@ -76,7 +77,7 @@ class KFACConf:
 class TrainerConf:
     """``TrainingArguments`` fields the app sets; ``extra`` holds any other field."""
 
-    max_steps: int = 300
+    max_steps: int = 1000
     per_device_train_batch_size: int = 8
     gradient_accumulation_steps: int = 1
     learning_rate: float = 1e-3
@@ -111,7 +112,7 @@ class LoggingConf:
 @dataclass
 class ReportConf:
     enabled: bool = True
-    windows: int = 8  # held-out and out-of-domain windows each
+    windows: int = 16  # held-out and out-of-domain windows each
     positions: int = 4  # positions per window
     top_k: int = 4  # next-token logits per position
     prior_precision: float = 1.0
