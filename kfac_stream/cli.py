@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                    "kfac-stream train key=value ... (--help: Hydra's help)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("train", "demo"):  # Hydra parses its own command line
-        from .train import main as train_main
+        from .train import cli_main as train_main
 
         demo = ["hydra.run.dir=out/demo"] if argv[0] == "demo" else []
         sys.argv = [f"kfac-stream {argv[0]}", *demo, *argv[1:]]

@@ -279,5 +279,22 @@ def _report(cfg, model, tokenizer, seq_len, kfac, wall, heldout_docs, ood_docs, 
     return result
 
 
-if __name__ == "__main__":
+def _strip_local_rank_arg() -> None:
+    """The ``deepspeed`` launcher appends ``--local_rank=N``, which Hydra would reject as an
+    override: move it to ``LOCAL_RANK`` (where accelerate and the Trainer read it)."""
+    for i, arg in enumerate(sys.argv[1:], 1):
+        if arg.startswith("--local_rank"):
+            value = arg.split("=", 1)[1] if "=" in arg else sys.argv[i + 1]
+            os.environ.setdefault("LOCAL_RANK", value)
+            del sys.argv[i:i + (1 if "=" in arg else 2)]
+            return
+
+
+def cli_main() -> None:
+    """Entry point of ``python -m kfac_stream.train`` and ``kfac-stream train``."""
+    _strip_local_rank_arg()
     main()
+
+
+if __name__ == "__main__":
+    cli_main()
