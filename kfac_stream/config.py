@@ -56,6 +56,10 @@ class KFACConfig:
             background thread. ``None``: on when the model is on a CUDA device (the CPU is then
             idle during the step), off on CPU-only training, where a second thread only
             competes with the training thread for the same cores. (Default: None)
+        fail_on_snapshot_error: Make a failed snapshot (unwritable directory, full disk, a
+            failed eigendecomposition) stop training. By default it is logged and counted
+            (``counts.snapshot_failures`` in later manifests), training goes on and earlier
+            snapshots stay valid. (Default: False)
     """
 
     token_fraction: float = 0.05
@@ -70,6 +74,7 @@ class KFACConfig:
     max_dense_dim: int = 8192
     seed: int = 0
     async_updates: bool | None = None
+    fail_on_snapshot_error: bool = False
 
     def __post_init__(self) -> None:
         _check_range("token_fraction", self.token_fraction, "in (0, 1]",
@@ -81,6 +86,9 @@ class KFACConfig:
                 raise KFACConfigError(
                     f"KFACConfig.{name}={value!r} is not allowed: must be a positive integer"
                 )
+        if not isinstance(self.fail_on_snapshot_error, bool):
+            raise KFACConfigError(f"KFACConfig.fail_on_snapshot_error="
+                                  f"{self.fail_on_snapshot_error!r} is not allowed: must be a bool")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise KFACConfigError(f"KFACConfig.seed={self.seed!r} is not allowed: must be an int")
         if self.fisher not in FisherType:

@@ -52,6 +52,7 @@ class Counters:
     comm_bytes: int = 0  # bytes this rank sent to factor owners (multi-process only)
     exchange_seconds: float = 0.0  # time in the exchange collectives (multi-process only)
     fold_seconds: float = 0.0  # time folding rows/statistics into the owned factors
+    snapshot_failures: int = 0  # snapshots abandoned (non-fatal unless fail_on_snapshot_error)
     skipped_steps: list[int] = field(default_factory=list)
 
 

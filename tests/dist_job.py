@@ -48,6 +48,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--strategy", default=None, help="force the exchange: rows or stats")
     p.add_argument("--fail-rank", type=int, default=-1,
                    help="this rank raises while writing its shard of the 2nd snapshot")
+    p.add_argument("--fail-fatal", action="store_true",
+                   help="fail_on_snapshot_error=True (the injected failure stops training)")
     p.add_argument("--width", type=int, default=32)
     return p.parse_args()
 
@@ -74,7 +76,8 @@ def main() -> None:
     cfg = KFACConfig(token_fraction=opts.token_fraction, ema_decay=opts.ema_decay,
                      update_every=1, snapshot_every=opts.snapshot_every, fisher=opts.fisher,
                      storage_dtype=opts.storage_dtype, seed=0,
-                     async_updates=opts.async_updates or None)
+                     async_updates=opts.async_updates or None,
+                     fail_on_snapshot_error=opts.fail_fatal)
     cb = KFACStreamCallback(cfg)
     if opts.fail_rank >= 0:
         _fail_second_shard(opts.fail_rank)

@@ -82,6 +82,7 @@ class Runs:
         "ddp_bf16": ("cpu_ddp", ["--bf16", *PAD]),
         "zero2_bf16": ("cpu_zero2", ["--bf16", *PAD]),
         "ddp_fail": ("cpu_ddp", ["--fail-rank", "1", *PAD]),
+        "ddp_fail_fatal": ("cpu_ddp", ["--fail-rank", "1", "--fail-fatal", *PAD]),
     }
 
     def __init__(self, base) -> None:
@@ -229,12 +230,23 @@ def test_sharding_log_and_disk_agree_and_query_matches(runs):
     assert rel(res[1][1], res[0][1]) <= 10 * EXACT_TOL  # the factors' 1e-6, through eigh
 
 
-def test_failed_shard_leaves_no_snapshot(runs):
-    out = runs.get("ddp_fail")
+@pytest.mark.parametrize("fatal", [False, True])
+def test_failed_shard_leaves_no_snapshot(runs, fatal):
+    """Rank 1 fails writing its shard of the 2nd snapshot (step 3): no step-3 directory, no
+    temporary leftovers, step 2 still loads. By default every rank logs it, counts it and
+    trains on; with fail_on_snapshot_error every rank stops with the error (no rank hangs)."""
+    out = runs.get("ddp_fail_fatal" if fatal else "ddp_fail")
     root = os.path.join(out, "kfac")
-    for r in (0, 1):  # every rank learns that the snapshot failed, and which rank broke it
-        failed = info(out, r)["failed"]
-        assert failed and "rank 1: OSError: injected" in failed, failed
+    log = open(os.path.join(out, "log.txt")).read()
+    for r in (0, 1):
+        rank = info(out, r)
+        if fatal:
+            assert rank["failed"] and "rank 1: OSError: injected" in rank["failed"]
+        else:
+            assert rank["failed"] is None and rank["counters"]["snapshot_failures"] == 1
+            assert [os.path.basename(p) for p in rank["snapshots"]] == ["step-00000002"]
+            assert re.search(rf"\[rank {r}\] kfac_stream: snapshot of step 3 failed.*"
+                             r"rank 1: OSError: injected.*training goes on", log), log[-3000:]
     assert sorted(os.listdir(root)) == ["step-00000002"]  # no step-3, no temporary leftovers
     snap = Snapshot.latest(root)
     assert snap.step == 2 and snap.meta["world_size"] == 2

@@ -71,6 +71,7 @@ class KFACConf:
     max_dense_dim: int = 8192
     seed: int = 0
     async_updates: Optional[bool] = None
+    fail_on_snapshot_error: bool = False
 
 
 @dataclass

@@ -109,8 +109,22 @@ class KFACStreamCallback(TrainerCallback):
         root, comm = self.output_dir, self._comm
 
         def finish() -> None:  # every rank: its own factors, in parallel; then the protocol
-            add_eigendecompositions(tensors, manifest)
-            path = write_snapshot(root, step, tensors, manifest, comm, merge_manifests)
+            try:
+                local_error = None
+                try:
+                    add_eigendecompositions(tensors, manifest)
+                except Exception as e:  # still take part in the protocol: all ranks abandon
+                    local_error = f"eigendecomposition failed: {type(e).__name__}: {e}"
+                path = write_snapshot(root, step, tensors, manifest, comm, merge_manifests,
+                                      local_error=local_error)
+            except Exception as e:
+                self.tracker.counters.snapshot_failures += 1
+                if self.config.fail_on_snapshot_error:
+                    raise
+                logger.error("kfac_stream: %s; training goes on, earlier snapshots are intact "
+                             "(%d failed so far; fail_on_snapshot_error=True makes this fatal)",
+                             e, self.tracker.counters.snapshot_failures)
+                return
             self.snapshots.append(path)
             if comm.rank == 0:
                 logger.info("kfac_stream: snapshot %s", path)

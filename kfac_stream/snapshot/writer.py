@@ -53,7 +53,7 @@ def clean_stale_tmp(root: str) -> None:
 
 def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor], manifest: dict,
                    comm=None, merge: Callable[[list[dict]], dict] | None = None,
-                   tag: str = "0") -> str:
+                   tag: str = "0", local_error: str | None = None) -> str:
     """Write a snapshot: every rank its shard, rank 0 the manifest, then one rename.
 
     Protocol (``comm`` is a `kfac_stream.distributed.context.JsonComm`; None = one process):
@@ -76,6 +76,8 @@ def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor], manif
         comm: Collective helper; None for one process.
         merge: Combines the ranks' manifest parts (rank order) into one; default: rank 0's.
         tag: Suffix of the temporary directory name.
+        local_error: This rank already failed (e.g. its eigendecomposition): it writes no
+            shard but still takes part, so that every rank abandons the snapshot together.
 
     Returns:
         The final directory path.
@@ -102,6 +104,8 @@ def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor], manif
         raise SnapshotError(f"snapshot of step {step} failed: {errors[0]}")
     report: dict = {"rank": rank}
     try:
+        if local_error:
+            raise RuntimeError(local_error)
         if tensors:
             report["shard"] = write_shard(tmp, tensors, rank, world)
         report["manifest"] = manifest

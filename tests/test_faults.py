@@ -1,0 +1,86 @@
+"""Storage faults are logged, counted and non-fatal by default (issue 6, item 4): a full disk
+while writing a shard, an unwritable snapshot directory, a failed eigendecomposition. The
+previous snapshot stays valid; ``fail_on_snapshot_error=True`` makes the failure stop training.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import pytest
+import torch
+
+import kfac_stream.snapshot.writer as writer
+import kfac_stream.snapshot.contents as contents
+from harness import run
+from kfac_stream import Snapshot
+from models import text_examples, tiny_gpt2
+
+CFG = dict(storage_dtype="float32", snapshot_every=2)
+
+
+def _train(tmp_path, **cfg):
+    model = tiny_gpt2(torch.float32)
+    return run(model, text_examples(8, 16), {**CFG, **cfg}, batch=2, steps=4,
+               tmp_path=tmp_path, record=False)
+
+
+def _full_disk_on_call(monkeypatch, n: int) -> None:
+    real, calls = writer.write_shard, {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise OSError(errno.ENOSPC, "No space left on device (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer, "write_shard", flaky)
+
+
+def test_full_disk_is_logged_counted_and_not_fatal(tmp_path, monkeypatch, caplog):
+    _full_disk_on_call(monkeypatch, 2)  # snapshots at steps 2 and 4: the second one fails
+    with caplog.at_level(logging.ERROR, logger="kfac_stream"):
+        cb, _, trainer = _train(tmp_path)
+    assert trainer.state.global_step == 4  # training went on to the end
+    root = os.path.join(tmp_path, "kfac")
+    assert sorted(os.listdir(root)) == ["step-00000002"]  # nothing partial, no temporaries
+    assert Snapshot.latest(root).step == 2
+    assert cb.tracker.counters.snapshot_failures == 1
+    assert any("snapshot of step 4 failed" in r.message and "No space left" in r.message
+               for r in caplog.records)
+
+
+def test_fail_on_snapshot_error_makes_it_fatal(tmp_path, monkeypatch):
+    _full_disk_on_call(monkeypatch, 1)
+    with pytest.raises(RuntimeError, match="writing a snapshot failed") as info:
+        _train(tmp_path, fail_on_snapshot_error=True)
+    assert "No space left" in str(info.value.__cause__)
+
+
+def test_unwritable_snapshot_directory_is_not_fatal(tmp_path, caplog):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the snapshot directory should be")
+    with caplog.at_level(logging.ERROR, logger="kfac_stream"):
+        cb, _, trainer = _train(tmp_path, output_dir=str(blocker / "kfac"))
+    assert trainer.state.global_step == 4
+    assert cb.tracker.counters.snapshot_failures == 2 and cb.snapshots == []
+    assert sum("snapshot of step" in r.message for r in caplog.records) == 2
+
+
+def test_failed_eigendecomposition_is_not_fatal(tmp_path, monkeypatch, caplog):
+    real, calls = contents.safe_psd_eigh, {"n": 0}
+
+    def broken(value):
+        calls["n"] += 1
+        if calls["n"] > 16:  # the first snapshot's 16 factors succeed, then eigh fails
+            raise torch.linalg.LinAlgError("simulated: eigh failed even with a shift")
+        return real(value)
+
+    monkeypatch.setattr(contents, "safe_psd_eigh", broken)
+    with caplog.at_level(logging.ERROR, logger="kfac_stream"):
+        cb, _, _ = _train(tmp_path)
+    assert cb.tracker.counters.snapshot_failures == 1
+    assert sorted(os.listdir(os.path.join(tmp_path, "kfac"))) == ["step-00000002"]
+    assert any("eigendecomposition failed" in r.message for r in caplog.records)
