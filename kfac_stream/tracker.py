@@ -83,10 +83,10 @@ class Tracker:
         self.dist = dist_ctx
         self.rank, self.world_size = (dist_ctx.rank, dist_ctx.world_size) if dist_ctx else (0, 1)
         self.row_dtype = torch.float64 if config.storage_dtype == "float64" else torch.float32
-        self.capture = CaptureHooks(model, layers, config.token_fraction, config.seed,
-                                    self.row_dtype)
+        seed = config.seed + 1_000_003 * self.rank  # independent streams per rank
+        self.capture = CaptureHooks(model, layers, config.token_fraction, seed, self.row_dtype)
         self.capture.scale_warning = self._warn_scale
-        self.mc_generator = torch.Generator().manual_seed(config.seed + 1)
+        self.mc_generator = torch.Generator().manual_seed(seed + 1)
         self.counters = Counters()
         self.step: int | None = None
         self.is_update_step = False

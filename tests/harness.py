@@ -34,7 +34,7 @@ def mean_nll_loss(outputs, labels, num_items_in_batch=None):
 
 def run(model, examples, cfg: dict | None = None, *, batch=2, accum=1, steps=None, epochs=1,
         lr=1e-2, loss=None, tmp_path, record=True, callbacks=(), optimizers=(None, None),
-        **train_kwargs):
+        resume=None, **train_kwargs):
     """Train ``model`` on ``examples`` with a `KFACStreamCallback`; return (cb, records, trainer).
 
     Data order is sequential-equivalent across batch sizes (Trainer's seeded RandomSampler
@@ -42,20 +42,21 @@ def run(model, examples, cfg: dict | None = None, *, batch=2, accum=1, steps=Non
     per optimizer step).
     """
     cb = KFACStreamCallback(KFACConfig(**{**EXACT, "snapshot_every": 10_000, **(cfg or {})}))
+    train_kwargs.setdefault("save_strategy", "no")
     args = TrainingArguments(
         str(tmp_path), per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
         max_steps=steps if steps is not None else -1, num_train_epochs=epochs,
         learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, report_to=[],
-        use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
+        use_cpu=True, logging_strategy="no", disable_tqdm=True, seed=0,
         **train_kwargs)
     trainer = Trainer(model=model, args=args, train_dataset=ListDataset(examples),
                       callbacks=[cb, *callbacks], compute_loss_func=loss,
                       optimizers=optimizers)
     if record:
         with ForwardRecorder(model) as rec:
-            trainer.train()
+            trainer.train(resume_from_checkpoint=resume)
         return cb, rec.records, trainer
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     return cb, [], trainer
 
 

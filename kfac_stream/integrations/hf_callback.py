@@ -19,6 +19,7 @@ from ..snapshot.contents import add_eigendecompositions, merge_manifests, snapsh
 from ..snapshot.layout import step_dir_name
 from ..snapshot.writer import clean_stale_tmp, write_snapshot
 from ..tracker import Tracker
+from ..tracker_state import STATE_DIR, load_tracker_state, save_tracker_state
 
 logger = logging.getLogger("kfac_stream")
 
@@ -63,6 +64,8 @@ class KFACStreamCallback(TrainerCallback):
         self._comm = dist_ctx.snapshot_comm if dist_ctx else LOCAL
         self.output_dir = cfg.output_dir or os.path.join(args.output_dir, "kfac")
         self._last_snapshot_step = None
+        if state.global_step > 0:  # resuming from a checkpoint
+            self._resume(args, state)
         if self.tracker.rank == 0:
             clean_stale_tmp(self.output_dir)
             logger.info("kfac_stream: tracking %d layers (%s Fisher, token_fraction=%g, "
@@ -72,6 +75,21 @@ class KFACStreamCallback(TrainerCallback):
             logger.info("kfac_stream: factor owners (bytes of the stored factors, eigh cost)"
                         "\n%s", self.tracker.ownership)
         return control
+
+    def on_save(self, args, state, control, **kwargs):
+        """Every rank writes its tracker state into the checkpoint the Trainer just saved."""
+        if self.tracker is not None:
+            save_tracker_state(self.tracker, os.path.join(
+                args.output_dir, f"checkpoint-{state.global_step}", STATE_DIR))
+        return control
+
+    def _resume(self, args, state) -> None:
+        directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", STATE_DIR)
+        if not os.path.isdir(directory):
+            logger.warning("kfac_stream: resuming at step %d but %s holds no tracker state; the "
+                           "factors start from zero", state.global_step, directory)
+            return
+        logger.info("kfac_stream: %s", load_tracker_state(self.tracker, directory))
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.tracker is not None:
