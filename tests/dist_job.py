@@ -50,6 +50,8 @@ def parse() -> argparse.Namespace:
                    help="this rank raises while writing its shard of the 2nd snapshot")
     p.add_argument("--fail-fatal", action="store_true",
                    help="fail_on_snapshot_error=True (the injected failure stops training)")
+    p.add_argument("--save-steps", type=int, default=0, help="Trainer checkpoints every N steps")
+    p.add_argument("--resume", default=None, help="resume_from_checkpoint")
     p.add_argument("--width", type=int, default=32)
     return p.parse_args()
 
@@ -78,14 +80,15 @@ def main() -> None:
                      storage_dtype=opts.storage_dtype, seed=0,
                      async_updates=opts.async_updates or None,
                      fail_on_snapshot_error=opts.fail_fatal)
-    cb = KFACStreamCallback(cfg)
+    cb = KFACStreamCallback(cfg, resume_from=opts.resume)
     if opts.fail_rank >= 0:
         _fail_second_shard(opts.fail_rank)
     args = TrainingArguments(
         opts.out, per_device_train_batch_size=opts.batch, gradient_accumulation_steps=opts.accum,
         max_steps=opts.steps, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant",
         warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, report_to=[], use_cpu=True,
-        save_strategy="no", logging_strategy="no", disable_tqdm=True, seed=0,
+        save_strategy="steps" if opts.save_steps else "no", save_steps=opts.save_steps or 500,
+        logging_strategy="no", disable_tqdm=True, seed=0,
         bf16=opts.bf16, dataloader_drop_last=True)
 
     class SequentialTrainer(Trainer):
@@ -106,7 +109,7 @@ def main() -> None:
                                 callbacks=[cb, *extra])
     failed = None
     try:
-        trainer.train()
+        trainer.train(resume_from_checkpoint=opts.resume)
     except RuntimeError as e:  # the injected shard failure surfaces here
         failed = str(e) + (f" <- {e.__cause__}" if e.__cause__ else "")
     dump(cb, opts.out, failed)

@@ -46,6 +46,7 @@ pytestmark = pytest.mark.skipif(
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "dist_job.py")
 PAD = ["--pad-rows", "2,3"]
+HALF = ["--token-fraction", "0.5"]
 EXACT_TOL = 1e-6
 FP16_TOL = 1e-3
 BF16_TOL = 3e-2
@@ -83,6 +84,11 @@ class Runs:
         "zero2_bf16": ("cpu_zero2", ["--bf16", *PAD]),
         "ddp_fail": ("cpu_ddp", ["--fail-rank", "1", *PAD]),
         "ddp_fail_fatal": ("cpu_ddp", ["--fail-rank", "1", "--fail-fatal", *PAD]),
+        # resume: token_fraction 0.5 so that the samplers' RNG state matters
+        "ddp_whole": ("cpu_ddp", [*HALF, "--steps", "4", "--save-steps", "2", *PAD]),
+        "ddp_cut": ("cpu_ddp", [*HALF, "--steps", "2", "--save-steps", "2", *PAD]),
+        "ddp_resumed": ("cpu_ddp", [*HALF, "--steps", "4", "--save-steps", "2", "--resume",
+                                    "@ddp_cut/checkpoint-2", *PAD]),
     }
 
     def __init__(self, base) -> None:
@@ -93,6 +99,8 @@ class Runs:
         if name in self.done:
             return self.done[name]
         launch, extra = self.SPECS[name]
+        extra = [self.get(a[1:].split("/")[0]) + "/" + a.split("/", 1)[1]
+                 if a.startswith("@") else a for a in extra]  # "@run/path": another run's file
         out = str(self.base / name)
         os.makedirs(out)
         if launch is None:
@@ -250,3 +258,45 @@ def test_failed_shard_leaves_no_snapshot(runs, fatal):
     assert sorted(os.listdir(root)) == ["step-00000002"]  # no step-3, no temporary leftovers
     snap = Snapshot.latest(root)
     assert snap.step == 2 and snap.meta["world_size"] == 2
+
+
+def test_resume_on_two_ranks_is_bit_identical(runs):
+    """2 ranks: stopped at the step-2 checkpoint and resumed to step 4 = 4 uninterrupted steps,
+    bit for bit (factors, EMA weights via the factors, counters, samplers' RNG streams)."""
+    whole, resumed = factors(runs.get("ddp_whole")), factors(runs.get("ddp_resumed"))
+    assert whole.keys() == resumed.keys()
+    for key in whole:
+        assert torch.equal(whole[key], resumed[key]), key
+    for r in (0, 1):
+        a, b = info(runs.get("ddp_whole"), r), info(runs.get("ddp_resumed"), r)
+        for key in ("updates", "positions_sampled", "tokens_seen", "skipped_updates"):
+            assert a["counters"][key] == b["counters"][key], (r, key)
+    assert "restored" in open(os.path.join(runs.get("ddp_resumed"), "log.txt")).read()
+
+
+def test_resume_with_another_world_size_reshards(runs):
+    """A 2-rank checkpoint restored into a 1-process tracker: every factor lands on rank 0
+    exactly, the counters carry over and tokens_seen is the sum of both ranks'."""
+    from kfac_stream import KFACConfig
+    from kfac_stream.capture.selection import select_layers
+    from kfac_stream.tracker import Tracker
+    from kfac_stream.tracker_state import load_tracker_state
+
+    model = tiny_gpt2(torch.float32, n_embd=32, n_layer=2, n_head=2, attn_implementation="eager")
+    specs = select_layers(model)
+    tracker = Tracker(model, {n: model.get_submodule(n) for n in specs}, specs,
+                      KFACConfig(token_fraction=0.5, storage_dtype="float32"))
+    try:
+        msg = load_tracker_state(tracker, os.path.join(runs.get("ddp_cut"), "checkpoint-2",
+                                                       "kfac_stream"))
+        assert "re-sharded from 2 to 1 ranks" in msg
+        cut, one = factors(runs.get("ddp_cut")), tracker.store.values()
+        assert cut.keys() == one.keys()
+        for key in cut:
+            assert torch.equal(cut[key], one[key]), key
+        r0, r1 = info(runs.get("ddp_cut"), 0), info(runs.get("ddp_cut"), 1)
+        assert tracker.counters.updates == r0["counters"]["updates"] == 2
+        assert tracker.capture.tokens_seen == (r0["counters"]["tokens_seen"]
+                                               + r1["counters"]["tokens_seen"])
+    finally:
+        tracker.close()

@@ -29,19 +29,24 @@ class KFACStreamCallback(TrainerCallback):
 
     Args:
         config: A `KFACConfig` (defaults if None).
+        background_snapshots: Finish snapshots (eigendecomposition, write) on a thread.
+        resume_from: Checkpoint directory whose ``kfac_stream/`` state to restore when the
+            Trainer resumes. Default: ``<output_dir>/checkpoint-<resumed step>``, where the
+            Trainer saved it (every checkpoint carries the state, see `on_save`).
 
     Attributes:
         tracker: The live `Tracker` during training (None before ``on_train_begin``).
         snapshots: Paths of the snapshots written by this callback.
     """
 
-    def __init__(self, config: KFACConfig | None = None, background_snapshots: bool = True
-                 ) -> None:
+    def __init__(self, config: KFACConfig | None = None, background_snapshots: bool = True,
+                 resume_from: str | None = None) -> None:
         self.config = config or KFACConfig()
         self.tracker: Tracker | None = None
         self.output_dir: str | None = None
         self.snapshots: list[str] = []
         self.background_snapshots = background_snapshots
+        self.resume_from = resume_from
         self._worker = SnapshotWorker()
         self._comm = LOCAL
         self._last_snapshot_step: int | None = None
@@ -84,7 +89,9 @@ class KFACStreamCallback(TrainerCallback):
         return control
 
     def _resume(self, args, state) -> None:
-        directory = os.path.join(args.output_dir, f"checkpoint-{state.global_step}", STATE_DIR)
+        checkpoint = self.resume_from or os.path.join(args.output_dir,
+                                                      f"checkpoint-{state.global_step}")
+        directory = os.path.join(checkpoint, STATE_DIR)
         if not os.path.isdir(directory):
             logger.warning("kfac_stream: resuming at step %d but %s holds no tracker state; the "
                            "factors start from zero", state.global_step, directory)
