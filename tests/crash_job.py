@@ -34,7 +34,7 @@ Marker lines on stdout (flushed; one ``write`` each, so 2 ranks sharing a log do
 * ``CRASH-JOB kill rank=R moment=M n=N step=S`` – just before the self-inflicted SIGKILL;
 * ``CRASH-JOB finished rank=R`` – training ended normally.
 
-Each rank also writes its PID to ``DIR/pids/rank-<r>.pid`` (for external kills of one rank).
+The test kills one rank from outside by the ``pid`` of its ``ready`` line.
 """
 
 from __future__ import annotations
@@ -200,9 +200,6 @@ def main(argv=None) -> None:
 
     class Ready(TrainerCallback):  # runs after cb.on_train_begin (callbacks run in order)
         def on_train_begin(self, *a, **k):
-            os.makedirs(os.path.join(opts.out, "pids"), exist_ok=True)
-            with open(os.path.join(opts.out, "pids", f"rank-{rank()}.pid"), "w") as f:
-                f.write(str(os.getpid()))
             say("ready", pid=os.getpid(), leftovers=json.dumps(leftovers(root),
                                                                 separators=(",", ":")))
 

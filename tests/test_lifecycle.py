@@ -157,3 +157,93 @@ def test_update_steps_do_not_keep_logits_or_activations_alive(tmp_path):
     gc.collect()
     assert len(refs) >= 8
     assert [r for r in refs if r() is not None] == []
+
+
+class InjectGradNaN(TrainerCallback):
+    """Makes one output gradient of ``module`` NaN in the backward of step ``step``."""
+
+    def __init__(self, model, module, step):
+        self.step, self.active = step, False
+        model.get_submodule(module).register_forward_hook(self._hook)
+
+    def _hook(self, module, args, out):
+        if self.active and out.requires_grad:
+            def poison(grad):
+                grad = grad.clone()
+                grad[0, 2, 1] = float("nan")
+                return grad
+            out.register_hook(poison)
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.active = state.global_step == self.step
+
+
+def overflowing_loss(step_box, bad_step):
+    """A user loss whose scale overflows to +Inf on one step, as an fp16 loss scaler's does
+    when it is too large (the scaler would then skip that optimizer step)."""
+    def loss(outputs, labels, num_items_in_batch=None):
+        value = sum_nll_loss(outputs, labels)
+        return value * float("inf") if step_box[0] == bad_step else value
+    return loss
+
+
+class StepBox(TrainerCallback):
+    def __init__(self, box):
+        self.box = box
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.box[0] = state.global_step
+
+
+@pytest.mark.parametrize("fault", ["grad_nan", "loss_scale_inf"])
+def test_non_finite_gradients_never_reach_the_factors(tmp_path, fault):
+    """A NaN in one layer's output gradient, or an overflowed loss scale (every hook gradient
+    Inf/NaN), skips exactly that update; the factors equal the reference without it."""
+    model = tiny_gpt2()
+    ex = text_examples(8, 12)
+    box = [0]
+    callbacks, loss = [StepBox(box)], sum_nll_loss
+    if fault == "grad_nan":
+        callbacks.append(InjectGradNaN(model, "transformer.h.0.mlp.c_fc", step=1))
+    else:
+        loss = overflowing_loss(box, bad_step=1)
+    cb, records, _ = run(model, ex, batch=2, loss=loss, tmp_path=tmp_path, callbacks=callbacks,
+                         optimizers=(FrozenOptimizer(model.parameters()), None))
+    assert cb.tracker.counters.skipped_steps == [1]
+    assert cb.tracker.counters.skipped_updates == 1 and cb.tracker.counters.updates == 3
+    kept = [r for i, r in enumerate(records) if i != 1]
+    ref, _ = reference_factors(model, kept, list(cb.tracker.specs))
+    assert max(factor_errors(cb, ref).values()) <= 1e-10
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="fp16 AMP loss scaling needs CUDA: on CPU accelerate runs fp16 "
+                    "autocast without a GradScaler, so no step is ever skipped by a scaler")
+def test_fp16_amp_scaler_skipped_steps_never_reach_the_factors(tmp_path):
+    """Real fp16 AMP on a GPU with an initial loss scale so large that the first steps
+    overflow: the scaler skips them and so does the tracker (counted), factors stay finite."""
+    from transformers import Trainer, TrainingArguments
+
+    from kfac_stream import KFACConfig, KFACStreamCallback
+    from models import ListDataset
+
+    model = tiny_gpt2(torch.float32).cuda()
+    cb = KFACStreamCallback(KFACConfig(update_every=1, token_fraction=1.0,
+                                       storage_dtype="float32", snapshot_every=1000))
+    scales = []
+
+    class Scale(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            scales.append(trainer.accelerator.scaler.get_scale())
+
+    args = TrainingArguments(str(tmp_path), fp16=True, max_steps=12, report_to=[],
+                             per_device_train_batch_size=2, save_strategy="no")
+    trainer = Trainer(model=model, args=args, train_dataset=ListDataset(text_examples(48, 16)),
+                      callbacks=[cb, Scale()])
+    trainer.accelerator.scaler = torch.amp.GradScaler("cuda", init_scale=2.0**60)
+    trainer.train()
+    skipped_by_scaler = sum(b < a for a, b in zip([2.0**60] + scales, scales))
+    assert skipped_by_scaler >= 1
+    assert cb.tracker.counters.skipped_updates == skipped_by_scaler
+    for A, G in cb.factors().values():
+        assert torch.isfinite(A).all() and torch.isfinite(G).all()
