@@ -39,8 +39,8 @@ venv: $(STAMP)  ## create or reuse .venv and install the project with its test e
 test: $(STAMP) $(PEERS)  ## run the test suite (CPU)
 	$(PY) -m pytest -q -rs -m "not slow" tests
 
-test-slow: $(STAMP) $(PEERS)  ## run the slow tests too
-	$(PY) -m pytest -q -rs tests
+test-slow: $(STAMP) $(PEERS)  ## run only the slow tests (long runs, kill -9 campaigns)
+	$(PY) -m pytest -q -rs -m slow tests
 
 demo: $(STAMP)  ## the main job on its offline defaults (tiny GPT-2, Python docs) → out/demo
 	$(PY) -m kfac_stream.train hydra.run.dir=out/demo

@@ -52,6 +52,9 @@ def parse() -> argparse.Namespace:
                    help="fail_on_snapshot_error=True (the injected failure stops training)")
     p.add_argument("--save-steps", type=int, default=0, help="Trainer checkpoints every N steps")
     p.add_argument("--resume", default=None, help="resume_from_checkpoint")
+    p.add_argument("--watch", action="store_true",
+                   help="record RSS and hook counts per step; then train again with a new "
+                   "callback on the same model (long-run test)")
     p.add_argument("--width", type=int, default=32)
     return p.parse_args()
 
@@ -107,12 +110,57 @@ def main() -> None:
         extra = []
     trainer = SequentialTrainer(model=model, args=args, train_dataset=ListDataset(examples),
                                 callbacks=[cb, *extra])
+    watch = Watch(model) if opts.watch else None
+    if watch:
+        trainer.add_callback(watch)
     failed = None
     try:
         trainer.train(resume_from_checkpoint=opts.resume)
     except RuntimeError as e:  # the injected shard failure surfaces here
         failed = str(e) + (f" <- {e.__cause__}" if e.__cause__ else "")
-    dump(cb, opts.out, failed)
+    dump(cb, opts.out, failed, watch.summary() if watch else None)
+    if watch:  # a second training of the same model with a new callback must not double count
+        cb2 = KFACStreamCallback(KFACConfig(**{**cfg.to_dict(), "token_fraction": 1.0,
+                                               "output_dir": opts.out + "/kfac2"}))
+        args2 = TrainingArguments(**{**args.to_dict(), "max_steps": 20})
+        again = SequentialTrainer(model=model, args=args2, train_dataset=ListDataset(examples),
+                                  callbacks=[cb2])
+        again.train()
+        with open(os.path.join(opts.out, f"second-{cb2.tracker.rank}.json"), "w") as f:
+            json.dump({"counters": {k: v for k, v in vars(cb2.tracker.counters).items()},
+                       "hooks": Watch.hook_count(model)}, f)
+
+
+class Watch:
+    """Per-step RSS (MiB) and number of hooks on the model (a TrainerCallback)."""
+
+    def __init__(self, model) -> None:
+        import psutil
+
+        self.model, self.proc = model, psutil.Process()
+        self.rss: list[float] = []
+        self.hooks: list[int] = []
+
+    @staticmethod
+    def hook_count(model) -> int:
+        """kfac_stream's forward (pre-)hooks on the model (DeepSpeed adds its own)."""
+        def ours(fn) -> bool:
+            return getattr(getattr(fn, "__func__", fn), "__module__", "").startswith(
+                "kfac_stream")
+        return sum(ours(h) for m in model.modules()
+                   for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))
+
+    def __getattr__(self, name):  # every other TrainerCallback event: nothing to do
+        if name.startswith("on_"):
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.rss.append(self.proc.memory_info().rss / 2**20)
+        self.hooks.append(self.hook_count(self.model))
+
+    def summary(self) -> dict:
+        return {"rss_mib": self.rss, "hooks": self.hooks}
 
 
 class _RankFilter(logging.Filter):
@@ -136,7 +184,7 @@ def _fail_second_shard(rank: int) -> None:
     writer.write_shard = flaky
 
 
-def dump(cb, out: str, failed: str | None) -> None:
+def dump(cb, out: str, failed: str | None, watch: dict | None = None) -> None:
     from safetensors.torch import save_file
 
     tracker = cb.tracker
@@ -151,7 +199,7 @@ def dump(cb, out: str, failed: str | None) -> None:
             "stored_bytes": sum(f.data.numel() * f.data.element_size()
                                 for f in tracker.store.factors.values()),
             "counters": {k: v for k, v in vars(tracker.counters).items()},
-            "snapshots": cb.snapshots, "failed": failed}
+            "snapshots": cb.snapshots, "failed": failed, "watch": watch}
     with open(os.path.join(out, f"rank-{r}.json"), "w") as f:
         json.dump(info, f, indent=1)
 

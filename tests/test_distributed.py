@@ -15,7 +15,8 @@ Tolerances:
 * ``BF16_TOL = 3e-2``: bf16 autocast (8-bit mantissa) on both sides, in different orders;
   DeepSpeed's bf16 mode keeps bf16 weights where autocast keeps float32 ones. Measured 1e-3
   (DDP) and 4e-3 (ZeRO-2).
-* ``MC_TRACE_TOL = 0.15``: MC Fisher draws labels independently per rank, so G is compared by
+* ``MC_TRACE_TOL = 0.15
+RSS_GROWTH_MIB = 32  # allowed RSS growth from step 50 to the end of a 300-step run``: MC Fisher draws labels independently per rank, so G is compared by
   trace per layer (measured within 0.055); the empirical G differs from the MC one by 1.7-2.8x
   on this model, and a wrong loss scale by 2x, so the check is not vacuous. The MC estimator
   itself is tested against the exact expected Fisher in tests/test_mc_and_sampling.py.
@@ -51,6 +52,7 @@ EXACT_TOL = 1e-6
 FP16_TOL = 1e-3
 BF16_TOL = 3e-2
 MC_TRACE_TOL = 0.15
+RSS_GROWTH_MIB = 32  # allowed RSS growth from step 50 to the end of a 300-step run
 
 
 def _free_port() -> int:
@@ -84,6 +86,10 @@ class Runs:
         "zero2_bf16": ("cpu_zero2", ["--bf16", *PAD]),
         "ddp_fail": ("cpu_ddp", ["--fail-rank", "1", *PAD]),
         "ddp_fail_fatal": ("cpu_ddp", ["--fail-rank", "1", "--fail-fatal", *PAD]),
+        "zero3_long": ("cpu_zero3", ["--steps", "300", "--token-fraction", "0.05",
+                                     "--ema-decay", "0.95", "--snapshot-every", "50",
+                                     "--storage-dtype", "float16", "--n-seq", "2400",
+                                     "--accum", "1", "--watch"]),
         # resume: token_fraction 0.5 so that the samplers' RNG state matters
         "ddp_whole": ("cpu_ddp", [*HALF, "--steps", "4", "--save-steps", "2", *PAD]),
         "ddp_cut": ("cpu_ddp", [*HALF, "--steps", "2", "--save-steps", "2", *PAD]),
@@ -300,3 +306,33 @@ def test_resume_with_another_world_size_reshards(runs):
                                                + r1["counters"]["tokens_seen"])
     finally:
         tracker.close()
+
+
+@pytest.mark.slow
+def test_long_zero3_run_memory_hooks_and_no_double_count(runs):
+    """300 steps of 2-process ZeRO-3, token_fraction 0.05, a snapshot every 50 steps: RSS
+    after warm-up grows by at most RSS_GROWTH_MIB per process, kfac_stream's hook count is
+    constant (and zero after training), every snapshot loads, and a second training of the
+    same model with a new callback counts every position once (token_fraction 1 there:
+    positions_sampled = tokens seen by both ranks)."""
+    out = runs.get("zero3_long")
+    for r in (0, 1):
+        rank = info(out, r)
+        rss, hooks = rank["watch"]["rss_mib"], rank["watch"]["hooks"]
+        growth = max(rss[50:]) - rss[49]
+        print(f"rank {r}: RSS {rss[49]:.1f} MiB at step 50, max {max(rss[50:]):.1f} after "
+              f"(growth {growth:.1f} MiB); hooks {sorted(set(hooks))}; "
+              f"{rank['counters']['updates']} updates, {rank['counters']['skipped_updates']} "
+              "skipped")
+        assert growth <= RSS_GROWTH_MIB
+        assert set(hooks) == {11}  # model pre/post, LM head, 8 layers
+        assert rank["counters"]["skipped_updates"] == 0
+        assert rank["counters"]["updates"] >= 290  # a step may sample no position at all
+        with open(os.path.join(out, f"second-{r}.json")) as f:
+            second = json.load(f)
+        assert second["hooks"] == 0
+    seconds = [json.load(open(os.path.join(out, f"second-{r}.json")))["counters"] for r in (0, 1)]
+    assert seconds[0]["positions_sampled"] == seconds[0]["tokens_seen"] + seconds[1]["tokens_seen"]
+    steps = [Snapshot.load(os.path.join(out, "kfac", e)).step
+             for e in sorted(os.listdir(os.path.join(out, "kfac"))) if not e.endswith(".png")]
+    assert steps == [50, 100, 150, 200, 250, 300]
