@@ -46,25 +46,24 @@ Conventions:
   Trainer's ``train/global_step`` axis when the Trainer reports to W&B.
 * A snapshot is written on a background thread, so it is usually logged at a later step
   than its own: ``kfac/snapshot_step`` says which snapshot a row describes. The PNG is written
-  next to the snapshot directory as ``<snapshot dir>.spectra.png`` (whenever ``media``).
+  next to the snapshot directory as ``<snapshot dir>.spectra.png``. Histograms and PNG are
+  made by `KFACStreamCallback` on its snapshot thread (``spectra_media=True``, matplotlib for
+  the PNG), so this callback reads only the manifest on the training thread.
 """
 
 from __future__ import annotations
 
 import math
-import os
 import statistics
 import sys
-from importlib.util import find_spec
 from typing import Any
 
-import numpy as np
 from transformers import TrainerCallback
 from transformers.integrations import TensorBoardCallback, WandbCallback
 
 from .integrations.hf_callback import KFACStreamCallback
-from .plot import plot_spectra
-from .snapshot.snapshot import Snapshot, _read_manifest
+from .snapshot.media import log10_histograms  # noqa: F401  (re-exported: part of this API)
+from .snapshot.snapshot import _read_manifest
 
 FACTORS = ("A", "G")
 STATS = ("max", "trace", "log10_cond", "eff_rank")
@@ -99,21 +98,6 @@ def snapshot_metrics(meta: dict[str, Any], prefix: str = "kfac") -> dict[str, fl
                 out.update({f"{prefix}/summary/{f}/{stat}_{name}": float(agg(values))
                             for name, agg in AGGREGATES.items()})
     out[f"{prefix}/snapshot_step"] = float(meta["step"])
-    return out
-
-
-def log10_histograms(snap: Snapshot, bins: int = 32
-                     ) -> dict[str, tuple[list[int], list[float]]]:
-    """``{"<layer>/<A|G>": (counts [bins], edges [bins + 1])}`` of log10 of the positive
-    eigenvalues; factors without a positive eigenvalue are left out."""
-    out = {}
-    for name in snap.layer_names:
-        for f in FACTORS:
-            ev = getattr(snap[name], f"{f}_eigvals").double()
-            positive = ev[ev > 0]
-            if positive.numel():
-                counts, edges = np.histogram(positive.log10().numpy(), bins=bins)
-                out[f"{name}/{f}"] = (counts.tolist(), edges.tolist())
     return out
 
 
@@ -153,17 +137,13 @@ class SpectrumMonitor(TrainerCallback):
         kfac: The `KFACStreamCallback` whose snapshots are logged.
         trainer: The ``transformers.Trainer`` to log through (or call `bind` later).
         log_every: Also log `step_metrics` every this many steps (0: never).
-        media: Write the spectra PNG of every snapshot and, with an active W&B run, log it and
-            the log10-eigenvalue histograms. Needs matplotlib and loads the whole snapshot
-            (eigenvectors included) on the main process; ``False`` reads the manifest only.
+        media: With an active W&B run, log the log10-eigenvalue histograms and the spectra
+            PNG that ``kfac`` made on its snapshot thread (``spectra_media``).
         prefix: First component of every metric name.
     """
 
     def __init__(self, kfac: KFACStreamCallback, trainer=None, log_every: int = 0,
                  media: bool = True, prefix: str = "kfac") -> None:
-        if media and find_spec("matplotlib") is None:
-            raise ImportError("SpectrumMonitor(media=True) plots the spectra with matplotlib: "
-                              "pip install 'kfac_stream[plot]', or pass media=False")
         self.kfac = kfac
         self.trainer = trainer
         self.log_every = int(log_every)
@@ -222,23 +202,23 @@ class SpectrumMonitor(TrainerCallback):
                 self._log_snapshot(state, control, path)
 
     def _log_snapshot(self, state, control, path: str) -> None:
-        if self.media:
-            snap = Snapshot.load(path)
-            meta, media = snap.meta, self._snapshot_media(snap)
-        else:
-            meta, media = _read_manifest(path), {}
+        meta = _read_manifest(path)  # the manifest only: cheap on the training thread
+        media = self._snapshot_media(meta, self.kfac.media.get(path)) if self.media else {}
         self._emit(state, control, snapshot_metrics(meta, self.prefix), media)
 
-    def _snapshot_media(self, snap: Snapshot) -> dict[str, Any]:
-        png = plot_spectra(snap, snap.path.rstrip("/" + os.sep) + ".spectra.png")
-        if _active_wandb_run() is None:
+    def _snapshot_media(self, meta: dict[str, Any], made: dict | None) -> dict[str, Any]:
+        """W&B objects for the histograms and PNG the K-FAC callback made on its snapshot
+        thread (``KFACStreamCallback.media``); nothing without an active W&B run."""
+        if made is None or _active_wandb_run() is None:
             return {}
         import wandb
 
         out: dict[str, Any] = {
             f"{self.prefix}_hist/{key}": wandb.Histogram(np_histogram=hist)
-            for key, hist in log10_histograms(snap).items()}
-        out[f"{self.prefix}_media/spectra"] = wandb.Image(png, caption=f"step {snap.step}")
+            for key, hist in made["histograms"].items()}
+        if made["png"]:
+            out[f"{self.prefix}_media/spectra"] = wandb.Image(made["png"],
+                                                              caption=f"step {meta['step']}")
         return out
 
     def _emit(self, state, control, scalars: dict[str, float], media: dict[str, Any]) -> None:

@@ -167,12 +167,16 @@ class Job:
 # -- the invariants -------------------------------------------------------------------------------
 
 def entries(root: str) -> tuple[list[str], list[str]]:
-    """(final-name directories, hidden temporary entries) under ``root``; nothing else may be
-    there."""
+    """(final-name directories, hidden temporary entries) under ``root``. Any other entry must
+    be a plain file (e.g. the ``<snapshot>.spectra.png`` the callback may write beside a
+    snapshot), never a directory."""
     names = sorted(os.listdir(root)) if os.path.isdir(root) else []
     finals = [e for e in names if STEP_DIR_RE.match(e)]
     tmps = [e for e in names if TMP_RE.match(e)]
-    assert sorted(finals + tmps) == names, f"unexpected entries in {root}: {names}"
+    others = sorted(set(names) - set(finals) - set(tmps))
+    assert all(os.path.isfile(os.path.join(root, e)) for e in others), \
+        f"unexpected directories in {root}: {others}"
+    assert all(os.path.isdir(os.path.join(root, e)) for e in finals), finals
     return finals, tmps
 
 

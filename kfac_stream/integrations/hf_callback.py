@@ -17,6 +17,7 @@ from ..snapshot.background import SnapshotWorker
 from ..distributed.context import LOCAL, DistContext
 from ..snapshot.contents import add_eigendecompositions, merge_manifests, snapshot_contents
 from ..snapshot.layout import step_dir_name
+from ..snapshot.media import make_media
 from ..snapshot.writer import clean_stale_tmp, write_snapshot
 from ..tracker import Tracker
 from ..tracker_state import STATE_DIR, load_tracker_state, save_tracker_state
@@ -33,6 +34,9 @@ class KFACStreamCallback(TrainerCallback):
         resume_from: Checkpoint directory whose ``kfac_stream/`` state to restore when the
             Trainer resumes. Default: ``<output_dir>/checkpoint-<resumed step>``, where the
             Trainer saved it (every checkpoint carries the state, see `on_save`).
+        spectra_media: On rank 0, after each snapshot (on the snapshot thread): histograms of
+            log10 eigenvalues into ``media[path]`` and a PNG ``<snapshot>.spectra.png`` (needs
+            matplotlib), for `kfac_stream.monitor.SpectrumMonitor`.
 
     Attributes:
         tracker: The live `Tracker` during training (None before ``on_train_begin``).
@@ -40,13 +44,15 @@ class KFACStreamCallback(TrainerCallback):
     """
 
     def __init__(self, config: KFACConfig | None = None, background_snapshots: bool = True,
-                 resume_from: str | None = None) -> None:
+                 resume_from: str | None = None, spectra_media: bool = True) -> None:
         self.config = config or KFACConfig()
         self.tracker: Tracker | None = None
         self.output_dir: str | None = None
         self.snapshots: list[str] = []
         self.background_snapshots = background_snapshots
         self.resume_from = resume_from
+        self.spectra_media = spectra_media
+        self.media: dict[str, dict] = {}  # snapshot path -> histograms and PNG (rank 0)
         self._worker = SnapshotWorker()
         self._comm = LOCAL
         self._last_snapshot_step: int | None = None
@@ -150,9 +156,14 @@ class KFACStreamCallback(TrainerCallback):
                              "(%d failed so far; fail_on_snapshot_error=True makes this fatal)",
                              e, self.tracker.counters.snapshot_failures)
                 return
-            self.snapshots.append(path)
             if comm.rank == 0:
                 logger.info("kfac_stream: snapshot %s", path)
+                if self.spectra_media:
+                    try:
+                        self.media[path] = make_media(path)
+                    except Exception as e:  # monitoring extras never fail a run
+                        logger.warning("kfac_stream: spectra media of %s failed: %s", path, e)
+            self.snapshots.append(path)  # last: the monitor sees the path with its media
 
         self._last_snapshot_step = step
         if self.background_snapshots:

@@ -60,3 +60,18 @@ def spectrum_stats(eigvals: Tensor) -> dict[str, float]:
     p = ev[ev > 0] / total
     return {"max": top, "trace": total, "cond": top / float(significant.min()),
             "eff_rank": float(torch.exp(-(p * p.log()).sum()))}
+
+
+def log10_histogram(eigvals: Tensor, bins: int = 32) -> tuple[list[int], list[float]] | None:
+    """Histogram ``(counts [bins], edges [bins + 1])`` of log10 of the positive eigenvalues of
+    ``eigvals`` (``[d]``); None if none is positive."""
+    ev = eigvals.detach().double()
+    positive = ev[ev > 0].log10()
+    if positive.numel() == 0:
+        return None
+    lo, hi = float(positive.min()), float(positive.max())
+    if hi == lo:
+        lo, hi = lo - 0.5, hi + 0.5
+    counts = torch.histc(positive, bins=bins, min=lo, max=hi)
+    edges = torch.linspace(lo, hi, bins + 1, dtype=torch.float64)
+    return [int(c) for c in counts.tolist()], edges.tolist()
