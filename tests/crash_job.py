@@ -30,7 +30,8 @@ Marker lines on stdout (flushed; one ``write`` each, so 2 ranks sharing a log do
 
 * ``CRASH-JOB ready rank=R pid=P leftovers=[...]`` – after the callback's ``on_train_begin``
   (which removed stale temporary directories on rank 0): the ``.step-*.tmp-*`` entries left;
-* ``CRASH-JOB snapshot-done rank=R n=N step=S`` – the N-th snapshot of this process is written;
+* ``CRASH-JOB snapshot-start rank=R n=N step=S`` – the N-th snapshot of this process enters
+  the write protocol (its eigendecomposition is done); ``snapshot-done`` – it is written;
 * ``CRASH-JOB kill rank=R moment=M n=N step=S`` – just before the self-inflicted SIGKILL;
 * ``CRASH-JOB finished rank=R`` – training ended normally.
 
@@ -112,6 +113,7 @@ class Killer:
             with self.lock:
                 self.n += 1
                 self.step = step
+            say("snapshot-start", n=self.n, step=step)
             path = real_write_snapshot(root, step, *args, **kwargs)
             say("snapshot-done", n=self.n, step=step)
             return path

@@ -74,6 +74,15 @@ class DistContext:
         return cls(dist.get_rank(), world, dist.new_group(backend="gloo"),
                    dist.new_group(backend="gloo"))
 
+    def destroy(self) -> None:
+        """Release the two private groups (idempotent; at the end of training, on every rank,
+        so no gloo thread outlives the run)."""
+        for name in ("exchange_group", "snapshot_group"):
+            group = getattr(self, name)
+            if group is not None and dist.is_initialized():
+                dist.destroy_process_group(group)
+            setattr(self, name, None)
+
     @property
     def snapshot_comm(self) -> JsonComm:
         """`JsonComm` over the snapshot group."""

@@ -182,9 +182,16 @@ class KFACStreamCallback(TrainerCallback):
         return self.tracker.factors()
 
     def close(self) -> None:
-        """Finish the snapshot in flight, remove hooks and stop the background worker (also
-        called by ``on_train_end``)."""
-        self._worker.wait()
-        if self.tracker is not None:
-            self.tracker.close()
+        """Finish the snapshot in flight, remove hooks, stop the background worker and release
+        the private process groups (also called by ``on_train_end``); re-raises a fatal
+        snapshot error only after all of that."""
+        try:
+            self._worker.wait()
+        finally:
+            if self.tracker is not None:
+                try:
+                    self.tracker.close()
+                finally:
+                    if self.tracker.dist is not None:
+                        self.tracker.dist.destroy()
         # keep the tracker object for inspection (factors(), counters); its hooks are gone
