@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from .snapshot.snapshot import Snapshot
 
 
@@ -28,6 +30,8 @@ def plot_spectra(snap: Snapshot, path: str) -> str:
     if len(snap.layer_names) <= 12:
         axes[1].legend(fontsize=6, loc="lower left")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    tmp = f"{path}.tmp-{os.getpid()}.png"  # written whole, then renamed: never a torn PNG
+    fig.savefig(tmp, dpi=120)
     plt.close(fig)
+    os.replace(tmp, path)
     return path

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable
 
@@ -43,11 +44,33 @@ def write_shard(tmp_dir: str, tensors: dict[str, torch.Tensor], rank: int,
 
 
 def clean_stale_tmp(root: str) -> None:
-    """Remove temporary directories left by interrupted writers."""
+    """Tidy up after interrupted writers (rank 0, when training starts).
+
+    A hidden ``.step-S.tmp-*`` directory is removed, except when ``step-S`` is missing and
+    the hidden one is a complete snapshot (it verifies): a writer killed between moving an
+    old ``step-S`` aside and renaming the new one in. Then the newest complete copy (the new
+    ``tmp-<tag>`` over the old ``tmp-replaced``) is put back under ``step-S``.
+    """
+    from .snapshot import Snapshot  # the reader verifies; import here (reader imports layout)
+
     if not os.path.isdir(root):
         return
+    hidden: dict[str, list[str]] = {}
     for entry in os.listdir(root):
-        if entry.startswith(".step-") and ".tmp-" in entry:
+        m = re.match(r"^\.(step-\d{8})\.tmp-(.+)$", entry)
+        if m:
+            hidden.setdefault(m.group(1), []).append(entry)
+    for final, entries in hidden.items():
+        if not os.path.exists(os.path.join(root, final)):
+            for entry in sorted(entries, key=lambda e: e.endswith(".tmp-replaced")):
+                try:
+                    Snapshot.load(os.path.join(root, entry))
+                except SnapshotError:
+                    continue
+                os.replace(os.path.join(root, entry), os.path.join(root, final))
+                _fsync_path(root)
+                break
+        for entry in entries:
             shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
 
 
@@ -151,9 +174,12 @@ def _finish(root: str, tmp: str, final: str, reports: list[dict],
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
-    if os.path.exists(final):  # re-snapshot of the same step: replace it whole
+    stale = None
+    if os.path.exists(final):  # re-snapshot of the same step: move the old one aside first,
         stale = os.path.join(root, tmp_dir_name(int(manifest["step"]), "replaced"))
-        os.replace(final, stale)
         shutil.rmtree(stale, ignore_errors=True)
-    os.replace(tmp, final)
-    _fsync_path(root)
+        os.replace(final, stale)  # deleted only once the new one is in place (a kill between
+    os.replace(tmp, final)  # the renames leaves two complete hidden copies: clean_stale_tmp
+    _fsync_path(root)  # puts the newer one back under the final name)
+    if stale is not None:
+        shutil.rmtree(stale, ignore_errors=True)
