@@ -82,9 +82,9 @@ def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Te
                     "forward pass. Reentrant gradient checkpointing runs blocks without "
                     "autograd; use gradient_checkpointing_kwargs={'use_reentrant': False} "
                     "(the transformers default) or fisher='empirical'")
+            # m may be 0 (an all-padding micro-batch): the backward still runs (a zero loss),
+            # so every rank of a ZeRO-3 run takes part in the same parameter gathers
             logits = loss_bearing_logits(_logits_of(out), inputs).float()  # [m, V]
-            if logits.shape[0] == 0:
-                return
             y = sample_labels(logits.detach(), generator)  # [m]
             loss = F.cross_entropy(logits, y, reduction="sum")
             outputs = rec.outputs
