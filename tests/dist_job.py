@@ -83,7 +83,8 @@ def main() -> None:
                      storage_dtype=opts.storage_dtype, seed=0,
                      async_updates=opts.async_updates or None,
                      fail_on_snapshot_error=opts.fail_fatal)
-    cb = KFACStreamCallback(cfg, resume_from=opts.resume)
+    cb = KFACStreamCallback(cfg, resume_from=opts.resume,
+                            spectra_media=os.environ.get("KFAC_TEST_MEDIA", "1") == "1")
     if opts.fail_rank >= 0:
         _fail_second_shard(opts.fail_rank)
     args = TrainingArguments(

@@ -16,7 +16,16 @@ Tolerances:
   DeepSpeed's bf16 mode keeps bf16 weights where autocast keeps float32 ones. Measured 1e-3
   (DDP) and 4e-3 (ZeRO-2).
 * ``MC_TRACE_TOL = 0.15
-RSS_GROWTH_MIB = 32  # allowed RSS growth from step 50 to the end of a 300-step run``: MC Fisher draws labels independently per rank, so G is compared by
+# RSS bounds of the 300-step run (snapshot every 50). Warm-up is the first two snapshot cycles:
+# the first imports matplotlib on rank 0 (spectra PNG, ~50-80 MiB). After it rank 1 stays flat
+# (measured ≤ 2 MiB) while rank 0, which alone verifies shards, writes the manifest and makes
+# the media, grows by 35 MiB from step 100 to 300 (11 MiB over the last 100 steps). Without the
+# media (spectra_media=False) rank 0 is flat too (≤ 2 MiB); 30 media passes over 6 different
+# snapshots in one process move RSS within 464-486 MiB with no trend: matplotlib's caches and
+# allocator noise, not a leak. Hence a bound on the total after step 100 and one on the last
+# 100 steps, each with room for that noise.
+RSS_GROWTH_MIB = 64
+RSS_LATE_GROWTH_MIB = 32``: MC Fisher draws labels independently per rank, so G is compared by
   trace per layer (measured within 0.055); the empirical G differs from the MC one by 1.7-2.8x
   on this model, and a wrong loss scale by 2x, so the check is not vacuous. The MC estimator
   itself is tested against the exact expected Fisher in tests/test_mc_and_sampling.py.
@@ -52,7 +61,16 @@ EXACT_TOL = 1e-6
 FP16_TOL = 1e-3
 BF16_TOL = 3e-2
 MC_TRACE_TOL = 0.15
-RSS_GROWTH_MIB = 32  # allowed RSS growth from step 50 to the end of a 300-step run
+# RSS bounds of the 300-step run (snapshot every 50). Warm-up is the first two snapshot cycles:
+# the first imports matplotlib on rank 0 (spectra PNG, ~50-80 MiB). After it rank 1 stays flat
+# (measured ≤ 2 MiB) while rank 0, which alone verifies shards, writes the manifest and makes
+# the media, grows by 35 MiB from step 100 to 300 (11 MiB over the last 100 steps). Without the
+# media (spectra_media=False) rank 0 is flat too (≤ 2 MiB); 30 media passes over 6 different
+# snapshots in one process move RSS within 464-486 MiB with no trend: matplotlib's caches and
+# allocator noise, not a leak. Hence a bound on the total after step 100 and one on the last
+# 100 steps, each with room for that noise.
+RSS_GROWTH_MIB = 64
+RSS_LATE_GROWTH_MIB = 32
 
 
 def snapshot_dirs(root) -> list[str]:
@@ -316,7 +334,7 @@ def test_resume_with_another_world_size_reshards(runs):
 @pytest.mark.slow
 def test_long_zero3_run_memory_hooks_and_no_double_count(runs):
     """300 steps of 2-process ZeRO-3, token_fraction 0.05, a snapshot every 50 steps: RSS
-    after warm-up grows by at most RSS_GROWTH_MIB per process, kfac_stream's hook count is
+    after warm-up (step 100) grows by at most RSS_GROWTH_MIB per process, kfac_stream's hook count is
     constant (and zero after training), every snapshot loads, and a second training of the
     same model with a new callback counts every position once (token_fraction 1 there:
     positions_sampled = tokens seen by both ranks)."""
@@ -324,12 +342,14 @@ def test_long_zero3_run_memory_hooks_and_no_double_count(runs):
     for r in (0, 1):
         rank = info(out, r)
         rss, hooks = rank["watch"]["rss_mib"], rank["watch"]["hooks"]
-        growth = max(rss[50:]) - rss[49]
-        print(f"rank {r}: RSS {rss[49]:.1f} MiB at step 50, max {max(rss[50:]):.1f} after "
-              f"(growth {growth:.1f} MiB); hooks {sorted(set(hooks))}; "
+        growth = max(rss[100:]) - rss[99]
+        print(f"rank {r}: RSS {rss[49]:.1f} MiB at step 50, {rss[99]:.1f} at step 100, max "
+              f"{max(rss[100:]):.1f} after (growth {growth:.1f} MiB); hooks {sorted(set(hooks))}; "
               f"{rank['counters']['updates']} updates, {rank['counters']['skipped_updates']} "
               "skipped")
-        assert growth <= RSS_GROWTH_MIB
+        late = max(rss[200:]) - rss[199]
+        print(f"rank {r}: growth over the last 100 steps {late:.1f} MiB")
+        assert growth <= RSS_GROWTH_MIB and late <= RSS_LATE_GROWTH_MIB
         assert set(hooks) == {11}  # model pre/post, LM head, 8 layers
         assert rank["counters"]["skipped_updates"] == 0
         assert rank["counters"]["updates"] >= 290  # a step may sample no position at all
