@@ -76,15 +76,17 @@ class Crash(TrainerCallback):
         raise RuntimeError("boom")
 
 
-def test_crashed_run_hooks_are_removed_by_the_next_callback(tmp_path):
+def test_crashed_run_hooks_are_removed_by_the_next_callback(tmp_path, caplog):
     model = tiny_gpt2()
     base = _hook_count(model)
     with pytest.raises(RuntimeError, match="boom"):
         run(model, text_examples(4, 12), batch=2, tmp_path=tmp_path / "1", record=False,
             callbacks=[Crash()])
     assert _hook_count(model) > base  # Trainer never called on_train_end
-    run(model, text_examples(4, 12), batch=2, tmp_path=tmp_path / "2", record=False)
+    with caplog.at_level("WARNING", logger="kfac_stream"):
+        run(model, text_examples(4, 12), batch=2, tmp_path=tmp_path / "2", record=False)
     assert _hook_count(model) == base
+    assert any("removing the hooks another tracker left" in r.message for r in caplog.records)
 
 
 def test_diagonal_fallback_keeps_the_exact_diagonal(tmp_path):

@@ -22,6 +22,7 @@ The hooks do no math beyond gathering rows; everything else happens in the track
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,6 +109,10 @@ class CaptureHooks:
         self.scale_warning: Callable[[float], None] | None = None
         stale = getattr(model, _HANDLE_ATTR, None)
         if stale:  # a previous tracker that never reached on_train_end (e.g. crashed run)
+            logging.getLogger("kfac_stream").warning(
+                "kfac_stream: removing the hooks another tracker left on this model (a crashed "
+                "run, or a second KFACStreamCallback on the same model: only one tracks a "
+                "model at a time, the newest)")
             for h in stale:
                 h.remove()
         self.handles = [
