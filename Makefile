@@ -45,9 +45,17 @@ test-slow: $(STAMP) $(PEERS)  ## run only the slow tests (long runs, kill -9 cam
 demo: $(STAMP)  ## the main job on its offline defaults (tiny GPT-2, Python docs) → out/demo
 	$(PY) -m kfac_stream.train hydra.run.dir=out/demo
 
-bench: $(STAMP)  ## run the benchmarks and write benchmarks/RESULTS.md
+# Benchmark-only peers (never runtime dependencies): the test peers plus kronfluence.
+BENCH_PEERS := $(VENV)/.bench-peers
+$(BENCH_PEERS): $(PEERS)
+	$(PY) -m pip install -q --no-deps kronfluence==1.0.1 && touch $(BENCH_PEERS)
+
+bench: $(STAMP) $(BENCH_PEERS)  ## run the benchmarks and write benchmarks/RESULTS.md
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/snapshot_query.py
+	$(PY) benchmarks/distributed.py
+	$(PY) benchmarks/peers.py
+	$(PY) benchmarks/uncertainty.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
