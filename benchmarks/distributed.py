@@ -42,6 +42,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
+from results_md import write_section  # noqa: E402
 BEGIN, END = "<!-- distributed:begin -->", "<!-- distributed:end -->"
 TOKEN_FRACTION = 0.05
 
@@ -311,7 +312,8 @@ def main(argv=None) -> None:
         saved = json.loads((HERE / "results" / "distributed.json").read_text())
         a.command, a.pairs, a.timed_steps = (saved["command"], saved["args"]["pairs"],
                                              saved["args"]["timed_steps"])
-        write_section(report(saved["results"], saved["llama7b_w8"], a, saved["machine"]))
+        write_section(BEGIN, END, report(saved["results"], saved["llama7b_w8"], a,
+                                         saved["machine"]))
         return
     if a.quick:
         a.pairs, a.timed_steps = 1, 2
@@ -342,15 +344,7 @@ def main(argv=None) -> None:
     (HERE / "results" / "distributed.json").write_text(json.dumps(
         {"machine": info, "command": a.command, "results": results, "llama7b_w8": extra,
          "args": {"pairs": a.pairs, "timed_steps": a.timed_steps}}, indent=1))
-    write_section(section)
-
-
-def write_section(section: str) -> None:
-    path = HERE / "RESULTS.md"
-    old = path.read_text()
-    new = (old[:old.index(BEGIN)] + section + old[old.index(END) + len(END):]
-           if BEGIN in old else old.rstrip("\n") + "\n\n" + section + "\n")
-    path.write_text(new)
+    write_section(BEGIN, END, section)
 
 
 if __name__ == "__main__":

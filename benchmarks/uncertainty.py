@@ -66,6 +66,10 @@ from torch import nn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from overhead import ListDataset  # noqa: E402
+from results_md import write_section  # noqa: E402
+
 BEGIN, END = "<!-- uncertainty:begin -->", "<!-- uncertainty:end -->"
 SEQ_LEN = 128
 FISHERS = ("empirical", "mc")
@@ -106,17 +110,6 @@ def positions(n: int) -> list[int]:
 
 
 # -- training -------------------------------------------------------------------------------------
-
-class ListDataset(torch.utils.data.Dataset):
-    def __init__(self, items):
-        self.items = items
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
-
 
 def train(train_examples, steps: int, out: str, fisher: str):
     """One Trainer run with one `KFACStreamCallback` (two callbacks on one Trainer: only the
@@ -525,14 +518,6 @@ def report(r: dict, a, info: dict) -> str:
         END])
 
 
-def write_section(section: str) -> None:
-    path = HERE / "RESULTS.md"
-    old = path.read_text()
-    new = (old[:old.index(BEGIN)] + section + old[old.index(END) + len(END):]
-           if BEGIN in old else old.rstrip("\n") + "\n\n" + section + "\n")
-    path.write_text(new)
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--task", choices=["lm"], default="lm",
@@ -562,7 +547,7 @@ def main(argv=None) -> None:
     (HERE / "results").mkdir(exist_ok=True)
     (HERE / "results" / "uncertainty.json").write_text(json.dumps(
         {"machine": info, "command": a.command, "args": vars(a), **r}, indent=1, default=str))
-    write_section(section)
+    write_section(BEGIN, END, section)
 
 
 if __name__ == "__main__":
