@@ -4,7 +4,8 @@ Each rank writes ``<checkpoint>/kfac_stream/state-rank-<r>-of-<W>.safetensors``:
 factors (flushed, exactly as stored: ``<key>`` in the storage dtype plus their scale, EMA
 weight and counts), the token sampler's and the MC sampler's generator states (uint8
 tensors), and, in the safetensors header metadata, JSON with the counters, the config and the
-tracked layers' shapes. No pickle: loading reads tensors and JSON only.
+tracked layers' shapes. Loading reads safetensors tensors and JSON metadata only, so
+nothing in a checkpoint can run code.
 
 Resume with the same world size restores every rank bit for bit (same factors, same RNG
 streams: an interrupted and resumed run ends equal to an uninterrupted one). With another

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from kfac_stream.distributed.context import agree_with_rank0
 from kfac_stream.distributed.exchange import choose_strategy, exchange_to_owners, rows_bytes, stats_bytes
 from kfac_stream.distributed.ownership import assign_owners
 
@@ -33,6 +34,7 @@ def _worker(rank, world, init_file, q):
         own = assign_owners(DIMS, world, 8)
         skipped = exchange_to_owners(local_rows(rank), DIMS, own, rank, world, ok=rank != 1)
         assert not skipped.ok and not skipped.owned  # one rank's bad statistics skip all
+        assert agree_with_rank0(f"run-dir-of-rank-{rank}") == "run-dir-of-rank-0"
         q.put((rank, sorted(got)))
     finally:
         dist.destroy_process_group()

@@ -11,7 +11,8 @@ Separate groups keep the two streams of collectives independent of each other an
 training's own (DDP's all-reduce, DeepSpeed's gathers), whatever thread issues them; gloo
 works on CPU tensors, which is where the factors live even when training runs on NCCL.
 
-Objects are exchanged as JSON in byte tensors (`JsonComm`), never pickled.
+Objects are exchanged as JSON in byte tensors (`JsonComm`): no Python object
+serialisation, nothing a peer sends can run code here.
 """
 
 from __future__ import annotations
@@ -91,9 +92,15 @@ class DistContext:
 
 def agree_with_rank0(value: str) -> str:
     """Rank 0's ``value`` on every rank (e.g. a run directory named after the start time);
-    ``value`` itself without an initialised multi-process group."""
+    ``value`` itself without an initialised multi-process group.
+
+    Collective: opens a short-lived gloo group (CPU tensors work whatever the training backend)
+    and exchanges the strings as JSON through `JsonComm`.
+    """
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return str(box[0])
+    group = dist.new_group(backend="gloo")
+    try:
+        return str(JsonComm(dist.get_rank(), dist.get_world_size(), group).all_gather(value)[0])
+    finally:
+        dist.destroy_process_group(group)
