@@ -205,7 +205,7 @@ class Tracker:
             transport = torch.float16 if self.config.storage_dtype == "float16" else None
             ex = exchange_to_owners(local, self.dims, self.ownership, self.rank,
                                     self.world_size, self.dist.exchange_group,
-                                    self.exchange_strategy, job.ok, transport)
+                                    self.exchange_strategy, job.ok, transport, self.row_dtype)
             if not ex.ok:
                 self._skip(job.step)
                 return

@@ -34,6 +34,13 @@ def _worker(rank, world, init_file, q):
         own = assign_owners(DIMS, world, 8)
         skipped = exchange_to_owners(local_rows(rank), DIMS, own, rank, world, ok=rank != 1)
         assert not skipped.ok and not skipped.owned  # one rank's bad statistics skip all
+        # a rank with no rows at all (all padding) still sends buffers of the others' dtype
+        local = {} if rank == 1 else local_rows(rank)
+        ex = exchange_to_owners(local, DIMS, own, rank, world, strategy="rows",
+                                dtype=torch.float64)
+        for key, (_, rows) in ex.owned.items():
+            union = [local_rows(r)[key] for r in range(world) if r != 1 and key in local_rows(r)]
+            assert torch.equal(rows, torch.cat(union)), key
         assert agree_with_rank0(f"run-dir-of-rank-{rank}") == "run-dir-of-rank-0"
         q.put((rank, sorted(got)))
     finally:

@@ -90,7 +90,8 @@ class Exchanged:
 def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool]],
                        ownership: Ownership, rank: int, world_size: int, group=None,
                        strategy: str | None = None, ok: bool = True,
-                       transport: torch.dtype | None = None) -> Exchanged:
+                       transport: torch.dtype | None = None,
+                       dtype: torch.dtype | None = None) -> Exchanged:
     """Bring every factor's rows (or partial sums) to its owner.
 
     Collective: every rank calls it with the same keys (``dims``), in the same order. One
@@ -111,9 +112,11 @@ def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool
             factor (relative rounding 2^-11 per entry, the storage's own); None sends them in
             their dtype. Partial statistics always travel in the rows' dtype (sums of
             squares need its range and precision).
+        dtype: The rows' dtype on every rank (default: that of ``local``, else float32). Pass
+            it: a rank with no rows at all must still send buffers of the others' dtype.
     """
     keys = list(dims)
-    dtype = next((t.dtype for t in local.values()), torch.float32)
+    dtype = dtype or next((t.dtype for t in local.values()), torch.float32)
     k = len(keys)
     mine = torch.zeros(2 * k + 1, dtype=torch.int64)  # counts | exponents | ok
     for j, key in enumerate(keys):
