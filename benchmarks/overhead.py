@@ -58,6 +58,7 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback
+from kfac_stream.app.data import ExampleDataset as ListDataset
 from kfac_stream.capture.hooks import CaptureHooks
 
 HERE = Path(__file__).resolve().parent
@@ -76,17 +77,6 @@ def log(msg: str) -> None:
 
 def name(cfg) -> str:
     return f"tf={cfg[0]:g} {cfg[1]} k={cfg[2]}"
-
-
-class ListDataset(torch.utils.data.Dataset):
-    def __init__(self, items):
-        self.items = items
-
-    def __len__(self):
-        return len(self.items)
-
-    def __getitem__(self, i):
-        return self.items[i]
 
 
 def make_data(n: int) -> ListDataset:

@@ -67,7 +67,7 @@ from torch import nn
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
-from overhead import ListDataset  # noqa: E402
+from kfac_stream.app.data import ExampleDataset as ListDataset  # noqa: E402
 from results_md import write_section  # noqa: E402
 
 BEGIN, END = "<!-- uncertainty:begin -->", "<!-- uncertainty:end -->"

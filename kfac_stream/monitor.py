@@ -63,7 +63,7 @@ from transformers.integrations import TensorBoardCallback, WandbCallback
 
 from .integrations.hf_callback import KFACStreamCallback
 from .snapshot.media import log10_histograms  # noqa: F401  (re-exported: part of this API)
-from .snapshot.snapshot import _read_manifest
+from .snapshot.snapshot import read_manifest
 
 FACTORS = ("A", "G")
 STATS = ("max", "trace", "log10_cond", "eff_rank")
@@ -202,7 +202,7 @@ class SpectrumMonitor(TrainerCallback):
                 self._log_snapshot(state, control, path)
 
     def _log_snapshot(self, state, control, path: str) -> None:
-        meta = _read_manifest(path)  # the manifest only: cheap on the training thread
+        meta = read_manifest(path)  # the manifest only: cheap on the training thread
         media = self._snapshot_media(meta, self.kfac.media.get(path)) if self.media else {}
         self._emit(state, control, snapshot_metrics(meta, self.prefix), media)
 

@@ -75,7 +75,7 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
         raise AppConfigError(f"data: the training text yields no window of seq_len={seq_len}")
     kfac = KFACStreamCallback(kcfg)
     monitor = SpectrumMonitor(kfac, log_every=cfg.logging.log_every, media=cfg.logging.media)
-    trainer = Trainer(model=model, args=args, train_dataset=_ListDataset(train),
+    trainer = Trainer(model=model, args=args, train_dataset=appdata.ExampleDataset(train),
                       callbacks=[kfac, monitor])
     monitor.bind(trainer)
     _quiet_console(trainer)
@@ -176,12 +176,10 @@ def _documents(cfg: DictConfig) -> tuple[list[str], list[str], dict[str, list[st
 
     d = cfg.data
     if d.kind == "pydoc":
-        docs = appdata.pydoc_documents()
+        docs = appdata.pydoc_documents()[: d.max_documents]
     else:
         docs = appdata.load_hf_documents(d.path, d.name, d.data_files, d.split, d.text_field,
                                          d.max_documents)
-    if d.max_documents:
-        docs = docs[: d.max_documents]
     train, heldout = appdata.split_documents(docs, d.heldout_fraction, seed=cfg.model.seed)
     ood = {name: getattr(appdata, OOD_SETS[name])() for name in d.ood}
     return train, heldout, {name: docs for name, docs in ood.items() if docs}
@@ -208,17 +206,6 @@ def _without_kfac_keys(cls):
 
     Quiet.__name__ = f"Quiet{cls.__name__}"
     return Quiet
-
-
-class _ListDataset(torch.utils.data.Dataset):
-    def __init__(self, items: list[dict]) -> None:
-        self.items = items
-
-    def __len__(self) -> int:
-        return len(self.items)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.items[i]
 
 
 # -- the report -----------------------------------------------------------------------------------

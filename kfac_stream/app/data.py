@@ -123,6 +123,19 @@ def license_documents(root: str = "/usr/share/common-licenses",
     return docs
 
 
+class ExampleDataset(torch.utils.data.Dataset):
+    """A map-style dataset over a list of example dicts (what `lm_examples` returns)."""
+
+    def __init__(self, items: list[dict[str, torch.Tensor]]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return self.items[i]
+
+
 def lm_examples(ids: list[int] | torch.Tensor, seq_len: int,
                 max_examples: int | None = None) -> list[dict[str, torch.Tensor]]:
     """Consecutive non-overlapping windows of ``seq_len`` ids as causal-LM examples.

@@ -22,6 +22,7 @@ FORMAT_NAME = "kfac_stream.snapshot"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 STEP_DIR_RE = re.compile(r"^step-(\d{8})$")
+TMP_DIR_RE = re.compile(r"^\.(step-\d{8})\.tmp-(.+)$")  # hidden name of a snapshot in writing
 
 
 def step_dir_name(step: int) -> str:

@@ -90,7 +90,7 @@ class Snapshot:
                 altered shard, or a tensor whose shape differs from the manifest.
         """
         path = os.fspath(path)
-        meta = _read_manifest(path)
+        meta = read_manifest(path)
         tensors: dict[str, torch.Tensor] = {}
         for fname, info in meta["shards"].items():
             fpath = os.path.join(path, fname)
@@ -149,7 +149,9 @@ class Snapshot:
         raise SnapshotError(f"{root}: no complete snapshot found{detail}")
 
 
-def _read_manifest(path: str) -> dict[str, Any]:
+def read_manifest(path: str) -> dict[str, Any]:
+    """The checked ``manifest.json`` of a snapshot directory (format, version, required fields)
+    without reading the shards; raises `SnapshotError` like `Snapshot.load`."""
     mpath = os.path.join(path, MANIFEST)
     if not os.path.isdir(path):
         raise SnapshotError(f"{path}: not a directory")

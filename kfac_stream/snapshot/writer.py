@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from collections.abc import Callable
 
@@ -22,7 +21,9 @@ from safetensors.torch import save_file
 
 from ..distributed.context import LOCAL
 from ..exceptions import SnapshotError
-from .layout import MANIFEST, sha256_file, shard_name, step_dir_name, tmp_dir_name
+from .layout import (MANIFEST, TMP_DIR_RE, sha256_file, shard_name, step_dir_name,
+                     tmp_dir_name)
+from .snapshot import Snapshot
 
 
 def _fsync_path(path: str) -> None:
@@ -51,13 +52,11 @@ def clean_stale_tmp(root: str) -> None:
     old ``step-S`` aside and renaming the new one in. Then the newest complete copy (the new
     ``tmp-<tag>`` over the old ``tmp-replaced``) is put back under ``step-S``.
     """
-    from .snapshot import Snapshot  # the reader verifies; import here (reader imports layout)
-
     if not os.path.isdir(root):
         return
     hidden: dict[str, list[str]] = {}
     for entry in os.listdir(root):
-        m = re.match(r"^\.(step-\d{8})\.tmp-(.+)$", entry)
+        m = TMP_DIR_RE.match(entry)
         if m:
             hidden.setdefault(m.group(1), []).append(entry)
     for final, entries in hidden.items():
