@@ -62,6 +62,8 @@ from kfac_stream.app.data import ExampleDataset as ListDataset
 from kfac_stream.capture.hooks import CaptureHooks
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from results_md import write_section  # noqa: E402
 BATCH, SEQ = 8, 256
 MODEL = dict(n_layer=4, n_embd=256, n_head=4, vocab_size=2048, n_positions=SEQ, resid_pdrop=0.0,
              embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
@@ -339,13 +341,7 @@ def write_outputs(results, a, info) -> None:
         "(median over pairs); tracker ms/step = training-thread time in on_step_end (+ the "
         "block's final fold). Method and FLOP model: docstring of the script.", "",
         table(results), "", verdict(results), END])
-    path = HERE / "RESULTS.md"
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    if BEGIN in old and END in old:
-        new = old[:old.index(BEGIN)] + section + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(new)
+    write_section(BEGIN, END, section)
 
 
 def main(argv=None) -> None:

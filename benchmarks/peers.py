@@ -119,6 +119,7 @@ from torch import nn
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from results_md import write_section  # noqa: E402
 from overhead import BATCH, MODEL, SEQ, machine, make_data  # noqa: E402
 
 from kfac_stream import KFACConfig  # noqa: E402
@@ -599,11 +600,7 @@ def write_outputs(results, a, info) -> None:
         f"tolerance {TOL:g} for exact quantities, MC G within {MC_FACTOR}× of the seed-to-seed "
         "noise of curvlinops' own MC estimate):", "", agreement_table(results), "",
         verdict(results), END])
-    path = HERE / "RESULTS.md"
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    new = (old[:old.index(BEGIN)] + section + old[old.index(END) + len(END):]
-           if BEGIN in old and END in old else old.rstrip("\n") + "\n\n" + section + "\n")
-    path.write_text(new)
+    write_section(BEGIN, END, section)
 
 
 def main(argv=None) -> None:

@@ -53,6 +53,7 @@ from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapsh
 from kfac_stream.snapshot.contents import (add_eigendecompositions, merge_manifests,
                                          snapshot_contents)  # noqa: E402
 from kfac_stream.snapshot.writer import write_snapshot  # noqa: E402
+from results_md import write_section  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- snapshot_query:begin -->", "<!-- snapshot_query:end -->"
@@ -217,10 +218,7 @@ def write_outputs(r, a, info) -> None:
         + ", ".join(f"{x:.0f}" for x in st["save_snapshot_ms"]) + " ms); the "
         "eigendecomposition and the write run on a background thread, which on 2 cores slows "
         "the following steps instead of stalling one.", END])
-    path = HERE / "RESULTS.md"
-    old = path.read_text() if path.exists() else "# Benchmarks\n"
-    path.write_text(old[:old.index(BEGIN)] + section + old[old.index(END) + len(END):]
-                    if BEGIN in old and END in old else old.rstrip("\n") + "\n\n" + section + "\n")
+    write_section(BEGIN, END, section)
 
 
 def main(argv=None) -> None:
