@@ -50,12 +50,14 @@ BENCH_PEERS := $(VENV)/.bench-peers
 $(BENCH_PEERS): $(PEERS)
 	$(PY) -m pip install -q --no-deps kronfluence==1.0.1 && touch $(BENCH_PEERS)
 
-bench: $(STAMP) $(BENCH_PEERS)  ## run the benchmarks and write benchmarks/RESULTS.md
+bench: $(STAMP) $(BENCH_PEERS)  ## run every benchmark (~35 min on 2 cores), write benchmarks/RESULTS.md
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/snapshot_query.py
 	$(PY) benchmarks/distributed.py
 	$(PY) benchmarks/peers.py
 	$(PY) benchmarks/uncertainty.py
+	$(PY) benchmarks/uncertainty.py --task classification
+	$(PY) benchmarks/headline.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

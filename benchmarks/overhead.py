@@ -31,8 +31,10 @@ Method
   attention forward). Per step: / update_every. Bound ratio = 1 + extra/plain. Row gathers,
   softmaxes, sampling and FP16 conversions are not counted.
 
-Usage: ``python benchmarks/overhead.py [--pairs 5] [--timed-steps 20] [--configs ...]``;
-``--quick`` is a smoke run. Writes the section of ``benchmarks/RESULTS.md`` between the
+Usage: ``python benchmarks/overhead.py [--pairs 6] [--timed-steps 20] [--grid-pairs 3]
+[--grid-timed-steps 10] [--configs ...]`` (the first two for the default configs, the grid
+options for the rest);
+``--quick`` is a smoke run that writes nothing. Writes the section of ``benchmarks/RESULTS.md`` between the
 ``overhead`` markers and ``benchmarks/results/overhead.json``.
 """
 
@@ -256,18 +258,26 @@ def machine() -> dict:
             "python": platform.python_version()}
 
 
-def measure(cfg, a) -> dict:
+def plan(cfg, a) -> tuple[int, int, int]:
+    """``(warm-up steps, block steps, pairs)`` of one config: the acceptance configs
+    (`DEFAULTS`) get ``--pairs`` x ``--timed-steps``, the rest of the grid ``--grid-pairs`` x
+    ``--grid-timed-steps``; steps rounded up to a multiple of update_every."""
     k = cfg[2]
-    block = math.ceil(a.timed_steps / k) * k
-    warmup = math.ceil(a.warmup / k) * k
+    pairs, timed = ((a.pairs, a.timed_steps) if cfg in DEFAULTS
+                    else (a.grid_pairs, a.grid_timed_steps))
+    return math.ceil(a.warmup / k) * k, math.ceil(timed / k) * k, pairs
+
+
+def measure(cfg, a) -> dict:
+    warmup, block, n_pairs = plan(cfg, a)
     t0 = time.perf_counter()
-    run = run_isolated(cfg, warmup, block, a.pairs, a.seed)
+    run = run_isolated(cfg, warmup, block, n_pairs, a.seed)
     pairs = run["pairs"]
     for i, p in enumerate(pairs):
-        log(f"  [{name(cfg)}] pair {i + 1}/{a.pairs}: plain {1e3 * p['plain']['mean_s']:.1f} ms, "
+        log(f"  [{name(cfg)}] pair {i + 1}/{n_pairs}: plain {1e3 * p['plain']['mean_s']:.1f} ms, "
             f"tracked {1e3 * p['tracked']['mean_s']:.1f} ms, ratio {p['ratio']:.4f} "
             f"(CPU time {p['cpu_ratio']:.4f})")
-    log(f"  [{name(cfg)}] {warmup + 2 * a.pairs * block} steps in "
+    log(f"  [{name(cfg)}] {warmup + 2 * n_pairs * block} steps in "
         f"{time.perf_counter() - t0:.0f} s (load {run['load']:.2f})")
     ratios = [p["ratio"] for p in pairs]
     bound = flop_bound(cfg, run["specs"])
@@ -288,13 +298,14 @@ def measure(cfg, a) -> dict:
 
 
 def table(results) -> str:
-    rows = ["| config | plain ms | tracked ms | median ratio [min–max] | FLOP-bound ratio | "
-            "overhead / bound overhead | CPU-time ratio | tracker ms/step |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| config | pairs x steps | plain ms | tracked ms | median ratio [min–max] | "
+            "FLOP-bound ratio | overhead / bound overhead | CPU-time ratio | tracker ms/step |",
+            "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         ob = "–" if r["overhead_vs_bound"] is None else f"{r['overhead_vs_bound']:.2f}"
         rows.append(
-            f"| {r['name']} | {r['plain_ms']:.0f} | {r['tracked_ms']:.0f} | "
+            f"| {r['name']} | {len(r['pairs'])} x {r['block_steps']} | {r['plain_ms']:.0f} | "
+            f"{r['tracked_ms']:.0f} | "
             f"{r['ratio_median']:.4f} [{r['ratio_min']:.4f}–{r['ratio_max']:.4f}] | "
             f"{r['bound']['ratio']:.4f} | {ob} | {r['cpu_ratio_median']:.4f} | "
             f"{r['tracker_ms_per_step']:.1f} |")
@@ -336,7 +347,9 @@ def write_outputs(results, a, info) -> None:
         f"{info['load_end']:.2f}",
         f"- command: `{a.command}`",
         f"- one training run per config: {a.pairs} interleaved pairs of plain/tracked blocks of "
-        f"{a.timed_steps} steps (rounded up to a multiple of update_every), after "
+        f"{a.timed_steps} steps for the two default configs, {a.grid_pairs} pairs of "
+        f"{a.grid_timed_steps} steps for the rest of the grid (rounded up to a multiple of "
+        "update_every), after "
         f"{a.warmup} warm-up steps; ratio = mean tracked step / mean plain step of a pair "
         "(median over pairs); tracker ms/step = training-thread time in on_step_end (+ the "
         "block's final fold). Method and FLOP model: docstring of the script.", "",
@@ -346,20 +359,25 @@ def write_outputs(results, a, info) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pairs", type=int, default=5)
+    p.add_argument("--pairs", type=int, default=6, help="pairs for the two default configs")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--timed-steps", type=int, default=20,
-                   help="steps per plain/tracked block (rounded up to a multiple of update_every)")
+                   help="steps per plain/tracked block of the default configs (rounded up to a "
+                        "multiple of update_every)")
+    p.add_argument("--grid-pairs", type=int, default=3, help="pairs for the other configs")
+    p.add_argument("--grid-timed-steps", type=int, default=10,
+                   help="steps per block for the other configs")
     p.add_argument("--configs", nargs="*", default=None,
                    help="TF:FISHER:K filters, '*' matches anything, e.g. 0.05:empirical:*; "
                         "'default' = the acceptance configs")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="smoke run: 1 pair, 3 configs, 2 steps")
+    p.add_argument("--quick", action="store_true", help="smoke run: 1 pair, 3 configs, 2 steps; writes nothing")
     a = p.parse_args(argv)
     a.command = "python benchmarks/overhead.py " + " ".join(map(shlex.quote, sys.argv[1:]))
     configs = ALL
     if a.quick:
         a.pairs, a.timed_steps, configs = 1, 2, QUICK
+        a.grid_pairs, a.grid_timed_steps = a.pairs, a.timed_steps
     if a.configs:
         def match(cfg, f):
             if f == "default":
@@ -372,10 +390,9 @@ def main(argv=None) -> None:
         p.error("no configuration matches --configs")
     info = {**machine(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "load_start": os.getloadavg()[0]}
-    log(f"overhead benchmark: {len(configs)} configs x {a.pairs} pairs; {info['cpu']}, "
+    log(f"overhead benchmark: {len(configs)} configs; {info['cpu']}, "
         f"{info['cores']} cores, torch {info['torch']}, load {info['load_start']:.2f}")
-    steps = sum(math.ceil(a.warmup / c[2]) * c[2] + 2 * a.pairs * math.ceil(a.timed_steps / c[2])
-                * c[2] for c in configs)
+    steps = sum(w + 2 * n * b for w, b, n in (plan(c, a) for c in configs))
     log(f"{steps} training steps in all (~0.4 s each plain on this CPU; tracked ones more)")
     results = []
     for j, cfg in enumerate(configs):
@@ -387,6 +404,9 @@ def main(argv=None) -> None:
         results.append(r)
     info["load_end"] = os.getloadavg()[0]
     log("\n" + table(results) + "\n" + verdict(results))
+    if a.quick:
+        log("--quick: nothing written")
+        return
     write_outputs(results, a, info)
     log(f"wrote {HERE / 'RESULTS.md'} and {HERE / 'results' / 'overhead.json'}")
 

@@ -25,7 +25,8 @@ rotated between repetitions; medians are reported.
    its goal triggers a cProfile top list of one call (largest K), printed and kept in the json.
 
 Usage: ``python benchmarks/snapshot_query.py [--reps 7] [--snapshots 6] [--every 5]``; ``--quick``
-is a smoke run. Writes a section of ``benchmarks/RESULTS.md`` and ``results/snapshot_query.json``.
+is a smoke run that writes nothing. Otherwise writes a section of ``benchmarks/RESULTS.md`` and
+``results/snapshot_query.json``.
 """
 
 import argparse
@@ -227,7 +228,7 @@ def main(argv=None) -> None:
     p.add_argument("--snapshots", type=int, default=6, help="snapshots in the training run")
     p.add_argument("--every", type=int, default=5, help="snapshot_every of the training run")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="smoke run: 2 reps, 2 snapshots")
+    p.add_argument("--quick", action="store_true", help="smoke run: 2 reps, 2 snapshots; writes nothing")
     a = p.parse_args(argv)
     a.command = " ".join(["python benchmarks/snapshot_query.py", *map(shlex.quote, sys.argv[1:])])
     if a.quick:
@@ -247,6 +248,9 @@ def main(argv=None) -> None:
         r["query"] = bench_query(model, kfac.snapshots[-1], a.reps)
         r["load"]["query"] = os.getloadavg()[0]
     print(f"load averages: {r['load']}\n\n" + table(r))
+    if a.quick:
+        print("--quick: nothing written")
+        return
     write_outputs(r, a, info)
     print(f"wrote {HERE / 'RESULTS.md'} and {HERE / 'results' / 'snapshot_query.json'}")
 

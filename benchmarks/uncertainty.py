@@ -71,6 +71,8 @@ from kfac_stream.app.data import ExampleDataset as ListDataset  # noqa: E402
 from results_md import write_section  # noqa: E402
 
 BEGIN, END = "<!-- uncertainty:begin -->", "<!-- uncertainty:end -->"
+CLS_BEGIN, CLS_END = ("<!-- uncertainty-classification:begin -->",
+                      "<!-- uncertainty-classification:end -->")
 SEQ_LEN = 128
 FISHERS = ("empirical", "mc")
 EVAL_SETS = ("id", "python_source", "licenses")
@@ -178,24 +180,31 @@ def per_row_token_ids():
 def stream_covs(post, ids: torch.Tensor, pos: list[int], top: torch.Tensor, taus: list[float]):
     """Per sequence (batch = P copies, one position each): covariances of the top-k logits for
     every tau. ``top`` [n*P, K]. Returns ``{tau: [n*P, K, K]}`` float64."""
-    from kfac_stream.query import kron_eigen as ke
-
     P = len(pos)
     out = {t: [] for t in taus}
     with per_row_token_ids():
         for i in range(ids.shape[0]):
             x = ids[i:i + 1].expand(P, -1)
             batch = {"input_ids": x, "attention_mask": torch.ones_like(x)}
-            f, feats = post.jacobian_features(batch, pos, top[i * P:(i + 1) * P])
-            cov = {t: f.new_zeros(P, f.shape[1], f.shape[1]) for t in taus}
-            for name, m in feats:
-                _, aval, _, gval = post.eig[name]
-                for t in taus:
-                    d = ke.precision_eigenvalues(gval, aval, post.num_data, t)
-                    cov[t] += torch.einsum("bkij,blij->bkl", m / d.to(m.dtype), m).double()
-            for t in taus:
-                out[t].append(cov[t])
+            _, feats = post.jacobian_features(batch, pos, top[i * P:(i + 1) * P])
+            for t, c in covs_from_features(post, feats, taus).items():
+                out[t].append(c)
     return {t: torch.cat(v) for t, v in out.items()}
+
+
+def covs_from_features(post, feats, taus: list[float]) -> dict[float, torch.Tensor]:
+    """``{tau: [B, K, K]}`` float64 from one batch's layer features ``(name, M [B, K, o, i])``
+    (`LaplacePosterior.jacobian_features`): the library's covariance, for many tau at once."""
+    from kfac_stream.query import kron_eigen as ke
+
+    cov: dict[float, torch.Tensor] = {}
+    for name, m in feats:
+        _, aval, _, gval = post.eig[name]
+        for t in taus:
+            d = ke.precision_eigenvalues(gval, aval, post.num_data, t)
+            c = torch.einsum("bkij,blij->bkl", m / d.to(m.dtype), m).double()
+            cov[t] = cov[t] + c if t in cov else c
+    return cov
 
 
 # -- laplace-torch KronLaplace (post-hoc peer) -----------------------------------------------------
@@ -317,11 +326,14 @@ def machine() -> dict:
     import laplace  # noqa: F401
     import transformers
 
-    try:
-        from importlib.metadata import version
-        lt = version("laplace-torch")
-    except Exception:  # pragma: no cover
-        lt = "?"
+    from importlib.metadata import PackageNotFoundError, version
+
+    def ver(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:  # pragma: no cover
+            return "not installed"
+
     cpu = platform.processor() or "?"
     try:
         for line in open("/proc/cpuinfo"):
@@ -332,7 +344,8 @@ def machine() -> dict:
         pass
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "torch": torch.__version__, "transformers": transformers.__version__,
-            "laplace_torch": lt, "python": platform.python_version()}
+            "laplace_torch": ver("laplace-torch"), "peft": ver("peft"),
+            "python": platform.python_version()}
 
 
 def run(a) -> dict:
@@ -351,6 +364,9 @@ def run(a) -> dict:
             print(f"[{f}] trained {a.steps} steps in {s:.1f} s; loss {ls[0]:.3f} -> "
                   f"{ls[-1]:.3f}", flush=True)
         model, _, train_s, losses = runs["empirical"]
+        from uncertainty_classification import save_base_lm
+
+        save_base_lm(model, a.base_model, a.steps)  # the base of the classification task
         same = all(torch.equal(v, runs["mc"][0].state_dict()[k])
                    for k, v in model.state_dict().items())
         print(f"empirical and mc runs end with identical weights: {same}", flush=True)
@@ -520,34 +536,60 @@ def report(r: dict, a, info: dict) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--task", choices=["lm"], default="lm",
-                   help="lm (issue 7 item 2); classification is not implemented yet")
-    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--task", choices=["lm", "classification"], default="lm",
+                   help="lm: next-token uncertainty of the small LM (item 2); classification: "
+                   "LoRA multiple choice on stdlib docstrings (item 3, "
+                   "benchmarks/uncertainty_classification.py)")
+    p.add_argument("--steps", type=int, default=1000, help="LM training steps")
+    p.add_argument("--base-model", default="out/bench/tiny_lm",
+                   help="where the lm task saves its trained LM and the classification task "
+                   "looks for it (trained there with the same recipe when missing)")
     p.add_argument("--seqs", type=int, default=32, help="windows per evaluation set")
     p.add_argument("--positions", type=int, default=8, help="scored positions per window")
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--mc-samples", type=int, default=256)
     p.add_argument("--kron-fit", type=int, default=32, help="training windows for KronLaplace")
     p.add_argument("--no-kron", action="store_true", help="skip laplace-torch")
+    g = p.add_argument_group("classification task")
+    g.add_argument("--train-per-class", type=int, default=48)
+    g.add_argument("--val-per-class", type=int, default=24)
+    g.add_argument("--test-per-class", type=int, default=72)
+    g.add_argument("--ft-steps", type=int, default=500, help="LoRA fine-tuning steps")
+    g.add_argument("--batch", type=int, default=16)
+    g.add_argument("--lr", type=float, default=2e-3)
+    g.add_argument("--seed", type=int, default=0, help="data split and LoRA initialisation")
     p.add_argument("--quick", action="store_true", help="smoke run; writes nothing")
     a = p.parse_args(argv)
     a.command = "python benchmarks/uncertainty.py " + shlex.join(argv if argv is not None
                                                                  else sys.argv[1:])
     if a.quick:
         a.steps, a.seqs, a.positions, a.kron_fit, a.mc_samples = 30, 4, 3, 8, 32
+        a.train_per_class, a.val_per_class, a.test_per_class, a.ft_steps = 8, 4, 8, 4
+        a.base_model = tempfile.mkdtemp(prefix="kfac-bench-lm-")
+    a.lm_steps = a.steps
     t0 = time.perf_counter()
     info = dict(machine(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(
         timespec="seconds"))
-    r = run(a)
-    r["total_seconds"] = time.perf_counter() - t0
-    section = report(r, a, info)
+    if a.task == "classification":
+        import uncertainty_classification as uc
+
+        r = uc.run(a)
+        r["total_seconds"] = time.perf_counter() - t0
+        section = uc.report(r, a, info, CLS_BEGIN, CLS_END)
+        name = "uncertainty_classification"
+    else:
+        r = run(a)
+        r["total_seconds"] = time.perf_counter() - t0
+        section = report(r, a, info)
+        name = "uncertainty"
     print(section, flush=True)
     if a.quick:
         return
     (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "uncertainty.json").write_text(json.dumps(
+    (HERE / "results" / f"{name}.json").write_text(json.dumps(
         {"machine": info, "command": a.command, "args": vars(a), **r}, indent=1, default=str))
-    write_section(BEGIN, END, section)
+    write_section(*((CLS_BEGIN, CLS_END) if a.task == "classification" else (BEGIN, END)),
+                  section)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,121 @@
+"""The headline table at the top of ``benchmarks/RESULTS.md``, built from ``results/*.json``.
+
+``make bench`` runs it last: every figure comes from the JSON the other scripts wrote in the
+same ``make bench`` (their sections below the headline hold the method, machine and command).
+A script whose JSON is missing is named as missing, not filled in. Usage:
+``python benchmarks/headline.py``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from results_md import write_section  # noqa: E402
+
+BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
+RESULTS = HERE / "results"
+
+
+def load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def overhead_rows(d: dict) -> list[str]:
+    rows = []
+    for r in d["results"]:
+        c = r["config"]
+        if (c["token_fraction"], c["fisher"]) == (0.05, "empirical"):
+            rows.append(
+                f"| training step with the callback ÷ plain step, defaults (token_fraction "
+                f"0.05, empirical), update_every={c['update_every']} | {r['ratio_median']:.3f} "
+                f"[{r['ratio_min']:.3f}–{r['ratio_max']:.3f}] over {len(r['pairs'])} pairs "
+                f"(FLOP bound {r['bound']['ratio']:.4f}) | GPT-2 4×256, batch 8×256, CPU | "
+                "[overhead](#training-overhead-of-kfacstreamcallback-benchmarksoverheadpy) |")
+    return rows
+
+
+def peer_rows(d: dict) -> list[str]:
+    rows = []
+    for r in d["results"]:
+        for key, label in (("default", "defaults"), ("full", "token_fraction=1, update_every=1")):
+            e = r[key]["extra_used_ms"]
+            ratios = {p: ms / e for p, ms in r["peers_ms"].items()}
+            lo = min(ratios, key=ratios.get)
+            rows.append(f"| cheapest post-hoc peer's pass for one batch ÷ kfac_stream's extra "
+                        f"per step, {label} (goal ≥ 20×) | {ratios[lo]:.1f}× ({lo}) | "
+                        f"{r['model']}, batch 8×256 | [peers](#kfac_stream-vs-post-hoc-k-fac-"
+                        "peers-benchmarkspeerspy) |")
+    return rows
+
+
+def lm_rows(d: dict) -> list[str]:
+    cal, auc = d["calibration"], d["auroc"]
+    base = cal["MAP"]
+    laps = {m: v for m, v in cal.items() if m.startswith("Laplace")}
+    best = min(laps, key=lambda m: laps[m]["id"][0])
+    ood = [k for k in ("python_source", "licenses") if k in base]
+    best_auc = {k: max(((m, s[k]) for m, s in auc.items()
+                        if s[k] is not None and m != "MAP entropy"), key=lambda t: t[1])
+                for k in ood}
+    link = "[uncertainty](#predictive-uncertainty-on-real-text-benchmarksuncertaintypy)"
+    return [
+        f"| next-token NLL / ECE on held-out docs: MAP → best stream Laplace ({best}) | "
+        f"{base['id'][0]:.4f} / {100 * base['id'][1]:.2f}% → {laps[best]['id'][0]:.4f} / "
+        f"{100 * laps[best]['id'][1]:.2f}% | tiny GPT-2, byte tokens | {link} |",
+        *(f"| ID-vs-OOD AUROC, held-out docs vs {k}: MAP entropy, best Laplace variance | "
+          f"{auc['MAP entropy'][k]:.3f}, {best_auc[k][1]:.3f} ({best_auc[k][0]}) | "
+          f"tiny GPT-2 | {link} |" for k in ood)]
+
+
+def cls_rows(d: dict) -> list[str]:
+    res = d["results"]
+    base = res["MAP"]
+    link = ("[classification](#small-data-multiple-choice-with-lora-benchmarksuncertaintypy"
+            "---task-classification)")
+
+    def cell(v):
+        return f"{100 * v['acc']:.1f}% / {v['nll']:.3f} / {100 * v['ece']:.1f}%"
+
+    stream = {m: v for m, v in res.items() if m.startswith("Laplace stream")}
+    peers = {m: v for m, v in res.items() if m.startswith("laplace-torch")}
+    rows = [f"| 4-way docstring → package (LoRA), accuracy / NLL / ECE: MAP | {cell(base)} | "
+            f"tiny GPT-2 + LoRA, {d['splits']['train']} training examples | {link} |"]
+    for group in (stream, peers):
+        if group:
+            m = min(group, key=lambda k: group[k]["nll"])
+            rows.append(f"| same, lowest-NLL {m} | {cell(group[m])} | "
+                        f"{d['cost_seconds'][m]:.1f} s beyond training | {link} |")
+    return rows
+
+
+def main() -> None:
+    parts = {"overhead": overhead_rows, "peers": peer_rows, "uncertainty": lm_rows,
+             "uncertainty_classification": cls_rows}
+    rows, missing = [], []
+    for name, fn in parts.items():
+        d = load(name)
+        if d is None:
+            missing.append(name)
+        else:
+            rows += fn(d)
+    lines = [BEGIN, "## Headline", "",
+             f"- built {datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')}"
+             " by `python benchmarks/headline.py` from `benchmarks/results/*.json`; each "
+             "figure's date, machine, versions and exact command are in its section below.",
+             "", "| measurement | figure | setting | section |", "|---|---|---|---|", *rows]
+    if missing:
+        lines += ["", "Not run yet: " + ", ".join(f"`benchmarks/{m}.py`" for m in missing)]
+    lines.append(END)
+    section = "\n".join(lines)
+    write_section(BEGIN, END, section, top=True)
+    print(section)
+
+
+if __name__ == "__main__":
+    main()
