@@ -283,7 +283,7 @@ def measure(cfg, a) -> dict:
     bound = flop_bound(cfg, run["specs"])
     med = statistics.median(ratios)
     return {
-        "config": {"token_fraction": cfg[0], "fisher": cfg[1], "update_every": k},
+        "config": {"token_fraction": cfg[0], "fisher": cfg[1], "update_every": cfg[2]},
         "name": name(cfg), "block_steps": block, "warmup": warmup,
         "plain_ms": 1e3 * statistics.median(p["plain"]["mean_s"] for p in pairs),
         "tracked_ms": 1e3 * statistics.median(p["tracked"]["mean_s"] for p in pairs),

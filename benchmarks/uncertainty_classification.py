@@ -467,8 +467,24 @@ def report(r: dict, a, info: dict, begin: str, end: str) -> str:
         "",
         *rows,
         "",
-        f"- verdict (as measured, one seed): MAP accuracy {100 * base['acc']:.1f}%, NLL "
-        f"{base['nll']:.4f}, ECE {100 * base['ece']:.2f}%; lowest NLL: {best_nll[0]} "
-        f"({best_nll[1]['nll']:.4f}); lowest ECE: {best_ece[0]} "
+        f"- verdict (as measured, one seed, {s['test']} test examples): MAP accuracy "
+        f"{100 * base['acc']:.1f}%, NLL {base['nll']:.4f}, ECE {100 * base['ece']:.2f}%; "
+        + "; ".join(spread(r["results"], prefix) for prefix in ("Laplace stream",
+                                                                 "laplace-torch"))
+        + f". Lowest NLL: {best_nll[0]} ({best_nll[1]['nll']:.4f}); lowest ECE: {best_ece[0]} "
         f"({100 * best_ece[1]['ece']:.2f}%).",
         end])
+
+
+def spread(results: dict, prefix: str) -> str:
+    """``"<prefix> (n variants): accuracy lo–hi%, NLL lo–hi, ECE lo–hi%"``."""
+    group = [v for m, v in results.items() if m.startswith(prefix)]
+    if not group:
+        return f"{prefix}: not run"
+
+    def rng(key, scale=1.0, fmt=".1f"):
+        lo, hi = min(v[key] for v in group), max(v[key] for v in group)
+        return f"{scale * lo:{fmt}}–{scale * hi:{fmt}}"
+
+    return (f"{prefix} ({len(group)} variants): accuracy {rng('acc', 100)}%, NLL "
+            f"{rng('nll', fmt='.4f')}, ECE {rng('ece', 100, '.2f')}%")
