@@ -1,6 +1,9 @@
 r"""Predictive uncertainty of the streamed K-FAC Laplace on real offline text (issue 7, item 2).
 
-What it does (``python benchmarks/uncertainty.py``; ``--quick`` = smoke run, writes nothing):
+What it does (``python benchmarks/uncertainty.py``; ``--quick`` = smoke run, writes nothing;
+``--task classification`` runs item 3 instead, described in
+``benchmarks/uncertainty_classification.py``; it fine-tunes the LM this task saves in
+``--base-model``):
 
 1. Trains the app's default small LM in-process: ``tiny_gpt2`` (2 layers x 128, byte tokens,
    seq_len 128, no dropout), a real ``transformers.Trainer`` with the app's trainer defaults
@@ -48,6 +51,7 @@ What it does (``python benchmarks/uncertainty.py``; ``--quick`` = smoke run, wri
 from __future__ import annotations
 
 import argparse
+import atexit
 import copy
 import datetime
 import json
@@ -55,6 +59,7 @@ import math
 import os
 import platform
 import shlex
+import shutil
 import sys
 import tempfile
 import time
@@ -566,6 +571,7 @@ def main(argv=None) -> None:
         a.steps, a.seqs, a.positions, a.kron_fit, a.mc_samples = 30, 4, 3, 8, 32
         a.train_per_class, a.val_per_class, a.test_per_class, a.ft_steps = 8, 4, 8, 4
         a.base_model = tempfile.mkdtemp(prefix="kfac-bench-lm-")
+        atexit.register(shutil.rmtree, a.base_model, ignore_errors=True)
     a.lm_steps = a.steps
     t0 = time.perf_counter()
     info = dict(machine(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(

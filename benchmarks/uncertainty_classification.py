@@ -77,7 +77,8 @@ TRACKERS = {
 # -- data -----------------------------------------------------------------------------------------
 
 def docstring_snippets(package: str, stdlib: str | None = None) -> list[str]:
-    """First-paragraph docstring snippets of one stdlib package, in file and line order."""
+    """First-paragraph docstring snippets of one stdlib package: files in sorted order, each
+    file breadth-first (``ast.walk``); deterministic for one Python version."""
     root = Path(stdlib or sysconfig.get_paths()["stdlib"])
     path = root / package
     files = sorted(path.rglob("*.py")) if path.is_dir() else [root / f"{package}.py"]
