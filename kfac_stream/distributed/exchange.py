@@ -96,8 +96,10 @@ def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool
 
     Collective: every rank calls it with the same keys (``dims``), in the same order. One
     ``all_gather`` of a small int64 table (row counts, transport exponents, ``ok``) comes
-    first, so all ranks agree on the strategy, the padding and whether to skip; then one
-    ``gather`` (rows) or ``reduce`` (statistics) per factor.
+    first, so all ranks agree on the strategy, the padding and whether to skip; then, per
+    owner, one ``gather`` of all its rows-strategy factors and one ``reduce`` of all its
+    statistics-strategy factors, each as one flat buffer (at most ``2·W`` collectives per
+    update, not one per factor: the exchange is latency-bound).
 
     Args:
         local: ``{key: rows [n_r, d]}`` on this rank (a missing key means ``n_r = 0``); A rows
@@ -132,6 +134,8 @@ def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool
     if not result.ok:
         return result
     wire = transport or dtype
+    esize = torch.tensor([], dtype=wire).element_size()
+    plans: list[_Plan] = []
     for j, key in enumerate(keys):
         d, diagonal = dims[key]
         owner = ownership.owner[key]
@@ -141,33 +145,78 @@ def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool
         if total == 0:
             continue
         rows = local.get(key, torch.zeros(0, d, dtype=dtype))
-        esize = torch.tensor([], dtype=wire).element_size()
         result.bytes_rows += rows_bytes(per_rank, owner, d, esize)
         result.bytes_stats += stats_bytes(world_size, d, diagonal, rows.element_size())
         how = strategy or choose_strategy(per_rank, owner, d, diagonal, esize)
-        if how == "rows":
-            width = max(per_rank)
-            padded = torch.zeros(width, d, dtype=wire)
-            exps = table[:, k + j].tolist()
-            if transport is not None:
-                padded[: rows.shape[0]] = rows * 2.0 ** -exps[rank]
-            else:
-                padded[: rows.shape[0]] = rows
-            bucket = [torch.zeros_like(padded) for _ in range(world_size)] if rank == owner else None
-            dist.gather(padded, bucket, dst=owner, group=group)
-            if rank != owner:
-                result.bytes_moved += padded.numel() * esize
-            else:
-                parts = [b[:n].to(dtype) for b, n in zip(bucket, per_rank)]
-                if transport is not None:
-                    parts = [p.mul_(2.0 ** e) for p, e in zip(parts, exps)]
-                result.owned[key] = ("rows", torch.cat(parts))
-        else:
-            # summed in float64 whatever the rows' dtype (order-independent to its rounding)
-            part = gram(rows.double(), diagonal).to(dtype)  # [d] or [d, d]
-            dist.reduce(part, dst=owner, op=dist.ReduceOp.SUM, group=group)
-            if rank != owner:
-                result.bytes_moved += part.numel() * part.element_size()
-            else:
-                result.owned[key] = ("stats", (part, total))
+        plans.append(_Plan(key, j, d, diagonal, owner, per_rank, how, rows))
+    for owner in range(world_size):  # every rank walks the owners and plans in one order
+        to_owner = [p for p in plans if p.owner == owner]
+        rows_plans = [p for p in to_owner if p.how == "rows"]
+        stats_plans = [p for p in to_owner if p.how == "stats"]
+        if rows_plans:
+            _gather_rows(rows_plans, table, k, rank, owner, wire, dtype, transport is not None,
+                         group, result, esize)
+        if stats_plans:
+            _reduce_stats(stats_plans, rank, owner, dtype, group, result)
     return result
+
+
+@dataclass
+class _Plan:
+    """One factor's part of an exchange (the same on every rank but ``rows``)."""
+
+    key: str
+    index: int  # column of the shared table
+    d: int
+    diagonal: bool
+    owner: int
+    per_rank: list[int]  # n_r of every rank
+    how: str  # "rows" | "stats"
+    rows: Tensor  # this rank's [n_r, d]
+
+
+def _gather_rows(plans: list[_Plan], table: Tensor, k: int, rank: int, owner: int,
+                 wire: torch.dtype, dtype: torch.dtype, scaled: bool, group,
+                 result: Exchanged, esize: int) -> None:
+    """One ``gather`` to ``owner`` of every planned factor's rows, each padded to the largest
+    ``n_r`` and flattened into one buffer; the owner cuts every rank's buffer back apart."""
+    chunks = []
+    for p in plans:
+        padded = torch.zeros(max(p.per_rank), p.d, dtype=wire)
+        n = p.rows.shape[0]
+        if scaled:
+            padded[:n] = p.rows * 2.0 ** -int(table[rank, k + p.index])
+        else:
+            padded[:n] = p.rows
+        chunks.append(padded.reshape(-1))
+    flat = torch.cat(chunks)
+    bucket = [torch.empty_like(flat) for _ in range(len(table))] if rank == owner else None
+    dist.gather(flat, bucket, dst=owner, group=group)
+    if rank != owner:
+        result.bytes_moved += flat.numel() * esize
+        return
+    sizes = [c.numel() for c in chunks]
+    per_rank_parts = [b.split(sizes) for b in bucket]  # [W][len(plans)] flat pieces
+    for j, p in enumerate(plans):
+        width = max(p.per_rank)
+        parts = []
+        for r, n in enumerate(p.per_rank):
+            part = per_rank_parts[r][j].view(width, p.d)[:n].to(dtype)
+            if scaled:
+                part = part.mul_(2.0 ** int(table[r, k + p.index]))
+            parts.append(part)
+        result.owned[p.key] = ("rows", torch.cat(parts))
+
+
+def _reduce_stats(plans: list[_Plan], rank: int, owner: int, dtype: torch.dtype, group,
+                  result: Exchanged) -> None:
+    """One ``reduce`` to ``owner`` of every planned factor's partial ``Σ rowsᵀ rows`` (summed
+    locally in float64 whatever the rows' dtype, sent in the rows' dtype), flattened."""
+    parts = [gram(p.rows.double(), p.diagonal).to(dtype) for p in plans]  # [d, d] or [d]
+    flat = torch.cat([x.reshape(-1) for x in parts])
+    dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM, group=group)
+    if rank != owner:
+        result.bytes_moved += flat.numel() * flat.element_size()
+        return
+    for p, x, piece in zip(plans, parts, flat.split([x.numel() for x in parts])):
+        result.owned[p.key] = ("stats", (piece.view(x.shape).clone(), sum(p.per_rank)))
