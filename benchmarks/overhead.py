@@ -33,9 +33,9 @@ Method
 
 Usage: ``python benchmarks/overhead.py [--pairs 6] [--timed-steps 20] [--grid-pairs 3]
 [--grid-timed-steps 10] [--configs ...]`` (the first two for the default configs, the grid
-options for the rest);
-``--quick`` is a smoke run that writes nothing. Writes the section of ``benchmarks/RESULTS.md`` between the
-``overhead`` markers and ``benchmarks/results/overhead.json``.
+options for the rest); ``--quick`` is a smoke run that writes nothing. Writes the section of
+``benchmarks/RESULTS.md`` between the ``overhead`` markers and
+``benchmarks/results/overhead.json``.
 """
 
 from __future__ import annotations
@@ -371,7 +371,8 @@ def main(argv=None) -> None:
                    help="TF:FISHER:K filters, '*' matches anything, e.g. 0.05:empirical:*; "
                         "'default' = the acceptance configs")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="smoke run: 1 pair, 3 configs, 2 steps; writes nothing")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 1 pair, 3 configs, 2 steps; writes nothing")
     a = p.parse_args(argv)
     a.command = "python benchmarks/overhead.py " + " ".join(map(shlex.quote, sys.argv[1:]))
     configs = ALL
