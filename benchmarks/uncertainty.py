@@ -118,10 +118,11 @@ def positions(n: int) -> list[int]:
 
 # -- training -------------------------------------------------------------------------------------
 
-def train(train_examples, steps: int, out: str, fisher: str):
+def train(train_examples, steps: int, out: str, fisher: str | None):
     """One Trainer run with one `KFACStreamCallback` (two callbacks on one Trainer: only the
     last one records, the other ends with tokens_seen 0, so each Fisher gets its own run from
-    the same seed; the script checks that both runs end with identical weights)."""
+    the same seed; the script checks that both runs end with identical weights).
+    ``fisher=None``: the same recipe without a tracker (the snapshot is then None)."""
     from transformers import Trainer, TrainingArguments
 
     from kfac_stream import KFACConfig, KFACStreamCallback
@@ -133,16 +134,22 @@ def train(train_examples, steps: int, out: str, fisher: str):
                              weight_decay=0.0, logging_steps=max(steps // 4, 1),
                              save_strategy="no", report_to="none", disable_tqdm=True,
                              use_cpu=True, seed=0)
-    cb = KFACStreamCallback(KFACConfig(fisher=fisher, output_dir=os.path.join(out, "kfac"),
-                                       snapshot_every=10 * steps))
+    cb = None if fisher is None else KFACStreamCallback(KFACConfig(
+        fisher=fisher, output_dir=os.path.join(out, "kfac"), snapshot_every=10 * steps))
     trainer = Trainer(model=model, args=args, train_dataset=ListDataset(train_examples),
-                      callbacks=[cb])
+                      callbacks=None if cb is None else [cb])
+    return train_and_collect(trainer, model, cb)
+
+
+def train_and_collect(trainer, model, cb):
+    """Run ``trainer``; returns ``(model in eval mode, the callback's last snapshot directory
+    or None without a callback, training seconds, the logged losses)``."""
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     model.eval()
-    return model, cb.snapshots[-1], wall, losses
+    return model, None if cb is None else cb.snapshots[-1], wall, losses
 
 
 # -- MAP ------------------------------------------------------------------------------------------

@@ -58,7 +58,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from uncertainty import nll_ece
+from uncertainty import nll_ece, train_and_collect
 
 PACKAGES = ("asyncio", "email", "logging", "xml")
 ANSWERS = "ABCD"
@@ -164,27 +164,18 @@ def collate(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 def base_lm(path: str, steps: int):
     """The item-2 LM: loaded from ``path`` when a previous run saved it with the same number of
-    steps, else trained with the same recipe (no tracker) and saved there."""
-    from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
+    steps, else trained with the same recipe (`uncertainty.train`, no tracker) and saved."""
+    from transformers import GPT2LMHeadModel
 
-    from kfac_stream.app.data import ExampleDataset
-    from kfac_stream.app.models import tiny_gpt2
-    from uncertainty import datasets
+    from uncertainty import datasets, train
 
     stamp = Path(path) / "lm_steps.txt"
     if stamp.exists() and stamp.read_text().strip() == str(steps):
         print(f"base LM: loaded from {path} ({steps} steps)", flush=True)
         return GPT2LMHeadModel.from_pretrained(path).float(), 0.0
     train_examples, _ = datasets(1)
-    model = tiny_gpt2(seed=0)
     with tempfile.TemporaryDirectory() as tmp:
-        args = TrainingArguments(output_dir=tmp, max_steps=steps, per_device_train_batch_size=8,
-                                 learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=10,
-                                 weight_decay=0.0, save_strategy="no", report_to="none",
-                                 disable_tqdm=True, use_cpu=True, seed=0, logging_steps=steps)
-        t0 = time.perf_counter()
-        Trainer(model=model, args=args, train_dataset=ExampleDataset(train_examples)).train()
-        wall = time.perf_counter() - t0
+        model, _, wall, _ = train(train_examples, steps, tmp, None)
     save_base_lm(model, path, steps)
     print(f"base LM: trained {steps} steps in {wall:.0f} s, saved to {path}", flush=True)
     return model, wall
@@ -224,12 +215,7 @@ def finetune(base, examples, a, out: str, overrides: dict):
                                        snapshot_every=10 * a.ft_steps, **overrides))
     trainer = Trainer(model=model, args=args, train_dataset=ExampleDataset(examples),
                       data_collator=collate, callbacks=[cb])
-    t0 = time.perf_counter()
-    trainer.train()
-    wall = time.perf_counter() - t0
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    model.eval()
-    return model, cb.snapshots[-1], wall, losses
+    return train_and_collect(trainer, model, cb)
 
 
 # -- predictives ----------------------------------------------------------------------------------

@@ -219,4 +219,4 @@ def _reduce_stats(plans: list[_Plan], rank: int, owner: int, dtype: torch.dtype,
         result.bytes_moved += flat.numel() * flat.element_size()
         return
     for p, x, piece in zip(plans, parts, flat.split([x.numel() for x in parts])):
-        result.owned[p.key] = ("stats", (piece.view(x.shape).clone(), sum(p.per_rank)))
+        result.owned[p.key] = ("stats", (piece.view(x.shape), sum(p.per_rank)))
