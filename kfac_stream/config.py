@@ -56,6 +56,24 @@ class KFACConfig:
             background thread. ``None``: on when the model is on a CUDA device (the CPU is then
             idle during the step), off on CPU-only training, where a second thread only
             competes with the training thread for the same cores. (Default: None)
+        share_inputs: Layers that read the same input tensor (q/k/v, gate/up) share one A
+            factor: captured, exchanged, stored and eigendecomposed once (found by a 2-token
+            probe forward when training starts; the manifest records it; ``snap[name].A``
+            works for every layer). ``False``: one A per layer. (Default: True)
+        fold_on: Where the second moments ``XᵀX`` are computed. ``"device"``: on the rows'
+            device (GPU: tensor cores, fp32 accumulation), only the folded fp32 statistics
+            cross to the host, combined over up to 8 updates on the device within
+            ``device_memory_budget``; ``"host"``: rows are copied to the CPU store, which folds
+            them. ``"auto"``: ``"device"`` on CUDA, ``"host"`` on CPU. (Default: "auto")
+        device_memory_budget: Bytes of accelerator memory the pending device statistics of
+            this rank's factors may take (fp32, ``4·d²`` per dense factor); beyond it every
+            update is copied to the host at once. (Default: 4 GiB)
+        eigh_device: Where snapshots eigendecompose the factors: ``"auto"`` (the owner's GPU
+            when training on one, batched by size, float32 with a float64 CPU fallback for a
+            factor that fails; else the CPU in float64) or ``"cpu"``. (Default: "auto")
+        eigh_threads: CPU threads for snapshot eigendecompositions. ``None``: the cores this
+            process may use divided by the processes on the node (``LOCAL_WORLD_SIZE``),
+            whatever ``OMP_NUM_THREADS`` the launcher set. (Default: None)
         fail_on_snapshot_error: Make a failed snapshot (unwritable directory, full disk, a
             failed eigendecomposition) stop training. By default it is logged and counted
             (``counts.snapshot_failures`` in later manifests), training goes on and earlier
@@ -74,6 +92,11 @@ class KFACConfig:
     max_dense_dim: int = 8192
     seed: int = 0
     async_updates: bool | None = None
+    share_inputs: bool = True
+    fold_on: str = "auto"
+    device_memory_budget: int = 4 * 2**30
+    eigh_device: str = "auto"
+    eigh_threads: int | None = None
     fail_on_snapshot_error: bool = False
 
     def __post_init__(self) -> None:
@@ -86,6 +109,24 @@ class KFACConfig:
                 raise KFACConfigError(
                     f"KFACConfig.{name}={value!r} is not allowed: must be a positive integer"
                 )
+        for name in ("share_inputs", "fail_on_snapshot_error"):
+            if not isinstance(getattr(self, name), bool):
+                raise KFACConfigError(f"KFACConfig.{name}={getattr(self, name)!r} is not "
+                                      "allowed: must be a bool")
+        for name, allowed in (("fold_on", ("auto", "device", "host")),
+                              ("eigh_device", ("auto", "cpu"))):
+            if getattr(self, name) not in allowed:
+                raise KFACConfigError(f"KFACConfig.{name}={getattr(self, name)!r} is not "
+                                      f"allowed: must be one of {allowed}")
+        budget = self.device_memory_budget
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise KFACConfigError(f"KFACConfig.device_memory_budget={budget!r} is not allowed: "
+                                  "must be a non-negative integer (bytes)")
+        threads = self.eigh_threads
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                    or threads < 1):
+            raise KFACConfigError(f"KFACConfig.eigh_threads={threads!r} is not allowed: must "
+                                  "be None or a positive integer")
         if not isinstance(self.fail_on_snapshot_error, bool):
             raise KFACConfigError(f"KFACConfig.fail_on_snapshot_error="
                                   f"{self.fail_on_snapshot_error!r} is not allowed: must be a bool")

@@ -119,7 +119,7 @@ def step_metrics(tracker, prefix: str = "kfac", steps: int | None = None) -> dic
         layer, f = key.rsplit(".", 1)
         diag = factor.data if factor.diagonal else factor.data.diagonal()
         out[f"{prefix}/{layer}/{f}/live_trace"] = float(diag.double().sum()) * factor.scale
-    counters = tracker.counters
+    counters = tracker.read_counters()
     out.update({f"{prefix}/tracker/{name}": float(getattr(counters, name)) for name in COUNTERS})
     if steps:
         out[f"{prefix}/tracker/ms_per_step"] = 1e3 * counters.tracker_seconds / steps

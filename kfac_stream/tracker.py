@@ -2,16 +2,19 @@
 
 Per optimizer step ``k`` (counted from 0): ``begin_step(k)`` arms the hooks if ``k`` is an
 update step (``k % update_every == 0``); the micro-batches' forward/backward passes collect
-rows; ``end_step(model)`` runs the MC passes (``fisher="mc"``), checks every row for NaN/Inf
-(a non-finite step is skipped whole and counted), divides the gradient rows by the pass's loss
-scale ``c``, and folds ``S_A = ĀᵀĀ/n``, ``S_G = GᵀG/n`` (``n`` = positions of the update,
-union over micro-batches) into the EMA of every factor this rank owns — on a background thread
-when ``async_updates`` is on, so the step waits only when the tracker is a whole update behind.
+rows; ``end_step(model)`` runs the MC passes (``fisher="mc"``), weights and scales the rows
+(sampling weights, the pass's loss scale ``c``) and hands an `UpdateJob` to the factor worker.
 
-With several ranks (``dist_ctx``), each factor has one owner (`distributed.ownership`); at every
-update step each rank hands its local rows to `distributed.exchange`, which brings the rows (or
-partial sums) of all ranks to each owner, so the owner folds exactly the union of all ranks'
-sampled positions. A non-finite statistic on any rank skips the update on all of them.
+The training thread never reads a device value on the host (tests/test_host_syncs.py counts):
+every decision that needs one (is the update finite? is ``c`` known? how many positions?) is
+a device tensor in the job, read by the worker (``async_updates``, the default on CUDA), which
+runs on its own CUDA stream after an event recorded at the end of the step. The worker
+exchanges rows or partial statistics with the factors' owners (several ranks,
+`distributed.exchange`), folds the second moments where the rows are (``fold_on``: on the GPU,
+with only the folded fp32 statistics crossing to the host, combined over a few updates on the
+device; on CPU the store folds rows itself) and updates the FP16 EMA store on CPU. The step
+waits only when the worker is a whole update behind; then the wait is counted and logged once.
+A non-finite statistic on any rank skips the update on all of them.
 """
 
 from __future__ import annotations
@@ -20,19 +23,21 @@ import logging
 import queue
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from .capture.hooks import CaptureHooks
-from .capture.selection import LayerSpec
+from .capture.selection import LayerSpec, select_layers
+from .capture.sharing import FactorPlan, plan_factors, probe_shared_inputs
 from .config import KFACConfig
 from .distributed.context import DistContext
 from .distributed.exchange import exchange_to_owners
 from .distributed.ownership import Ownership, assign_owners
 from .mc import mc_fisher_pass
-from .stats.covariance import all_finite, with_bias_column
+from .stats.covariance import all_finite, gram, with_bias_column
 from .store.factor_store import FactorStore
 
 logger = logging.getLogger("kfac_stream")
@@ -44,7 +49,7 @@ _BYTES = {"float16": 2, "float32": 4, "float64": 8}
 class Counters:
     """Running totals, written into every snapshot manifest."""
 
-    tokens_seen: int = 0  # usable positions of every training forward pass
+    tokens_seen: int = 0  # usable positions of every training forward pass (read lazily)
     positions_sampled: int = 0  # positions folded into the factors
     updates: int = 0
     skipped_updates: int = 0  # steps dropped for NaN/Inf statistics or a bad loss scale
@@ -52,6 +57,8 @@ class Counters:
     comm_bytes: int = 0  # bytes this rank sent to factor owners (multi-process only)
     exchange_seconds: float = 0.0  # time in the exchange collectives (multi-process only)
     fold_seconds: float = 0.0  # time folding rows/statistics into the owned factors
+    wait_seconds: float = 0.0  # time the training thread waited for the factor worker
+    waits: int = 0  # update steps that waited for the factor worker
     snapshot_failures: int = 0  # snapshots abandoned (non-fatal unless fail_on_snapshot_error)
     skipped_steps: list[int] = field(default_factory=list)
 
@@ -60,49 +67,93 @@ class Counters:
 class UpdateJob:
     """One update step's local contribution, handed from the training thread to `_apply`.
 
+    Every tensor is on the rows' device and may still be being computed there (``event``).
+
     Attributes:
         step: Optimizer step.
-        rows: ``{layer: (a [n, d_in], g [n, d_out])}`` with ``g`` divided by the loss scale;
-            ``n`` may be 0 on this rank (then the layer is absent).
-        ok: This rank's statistics are finite and every pass's loss scale is known.
+        rows: ``{factor key: rows [m, d]}``, each row multiplied by the square root of its
+            sampling weight, G rows divided by their pass's loss scale; A rows with the bias
+            column. Keys absent: no rows on this rank.
+        weights: ``{factor key: 0-dim Σ weights}`` (the EMA's ``n``).
+        positions: ``{factor key: 0-dim count of sampled non-padding positions}``.
+        ok: 0-dim bool: finite statistics and every pass's loss scale known.
+        residual: 0-dim largest loss-scale fit residual (empirical Fisher), or None.
+        event: CUDA event recorded after the job's tensors were queued (None on CPU).
     """
 
     step: int
-    rows: dict[str, tuple[Tensor, Tensor]]
-    ok: bool = True
+    rows: dict[str, Tensor]
+    weights: dict[str, Tensor]
+    positions: dict[str, Tensor]
+    ok: Tensor
+    residual: Tensor | None = None
+    event: object = None
+
+
+def plan_tracking(model: nn.Module, config: KFACConfig
+                  ) -> tuple[dict[str, LayerSpec], FactorPlan]:
+    """The tracked layers of ``model`` and its factor plan (shared-input A groups found by a
+    2-token probe forward when ``config.share_inputs``). Reads no weight data: works on a
+    model built on the ``meta`` device (cost models) and under ZeRO-3 (collective there)."""
+    specs = select_layers(model, config.include, config.exclude)
+    groups = []
+    if config.share_inputs:
+        modules = dict(model.named_modules())
+        groups = probe_shared_inputs(model, {n: modules[n] for n in specs})
+    return specs, plan_factors(specs, config.max_dense_dim, groups)
 
 
 class Tracker:
-    """Streams K-FAC factors of the tracked layers of ``model`` into a CPU store."""
+    """Streams K-FAC factors of the tracked layers of ``model`` into a CPU store.
+
+    Args:
+        model: The model (its hooks are installed here).
+        layers: ``{name: module}`` of the tracked layers.
+        specs: Their `LayerSpec`.
+        config: The configuration.
+        dist_ctx: Rank and process groups (None: one process).
+        plan: The factor plan (default: no shared A; `plan_tracking` finds the sharing).
+    """
 
     def __init__(self, model: nn.Module, layers: dict[str, nn.Module],
                  specs: dict[str, LayerSpec], config: KFACConfig,
-                 dist_ctx: DistContext | None = None) -> None:
+                 dist_ctx: DistContext | None = None, plan: FactorPlan | None = None) -> None:
         self.config = config
         self.specs = specs
+        self.plan = plan or plan_factors(specs, config.max_dense_dim)
         self.dist = dist_ctx
         self.rank, self.world_size = (dist_ctx.rank, dist_ctx.world_size) if dist_ctx else (0, 1)
-        self.row_dtype = torch.float64 if config.storage_dtype == "float64" else torch.float32
+        self.device = _model_device(model)
+        on_gpu = self.device.type == "cuda"
+        self.fold_on = config.fold_on if config.fold_on != "auto" else (
+            "device" if on_gpu else "host")
+        wide = torch.float64 if config.storage_dtype == "float64" else torch.float32
+        self.row_dtype = wide  # rows as handed to the worker (bf16: see `_fold_dtype`)
+        # on a GPU the rows stay in the activations' dtype until `_collect` scales them
         seed = config.seed + 1_000_003 * self.rank  # independent streams per rank
-        self.capture = CaptureHooks(model, layers, config.token_fraction, seed, self.row_dtype)
-        self.capture.scale_warning = self._warn_scale
-        self.mc_generator = torch.Generator().manual_seed(seed + 1)
+        self.capture = CaptureHooks(model, layers, self.plan, config.token_fraction, seed,
+                                    None if on_gpu else wide, self.device)
+        self.mc_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
         self.counters = Counters()
         self.step: int | None = None
         self.is_update_step = False
         self._warned_scale = False
-        dims = {}
-        for name, s in specs.items():
-            dims[f"{name}.A"] = (s.a_dim, s.a_dim > config.max_dense_dim)
-            dims[f"{name}.G"] = (s.g_dim, s.g_dim > config.max_dense_dim)
-        self.dims: dict[str, tuple[int, bool]] = dims  # {key: (side, diagonal)}, every factor
-        self.ownership: Ownership = assign_owners(dims, self.world_size,
+        self._warned_wait = False
+        self._last_end: float | None = None
+        self._step_seconds = 0.0  # EMA of the wall time between end_step calls
+        self.dims: dict[str, tuple[int, bool]] = self.plan.dims  # {key: (side, diagonal)}
+        self._a_has_bias = {self.plan.a_key[n]: s.has_bias for n, s in specs.items()}
+        self.ownership: Ownership = assign_owners(self.dims, self.world_size,
                                                   _BYTES[config.storage_dtype])
-        self.store = FactorStore(config.storage_dtype, config.ema_decay)
+        budget = config.device_memory_budget if self.fold_on == "device" else 0
+        self.store = FactorStore(config.storage_dtype, config.ema_decay, device_budget=budget)
         for key in self.ownership.owned_by(self.rank):
-            self.store.add(key, *dims[key])
+            self.store.add(key, *self.dims[key])
+        if dist_ctx is not None:
+            _check_same_plan(dist_ctx, self.plan)
         self.exchange_strategy: str | None = None  # None: per factor by bytes (tests force)
         self.last_exchange = None  # the latest `Exchanged` report (multi-process; benchmarks)
+        self._stream = torch.cuda.Stream(self.device) if on_gpu else None
         self._async = bool(config.async_updates)
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
@@ -125,12 +176,16 @@ class Tracker:
         self.capture.record_inputs = self.is_update_step and mc
 
     def end_step(self, model: nn.Module) -> bool:
-        """Finish the step; returns True if an update was handed to the store.
+        """Finish the step; returns True if an update was handed to the worker.
 
         With several ranks every rank hands one over on every update step (possibly with no
         rows of its own): the exchange is collective, and the skip decision is shared.
         """
         t0 = time.perf_counter()
+        if self._last_end is not None:
+            dt = t0 - self._last_end
+            self._step_seconds = dt if self._step_seconds == 0.0 else (
+                0.9 * self._step_seconds + 0.1 * dt)
         try:
             if not self.is_update_step:
                 self.capture.take()
@@ -145,87 +200,180 @@ class Tracker:
             job = self._collect(passes)
             if job is None:
                 return False
+            if self._stream is not None:
+                job.event = torch.cuda.Event()
+                job.event.record()  # on the training stream; the worker's stream waits on it
             self._submit(job)
             return True
         finally:
             self.is_update_step = False
-            self.counters.tokens_seen = self.capture.tokens_seen
-            self.counters.tracker_seconds += time.perf_counter() - t0
+            self._last_end = time.perf_counter()
+            self.counters.tracker_seconds += self._last_end - t0
 
     def _collect(self, passes) -> UpdateJob | None:
-        a_rows: dict[str, list[Tensor]] = {}
-        g_rows: dict[str, list[Tensor]] = {}
-        bad_scale = False
-        for rec in passes:
-            if not rec.rows:
-                continue
-            c = rec.scale
-            if c is None and all(not bool(g.any()) for pairs in rec.rows.values()
-                                 for _, g in pairs):
-                c = 1.0  # no loss term reached this micro-batch: g = 0, any c will do
-            if c is None or not (c > 0.0) or c == float("inf"):
-                bad_scale = True
-                continue
-            for name, pairs in rec.rows.items():
-                for a, g in pairs:
-                    a_rows.setdefault(name, []).append(a)
-                    g_rows.setdefault(name, []).append(g.div_(c) if c != 1.0 else g)
-        if not a_rows and not bad_scale and self.world_size == 1:
-            return None
-        rows = {name: (_cat(a_rows[name]), _cat(g_rows[name])) for name in a_rows}
-        ok = not bad_scale and all_finite([t for pair in rows.values() for t in pair])
-        return UpdateJob(int(self.step or 0), rows if ok else {}, ok)
+        """Weighted, scaled rows per factor key; device ops only (no host read)."""
+        rows: dict[str, list[Tensor]] = {}
+        weights: dict[str, Tensor] = {}
+        positions: dict[str, Tensor] = {}
+        bad: list[Tensor] = []
+        residuals: list[Tensor] = []
 
-    # -- factor arithmetic (training thread or worker) -------------------------------------------
+        def add(key: str, x: Tensor, w_sum: Tensor, count: Tensor) -> None:
+            rows.setdefault(key, []).append(x)
+            weights[key] = weights[key] + w_sum if key in weights else w_sum
+            positions[key] = positions[key] + count if key in positions else count
+
+        for rec in passes:
+            if not rec.g_rows:
+                continue
+            c = rec.resolve_scale()
+            if c is None or isinstance(c, Tensor):
+                g_live = torch.stack([g.abs().sum().to(torch.float64)
+                                      for gs in rec.g_rows.values() for g in gs]).sum() > 0
+                if c is None:  # no logits hook fired: fine only if no gradient arrived
+                    bad.append(g_live)
+                    c = 1.0
+                else:
+                    fitted = torch.stack([used > 0 for _, _, used in rec.fits]).any()
+                    bad.append(fitted & ~((c > 0) & torch.isfinite(c)) | (~fitted & g_live))
+                    c = torch.where(fitted, c, torch.ones_like(c))
+                    residuals.append(torch.where(fitted, rec.residual(), 0.0))
+            keep = (rec.weight > 0)[:, None]  # [m, 1]
+            root = rec.weight.sqrt()[:, None]  # [m, 1]
+            w_sum, count = rec.weight.sum(), keep.sum()
+            for key, parts in rec.a_rows.items():
+                for a in parts:
+                    a = a.to(self.row_dtype)
+                    if self._a_has_bias[key]:
+                        a = with_bias_column(a)
+                    add(key, torch.where(keep, a * root.to(a.dtype), 0.0), w_sum, count)
+            g_root = root / c  # [m, 1]
+            for name, parts in rec.g_rows.items():
+                for g in parts:
+                    g = g.to(self.row_dtype)
+                    add(self.plan.g_key(name), torch.where(keep, g * g_root.to(g.dtype), 0.0),
+                        w_sum, count)
+        if not rows and self.world_size == 1:
+            return None
+        fold = self._fold_dtype(passes)
+        cat = {k: _cat(v).to(fold) for k, v in rows.items()}
+        ok = all_finite(list(cat.values()))
+        if bad:
+            ok = ok & ~torch.stack(bad).any().to(ok.device)
+        residual = torch.stack(residuals).max() if residuals else None
+        return UpdateJob(int(self.step or 0), cat, weights, positions, ok, residual)
+
+    def _fold_dtype(self, passes) -> torch.dtype:
+        """bf16 for rows that came from 16-bit activations on a GPU (tensor-core folds with
+        fp32 accumulation, `gram_fp32`), else the wide dtype (float32 / float64)."""
+        if self.device.type != "cuda" or self.row_dtype == torch.float64:
+            return self.row_dtype
+        for rec in passes:
+            for parts in rec.g_rows.values():
+                return torch.bfloat16 if parts[0].element_size() == 2 else self.row_dtype
+        return self.row_dtype
+
+    # -- factor arithmetic (worker thread, or the training thread without async_updates) -------
 
     def _submit(self, job: UpdateJob) -> None:
         if self._queue is None:
             self._apply(job)
             return
         self._raise_worker_error()
-        if any(t.is_cuda for pair in job.rows.values() for t in pair):
-            job.rows = _to_pinned_cpu(job.rows)
+        t0 = time.perf_counter()
         self._queue.put(job)  # blocks only if the previous update is still being applied
+        waited = time.perf_counter() - t0
+        if waited > 0.02 * max(self._step_seconds, 1e-3):
+            self.counters.waits += 1
+            self.counters.wait_seconds += waited
+            if not self._warned_wait:
+                self._warned_wait = True
+                self._warn_slow(waited)
+
+    def _warn_slow(self, waited: float) -> None:
+        c, every = self.counters, self.config.update_every
+        per_update = (c.exchange_seconds + c.fold_seconds) / max(c.updates, 1)
+        logger.warning(
+            "kfac_stream: step %s waited %.3f s for the factor worker: one update takes "
+            "%.3f s (exchange %.3f s, fold %.3f s per update) but arrives every %d step(s) of "
+            "%.3f s. Raise update_every (now %d), lower token_fraction (now %g) or "
+            "max_dense_dim (now %d, larger factors are kept diagonal). Waits are counted in "
+            "counts.waits / counts.wait_seconds; logged once.", self.step, waited, per_update,
+            c.exchange_seconds / max(c.updates, 1), c.fold_seconds / max(c.updates, 1), every,
+            self._step_seconds, every, self.config.token_fraction, self.config.max_dense_dim)
 
     def _apply(self, job: UpdateJob) -> None:
-        """Exchange (several ranks), then fold this rank's owned factors; skips are shared."""
-        rows = {name: tuple(_on_cpu(t) for t in pair) for name, pair in job.rows.items()}
-        local: dict[str, Tensor] = {}  # {factor key: rows [n, d]}, A with its bias column
-        for name, (a, g) in rows.items():
-            local[f"{name}.A"] = with_bias_column(a) if self.specs[name].has_bias else a
-            local[f"{name}.G"] = g
+        """Read the job's flags (the one host read of an update), exchange (several ranks),
+        fold this rank's owned factors; skips are shared."""
+        ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+        with ctx:
+            if job.event is not None:
+                self._stream.wait_event(job.event)
+            try:
+                self._apply_on_stream(job)
+            finally:
+                if self._stream is not None:
+                    self._stream.synchronize()  # job tensors are free to reuse afterwards
+
+    def _apply_on_stream(self, job: UpdateJob) -> None:
+        keys = list(job.rows)
+        scalars = [job.ok.to(torch.float64)] + [job.weights[k].to(torch.float64) for k in keys] \
+            + [job.positions[k].to(torch.float64) for k in keys]
+        if job.residual is not None:
+            scalars.append(job.residual.to(torch.float64))
+        values = torch.stack([v.to(self.device) for v in scalars]).tolist()  # one read
+        ok = values[0] > 0
+        weights = dict(zip(keys, values[1:1 + len(keys)]))
+        positions = {k: int(v) for k, v in zip(keys, values[1 + len(keys):1 + 2 * len(keys)])}
+        if job.residual is not None and ok:
+            self._warn_scale(values[-1])
         t0 = time.perf_counter()
         if self.dist is None:
-            if not job.ok:
+            if not ok:
                 self._skip(job.step)
                 return
-            delivered = {k: ("rows", v) for k, v in local.items() if k in self.store.factors}
-            total = max((v.shape[0] for v in local.values()), default=0)
+            delivered = {k: ("rows", v) for k, v in job.rows.items() if k in self.store.factors}
+            total_pos = max(positions.values(), default=0)
         else:
-            transport = torch.float16 if self.config.storage_dtype == "float16" else None
-            ex = exchange_to_owners(local, self.dims, self.ownership, self.rank,
+            rows = job.rows if ok else {}
+            transport = torch.float16 if (self.config.storage_dtype == "float16"
+                                          and self._wire_dtype(rows) == torch.float32) else None
+            ex = exchange_to_owners(rows, self.dims, self.ownership, self.rank,
                                     self.world_size, self.dist.exchange_group,
-                                    self.exchange_strategy, job.ok, transport, self.row_dtype)
+                                    self.exchange_strategy, ok, transport,
+                                    self._wire_dtype(rows), weights, positions, self.device,
+                                    gram_fp32)
             if not ex.ok:
                 self._skip(job.step)
                 return
             self.last_exchange = ex
             delivered = ex.owned
-            total = max(ex.totals.values(), default=0)
+            weights, positions = ex.weights, ex.positions
+            total_pos = max(ex.positions.values(), default=0)
             self.counters.comm_bytes += ex.bytes_moved
             self.counters.exchange_seconds += time.perf_counter() - t0
-        if total == 0:
+        if total_pos == 0 and not any(w > 0 for w in weights.values()):
             return
         self.counters.updates += 1
-        self.counters.positions_sampled += int(total)
+        self.counters.positions_sampled += int(total_pos)
         t1 = time.perf_counter()
         for key, (how, payload) in delivered.items():
-            if how == "rows":
-                self.store.push_rows(key, payload)  # [n, d]
+            n, pos = weights[key], positions[key]
+            if n <= 0:
+                continue
+            if how == "rows" and self.fold_on == "host":
+                self.store.push_rows(key, payload.cpu(), n, pos)  # [m, d]
+            elif how == "rows":
+                self.store.push_stat(key, gram_fp32(payload, self.dims[key][1]), n, pos)
+            elif self.fold_on == "host":
+                self.store.update(key, payload[0].cpu().div_(n), n, pos)
             else:
-                stat, n = payload
-                self.store.update(key, stat.div_(n), n)
+                self.store.push_stat(key, payload[0], n, pos)
         self.counters.fold_seconds += time.perf_counter() - t1
+
+    def _wire_dtype(self, rows: dict[str, Tensor]) -> torch.dtype:
+        """The rows' dtype on every rank (bf16 on a GPU with 16-bit activations)."""
+        return next((t.dtype for t in rows.values()), self.row_dtype)
 
     def _skip(self, step: int) -> None:
         self.counters.skipped_updates += 1
@@ -237,6 +385,8 @@ class Tracker:
 
     def _work(self) -> None:
         assert self._queue is not None
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         while True:
             job = self._queue.get()
             try:
@@ -262,6 +412,11 @@ class Tracker:
         self.store.flush()
         self.counters.fold_seconds += time.perf_counter() - t0
 
+    def read_counters(self) -> Counters:
+        """The counters with the device-side ones read (snapshot, checkpoint, log time)."""
+        self.counters.tokens_seen = self.capture.tokens_seen
+        return self.counters
+
     def close(self) -> None:
         """Flush, stop the worker and remove every hook."""
         try:
@@ -274,14 +429,19 @@ class Tracker:
             self.capture.remove()
 
     def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
-        """``{layer: (A, G)}`` dequantised (float32, float64 for float64 storage); owned only."""
+        """``{layer: (A, G)}`` dequantised (float32, float64 for float64 storage); only the
+        layers whose A and G this rank both owns."""
         self.flush()
         vals = self.store.values()
-        return {n: (vals[f"{n}.A"], vals[f"{n}.G"]) for n in self.specs
-                if f"{n}.A" in vals and f"{n}.G" in vals}
+        out = {}
+        for n in self.specs:
+            a_key, g_key = self.plan.keys_of(n)
+            if a_key in vals and g_key in vals:
+                out[n] = (vals[a_key], vals[g_key])
+        return out
 
     def _warn_scale(self, residual: float) -> None:
-        if not self._warned_scale:
+        if residual > 1e-2 and not self._warned_scale:
             self._warned_scale = True
             logger.warning(
                 "kfac_stream: the logits' gradient is not a scaled cross-entropy gradient "
@@ -289,28 +449,32 @@ class Tracker:
                 "empirical-Fisher G scale approximate", residual)
 
 
+def gram_fp32(rows: Tensor, diagonal: bool) -> Tensor:
+    """``Σ rowsᵀrows`` (``[d, d]``) or its diagonal (``[d]``) where the rows are, accumulated
+    and returned in float32 (float64 rows: float64). bf16 rows on CUDA use the tensor cores
+    with fp32 accumulation and fp32 output (``torch.mm(..., out_dtype=float32)``)."""
+    if rows.dtype in (torch.float32, torch.float64):
+        return gram(rows, diagonal)
+    if diagonal:
+        return rows.float().square().sum(0)
+    if rows.is_cuda:
+        return torch.mm(rows.T, rows, out_dtype=torch.float32)
+    return gram(rows.float(), diagonal)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _check_same_plan(ctx: DistContext, plan: FactorPlan) -> None:
+    """Every rank must have found the same shared-A groups (the exchange layout needs it)."""
+    plans = ctx.snapshot_comm.all_gather(plan.describe())
+    if any(p != plans[0] for p in plans):
+        raise RuntimeError("kfac_stream: ranks found different shared-input groups "
+                           f"(rank 0: {plans[0]}, rank {ctx.rank}: {plan.describe()}); "
+                           "set KFACConfig(share_inputs=False)")
+
+
 def _cat(parts: list[Tensor]) -> Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _on_cpu(t) -> Tensor:
-    """A CPU tensor from a CPU tensor, a device tensor, or a (pinned buffer, event) pair."""
-    if isinstance(t, tuple):
-        t[1].synchronize()
-        return t[0]
-    return t.cpu()
-
-
-def _to_pinned_cpu(rows):
-    """Start non-blocking device→host copies into pinned buffers; the worker waits on events."""
-    out = {}
-    for name, pair in rows.items():
-        moved = []
-        for t in pair:
-            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-            buf.copy_(t, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            moved.append((buf, event))
-        out[name] = tuple(moved)
-    return out

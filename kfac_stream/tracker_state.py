@@ -47,6 +47,7 @@ def state_file(rank: int, world_size: int) -> str:
 def save_tracker_state(tracker, directory: str) -> str:
     """Write this rank's state into ``directory`` (created); returns the file path."""
     tracker.flush()
+    tracker.read_counters()
     os.makedirs(directory, exist_ok=True)
     tensors = {"rng.sampler": tracker.capture.generator.get_state(),
                "rng.mc": tracker.mc_generator.get_state()}
@@ -65,6 +66,17 @@ def save_tracker_state(tracker, directory: str) -> str:
     save_file(tensors, tmp, metadata={"kfac_stream": json.dumps(meta)})
     os.replace(tmp, path)
     return path
+
+
+def _set_rng(generator: torch.Generator, state: torch.Tensor, fallback_seed: int) -> None:
+    """Restore a sampler's state; a state from another device type (CPU ↔ CUDA generators
+    have different state formats) reseeds instead, with a warning."""
+    try:
+        generator.set_state(state)
+    except RuntimeError:
+        logger.warning("kfac_stream: the checkpoint's sampler state is from another device "
+                       "type; the sampler is reseeded (factors and counters are restored)")
+        generator.manual_seed(fallback_seed)
 
 
 def _read(path: str) -> tuple[dict, safe_open]:
@@ -129,8 +141,10 @@ def load_tracker_state(tracker, directory: str) -> str:
     if same_world:
         tokens = own["tokens_seen"]
         handle = metas[tracker.rank][1]
-        tracker.capture.generator.set_state(handle.get_tensor("rng.sampler"))
-        tracker.mc_generator.set_state(handle.get_tensor("rng.mc"))
+        _set_rng(tracker.capture.generator, handle.get_tensor("rng.sampler"),
+                 tracker.config.seed + tracker.rank)
+        _set_rng(tracker.mc_generator, handle.get_tensor("rng.mc"),
+                 tracker.config.seed + tracker.rank + 1)
     else:
         tokens = sum(m["tokens_seen"] for m, _ in metas.values()) if tracker.rank == 0 else 0
         step = int(first["step"] or 0)

@@ -71,6 +71,11 @@ class KFACConf:
     max_dense_dim: int = 8192
     seed: int = 0
     async_updates: Optional[bool] = None
+    share_inputs: bool = True
+    fold_on: str = "auto"
+    device_memory_budget: int = 4 * 2**30
+    eigh_device: str = "auto"
+    eigh_threads: Optional[int] = None
     fail_on_snapshot_error: bool = False
 
 

@@ -2,28 +2,35 @@
 
 One ``PassRecord`` per training forward pass of the model (one micro-batch):
 
-* a forward pre-hook on the model draws the token positions once for the pass (same positions
-  for every layer; padding never used) and counts the usable tokens;
+* a forward pre-hook on the model draws a fixed number of token positions once for the pass
+  (same positions for every layer; padding slots weighted 0, `stats.rows.sample_positions`)
+  and adds the usable tokens to a counter kept on the device;
 * a forward hook on each tracked layer gathers the input rows and registers a hook on the
   output *tensor* (not a module backward hook: robust to in-place ops, pytorch#61519). The
   (input rows, output-gradient rows) pair is appended only when that hook fires, so a forward
   that is recomputed by gradient checkpointing (hooks fire twice, only one output receives a
   gradient) counts each position once;
+* layers that share their input (`capture.sharing`) gather the A rows once, in the group's
+  leader; the followers only check that they really received the leader's input tensor;
 * in empirical mode the logits' gradient gives the loss scale ``c`` of the pass
-  (``stats.loss_scale``). Two places are hooked: the logits the model returns (the loss input
+  (``stats.loss_scale``), as device tensors. Two places are hooked: the logits the model returns (the loss input
   when the user computes the loss, after e.g. soft-capping) and the output of the output
   embedding (``get_output_embeddings()``, the LM head), which is the loss input when the model
   computes the loss itself but the returned logits are a copy (accelerate's mixed-precision
-  wrapper converts outputs to float32 after the loss was taken). The first hook that fires in
-  the backward (the one nearer the loss) sets ``c``.
+  wrapper converts outputs to float32 after the loss was taken). Each hook that fires in the
+  backward adds a fit; the first one (nearer the loss) with live rows gives ``c``
+  (`resolve_scale`, on the device).
 
-The hooks do no math beyond gathering rows; everything else happens in the tracker.
+No hook reads a device value on the host (no ``.item()``, ``nonzero`` or boolean-mask
+indexing): every shape they use is known from the batch shape, so on a GPU the training
+thread never waits for the device (tests/test_host_syncs.py counts them). The hooks do no math
+beyond gathering rows; everything else happens in the tracker.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from ..stats.loss_scale import cross_entropy_scale
+from .sharing import FactorPlan
 from ..stats.rows import gather_rows, sample_positions, usable_positions
 
 _HANDLE_ATTR = "_kfac_stream_handles"
@@ -41,21 +49,48 @@ class PassRecord:
     """What one forward pass (micro-batch) contributed.
 
     Attributes:
-        index: ``[n]`` flat indices (into ``B*T``) of the sampled positions.
+        index: ``[m]`` flat indices (into ``B*T``) of the sampled slots (device).
+        weight: ``[m]`` float32 Horvitz–Thompson weights (0 on padding slots; device).
         n_positions: ``B*T`` of the pass.
-        scale: Loss scale ``c`` (hook gradients are ``c·g``); None until known.
-        residual: Relative residual of the scale fit (see ``stats.loss_scale``).
-        rows: ``{layer: [(a_rows [n, d_in], g_rows [n, d_out]), ...]}``, ``g`` still scaled by
-            ``c``; one pair per forward call whose output received a gradient.
+        scale: Loss scale ``c`` when known exactly (1.0 for the MC pass); else None and
+            ``fits`` decide.
+        fits: ``[(c, residual, rows_used)]`` 0-dim device tensors, one per logits hook that
+            fired in the backward, in firing order (see ``stats.loss_scale``).
+        a_rows: ``{A key: [a_rows [m, d_in], ...]}``, one per forward call of the layer (the
+            group leader for a shared A) whose output received a gradient.
+        g_rows: ``{layer: [g_rows [m, d_out], ...]}``, still scaled by ``c``.
         outputs: Tracked layer outputs that require grad (used by the MC pass).
     """
 
     index: Tensor
+    weight: Tensor
     n_positions: int
     scale: float | None = None
-    residual: float = 0.0
-    rows: dict[str, list[tuple[Tensor, Tensor]]] = field(default_factory=dict)
+    fits: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)
+    a_rows: dict[str, list[Tensor]] = field(default_factory=dict)
+    g_rows: dict[str, list[Tensor]] = field(default_factory=dict)
     outputs: list[Tensor] = field(default_factory=list)
+
+    def resolve_scale(self) -> Tensor | float | None:
+        """``c`` of the pass: ``scale`` if set, else the first fit with live rows (a device
+        tensor, NaN if no fit had any), else None (no logits hook fired)."""
+        if self.scale is not None:
+            return self.scale
+        if not self.fits:
+            return None
+        c = self.fits[-1][0]
+        for fit_c, _, used in reversed(self.fits[:-1]):
+            c = torch.where(used > 0, fit_c, c)
+        return c
+
+    def residual(self) -> Tensor | None:
+        """Relative residual of the fit that gave ``c`` (device tensor), None without fits."""
+        if self.scale is not None or not self.fits:
+            return None
+        r = self.fits[-1][1]
+        for _, fit_r, used in reversed(self.fits[:-1]):
+            r = torch.where(used > 0, fit_r, r)
+        return r
 
 
 def _batch_input(args: tuple, kwargs: dict[str, Any]) -> Tensor | None:
@@ -69,7 +104,7 @@ def _batch_input(args: tuple, kwargs: dict[str, Any]) -> Tensor | None:
     return None
 
 
-def _logits_of(output: Any) -> Tensor | None:
+def logits_of(output: Any) -> Tensor | None:
     if isinstance(output, Tensor):
         return output
     logits = getattr(output, "logits", None)
@@ -89,14 +124,16 @@ class CaptureHooks:
         estimate_scale: Recover ``c`` from the logits' gradient (empirical Fisher).
         passes: Records of the passes since the last ``take()``.
         inputs: Recorded kwargs since the last ``take()``.
-        tokens_seen: Usable positions of every training forward pass, captured or not.
+        generator: The token sampler's generator, on ``device``.
     """
 
-    def __init__(self, model: nn.Module, layers: dict[str, nn.Module], token_fraction: float,
-                 seed: int, row_dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, layers: dict[str, nn.Module], plan: FactorPlan,
+                 token_fraction: float, seed: int, row_dtype: torch.dtype | None,
+                 device: torch.device) -> None:
         self.token_fraction = token_fraction
         self.row_dtype = row_dtype
-        self.generator = torch.Generator().manual_seed(seed)
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
         self.capturing = False
         self.record_inputs = False
         self.estimate_scale = True
@@ -105,8 +142,11 @@ class CaptureHooks:
         self.current: PassRecord | None = None
         self.passes: list[PassRecord] = []
         self.inputs: list[dict[str, Tensor]] = []
-        self.tokens_seen = 0
-        self.scale_warning: Callable[[float], None] | None = None
+        self._tokens_host = 0
+        self._tokens_device: Tensor | None = None  # usable positions since the last read
+        self._leader = {f: g[0] for g in plan.groups for f in g}  # layer -> its group's leader
+        self._shared_input: dict[str, weakref.ref] = {}  # leader -> its input of this call
+        self._a_key = dict(plan.a_key)
         stale = getattr(model, _HANDLE_ATTR, None)
         if stale:  # a previous tracker that never reached on_train_end (e.g. crashed run)
             logging.getLogger("kfac_stream").warning(
@@ -126,6 +166,19 @@ class CaptureHooks:
             self.handles.append(module.register_forward_hook(self._layer_hook(name)))
         self._model = model
         setattr(model, _HANDLE_ATTR, self.handles)
+
+    @property
+    def tokens_seen(self) -> int:
+        """Usable positions of every training forward pass, captured or not (reads the device
+        counter: call at snapshot, checkpoint or log time, not per step)."""
+        if self._tokens_device is not None:
+            self._tokens_host += int(self._tokens_device)
+            self._tokens_device = None
+        return self._tokens_host
+
+    @tokens_seen.setter
+    def tokens_seen(self, value: int) -> None:
+        self._tokens_host, self._tokens_device = int(value), None
 
     def remove(self) -> None:
         """Remove every hook (idempotent)."""
@@ -154,18 +207,21 @@ class CaptureHooks:
         mask = kwargs.get("attention_mask")
         usable = usable_positions(mask if isinstance(mask, Tensor) else None, shape, x.device)
         if self.counting:
-            self.tokens_seen += int(usable.sum())
+            count = usable.sum()
+            self._tokens_device = count if self._tokens_device is None else (
+                self._tokens_device + count.to(self._tokens_device.device))
         if self.record_inputs:
             self.inputs.append({k: v.detach() for k, v in kwargs.items() if isinstance(v, Tensor)})
         if not self.capturing:
             return
-        index = sample_positions(usable, self.token_fraction, self.generator)
-        self.current = PassRecord(index=index, n_positions=shape[0] * shape[1])
+        gen = self.generator if self.generator.device == usable.device else None
+        index, weight = sample_positions(usable, self.token_fraction, gen)
+        self.current = PassRecord(index=index, weight=weight, n_positions=shape[0] * shape[1])
         self.passes.append(self.current)
 
     def _on_model_post(self, module: nn.Module, args: tuple, kwargs: dict[str, Any],
                        output: Any) -> None:
-        self._hook_logits(_logits_of(output))
+        self._hook_logits(logits_of(output))
 
     def _on_head_post(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._hook_logits(output if isinstance(output, Tensor) else None)
@@ -181,37 +237,46 @@ class CaptureHooks:
         detached = logits.detach()
 
         def on_logits_grad(grad: Tensor, rec: PassRecord = rec, logits: Tensor = detached) -> None:
-            if rec.scale is not None or grad is None:  # set by the hook nearer the loss, or
-                return  # an undefined gradient (DDP's output wrapper can pass None)
+            if grad is None:  # an undefined gradient (DDP's output wrapper can pass None)
+                return
             lg = logits.reshape(-1, logits.shape[-1])  # [rows, V]
             gr = grad.reshape(-1, grad.shape[-1])
-            c, resid, used = float("nan"), 0.0, 0
-            if lg.shape[0] == rec.n_positions and rec.index.numel() > 0:
-                c, resid, used = cross_entropy_scale(lg[rec.index], gr[rec.index])
-            if used == 0:  # no loss-bearing row among the sampled ones: use all rows
-                c, resid, used = cross_entropy_scale(lg, gr)
-            if used == 0:
-                return  # no gradient reached these logits; leave c to another hook
-            rec.scale, rec.residual = c, resid
-            if self.scale_warning is not None and resid > 1e-2:
-                self.scale_warning(resid)
+            rec.fits.append(cross_entropy_scale(lg, gr))
 
         logits.register_hook(on_logits_grad)
 
     def _layer_hook(self, name: str):
+        leader = self._leader.get(name)
+        a_key = self._a_key[name]
+        gathers_a = leader is None or leader == name
+
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             rec = self.current
             if rec is None or not isinstance(output, Tensor) or not output.requires_grad:
                 return
-            a = gather_rows(args[0], rec.index, rec.n_positions, self.row_dtype)  # [n, d_in]
+            x = args[0]
+            if leader is not None:
+                if leader == name:
+                    self._shared_input[leader] = weakref.ref(x)
+                else:
+                    ref = self._shared_input.get(leader)
+                    if ref is None or ref() is not x:
+                        raise RuntimeError(
+                            f"kfac_stream: {name!r} was planned to share the A factor of "
+                            f"{leader!r} (same input tensor in the probe forward) but received "
+                            "another input in training; set KFACConfig(share_inputs=False)")
+            a = gather_rows(x, rec.index, rec.n_positions, self.row_dtype) if gathers_a \
+                else None  # [m, d_in]
             if self.keep_outputs:  # MC pass only: the driver differentiates w.r.t. them
                 rec.outputs.append(output)
 
-            def on_grad(grad: Tensor, rec: PassRecord = rec, a: Tensor = a) -> None:
+            def on_grad(grad: Tensor, rec: PassRecord = rec, a: Tensor | None = a) -> None:
                 if grad is None:
                     return
-                g = gather_rows(grad, rec.index, rec.n_positions, self.row_dtype)  # [n, d_out]
-                rec.rows.setdefault(name, []).append((a, g))
+                g = gather_rows(grad, rec.index, rec.n_positions, self.row_dtype)  # [m, d_out]
+                rec.g_rows.setdefault(name, []).append(g)
+                if a is not None:
+                    rec.a_rows.setdefault(a_key, []).append(a)
 
             output.register_hook(on_grad)
 

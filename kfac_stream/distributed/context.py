@@ -1,15 +1,18 @@
 """Where this process stands in a multi-process run, and the two process groups kfac_stream
 talks on.
 
-Two private gloo groups, created collectively when training starts:
+Two private groups, created collectively when training starts:
 
 * ``exchange_group`` — used only by whichever thread applies factor updates (the training
-  thread, or the tracker's background worker): the per-update exchange of rows/statistics;
-* ``snapshot_group`` — used only by the snapshot thread: shard records and the outcome.
+  thread, or the tracker's background worker): the per-update exchange of rows/statistics.
+  On the training backend: NCCL when the model is on a CUDA device (rows and statistics
+  stay on the GPU and move over NVLink/InfiniBand, on the worker's own CUDA stream), gloo
+  for CPU training;
+* ``snapshot_group`` — used only by the snapshot thread: shard records and the outcome
+  (always gloo: small JSON records in CPU tensors).
 
 Separate groups keep the two streams of collectives independent of each other and of the
-training's own (DDP's all-reduce, DeepSpeed's gathers), whatever thread issues them; gloo
-works on CPU tensors, which is where the factors live even when training runs on NCCL.
+training's own (DDP's all-reduce, DeepSpeed's gathers), whatever thread issues them.
 
 Objects are exchanged as JSON in byte tensors (`JsonComm`): no Python object
 serialisation, nothing a peer sends can run code here.
@@ -61,18 +64,23 @@ class DistContext:
     snapshot_group: Any
 
     @classmethod
-    def from_torch(cls) -> DistContext | None:
+    def from_torch(cls, device: torch.device | None = None) -> DistContext | None:
         """The context of the initialised default process group, or None for one process.
 
         Collective when ``world_size > 1``: every rank must call it at the same point (the
         callback does so in ``on_train_begin``).
+
+        Args:
+            device: The model's device; CUDA gives an NCCL exchange group (if NCCL is
+                available), anything else gloo.
         """
         if not (dist.is_available() and dist.is_initialized()):
             return None
         world = dist.get_world_size()
         if world == 1:
             return None
-        return cls(dist.get_rank(), world, dist.new_group(backend="gloo"),
+        on_gpu = device is not None and device.type == "cuda" and dist.is_nccl_available()
+        return cls(dist.get_rank(), world, dist.new_group(backend="nccl" if on_gpu else "gloo"),
                    dist.new_group(backend="gloo"))
 
     def destroy(self) -> None:

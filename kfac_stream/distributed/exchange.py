@@ -19,7 +19,7 @@ This module (with ``ownership``) is the only place that calls ``torch.distribute
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -61,8 +61,7 @@ _FP16_TARGET = 2.0**14  # largest transported magnitude (fp16 overflows at 65504
 def transport_exponent(rows: Tensor) -> int:
     """``e`` such that ``rows · 2^-e`` has its largest magnitude in ``(2^13, 2^14]`` (0 if all
     zero): a power of two, so scaling is exact and only the fp16 rounding remains."""
-    amax = float(rows.abs().max()) if rows.numel() else 0.0
-    return math.ceil(math.log2(amax / _FP16_TARGET)) if amax > 0 else 0
+    return transport_exponent_of(float(rows.abs().max()) if rows.numel() else 0.0)
 
 
 @dataclass
@@ -71,9 +70,11 @@ class Exchanged:
 
     Attributes:
         ok: False if any rank reported ``ok=False`` (nothing was moved then).
-        owned: For keys this rank owns with ``N = Σ n_r > 0``: ``("rows", rows [N, d])`` or
-            ``("stats", (sum [d, d] or [d], N))``.
-        totals: ``{key: N}`` for every key (all ranks see the same).
+        owned: For keys this rank owns with ``M = Σ m_r > 0`` rows: ``("rows", rows [M, d])``
+            or ``("stats", (sum [d, d] or [d], n))``; on the rows' device.
+        totals: ``{key: M}`` rows (slots) of every key over all ranks (all ranks see the same).
+        weights: ``{key: n}`` total sampling weight of every key (the EMA's ``n``).
+        positions: ``{key: positions}`` sampled (non-padding) positions of every key.
         bytes_moved: Payload bytes this rank sent to owners for this update (padding included).
         bytes_rows, bytes_stats: What the rows / the statistics strategy would move in total
             over all ranks for this update (counts known to all ranks), for reports.
@@ -82,28 +83,42 @@ class Exchanged:
     ok: bool
     owned: dict[str, tuple[str, object]] = field(default_factory=dict)
     totals: dict[str, int] = field(default_factory=dict)
+    weights: dict[str, float] = field(default_factory=dict)
+    positions: dict[str, int] = field(default_factory=dict)
     bytes_moved: int = 0
     bytes_rows: int = 0
     bytes_stats: int = 0
+
+
+def _default_gram(rows: Tensor, diagonal: bool) -> Tensor:
+    """Partial ``Σ rowsᵀ rows`` summed in float64 whatever the rows' dtype."""
+    return gram(rows.double(), diagonal).to(rows.dtype)
 
 
 def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool]],
                        ownership: Ownership, rank: int, world_size: int, group=None,
                        strategy: str | None = None, ok: bool = True,
                        transport: torch.dtype | None = None,
-                       dtype: torch.dtype | None = None) -> Exchanged:
+                       dtype: torch.dtype | None = None,
+                       weights: dict[str, float] | None = None,
+                       positions: dict[str, int] | None = None,
+                       device: torch.device | None = None,
+                       gram_fn: Callable[[Tensor, bool], Tensor] | None = None) -> Exchanged:
     """Bring every factor's rows (or partial sums) to its owner.
 
     Collective: every rank calls it with the same keys (``dims``), in the same order. One
-    ``all_gather`` of a small int64 table (row counts, transport exponents, ``ok``) comes
-    first, so all ranks agree on the strategy, the padding and whether to skip; then, per
-    owner, one ``gather`` of all its rows-strategy factors and one ``reduce`` of all its
-    statistics-strategy factors, each as one flat buffer (at most ``2·W`` collectives per
-    update, not one per factor: the exchange is latency-bound).
+    ``all_gather`` of a small float64 table (row counts, weights, positions, transport
+    exponents, ``ok``) comes first, so all ranks agree on the strategy, the padding and
+    whether to skip; then **one** ``all_to_all`` moves every rows-strategy factor to its owner
+    (each rank's piece for an owner is that owner's factors' rows, padded to the largest
+    ``m_r``, flattened), and one asynchronous ``reduce`` per owner, all in flight together,
+    sums the statistics-strategy factors. The same code runs on gloo with CPU tensors and on
+    NCCL with device tensors (``device``).
 
     Args:
-        local: ``{key: rows [n_r, d]}`` on this rank (a missing key means ``n_r = 0``); A rows
-            already carry their bias column; CPU tensors, one float dtype.
+        local: ``{key: rows [m_r, d]}`` on this rank (a missing key means ``m_r = 0``); A rows
+            already carry their bias column and every row its sampling weight; one float
+            dtype, on ``device``.
         dims: ``{key: (d, diagonal)}`` for every factor.
         ownership: Who owns which key.
         rank, world_size: This process's place.
@@ -116,21 +131,40 @@ def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool
             squares need its range and precision).
         dtype: The rows' dtype on every rank (default: that of ``local``, else float32). Pass
             it: a rank with no rows at all must still send buffers of the others' dtype.
+        weights: ``{key: Σ weights}`` of this rank's rows (default ``m_r``: unweighted).
+        positions: ``{key: sampled positions}`` (default ``m_r``).
+        device: Where the buffers live (the group's backend must serve it; default CPU).
+        gram_fn: ``(rows, diagonal) -> Σ rowsᵀrows`` for the partial statistics (default:
+            summed in float64, returned in the rows' dtype).
     """
     keys = list(dims)
+    device = device or torch.device("cpu")
     dtype = dtype or next((t.dtype for t in local.values()), torch.float32)
+    gram_fn = gram_fn or _default_gram
+    weights, positions = weights or {}, positions or {}
     k = len(keys)
-    mine = torch.zeros(2 * k + 1, dtype=torch.int64)  # counts | exponents | ok
+    mine = [0.0] * (4 * k + 1)  # slots | weights | positions | exponents | ok
+    amax = {}
+    if transport is not None and ok and local:
+        present = [key for key in keys if key in local and local[key].numel()]
+        if present:  # one host read for all keys
+            maxima = torch.stack([local[key].abs().max() for key in present]).tolist()
+            amax = dict(zip(present, maxima))
     for j, key in enumerate(keys):
         if key in local and ok:
-            mine[j] = local[key].shape[0]
-            if transport is not None:
-                mine[k + j] = transport_exponent(local[key])
-    mine[2 * k] = int(ok)
-    every = [torch.zeros_like(mine) for _ in range(world_size)]
-    dist.all_gather(every, mine, group=group)
-    table = torch.stack(every)  # [W, 2K+1]
-    result = Exchanged(ok=bool(table[:, 2 * k].min().item()))
+            m = local[key].shape[0]
+            mine[j] = m
+            mine[k + j] = float(weights.get(key, m))
+            mine[2 * k + j] = positions.get(key, m)
+            mine[3 * k + j] = transport_exponent_of(amax.get(key, 0.0))
+    mine[4 * k] = float(ok)
+    row = torch.tensor(mine, dtype=torch.float64, device=device)
+    every = [torch.zeros_like(row) for _ in range(world_size)]
+    dist.all_gather(every, row, group=group)
+    table = torch.stack(every).cpu()  # [W, 4K+1]
+    slots = table[:, :k].long()
+    exps = table[:, 3 * k:4 * k].long()
+    result = Exchanged(ok=bool(table[:, 4 * k].min() > 0))
     if not result.ok:
         return result
     wire = transport or dtype
@@ -139,26 +173,31 @@ def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool
     for j, key in enumerate(keys):
         d, diagonal = dims[key]
         owner = ownership.owner[key]
-        per_rank = table[:, j].tolist()
+        per_rank = slots[:, j].tolist()
         total = sum(per_rank)
         result.totals[key] = total
         if total == 0:
             continue
-        rows = local.get(key, torch.zeros(0, d, dtype=dtype))
+        result.weights[key] = float(table[:, k + j].sum())
+        result.positions[key] = int(table[:, 2 * k + j].sum())
+        rows = local.get(key, torch.zeros(0, d, dtype=dtype, device=device))
         result.bytes_rows += rows_bytes(per_rank, owner, d, esize)
         result.bytes_stats += stats_bytes(world_size, d, diagonal, rows.element_size())
         how = strategy or choose_strategy(per_rank, owner, d, diagonal, esize)
         plans.append(_Plan(key, j, d, diagonal, owner, per_rank, how, rows))
-    for owner in range(world_size):  # every rank walks the owners and plans in one order
-        to_owner = [p for p in plans if p.owner == owner]
-        rows_plans = [p for p in to_owner if p.how == "rows"]
-        stats_plans = [p for p in to_owner if p.how == "stats"]
-        if rows_plans:
-            _gather_rows(rows_plans, table, k, rank, owner, wire, dtype, transport is not None,
-                         group, result, esize)
-        if stats_plans:
-            _reduce_stats(stats_plans, rank, owner, dtype, group, result)
+    rows_plans = [p for p in plans if p.how == "rows"]
+    if rows_plans:
+        _all_to_all_rows(rows_plans, exps, rank, world_size, wire, dtype,
+                         transport is not None, group, result, esize, device)
+    stats_plans = [p for p in plans if p.how == "stats"]
+    if stats_plans:
+        _reduce_stats(stats_plans, rank, world_size, dtype, group, result, gram_fn)
     return result
+
+
+def transport_exponent_of(amax: float) -> int:
+    """`transport_exponent` from a known largest magnitude."""
+    return math.ceil(math.log2(amax / _FP16_TARGET)) if amax > 0 else 0
 
 
 @dataclass
@@ -170,53 +209,68 @@ class _Plan:
     d: int
     diagonal: bool
     owner: int
-    per_rank: list[int]  # n_r of every rank
+    per_rank: list[int]  # m_r of every rank
     how: str  # "rows" | "stats"
-    rows: Tensor  # this rank's [n_r, d]
+    rows: Tensor  # this rank's [m_r, d]
 
 
-def _gather_rows(plans: list[_Plan], table: Tensor, k: int, rank: int, owner: int,
-                 wire: torch.dtype, dtype: torch.dtype, scaled: bool, group,
-                 result: Exchanged, esize: int) -> None:
-    """One ``gather`` to ``owner`` of every planned factor's rows, each padded to the largest
-    ``n_r`` and flattened into one buffer; the owner cuts every rank's buffer back apart."""
-    chunks = []
-    for p in plans:
-        padded = torch.zeros(max(p.per_rank), p.d, dtype=wire)
-        n = p.rows.shape[0]
-        if scaled:
-            padded[:n] = p.rows * 2.0 ** -int(table[rank, k + p.index])
-        else:
-            padded[:n] = p.rows
-        chunks.append(padded.reshape(-1))
-    flat = torch.cat(chunks)
-    bucket = [torch.empty_like(flat) for _ in range(len(table))] if rank == owner else None
-    dist.gather(flat, bucket, dst=owner, group=group)
-    if rank != owner:
-        result.bytes_moved += flat.numel() * esize
-        return
-    sizes = [c.numel() for c in chunks]
-    per_rank_parts = [b.split(sizes) for b in bucket]  # [W][len(plans)] flat pieces
-    for j, p in enumerate(plans):
-        width = max(p.per_rank)
+def _all_to_all_rows(plans: list[_Plan], exps: Tensor, rank: int, world: int,
+                     wire: torch.dtype, dtype: torch.dtype, scaled: bool, group,
+                     result: Exchanged, esize: int, device: torch.device) -> None:
+    """One ``all_to_all`` of every rows-strategy factor: the piece for owner ``o`` holds o's
+    factors' rows, each padded to the largest ``m_r`` (so every source sends o the same
+    number of entries); the owner cuts each source's piece back apart."""
+    by_owner = [[p for p in plans if p.owner == o] for o in range(world)]
+    size = [sum(max(p.per_rank) * p.d for p in ps) for ps in by_owner]  # entries per piece
+    send = torch.zeros(sum(size), dtype=wire, device=device)
+    at = 0
+    for ps in by_owner:
+        for p in ps:
+            width, n = max(p.per_rank), p.rows.shape[0]
+            view = send[at:at + width * p.d].view(width, p.d)
+            if scaled:
+                view[:n] = p.rows * 2.0 ** -int(exps[rank, p.index])
+            else:
+                view[:n] = p.rows
+            at += width * p.d
+    recv = torch.empty(world * size[rank], dtype=wire, device=device)
+    dist.all_to_all_single(recv, send, output_split_sizes=[size[rank]] * world,
+                           input_split_sizes=size, group=group)
+    result.bytes_moved += (sum(size) - size[rank]) * esize
+    pieces = recv.split(size[rank]) if size[rank] else []
+    offsets, at = {}, 0
+    for p in by_owner[rank]:
+        offsets[p.key] = at
+        at += max(p.per_rank) * p.d
+    for p in by_owner[rank]:
+        width, lo = max(p.per_rank), offsets[p.key]
         parts = []
         for r, n in enumerate(p.per_rank):
-            part = per_rank_parts[r][j].view(width, p.d)[:n].to(dtype)
+            part = pieces[r][lo:lo + width * p.d].view(width, p.d)[:n].to(dtype)
             if scaled:
-                part = part.mul_(2.0 ** int(table[r, k + p.index]))
+                part = part.mul_(2.0 ** int(exps[r, p.index]))
             parts.append(part)
         result.owned[p.key] = ("rows", torch.cat(parts))
 
 
-def _reduce_stats(plans: list[_Plan], rank: int, owner: int, dtype: torch.dtype, group,
-                  result: Exchanged) -> None:
-    """One ``reduce`` to ``owner`` of every planned factor's partial ``Σ rowsᵀ rows`` (summed
-    locally in float64 whatever the rows' dtype, sent in the rows' dtype), flattened."""
-    parts = [gram(p.rows.double(), p.diagonal).to(dtype) for p in plans]  # [d, d] or [d]
-    flat = torch.cat([x.reshape(-1) for x in parts])
-    dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM, group=group)
-    if rank != owner:
-        result.bytes_moved += flat.numel() * flat.element_size()
-        return
-    for p, x, piece in zip(plans, parts, flat.split([x.numel() for x in parts])):
-        result.owned[p.key] = ("stats", (piece.view(x.shape), sum(p.per_rank)))
+def _reduce_stats(plans: list[_Plan], rank: int, world: int, dtype: torch.dtype, group,
+                  result: Exchanged, gram_fn: Callable[[Tensor, bool], Tensor]) -> None:
+    """Per owner, one ``reduce`` of all its statistics-strategy factors' partial sums (one
+    flat buffer); the reductions to all owners are issued together and then awaited."""
+    pending = []
+    for owner in range(world):
+        mine = [p for p in plans if p.owner == owner]
+        if not mine:
+            continue
+        wide = torch.float64 if dtype == torch.float64 else torch.float32  # bf16 rows: fp32 sums
+        parts = [gram_fn(p.rows, p.diagonal).to(wide) for p in mine]  # [d, d] or [d]
+        flat = torch.cat([x.reshape(-1) for x in parts])
+        work = dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        pending.append((owner, mine, parts, flat, work))
+    for owner, mine, parts, flat, work in pending:
+        work.wait()
+        if rank != owner:
+            result.bytes_moved += flat.numel() * flat.element_size()
+            continue
+        for p, x, piece in zip(mine, parts, flat.split([x.numel() for x in parts])):
+            result.owned[p.key] = ("stats", (piece.view(x.shape), result.weights[p.key]))

@@ -11,7 +11,6 @@ import os
 
 from transformers import TrainerCallback
 
-from ..capture.selection import select_layers
 from ..config import KFACConfig
 from ..snapshot.background import SnapshotWorker
 from ..distributed.context import LOCAL, DistContext
@@ -19,7 +18,7 @@ from ..snapshot.contents import add_eigendecompositions, merge_manifests, snapsh
 from ..snapshot.layout import step_dir_name
 from ..snapshot.media import make_media
 from ..snapshot.writer import clean_stale_tmp, write_snapshot
-from ..tracker import Tracker
+from ..tracker import Tracker, plan_tracking
 from ..tracker_state import STATE_DIR, load_tracker_state, save_tracker_state
 
 logger = logging.getLogger("kfac_stream")
@@ -64,14 +63,15 @@ class KFACStreamCallback(TrainerCallback):
             raise ValueError("KFACStreamCallback needs the model (Trainer passes it)")
         cfg = KFACConfig(**self.config.to_dict())  # re-validate (the config may be a copy)
         self.close()
-        specs = select_layers(model, cfg.include, cfg.exclude)
+        specs, plan = plan_tracking(model, cfg)  # collective under ZeRO-3 (probe forward)
         modules = dict(model.named_modules())
         async_updates = cfg.async_updates
         if async_updates is None:
             async_updates = str(getattr(args, "device", "cpu")).startswith("cuda")
         cfg = KFACConfig(**{**cfg.to_dict(), "async_updates": async_updates})
-        dist_ctx = DistContext.from_torch()  # collective with several processes
-        self.tracker = Tracker(model, {n: modules[n] for n in specs}, specs, cfg, dist_ctx)
+        device = next((p.device for p in model.parameters()), None)
+        dist_ctx = DistContext.from_torch(device)  # collective with several processes
+        self.tracker = Tracker(model, {n: modules[n] for n in specs}, specs, cfg, dist_ctx, plan)
         self._comm = dist_ctx.snapshot_comm if dist_ctx else LOCAL
         self.output_dir = cfg.output_dir or os.path.join(args.output_dir, "kfac")
         self._last_snapshot_step = None
@@ -138,12 +138,14 @@ class KFACStreamCallback(TrainerCallback):
             raise RuntimeError("KFACStreamCallback.save_snapshot: training has not started")
         tensors, manifest = snapshot_contents(self.tracker, step, epoch)
         root, comm = self.output_dir, self._comm
+        cfg = self.tracker.config
+        eigh_device = self.tracker.device if cfg.eigh_device == "auto" else None
 
         def finish() -> None:  # every rank: its own factors, in parallel; then the protocol
             try:
                 local_error = None
                 try:
-                    add_eigendecompositions(tensors, manifest)
+                    add_eigendecompositions(tensors, manifest, eigh_device, cfg.eigh_threads)
                 except Exception as e:  # still take part in the protocol: all ranks abandon
                     local_error = f"eigendecomposition failed: {type(e).__name__}: {e}"
                 path = write_snapshot(root, step, tensors, manifest, comm, merge_manifests,

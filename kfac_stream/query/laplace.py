@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..capture.hooks import _logits_of
+from ..capture.hooks import logits_of
 from ..capture.selection import layer_spec
 from ..exceptions import KFACStreamError
 from ..snapshot.snapshot import Snapshot
@@ -129,7 +129,7 @@ class LaplacePosterior:
         handles = [m.register_forward_hook(hook(n)) for n, m in self.modules.items()]
         try:
             with torch.enable_grad():
-                logits = _logits_of(self.model(**_model_inputs(batch)))
+                logits = logits_of(self.model(**_model_inputs(batch)))
                 f = _select_logits(logits, batch, positions, token_ids)  # [B, K]
                 names = list(outs)
                 grads: dict[str, list[Tensor]] = {n: [] for n in names}

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..stats.spectrum import safe_psd_eigh, spectrum_stats
+from ..stats.spectrum import eigh_factors, spectrum_stats
 from .layout import FORMAT_NAME, FORMAT_VERSION, layer_fingerprint, shard_name
 
 
@@ -38,11 +38,10 @@ def snapshot_contents(tracker, step: int, epoch: float | None = None
     for name, spec in tracker.specs.items():
         entry: dict[str, Any] = {"kind": spec.kind, "d_in": spec.d_in, "d_out": spec.d_out,
                                  "has_bias": spec.has_bias}
-        for factor in ("A", "G"):
-            key = f"{name}.{factor}"
+        for factor, key in zip(("A", "G"), tracker.plan.keys_of(name)):
             dim, diagonal = tracker.dims[key]
             owner = tracker.ownership.owner[key]
-            entry[factor] = {"dim": dim, "diagonal": diagonal, "owner": owner,
+            entry[factor] = {"key": key, "dim": dim, "diagonal": diagonal, "owner": owner,
                              "shard": shard_name(owner, world)}
             f = tracker.store.factors.get(key)
             if f is not None:  # owned here; other ranks' parts fill in theirs (merge)
@@ -50,7 +49,7 @@ def snapshot_contents(tracker, step: int, epoch: float | None = None
                                       "positions": f.positions,
                                       "dtype": str(f.data.dtype).removeprefix("torch.")})
         layers[name] = entry
-    counters = dataclasses.asdict(tracker.counters)
+    counters = dataclasses.asdict(tracker.read_counters())
     counters.pop("skipped_steps", None)
     counters["comm_bytes"] = [counters["comm_bytes"]]  # per rank, filled in by the merge
     manifest = {
@@ -71,6 +70,7 @@ def snapshot_contents(tracker, step: int, epoch: float | None = None
         "config": cfg.to_dict(),
         "counts": counters,
         "skipped_steps": list(tracker.counters.skipped_steps),
+        "shared_inputs": tracker.plan.describe(),
         "fingerprint": layer_fingerprint(
             {n: (s.d_in, s.d_out, s.has_bias) for n, s in tracker.specs.items()}),
         "layers": layers,
@@ -94,30 +94,40 @@ def merge_manifests(parts: list[dict[str, Any]]) -> dict[str, Any]:
                     out["layers"][name][factor] = entry[factor]
     counts = out["counts"]
     counts["tokens_seen"] = sum(p["counts"]["tokens_seen"] for p in parts)
-    for key in ("tracker_seconds", "exchange_seconds", "fold_seconds"):
+    for key in ("tracker_seconds", "exchange_seconds", "fold_seconds", "wait_seconds"):
         counts[key] = max(p["counts"][key] for p in parts)
     counts["comm_bytes"] = [b for p in parts for b in p["counts"]["comm_bytes"]]
     out.pop("rank", None)
     return out
 
 
-def add_eigendecompositions(tensors: dict[str, torch.Tensor], manifest: dict[str, Any]) -> None:
+def add_eigendecompositions(tensors: dict[str, torch.Tensor], manifest: dict[str, Any],
+                            device: torch.device | None = None, threads: int | None = None
+                            ) -> None:
     """Add ``<key>.eigvals`` / ``<key>.eigvecs`` and per-factor spectrum statistics, in place.
 
     Each factor is decomposed as stored (dequantised, so the eigenbasis is that of exactly the
-    matrix in the shard) with `safe_psd_eigh` in float64, and kept in float32 (float64 for
-    float64 storage); diagonal factors get eigenvalues only.
+    matrix in the shard) with `stats.spectrum.eigh_factors` (float64 on the CPU with
+    ``threads`` threads, or batched on ``device``), and kept in float32 (float64 for float64
+    storage); diagonal factors get eigenvalues only. A shared A is decomposed once and its
+    spectrum written into every layer entry that uses it.
     """
     eig_dtype = torch.float64 if manifest["storage_dtype"] == "float64" else torch.float32
+    values = {}
     for name, entry in manifest["layers"].items():
         for factor in ("A", "G"):
-            key = f"{name}.{factor}"
-            if key not in tensors:  # owned by another rank
-                continue
-            data = tensors[key]
-            value = data.double() * float(tensors[f"{key}.scale"])
-            eigvals, eigvecs = safe_psd_eigh(value)
-            tensors[f"{key}.eigvals"] = eigvals.to(eig_dtype)
-            if eigvecs is not None:
-                tensors[f"{key}.eigvecs"] = eigvecs.to(eig_dtype)
-            entry[factor]["spectrum"] = spectrum_stats(eigvals)
+            key = entry[factor].get("key", f"{name}.{factor}")
+            if key in tensors and key not in values:  # else owned by another rank, or done
+                values[key] = tensors[key].double() * float(tensors[f"{key}.scale"])
+    decomposed = eigh_factors(values, device=device, threads=threads)
+    stats = {}
+    for key, (eigvals, eigvecs) in decomposed.items():
+        tensors[f"{key}.eigvals"] = eigvals.to(eig_dtype)
+        if eigvecs is not None:
+            tensors[f"{key}.eigvecs"] = eigvecs.to(eig_dtype)
+        stats[key] = spectrum_stats(eigvals)
+    for name, entry in manifest["layers"].items():
+        for factor in ("A", "G"):
+            key = entry[factor].get("key", f"{name}.{factor}")
+            if key in stats:
+                entry[factor]["spectrum"] = stats[key]

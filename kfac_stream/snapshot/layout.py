@@ -9,7 +9,10 @@
 
 Tensor keys in a shard: ``"<layer>.A"`` / ``"<layer>.G"`` (storage dtype; ``[d, d]`` or ``[d]``
 for diagonal factors) and ``"<layer>.A.scale"`` / ``"<layer>.G.scale"`` (float32 ``[1]``;
-the factor is ``scale · data``). A snapshot is first written to ``.step-XXXXXXXX.tmp-<tag>``
+the factor is ``scale · data``). Format 2: a layer whose A is shared with other layers (same
+input, `capture.sharing`) names the stored key in its manifest entry (``layers[name]["A"]
+["key"]``, the group leader's ``"<leader>.A"``); the manifest's ``shared_inputs`` lists the
+groups. Format 1 (no ``key``, no sharing) is still read. A snapshot is first written to ``.step-XXXXXXXX.tmp-<tag>``
 and renamed when complete, so a directory under a final name is always whole.
 """
 
@@ -19,7 +22,8 @@ import hashlib
 import re
 
 FORMAT_NAME = "kfac_stream.snapshot"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 STEP_DIR_RE = re.compile(r"^step-(\d{8})$")
 TMP_DIR_RE = re.compile(r"^\.(step-\d{8})\.tmp-(.+)$")  # hidden name of a snapshot in writing

@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from ..exceptions import SnapshotError
-from .layout import FORMAT_NAME, FORMAT_VERSION, MANIFEST, STEP_DIR_RE, sha256_file
+from .layout import FORMAT_NAME, MANIFEST, READABLE_VERSIONS, STEP_DIR_RE, sha256_file
 
 
 @dataclass(frozen=True)
@@ -110,7 +110,10 @@ class Snapshot:
             parts = {}
             for factor in ("A", "G"):
                 finfo = info[factor]
-                key = f"{name}.{factor}"
+                key = finfo.get("key", f"{name}.{factor}")  # format 2: a shared A's key
+                if not isinstance(key, str):
+                    raise SnapshotError(f"{path}: layer {name!r} factor {factor} has a "
+                                        f"non-string key {key!r}")
                 if key not in tensors or f"{key}.scale" not in tensors:
                     raise SnapshotError(f"{path}: tensor {key!r} is missing from the shards")
                 data = tensors[key]
@@ -164,9 +167,9 @@ def read_manifest(path: str) -> dict[str, Any]:
         raise SnapshotError(f"{mpath}: not valid JSON ({e})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
         raise SnapshotError(f"{mpath}: not a kfac_stream snapshot manifest")
-    if meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format_version") not in READABLE_VERSIONS:
         raise SnapshotError(f"{mpath}: unknown format_version {meta.get('format_version')!r} "
-                            f"(this kfac_stream reads {FORMAT_VERSION})")
+                            f"(this kfac_stream reads {', '.join(map(str, READABLE_VERSIONS))})")
     for key in ("step", "layers", "shards"):
         if key not in meta:
             raise SnapshotError(f"{mpath}: field {key!r} is missing")

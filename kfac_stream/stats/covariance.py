@@ -35,12 +35,13 @@ def second_moment(rows: Tensor, diagonal: bool = False) -> Tensor:
     return gram(rows, diagonal).div_(rows.shape[0])
 
 
-def all_finite(tensors: list[Tensor]) -> bool:
-    """True if every entry of every tensor is finite; one reduction per tensor, one host sync.
+def all_finite(tensors: list[Tensor]) -> Tensor:
+    """0-dim bool tensor: every entry of every tensor is finite; one reduction per tensor and
+    nothing read on the host (the caller's worker reads it). On the first tensor's device.
 
     A sum is NaN/Inf whenever an entry is (Inf - Inf = NaN), and only overflows on its own for
     magnitudes near 3e38 (float32), which are as unusable for the factors as an Inf.
     """
     if not tensors:
-        return True
-    return bool(torch.isfinite(torch.stack([t.sum() for t in tensors])).all())
+        return torch.ones((), dtype=torch.bool)
+    return torch.isfinite(torch.stack([t.sum().to(torch.float64) for t in tensors])).all()

@@ -22,27 +22,40 @@ import torch
 from torch import Tensor
 
 
-def cross_entropy_scale(logits: Tensor, grad: Tensor) -> tuple[float, float, int]:
-    """Least-squares loss scale from logits and their gradient.
+FIT_ROWS = 128  # rows used for the fit: the first loss-bearing ones (the fit is exact from one)
+
+
+def cross_entropy_scale(logits: Tensor, grad: Tensor, max_rows: int = FIT_ROWS
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """Least-squares loss scale from logits and their gradient, as device tensors.
+
+    Nothing is read on the host: the rows with gradient (``live``) are chosen by ``topk`` over
+    keys ``position + N·(not live)`` (the first ``max_rows`` live rows, padded with dead ones
+    that are masked out of the sums), so the cost is one pass over ``grad`` plus a softmax of
+    ``max_rows`` rows.
 
     Args:
         logits: ``[N, V]`` logits of N positions (any float dtype).
         grad: ``[N, V]`` gradient of the trainer's loss w.r.t. those logits.
+        max_rows: Most rows used in the fit.
 
     Returns:
-        ``(c, relative_residual, rows_used)``; ``c = nan`` when no row carries gradient or the
+        ``(c, relative_residual, rows_used)``, 0-dim tensors on ``logits.device`` (float32,
+        float64 for float64 logits; int64). ``c`` is NaN when no row carries gradient, or the
         gradient is not finite.
     """
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    g = grad.detach().to(dtype)
-    live = g.abs().amax(dim=-1) > 0  # [N]
-    if not bool(live.any()):
-        return float("nan"), float("nan"), 0
-    g = g[live]  # [m, V]
-    r = torch.softmax(logits.detach()[live].to(dtype), dim=-1)  # [m, V]
-    y = g.argmin(dim=-1)  # [m]
-    r[torch.arange(r.shape[0], device=r.device), y] -= 1.0
-    denom = (r * r).sum()
-    c = (g * r).sum() / denom
+    n = grad.shape[0]
+    live = grad.detach().abs().amax(dim=-1) > 0  # [N]
+    k = min(max_rows, n)
+    keys = torch.arange(n, device=grad.device) + n * (~live).long()
+    pick = torch.topk(keys, k, largest=False, sorted=False).indices  # [k]
+    w = live.index_select(0, pick).to(dtype)  # [k] 1 = live row
+    g = grad.detach().index_select(0, pick).to(dtype)  # [k, V]
+    r = torch.softmax(logits.detach().index_select(0, pick).to(dtype), dim=-1)  # [k, V]
+    r = r.scatter_add(1, g.argmin(dim=-1, keepdim=True), -torch.ones_like(r[:, :1]))
+    r = r * w[:, None]
+    g = g * w[:, None]
+    c = (g * r).sum() / (r * r).sum()  # NaN when nothing is live (0/0)
     resid = torch.linalg.vector_norm(g - c * r) / torch.linalg.vector_norm(g)
-    return float(c), float(resid), int(g.shape[0])
+    return c, resid, live.sum()

@@ -7,6 +7,8 @@ Usable positions are those with ``attention_mask == 1``; padding rows are never 
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -30,32 +32,57 @@ def usable_positions(attention_mask: Tensor | None, batch_shape: tuple[int, int]
     return attention_mask.reshape(-1).to(device=device) != 0
 
 
-def sample_positions(usable: Tensor, fraction: float, generator: torch.Generator) -> Tensor:
-    """Keep each usable position independently with probability ``fraction``.
+def slots_per_pass(fraction: float, n_positions: int) -> int:
+    """Fixed number of sampled slots of a pass: ``ceil(fraction · N)``, in ``[1, N]``."""
+    return max(1, min(n_positions, math.ceil(fraction * n_positions)))
+
+
+def sample_positions(usable: Tensor, fraction: float, generator: torch.Generator | None
+                     ) -> tuple[Tensor, Tensor]:
+    r"""Draw a fixed number of positions among the usable ones, on ``usable.device``, without
+    reading anything on the host (no ``nonzero``, no ``.item()``).
+
+    ``m = ceil(fraction·N)`` slots. Every position gets a uniform random key, padding gets key
+    2 (never below a usable one); the ``m`` smallest keys win (``topk``): a uniformly random
+    subset of ``min(m, U)`` of the ``U`` usable positions, plus ``max(0, m − U)`` padding
+    slots. Each usable slot carries the Horvitz–Thompson weight
+    :math:`1/\pi = \max(1, U/m)` (the inverse of its inclusion probability
+    :math:`\pi = \min(1, m/U)`), each padding slot weight 0, so the weights of a pass sum to
+    exactly ``U`` and :math:`\sum_s w_s x_s x_s^\top / \sum_s w_s` is an unbiased estimate of
+    the pass's mean over its usable positions; over several passes it is token-weighted.
+
+    ``fraction == 1`` takes every position (``arange``, no draw) with weight 1 on usable and 0
+    on padding: the exact full-batch statistic.
 
     Args:
         usable: ``[N]`` bool (N = B*T).
-        fraction: Keep probability in (0, 1]; ``1`` keeps every usable position and draws
-            nothing from ``generator``.
-        generator: CPU generator (seeded once per tracker, advanced once per forward pass).
+        fraction: Slots per position, in (0, 1].
+        generator: Generator on ``usable.device`` (advanced once per pass if ``fraction < 1``).
 
     Returns:
-        ``[n]`` int64 flat indices into ``[0, N)``, ascending, on ``usable.device``.
+        ``(index [m] int64 ascending, weight [m] float32)`` on ``usable.device``.
     """
-    if fraction < 1.0:
-        keep = torch.rand(usable.shape[0], generator=generator) < fraction
-        usable = usable & keep.to(usable.device)
-    return usable.nonzero().squeeze(1)
+    n = usable.shape[0]
+    if fraction >= 1.0:
+        return torch.arange(n, device=usable.device), usable.to(torch.float32)
+    m = slots_per_pass(fraction, n)
+    keys = torch.rand(n, generator=generator, device=usable.device)
+    keys = torch.where(usable, keys, 2.0)
+    index = torch.topk(keys, m, largest=False, sorted=False).indices.sort().values  # [m]
+    count = usable.sum().to(torch.float32)  # U, stays on the device
+    weight = usable.index_select(0, index).to(torch.float32) * (count / m).clamp(min=1.0)
+    return index, weight
 
 
-def gather_rows(x: Tensor, index: Tensor, n_positions: int, dtype: torch.dtype) -> Tensor:
+def gather_rows(x: Tensor, index: Tensor, n_positions: int, dtype: torch.dtype | None
+                ) -> Tensor:
     """Rows of the sampled positions.
 
     Args:
         x: ``[..., d]`` with ``prod(...) == n_positions`` (e.g. ``[B, T, d]``).
         index: ``[n]`` flat position indices.
         n_positions: ``B*T`` of the forward pass, to check the layout.
-        dtype: Dtype of the returned rows (float32, or float64 for float64 storage).
+        dtype: Dtype of the returned rows; None keeps the input's.
 
     Returns:
         ``[n, d]`` detached rows.
@@ -67,4 +94,5 @@ def gather_rows(x: Tensor, index: Tensor, n_positions: int, dtype: torch.dtype) 
             f"a tracked layer saw {flat.shape[0]} positions but the forward pass has "
             f"{n_positions}: kfac_stream needs layer inputs shaped [batch, seq, features]"
         )
-    return flat.index_select(0, index).to(dtype)
+    rows = flat.index_select(0, index)
+    return rows if dtype is None else rows.to(dtype)

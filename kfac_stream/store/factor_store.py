@@ -15,7 +15,19 @@ stored factor       float16 ``q`` with ``F = scale · q`` (scale a power of two,
                     float32 / float64 as is
 ==================  ======================================================================
 
-Deferred folding: rows pushed for an update are kept (``[n, d]`` each, a few percent of the
+Two ways in, by where the statistics were folded (``KFACConfig.fold_on``):
+
+* **rows** (`push_rows`, CPU training): the weighted rows of an update, folded here with the
+  deferred fold below;
+* **device statistics** (`push_stat`, the rows' accelerator): the summed statistic
+  ``Σ w xxᵀ`` of an update, already folded on the device. Up to ``flush_every`` updates are
+  combined *on the device* into one pending fp32 sum (the EMA is linear:
+  ``P ← (1-η)P + η S``, ``α ← α(1-η)``) while the pending sums of all owned factors fit
+  ``device_budget`` bytes; then one device→host copy through a pinned staging buffer
+  (allocated once, reused for every factor) and one ``F ← α·F + P`` pass over the stored
+  entries. Without the budget every update is shipped at once.
+
+Deferred folding of rows: rows pushed for an update are kept (``[n, d]`` each, a few percent of the
 tokens) and folded into the stored factor together, every ``flush_every`` updates or when the
 pending rows reach ``d`` (so they never take more memory than the factor itself). The EMA is
 linear, so ``K`` pending updates fold exactly as ``F ← α·F + YᵀY`` with
@@ -58,7 +70,11 @@ class StoredFactor:
         updates: Number of updates (including pending ones).
         positions: Number of positions (rows) over all updates.
         diagonal: Whether only the diagonal is kept.
-        pending: ``[(rows [n, d], eta)]`` not yet folded into ``data``.
+        pending: ``[(rows [m, d], eta, n)]`` not yet folded into ``data`` (weighted rows:
+            ``S = rowsᵀrows / n``).
+        device_pending: ``Σ`` of pending device statistics (fp32, ``[d, d]`` or ``[d]``, on the
+            rows' device) with ``device_alpha`` = ``Π (1-η)`` over them; None when empty.
+        device_updates: Updates in ``device_pending``.
     """
 
     data: Tensor
@@ -68,12 +84,15 @@ class StoredFactor:
     updates: int = 0
     positions: int = 0
     diagonal: bool = False
-    pending: list[tuple[Tensor, float]] = field(default_factory=list)
+    pending: list[tuple[Tensor, float, float]] = field(default_factory=list)
+    device_pending: Tensor | None = None
+    device_alpha: float = 1.0
+    device_updates: int = 0
 
     @property
     def pending_rows(self) -> int:
         """Rows waiting to be folded in."""
-        return sum(r.shape[0] for r, _ in self.pending)
+        return sum(r.shape[0] for r, _, _ in self.pending)
 
     def value(self, dtype: torch.dtype | None = None) -> Tensor:
         """Dequantised folded factor, ``[d, d]`` or ``[d]``, float32 (float64 if stored so)."""
@@ -89,14 +108,19 @@ class FactorStore:
         storage_dtype: ``"float16"``, ``"float32"`` or ``"float64"``.
         ema_decay: ``λ``.
         flush_every: Fold pending updates after this many (default 8).
+        device_budget: Bytes of device memory the pending device statistics may take (all
+            owned factors together, fp32); 0 ships every device statistic at once.
     """
 
-    def __init__(self, storage_dtype: str, ema_decay: float, flush_every: int = 8) -> None:
+    def __init__(self, storage_dtype: str, ema_decay: float, flush_every: int = 8,
+                 device_budget: int = 0) -> None:
         self.storage_dtype = _DTYPES[storage_dtype]
         self.compute_dtype = torch.float32 if storage_dtype == "float16" else torch.float64
         self.ema_decay = float(ema_decay)
         self.flush_every = int(flush_every)
+        self.device_budget = int(device_budget)
         self.factors: dict[str, StoredFactor] = {}
+        self._staging: Tensor | None = None  # pinned host buffer for device statistics
 
     def add(self, key: str, dim: int, diagonal: bool) -> None:
         """Allocate a zero factor ``[dim, dim]`` (or ``[dim]`` if diagonal)."""
@@ -104,55 +128,110 @@ class FactorStore:
         self.factors[key] = StoredFactor(torch.zeros(shape, dtype=self.storage_dtype),
                                          diagonal=diagonal)
 
-    def push_rows(self, key: str, rows: Tensor) -> None:
+    def pending_bytes(self) -> int:
+        """Device bytes the pending sums of every owned factor take at most (fp32)."""
+        return sum(4 * f.data.numel() for f in self.factors.values())
+
+    def push_rows(self, key: str, rows: Tensor, n: float | None = None,
+                  positions: int | None = None) -> None:
         """Record one update whose statistic is ``S = rowsᵀ rows / n``.
 
         Args:
             key: Factor key.
-            rows: ``[n, d]`` (``n ≥ 1``; the bias column already appended for A factors).
+            rows: ``[m, d]`` (the bias column already appended for A factors), each row
+                already multiplied by the square root of its sampling weight.
+            n: Total weight of the rows (``> 0``; default ``m``: unweighted rows).
+            positions: Sampled positions behind the rows (default ``m``), for the counts.
         """
         f = self.factors[key]
-        n = rows.shape[0]
+        n = float(rows.shape[0]) if n is None else float(n)
         f.weight, eta = ema_step(f.weight, n, self.ema_decay)
         f.updates += 1
-        f.positions += int(n)
-        f.pending.append((rows.to(device="cpu", dtype=self.compute_dtype), eta))
+        f.positions += int(rows.shape[0] if positions is None else positions)
+        f.pending.append((rows.to(device="cpu", dtype=self.compute_dtype), eta, n))
         limit = 256 if f.diagonal else f.data.shape[0]
         if len(f.pending) >= self.flush_every or f.pending_rows >= limit:
             self._flush(f)
 
-    def update(self, key: str, stat: Tensor, n: int) -> None:
+    def update(self, key: str, stat: Tensor, n: float, positions: int | None = None) -> None:
         """Fold one step statistic given as a matrix.
 
         Args:
             key: Factor key.
-            stat: ``S``, ``[d, d]`` (symmetric PSD) or ``[d]`` (moved to CPU here).
-            n: Number of positions ``S`` was built from (``n ≥ 1``).
+            stat: ``S`` (the mean), ``[d, d]`` (symmetric PSD) or ``[d]`` (moved to CPU here).
+            n: Weight of the positions ``S`` was built from (``> 0``).
+            positions: Sampled positions (default ``n``), for the counts.
         """
         f = self.factors[key]
         self._flush(f)
         f.weight, eta = ema_step(f.weight, n, self.ema_decay)
         f.updates += 1
-        f.positions += int(n)
+        f.positions += int(n if positions is None else positions)
         stat = stat.to(device="cpu", dtype=self.compute_dtype) * eta
         self._fold(f, 1.0 - eta, stat=stat)
+
+    def push_stat(self, key: str, stat_sum: Tensor, n: float, positions: int) -> None:
+        """Record one update given as a summed statistic on the rows' device.
+
+        Args:
+            key: Factor key.
+            stat_sum: ``Σ_s w_s x_s x_sᵀ`` (``[d, d]``) or its diagonal (``[d]``), float32 (or
+                float64 for float64 storage), on any device; ``S = stat_sum / n``.
+            n: Total weight (``> 0``).
+            positions: Sampled positions behind it, for the counts.
+
+        Kept on the device and combined with the following ones (see the module docstring)
+        while the budget allows; the caller must not modify ``stat_sum`` afterwards.
+        """
+        f = self.factors[key]
+        self._flush(f)  # rows and device statistics never pend together
+        f.weight, eta = ema_step(f.weight, n, self.ema_decay)
+        f.updates += 1
+        f.positions += int(positions)
+        term = stat_sum.to(self.compute_dtype).mul_(eta / float(n))
+        if f.device_pending is None:
+            f.device_pending, f.device_alpha = term, 1.0 - eta
+        else:
+            f.device_pending.mul_(1.0 - eta).add_(term)
+            f.device_alpha *= 1.0 - eta
+        f.device_updates += 1
+        if f.device_updates >= self.flush_every or self.pending_bytes() > self.device_budget:
+            self._flush(f)
 
     def flush(self) -> None:
         """Fold every pending update into the stored factors."""
         for f in self.factors.values():
             self._flush(f)
 
+    def _host_copy(self, t: Tensor) -> Tensor:
+        """``t`` on the CPU: through one pinned staging buffer (grown to the largest factor,
+        then reused) for device tensors; ``t`` itself on the CPU."""
+        if t.device.type == "cpu":
+            return t
+        need = t.numel()
+        if self._staging is None or self._staging.numel() < need or \
+                self._staging.dtype != t.dtype:
+            self._staging = torch.empty(need, dtype=t.dtype, pin_memory=True)
+        buf = self._staging[:need].view(t.shape)
+        buf.copy_(t, non_blocking=True)
+        torch.cuda.current_stream(t.device).synchronize()  # the worker's stream, not training's
+        return buf
+
     def _flush(self, f: StoredFactor) -> None:
+        if f.device_pending is not None:
+            stat, alpha = f.device_pending, f.device_alpha
+            f.device_pending, f.device_alpha, f.device_updates = None, 1.0, 0
+            self._fold(f, alpha, stat=self._host_copy(stat))
         if not f.pending:
             return
         m = f.pending_rows
         y = torch.empty(m, f.data.shape[0], dtype=self.compute_dtype)  # [m, d]
         tail, end = 1.0, m
-        for rows, eta in reversed(f.pending):  # coef_k = η_k Π_{i>k} (1-η_i)
-            n = rows.shape[0]
-            torch.mul(rows, math.sqrt(eta * tail / n), out=y[end - n:end])
+        for rows, eta, n in reversed(f.pending):  # coef_k = η_k Π_{i>k} (1-η_i)
+            k = rows.shape[0]
+            torch.mul(rows, math.sqrt(eta * tail / n), out=y[end - k:end])
             tail *= 1.0 - eta
-            end -= n
+            end -= k
         f.pending = []
         self._fold(f, tail, y=y)
 

@@ -1,0 +1,131 @@
+r"""Which tracked layers read the same input tensor, and the factor plan that follows.
+
+Layers whose forward sees the *same input tensor object* in a pass (q/k/v projections of an
+attention block, gate/up of a gated MLP, the ``lora_A`` adapters of several projections when
+LoRA dropout is off) have the same rows :math:`\bar a_s` at every sampled position, hence the
+same A factor. They share one: captured, sent, stored and eigendecomposed once, under the key
+of the group's first layer (its *leader*, in ``named_modules`` order).
+
+Sharing is found by running the model once on a 2-token input with temporary forward
+pre-hooks that note which tensor object each layer receives (`probe_shared_inputs`): the
+truth of the model's own code, not a guess from module names. The probe runs in the model's
+current mode (training: a dropout in front of an adapter makes a new tensor, so such adapters
+are correctly *not* shared) under ``torch.no_grad``. At run time the capture hooks check the
+identity again for every pass and raise if it does not hold.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .selection import LayerSpec
+
+logger = logging.getLogger("kfac_stream")
+
+
+@dataclass(frozen=True)
+class FactorPlan:
+    """Every factor the tracker keeps, and which layer uses which.
+
+    Attributes:
+        dims: ``{key: (side d, diagonal)}`` for every factor, A keys first per layer in model
+            order; a shared A appears once, under its leader's ``"<leader>.A"``.
+        a_key: ``{layer: key of its A factor}`` (``"<layer>.A"`` unless shared).
+        groups: Layers sharing one A, each ``(leader, follower, ...)`` (only groups of ≥ 2).
+    """
+
+    dims: dict[str, tuple[int, bool]]
+    a_key: dict[str, str]
+    groups: tuple[tuple[str, ...], ...] = ()
+
+    @staticmethod
+    def g_key(layer: str) -> str:
+        """Key of a layer's G factor."""
+        return f"{layer}.G"
+
+    def keys_of(self, layer: str) -> tuple[str, str]:
+        """``(A key, G key)`` of ``layer``."""
+        return self.a_key[layer], self.g_key(layer)
+
+    def describe(self) -> list[list[str]]:
+        """The groups as JSON-able lists (manifests, cross-rank agreement)."""
+        return [list(g) for g in self.groups]
+
+
+def plan_factors(specs: dict[str, LayerSpec], max_dense_dim: int,
+                 groups: list[tuple[str, ...]] | tuple[tuple[str, ...], ...] = ()) -> FactorPlan:
+    """The factor plan of ``specs`` with the given shared-input ``groups``.
+
+    A group is kept only if all its layers have the same A side and the same diagonal
+    decision (``has_bias`` and ``d_in`` equal); its members are ordered as in ``specs``.
+    """
+    order = {name: i for i, name in enumerate(specs)}
+    a_key = {name: f"{name}.A" for name in specs}
+    kept = []
+    for group in groups:
+        members = sorted((n for n in group if n in specs), key=order.__getitem__)
+        if len(members) < 2 or len({specs[n].a_dim for n in members}) != 1:
+            continue
+        kept.append(tuple(members))
+        for follower in members[1:]:
+            a_key[follower] = f"{members[0]}.A"
+    dims: dict[str, tuple[int, bool]] = {}
+    for name, s in specs.items():
+        if a_key[name] == f"{name}.A":
+            dims[a_key[name]] = (s.a_dim, s.a_dim > max_dense_dim)
+        dims[f"{name}.G"] = (s.g_dim, s.g_dim > max_dense_dim)
+    return FactorPlan(dims, a_key, tuple(kept))
+
+
+def _probe_input(model: nn.Module) -> dict[str, torch.Tensor]:
+    param = next((p for p in model.parameters()), None)
+    device = param.device if param is not None else torch.device("cpu")
+    name = getattr(model, "main_input_name", "input_ids") or "input_ids"
+    if name != "input_ids":
+        raise ValueError(f"main input {name!r} is not token ids")
+    return {"input_ids": torch.zeros(1, 2, dtype=torch.long, device=device)}
+
+
+def probe_shared_inputs(model: nn.Module, layers: dict[str, nn.Module]
+                        ) -> list[tuple[str, ...]]:
+    """Groups of layers (names from ``layers``) that received the same input tensor object
+    in one forward pass of ``model`` on a ``[1, 2]`` token input (``model.main_input_name``
+    must be ``input_ids``). A layer called several times is judged by its first call.
+
+    Collective under DeepSpeed ZeRO-3 (the forward gathers parameters): every rank must call
+    it at the same point. Returns ``[]`` (and logs why) if the probe forward fails: then no
+    layer shares its A, which is always correct, only less economical.
+    """
+    seen: dict[str, int] = {}
+    alive: list[torch.Tensor] = []  # keeps ids unique during the probe
+
+    def pre_hook(name):
+        def hook(module, args):
+            if name not in seen and args and isinstance(args[0], torch.Tensor):
+                seen[name] = id(args[0])
+                alive.append(args[0])
+        return hook
+
+    handles = [m.register_forward_pre_hook(pre_hook(n)) for n, m in layers.items()]
+    try:
+        inputs = _probe_input(model)
+        devices = [inputs["input_ids"].device] if inputs["input_ids"].is_cuda else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):  # training RNG untouched
+            model(**inputs)
+    except Exception as e:  # a model this probe cannot drive: no sharing, still exact
+        logger.info("kfac_stream: shared-input probe skipped (%s: %s); every layer keeps its "
+                    "own A factor", type(e).__name__, e)
+        return []
+    finally:
+        for h in handles:
+            h.remove()
+    by_input: dict[int, list[str]] = {}
+    for name in layers:
+        if name in seen:
+            by_input.setdefault(seen[name], []).append(name)
+    alive.clear()
+    return [tuple(g) for g in by_input.values() if len(g) > 1]
