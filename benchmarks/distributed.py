@@ -110,7 +110,7 @@ def worker(a) -> None:
                                     for d, diag in tr.dims.values()),
         "total_bytes": sum(tr.ownership.bytes_per_rank),
         "owned": len(tr.store.factors), "factors": len(tr.dims),
-        "counters": {k2: v for k2, v in vars(tr.counters).items() if k2 != "skipped_steps"},
+        "counters": {k2: v for k2, v in vars(tr.read_counters()).items() if k2 != "skipped_steps"},
         "what_if": what_if,
         "dims": {key: list(v) for key, v in tr.dims.items()},
         "owner": tr.ownership.owner,

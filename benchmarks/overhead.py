@@ -119,8 +119,8 @@ class BlockClock(TrainerCallback):
             tr.capture.remove()
         elif prev == "plain":  # re-attach the same hooks a fresh tracker would
             layers = {n: self.model.get_submodule(n) for n in tr.specs}
-            tr.capture = CaptureHooks(self.model, layers, tr.config.token_fraction,
-                                      tr.config.seed + step, tr.row_dtype)
+            tr.capture = CaptureHooks(self.model, layers, tr.plan, tr.config.token_fraction,
+                                      tr.config.seed + step, tr.capture.row_dtype, tr.device)
 
     def start(self, step: int) -> None:
         self._set_mode(step)

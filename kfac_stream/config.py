@@ -20,8 +20,10 @@ class KFACConfig:
     """Configuration of the streaming K-FAC tracker.
 
     Attributes:
-        token_fraction: Probability with which each usable (non-padding) token position of a
-            forward pass is kept for the factors; the same positions serve every layer of that
+        token_fraction: Share of each forward pass's ``B·T`` positions sampled for the
+            factors: a fixed ``ceil(token_fraction·B·T)`` slots drawn on the device among the
+            usable (non-padding) positions, weighted so the estimate is unbiased
+            (`stats.rows.sample_positions`); the same positions serve every layer of that
             pass. ``1.0`` gives the exact full-batch factors. (Default: 0.05)
         ema_decay: Per-update decay ``λ`` of the token-weighted, bias-free EMA
             ``w ← λ·w + n;  F ← F + (n/w)·(S − F)``; ``1.0`` is the exact running mean.

@@ -283,7 +283,7 @@ class Tracker:
         t0 = time.perf_counter()
         self._queue.put(job)  # blocks only if the previous update is still being applied
         waited = time.perf_counter() - t0
-        if waited > 0.02 * max(self._step_seconds, 1e-3):
+        if self._step_seconds > 0 and waited > max(0.02 * self._step_seconds, 1e-3):
             self.counters.waits += 1
             self.counters.wait_seconds += waited
             if not self._warned_wait:

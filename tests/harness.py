@@ -43,11 +43,12 @@ def run(model, examples, cfg: dict | None = None, *, batch=2, accum=1, steps=Non
     """
     cb = KFACStreamCallback(KFACConfig(**{**EXACT, "snapshot_every": 10_000, **(cfg or {})}))
     train_kwargs.setdefault("save_strategy", "no")
+    train_kwargs.setdefault("use_cpu", True)
     args = TrainingArguments(
         str(tmp_path), per_device_train_batch_size=batch, gradient_accumulation_steps=accum,
         max_steps=steps if steps is not None else -1, num_train_epochs=epochs,
         learning_rate=lr, lr_scheduler_type="constant", warmup_steps=0, report_to=[],
-        use_cpu=True, logging_strategy="no", disable_tqdm=True, seed=0,
+        logging_strategy="no", disable_tqdm=True, seed=0,
         **train_kwargs)
     trainer = Trainer(model=model, args=args, train_dataset=ListDataset(examples),
                       callbacks=[cb, *callbacks], compute_loss_func=loss,

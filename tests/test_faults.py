@@ -75,7 +75,9 @@ def test_unwritable_snapshot_directory_is_not_fatal(tmp_path, caplog):
 
 
 def test_failed_eigendecomposition_is_not_fatal(tmp_path, monkeypatch, caplog):
-    real, calls = contents.safe_psd_eigh, {"n": 0}
+    from kfac_stream.stats import spectrum
+
+    real, calls = spectrum.safe_psd_eigh, {"n": 0}
 
     def broken(value):
         calls["n"] += 1
@@ -83,7 +85,7 @@ def test_failed_eigendecomposition_is_not_fatal(tmp_path, monkeypatch, caplog):
             raise torch.linalg.LinAlgError("simulated: eigh failed even with a shift")
         return real(value)
 
-    monkeypatch.setattr(contents, "safe_psd_eigh", broken)
+    monkeypatch.setattr(spectrum, "safe_psd_eigh", broken)  # what eigh_factors calls
     with caplog.at_level(logging.ERROR, logger="kfac_stream"):
         cb, _, _ = _train(tmp_path)
     assert cb.tracker.counters.snapshot_failures == 1

@@ -19,10 +19,14 @@ def test_cross_entropy_scale_recovers_c_without_labels(c):
     grad[torch.arange(20), y] -= 1
     grad *= c
     grad[3] = 0  # a position without a loss term
-    est, resid, used = cross_entropy_scale(logits, grad)
-    assert used == 19
-    assert est == pytest.approx(c, rel=1e-12)
-    assert resid < 1e-12
+    est, resid, used = cross_entropy_scale(logits, grad)  # 0-dim tensors (no host read)
+    assert int(used) == 19
+    assert float(est) == pytest.approx(c, rel=1e-12)
+    assert float(resid) < 1e-12
+    est, _, _ = cross_entropy_scale(logits, grad, max_rows=3)  # the first live rows suffice
+    assert float(est) == pytest.approx(c, rel=1e-12)
+    none, _, used = cross_entropy_scale(logits, torch.zeros_like(grad))
+    assert int(used) == 0 and torch.isnan(none)
 
 
 def test_cross_entropy_scale_flags_label_smoothing():
@@ -31,21 +35,46 @@ def test_cross_entropy_scale_flags_label_smoothing():
     target[torch.arange(30), torch.randint(0, 7, (30,))] += 0.9
     grad = torch.softmax(logits, -1) - target
     _, resid, _ = cross_entropy_scale(logits, grad)
-    assert resid > 1e-2
+    assert float(resid) > 1e-2
 
 
 def test_sample_positions_full_and_fraction():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
     usable = usable_positions(mask, (2, 4), torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)
-    assert sample_positions(usable, 1.0, gen).tolist() == [0, 1, 2, 4, 5]
+    index, weight = sample_positions(usable, 1.0, gen)
+    assert index.tolist() == list(range(8))  # every slot; padding weighted 0
+    assert weight.tolist() == [1, 1, 1, 0, 1, 1, 0, 0]
     state = gen.get_state()
     assert torch.equal(gen.get_state(), state)  # fraction 1 draws nothing
     big = usable_positions(None, (64, 64), torch.device("cpu"))
-    kept = sample_positions(big, 0.25, gen)
-    assert abs(kept.numel() / 4096 - 0.25) < 0.03  # binomial sd is 0.007
+    index, weight = sample_positions(big, 0.25, gen)
+    assert index.numel() == 1024 and index.unique().numel() == 1024  # fixed size, no repeats
+    assert torch.all(weight == 4.0)  # 1/π with π = m/U = 1/4
     padded = usable_positions(torch.tensor([[1, 0] * 32] * 64), (64, 64), torch.device("cpu"))
-    assert (sample_positions(padded, 0.5, gen) % 2 == 0).all()  # padding never sampled
+    index, weight = sample_positions(padded, 0.25, gen)
+    assert (index % 2 == 0).all()  # padding never sampled while usable slots remain
+    assert float(weight.sum()) == 2048  # weights sum to the usable count U exactly
+    sparse = torch.zeros(64, 64, dtype=torch.long)
+    sparse[:, 0] = 1  # U = 64 < m = 205: every usable position, padding slots weighted 0
+    index, weight = sample_positions(usable_positions(sparse, (64, 64), torch.device("cpu")),
+                                     0.05, gen)
+    assert index.numel() == 205 and float(weight.sum()) == 64
+    assert set(index[weight > 0].tolist()) == set(range(0, 4096, 64))
+
+
+def test_sampling_weights_make_an_unbiased_estimator():
+    # Horvitz-Thompson: E[Σ_s w_s f(s)] = Σ_{usable} f(s) exactly, whatever the padding
+    gen = torch.Generator().manual_seed(1)
+    usable = torch.rand(300, generator=gen) < 0.6
+    f = torch.randn(300, generator=gen, dtype=torch.float64)
+    draws = []
+    for _ in range(3000):
+        index, weight = sample_positions(usable, 0.1, gen)
+        draws.append(float((weight.double() * f[index]).sum()))
+    draws = torch.tensor(draws, dtype=torch.float64)
+    err = abs(float(draws.mean()) - float(f[usable].sum()))
+    assert err <= 4 * float(draws.std()) / 3000**0.5, err  # 4 standard errors
 
 
 def test_second_moment_with_bias_and_diagonal():

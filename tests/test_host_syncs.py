@@ -1,0 +1,135 @@
+"""The tracker adds no host synchronisation to the training thread (issue 12).
+
+A ``TorchDispatchMode`` on the training thread counts every op that makes the host wait for
+a device value: ``_local_scalar_dense`` (``.item()``, ``float(t)``, ``bool(t)``, ``int(t)``),
+``is_nonzero``, ``equal``, ``nonzero``, ``masked_select``, ``unique``, ``repeat_interleave``
+without an output size, and indexing or ``index_put`` with a boolean mask. CPU training runs
+the backward on the calling thread, so the capture hooks are counted too. The count of a real
+``Trainer`` run with the callback is compared with the same run without it, step for step.
+
+Every sync is attributed by the innermost frame outside torch: kfac_stream's own code, or the
+model's (transformers). The MC Fisher pass replays each micro-batch's forward after the
+optimizer step, and that forward makes whatever syncs the model's forward makes (with an
+attention mask, transformers' SDPA mask builder checks ``padding_mask.all()`` on the host,
+1–2 per forward); those are counted separately and are the only difference allowed.
+
+The factor worker (``async_updates=True``, the default when training on CUDA) is the one
+place allowed to read device values; it runs on its own thread, which the mode (thread-local)
+does not see. Snapshots (``snapshot_every``) and the end-of-training snapshot are outside the
+counted window: they may read, once per snapshot.
+"""
+
+from __future__ import annotations
+
+import collections
+import traceback
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from kfac_stream import KFACConfig, KFACStreamCallback
+from models import ListDataset, text_examples, tiny_llama
+
+aten = torch.ops.aten
+_ALWAYS = {aten._local_scalar_dense, aten.is_nonzero, aten.equal, aten.nonzero,
+           aten.masked_select, aten._unique2, aten.unique_dim, aten.unique_consecutive,
+           aten.nonzero_static}
+STEPS = 20
+
+
+def _bool_index(indices) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)
+               for t in indices if t is not None)
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts host-synchronising ops; remembers where kfac_stream issued them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.ours: collections.Counter = collections.Counter()
+        self.replayed = 0  # the model's own syncs inside kfac_stream's MC replay forward
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        sync = packet in _ALWAYS
+        if packet in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_):
+            sync = _bool_index(args[1])
+        if packet is aten.repeat_interleave and kwargs.get("output_size") is None:
+            sync = True
+        if sync:
+            self.count += 1
+            stack = traceback.extract_stack()
+            outside = [f for f in stack if "/torch/" not in f.filename
+                       and not f.filename.endswith("test_host_syncs.py")]
+            if outside and "kfac_stream" in outside[-1].filename:
+                self.ours[f"{func} at {outside[-1].filename}:{outside[-1].lineno}"] += 1
+            elif any(f.filename.endswith("kfac_stream/mc.py") for f in stack):
+                self.replayed += 1
+        return func(*args, **kwargs)
+
+
+class StartCounting(TrainerCallback):
+    """Enters the mode after every other callback's ``on_train_begin`` (put it last)."""
+
+    def __init__(self, mode: SyncCounter) -> None:
+        self.mode = mode
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.mode.__enter__()
+
+
+class StopCounting(TrainerCallback):
+    """Leaves the mode before the K-FAC callback's final snapshot (put it first)."""
+
+    def __init__(self, mode: SyncCounter) -> None:
+        self.mode = mode
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.mode.__exit__(None, None, None)
+
+
+def _count(tmp_path, cfg: dict | None) -> SyncCounter:
+    mode = SyncCounter()
+    kfac = [] if cfg is None else [KFACStreamCallback(KFACConfig(**cfg))]
+    ex = text_examples(16, 12, lengths=[12, 9, 12, 7] * 4)  # padding on every other sequence
+    args = TrainingArguments(
+        str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
+        max_steps=STEPS, learning_rate=1e-3, report_to=[], use_cpu=True,
+        logging_strategy="no", save_strategy="no", disable_tqdm=True, seed=0)
+    trainer = Trainer(model=tiny_llama(), args=args, train_dataset=ListDataset(ex),
+                      callbacks=[StopCounting(mode), *kfac, StartCounting(mode)])
+    trainer.train()
+    if kfac:
+        tr = kfac[0].tracker
+        assert tr.counters.updates == -(-STEPS // tr.config.update_every)  # all applied
+        assert tr.counters.skipped_updates == 0
+        assert tr.plan.groups  # q/k/v and gate/up share their A: that path is counted too
+    return mode
+
+
+@pytest.mark.parametrize("extra", [{}, {"update_every": 1}, {"fisher": "mc"},
+                                   {"fisher": "mc", "update_every": 1}],
+                         ids=["defaults", "update_every=1", "mc", "mc-update_every=1"])
+def test_callback_adds_no_host_sync_per_step(tmp_path, extra):
+    # async_updates=True is the CUDA default (None → on when the model is on CUDA); on CPU
+    # the default applies updates on the training thread, where reading CPU tensors is free.
+    cfg = {"async_updates": True, "snapshot_every": 10_000, **extra}
+    plain = _count(tmp_path / "plain", None)
+    tracked = _count(tmp_path / "tracked", cfg)
+    print(f"{extra}: host syncs over {STEPS} steps: plain Trainer {plain.count}, "
+          f"with the callback {tracked.count}")
+    assert plain.count > 0  # the counter sees the Trainer's own syncs (loss .item(), ...)
+    assert not tracked.ours, dict(tracked.ours)  # kfac_stream's own code: none at all
+    if extra.get("fisher") == "mc":  # only the replayed forwards' own (transformers) syncs
+        updates = -(-STEPS // extra.get("update_every", 10))
+        print(f"  of which in the model's own code during the MC replay forwards: "
+              f"{tracked.replayed} ({tracked.replayed / (2 * updates):.1f} per forward)")
+        assert 0 < tracked.replayed <= 2 * 2 * updates  # ≤ 2 per forward, 2 micro-batches
+    else:
+        assert tracked.replayed == 0
+    assert tracked.count - tracked.replayed == plain.count
