@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import kfac_stream.snapshot.writer as writer
-import kfac_stream.snapshot.contents as contents
 from harness import run
 from kfac_stream import Snapshot
 from models import text_examples, tiny_gpt2
