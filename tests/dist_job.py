@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from models import ListDataset, text_examples, tiny_gpt2  # noqa: E402
+from models import ListDataset, text_examples, tiny_gpt2, tiny_llama  # noqa: E402
 
 
 def parse() -> argparse.Namespace:
@@ -56,6 +56,8 @@ def parse() -> argparse.Namespace:
                    help="record RSS and hook counts per step; then train again with a new "
                    "callback on the same model (long-run test)")
     p.add_argument("--width", type=int, default=32)
+    p.add_argument("--model", default="gpt2", help="gpt2, or llama (q/k/v, gate/up share A)")
+    p.add_argument("--fold-on", default="auto", help="KFACConfig.fold_on")
     return p.parse_args()
 
 
@@ -76,12 +78,16 @@ def main() -> None:
     for i in (int(x) for x in opts.pad_rows.split(",") if x):
         examples[i]["attention_mask"] = torch.zeros_like(examples[i]["attention_mask"])
         examples[i]["labels"] = torch.full_like(examples[i]["labels"], -100)
-    model = tiny_gpt2(torch.float32, n_embd=opts.width, n_layer=2, n_head=2,
-                      attn_implementation="eager")
+    if opts.model == "llama":
+        model = tiny_llama(torch.float32, hidden_size=opts.width, intermediate_size=2 * opts.width,
+                           attn_implementation="eager")
+    else:
+        model = tiny_gpt2(torch.float32, n_embd=opts.width, n_layer=2, n_head=2,
+                          attn_implementation="eager")
     cfg = KFACConfig(token_fraction=opts.token_fraction, ema_decay=opts.ema_decay,
                      update_every=1, snapshot_every=opts.snapshot_every, fisher=opts.fisher,
                      storage_dtype=opts.storage_dtype, seed=0,
-                     async_updates=opts.async_updates or None,
+                     async_updates=opts.async_updates or None, fold_on=opts.fold_on,
                      fail_on_snapshot_error=opts.fail_fatal)
     cb = KFACStreamCallback(cfg, resume_from=opts.resume,
                             spectra_media=os.environ.get("KFAC_TEST_MEDIA", "1") == "1")

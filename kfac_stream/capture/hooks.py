@@ -30,7 +30,6 @@ beyond gathering rows; everything else happens in the tracker.
 from __future__ import annotations
 
 import logging
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from ..stats.loss_scale import cross_entropy_scale
-from .sharing import FactorPlan
+from .sharing import FactorPlan, same_data
 from ..stats.rows import gather_rows, sample_positions, usable_positions
 
 _HANDLE_ATTR = "_kfac_stream_handles"
@@ -145,7 +144,10 @@ class CaptureHooks:
         self._tokens_host = 0
         self._tokens_device: Tensor | None = None  # usable positions since the last read
         self._leader = {f: g[0] for g in plan.groups for f in g}  # layer -> its group's leader
-        self._shared_input: dict[str, weakref.ref] = {}  # leader -> its input of this call
+        self._group_size = {g[0]: len(g) for g in plan.groups}
+        # leader -> [its input of this call, followers still to check]; dropped when the last
+        # follower has checked, so no activation outlives its block
+        self._shared_input: dict[str, list] = {}
         self._a_key = dict(plan.a_key)
         stale = getattr(model, _HANDLE_ATTR, None)
         if stale:  # a previous tracker that never reached on_train_end (e.g. crashed run)
@@ -245,6 +247,21 @@ class CaptureHooks:
 
         logits.register_hook(on_logits_grad)
 
+    def _check_shared(self, name: str, leader: str, x: Tensor) -> None:
+        """A follower must see its leader's input of the same call (host attributes only)."""
+        if leader == name:
+            self._shared_input[leader] = [x, self._group_size[leader] - 1]
+            return
+        held = self._shared_input.get(leader)
+        if held is None or not same_data(held[0], x):
+            raise RuntimeError(
+                f"kfac_stream: {name!r} was planned to share the A factor of {leader!r} (same "
+                "input tensor in the probe forward) but received another input in training; "
+                "set KFACConfig(share_inputs=False)")
+        held[1] -= 1
+        if held[1] == 0:
+            del self._shared_input[leader]
+
     def _layer_hook(self, name: str):
         leader = self._leader.get(name)
         a_key = self._a_key[name]
@@ -256,15 +273,7 @@ class CaptureHooks:
                 return
             x = args[0]
             if leader is not None:
-                if leader == name:
-                    self._shared_input[leader] = weakref.ref(x)
-                else:
-                    ref = self._shared_input.get(leader)
-                    if ref is None or ref() is not x:
-                        raise RuntimeError(
-                            f"kfac_stream: {name!r} was planned to share the A factor of "
-                            f"{leader!r} (same input tensor in the probe forward) but received "
-                            "another input in training; set KFACConfig(share_inputs=False)")
+                self._check_shared(name, leader, x)
             a = gather_rows(x, rec.index, rec.n_positions, self.row_dtype) if gathers_a \
                 else None  # [m, d_in]
             if self.keep_outputs:  # MC pass only: the driver differentiates w.r.t. them

@@ -7,8 +7,11 @@ same A factor. They share one: captured, sent, stored and eigendecomposed once, 
 of the group's first layer (its *leader*, in ``named_modules`` order).
 
 Sharing is found by running the model once on a 2-token input with temporary forward
-pre-hooks that note which tensor object each layer receives (`probe_shared_inputs`): the
-truth of the model's own code, not a guess from module names. The probe runs in the model's
+pre-hooks that note which tensor each layer receives (`probe_shared_inputs`): the truth of
+the model's own code, not a guess from module names. "The same tensor" is `same_data`: the
+same object, or views of the same storage with the same offset, shape, strides, dtype and
+version (DeepSpeed ZeRO-3 hands every module its own autograd wrapper of its inputs, which
+shares the storage). The probe runs in the model's
 current mode (training: a dropout in front of an adapter makes a new tensor, so such adapters
 are correctly *not* shared) under ``torch.no_grad``. At run time the capture hooks check the
 identity again for every pass and raise if it does not hold.
@@ -90,6 +93,21 @@ def _probe_input(model: nn.Module) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.zeros(1, 2, dtype=torch.long, device=device)}
 
 
+def data_key(x: torch.Tensor) -> tuple:
+    """What identifies a tensor's data without reading it (host attributes only): storage
+    address, offset, shape, strides, dtype, device and version counter; on the ``meta``
+    device (no storage) the object's identity."""
+    if x.device.type == "meta":
+        return ("object", id(x))
+    return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(),
+            x.dtype, x.device, x._version)
+
+
+def same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` are the same tensor or views of the same data (see `data_key`)."""
+    return a is b or data_key(a) == data_key(b)
+
+
 def probe_shared_inputs(model: nn.Module, layers: dict[str, nn.Module]
                         ) -> list[tuple[str, ...]]:
     """Groups of layers (names from ``layers``) that received the same input tensor object
@@ -100,14 +118,14 @@ def probe_shared_inputs(model: nn.Module, layers: dict[str, nn.Module]
     it at the same point. Returns ``[]`` (and logs why) if the probe forward fails: then no
     layer shares its A, which is always correct, only less economical.
     """
-    seen: dict[str, int] = {}
+    seen: dict[str, tuple] = {}
     alive: list[torch.Tensor] = []  # keeps ids unique during the probe
 
     def pre_hook(name):
         def hook(module, args):
             if name not in seen and args and isinstance(args[0], torch.Tensor):
-                seen[name] = id(args[0])
-                alive.append(args[0])
+                seen[name] = data_key(args[0])
+                alive.append(args[0])  # no address is reused while the probe runs
         return hook
 
     handles = [m.register_forward_pre_hook(pre_hook(n)) for n, m in layers.items()]
@@ -123,7 +141,7 @@ def probe_shared_inputs(model: nn.Module, layers: dict[str, nn.Module]
     finally:
         for h in handles:
             h.remove()
-    by_input: dict[int, list[str]] = {}
+    by_input: dict[tuple, list[str]] = {}
     for name in layers:
         if name in seen:
             by_input.setdefault(seen[name], []).append(name)
