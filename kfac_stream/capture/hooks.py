@@ -13,11 +13,11 @@ One ``PassRecord`` per training forward pass of the model (one micro-batch):
 * layers that share their input (`capture.sharing`) gather the A rows once, in the group's
   leader; the followers only check that they really received the leader's input tensor;
 * in empirical mode the logits' gradient gives the loss scale ``c`` of the pass
-  (``stats.loss_scale``), as device tensors. Two places are hooked: the logits the model returns (the loss input
-  when the user computes the loss, after e.g. soft-capping) and the output of the output
-  embedding (``get_output_embeddings()``, the LM head), which is the loss input when the model
-  computes the loss itself but the returned logits are a copy (accelerate's mixed-precision
-  wrapper converts outputs to float32 after the loss was taken). Each hook that fires in the
+  (``stats.loss_scale``), as device tensors. Two places are hooked: the logits the model
+  returns (the loss input when the user computes the loss, after e.g. soft-capping) and the
+  output of the output embedding (``get_output_embeddings()``, the LM head), which is the
+  loss input when the model computes the loss itself but the returned logits are a copy
+  (accelerate's mixed-precision wrapper converts outputs to float32 after the loss was taken). Each hook that fires in the
   backward adds a fit; the first one (nearer the loss) with live rows gives ``c``
   (`resolve_scale`, on the device).
 
@@ -37,8 +37,8 @@ import torch
 from torch import Tensor, nn
 
 from ..stats.loss_scale import cross_entropy_scale
-from .sharing import FactorPlan, same_data
 from ..stats.rows import gather_rows, sample_positions, usable_positions
+from .sharing import FactorPlan, same_data
 
 _HANDLE_ATTR = "_kfac_stream_handles"
 
@@ -104,6 +104,8 @@ def _batch_input(args: tuple, kwargs: dict[str, Any]) -> Tensor | None:
 
 
 def logits_of(output: Any) -> Tensor | None:
+    """The logits in a model's output (a tensor, ``.logits``, a dict or the first ≥2-D tensor
+    of a tuple), or None."""
     if isinstance(output, Tensor):
         return output
     logits = getattr(output, "logits", None)
