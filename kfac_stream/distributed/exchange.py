@@ -2,9 +2,12 @@ r"""Moving each rank's sampled rows, or its partial statistics, to the owner of 
 
 ::
 
-    rank 0: rows_A0 [n0, d]  ─┐                       owner of key (say rank 1):
-    rank 1: rows_A1 [n1, d]  ─┼─ "rows":  gather ───▶  cat(rows_A0, rows_A1, ...) [Σn, d]
-    rank 2: rows_A2 [n2, d]  ─┘  "stats": reduce ──▶  Σ_r rows_rᵀ rows_r [d, d], Σ_r n_r
+    rank 0: rows_A0 [n0, d]  ─┐                          owner of key (say rank 1):
+    rank 1: rows_A1 [n1, d]  ─┼─ "rows":  all_to_all ──▶  cat(rows_A0, rows_A1, ...) [Σn, d]
+    rank 2: rows_A2 [n2, d]  ─┘  "stats": reduce ─────▶  Σ_r rows_rᵀ rows_r [d, d], Σ_r n_r
+
+Rows arrive already weighted (each multiplied by the square root of its sampling weight), so
+the owner's ``Σ rowsᵀrows`` is ``Σ_s w_s x_s x_sᵀ`` and the exchanged weights give ``n``.
 
 Either way the owner's statistic is exactly what one process would compute on the union of
 all ranks' sampled positions (token-weighted: uneven ``n_r``, and ``n_r = 0``, are exact).
@@ -182,7 +185,7 @@ def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool
         result.positions[key] = int(table[:, 2 * k + j].sum())
         rows = local.get(key, torch.zeros(0, d, dtype=dtype, device=device))
         result.bytes_rows += rows_bytes(per_rank, owner, d, esize)
-        result.bytes_stats += stats_bytes(world_size, d, diagonal, rows.element_size())
+        result.bytes_stats += stats_bytes(world_size, d, diagonal, max(4, rows.element_size()))
         how = strategy or choose_strategy(per_rank, owner, d, diagonal, esize)
         plans.append(_Plan(key, j, d, diagonal, owner, per_rank, how, rows))
     rows_plans = [p for p in plans if p.how == "rows"]
