@@ -54,6 +54,7 @@ bench: $(STAMP) $(BENCH_PEERS)  ## run every benchmark (~35 min on 2 cores), wri
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/snapshot_query.py
 	$(PY) benchmarks/distributed.py
+	$(PY) benchmarks/scale.py
 	$(PY) benchmarks/peers.py
 	$(PY) benchmarks/uncertainty.py
 	$(PY) benchmarks/uncertainty.py --task classification

@@ -94,9 +94,20 @@ def cls_rows(d: dict) -> list[str]:
     return rows
 
 
+def scale_rows(d: dict) -> list[str]:
+    rows = []
+    for every, r in d["results"]["Llama-2-7B"]["8"].items():
+        rows.append(f"| predicted per-step overhead at scale, update_every={every} (goal ≤ "
+                    f"{2 if every == '10' else 5}%; a cost model, not a GPU measurement) | "
+                    f"{100 * r['after']['overhead']:.3g}% (before issue 12: "
+                    f"{100 * r['before']['overhead']:,.0f}%) | Llama-2-7B, ZeRO-3 on 8 H100 | "
+                    "[scale](#predicted-overhead-at-scale-benchmarksscalepy) |")
+    return rows
+
+
 def main() -> None:
     parts = {"overhead": overhead_rows, "peers": peer_rows, "uncertainty": lm_rows,
-             "uncertainty_classification": cls_rows}
+             "uncertainty_classification": cls_rows, "scale": scale_rows}
     rows, missing = [], []
     for name, fn in parts.items():
         d = load(name)
