@@ -120,7 +120,8 @@ class BlockClock(TrainerCallback):
         elif prev == "plain":  # re-attach the same hooks a fresh tracker would
             layers = {n: self.model.get_submodule(n) for n in tr.specs}
             tr.capture = CaptureHooks(self.model, layers, tr.plan, tr.config.token_fraction,
-                                      tr.config.seed + step, tr.capture.row_dtype, tr.device)
+                                      tr.config.seed + step, tr.capture.row_dtype, tr.device,
+                                      sum_dtype=tr.capture.sum_dtype)
 
     def start(self, step: int) -> None:
         self._set_mode(step)

@@ -79,6 +79,8 @@ class UpdateJob:
         ok: 0-dim bool: finite statistics and every pass's loss scale known.
         residual: 0-dim largest loss-scale fit residual (empirical Fisher), or None.
         event: CUDA event recorded after the job's tensors were queued (None on CPU).
+        sums: ``{factor key: Σ_s w_s x_s⊙x_s [d]}`` of the diagonal factors (float32, float64
+            for float64 storage): reduced in the hooks, they never travel as rows.
     """
 
     step: int
@@ -88,6 +90,7 @@ class UpdateJob:
     ok: Tensor
     residual: Tensor | None = None
     event: object = None
+    sums: dict[str, Tensor] = field(default_factory=dict)
 
 
 def plan_tracking(model: nn.Module, config: KFACConfig
@@ -132,7 +135,7 @@ class Tracker:
         # on a GPU the rows stay in the activations' dtype until `_collect` scales them
         seed = config.seed + 1_000_003 * self.rank  # independent streams per rank
         self.capture = CaptureHooks(model, layers, self.plan, config.token_fraction, seed,
-                                    None if on_gpu else wide, self.device)
+                                    None if on_gpu else wide, self.device, sum_dtype=wide)
         self.mc_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
         self.counters = Counters()
         self.step: int | None = None
@@ -211,25 +214,31 @@ class Tracker:
             self.counters.tracker_seconds += self._last_end - t0
 
     def _collect(self, passes) -> UpdateJob | None:
-        """Weighted, scaled rows per factor key; device ops only (no host read)."""
+        """Weighted, scaled rows (dense factors) and sums (diagonal factors) per factor key;
+        device ops only (no host read)."""
         rows: dict[str, list[Tensor]] = {}
+        sums: dict[str, Tensor] = {}
         weights: dict[str, Tensor] = {}
         positions: dict[str, Tensor] = {}
         bad: list[Tensor] = []
         residuals: list[Tensor] = []
 
-        def add(key: str, x: Tensor, w_sum: Tensor, count: Tensor) -> None:
-            rows.setdefault(key, []).append(x)
+        def count(key: str, w_sum: Tensor, n: Tensor) -> None:
             weights[key] = weights[key] + w_sum if key in weights else w_sum
-            positions[key] = positions[key] + count if key in positions else count
+            positions[key] = positions[key] + n if key in positions else n
+
+        def add_sum(key: str, x: Tensor) -> None:
+            sums[key] = sums[key] + x if key in sums else x
 
         for rec in passes:
-            if not rec.g_rows:
+            if not (rec.g_rows or rec.g_sums):
                 continue
             c = rec.resolve_scale()
             if c is None or isinstance(c, Tensor):
-                g_live = torch.stack([g.abs().sum().to(torch.float64)
-                                      for gs in rec.g_rows.values() for g in gs]).sum() > 0
+                g_live = torch.stack(
+                    [g.abs().sum().to(torch.float64) for gs in rec.g_rows.values() for g in gs]
+                    + [g.sum().to(torch.float64) for gs in rec.g_sums.values() for g in gs]
+                ).sum() > 0
                 if c is None:  # no logits hook fired: fine only if no gradient arrived
                     bad.append(g_live)
                     c = 1.0
@@ -240,28 +249,41 @@ class Tracker:
                     residuals.append(torch.where(fitted, rec.residual(), 0.0))
             keep = (rec.weight > 0)[:, None]  # [m, 1]
             root = rec.weight.sqrt()[:, None]  # [m, 1]
-            w_sum, count = rec.weight.sum(), keep.sum()
+            w_sum, n_pos = rec.weight.sum(), keep.sum()
             for key, parts in rec.a_rows.items():
                 for a in parts:
                     a = a.to(self.row_dtype)
                     if self._a_has_bias[key]:
                         a = with_bias_column(a)
-                    add(key, torch.where(keep, a * root.to(a.dtype), 0.0), w_sum, count)
+                    rows.setdefault(key, []).append(
+                        torch.where(keep, a * root.to(a.dtype), 0.0))
+                    count(key, w_sum, n_pos)
+            for key, parts in rec.a_sums.items():
+                for a in parts:  # Σ w a⊙a [d_in]; the bias entry is Σ w·1²
+                    if self._a_has_bias[key]:
+                        a = torch.cat([a, w_sum.reshape(1).to(a.dtype)])
+                    add_sum(key, a)
+                    count(key, w_sum, n_pos)
             g_root = root / c  # [m, 1]
             for name, parts in rec.g_rows.items():
                 for g in parts:
                     g = g.to(self.row_dtype)
-                    add(self.plan.g_key(name), torch.where(keep, g * g_root.to(g.dtype), 0.0),
-                        w_sum, count)
-        if not rows and self.world_size == 1:
+                    rows.setdefault(self.plan.g_key(name), []).append(
+                        torch.where(keep, g * g_root.to(g.dtype), 0.0))
+                    count(self.plan.g_key(name), w_sum, n_pos)
+            for name, parts in rec.g_sums.items():
+                for g in parts:  # Σ w (c·g)⊙(c·g) / c²
+                    add_sum(self.plan.g_key(name), g / (c * c))
+                    count(self.plan.g_key(name), w_sum, n_pos)
+        if not rows and not sums and self.world_size == 1:
             return None
         fold = self._fold_dtype(passes)
         cat = {k: _cat(v).to(fold) for k, v in rows.items()}
-        ok = all_finite(list(cat.values()))
+        ok = all_finite(list(cat.values()) + list(sums.values()))
         if bad:
             ok = ok & ~torch.stack(bad).any().to(ok.device)
         residual = torch.stack(residuals).max() if residuals else None
-        return UpdateJob(int(self.step or 0), cat, weights, positions, ok, residual)
+        return UpdateJob(int(self.step or 0), cat, weights, positions, ok, residual, sums=sums)
 
     def _fold_dtype(self, passes) -> torch.dtype:
         """bf16 for rows that came from 16-bit activations on a GPU (tensor-core folds with
@@ -269,7 +291,7 @@ class Tracker:
         if self.device.type != "cuda" or self.row_dtype == torch.float64:
             return self.row_dtype
         for rec in passes:
-            for parts in rec.g_rows.values():
+            for parts in list(rec.g_rows.values()) + list(rec.a_rows.values()):
                 return torch.bfloat16 if parts[0].element_size() == 2 else self.row_dtype
         return self.row_dtype
 
@@ -316,7 +338,7 @@ class Tracker:
                     self._stream.synchronize()  # job tensors are free to reuse afterwards
 
     def _apply_on_stream(self, job: UpdateJob) -> None:
-        keys = list(job.rows)
+        keys = list(job.rows) + list(job.sums)
         scalars = [job.ok.to(torch.float64)] + [job.weights[k].to(torch.float64) for k in keys] \
             + [job.positions[k].to(torch.float64) for k in keys]
         if job.residual is not None:
@@ -333,6 +355,8 @@ class Tracker:
                 self._skip(job.step)
                 return
             delivered = {k: ("rows", v) for k, v in job.rows.items() if k in self.store.factors}
+            delivered.update({k: ("stats", (v, weights[k])) for k, v in job.sums.items()
+                              if k in self.store.factors})
             total_pos = max(positions.values(), default=0)
         else:
             rows = job.rows if ok else {}
@@ -342,7 +366,7 @@ class Tracker:
                                     self.world_size, self.dist.exchange_group,
                                     self.exchange_strategy, ok, transport,
                                     self._wire_dtype(rows), weights, positions, self.device,
-                                    gram_fp32)
+                                    gram_fp32, job.sums if ok else {})
             if not ex.ok:
                 self._skip(job.step)
                 return

@@ -58,6 +58,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--width", type=int, default=32)
     p.add_argument("--model", default="gpt2", help="gpt2, or llama (q/k/v, gate/up share A)")
     p.add_argument("--fold-on", default="auto", help="KFACConfig.fold_on")
+    p.add_argument("--max-dense-dim", type=int, default=8192, help="KFACConfig.max_dense_dim")
     return p.parse_args()
 
 
@@ -88,6 +89,7 @@ def main() -> None:
                      update_every=1, snapshot_every=opts.snapshot_every, fisher=opts.fisher,
                      storage_dtype=opts.storage_dtype, seed=0,
                      async_updates=opts.async_updates or None, fold_on=opts.fold_on,
+                     max_dense_dim=opts.max_dense_dim,
                      fail_on_snapshot_error=opts.fail_fatal)
     cb = KFACStreamCallback(cfg, resume_from=opts.resume,
                             spectra_media=os.environ.get("KFAC_TEST_MEDIA", "1") == "1")

@@ -109,6 +109,9 @@ class Runs:
         "ddp_device_fold_stats": ("cpu_ddp", ["--fold-on", "device", "--strategy", "stats",
                                               *PAD]),
         "ref_llama": (None, ["--batch", "4", "--model", "llama", *PAD]),
+        # diagonal factors (side > 40: attn.c_attn G, mlp.c_fc G, mlp.c_proj A) reduced in hooks
+        "ref_diag": (None, ["--batch", "4", "--max-dense-dim", "40", *PAD]),
+        "zero3_diag": ("cpu_zero3", ["--max-dense-dim", "40", "--async-updates", *PAD]),
         "zero3_llama": ("cpu_zero3", ["--model", "llama", "--async-updates", "--fold-on",
                                       "device", *PAD]),
         "zero3_fp16": ("cpu_zero3", ["--storage-dtype", "float16", *PAD]),
@@ -213,6 +216,15 @@ def test_shared_inputs_and_device_fold_across_ranks_equal_one_process(runs):
     assert max(errs.values()) <= EXACT_TOL, errs
     a, ref = info(runs.get("zero3_llama"), 0), info(runs.get("ref_llama"), 0)
     assert a["counters"]["positions_sampled"] == ref["counters"]["positions_sampled"]
+
+
+def test_diagonal_sums_across_ranks_equal_one_process(runs):
+    errs = errors("zero3_diag", "ref_diag", runs)
+    got = factors(runs.get("zero3_diag"))
+    assert sum(t.dim() == 1 for t in got.values()) == 6  # 2 blocks × (c_attn G 96, c_fc G 128,
+    # mlp.c_proj A 129) at width 32
+    print(f"zero3 diagonal sums: max relative error {max(errs.values()):.2e}")
+    assert max(errs.values()) <= EXACT_TOL, errs
 
 
 def test_fp16_storage_within_budget(runs):

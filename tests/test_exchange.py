@@ -41,6 +41,20 @@ def _worker(rank, world, init_file, q):
         for key, (_, rows) in ex.owned.items():
             union = [local_rows(r)[key] for r in range(world) if r != 1 and key in local_rows(r)]
             assert torch.equal(rows, torch.cat(union)), key
+        # a diagonal factor reduced on each rank (the tracker's hooks do that) arrives summed
+        rows = local_rows(rank)
+        partial = {"l1.A": rows["l1.A"].square().sum(0)} if "l1.A" in rows else {}
+        ex = exchange_to_owners({k: v for k, v in rows.items() if k != "l1.A"}, DIMS, own, rank,
+                                world, dtype=torch.float64, sums=partial,
+                                weights={"l1.A": 2.5 * COUNTS[rank]["l1.A"]},
+                                positions={"l1.A": COUNTS[rank]["l1.A"]})
+        if own.owner["l1.A"] == rank:
+            kind, (stat, n) = ex.owned["l1.A"]
+            union = torch.cat([local_rows(r)["l1.A"] for r in range(world)
+                               if "l1.A" in local_rows(r)])
+            assert kind == "stats" and n == 2.5 * union.shape[0]
+            assert torch.allclose(stat, union.square().sum(0), rtol=1e-13, atol=0)
+        assert ex.positions["l1.A"] == sum(COUNTS[r]["l1.A"] for r in range(world))
         assert agree_with_rank0(f"run-dir-of-rank-{rank}") == "run-dir-of-rank-0"
         q.put((rank, sorted(got)))
     finally:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..stats.covariance import weighted_squares
 from ..stats.loss_scale import cross_entropy_scale
 from ..stats.rows import gather_rows, sample_positions, usable_positions
 from .sharing import FactorPlan, same_data
@@ -58,6 +59,9 @@ class PassRecord:
         a_rows: ``{A key: [a_rows [m, d_in], ...]}``, one per forward call of the layer (the
             group leader for a shared A) whose output received a gradient.
         g_rows: ``{layer: [g_rows [m, d_out], ...]}``, still scaled by ``c``.
+        a_sums, g_sums: The same for diagonal factors (side > ``max_dense_dim``), reduced at
+            once to ``Σ_s w_s x_s⊙x_s`` (``[d]``; no bias entry; ``g`` still scaled by
+            ``c``): a diagonal factor never needs its rows, and they are the widest.
         outputs: Tracked layer outputs that require grad (used by the MC pass).
     """
 
@@ -68,6 +72,8 @@ class PassRecord:
     fits: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)
     a_rows: dict[str, list[Tensor]] = field(default_factory=dict)
     g_rows: dict[str, list[Tensor]] = field(default_factory=dict)
+    a_sums: dict[str, list[Tensor]] = field(default_factory=dict)
+    g_sums: dict[str, list[Tensor]] = field(default_factory=dict)
     outputs: list[Tensor] = field(default_factory=list)
 
     def resolve_scale(self) -> Tensor | float | None:
@@ -130,9 +136,11 @@ class CaptureHooks:
 
     def __init__(self, model: nn.Module, layers: dict[str, nn.Module], plan: FactorPlan,
                  token_fraction: float, seed: int, row_dtype: torch.dtype | None,
-                 device: torch.device) -> None:
+                 device: torch.device, sum_dtype: torch.dtype = torch.float32) -> None:
         self.token_fraction = token_fraction
         self.row_dtype = row_dtype
+        self.sum_dtype = sum_dtype
+        self._diagonal = {key for key, (_, diag) in plan.dims.items() if diag}
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.capturing = False
@@ -268,6 +276,7 @@ class CaptureHooks:
         leader = self._leader.get(name)
         a_key = self._a_key[name]
         gathers_a = leader is None or leader == name
+        a_diag, g_diag = a_key in self._diagonal, FactorPlan.g_key(name) in self._diagonal
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             rec = self.current
@@ -278,6 +287,8 @@ class CaptureHooks:
                 self._check_shared(name, leader, x)
             a = gather_rows(x, rec.index, rec.n_positions, self.row_dtype) if gathers_a \
                 else None  # [m, d_in]
+            if a is not None and a_diag:
+                a = weighted_squares(a, rec.weight, self.sum_dtype)  # [d_in]
             if self.keep_outputs:  # MC pass only: the driver differentiates w.r.t. them
                 rec.outputs.append(output)
 
@@ -285,9 +296,13 @@ class CaptureHooks:
                 if grad is None:
                     return
                 g = gather_rows(grad, rec.index, rec.n_positions, self.row_dtype)  # [m, d_out]
-                rec.g_rows.setdefault(name, []).append(g)
+                if g_diag:
+                    rec.g_sums.setdefault(name, []).append(
+                        weighted_squares(g, rec.weight, self.sum_dtype))  # [d_out]
+                else:
+                    rec.g_rows.setdefault(name, []).append(g)
                 if a is not None:
-                    rec.a_rows.setdefault(a_key, []).append(a)
+                    (rec.a_sums if a_diag else rec.a_rows).setdefault(a_key, []).append(a)
 
             output.register_hook(on_grad)
 

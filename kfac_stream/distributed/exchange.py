@@ -106,7 +106,8 @@ def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool
                        weights: dict[str, float] | None = None,
                        positions: dict[str, int] | None = None,
                        device: torch.device | None = None,
-                       gram_fn: Callable[[Tensor, bool], Tensor] | None = None) -> Exchanged:
+                       gram_fn: Callable[[Tensor, bool], Tensor] | None = None,
+                       sums: dict[str, Tensor] | None = None) -> Exchanged:
     """Bring every factor's rows (or partial sums) to its owner.
 
     Collective: every rank calls it with the same keys (``dims``), in the same order. One
@@ -139,14 +140,17 @@ def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool
         device: Where the buffers live (the group's backend must serve it; default CPU).
         gram_fn: ``(rows, diagonal) -> Σ rowsᵀrows`` for the partial statistics (default:
             summed in float64, returned in the rows' dtype).
+        sums: ``{key: partial statistic}`` already reduced on this rank (diagonal factors:
+            ``Σ w x⊙x``, ``[d]``); such keys always take the statistics strategy, and their
+            table count is 1 per contributing rank instead of rows.
     """
     keys = list(dims)
     device = device or torch.device("cpu")
     dtype = dtype or next((t.dtype for t in local.values()), torch.float32)
     gram_fn = gram_fn or _default_gram
-    weights, positions = weights or {}, positions or {}
+    weights, positions, sums = weights or {}, positions or {}, sums or {}
     k = len(keys)
-    mine = [0.0] * (4 * k + 1)  # slots | weights | positions | exponents | ok
+    mine = [0.0] * (5 * k + 1)  # slots | weights | positions | exponents | summed | ok
     amax = {}
     if transport is not None and ok and local:
         present = [key for key in keys if key in local and local[key].numel()]
@@ -154,20 +158,26 @@ def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool
             maxima = torch.stack([local[key].abs().max() for key in present]).tolist()
             amax = dict(zip(present, maxima))
     for j, key in enumerate(keys):
-        if key in local and ok:
+        if key in sums and ok:
+            mine[j] = 1
+            mine[k + j] = float(weights[key])
+            mine[2 * k + j] = positions[key]
+            mine[4 * k + j] = 1.0
+        elif key in local and ok:
             m = local[key].shape[0]
             mine[j] = m
             mine[k + j] = float(weights.get(key, m))
             mine[2 * k + j] = positions.get(key, m)
             mine[3 * k + j] = transport_exponent_of(amax.get(key, 0.0))
-    mine[4 * k] = float(ok)
+    mine[5 * k] = float(ok)
     row = torch.tensor(mine, dtype=torch.float64, device=device)
     every = [torch.zeros_like(row) for _ in range(world_size)]
     dist.all_gather(every, row, group=group)
-    table = torch.stack(every).cpu()  # [W, 4K+1]
+    table = torch.stack(every).cpu()  # [W, 5K+1]
     slots = table[:, :k].long()
     exps = table[:, 3 * k:4 * k].long()
-    result = Exchanged(ok=bool(table[:, 4 * k].min() > 0))
+    summed = table[:, 4 * k:5 * k].amax(0) > 0  # [K]: some rank sent a reduced sum
+    result = Exchanged(ok=bool(table[:, 5 * k].min() > 0))
     if not result.ok:
         return result
     wire = transport or dtype
@@ -183,6 +193,13 @@ def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool
             continue
         result.weights[key] = float(table[:, k + j].sum())
         result.positions[key] = int(table[:, 2 * k + j].sum())
+        if bool(summed[j]):  # already reduced: only the statistics strategy makes sense
+            zero = torch.zeros(d if diagonal else (d, d), dtype=torch.float64
+                               if dtype == torch.float64 else torch.float32, device=device)
+            plans.append(_Plan(key, j, d, diagonal, owner, per_rank, "stats",
+                               sums.get(key, zero), summed=True))
+            result.bytes_stats += stats_bytes(world_size, d, diagonal, 4)
+            continue
         rows = local.get(key, torch.zeros(0, d, dtype=dtype, device=device))
         result.bytes_rows += rows_bytes(per_rank, owner, d, esize)
         result.bytes_stats += stats_bytes(world_size, d, diagonal, max(4, rows.element_size()))
@@ -214,7 +231,8 @@ class _Plan:
     owner: int
     per_rank: list[int]  # m_r of every rank
     how: str  # "rows" | "stats"
-    rows: Tensor  # this rank's [m_r, d]
+    rows: Tensor  # this rank's [m_r, d], or its partial sum when ``summed``
+    summed: bool = False
 
 
 def _all_to_all_rows(plans: list[_Plan], exps: Tensor, rank: int, world: int,
@@ -266,7 +284,8 @@ def _reduce_stats(plans: list[_Plan], rank: int, world: int, dtype: torch.dtype,
         if not mine:
             continue
         wide = torch.float64 if dtype == torch.float64 else torch.float32  # bf16 rows: fp32 sums
-        parts = [gram_fn(p.rows, p.diagonal).to(wide) for p in mine]  # [d, d] or [d]
+        parts = [(p.rows if p.summed else gram_fn(p.rows, p.diagonal)).to(wide)
+                 for p in mine]  # [d, d] or [d]
         flat = torch.cat([x.reshape(-1) for x in parts])
         work = dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM, group=group, async_op=True)
         pending.append((owner, mine, parts, flat, work))

@@ -30,6 +30,22 @@ def gram(rows: Tensor, diagonal: bool = False) -> Tensor:
     return rows.square().sum(0) if diagonal else rows.T @ rows
 
 
+def weighted_squares(rows: Tensor, weight: Tensor, dtype: torch.dtype) -> Tensor:
+    """``Σ_s w_s x_s ⊙ x_s``: the diagonal statistic of weighted rows, reduced at once.
+
+    Args:
+        rows: ``[m, d]`` (any float dtype).
+        weight: ``[m]`` sampling weights; rows with ``w = 0`` (padding) are left out even if
+            they hold NaN/Inf.
+        dtype: Dtype of the sum (float32, or float64).
+
+    Returns:
+        ``[d]`` in ``dtype``.
+    """
+    keep = (weight > 0)[:, None]
+    return torch.where(keep, rows.to(dtype).square(), 0.0).mul_(weight[:, None].to(dtype)).sum(0)
+
+
 def second_moment(rows: Tensor, diagonal: bool = False) -> Tensor:
     """Mean outer product of rows, ``XᵀX / n`` (``n ≥ 1``); see `gram`."""
     return gram(rows, diagonal).div_(rows.shape[0])
