@@ -12,7 +12,7 @@ Method
   storage, max_dense_dim 8192, snapshot_every 500), update_every k = 10 and 1. Plain step =
   6 * P * tokens / (989 TFLOP/s * MFU 0.40).
 * Per rank and update (max over ranks): captured rows (before: fp32, all copied to the host;
-  after: bf16, kept on the GPU), host copy (after: fp32 sums of the owned factors once per K = 8
+  after: bf16, kept on the GPU; a diagonal factor keeps only its fp32 ``[d]`` sum), host copy (after: fp32 sums of the owned factors once per K = 8
   updates if they fit the 4 GiB device budget, else K = 1), bytes sent/received, fold FLOPs
   (2 N d^2 dense, 2 N d diagonal; before the CPU store's upper triangle N d (d+1)), CPU EMA
   entries, CPU factor bytes, eigh FLOPs per snapshot (9 d^3 per dense factor, a round figure for
@@ -115,9 +115,11 @@ def plain_step_s(params: int, tokens: int = TOKENS, dev: dict = DEVICE) -> float
     return 6 * params * tokens / (dev["peak_bf16"] * dev["mfu"])
 
 
-def rows_bytes(dims: dict, n_r: int, elem: int) -> int:
-    """Captured rows of one update on one rank: ``n_r · d · elem`` per factor key."""
-    return sum(n_r * d * elem for d, _ in dims.values())
+def rows_bytes(dims: dict, n_r: int, elem: int, diagonal_as_sums: bool = False) -> int:
+    """Captured rows of one update on one rank: ``n_r · d · elem`` per factor key; with
+    ``diagonal_as_sums`` (after issue 12) a diagonal factor holds its fp32 ``[d]`` sum instead."""
+    return sum(4 * d if diag and diagonal_as_sums else n_r * d * elem
+               for d, diag in dims.values())
 
 
 def fold_flops(n: int, d: int, diagonal: bool, upper: bool = False) -> float:
@@ -171,7 +173,7 @@ def predict(lay: dict, world: int, every: int, rates: dict, dev: dict = DEVICE) 
     for when in ("before", "after"):
         dims, before = lay[when], when == "before"
         ranks = rank_loads(dims, world, n_r, upper=before)
-        captured = rows_bytes(dims, n_r, 4 if before else 2)
+        captured = rows_bytes(dims, n_r, 4 if before else 2, diagonal_as_sums=not before)
         gloo = sum(r["recv"] for r in ranks) / rates["gloo_Bps"] + world * dev["gloo_latency_s"]
         per = []
         for r in ranks:

@@ -19,6 +19,8 @@ def test_rows_of_one_layer_and_fold_flops_of_one_factor():
     assert scale.N_R == 820  # ceil(0.05 * 4 * 4096)
     q_proj = {"q.A": (4096, False), "q.G": (4096, False)}
     assert scale.rows_bytes(q_proj, 820, 2) == 820 * (4096 + 4096) * 2 == 13_434_880
+    down = {"down.A": (11008, True), "down.G": (4096, False)}  # a diagonal A keeps its [d] sum
+    assert scale.rows_bytes(down, 820, 2, diagonal_as_sums=True) == 4 * 11008 + 820 * 4096 * 2
     assert scale.fold_flops(6560, 4096, False) == 2 * 6560 * 4096**2 == 220_117_073_920
     assert scale.fold_flops(6560, 4096, False, upper=True) == 6560 * 4096 * 4097
     assert scale.fold_flops(6560, 11008, True) == 2 * 6560 * 11008
