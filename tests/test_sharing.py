@@ -58,6 +58,7 @@ def test_shared_A_equals_per_layer_A_bit_for_bit(tmp_path):
     q, k = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"
     assert a.meta["shared_inputs"] == [list(g) for g in shared.tracker.plan.groups]
     assert a.meta["layers"][k]["A"]["key"] == q + ".A"
+    assert a[k].A is a[q].A  # loaded once, not once per layer
     assert a.meta["layers"][k]["A"]["spectrum"] == a.meta["layers"][q]["A"]["spectrum"]
     with safe_open(f"{a.path}/shard-00000-of-00001.safetensors", "pt") as f:
         stored = {key for key in f.keys() if key.endswith(".A")}

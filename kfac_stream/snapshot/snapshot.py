@@ -106,6 +106,7 @@ class Snapshot:
             except Exception as e:  # safetensors raises its own error types
                 raise SnapshotError(f"{fpath}: not a readable safetensors file ({e})") from None
         layers = {}
+        values: dict[str, torch.Tensor] = {}  # dequantised once per stored key (a shared A)
         for name, info in meta["layers"].items():
             parts = {}
             for factor in ("A", "G"):
@@ -123,7 +124,9 @@ class Snapshot:
                     raise SnapshotError(f"{path}: tensor {key!r} has shape {tuple(data.shape)}, "
                                         f"manifest says {want}")
                 out = torch.float64 if data.dtype == torch.float64 else torch.float32
-                parts[factor] = data.to(out) * tensors[f"{key}.scale"].to(out)
+                if key not in values:
+                    values[key] = data.to(out) * tensors[f"{key}.scale"].to(out)
+                parts[factor] = values[key]
                 vals, vecs = tensors.get(f"{key}.eigvals"), tensors.get(f"{key}.eigvecs")
                 if vals is None or tuple(vals.shape) != (d,) or (
                         not finfo["diagonal"] and (vecs is None or tuple(vecs.shape) != (d, d))):
