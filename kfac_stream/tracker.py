@@ -126,6 +126,8 @@ class Tracker:
         self.plan = plan or plan_factors(specs, config.max_dense_dim)
         self.dist = dist_ctx
         self.rank, self.world_size = (dist_ctx.rank, dist_ctx.world_size) if dist_ctx else (0, 1)
+        if dist_ctx is not None:  # before any hook goes on the model
+            _check_same_plan(dist_ctx, self.plan)
         self.device = _model_device(model)
         on_gpu = self.device.type == "cuda"
         self.fold_on = config.fold_on if config.fold_on != "auto" else (
@@ -152,8 +154,6 @@ class Tracker:
         self.store = FactorStore(config.storage_dtype, config.ema_decay, device_budget=budget)
         for key in self.ownership.owned_by(self.rank):
             self.store.add(key, *self.dims[key])
-        if dist_ctx is not None:
-            _check_same_plan(dist_ctx, self.plan)
         self.exchange_strategy: str | None = None  # None: per factor by bytes (tests force)
         self.last_exchange = None  # the latest `Exchanged` report (multi-process; benchmarks)
         self._stream = torch.cuda.Stream(self.device) if on_gpu else None
