@@ -38,8 +38,10 @@ class KFACConfig:
         snapshot_every: Write a snapshot every ``snapshot_every`` optimizer steps; one is
             also written at the end of training. (Default: 500)
         fisher: ``"empirical"`` (observed labels, reuses the training backward) or ``"mc"``
-            (labels sampled from the model, own forward + backward after the optimizer step
-            of update steps). (Default: "empirical")
+            (labels sampled from the model; on update steps an extra backward to the tracked
+            layers' outputs, taken inside the training forward; replayed with its own forward
+            after the optimizer step under DeepSpeed ZeRO-3, gradient checkpointing or fp16
+            autocast, see `kfac_stream.mc`). (Default: "empirical")
         include: Regexes (``re.search``) over module names from ``model.named_modules()``;
             a supported layer is tracked if one matches. ``None``: every trainable
             Linear/Conv1D inside the transformer blocks (not the LM head or embeddings).

@@ -36,7 +36,7 @@ from .config import KFACConfig
 from .distributed.context import DistContext
 from .distributed.exchange import exchange_to_owners
 from .distributed.ownership import Ownership, assign_owners
-from .mc import mc_fisher_pass
+from .mc import mc_fisher_pass, mc_grad_in_forward
 from .stats.covariance import all_finite, gram, with_bias_column
 from .store.factor_store import FactorStore
 
@@ -138,6 +138,7 @@ class Tracker:
         seed = config.seed + 1_000_003 * self.rank  # independent streams per rank
         self.capture = CaptureHooks(model, layers, self.plan, config.token_fraction, seed,
                                     None if on_gpu else wide, self.device, sum_dtype=wide)
+        self._zero3 = _zero3_enabled()
         self.mc_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
         self.counters = Counters()
         self.step: int | None = None
@@ -174,9 +175,31 @@ class Tracker:
         self.step = step
         self.is_update_step = step % self.config.update_every == 0
         mc = self.config.fisher == "mc"
+        in_forward = mc and self.is_update_step and self._mc_in_forward_ok()
         self.capture.take()
-        self.capture.capturing = self.is_update_step and not mc
+        self.capture.capturing = self.is_update_step and (not mc or in_forward)
         self.capture.record_inputs = self.is_update_step and mc
+        self.capture.keep_outputs = in_forward
+        self.capture.estimate_scale = not mc
+        self.capture.on_forward_end = self._mc_in_forward if in_forward else None
+
+    def _mc_in_forward_ok(self) -> bool:
+        """The MC gradient can be taken inside the training forward: not under DeepSpeed
+        ZeRO-3, not with gradient checkpointing (see `mc`)."""
+        if self._zero3:
+            return False
+        model = self.capture.model
+        for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+            try:
+                if getattr(model, attr):
+                    return False
+                break
+            except AttributeError:
+                continue
+        return True
+
+    def _mc_in_forward(self, rec, output) -> None:
+        mc_grad_in_forward(rec, output, self.mc_generator)
 
     def end_step(self, model: nn.Module) -> bool:
         """Finish the step; returns True if an update was handed to the worker.
@@ -193,13 +216,15 @@ class Tracker:
             if not self.is_update_step:
                 self.capture.take()
                 return False
-            if self.config.fisher == "mc":
-                _, inputs = self.capture.take()
-                self.capture.record_inputs = False
+            passes, inputs = self.capture.take()
+            self.capture.capturing = self.capture.record_inputs = False
+            self.capture.keep_outputs, self.capture.on_forward_end = False, None
+            if self.config.fisher == "mc":  # replay what the forward could not take
+                inputs += [rec.inputs for rec in passes if rec.replay]
+                passes = [rec for rec in passes if not rec.replay]
                 for kwargs in inputs:
                     mc_fisher_pass(model, self.capture, kwargs, self.mc_generator)
-            passes, _ = self.capture.take()
-            self.capture.capturing = self.capture.record_inputs = False
+                passes += self.capture.take()[0]
             job = self._collect(passes)
             if job is None:
                 return False
@@ -484,6 +509,14 @@ def gram_fp32(rows: Tensor, diagonal: bool) -> Tensor:
     if rows.is_cuda:
         return torch.mm(rows.T, rows, out_dtype=torch.float32)
     return gram(rows.float(), diagonal)
+
+
+def _zero3_enabled() -> bool:
+    try:
+        from transformers.integrations import is_deepspeed_zero3_enabled
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(is_deepspeed_zero3_enabled())
 
 
 def _model_device(model: nn.Module) -> torch.device:

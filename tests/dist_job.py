@@ -59,6 +59,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--model", default="gpt2", help="gpt2, or llama (q/k/v, gate/up share A)")
     p.add_argument("--fold-on", default="auto", help="KFACConfig.fold_on")
     p.add_argument("--max-dense-dim", type=int, default=8192, help="KFACConfig.max_dense_dim")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="gradient checkpointing (the MC Fisher pass is then replayed)")
     return p.parse_args()
 
 
@@ -101,7 +103,7 @@ def main() -> None:
         warmup_steps=0, weight_decay=0.0, max_grad_norm=0.0, report_to=[], use_cpu=True,
         save_strategy="steps" if opts.save_steps else "no", save_steps=opts.save_steps or 500,
         logging_strategy="no", disable_tqdm=True, seed=0,
-        bf16=opts.bf16, dataloader_drop_last=True)
+        bf16=opts.bf16, dataloader_drop_last=True, gradient_checkpointing=opts.checkpointing)
 
     class SequentialTrainer(Trainer):
         def _get_train_sampler(self, *a, **k):

@@ -97,6 +97,10 @@ class Runs:
     SPECS = {  # name: (launch config or None for one plain process, job arguments)
         "ref": (None, ["--batch", "4", *PAD]),
         "ref_mc": (None, ["--batch", "4", "--fisher", "mc", *PAD]),
+        # the MC pass replayed after the step (as ZeRO-3 must), in one process
+        "ref_mc_replay": (None, ["--batch", "4", "--fisher", "mc", "--checkpointing", *PAD]),
+        # the MC gradient taken inside the training forward, under DDP
+        "ddp_mc": ("cpu_ddp", ["--fisher", "mc", *PAD]),
         "ref_bf16": (None, ["--batch", "4", "--bf16", *PAD]),
         "ddp": ("cpu_ddp", PAD),
         "zero1": ("cpu_zero1", PAD),
@@ -240,17 +244,23 @@ def test_bf16(runs, engine):
     assert max(errs.values()) <= BF16_TOL, errs
 
 
-def test_mc_fisher_under_zero3(runs):
-    got, want = factors(runs.get("zero3_mc")), factors(runs.get("ref_mc"))
+@pytest.mark.parametrize("engine,ref", [("zero3_mc", "ref_mc_replay"), ("ddp_mc", "ref_mc")],
+                         ids=["zero3-replayed-after-step", "ddp-in-forward"])
+def test_mc_fisher_under_zero3_and_ddp(runs, engine, ref):
+    # ZeRO-3 replays the MC pass after the optimizer step (its reference too: checkpointing);
+    # DDP takes the MC gradient inside the training forward (as its one-process reference)
+    got, want = factors(runs.get(engine)), factors(runs.get(ref))
     emp = factors(runs.get("ref"))
     for key in want:
-        if key.endswith(".A"):  # same inputs, same weights after the optimizer step
+        if key.endswith(".A"):  # same inputs, same weights at the forward that made A
             assert rel(got[key], want[key]) <= EXACT_TOL, key
         else:
             ratio = float(got[key].trace() / want[key].trace())
             assert abs(ratio - 1) <= MC_TRACE_TOL, (key, ratio)
-            assert abs(float(emp[key].trace() / want[key].trace()) - 1) > MC_TRACE_TOL
-    assert info(runs.get("zero3_mc"), 0)["counters"]["skipped_updates"] == 0
+            # the MC G is not the empirical one (measured: relative distance 1.0-3.9; their
+            # traces can be within 10%, so the matrices are compared)
+            assert min(rel(emp[key], want[key]), rel(emp[key], got[key])) > 0.5, key
+    assert info(runs.get(engine), 0)["counters"]["skipped_updates"] == 0
 
 
 def _log_table(log: str) -> dict[int, tuple[int, int]]:

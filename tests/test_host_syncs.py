@@ -8,10 +8,12 @@ the backward on the calling thread, so the capture hooks are counted too. The co
 ``Trainer`` run with the callback is compared with the same run without it, step for step.
 
 Every sync is attributed by the innermost frame outside torch: kfac_stream's own code, or the
-model's (transformers). The MC Fisher pass replays each micro-batch's forward after the
-optimizer step, and that forward makes whatever syncs the model's forward makes (with an
-attention mask, transformers' SDPA mask builder checks ``padding_mask.all()`` on the host,
-1–2 per forward); those are counted separately and are the only difference allowed.
+model's (transformers). The MC Fisher gradient is taken inside the training forward here (one
+process, no checkpointing): no extra forward, so no extra syncs at all. Where it must be
+replayed after the step (ZeRO-3, gradient checkpointing, fp16 autocast) the replayed forward
+makes whatever syncs the model's forward makes (transformers' SDPA mask builder checks
+``padding_mask.all()`` on the host, 1–2 per forward with an attention mask): the last case
+below counts those separately, as the only difference allowed there.
 
 The factor worker (``async_updates=True``, the default when training on CUDA) is the one
 place allowed to read device values; it runs on its own thread, which the mode (thread-local)
@@ -93,14 +95,14 @@ class StopCounting(TrainerCallback):
         self.mode.__exit__(None, None, None)
 
 
-def _count(tmp_path, cfg: dict | None) -> SyncCounter:
+def _count(tmp_path, cfg: dict | None, **train_kwargs) -> SyncCounter:
     mode = SyncCounter()
     kfac = [] if cfg is None else [KFACStreamCallback(KFACConfig(**cfg))]
     ex = text_examples(16, 12, lengths=[12, 9, 12, 7] * 4)  # padding on every other sequence
     args = TrainingArguments(
         str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2,
         max_steps=STEPS, learning_rate=1e-3, report_to=[], use_cpu=True,
-        logging_strategy="no", save_strategy="no", disable_tqdm=True, seed=0)
+        logging_strategy="no", save_strategy="no", disable_tqdm=True, seed=0, **train_kwargs)
     trainer = Trainer(model=tiny_llama(), args=args, train_dataset=ListDataset(ex),
                       callbacks=[StopCounting(mode), *kfac, StartCounting(mode)])
     trainer.train()
@@ -125,11 +127,19 @@ def test_callback_adds_no_host_sync_per_step(tmp_path, extra):
           f"with the callback {tracked.count}")
     assert plain.count > 0  # the counter sees the Trainer's own syncs (loss .item(), ...)
     assert not tracked.ours, dict(tracked.ours)  # kfac_stream's own code: none at all
-    if extra.get("fisher") == "mc":  # only the replayed forwards' own (transformers) syncs
-        updates = -(-STEPS // extra.get("update_every", 10))
-        print(f"  of which in the model's own code during the MC replay forwards: "
-              f"{tracked.replayed} ({tracked.replayed / (2 * updates):.1f} per forward)")
-        assert 0 < tracked.replayed <= 2 * 2 * updates  # ≤ 2 per forward, 2 micro-batches
-    else:
-        assert tracked.replayed == 0
+    assert tracked.replayed == 0  # the MC gradient was taken inside the training forward
+    assert tracked.count == plain.count
+
+
+def test_replayed_mc_pass_adds_only_the_models_own_forward_syncs(tmp_path):
+    # gradient checkpointing: the MC pass is replayed after the step (see kfac_stream/mc.py)
+    cfg = {"async_updates": True, "snapshot_every": 10_000, "fisher": "mc"}
+    plain = _count(tmp_path / "plain", None, gradient_checkpointing=True)
+    tracked = _count(tmp_path / "tracked", cfg, gradient_checkpointing=True)
+    updates = -(-STEPS // 10)
+    print(f"MC replayed: host syncs over {STEPS} steps: plain {plain.count}, with the callback "
+          f"{tracked.count}, of which the model's own in the replayed forwards "
+          f"{tracked.replayed} ({tracked.replayed / (2 * updates):.1f} per forward)")
+    assert not tracked.ours, dict(tracked.ours)
+    assert 0 < tracked.replayed <= 2 * 2 * updates  # ≤ 2 per forward, 2 micro-batches
     assert tracked.count - tracked.replayed == plain.count

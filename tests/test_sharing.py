@@ -66,7 +66,7 @@ def test_shared_A_equals_per_layer_A_bit_for_bit(tmp_path):
     assert len(stored) == 8 and len(b.meta["layers"]) == 14  # 2 blocks × (qkv, o, gate/up, down)
     assert shared.tracker.counters.comm_bytes == 0
     # the posterior does not care how the factors were stored
-    model = alone.tracker.capture._model
+    model = alone.tracker.capture.model
     batch = {"input_ids": ex[0]["input_ids"][None], "attention_mask": ex[0]["attention_mask"][None]}
     m1, v1 = LaplacePosterior(model, a, prior_precision=1.0).predictive(batch, positions=-1,
                                                                         token_ids=[1, 2, 3])

@@ -30,6 +30,7 @@ beyond gathering rows; everything else happens in the tracker.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,11 @@ class PassRecord:
             once to ``Σ_s w_s x_s⊙x_s`` (``[d]``; no bias entry; ``g`` still scaled by
             ``c``): a diagonal factor never needs its rows, and they are the widest.
         outputs: Tracked layer outputs that require grad (used by the MC pass).
+        inputs: The pass's tensor kwargs (``record_inputs``: the MC Fisher needs them).
+        closed: No more rows are taken (set once the in-forward MC gradient has been taken,
+            so the training backward that follows adds nothing).
+        replay: The in-forward MC gradient was not possible for this pass: replay it after
+            the step (`mc.mc_fisher_pass`).
     """
 
     index: Tensor
@@ -75,6 +81,9 @@ class PassRecord:
     a_sums: dict[str, list[Tensor]] = field(default_factory=dict)
     g_sums: dict[str, list[Tensor]] = field(default_factory=dict)
     outputs: list[Tensor] = field(default_factory=list)
+    inputs: dict[str, Tensor] | None = None
+    closed: bool = False
+    replay: bool = False
 
     def resolve_scale(self) -> Tensor | float | None:
         """``c`` of the pass: ``scale`` if set, else the first fit with live rows (a device
@@ -148,6 +157,9 @@ class CaptureHooks:
         self.estimate_scale = True
         self.counting = True
         self.keep_outputs = False
+        # called with (record, model output) at the end of a captured training forward (the
+        # tracker's in-forward MC Fisher); None: nothing
+        self.on_forward_end: Callable[[PassRecord, Any], None] | None = None
         self.current: PassRecord | None = None
         self.passes: list[PassRecord] = []
         self.inputs: list[dict[str, Tensor]] = []
@@ -176,7 +188,7 @@ class CaptureHooks:
             self.handles.append(head.register_forward_hook(self._on_head_post))
         for name, module in layers.items():
             self.handles.append(module.register_forward_hook(self._layer_hook(name)))
-        self._model = model
+        self.model = model
         setattr(model, _HANDLE_ATTR, self.handles)
 
     @property
@@ -196,8 +208,8 @@ class CaptureHooks:
         """Remove every hook (idempotent)."""
         for h in self.handles:
             h.remove()
-        if getattr(self._model, _HANDLE_ATTR, None) is self.handles:
-            delattr(self._model, _HANDLE_ATTR)
+        if getattr(self.model, _HANDLE_ATTR, None) is self.handles:
+            delattr(self.model, _HANDLE_ATTR)
         self.handles = []
 
     def take(self) -> tuple[list[PassRecord], list[dict[str, Tensor]]]:
@@ -222,18 +234,24 @@ class CaptureHooks:
             count = usable.sum()
             self._tokens_device = count if self._tokens_device is None else (
                 self._tokens_device + count.to(self._tokens_device.device))
-        if self.record_inputs:
-            self.inputs.append({k: v.detach() for k, v in kwargs.items() if isinstance(v, Tensor)})
+        inputs = {k: v.detach() for k, v in kwargs.items() if isinstance(v, Tensor)} \
+            if self.record_inputs else None
         if not self.capturing:
+            if inputs is not None:
+                self.inputs.append(inputs)
             return
         gen = self.generator if self.generator.device == usable.device else None
         index, weight = sample_positions(usable, self.token_fraction, gen)
-        self.current = PassRecord(index=index, weight=weight, n_positions=shape[0] * shape[1])
+        self.current = PassRecord(index=index, weight=weight, n_positions=shape[0] * shape[1],
+                                  inputs=inputs)
         self.passes.append(self.current)
 
     def _on_model_post(self, module: nn.Module, args: tuple, kwargs: dict[str, Any],
                        output: Any) -> None:
         self._hook_logits(logits_of(output))
+        rec = self.current
+        if rec is not None and self.on_forward_end is not None:
+            self.on_forward_end(rec, output)
 
     def _on_head_post(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._hook_logits(output if isinstance(output, Tensor) else None)
@@ -293,7 +311,7 @@ class CaptureHooks:
                 rec.outputs.append(output)
 
             def on_grad(grad: Tensor, rec: PassRecord = rec, a: Tensor | None = a) -> None:
-                if grad is None:
+                if grad is None or rec.closed:
                     return
                 g = gather_rows(grad, rec.index, rec.n_positions, self.row_dtype)  # [m, d_out]
                 if g_diag:
