@@ -29,6 +29,19 @@ def test_cross_entropy_scale_recovers_c_without_labels(c):
     assert int(used) == 0 and torch.isnan(none)
 
 
+def test_cross_entropy_scale_finds_loss_rows_after_a_long_masked_prompt():
+    # 200 prompt positions without a loss term, then 100 with: the fit must use the latter
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(300, 50, generator=gen, dtype=torch.float64)
+    grad = torch.softmax(logits, -1)
+    grad[torch.arange(300), torch.randint(0, 50, (300,), generator=gen)] -= 1
+    grad *= 0.25
+    grad[:200] = 0
+    c, resid, used = cross_entropy_scale(logits, grad)  # 128 rows fitted, all of them live
+    assert int(used) == 100 and float(c) == pytest.approx(0.25, rel=1e-12)
+    assert float(resid) < 1e-12
+
+
 def test_cross_entropy_scale_flags_label_smoothing():
     logits = torch.randn(30, 7, dtype=torch.float64)
     target = torch.full((30, 7), 0.1 / 7, dtype=torch.float64)
