@@ -30,7 +30,7 @@ def cross_entropy_scale(logits: Tensor, grad: Tensor, max_rows: int = FIT_ROWS
     """Least-squares loss scale from logits and their gradient, as device tensors.
 
     Nothing is read on the host, and the whole ``[N, V]`` gradient is never swept: candidate
-    rows are ranked by whether any of 16 evenly strided vocabulary columns has a non-zero
+    rows are ranked by whether any of the first and last 8 vocabulary columns has a non-zero
     gradient (a loss-bearing row's gradient ``c·(p − e_y)`` is non-zero almost everywhere),
     the first ``max_rows`` candidates are taken (``topk`` over ``position + N·(not
     candidate)``), and only on those rows is liveness decided exactly and the fit made. A
@@ -49,7 +49,9 @@ def cross_entropy_scale(logits: Tensor, grad: Tensor, max_rows: int = FIT_ROWS
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     n, v = grad.shape
     grad = grad.detach()
-    probe = grad[:, ::max(1, v // 16)].abs().amax(dim=-1) > 0  # [N] likely loss-bearing
+    edge = min(8, v)  # the first and last 8 columns: contiguous, fast to reduce (measured)
+    probe = torch.maximum(grad[:, :edge].abs().amax(dim=-1),
+                          grad[:, v - edge:].abs().amax(dim=-1)) > 0  # [N] likely loss-bearing
     k = min(max_rows, n)
     keys = torch.arange(n, device=grad.device) + n * (~probe).long()
     pick = torch.topk(keys, k, largest=False, sorted=False).indices  # [k]
@@ -57,7 +59,7 @@ def cross_entropy_scale(logits: Tensor, grad: Tensor, max_rows: int = FIT_ROWS
     live = g.abs().amax(dim=-1) > 0  # [k] exact
     w = live.to(dtype)
     r = torch.softmax(logits.detach().index_select(0, pick).to(dtype), dim=-1)  # [k, V]
-    r = r.scatter_add(1, g.argmin(dim=-1, keepdim=True), -torch.ones_like(r[:, :1]))
+    r[torch.arange(k, device=r.device), g.argmin(dim=-1)] -= 1.0  # integer index: no sync
     r = r * w[:, None]
     g = g * w[:, None]
     c = (g * r).sum() / (r * r).sum()  # NaN when nothing is live (0/0)
