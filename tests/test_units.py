@@ -5,7 +5,7 @@ import torch
 
 from kfac_stream.distributed.ownership import assign_owners
 from kfac_stream.stats.covariance import second_moment, with_bias_column
-from kfac_stream.stats.loss_scale import cross_entropy_scale
+from kfac_stream.stats.loss_scale import FIT_ROWS, cross_entropy_scale
 from kfac_stream.stats.rows import sample_positions, usable_positions
 
 
@@ -37,8 +37,10 @@ def test_cross_entropy_scale_finds_loss_rows_after_a_long_masked_prompt():
     grad[torch.arange(300), torch.randint(0, 50, (300,), generator=gen)] -= 1
     grad *= 0.25
     grad[:200] = 0
-    c, resid, used = cross_entropy_scale(logits, grad)  # 128 rows fitted, all of them live
+    c, resid, used = cross_entropy_scale(logits, grad, max_rows=128)  # 100 of 128 live
     assert int(used) == 100 and float(c) == pytest.approx(0.25, rel=1e-12)
+    c, _, used = cross_entropy_scale(logits, grad)  # the default FIT_ROWS: all of them live
+    assert int(used) == FIT_ROWS and float(c) == pytest.approx(0.25, rel=1e-12)
     assert float(resid) < 1e-12
 
 
