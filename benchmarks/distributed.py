@@ -267,8 +267,8 @@ def report(results: list[dict], extra: list[dict], a, info: dict) -> str:
     lines += ["", "Fold GFLOP per rank per update stays the same from W=1 to W=2 because each "
               "update folds the union of both ranks' rows (twice as many) into half the factors: "
               "per token trained, each rank's factor FLOPs and stored bytes halve. The exchange "
-              "is latency-bound here (one all_gather plus one gather/reduce per factor over "
-              "loopback gloo); batching the per-factor collectives per owner would cut it.", "",
+              "takes one all_gather of the count table and one all_to_all of all rows (plus one "
+              "reduce per owner for statistics-strategy factors) over loopback gloo.", "",
               "Bytes moved per update, all ranks together (update_every=1 runs):", "",
               "| W | rows to owners | partial statistics to owners | per-factor choice | "
               "all-reduce of full fp32 factors |", "|---|---|---|---|---|"]
