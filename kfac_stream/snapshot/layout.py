@@ -13,7 +13,8 @@ the factor is ``scale · data``). Format 2: a layer whose A is shared with other
 input, `capture.sharing`) names the stored key in its manifest entry (``layers[name]["A"]
 ["key"]``, the group leader's ``"<leader>.A"``); the manifest's ``shared_inputs`` lists the
 groups. Format 1 (no ``key``, no sharing) is still read. A snapshot is first written to
-``.step-XXXXXXXX.tmp-<tag>`` and renamed when complete, so a directory under a final name is always whole.
+``.step-XXXXXXXX.tmp-<tag>`` and renamed when complete, so a directory under a final name
+is always whole.
 """
 
 from __future__ import annotations
