@@ -401,7 +401,7 @@ class Tracker:
             total_pos = max(ex.positions.values(), default=0)
             self.counters.comm_bytes += ex.bytes_moved
             self.counters.exchange_seconds += time.perf_counter() - t0
-        if total_pos == 0 and not any(w > 0 for w in weights.values()):
+        if not any(w > 0 for w in weights.values()):  # every sampled slot was padding
             return
         self.counters.updates += 1
         self.counters.positions_sampled += int(total_pos)

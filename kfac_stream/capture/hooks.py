@@ -90,21 +90,20 @@ class PassRecord:
         tensor, NaN if no fit had any), else None (no logits hook fired)."""
         if self.scale is not None:
             return self.scale
-        if not self.fits:
-            return None
-        c = self.fits[-1][0]
-        for fit_c, _, used in reversed(self.fits[:-1]):
-            c = torch.where(used > 0, fit_c, c)
-        return c
+        return self._first_live_fit(0)
 
     def residual(self) -> Tensor | None:
         """Relative residual of the fit that gave ``c`` (device tensor), None without fits."""
-        if self.scale is not None or not self.fits:
+        return None if self.scale is not None else self._first_live_fit(1)
+
+    def _first_live_fit(self, field: int) -> Tensor | None:
+        """Entry ``field`` of the first fit with live rows (the last fit if none has any)."""
+        if not self.fits:
             return None
-        r = self.fits[-1][1]
-        for _, fit_r, used in reversed(self.fits[:-1]):
-            r = torch.where(used > 0, fit_r, r)
-        return r
+        out = self.fits[-1][field]
+        for fit in reversed(self.fits[:-1]):
+            out = torch.where(fit[2] > 0, fit[field], out)
+        return out
 
 
 def _batch_input(args: tuple, kwargs: dict[str, Any]) -> Tensor | None:
@@ -150,7 +149,6 @@ class CaptureHooks:
         self.row_dtype = row_dtype
         self.sum_dtype = sum_dtype
         self._diagonal = {key for key, (_, diag) in plan.dims.items() if diag}
-        self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.capturing = False
         self.record_inputs = False

@@ -61,10 +61,11 @@ def all_ranks_agree(flag: bool, group=None) -> bool:
 _FP16_TARGET = 2.0**14  # largest transported magnitude (fp16 overflows at 65504)
 
 
-def transport_exponent(rows: Tensor) -> int:
-    """``e`` such that ``rows · 2^-e`` has its largest magnitude in ``(2^13, 2^14]`` (0 if all
-    zero): a power of two, so scaling is exact and only the fp16 rounding remains."""
-    return transport_exponent_of(float(rows.abs().max()) if rows.numel() else 0.0)
+def transport_exponent(amax: float) -> int:
+    """``e`` such that rows of largest magnitude ``amax`` scaled by ``2^-e`` have it in
+    ``(2^13, 2^14]`` (0 if all zero): a power of two, so scaling is exact and only the fp16
+    rounding remains."""
+    return math.ceil(math.log2(amax / _FP16_TARGET)) if amax > 0 else 0
 
 
 @dataclass
@@ -168,7 +169,7 @@ def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool
             mine[j] = m
             mine[k + j] = float(weights.get(key, m))
             mine[2 * k + j] = positions.get(key, m)
-            mine[3 * k + j] = transport_exponent_of(amax.get(key, 0.0))
+            mine[3 * k + j] = transport_exponent(amax.get(key, 0.0))
     mine[5 * k] = float(ok)
     row = torch.tensor(mine, dtype=torch.float64, device=device)
     every = [torch.zeros_like(row) for _ in range(world_size)]
@@ -213,11 +214,6 @@ def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool
     if stats_plans:
         _reduce_stats(stats_plans, rank, world_size, dtype, group, result, gram_fn)
     return result
-
-
-def transport_exponent_of(amax: float) -> int:
-    """`transport_exponent` from a known largest magnitude."""
-    return math.ceil(math.log2(amax / _FP16_TARGET)) if amax > 0 else 0
 
 
 @dataclass

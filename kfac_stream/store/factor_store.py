@@ -121,16 +121,21 @@ class FactorStore:
         self.device_budget = int(device_budget)
         self.factors: dict[str, StoredFactor] = {}
         self._staging: Tensor | None = None  # pinned host buffer for device statistics
+        self._pending_bytes = 0  # fp32 bytes of a pending device sum for every owned factor
 
     def add(self, key: str, dim: int, diagonal: bool) -> None:
         """Allocate a zero factor ``[dim, dim]`` (or ``[dim]`` if diagonal)."""
         shape = (dim,) if diagonal else (dim, dim)
         self.factors[key] = StoredFactor(torch.zeros(shape, dtype=self.storage_dtype),
                                          diagonal=diagonal)
+        self._pending_bytes += 4 * math.prod(shape)
 
-    def pending_bytes(self) -> int:
-        """Device bytes the pending sums of every owned factor take at most (fp32)."""
-        return sum(4 * f.data.numel() for f in self.factors.values())
+    def _record(self, f: StoredFactor, n: float, positions: int) -> float:
+        """Advance ``f``'s EMA weight and counts by one update of weight ``n``; returns ``η``."""
+        f.weight, eta = ema_step(f.weight, n, self.ema_decay)
+        f.updates += 1
+        f.positions += int(positions)
+        return eta
 
     def push_rows(self, key: str, rows: Tensor, n: float | None = None,
                   positions: int | None = None) -> None:
@@ -145,9 +150,7 @@ class FactorStore:
         """
         f = self.factors[key]
         n = float(rows.shape[0]) if n is None else float(n)
-        f.weight, eta = ema_step(f.weight, n, self.ema_decay)
-        f.updates += 1
-        f.positions += int(rows.shape[0] if positions is None else positions)
+        eta = self._record(f, n, rows.shape[0] if positions is None else positions)
         f.pending.append((rows.to(device="cpu", dtype=self.compute_dtype), eta, n))
         limit = 256 if f.diagonal else f.data.shape[0]
         if len(f.pending) >= self.flush_every or f.pending_rows >= limit:
@@ -164,9 +167,7 @@ class FactorStore:
         """
         f = self.factors[key]
         self._flush(f)
-        f.weight, eta = ema_step(f.weight, n, self.ema_decay)
-        f.updates += 1
-        f.positions += int(n if positions is None else positions)
+        eta = self._record(f, n, n if positions is None else positions)
         stat = stat.to(device="cpu", dtype=self.compute_dtype) * eta
         self._fold(f, 1.0 - eta, stat=stat)
 
@@ -185,9 +186,7 @@ class FactorStore:
         """
         f = self.factors[key]
         self._flush(f)  # rows and device statistics never pend together
-        f.weight, eta = ema_step(f.weight, n, self.ema_decay)
-        f.updates += 1
-        f.positions += int(positions)
+        eta = self._record(f, n, positions)
         term = stat_sum.to(self.compute_dtype).mul_(eta / float(n))
         if f.device_pending is None:
             f.device_pending, f.device_alpha = term, 1.0 - eta
@@ -195,7 +194,7 @@ class FactorStore:
             f.device_pending.mul_(1.0 - eta).add_(term)
             f.device_alpha *= 1.0 - eta
         f.device_updates += 1
-        if f.device_updates >= self.flush_every or self.pending_bytes() > self.device_budget:
+        if f.device_updates >= self.flush_every or self._pending_bytes > self.device_budget:
             self._flush(f)
 
     def flush(self) -> None:
