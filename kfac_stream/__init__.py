@@ -2,9 +2,10 @@
 
 from .config import KFACConfig
 from .enums import FisherType, StorageDtype
-from .exceptions import KFACConfigError, KFACStreamError, SnapshotError, UnsupportedModuleError
+from .exceptions import (AppConfigError, KFACConfigError, KFACStreamError, SnapshotError,
+                         SnapshotMismatchError, TrackerStateError, UnsupportedModuleError)
 from .integrations.hf_callback import KFACStreamCallback
-from .query.laplace import LaplacePosterior, SnapshotMismatchError
+from .query.laplace import LaplacePosterior
 from .snapshot.snapshot import LayerFactors, Snapshot
 
 __version__ = "0.1.0"
@@ -27,5 +28,7 @@ __all__ = [
     "UnsupportedModuleError",
     "SnapshotError",
     "SnapshotMismatchError",
+    "TrackerStateError",
+    "AppConfigError",
     "__version__",
 ]

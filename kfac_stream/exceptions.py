@@ -1,4 +1,15 @@
-"""Typed errors of kfac_stream. Every message names the offending field, value or file."""
+"""Every error kfac_stream raises on purpose, all under `KFACStreamError`.
+
+Each message names the offending field, value, key or file. The tree::
+
+    KFACStreamError
+    ├── KFACConfigError (also ValueError)       a KFACConfig value, or one that misfits the model
+    │   └── UnsupportedModuleError              an included module kfac_stream cannot track
+    ├── AppConfigError (also ValueError)        a composed Hydra config the app cannot use
+    ├── SnapshotError                           a snapshot directory incomplete, altered, unknown
+    ├── SnapshotMismatchError (also ValueError) a model whose layers differ from the snapshot's
+    └── TrackerStateError                       a checkpoint's tracker state that cannot restore
+"""
 
 from __future__ import annotations
 
@@ -15,5 +26,17 @@ class UnsupportedModuleError(KFACConfigError):
     """An explicitly included module is of a type kfac_stream cannot track."""
 
 
+class AppConfigError(KFACStreamError, ValueError):
+    """A composed app config that Hydra's types accept but the app cannot use (names the key)."""
+
+
 class SnapshotError(KFACStreamError):
     """A snapshot directory is incomplete, altered, or of an unknown format."""
+
+
+class SnapshotMismatchError(KFACStreamError, ValueError):
+    """The model's tracked layers do not match the snapshot's (names or shapes)."""
+
+
+class TrackerStateError(KFACStreamError):
+    """A checkpoint's kfac_stream state cannot be restored into this tracker."""

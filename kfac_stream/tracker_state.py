@@ -26,17 +26,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .exceptions import KFACStreamError
+from .exceptions import TrackerStateError
 
 logger = logging.getLogger("kfac_stream")
 
 STATE_DIR = "kfac_stream"
 _FILE_RE = re.compile(r"^state-rank-(\d{5})-of-(\d{5})\.safetensors$")
 _FIELDS = ("scale", "amax", "weight", "updates", "positions", "diagonal")
-
-
-class TrackerStateError(KFACStreamError):
-    """A checkpoint's kfac_stream state cannot be restored into this tracker."""
 
 
 def state_file(rank: int, world_size: int) -> str:

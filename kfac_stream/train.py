@@ -29,14 +29,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from .app.schema import TrainerConf, kfac_config, register
 from .distributed.context import agree_with_rank0
-from .exceptions import KFACConfigError
+from .exceptions import AppConfigError, KFACConfigError
 
 logger = logging.getLogger("kfac_stream")
 register()
-
-
-class AppConfigError(ValueError):
-    """A composed config that Hydra's types accept but the app cannot use (names the key)."""
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")

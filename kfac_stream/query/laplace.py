@@ -22,13 +22,9 @@ from torch import Tensor, nn
 
 from ..capture.hooks import logits_of
 from ..capture.selection import layer_spec
-from ..exceptions import KFACStreamError
+from ..exceptions import SnapshotMismatchError
 from ..snapshot.snapshot import Snapshot
 from . import kron_eigen as ke
-
-
-class SnapshotMismatchError(KFACStreamError, ValueError):
-    """The model's tracked layers do not match the snapshot's (names or shapes)."""
 
 
 def default_num_data(meta: dict) -> float:
