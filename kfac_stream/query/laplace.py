@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +25,10 @@ from ..capture.selection import layer_spec
 from ..exceptions import SnapshotMismatchError
 from ..snapshot.snapshot import Snapshot
 from . import kron_eigen as ke
+
+#: Which logits to select: ``K`` indices for every row (a sequence of ints), or one row of ``K``
+#: indices per example (a ``[B, K]`` integer tensor or ``B`` sequences of ``K`` ints).
+TokenIds = Sequence[int] | Sequence[Sequence[int]] | Tensor
 
 
 def default_num_data(meta: dict) -> float:
@@ -93,7 +97,7 @@ class LaplacePosterior:
     # -- predictive ------------------------------------------------------------------------------
 
     def jacobian_features(self, batch: dict[str, Tensor], positions: int | Sequence[int] = -1,
-                          token_ids: Sequence[int] | None = None
+                          token_ids: TokenIds | None = None
                           ) -> tuple[Tensor, Iterator[tuple[str, Tensor]]]:
         """MAP logits and, layer by layer, ``M = Q_Gᵀ J Q_A`` for the chosen logits.
 
@@ -102,8 +106,10 @@ class LaplacePosterior:
             positions: Sequence position(s) of the logits, one int for all or one per example;
                 negative counts back from the last non-padding token (``-1``: the last one).
                 Ignored for classification heads (``logits [B, C]``).
-            token_ids: The ``K`` vocabulary (or class) indices; default all classes of a
-                classification head.
+            token_ids: The ``K`` vocabulary (or class) indices: one sequence of ``K`` ints for
+                every example, or per example a row of ``K`` (a ``[B, K]`` integer tensor or
+                ``B`` sequences of ``K`` ints; row ``b`` selects ``f[b, k] = logits[b, ids[b,
+                k]]``). Default: all classes of a classification head.
 
         Returns:
             ``(f [B, K] float64, iterator of (layer, M [B, K, d_out, d_A]))``; the features
@@ -153,22 +159,51 @@ class LaplacePosterior:
         return torch.einsum("kbti,btj->bkij", ke.rotate(g, qg), ke.rotate(a, qa))
 
     def predictive(self, batch: dict[str, Tensor], positions: int | Sequence[int] = -1,
-                   token_ids: Sequence[int] | None = None) -> tuple[Tensor, Tensor]:
-        """Linearised predictive of chosen logits.
+                   token_ids: TokenIds | None = None) -> tuple[Tensor, Tensor]:
+        """Linearised predictive of chosen logits under ``self.prior_precision``.
+
+        Arguments as in `jacobian_features`.
 
         Returns:
             ``(mean [B, K], cov [B, K, K])``, float64.
         """
+        mean, covs = self.predictive_covariances(batch, positions, token_ids,
+                                                 prior_precisions=[self.prior_precision])
+        return mean, covs[0]
+
+    def predictive_covariances(self, batch: dict[str, Tensor],
+                               positions: int | Sequence[int] = -1,
+                               token_ids: TokenIds | None = None, *,
+                               prior_precisions: Sequence[float | dict[str, float]]
+                               ) -> tuple[Tensor, Tensor]:
+        """The linearised predictive for several prior precisions from ONE Jacobian pass.
+
+        The Jacobian features (`jacobian_features`: the model's forward and one backward per
+        chosen logit) do not depend on ``τ``; only the eigenvalues they are divided by do. So
+        choosing ``τ`` on held-out data costs one pass, not one per candidate. Entry ``p``
+        equals `predictive` with ``prior_precision = prior_precisions[p]`` bit for bit (the
+        same float64 operations in the same order).
+
+        Args:
+            batch, positions, token_ids: As in `jacobian_features`.
+            prior_precisions: ``P`` candidates, each a float ``τ`` or ``{layer: τ}``.
+
+        Returns:
+            ``(mean [B, K], covs [P, B, K, K])``, float64; ``covs[p]`` is the covariance
+            under ``prior_precisions[p]``.
+        """
         f, feats = self.jacobian_features(batch, positions, token_ids)
-        cov = f.new_zeros(f.shape[0], f.shape[1], f.shape[1])  # on the model's device
+        B, K = f.shape
+        covs = f.new_zeros(len(prior_precisions), B, K, K)  # on the model's device
         for name, m in feats:
             _, aval, _, gval = self.eig[name]
-            d = ke.precision_eigenvalues(gval, aval, self.num_data, self.tau(name))
-            cov += torch.einsum("bkij,blij->bkl", m / d.to(m.device, m.dtype), m).double()
-        return f, cov
+            for p, prior in enumerate(prior_precisions):
+                d = ke.precision_eigenvalues(gval, aval, self.num_data, self.tau(name, prior))
+                covs[p] += torch.einsum("bkij,blij->bkl", m / d.to(m.device, m.dtype), m).double()
+        return f, covs
 
     def predictive_probs(self, batch: dict[str, Tensor], positions: int | Sequence[int] = -1,
-                         token_ids: Sequence[int] | None = None, method: str = "probit",
+                         token_ids: TokenIds | None = None, method: str = "probit",
                          n_samples: int = 1000, seed: int = 0) -> Tensor:
         """Predictive probabilities over the ``K`` chosen logits (a K-way softmax).
 
@@ -263,24 +298,11 @@ class LaplacePosterior:
         A log-spaced grid over ``[lower, upper]`` brackets the maximum, golden-section search
         on ``log τ`` refines it.
         """
-        f = lambda lt: self.log_marginal_likelihood(math.exp(lt))  # noqa: E731
-        lts = torch.linspace(math.log(lower), math.log(upper), grid).tolist()
-        vals = [f(x) for x in lts]
-        i = max(range(grid), key=vals.__getitem__)
-        lo, hi = lts[max(i - 1, 0)], lts[min(i + 1, grid - 1)]
-        r = (math.sqrt(5) - 1) / 2
-        c, d = hi - r * (hi - lo), lo + r * (hi - lo)
-        fc, fd = f(c), f(d)
-        for _ in range(iters):
-            if fc >= fd:
-                hi, d, fd = d, c, fc
-                c = hi - r * (hi - lo)
-                fc = f(c)
-            else:
-                lo, c, fc = c, d, fd
-                d = lo + r * (hi - lo)
-                fd = f(d)
-        self.prior_precision = math.exp((lo + hi) / 2)
+        def negative_evidence(log_tau: float) -> float:
+            return -self.log_marginal_likelihood(math.exp(log_tau))
+
+        self.prior_precision = _minimise_over_log_range(negative_evidence, lower, upper,
+                                                        grid, iters)
         return self.prior_precision
 
 
@@ -319,16 +341,33 @@ def fit_confidence_beta(variances: Tensor, correct: Tensor, lower: float = 1e-8,
         conf = (1.0 / (1.0 + math.exp(log_beta) * v)).clamp(1e-12, 1 - 1e-12)
         return -float((y * conf.log() + (1 - y) * (1 - conf).log()).mean())
 
-    lts = torch.linspace(math.log(lower), math.log(upper), 161).tolist()
-    i = min(range(len(lts)), key=lambda j: nll(lts[j]))
-    lo, hi = lts[max(i - 1, 0)], lts[min(i + 1, len(lts) - 1)]
-    r = (math.sqrt(5) - 1) / 2
-    for _ in range(80):
-        c, d = hi - r * (hi - lo), lo + r * (hi - lo)
-        if nll(c) <= nll(d):
-            hi = d
-        else:
-            lo = c
+    return _minimise_over_log_range(nll, lower, upper, grid=161, iters=80)
+
+
+def _minimise_over_log_range(f: Callable[[float], float], lower: float, upper: float,
+                             grid: int, iters: int) -> float:
+    """``x`` in ``[lower, upper]`` minimising ``f(log x)`` (``f`` takes the logarithm).
+
+    ``grid`` log-spaced points bracket the minimum (the best point and its two neighbours),
+    ``iters`` golden-section steps on ``log x`` refine it, one evaluation of ``f`` per step;
+    ties keep the left part. Returns ``x`` at the centre of the final bracket.
+    """
+    xs = torch.linspace(math.log(lower), math.log(upper), grid).tolist()
+    values = [f(x) for x in xs]
+    best = min(range(grid), key=values.__getitem__)
+    lo, hi = xs[max(best - 1, 0)], xs[min(best + 1, grid - 1)]
+    r = (math.sqrt(5) - 1) / 2  # 1/φ: each step keeps this fraction of the bracket
+    c, d = hi - r * (hi - lo), lo + r * (hi - lo)
+    fc, fd = f(c), f(d)
+    for _ in range(iters):
+        if fc <= fd:  # the minimum lies in [lo, d]; the old c becomes the new d
+            hi, d, fd = d, c, fc
+            c = hi - r * (hi - lo)
+            fc = f(c)
+        else:  # in [c, hi]; the old d becomes the new c
+            lo, c, fc = c, d, fd
+            d = lo + r * (hi - lo)
+            fd = f(d)
     return math.exp((lo + hi) / 2)
 
 
@@ -336,20 +375,62 @@ def _model_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]:
     return {k: v for k, v in batch.items() if k not in ("labels", "num_items_in_batch")}
 
 
-def _select_logits(logits: Tensor, batch: dict[str, Tensor], positions, token_ids) -> Tensor:
+def _select_logits(logits: Tensor, batch: dict[str, Tensor], positions,
+                   token_ids: TokenIds | None) -> Tensor:
+    """``f [B, K]``: the chosen logits of each example.
+
+    ``logits`` is ``[B, C]`` (classification head: ``positions`` ignored, ``token_ids``
+    default all ``C`` classes) or ``[B, T, V]`` (language-model head: the row at each
+    example's position, then ``token_ids``, required).
+    """
     if logits.dim() == 2:  # classification head: [B, C]
-        ids = list(range(logits.shape[1])) if token_ids is None else list(token_ids)
-        return logits[:, ids]
-    if token_ids is None:
-        raise ValueError("token_ids is required for a language-model head")
+        rows = logits
+        if token_ids is None:
+            token_ids = list(range(logits.shape[1]))
+    else:
+        if token_ids is None:
+            raise ValueError("token_ids is required for a language-model head")
+        rows = _rows_at_positions(logits, batch, positions)  # [B, V]
+    per_row = _per_row_ids(token_ids, rows.shape[0])
+    if per_row is None:
+        return rows[:, list(token_ids)]
+    return rows.gather(1, per_row.to(rows.device))
+
+
+def _rows_at_positions(logits: Tensor, batch: dict[str, Tensor], positions) -> Tensor:
+    """``[B, V]`` rows of ``logits [B, T, V]`` at one position per example (negative: counted
+    back from the example's last non-padding token)."""
     B, T = logits.shape[:2]
     mask = batch.get("attention_mask")
     lengths = mask.sum(1).tolist() if mask is not None else [T] * B
     pos = [positions] * B if isinstance(positions, int) else list(positions)
     idx = [p if p >= 0 else int(lengths[b]) + p for b, p in enumerate(pos)]
-    rows = logits[torch.arange(B, device=logits.device),
-                  torch.tensor(idx, device=logits.device)]  # [B, V]
-    return rows[:, list(token_ids)]
+    return logits[torch.arange(B, device=logits.device), torch.tensor(idx, device=logits.device)]
+
+
+def _per_row_ids(token_ids: TokenIds, batch_size: int) -> Tensor | None:
+    """``token_ids`` as a ``[B, K]`` int64 tensor when given per row, ``None`` when one
+    sequence of ``K`` ints serves every row."""
+    if isinstance(token_ids, Tensor):
+        if token_ids.dim() <= 1:
+            return None
+        ids = token_ids.long()
+    elif len(token_ids) and _is_row(token_ids[0]):
+        if len({len(row) for row in token_ids}) != 1:
+            raise ValueError("per-row token_ids must all have the same length K, got lengths "
+                             f"{sorted({len(row) for row in token_ids})}")
+        ids = torch.tensor([[int(i) for i in row] for row in token_ids], dtype=torch.long)
+    else:
+        return None
+    if ids.dim() != 2 or ids.shape[0] != batch_size:
+        raise ValueError(f"per-row token_ids must be [B, K] with B = {batch_size} (the batch), "
+                         f"got shape {tuple(ids.shape)}")
+    return ids
+
+
+def _is_row(x) -> bool:
+    """Whether ``x`` is a row of ids (a sequence or 1-D tensor), not one id."""
+    return isinstance(x, Tensor) and x.dim() == 1 or isinstance(x, Sequence)
 
 
 def _match_layers(model: nn.Module, snapshot: Snapshot) -> dict[str, nn.Module]:
