@@ -41,7 +41,7 @@ class KFACConfig:
             (labels sampled from the model; on update steps an extra backward to the tracked
             layers' outputs, taken inside the training forward; replayed with its own forward
             after the optimizer step under DeepSpeed ZeRO-3, gradient checkpointing or fp16
-            autocast, see `kfac_stream.mc`). (Default: "empirical")
+            autocast, see `kfac_stream.capture.mc_fisher`). (Default: "empirical")
         include: Regexes (``re.search``) over module names from ``model.named_modules()``;
             a supported layer is tracked if one matches. ``None``: every trainable
             Linear/Conv1D inside the transformer blocks (not the LM head or embeddings).
@@ -72,6 +72,10 @@ class KFACConfig:
         device_memory_budget: Bytes of accelerator memory the pending device statistics of
             this rank's factors may take (fp32, ``4·d²`` per dense factor); beyond it every
             update is copied to the host at once. (Default: 4 GiB)
+        exchange: How each update's contributions reach a factor's owner with several ranks
+            (`distributed.exchange`): ``"rows"`` (the sampled rows, folded by the owner),
+            ``"stats"`` (each rank's folded statistic, reduced at the owner) or ``"auto"``
+            (per factor, whichever moves fewer bytes). (Default: "auto")
         eigh_device: Where snapshots eigendecompose the factors: ``"auto"`` (the owner's GPU
             when training on one, batched by size, float32 with a float64 CPU fallback for a
             factor that fails; else the CPU in float64) or ``"cpu"``. (Default: "auto")
@@ -99,6 +103,7 @@ class KFACConfig:
     share_inputs: bool = True
     fold_on: str = "auto"
     device_memory_budget: int = 4 * 2**30
+    exchange: str = "auto"
     eigh_device: str = "auto"
     eigh_threads: int | None = None
     fail_on_snapshot_error: bool = False
@@ -118,6 +123,7 @@ class KFACConfig:
                 raise KFACConfigError(f"KFACConfig.{name}={getattr(self, name)!r} is not "
                                       "allowed: must be a bool")
         for name, allowed in (("fold_on", ("auto", "device", "host")),
+                              ("exchange", ("auto", "rows", "stats")),
                               ("eigh_device", ("auto", "cpu"))):
             if getattr(self, name) not in allowed:
                 raise KFACConfigError(f"KFACConfig.{name}={getattr(self, name)!r} is not "

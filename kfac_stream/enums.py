@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from enum import Enum, EnumMeta
 
+import torch
+
 
 class _MetaEnum(EnumMeta):
     def __contains__(cls, item: object) -> bool:  # noqa: D105
@@ -31,3 +33,25 @@ class StorageDtype(str, Enum, metaclass=_MetaEnum):
     FLOAT16 = "float16"
     FLOAT32 = "float32"
     FLOAT64 = "float64"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The stored tensors' dtype."""
+        return getattr(torch, self.value)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per stored element."""
+        return self.torch_dtype.itemsize
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """Dtype of the EMA arithmetic: float32 for float16 storage (its rounding dominates),
+        float64 otherwise (a float32 factor is the exact EMA rounded once)."""
+        return torch.float32 if self is StorageDtype.FLOAT16 else torch.float64
+
+    @property
+    def wide_dtype(self) -> torch.dtype:
+        """Dtype of captured rows and step statistics: float64 for float64 storage (exact
+        tests with float64 models), else float32."""
+        return torch.float64 if self is StorageDtype.FLOAT64 else torch.float32

@@ -23,26 +23,27 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from .capture.hooks import CaptureHooks
+from .capture.hooks import IDLE, CaptureHooks, CaptureMode, CaptureState
+from .capture.mc_fisher import mc_fisher_pass, mc_grad_in_forward
 from .capture.selection import LayerSpec, select_layers
 from .capture.sharing import FactorPlan, plan_factors, probe_shared_inputs
 from .config import KFACConfig
 from .distributed.context import DistContext
 from .distributed.exchange import exchange_to_owners
 from .distributed.ownership import Ownership, assign_owners
-from .mc import mc_fisher_pass, mc_grad_in_forward
+from .enums import StorageDtype
 from .stats.covariance import all_finite, gram, with_bias_column
-from .store.factor_store import FactorStore
+from .store.factor_store import FactorState, FactorStore
 
 logger = logging.getLogger("kfac_stream")
-
-_BYTES = {"float16": 2, "float32": 4, "float64": 8}
 
 
 @dataclass
@@ -60,7 +61,50 @@ class Counters:
     wait_seconds: float = 0.0  # time the training thread waited for the factor worker
     waits: int = 0  # update steps that waited for the factor worker
     snapshot_failures: int = 0  # snapshots abandoned (non-fatal unless fail_on_snapshot_error)
+    # bytes the rows / the statistics exchange strategy would move over all ranks, summed
+    # over updates (the same on every rank; multi-process only): what `exchange` chooses from
+    exchange_bytes_rows: int = 0
+    exchange_bytes_stats: int = 0
     skipped_steps: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class TrackerRecord:
+    """What a `Tracker` exports (`Tracker.export`) for snapshots, checkpoints and monitoring:
+    copies, consistent with each other, that the tracker never changes afterwards.
+
+    Attributes:
+        step: The last optimizer step begun (None before the first).
+        rank, world_size: This process's place.
+        config: The tracker's configuration.
+        specs: ``{layer: LayerSpec}`` of the tracked layers.
+        plan: Factor keys, sides and shared-A groups.
+        ownership: Which rank owns (stores, decomposes) each factor.
+        counters: A copy of the running totals, device counters read.
+        factors: ``{key: FactorState}`` of the factors this rank owns, flushed (empty when
+            exported with ``factors=False``).
+        traces: ``{key: trace}`` of this rank's factors as folded so far (no flush).
+        capture: The token sampler's state and ``tokens_seen``.
+        mc_sampler: The MC label sampler's generator state.
+    """
+
+    step: int | None
+    rank: int
+    world_size: int
+    config: KFACConfig
+    specs: Mapping[str, LayerSpec]
+    plan: FactorPlan
+    ownership: Ownership
+    counters: Counters
+    factors: Mapping[str, FactorState]
+    traces: Mapping[str, float]
+    capture: CaptureState
+    mc_sampler: Tensor
+
+    @property
+    def dims(self) -> dict[str, tuple[int, bool]]:
+        """``{key: (side, diagonal)}`` of every factor (all ranks')."""
+        return self.plan.dims
 
 
 @dataclass
@@ -132,12 +176,15 @@ class Tracker:
         on_gpu = self.device.type == "cuda"
         self.fold_on = config.fold_on if config.fold_on != "auto" else (
             "device" if on_gpu else "host")
-        wide = torch.float64 if config.storage_dtype == "float64" else torch.float32
+        storage = StorageDtype(config.storage_dtype)
+        wide = storage.wide_dtype
         self.row_dtype = wide  # rows as handed to the worker (bf16: see `_fold_dtype`)
-        # on a GPU the rows stay in the activations' dtype until `_collect` scales them
+        self._model, self._layers = model, layers
         seed = config.seed + 1_000_003 * self.rank  # independent streams per rank
-        self.capture = CaptureHooks(model, layers, self.plan, config.token_fraction, seed,
-                                    None if on_gpu else wide, self.device, sum_dtype=wide)
+        # on a GPU the rows stay in the activations' dtype until `_collect` scales them
+        self._capture_args = (self.plan, config.token_fraction, seed, None if on_gpu else wide,
+                              self.device, wide)
+        self.capture = self._make_capture()
         self._zero3 = _zero3_enabled()
         self.mc_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
         self.counters = Counters()
@@ -149,14 +196,11 @@ class Tracker:
         self._step_seconds = 0.0  # EMA of the wall time between end_step calls
         self.dims: dict[str, tuple[int, bool]] = self.plan.dims  # {key: (side, diagonal)}
         self._a_has_bias = {self.plan.a_key[n]: s.has_bias for n, s in specs.items()}
-        self.ownership: Ownership = assign_owners(self.dims, self.world_size,
-                                                  _BYTES[config.storage_dtype])
+        self.ownership: Ownership = assign_owners(self.dims, self.world_size, storage.itemsize)
         budget = config.device_memory_budget if self.fold_on == "device" else 0
         self.store = FactorStore(config.storage_dtype, config.ema_decay, device_budget=budget)
         for key in self.ownership.owned_by(self.rank):
             self.store.add(key, *self.dims[key])
-        self.exchange_strategy: str | None = None  # None: per factor by bytes (tests force)
-        self.last_exchange = None  # the latest `Exchanged` report (multi-process; benchmarks)
         self._stream = torch.cuda.Stream(self.device) if on_gpu else None
         self._async = bool(config.async_updates)
         self._queue: queue.Queue | None = None
@@ -168,6 +212,11 @@ class Tracker:
                                             daemon=True)
             self._worker.start()
 
+    def _make_capture(self) -> CaptureHooks:
+        plan, fraction, seed, row_dtype, device, sum_dtype = self._capture_args
+        return CaptureHooks(self._model, self._layers, plan, fraction, seed, row_dtype, device,
+                            sum_dtype=sum_dtype)
+
     # -- step protocol -------------------------------------------------------------------------
 
     def begin_step(self, step: int) -> None:
@@ -177,18 +226,17 @@ class Tracker:
         mc = self.config.fisher == "mc"
         in_forward = mc and self.is_update_step and self._mc_in_forward_ok()
         self.capture.take()
-        self.capture.capturing = self.is_update_step and (not mc or in_forward)
-        self.capture.record_inputs = self.is_update_step and mc
-        self.capture.keep_outputs = in_forward
-        self.capture.estimate_scale = not mc
-        self.capture.on_forward_end = self._mc_in_forward if in_forward else None
+        self.capture.set_mode(CaptureMode(
+            rows=self.is_update_step and (not mc or in_forward),
+            record_inputs=self.is_update_step and mc, estimate_scale=not mc,
+            keep_outputs=in_forward, on_forward_end=self._mc_in_forward if in_forward else None))
 
     def _mc_in_forward_ok(self) -> bool:
         """The MC gradient can be taken inside the training forward: not under DeepSpeed
         ZeRO-3, not with gradient checkpointing (see `mc`)."""
         if self._zero3:
             return False
-        model = self.capture.model
+        model = self._model
         for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
             try:
                 if getattr(model, attr):
@@ -217,8 +265,7 @@ class Tracker:
                 self.capture.take()
                 return False
             passes, inputs = self.capture.take()
-            self.capture.capturing = self.capture.record_inputs = False
-            self.capture.keep_outputs, self.capture.on_forward_end = False, None
+            self.capture.set_mode(IDLE)
             if self.config.fisher == "mc":  # replay what the forward could not take
                 inputs += [rec.inputs for rec in passes if rec.replay]
                 passes = [rec for rec in passes if not rec.replay]
@@ -379,9 +426,9 @@ class Tracker:
             if not ok:
                 self._skip(job.step)
                 return
-            delivered = {k: ("rows", v) for k, v in job.rows.items() if k in self.store.factors}
+            delivered = {k: ("rows", v) for k, v in job.rows.items() if k in self.store}
             delivered.update({k: ("stats", (v, weights[k])) for k, v in job.sums.items()
-                              if k in self.store.factors})
+                              if k in self.store})
             total_pos = max(positions.values(), default=0)
         else:
             rows = job.rows if ok else {}
@@ -389,17 +436,19 @@ class Tracker:
                                           and self._wire_dtype(rows) == torch.float32) else None
             ex = exchange_to_owners(rows, self.dims, self.ownership, self.rank,
                                     self.world_size, self.dist.exchange_group,
-                                    self.exchange_strategy, ok, transport,
+                                    None if self.config.exchange == "auto"
+                                    else self.config.exchange, ok, transport,
                                     self._wire_dtype(rows), weights, positions, self.device,
                                     gram_fp32, job.sums if ok else {})
             if not ex.ok:
                 self._skip(job.step)
                 return
-            self.last_exchange = ex
             delivered = ex.owned
             weights, positions = ex.weights, ex.positions
             total_pos = max(ex.positions.values(), default=0)
             self.counters.comm_bytes += ex.bytes_moved
+            self.counters.exchange_bytes_rows += ex.bytes_rows
+            self.counters.exchange_bytes_stats += ex.bytes_stats
             self.counters.exchange_seconds += time.perf_counter() - t0
         if not any(w > 0 for w in weights.values()):  # every sampled slot was padding
             return
@@ -466,6 +515,70 @@ class Tracker:
         self.counters.tokens_seen = self.capture.tokens_seen
         return self.counters
 
+    # -- state -----------------------------------------------------------------------------------
+
+    def export(self, factors: bool = True) -> TrackerRecord:
+        """A frozen `TrackerRecord` of the tracker now.
+
+        Args:
+            factors: Flush (wait for the worker, fold every pending update) and copy this
+                rank's factors into the record; False: only the cheap parts (counters, live
+                traces as folded so far), for monitoring between snapshots.
+        """
+        if factors:
+            self.flush()
+        counters = self.read_counters()
+        return TrackerRecord(
+            step=self.step, rank=self.rank, world_size=self.world_size, config=self.config,
+            specs=dict(self.specs), plan=self.plan, ownership=self.ownership,
+            counters=replace(counters, skipped_steps=list(counters.skipped_steps)),
+            factors=self.store.state_dict() if factors else {}, traces=self.store.traces(),
+            capture=self.capture.state_dict(), mc_sampler=self.mc_generator.get_state())
+
+    def load_state(self, factors: Mapping[str, FactorState], counters: Mapping[str, Any],
+                   capture: CaptureState | None = None, mc_sampler: Tensor | None = None,
+                   reseed_step: int = 0) -> None:
+        """Restore this rank's factors, counters and samplers (a checkpoint's state).
+
+        Args:
+            factors: Holds at least every factor this rank owns (`FactorStore.load_state_dict`).
+            counters: ``{name: value}``; fields of `Counters` not in it stay as they are.
+            capture: The token sampler's state and ``tokens_seen``; None (a checkpoint of
+                another world size): ``tokens_seen`` from ``counters`` and both samplers
+                reseeded from ``reseed_step``, differently per rank.
+            mc_sampler: The MC sampler's state (with ``capture``).
+            reseed_step: The step the samplers are reseeded from when ``capture`` is None.
+        """
+        self.flush()
+        self.store.load_state_dict(factors)
+        names = {f.name for f in fields(Counters)}
+        for name, value in counters.items():
+            if name in names:
+                setattr(self.counters, name, list(value) if name == "skipped_steps" else value)
+        if capture is None:
+            self.capture.tokens_seen = int(counters.get("tokens_seen", 0))
+            self.capture.reseed(self.config.seed + 7919 * (reseed_step + 1) + self.rank)
+            self.mc_generator.manual_seed(self.config.seed + 7927 * (reseed_step + 1)
+                                          + self.rank + 1)
+        else:
+            self.capture.tokens_seen = capture.tokens_seen
+            _set_rng(self.capture.generator, capture.sampler, self.config.seed + self.rank)
+            _set_rng(self.mc_generator, mc_sampler, self.config.seed + self.rank + 1)
+        self.counters.tokens_seen = self.capture.tokens_seen
+
+    def detach(self) -> None:
+        """Take every hook off the model (training steps are then plain); `attach` puts them
+        back. The sampler's state and ``tokens_seen`` carry over."""
+        self.capture.remove()
+
+    def attach(self) -> None:
+        """Put the hooks back on the model after `detach` (a no-op while attached)."""
+        if self.capture.handles:
+            return
+        state = self.capture.state_dict()
+        self.capture = self._make_capture()
+        self.capture.load_state_dict(state)
+
     def close(self) -> None:
         """Flush, stop the worker and remove every hook."""
         try:
@@ -531,6 +644,17 @@ def _check_same_plan(ctx: DistContext, plan: FactorPlan) -> None:
         raise RuntimeError("kfac_stream: ranks found different shared-input groups "
                            f"(rank 0: {plans[0]}, rank {ctx.rank}: {plan.describe()}); "
                            "set KFACConfig(share_inputs=False)")
+
+
+def _set_rng(generator: torch.Generator, state: Tensor, fallback_seed: int) -> None:
+    """Restore a sampler's state; a state from another device type (CPU ↔ CUDA generators
+    have different state formats) reseeds instead, with a warning."""
+    try:
+        generator.set_state(state)
+    except RuntimeError:
+        logger.warning("kfac_stream: the checkpoint's sampler state is from another device "
+                       "type; the sampler is reseeded (factors and counters are restored)")
+        generator.manual_seed(fallback_seed)
 
 
 def _cat(parts: list[Tensor]) -> Tensor:

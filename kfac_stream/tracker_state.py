@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import glob
 import json
-import logging
 import os
 import re
 
-import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .capture.hooks import CaptureState
 from .exceptions import TrackerStateError
-
-logger = logging.getLogger("kfac_stream")
+from .factor_keys import split_factor_key
+from .store.factor_store import FactorState
 
 STATE_DIR = "kfac_stream"
 _FILE_RE = re.compile(r"^state-rank-(\d{5})-of-(\d{5})\.safetensors$")
@@ -40,39 +39,31 @@ def state_file(rank: int, world_size: int) -> str:
     return f"state-rank-{rank:05d}-of-{world_size:05d}.safetensors"
 
 
-def save_tracker_state(tracker, directory: str) -> str:
-    """Write this rank's state into ``directory`` (created); returns the file path."""
-    tracker.flush()
-    tracker.read_counters()
+def save_tracker_state(record, directory: str) -> str:
+    """Write this rank's state into ``directory`` (created); returns the file path.
+
+    Args:
+        record: A `kfac_stream.tracker.TrackerRecord` with factors (``Tracker.export()``).
+        directory: The checkpoint's ``kfac_stream/`` directory.
+    """
     os.makedirs(directory, exist_ok=True)
-    tensors = {"rng.sampler": tracker.capture.generator.get_state(),
-               "rng.mc": tracker.mc_generator.get_state()}
+    tensors = {"rng.sampler": record.capture.sampler, "rng.mc": record.mc_sampler}
     factors = {}
-    for key, f in tracker.store.factors.items():
+    for key, f in record.factors.items():
+        split_factor_key(key)  # every stored name is a factor key
         tensors[f"factor.{key}"] = f.data.contiguous()
         factors[key] = {name: getattr(f, name) for name in _FIELDS}
-    meta = {"rank": tracker.rank, "world_size": tracker.world_size,
-            "dims": {k: list(v) for k, v in tracker.dims.items()},
-            "storage_dtype": tracker.config.storage_dtype, "config": tracker.config.to_dict(),
-            "counters": {k: v for k, v in vars(tracker.counters).items()},
-            "tokens_seen": tracker.capture.tokens_seen, "factors": factors,
-            "step": tracker.step}
-    path = os.path.join(directory, state_file(tracker.rank, tracker.world_size))
+    counters = vars(record.counters)
+    meta = {"rank": record.rank, "world_size": record.world_size,
+            "dims": {k: list(v) for k, v in record.dims.items()},
+            "storage_dtype": record.config.storage_dtype, "config": record.config.to_dict(),
+            "counters": dict(counters), "tokens_seen": record.capture.tokens_seen,
+            "factors": factors, "step": record.step}
+    path = os.path.join(directory, state_file(record.rank, record.world_size))
     tmp = path + ".tmp"
     save_file(tensors, tmp, metadata={"kfac_stream": json.dumps(meta)})
     os.replace(tmp, path)
     return path
-
-
-def _set_rng(generator: torch.Generator, state: torch.Tensor, fallback_seed: int) -> None:
-    """Restore a sampler's state; a state from another device type (CPU ↔ CUDA generators
-    have different state formats) reseeds instead, with a warning."""
-    try:
-        generator.set_state(state)
-    except RuntimeError:
-        logger.warning("kfac_stream: the checkpoint's sampler state is from another device "
-                       "type; the sampler is reseeded (factors and counters are restored)")
-        generator.manual_seed(fallback_seed)
 
 
 def _read(path: str) -> tuple[dict, safe_open]:
@@ -107,7 +98,7 @@ def load_tracker_state(tracker, directory: str) -> str:
                                 f"{sorted(os.path.basename(p) for p, _ in files.values())}")
     metas = {r: _read(p) for r, (p, _) in files.items()}
     first = metas[0][0]
-    want = {k: list(v) for k, v in tracker.dims.items()}
+    want = {k: list(v) for k, v in tracker.plan.dims.items()}
     if first["dims"] != want:
         diff = [k for k in sorted(set(first["dims"]) | set(want))
                 if first["dims"].get(k) != want.get(k)]
@@ -119,37 +110,25 @@ def load_tracker_state(tracker, directory: str) -> str:
             f"{directory}: state stored as {first['storage_dtype']}, this run uses "
             f"storage_dtype={tracker.config.storage_dtype!r}; set it back to resume")
     where = {key: r for r, (meta, _) in metas.items() for key in meta["factors"]}
-    for key, f in tracker.store.factors.items():
+    owned = tracker.ownership.owned_by(tracker.rank)
+    factors = {}
+    for key in owned:
         if key not in where:
             raise TrackerStateError(f"{directory}: factor {key!r} is in no state file")
         meta, handle = metas[where[key]]
-        f.data.copy_(handle.get_tensor(f"factor.{key}"))
-        for name in _FIELDS:
-            setattr(f, name, meta["factors"][key][name])
-        f.pending = []
-    counters = dict(first["counters"])
+        factors[key] = FactorState(handle.get_tensor(f"factor.{key}"),
+                                   **meta["factors"][key])
     same_world = old_world == tracker.world_size
-    own = metas[tracker.rank][0] if same_world else None
-    for name, value in counters.items():
-        if name == "tokens_seen":
-            continue
-        setattr(tracker.counters, name, own["counters"][name] if own else value)
     if same_world:
-        tokens = own["tokens_seen"]
-        handle = metas[tracker.rank][1]
-        _set_rng(tracker.capture.generator, handle.get_tensor("rng.sampler"),
-                 tracker.config.seed + tracker.rank)
-        _set_rng(tracker.mc_generator, handle.get_tensor("rng.mc"),
-                 tracker.config.seed + tracker.rank + 1)
+        own, handle = metas[tracker.rank]
+        counters = {k: v for k, v in own["counters"].items() if k != "tokens_seen"}
+        capture = CaptureState(handle.get_tensor("rng.sampler"), int(own["tokens_seen"]))
+        tracker.load_state(factors, counters, capture, handle.get_tensor("rng.mc"))
     else:
         tokens = sum(m["tokens_seen"] for m, _ in metas.values()) if tracker.rank == 0 else 0
-        step = int(first["step"] or 0)
-        tracker.capture.generator.manual_seed(tracker.config.seed + 7919 * (step + 1)
-                                              + tracker.rank)
-        tracker.mc_generator.manual_seed(tracker.config.seed + 7927 * (step + 1)
-                                         + tracker.rank + 1)
-    tracker.capture.tokens_seen = tracker.counters.tokens_seen = tokens
+        counters = {**first["counters"], "tokens_seen": tokens}
+        tracker.load_state(factors, counters, reseed_step=int(first["step"] or 0))
     how = "same world size" if same_world else f"re-sharded from {old_world} to " \
         f"{tracker.world_size} ranks (token samplers reseeded)"
-    return (f"restored {len(tracker.store.factors)} factors, {tracker.counters.updates} updates "
+    return (f"restored {len(factors)} factors, {tracker.counters.updates} updates "
             f"from {directory} ({how})")

@@ -62,7 +62,7 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
 
     from .app import data as appdata
     from .integrations.hf_callback import KFACStreamCallback
-    from .monitor import SpectrumMonitor
+    from .integrations.spectrum_monitor import SpectrumMonitor
 
     model, tokenizer, seq_len = _model(cfg)
     train_docs, heldout_docs, ood_docs = _documents(cfg)

@@ -91,6 +91,7 @@ def main() -> None:
                      update_every=1, snapshot_every=opts.snapshot_every, fisher=opts.fisher,
                      storage_dtype=opts.storage_dtype, seed=0,
                      async_updates=opts.async_updates or None, fold_on=opts.fold_on,
+                     exchange=opts.strategy or "auto",
                      max_dense_dim=opts.max_dense_dim,
                      fail_on_snapshot_error=opts.fail_fatal)
     cb = KFACStreamCallback(cfg, resume_from=opts.resume,
@@ -109,18 +110,8 @@ def main() -> None:
         def _get_train_sampler(self, *a, **k):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
-    if opts.strategy:
-        from transformers import TrainerCallback
-
-        class ForceStrategy(TrainerCallback):  # after KFACStreamCallback made the tracker
-            def on_train_begin(self, *a, **k):
-                cb.tracker.exchange_strategy = opts.strategy
-
-        extra = [ForceStrategy()]
-    else:
-        extra = []
     trainer = SequentialTrainer(model=model, args=args, train_dataset=ListDataset(examples),
-                                callbacks=[cb, *extra])
+                                callbacks=[cb])
     watch = Watch(model) if opts.watch else None
     if watch:
         trainer.add_callback(watch)
@@ -208,7 +199,7 @@ def dump(cb, out: str, failed: str | None, watch: dict | None = None) -> None:
     info = {"rank": r, "world_size": tracker.world_size,
             "owner": tracker.ownership.owner,
             "stored_bytes": sum(f.data.numel() * f.data.element_size()
-                                for f in tracker.store.factors.values()),
+                                for f in tracker.export().factors.values()),
             "counters": {k: v for k, v in vars(tracker.counters).items()},
             "snapshots": cb.snapshots, "failed": failed, "watch": watch}
     with open(os.path.join(out, f"rank-{r}.json"), "w") as f:

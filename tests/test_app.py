@@ -69,7 +69,7 @@ def _app(tmp, run_dir, *overrides, launch=None, check=True):
 
 def _expected(snap: Snapshot) -> dict[str, float]:
     """The spectrum statistics recomputed from the snapshot's eigenvalues (independently of
-    the manifest and of kfac_stream.monitor)."""
+    the manifest and of kfac_stream.integrations.spectrum_monitor)."""
     want = {}
     for name in snap.layer_names:
         for f in ("A", "G"):

@@ -70,7 +70,7 @@ class SyncCounter(TorchDispatchMode):
                        and not f.filename.endswith("test_host_syncs.py")]
             if outside and "kfac_stream" in outside[-1].filename:
                 self.ours[f"{func} at {outside[-1].filename}:{outside[-1].lineno}"] += 1
-            elif any(f.filename.endswith("kfac_stream/mc.py") for f in stack):
+            elif any(f.filename.endswith("kfac_stream/capture/mc_fisher.py") for f in stack):
                 self.replayed += 1
         return func(*args, **kwargs)
 
@@ -132,7 +132,7 @@ def test_callback_adds_no_host_sync_per_step(tmp_path, extra):
 
 
 def test_replayed_mc_pass_adds_only_the_models_own_forward_syncs(tmp_path):
-    # gradient checkpointing: the MC pass is replayed after the step (see kfac_stream/mc.py)
+    # gradient checkpointing: the MC pass is replayed after the step (see kfac_stream/capture/mc_fisher.py)
     cfg = {"async_updates": True, "snapshot_every": 10_000, "fisher": "mc"}
     plain = _count(tmp_path / "plain", None, gradient_checkpointing=True)
     tracked = _count(tmp_path / "tracked", cfg, gradient_checkpointing=True)

@@ -34,8 +34,8 @@ def test_ema_matches_closed_form_float64(decay, path, diagonal):
             store.push_rows("f", x)
     ref = ema_closed_form(stats, counts, decay)
     assert rel(store.values()["f"], ref) <= 1e-13
-    assert store.factors["f"].positions == sum(counts)
-    assert store.factors["f"].pending == []
+    assert store.state_dict()["f"].positions == sum(counts)
+    assert store.pending_updates("f") == 0
 
 
 def test_first_update_is_the_statistic_no_startup_bias():
@@ -44,7 +44,7 @@ def test_first_update_is_the_statistic_no_startup_bias():
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     s = x.T @ x / 5
     store.update("f", s, 7)
-    assert torch.equal(store.factors["f"].value(), s)
+    assert torch.equal(store.state_dict()["f"].value(), s)
 
 
 def test_ema_weight_recursion():
@@ -67,10 +67,10 @@ def test_fp16_store_within_budget_after_100_updates(decay):
         x = torch.randn(40, d, generator=gen, dtype=torch.float64) @ (base * (1 + 0.01 * k))
         fp16.push_rows("f", x.float())  # the tracker's path: rows, folded every few updates
         fp32.update("f", (x.T @ x / 40).float(), 40)  # reference: a float32 EMA, per update
-    err = rel(fp16.factors["f"].value(), fp32.factors["f"].value())
+    err = rel(fp16.state_dict()["f"].value(), fp32.state_dict()["f"].value())
     print(f"decay={decay}: fp16 vs fp32 relative Frobenius error after 100 updates = {err:.2e}")
     assert err <= FP16_BUDGET
-    assert fp16.factors["f"].data.dtype == torch.float16
+    assert fp16.state_dict()["f"].data.dtype == torch.float16
 
 
 def test_fp16_outlier_activations_do_not_overflow():
@@ -86,7 +86,7 @@ def test_fp16_outlier_activations_do_not_overflow():
     for _ in range(5):
         store.update("f", stat, 32)
         store.update("d", stat.diagonal().clone(), 32)
-    v, dv = store.factors["f"].value(), store.factors["d"].value()
+    v, dv = store.state_dict()["f"].value(), store.state_dict()["d"].value()
     assert torch.isfinite(v).all() and torch.isfinite(dv).all()
     assert float(v.abs().max()) == pytest.approx(1e8, rel=1e-3)
     assert rel(v, stat) <= FP16_BUDGET

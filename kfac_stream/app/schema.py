@@ -11,7 +11,7 @@ group      what it holds
 =========  ==================================================================================
 model      ``tiny`` (GPT-2 built from a config, byte vocabulary) or ``hf`` (from_pretrained)
 data       ``pydoc`` (Python's reference docs, on every machine) or ``hf`` (load_dataset)
-kfac       `KFACConfig` fields (conf/kfac/default.yaml mirrors its defaults)
+kfac       `KFACConfig` itself: its fields, types and defaults are the schema
 trainer    ``TrainingArguments`` fields; ``extra`` passes any other field through
 logging    W&B project/mode, cheap scalars every ``log_every`` steps
 report     the end-of-run report: uncertainty contrast sizes
@@ -20,10 +20,11 @@ report     the end-of-run report: uncertainty contrast sizes
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from dataclasses import dataclass, field, fields, make_dataclass
+from typing import Any, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
 from ..config import KFACConfig
 
@@ -55,28 +56,22 @@ class DataConf:
     ood: list[str] = field(default_factory=lambda: ["python_source", "licenses"])
 
 
-@dataclass
-class KFACConf:
-    """`KFACConfig`'s fields with Hydra-friendly types (tests keep the two in sync)."""
+def _mutable_schema(cls: type) -> type:
+    """A plain (mutable) dataclass with ``cls``'s fields, resolved types and defaults.
 
-    token_fraction: float = 0.05
-    ema_decay: float = 0.95
-    update_every: int = 10
-    snapshot_every: int = 500
-    fisher: str = "empirical"
-    include: Optional[list[str]] = None
-    exclude: Optional[list[str]] = None
-    output_dir: Optional[str] = None
-    storage_dtype: str = "float16"
-    max_dense_dim: int = 8192
-    seed: int = 0
-    async_updates: Optional[bool] = None
-    share_inputs: bool = True
-    fold_on: str = "auto"
-    device_memory_budget: int = 4 * 2**30
-    eigh_device: str = "auto"
-    eigh_threads: Optional[int] = None
-    fail_on_snapshot_error: bool = False
+    `KFACConfig` is frozen (a tracker's settings never change under it), and Hydra cannot
+    apply overrides to a frozen structured config; this copy is generated from it, so the
+    dataclass stays the one place where a field, its type and its default are written.
+    """
+    hints = get_type_hints(cls)
+    schema = make_dataclass(f"{cls.__name__.removesuffix('Config')}Conf",
+                            [(f.name, hints[f.name], field(default=f.default))
+                             for f in fields(cls)])
+    schema.__module__ = __name__
+    return schema
+
+
+KFACConf = _mutable_schema(KFACConfig)
 
 
 @dataclass
@@ -142,8 +137,5 @@ def register() -> None:
 
 def kfac_config(conf) -> KFACConfig:
     """The validated `KFACConfig` of a composed ``kfac`` node (raises `KFACConfigError`)."""
-    values = {f.name: getattr(conf, f.name) for f in fields(KFACConf)}
-    for key in ("include", "exclude"):
-        if values[key] is not None:
-            values[key] = list(values[key])
+    values = OmegaConf.to_container(OmegaConf.create(conf), resolve=True)
     return KFACConfig(**values)

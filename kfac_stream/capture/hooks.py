@@ -30,7 +30,8 @@ beyond gathering rows; everything else happens in the tracker.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,49 @@ from ..stats.rows import gather_rows, sample_positions, usable_positions
 from .sharing import FactorPlan, same_data
 
 _HANDLE_ATTR = "_kfac_stream_handles"
+
+
+@dataclass(frozen=True)
+class CaptureMode:
+    """What the hooks do in the forward passes that follow (`CaptureHooks.set_mode`).
+
+    Attributes:
+        rows: Sample positions and gather rows in training passes (update steps).
+        record_inputs: Keep each training pass's tensor kwargs (the MC replay needs them).
+        estimate_scale: Recover the loss scale ``c`` from the logits' gradient (empirical
+            Fisher).
+        count_tokens: Add the pass's usable positions to ``tokens_seen`` (not for MC replays,
+            which see the same tokens again).
+        keep_outputs: Keep the tracked layers' outputs in the record (the MC gradient is taken
+            with respect to them).
+        on_forward_end: Called with ``(record, model output)`` at the end of a captured
+            forward (the tracker's in-forward MC Fisher); None: nothing.
+    """
+
+    rows: bool = False
+    record_inputs: bool = False
+    estimate_scale: bool = True
+    count_tokens: bool = True
+    keep_outputs: bool = False
+    on_forward_end: Callable[[PassRecord, Any], None] | None = None
+
+
+IDLE = CaptureMode()  # between update steps: count tokens, gather nothing
+MC_REPLAY = CaptureMode(rows=True, estimate_scale=False, count_tokens=False, keep_outputs=True)
+
+
+@dataclass(frozen=True)
+class CaptureState:
+    """What a checkpoint keeps of the hooks.
+
+    Attributes:
+        sampler: The token sampler's generator state (uint8 tensor; its format depends on the
+            generator's device type).
+        tokens_seen: Usable positions of every training forward pass so far.
+    """
+
+    sampler: Tensor
+    tokens_seen: int
 
 
 @dataclass
@@ -134,9 +178,8 @@ class CaptureHooks:
     """Owns every hook kfac_stream puts on a model; ``remove()`` takes them all off.
 
     Attributes:
-        capturing: Gather rows in training forward passes (set on update steps).
-        record_inputs: Keep each training pass's tensor kwargs (the MC pass replays them).
-        estimate_scale: Recover ``c`` from the logits' gradient (empirical Fisher).
+        mode: The current `CaptureMode` (`set_mode`, or `using` for a temporary one).
+        current: The record of the forward pass in progress (None outside a captured pass).
         passes: Records of the passes since the last ``take()``.
         inputs: Recorded kwargs since the last ``take()``.
         generator: The token sampler's generator, on ``device``.
@@ -150,14 +193,7 @@ class CaptureHooks:
         self.sum_dtype = sum_dtype
         self._diagonal = {key for key, (_, diag) in plan.dims.items() if diag}
         self.generator = torch.Generator(device=device).manual_seed(seed)
-        self.capturing = False
-        self.record_inputs = False
-        self.estimate_scale = True
-        self.counting = True
-        self.keep_outputs = False
-        # called with (record, model output) at the end of a captured training forward (the
-        # tracker's in-forward MC Fisher); None: nothing
-        self.on_forward_end: Callable[[PassRecord, Any], None] | None = None
+        self.mode = IDLE
         self.current: PassRecord | None = None
         self.passes: list[PassRecord] = []
         self.inputs: list[dict[str, Tensor]] = []
@@ -202,6 +238,38 @@ class CaptureHooks:
     def tokens_seen(self, value: int) -> None:
         self._tokens_host, self._tokens_device = int(value), None
 
+    def set_mode(self, mode: CaptureMode) -> None:
+        """Do what ``mode`` says from the next forward pass on."""
+        self.mode = mode
+
+    @contextmanager
+    def using(self, mode: CaptureMode) -> Iterator[None]:
+        """``mode`` inside the block; the previous mode (and no pass in progress) after it."""
+        saved = self.mode
+        self.mode = mode
+        try:
+            yield
+        finally:
+            self.mode, self.current = saved, None
+
+    def state_dict(self) -> CaptureState:
+        """The sampler's state and ``tokens_seen`` (reads the device counter)."""
+        return CaptureState(self.generator.get_state(), self.tokens_seen)
+
+    def load_state_dict(self, state: CaptureState) -> None:
+        """Restore the sampler and ``tokens_seen``.
+
+        Raises:
+            RuntimeError: the sampler state is from a generator of another device type (their
+                formats differ); ``tokens_seen`` is restored first.
+        """
+        self.tokens_seen = state.tokens_seen
+        self.generator.set_state(state.sampler)
+
+    def reseed(self, seed: int) -> None:
+        """Restart the token sampler from ``seed``."""
+        self.generator.manual_seed(seed)
+
     def remove(self) -> None:
         """Remove every hook (idempotent)."""
         for h in self.handles:
@@ -228,13 +296,14 @@ class CaptureHooks:
         shape = (int(x.shape[0]), int(x.shape[1]))
         mask = kwargs.get("attention_mask")
         usable = usable_positions(mask if isinstance(mask, Tensor) else None, shape, x.device)
-        if self.counting:
+        mode = self.mode
+        if mode.count_tokens:
             count = usable.sum()
             self._tokens_device = count if self._tokens_device is None else (
                 self._tokens_device + count.to(self._tokens_device.device))
         inputs = {k: v.detach() for k, v in kwargs.items() if isinstance(v, Tensor)} \
-            if self.record_inputs else None
-        if not self.capturing:
+            if mode.record_inputs else None
+        if not mode.rows:
             if inputs is not None:
                 self.inputs.append(inputs)
             return
@@ -247,16 +316,17 @@ class CaptureHooks:
     def _on_model_post(self, module: nn.Module, args: tuple, kwargs: dict[str, Any],
                        output: Any) -> None:
         self._hook_logits(logits_of(output))
-        rec = self.current
-        if rec is not None and self.on_forward_end is not None:
-            self.on_forward_end(rec, output)
+        rec, on_end = self.current, self.mode.on_forward_end
+        if rec is not None and on_end is not None:
+            on_end(rec, output)
 
     def _on_head_post(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._hook_logits(output if isinstance(output, Tensor) else None)
 
     def _hook_logits(self, logits: Tensor | None) -> None:
         rec = self.current
-        if rec is None or not self.estimate_scale or logits is None or not logits.requires_grad:
+        if rec is None or not self.mode.estimate_scale or logits is None or \
+                not logits.requires_grad:
             return
 
         # The closure must not hold `logits` itself: a tensor whose own hook references it is
@@ -305,7 +375,7 @@ class CaptureHooks:
                 else None  # [m, d_in]
             if a is not None and a_diag:
                 a = weighted_squares(a, rec.weight, self.sum_dtype)  # [d_in]
-            if self.keep_outputs:  # MC pass only: the driver differentiates w.r.t. them
+            if self.mode.keep_outputs:  # MC pass only: the driver differentiates w.r.t. them
                 rec.outputs.append(output)
 
             def on_grad(grad: Tensor, rec: PassRecord = rec, a: Tensor | None = a) -> None:

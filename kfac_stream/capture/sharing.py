@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..factor_keys import factor_key
 from .selection import LayerSpec
 
 logger = logging.getLogger("kfac_stream")
@@ -48,7 +49,7 @@ class FactorPlan:
     @staticmethod
     def g_key(layer: str) -> str:
         """Key of a layer's G factor."""
-        return f"{layer}.G"
+        return factor_key(layer, "G")
 
     def keys_of(self, layer: str) -> tuple[str, str]:
         """``(A key, G key)`` of ``layer``."""
@@ -67,7 +68,7 @@ def plan_factors(specs: dict[str, LayerSpec], max_dense_dim: int,
     decision (``has_bias`` and ``d_in`` equal); its members are ordered as in ``specs``.
     """
     order = {name: i for i, name in enumerate(specs)}
-    a_key = {name: f"{name}.A" for name in specs}
+    a_key = {name: factor_key(name, "A") for name in specs}
     kept = []
     for group in groups:
         members = sorted((n for n in group if n in specs), key=order.__getitem__)
@@ -75,12 +76,12 @@ def plan_factors(specs: dict[str, LayerSpec], max_dense_dim: int,
             continue
         kept.append(tuple(members))
         for follower in members[1:]:
-            a_key[follower] = f"{members[0]}.A"
+            a_key[follower] = factor_key(members[0], "A")
     dims: dict[str, tuple[int, bool]] = {}
     for name, s in specs.items():
-        if a_key[name] == f"{name}.A":
+        if a_key[name] == factor_key(name, "A"):
             dims[a_key[name]] = (s.a_dim, s.a_dim > max_dense_dim)
-        dims[f"{name}.G"] = (s.g_dim, s.g_dim > max_dense_dim)
+        dims[factor_key(name, "G")] = (s.g_dim, s.g_dim > max_dense_dim)
     return FactorPlan(dims, a_key, tuple(kept))
 
 

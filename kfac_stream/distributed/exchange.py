@@ -21,7 +21,6 @@ This module (with ``ownership``) is the only place that calls ``torch.distribute
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -30,6 +29,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..stats.covariance import gram
+from ..stats.fp16 import fp16_exponent
 from .ownership import Ownership
 
 
@@ -56,16 +56,6 @@ def all_ranks_agree(flag: bool, group=None) -> bool:
     t = torch.tensor([1 if flag else 0], dtype=torch.int32)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
     return bool(t.item())
-
-
-_FP16_TARGET = 2.0**14  # largest transported magnitude (fp16 overflows at 65504)
-
-
-def transport_exponent(amax: float) -> int:
-    """``e`` such that rows of largest magnitude ``amax`` scaled by ``2^-e`` have it in
-    ``(2^13, 2^14]`` (0 if all zero): a power of two, so scaling is exact and only the fp16
-    rounding remains."""
-    return math.ceil(math.log2(amax / _FP16_TARGET)) if amax > 0 else 0
 
 
 @dataclass
@@ -169,7 +159,7 @@ def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool
             mine[j] = m
             mine[k + j] = float(weights.get(key, m))
             mine[2 * k + j] = positions.get(key, m)
-            mine[3 * k + j] = transport_exponent(amax.get(key, 0.0))
+            mine[3 * k + j] = fp16_exponent(amax.get(key, 0.0))
     mine[5 * k] = float(ok)
     row = torch.tensor(mine, dtype=torch.float64, device=device)
     every = [torch.zeros_like(row) for _ in range(world_size)]

@@ -35,7 +35,7 @@ class KFACStreamCallback(TrainerCallback):
             Trainer saved it (every checkpoint carries the state, see `on_save`).
         spectra_media: On rank 0, after each snapshot (on the snapshot thread): histograms of
             log10 eigenvalues into ``media[path]`` and a PNG ``<snapshot>.spectra.png`` (needs
-            matplotlib), for `kfac_stream.monitor.SpectrumMonitor`.
+            matplotlib), for `kfac_stream.integrations.spectrum_monitor.SpectrumMonitor`.
 
     Attributes:
         tracker: The live `Tracker` during training (None before ``on_train_begin``).
@@ -90,7 +90,7 @@ class KFACStreamCallback(TrainerCallback):
     def on_save(self, args, state, control, **kwargs):
         """Every rank writes its tracker state into the checkpoint the Trainer just saved."""
         if self.tracker is not None:
-            save_tracker_state(self.tracker, os.path.join(
+            save_tracker_state(self.tracker.export(), os.path.join(
                 args.output_dir, f"checkpoint-{state.global_step}", STATE_DIR))
         return control
 
@@ -136,7 +136,7 @@ class KFACStreamCallback(TrainerCallback):
         """
         if self.tracker is None or self.output_dir is None:
             raise RuntimeError("KFACStreamCallback.save_snapshot: training has not started")
-        tensors, manifest = snapshot_contents(self.tracker, step, epoch)
+        tensors, manifest = snapshot_contents(self.tracker.export(), step, epoch)
         root, comm = self.output_dir, self._comm
         cfg = self.tracker.config
         eigh_device = self.tracker.device if cfg.eigh_device == "auto" else None

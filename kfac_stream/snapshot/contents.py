@@ -9,13 +9,15 @@ from typing import Any
 
 import torch
 
+from ..enums import StorageDtype
+from ..factor_keys import FACTOR_KINDS, factor_key
 from ..stats.spectrum import eigh_factors, spectrum_stats
 from .layout import FORMAT_NAME, FORMAT_VERSION, layer_fingerprint, shard_name
 
 
-def snapshot_contents(tracker, step: int, epoch: float | None = None
+def snapshot_contents(record, step: int, epoch: float | None = None
                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Shard tensors and manifest part (without ``shards``) for ``tracker``'s owned factors.
+    """Shard tensors and manifest part (without ``shards``) for a tracker's owned factors.
 
     With several ranks each rank makes its part; `merge_manifests` combines them.
 
@@ -23,33 +25,33 @@ def snapshot_contents(tracker, step: int, epoch: float | None = None
     part, `add_eigendecompositions`, works on these copies only and can run anywhere.
 
     Args:
-        tracker: A `kfac_stream.tracker.Tracker` (flushed here).
+        record: A `kfac_stream.tracker.TrackerRecord` with factors (``Tracker.export()``); its
+            factor tensors become the shard's (not copied again).
         step: Optimizer step.
         epoch: Trainer epoch (fractional), recorded for the data-size estimate.
     """
-    tracker.flush()
-    cfg = tracker.config
+    cfg = record.config
     tensors: dict[str, torch.Tensor] = {}
-    for key, f in tracker.store.factors.items():
-        tensors[key] = f.data.clone()
+    for key, f in record.factors.items():
+        tensors[key] = f.data
         tensors[f"{key}.scale"] = torch.tensor([f.scale], dtype=torch.float32)
     layers: dict[str, Any] = {}
-    world = tracker.world_size
-    for name, spec in tracker.specs.items():
+    world = record.world_size
+    for name, spec in record.specs.items():
         entry: dict[str, Any] = {"kind": spec.kind, "d_in": spec.d_in, "d_out": spec.d_out,
                                  "has_bias": spec.has_bias}
-        for factor, key in zip(("A", "G"), tracker.plan.keys_of(name)):
-            dim, diagonal = tracker.dims[key]
-            owner = tracker.ownership.owner[key]
+        for factor, key in zip(FACTOR_KINDS, record.plan.keys_of(name)):
+            dim, diagonal = record.dims[key]
+            owner = record.ownership.owner[key]
             entry[factor] = {"key": key, "dim": dim, "diagonal": diagonal, "owner": owner,
                              "shard": shard_name(owner, world)}
-            f = tracker.store.factors.get(key)
+            f = record.factors.get(key)
             if f is not None:  # owned here; other ranks' parts fill in theirs (merge)
                 entry[factor].update({"weight": f.weight, "updates": f.updates,
                                       "positions": f.positions,
                                       "dtype": str(f.data.dtype).removeprefix("torch.")})
         layers[name] = entry
-    counters = dataclasses.asdict(tracker.read_counters())
+    counters = dataclasses.asdict(record.counters)
     counters.pop("skipped_steps", None)
     counters["comm_bytes"] = [counters["comm_bytes"]]  # per rank, filled in by the merge
     manifest = {
@@ -59,9 +61,9 @@ def snapshot_contents(tracker, step: int, epoch: float | None = None
         "epoch": epoch,
         "created_unix": time.time(),
         "world_size": world,
-        "rank": tracker.rank,
-        "ownership": {"bytes_per_rank": list(tracker.ownership.bytes_per_rank),
-                      "eigh_flops_per_rank": list(tracker.ownership.eigh_flops_per_rank)},
+        "rank": record.rank,
+        "ownership": {"bytes_per_rank": list(record.ownership.bytes_per_rank),
+                      "eigh_flops_per_rank": list(record.ownership.eigh_flops_per_rank)},
         "fisher": cfg.fisher,
         "ema_decay": cfg.ema_decay,
         "token_fraction": cfg.token_fraction,
@@ -69,10 +71,10 @@ def snapshot_contents(tracker, step: int, epoch: float | None = None
         "storage_dtype": cfg.storage_dtype,
         "config": cfg.to_dict(),
         "counts": counters,
-        "skipped_steps": list(tracker.counters.skipped_steps),
-        "shared_inputs": tracker.plan.describe(),
+        "skipped_steps": list(record.counters.skipped_steps),
+        "shared_inputs": record.plan.describe(),
         "fingerprint": layer_fingerprint(
-            {n: (s.d_in, s.d_out, s.has_bias) for n, s in tracker.specs.items()}),
+            {n: (s.d_in, s.d_out, s.has_bias) for n, s in record.specs.items()}),
         "layers": layers,
     }
     return tensors, manifest
@@ -89,7 +91,7 @@ def merge_manifests(parts: list[dict[str, Any]]) -> dict[str, Any]:
     out = json.loads(json.dumps(parts[0]))  # deep copy
     for part in parts[1:]:
         for name, entry in part["layers"].items():
-            for factor in ("A", "G"):
+            for factor in FACTOR_KINDS:
                 if entry[factor]["owner"] == part["rank"]:
                     out["layers"][name][factor] = entry[factor]
     counts = out["counts"]
@@ -112,11 +114,11 @@ def add_eigendecompositions(tensors: dict[str, torch.Tensor], manifest: dict[str
     storage); diagonal factors get eigenvalues only. A shared A is decomposed once and its
     spectrum written into every layer entry that uses it.
     """
-    eig_dtype = torch.float64 if manifest["storage_dtype"] == "float64" else torch.float32
+    eig_dtype = StorageDtype(manifest["storage_dtype"]).wide_dtype
     values = {}
     for name, entry in manifest["layers"].items():
-        for factor in ("A", "G"):
-            key = entry[factor].get("key", f"{name}.{factor}")
+        for factor in FACTOR_KINDS:
+            key = entry[factor].get("key", factor_key(name, factor))
             if key in tensors and key not in values:  # else owned by another rank, or done
                 values[key] = tensors[key].double() * float(tensors[f"{key}.scale"])
     decomposed = eigh_factors(values, device=device, threads=threads)
@@ -127,7 +129,7 @@ def add_eigendecompositions(tensors: dict[str, torch.Tensor], manifest: dict[str
             tensors[f"{key}.eigvecs"] = eigvecs.to(eig_dtype)
         stats[key] = spectrum_stats(eigvals)
     for name, entry in manifest["layers"].items():
-        for factor in ("A", "G"):
-            key = entry[factor].get("key", f"{name}.{factor}")
+        for factor in FACTOR_KINDS:
+            key = entry[factor].get("key", factor_key(name, factor))
             if key in stats:
                 entry[factor]["spectrum"] = stats[key]

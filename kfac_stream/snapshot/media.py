@@ -1,7 +1,7 @@
 """Spectra media of a finished snapshot: log10-eigenvalue histograms and the PNG plot.
 
 Made on the snapshot thread of rank 0 right after the snapshot is written (it reads the whole
-snapshot back), so that monitoring (`kfac_stream.monitor`) only reads the manifest on the
+snapshot back), so that monitoring (`kfac_stream.integrations.spectrum_monitor`) only reads the manifest on the
 training thread.
 """
 

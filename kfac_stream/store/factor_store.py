@@ -45,17 +45,50 @@ cheap to read) so that the largest stored magnitude is at most
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from ..enums import StorageDtype
 from ..stats.ema import ema_step
+from ..stats.fp16 import fp16_exponent
 
 CHUNK_ROWS = 128
-_FP16_TARGET = 2.0**14
 
-_DTYPES = {"float16": torch.float16, "float32": torch.float32, "float64": torch.float64}
+
+def _dequantise(data: Tensor, scale: float, dtype: torch.dtype | None) -> Tensor:
+    """``scale · data`` in ``dtype`` (default float32, float64 for float64 data)."""
+    out = data.to(dtype or (torch.float64 if data.dtype == torch.float64 else torch.float32))
+    return out * scale if scale != 1.0 else out
+
+
+@dataclass(frozen=True)
+class FactorState:
+    """One stored factor as of a flush: what checkpoints, snapshots and monitors read.
+
+    Attributes:
+        data: ``[d, d]`` (dense) or ``[d]`` (diagonal) in the storage dtype (a copy).
+        scale: ``F = scale · data``.
+        amax: Bound on the largest ``|F|`` entry (chooses the next float16 scale).
+        weight: EMA weight ``w``.
+        updates: Number of updates folded in.
+        positions: Sampled positions over all updates.
+        diagonal: Whether only the diagonal is kept.
+    """
+
+    data: Tensor
+    scale: float
+    amax: float
+    weight: float
+    updates: int
+    positions: int
+    diagonal: bool
+
+    def value(self, dtype: torch.dtype | None = None) -> Tensor:
+        """Dequantised factor, ``[d, d]`` or ``[d]``, float32 (float64 if stored so)."""
+        return _dequantise(self.data, self.scale, dtype)
 
 
 @dataclass
@@ -96,9 +129,12 @@ class StoredFactor:
 
     def value(self, dtype: torch.dtype | None = None) -> Tensor:
         """Dequantised folded factor, ``[d, d]`` or ``[d]``, float32 (float64 if stored so)."""
-        out_dtype = dtype or (torch.float64 if self.data.dtype == torch.float64 else torch.float32)
-        out = self.data.to(out_dtype)
-        return out * self.scale if self.scale != 1.0 else out
+        return _dequantise(self.data, self.scale, dtype)
+
+    def trace(self) -> float:
+        """``scale · Σ diag(data)``: the trace as folded so far (pending updates not in it)."""
+        diag = self.data if self.diagonal else self.data.diagonal()
+        return float(diag.double().sum()) * self.scale
 
 
 class FactorStore:
@@ -114,21 +150,70 @@ class FactorStore:
 
     def __init__(self, storage_dtype: str, ema_decay: float, flush_every: int = 8,
                  device_budget: int = 0) -> None:
-        self.storage_dtype = _DTYPES[storage_dtype]
-        self.compute_dtype = torch.float32 if storage_dtype == "float16" else torch.float64
+        dtype = StorageDtype(storage_dtype)
+        self.storage_dtype = dtype.torch_dtype
+        self.compute_dtype = dtype.compute_dtype
         self.ema_decay = float(ema_decay)
         self.flush_every = int(flush_every)
         self.device_budget = int(device_budget)
-        self.factors: dict[str, StoredFactor] = {}
+        self._factors: dict[str, StoredFactor] = {}
         self._staging: Tensor | None = None  # pinned host buffer for device statistics
         self._pending_bytes = 0  # fp32 bytes of a pending device sum for every owned factor
 
     def add(self, key: str, dim: int, diagonal: bool) -> None:
         """Allocate a zero factor ``[dim, dim]`` (or ``[dim]`` if diagonal)."""
         shape = (dim,) if diagonal else (dim, dim)
-        self.factors[key] = StoredFactor(torch.zeros(shape, dtype=self.storage_dtype),
-                                         diagonal=diagonal)
+        self._factors[key] = StoredFactor(torch.zeros(shape, dtype=self.storage_dtype),
+                                          diagonal=diagonal)
         self._pending_bytes += 4 * math.prod(shape)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._factors
+
+    def keys(self) -> list[str]:
+        """The owned factors' keys, in the order they were added."""
+        return list(self._factors)
+
+    def pending_updates(self, key: str) -> int:
+        """Updates of ``key`` recorded but not yet folded into its stored entries."""
+        f = self._factors[key]
+        return len(f.pending) + f.device_updates
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, FactorState]:
+        """Every owned factor, flushed, as a `FactorState` holding a copy of its data."""
+        self.flush()
+        return {key: FactorState(f.data.clone(), f.scale, f.amax, f.weight, f.updates,
+                                 f.positions, f.diagonal) for key, f in self._factors.items()}
+
+    def load_state_dict(self, states: Mapping[str, FactorState]) -> None:
+        """Replace every owned factor by its state in ``states`` (which may hold more keys);
+        pending updates are dropped.
+
+        Raises:
+            KeyError: an owned factor is missing from ``states``.
+            ValueError: a state of another shape or diagonality.
+        """
+        for key, f in self._factors.items():
+            if key not in states:
+                raise KeyError(f"factor {key!r} is not in the state")
+            st = states[key]
+            if tuple(st.data.shape) != tuple(f.data.shape) or st.diagonal != f.diagonal:
+                raise ValueError(f"factor {key!r}: state of shape {tuple(st.data.shape)} "
+                                 f"(diagonal={st.diagonal}), stored {tuple(f.data.shape)} "
+                                 f"(diagonal={f.diagonal})")
+        for key, f in self._factors.items():
+            st = states[key]
+            f.data.copy_(st.data)
+            f.scale, f.amax, f.weight = float(st.scale), float(st.amax), float(st.weight)
+            f.updates, f.positions = int(st.updates), int(st.positions)
+            f.pending, f.device_pending, f.device_alpha, f.device_updates = [], None, 1.0, 0
+
+    def traces(self) -> dict[str, float]:
+        """``{key: trace}`` of every owned factor as folded so far, without flushing (cheap:
+        for monitoring between snapshots)."""
+        return {key: f.trace() for key, f in self._factors.items()}
 
     def _record(self, f: StoredFactor, n: float, positions: int) -> float:
         """Advance ``f``'s EMA weight and counts by one update of weight ``n``; returns ``η``."""
@@ -148,7 +233,7 @@ class FactorStore:
             n: Total weight of the rows (``> 0``; default ``m``: unweighted rows).
             positions: Sampled positions behind the rows (default ``m``), for the counts.
         """
-        f = self.factors[key]
+        f = self._factors[key]
         n = float(rows.shape[0]) if n is None else float(n)
         eta = self._record(f, n, rows.shape[0] if positions is None else positions)
         f.pending.append((rows.to(device="cpu", dtype=self.compute_dtype), eta, n))
@@ -165,7 +250,7 @@ class FactorStore:
             n: Weight of the positions ``S`` was built from (``> 0``).
             positions: Sampled positions (default ``n``), for the counts.
         """
-        f = self.factors[key]
+        f = self._factors[key]
         self._flush(f)
         eta = self._record(f, n, n if positions is None else positions)
         stat = stat.to(device="cpu", dtype=self.compute_dtype) * eta
@@ -184,7 +269,7 @@ class FactorStore:
         Kept on the device and combined with the following ones (see the module docstring)
         while the budget allows; the caller must not modify ``stat_sum`` afterwards.
         """
-        f = self.factors[key]
+        f = self._factors[key]
         self._flush(f)  # rows and device statistics never pend together
         eta = self._record(f, n, positions)
         term = stat_sum.to(self.compute_dtype).mul_(eta / float(n))
@@ -199,7 +284,7 @@ class FactorStore:
 
     def flush(self) -> None:
         """Fold every pending update into the stored factors."""
-        for f in self.factors.values():
+        for f in self._factors.values():
             self._flush(f)
 
     def _host_copy(self, t: Tensor) -> Tensor:
@@ -249,7 +334,7 @@ class FactorStore:
             stat if f.diagonal else stat.diagonal())  # [d]
         bound = alpha * f.amax + float(term_diag.abs().max())
         fp16 = self.storage_dtype == torch.float16
-        new_scale = 2.0 ** math.ceil(math.log2(bound / _FP16_TARGET)) if fp16 and bound > 0 else 1.0
+        new_scale = 2.0 ** fp16_exponent(bound) if fp16 and bound > 0 else 1.0
         beta, gamma = f.scale * alpha / new_scale, 1.0 / new_scale
         if f.diagonal:
             new = f.data.to(cd).mul_(beta).add_(term_diag, alpha=gamma)  # [d]
@@ -276,4 +361,4 @@ class FactorStore:
     def values(self) -> dict[str, Tensor]:
         """All factors, flushed and dequantised (float32, or float64 for float64 storage)."""
         self.flush()
-        return {k: f.value() for k, f in self.factors.items()}
+        return {k: f.value() for k, f in self._factors.items()}

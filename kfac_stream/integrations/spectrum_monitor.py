@@ -56,16 +56,18 @@ from __future__ import annotations
 import math
 import statistics
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 from transformers.integrations import TensorBoardCallback, WandbCallback
 
-from .integrations.hf_callback import KFACStreamCallback
-from .snapshot.media import log10_histograms  # noqa: F401  (re-exported: part of this API)
-from .snapshot.snapshot import read_manifest
+from ..factor_keys import FACTOR_KINDS, split_factor_key
+from ..snapshot.snapshot import read_manifest
 
-FACTORS = ("A", "G")
+if TYPE_CHECKING:
+    from .hf_callback import KFACStreamCallback
+
+FACTORS = FACTOR_KINDS
 STATS = ("max", "trace", "log10_cond", "eff_rank")
 AGGREGATES = {"min": min, "median": statistics.median, "max": max}
 COUNTERS = ("tokens_seen", "positions_sampled", "updates", "skipped_updates")
@@ -114,12 +116,12 @@ def step_metrics(tracker, prefix: str = "kfac", steps: int | None = None) -> dic
         steps: Training steps the tracker has timed (``end_step`` calls) since it was made;
             ``ms_per_step`` (``tracker_seconds / steps``) is left out without it.
     """
+    record = tracker.export(factors=False)
     out = {}
-    for key, factor in tracker.store.factors.items():
-        layer, f = key.rsplit(".", 1)
-        diag = factor.data if factor.diagonal else factor.data.diagonal()
-        out[f"{prefix}/{layer}/{f}/live_trace"] = float(diag.double().sum()) * factor.scale
-    counters = tracker.read_counters()
+    for key, trace in record.traces.items():
+        layer, f = split_factor_key(key)
+        out[f"{prefix}/{layer}/{f}/live_trace"] = trace
+    counters = record.counters
     out.update({f"{prefix}/tracker/{name}": float(getattr(counters, name)) for name in COUNTERS})
     if steps:
         out[f"{prefix}/tracker/ms_per_step"] = 1e3 * counters.tracker_seconds / steps

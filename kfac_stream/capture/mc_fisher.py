@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .capture.hooks import CaptureHooks, PassRecord, logits_of
+from .hooks import MC_REPLAY, CaptureHooks, PassRecord, logits_of
 
 _DROP = ("labels", "num_items_in_batch", "return_loss")
 
@@ -115,12 +115,9 @@ def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Te
     masked SUM): the same gradient as a loss over the selected rows, with no host read.
     """
     kwargs = {k: v for k, v in inputs.items() if k not in _DROP}
-    saved = capture.capturing, capture.record_inputs, capture.on_forward_end
     rec = None
-    capture.capturing, capture.record_inputs, capture.on_forward_end = True, False, None
-    capture.counting, capture.keep_outputs, capture.estimate_scale = False, True, False
-    try:
-        with torch.enable_grad():
+    with capture.using(MC_REPLAY), torch.enable_grad():
+        try:
             out = model(**kwargs)
             rec = capture.current
             if rec is None:
@@ -139,9 +136,6 @@ def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Te
             if any(o.grad_fn is None for o in outputs):
                 raise RuntimeError("kfac_stream MC Fisher: a tracked output has no graph")
             torch.autograd.grad(loss, outputs, allow_unused=True)
-    finally:
-        if rec is not None:  # outputs → their hooks → rec → outputs would be a GC-invisible cycle
-            rec.outputs = []
-        capture.capturing, capture.record_inputs, capture.on_forward_end = saved
-        capture.counting, capture.keep_outputs, capture.estimate_scale = True, False, True
-        capture.current = None
+        finally:
+            if rec is not None:  # outputs → hooks → rec → outputs: a GC-invisible cycle
+                rec.outputs = []
