@@ -18,12 +18,12 @@ def _load_snapshot(path: str):
 
 
 def _inspect(args) -> int:
-    from .report import layer_table
+    from .snapshot.layer_table import layer_table
 
     snap = _load_snapshot(args.path)
     print(layer_table(snap))
     if args.plot:
-        from .plot import plot_spectra
+        from .snapshot.media import plot_spectra
 
         print(f"spectra: {plot_spectra(snap, args.plot)}")
     return 0

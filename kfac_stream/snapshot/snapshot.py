@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from ..exceptions import SnapshotError
+from ..factor_keys import FACTOR_KINDS, factor_key
 from .layout import FORMAT_NAME, MANIFEST, READABLE_VERSIONS, STEP_DIR_RE, sha256_file
 
 
@@ -109,9 +110,9 @@ class Snapshot:
         values: dict[str, torch.Tensor] = {}  # dequantised once per stored key (a shared A)
         for name, info in meta["layers"].items():
             parts = {}
-            for factor in ("A", "G"):
+            for factor in FACTOR_KINDS:
                 finfo = info[factor]
-                key = finfo.get("key", f"{name}.{factor}")  # format 2: a shared A's key
+                key = finfo.get("key", factor_key(name, factor))  # format 2: a shared A's key
                 if not isinstance(key, str):
                     raise SnapshotError(f"{path}: layer {name!r} factor {factor} has a "
                                         f"non-string key {key!r}")

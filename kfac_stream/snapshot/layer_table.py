@@ -1,9 +1,10 @@
-"""Plain-text per-layer tables of a snapshot (used by the CLI and the demo)."""
+"""The plain-text per-layer table of a snapshot (``kfac-stream inspect``, the app's report)."""
 
 from __future__ import annotations
 
-from .snapshot.snapshot import Snapshot
-from .stats.spectrum import spectrum_stats
+from ..factor_keys import FACTOR_KINDS
+from ..stats.spectrum import spectrum_stats
+from .snapshot import Snapshot
 
 
 def layer_table(snap: Snapshot) -> str:
@@ -15,7 +16,7 @@ def layer_table(snap: Snapshot) -> str:
              f"tokens seen {snap.meta['counts']['tokens_seen']})", head, "-" * len(head)]
     for name in snap.layer_names:
         lf = snap[name]
-        for f in ("A", "G"):
+        for f in FACTOR_KINDS:
             t = getattr(lf, f)
             st = spectrum_stats(getattr(lf, f"{f}_eigvals"))
             shape = "x".join(map(str, t.shape)) + ("(diag)" if t.dim() == 1 else "")

@@ -1,0 +1,79 @@
+"""The app's end-of-run report: the last snapshot's layer table, the tracker's counts and the
+uncertainty contrast of held-out against out-of-domain text (``conf/report``)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..query.laplace import LaplacePosterior
+from ..snapshot.layer_table import layer_table
+from ..snapshot.snapshot import Snapshot
+from . import data as appdata
+from .contrast import uncertainty_contrast
+
+
+def end_of_run_report(cfg, model, tokenizer, seq_len: int, kfac, wall: float,
+                      heldout_docs: list[str], ood_docs: dict[str, list[str]],
+                      world_size: int, model_dir: str) -> dict[str, Any]:
+    """Print the report of a finished run (rank 0) and return its figures.
+
+    Args:
+        cfg: The composed app config (``report`` group: contrast sizes, prior precision).
+        model, tokenizer, seq_len: The trained model, its tokenizer and window length.
+        kfac: The run's `KFACStreamCallback` (its last snapshot is reported).
+        wall: Training wall time in seconds.
+        heldout_docs: Held-out in-domain documents.
+        ood_docs: ``{set name: documents}`` out of domain.
+        world_size: Processes that trained (the contrast is skipped with several).
+        model_dir: Where the trained model was saved.
+
+    Returns:
+        ``{"snapshot", "spectra_png", "report"[, "contrast"]}``.
+    """
+    snap = Snapshot.load(kfac.snapshots[-1])
+    c = snap.meta["counts"]
+    lines = ["", "=" * 78, f"kfac_stream report — snapshot {snap.path}", "", layer_table(snap),
+             "", f"tracker: {c['updates']} updates, {c['positions_sampled']} positions sampled "
+             f"of {c['tokens_seen']} seen, {c['skipped_updates']} skipped; "
+             f"{c['tracker_seconds']:.2f} s on the training thread of {wall:.1f} s training "
+             f"({100 * c['tracker_seconds'] / max(wall, 1e-9):.1f}%)"]
+    png = f"{snap.path}.spectra.png"
+    result: dict[str, Any] = {"snapshot": snap.path, "spectra_png": png if os.path.exists(png)
+                              else None}
+    if result["spectra_png"]:
+        lines.append(f"spectra plot: {png}")
+    if cfg.report.enabled and heldout_docs and ood_docs:  # ood_docs: {set name: documents}
+        if world_size > 1:
+            lines.append("uncertainty contrast: skipped with several processes (the model may "
+                         "be partitioned); load the snapshot in one process with "
+                         "kfac_stream.LaplacePosterior")
+        else:
+            r = cfg.report
+
+            def windows(docs):
+                ids = appdata.encode_documents(docs, tokenizer)
+                return [e["input_ids"] for e in appdata.lm_examples(ids, seq_len, r.windows)]
+
+            model.eval()
+            dev = next(model.parameters()).device
+            post = LaplacePosterior(model, snap, prior_precision=r.prior_precision)
+            held = [w.to(dev) for w in windows(heldout_docs)]
+            result["contrast"] = {}
+            for name, docs in ood_docs.items():
+                con = uncertainty_contrast(post, held, [w.to(dev) for w in windows(docs)],
+                                           r.positions, r.top_k)
+                lines += ["", f"[out-of-domain: {name}]"] + con.lines()
+                result["contrast"][name] = {
+                    "variance_in": float(con.variance["in"].mean()),
+                    "variance_out": float(con.variance["out"].mean()),
+                    "entropy_in": float(con.entropy["in"].mean()),
+                    "entropy_out": float(con.entropy["out"].mean()),
+                    "auroc_variance": con.auroc("variance"),
+                    "auroc_entropy": con.auroc("entropy")}
+    lines += [f"trained model: {model_dir} (kfac-stream query --snapshot {snap.path} --model "
+              f"{model_dir}{' --byte-level' if cfg.model.kind == 'tiny' else ''} --text ...)",
+              "=" * 78]
+    print("\n".join(lines), flush=True)
+    result["report"] = "\n".join(lines)
+    return result

@@ -1,0 +1,136 @@
+"""The package's import structure: layers only import downwards, no import cycle, no private
+name imported across modules, every error class in `kfac_stream.exceptions`.
+
+Read from the source with `ast` (every import, also those inside functions, except those under
+``if TYPE_CHECKING:``), so it holds for code paths the other tests do not import.
+"""
+
+import ast
+import pathlib
+
+import kfac_stream
+from kfac_stream import exceptions
+
+PACKAGE = pathlib.Path(kfac_stream.__file__).resolve().parent
+
+# lower number = lower layer; a module may import its own layer or lower ones
+LAYERS = {
+    "exceptions": 0, "enums": 0, "factor_keys": 0, "config": 0,
+    "stats": 1,
+    "capture": 2, "store": 2, "distributed": 2, "snapshot": 2,
+    "tracker": 3, "tracker_state": 3, "query": 3,
+    "integrations": 4,
+    "app": 5, "train": 5, "cli": 5, "": 5,  # "": the package's __init__
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    rel = path.relative_to(PACKAGE).with_suffix("")
+    parts = [p for p in rel.parts if p != "__init__"]
+    return ".".join(["kfac_stream", *parts])
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(path: pathlib.Path) -> list[tuple[str, list[str]]]:
+    """``[(imported module, names)]`` of every kfac_stream import in ``path``."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = []
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and _is_type_checking(node):
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("kfac_stream"):
+                names = [a.name for a in node.names]
+                if not node.module:  # `from . import x`: x is a module
+                    out.extend((f"{target}.{n}", []) for n in names)
+                else:
+                    out.append((target, names))
+        elif isinstance(node, ast.Import):
+            out.extend((a.name, []) for a in node.names if a.name.startswith("kfac_stream"))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return out
+
+
+def _graph() -> dict[str, list[tuple[str, list[str]]]]:
+    return {_module_name(p): _imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _layer(module: str) -> int:
+    top = module.removeprefix("kfac_stream").lstrip(".").split(".")[0]
+    assert top in LAYERS, f"{module}: place {top!r} in a layer of tests/test_architecture.py"
+    return LAYERS[top]
+
+
+def test_layers_only_import_downwards():
+    upward = [f"{m} (layer {_layer(m)}) imports {t} (layer {_layer(t)})"
+              for m, imports in _graph().items() for t, _ in imports if _layer(t) > _layer(m)]
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    modules = set(graph)
+
+    def resolve(target: str) -> str | None:  # a module, or the package that defines a name
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    edges = {m: {resolve(t) for t, _ in imports} - {None, m} for m, imports in graph.items()}
+    # a package's __init__ importing its own submodules is not a cycle through them
+    edges = {m: {t for t in ts if not t.startswith(m + ".")} for m, ts in edges.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def dfs(m: str) -> None:
+        state[m] = 1
+        stack.append(m)
+        for t in sorted(edges[m]):
+            if state.get(t) == 1:
+                cycles.append(" -> ".join(stack[stack.index(t):] + [t]))
+            elif t not in state:
+                dfs(t)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(edges):
+        if m not in state:
+            dfs(m)
+    assert not cycles, "\n".join(cycles)
+
+
+def test_no_private_name_imported_across_modules():
+    private = [f"{m} imports {n} from {t}" for m, imports in _graph().items()
+               for t, names in imports for n in names if n.startswith("_")]
+    assert not private, "\n".join(private)
+
+
+def test_every_error_class_lives_in_exceptions():
+    defined = [f"{_module_name(p)}.{node.name}" for p in PACKAGE.rglob("*.py")
+               if p.name != "exceptions.py"
+               for node in ast.walk(ast.parse(p.read_text())) if isinstance(node, ast.ClassDef)
+               and (node.name.endswith(("Error", "Exception")))]
+    assert not defined, defined
+    errors = [v for v in vars(exceptions).values()
+              if isinstance(v, type) and issubclass(v, Exception)]
+    assert len(errors) >= 7
+    assert all(issubclass(e, exceptions.KFACStreamError) for e in errors)
+    assert {e.__name__ for e in errors} <= set(kfac_stream.__all__)
