@@ -2,8 +2,15 @@
 
 from .config import KFACConfig
 from .enums import FisherType, StorageDtype
-from .exceptions import (AppConfigError, KFACConfigError, KFACStreamError, SnapshotError,
-                         SnapshotMismatchError, TrackerStateError, UnsupportedModuleError)
+from .exceptions import (
+    AppConfigError,
+    KFACConfigError,
+    KFACStreamError,
+    SnapshotError,
+    SnapshotMismatchError,
+    TrackerStateError,
+    UnsupportedModuleError,
+)
 from .integrations.hf_callback import KFACStreamCallback
 from .query.laplace import LaplacePosterior
 from .snapshot.snapshot import LayerFactors, Snapshot

@@ -31,7 +31,9 @@ def _inspect(args) -> int:
 
 def _decode(tokenizer, token_id: int) -> str:
     if tokenizer is None:  # byte-level ids
-        return bytes([token_id]).decode("utf-8", "backslashreplace") if token_id < 256 else f"<{token_id}>"
+        if token_id >= 256:
+            return f"<{token_id}>"
+        return bytes([token_id]).decode("utf-8", "backslashreplace")
     return tokenizer.decode([token_id])
 
 

@@ -158,7 +158,8 @@ class KFACConfig:
                 continue
             if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
                 raise KFACConfigError(
-                    f"KFACConfig.{name}={patterns!r} is not allowed: must be a list of regex strings"
+                    f"KFACConfig.{name}={patterns!r} is not allowed: must be a list of regex "
+                    "strings"
                 )
             for p in patterns:
                 try:

@@ -515,6 +515,12 @@ class Tracker:
         self.counters.tokens_seen = self.capture.tokens_seen
         return self.counters
 
+    def count_snapshot_failure(self) -> int:
+        """Count one abandoned snapshot (``counts.snapshot_failures`` in later manifests);
+        returns the count so far."""
+        self.counters.snapshot_failures += 1
+        return self.counters.snapshot_failures
+
     # -- state -----------------------------------------------------------------------------------
 
     def export(self, factors: bool = True) -> TrackerRecord:

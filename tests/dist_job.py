@@ -129,7 +129,7 @@ def main() -> None:
                                   callbacks=[cb2])
         again.train()
         with open(os.path.join(opts.out, f"second-{cb2.tracker.rank}.json"), "w") as f:
-            json.dump({"counters": {k: v for k, v in vars(cb2.tracker.counters).items()},
+            json.dump({"counters": dict(vars(cb2.tracker.counters)),
                        "hooks": Watch.hook_count(model)}, f)
 
 
@@ -200,7 +200,7 @@ def dump(cb, out: str, failed: str | None, watch: dict | None = None) -> None:
             "owner": tracker.ownership.owner,
             "stored_bytes": sum(f.data.numel() * f.data.element_size()
                                 for f in tracker.export().factors.values()),
-            "counters": {k: v for k, v in vars(tracker.counters).items()},
+            "counters": dict(vars(tracker.counters)),
             "snapshots": cb.snapshots, "failed": failed, "watch": watch}
     with open(os.path.join(out, f"rank-{r}.json"), "w") as f:
         json.dump(info, f, indent=1)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from transformers import Trainer, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback
+
 from models import ListDataset
 from reference import ForwardRecorder
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import random
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.utils.data import Dataset

@@ -35,7 +35,8 @@ from __future__ import annotations
 
 import copy
 from collections import OrderedDict
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -101,7 +102,7 @@ class ForwardRecorder:
         self.records.append(rec)
         return None
 
-    def __enter__(self) -> "ForwardRecorder":
+    def __enter__(self) -> ForwardRecorder:
         self._handle = self.model.register_forward_pre_hook(self._hook, with_kwargs=True)
         return self
 

@@ -29,6 +29,7 @@ import torch
 
 from kfac_stream import Snapshot
 from kfac_stream.stats.spectrum import spectrum_stats
+
 from logreaders import latest_wandb_run_dir, read_tensorboard_scalars, read_wandb_offline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -165,6 +166,7 @@ def test_bad_override_fails_before_training(tmp_path, override, needle):
 def test_hub_code_path_on_local_files(tmp_path):
     """``model=hf`` / ``data=hf`` take from_pretrained / load_dataset, here on local files."""
     from kfac_stream.app.models import tiny_gpt2
+
     from models import save_bpe_tokenizer
 
     model_dir, text = tmp_path / "model", tmp_path / "corpus.txt"

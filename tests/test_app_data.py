@@ -11,9 +11,17 @@ import json
 import pytest
 import torch
 
-from kfac_stream.app.data import (ByteTokenizer, encode_documents, lm_examples, load_hf_documents,
-                                  ood_documents, pydoc_documents, split_documents)
+from kfac_stream.app.data import (
+    ByteTokenizer,
+    encode_documents,
+    lm_examples,
+    load_hf_documents,
+    ood_documents,
+    pydoc_documents,
+    split_documents,
+)
 from kfac_stream.app.models import load_hf_model, tiny_gpt2
+
 from models import save_bpe_tokenizer
 
 

@@ -6,10 +6,11 @@ import pathlib
 import torch
 import yaml
 
-from harness import run
 from kfac_stream import KFACConfig, Snapshot
 from kfac_stream.cli import main as cli_main
 from kfac_stream.stats.spectrum import spectrum_stats
+
+from harness import run
 from models import text_examples, tiny_gpt2
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

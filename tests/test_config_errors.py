@@ -5,6 +5,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACConfigError, KFACStreamCallback, UnsupportedModuleError
+
 from models import ListDataset, text_examples, tiny_gpt2
 
 
@@ -17,7 +18,8 @@ from models import ListDataset, text_examples, tiny_gpt2
     ("update_every", 0, "KFACConfig.update_every=0 is not allowed: must be a positive integer"),
     ("update_every", 2.5, "KFACConfig.update_every=2.5 is not allowed: must be a positive int"),
     ("snapshot_every", -3, "KFACConfig.snapshot_every=-3 is not allowed: must be a positive"),
-    ("fisher", "true", "KFACConfig.fisher='true' is not allowed: must be one of ('empirical', 'mc')"),
+    ("fisher", "true",
+     "KFACConfig.fisher='true' is not allowed: must be one of ('empirical', 'mc')"),
     ("storage_dtype", "bfloat16", "KFACConfig.storage_dtype='bfloat16' is not allowed"),
     ("include", ["(unclosed"], "KFACConfig.include has an invalid regex '(unclosed'"),
     ("exclude", "mlp", "KFACConfig.exclude='mlp' is not allowed: must be a list of regex"),

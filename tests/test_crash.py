@@ -43,7 +43,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-
 from safetensors import safe_open
 
 from kfac_stream import Snapshot
@@ -358,8 +357,8 @@ def run_chain(base: str, name: str, plan: list[tuple], tally: Tally, ranks: int 
                 label, step = f"random, any time (rank {kill_rank})", None
             else:  # a seeded delay (ms) after rank 0 starts writing snapshot ``anchor``
                 job.wait_for(f"snapshot {anchor} starts",
-                             lambda: [m for m in job.marks("snapshot-start")
-                                      if m["rank"] == "0" and int(m["n"]) >= anchor],
+                             lambda anchor=anchor: [m for m in job.marks("snapshot-start")
+                                                    if m["rank"] == "0" and int(m["n"]) >= anchor],
                              poll=0.001)
                 time.sleep(delay)
                 os.kill(pids[kill_rank], signal.SIGKILL)
@@ -368,7 +367,8 @@ def run_chain(base: str, name: str, plan: list[tuple], tally: Tally, ranks: int 
                 assert job.wait(RUN_TIMEOUT) == -signal.SIGKILL, job.text()[-3000:]
             else:  # the launcher normally notices the dead rank and stops the other one
                 dead = pids[kill_rank]
-                job.wait_for(f"rank {kill_rank} dead", lambda: not _alive(dead), timeout=30)
+                job.wait_for(f"rank {kill_rank} dead", lambda dead=dead: not _alive(dead),
+                             timeout=30)
                 rc = job.wait(LAUNCHER_GRACE)
                 if rc is None:  # the survivor hangs in a collective: the group is killed
                     tally.add_hang()

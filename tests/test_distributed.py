@@ -47,6 +47,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from kfac_stream import LaplacePosterior, Snapshot
+
 from models import text_examples, tiny_gpt2
 
 pytestmark = pytest.mark.skipif(
@@ -375,8 +376,8 @@ def test_resume_with_another_world_size_reshards(runs):
 @pytest.mark.slow
 def test_long_zero3_run_memory_hooks_and_no_double_count(runs):
     """300 steps of 2-process ZeRO-3, token_fraction 0.05, a snapshot every 50 steps: RSS
-    after warm-up (step 100) grows by at most RSS_GROWTH_MIB per process, kfac_stream's hook count is
-    constant (and zero after training), every snapshot loads, and a second training of the
+    after warm-up (step 100) grows by at most RSS_GROWTH_MIB per process, kfac_stream's hook
+    count is constant (and zero after training), every snapshot loads, and a second training of the
     same model with a new callback counts every position once (token_fraction 1 there:
     positions_sampled = tokens seen by both ranks)."""
     out = runs.get("zero3_long")

@@ -9,7 +9,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kfac_stream.distributed.context import agree_with_rank0
-from kfac_stream.distributed.exchange import choose_strategy, exchange_to_owners, rows_bytes, stats_bytes
+from kfac_stream.distributed.exchange import (
+    choose_strategy,
+    exchange_to_owners,
+    rows_bytes,
+    stats_bytes,
+)
 from kfac_stream.distributed.ownership import assign_owners
 
 DIMS = {"l0.A": (7, False), "l0.G": (5, False), "l1.A": (9, True), "l1.G": (300, False)}

@@ -13,8 +13,9 @@ import pytest
 import torch
 
 import kfac_stream.snapshot.writer as writer
-from harness import run
 from kfac_stream import Snapshot
+
+from harness import run
 from models import text_examples, tiny_gpt2
 
 CFG = dict(storage_dtype="float32", snapshot_every=2)

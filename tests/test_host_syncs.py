@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback
+
 from models import ListDataset, text_examples, tiny_llama
 
 aten = torch.ops.aten
@@ -132,7 +133,8 @@ def test_callback_adds_no_host_sync_per_step(tmp_path, extra):
 
 
 def test_replayed_mc_pass_adds_only_the_models_own_forward_syncs(tmp_path):
-    # gradient checkpointing: the MC pass is replayed after the step (see kfac_stream/capture/mc_fisher.py)
+    # gradient checkpointing: the MC pass is replayed after the step
+    # (see kfac_stream/capture/mc_fisher.py)
     cfg = {"async_updates": True, "snapshot_every": 10_000, "fisher": "mc"}
     plain = _count(tmp_path / "plain", None, gradient_checkpointing=True)
     tracked = _count(tmp_path / "tracked", cfg, gradient_checkpointing=True)

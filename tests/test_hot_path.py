@@ -8,8 +8,9 @@ import time
 import pytest
 import torch
 
-from harness import run
 from kfac_stream.stats.spectrum import default_eigh_threads, eigh_factors, safe_psd_eigh
+
+from harness import run
 from models import text_examples, tiny_gpt2
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

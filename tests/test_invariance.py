@@ -61,7 +61,8 @@ def _count_calls(model, name):
 def test_gradient_checkpointing_counts_each_position_once(tmp_path):
     ex = text_examples(8, 12)
     m1, m2 = tiny_gpt2(), tiny_gpt2()
-    c1, c2 = _count_calls(m1, "transformer.h.0.mlp.c_fc"), _count_calls(m2, "transformer.h.0.mlp.c_fc")
+    layer = "transformer.h.0.mlp.c_fc"
+    c1, c2 = _count_calls(m1, layer), _count_calls(m2, layer)
     plain, _, _ = run(m1, ex, batch=2, accum=2, tmp_path=tmp_path / "a", record=False)
     ckpt, _, _ = run(m2, ex, batch=2, accum=2, tmp_path=tmp_path / "b", record=False,
                      gradient_checkpointing=True)

@@ -122,9 +122,9 @@ def test_snapshot_every_and_final_snapshot(tmp_path):
 
 def test_mc_fisher_under_gradient_checkpointing(tmp_path):
     # Without checkpointing the MC gradient is taken inside the training forward; with it the
-    # pass is replayed after the optimizer step (kfac_stream/capture/mc_fisher.py). With lr=0 the weights are
-    # the same before and after the step and the label sampler draws the same numbers in the
-    # same order: both ways must give the same factors.
+    # pass is replayed after the optimizer step (kfac_stream/capture/mc_fisher.py). With lr=0 the
+    # weights are the same before and after the step and the label sampler draws the same numbers
+    # in the same order: both ways must give the same factors.
     ex = text_examples(4, 12, lengths=[12, 9, 12, 7])
     cfg = {"fisher": "mc"}
     plain, _, _ = run(tiny_gpt2(), ex, cfg, batch=2, lr=0.0, tmp_path=tmp_path / "a",
@@ -235,6 +235,7 @@ def test_fp16_amp_scaler_skipped_steps_never_reach_the_factors(tmp_path):
     from transformers import Trainer, TrainingArguments
 
     from kfac_stream import KFACConfig, KFACStreamCallback
+
     from models import ListDataset
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

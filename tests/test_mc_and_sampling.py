@@ -1,10 +1,10 @@
 """MC Fisher converges to the exact expected Fisher; token subsampling is unbiased."""
 
-import pytest
 import torch
 
-from harness import run, sum_nll_loss
 from kfac_stream import Snapshot
+
+from harness import run, sum_nll_loss
 from models import text_examples, tiny_gpt2, tiny_llama
 from reference import expected_fisher_G, reference_factors, rel_err
 

@@ -1,5 +1,5 @@
-"""`kfac_stream.integrations.spectrum_monitor`: spectrum metrics of every snapshot, read back from what the reporters
-wrote (W&B offline run files and TensorBoard event files; nothing mocked).
+"""`kfac_stream.integrations.spectrum_monitor`: spectrum metrics of every snapshot, read back
+from what the reporters wrote (W&B offline run files and TensorBoard event files; nothing mocked).
 
 One real ``Trainer`` run (tiny GPT-2, 7 steps, snapshots at steps 3 and 6 and the final one
 at 7 written in ``on_train_end``) is shared by the end-to-end tests; the expected values are
@@ -20,6 +20,7 @@ from kfac_stream import KFACConfig, KFACStreamCallback, LayerFactors, Snapshot
 from kfac_stream.integrations.spectrum_monitor import SpectrumMonitor, snapshot_metrics
 from kfac_stream.snapshot.media import log10_histograms
 from kfac_stream.stats.spectrum import spectrum_stats
+
 from logreaders import latest_wandb_run_dir, read_tensorboard_scalars, read_wandb_offline
 from models import ListDataset, text_examples, tiny_gpt2
 

@@ -10,7 +10,7 @@ token-weighted means over all micro-batches.
 import pytest
 import torch
 
-from harness import EXACT, factor_errors, mean_nll_loss, run, sum_nll_loss
+from harness import factor_errors, mean_nll_loss, run, sum_nll_loss
 from models import lora_gpt2, text_examples, tiny_gpt2, tiny_llama
 from reference import reference_factors
 
@@ -42,7 +42,8 @@ def test_factors_equal_bruteforce_reference(build, layers, loss, tmp_path):
     ref, count = reference_factors(model, records, layers)
     errs = factor_errors(cb, ref)
     print({k.split(".", 2)[-1]: f"{v:.1e}" for k, v in errs.items()})
-    tol = LLAMA_SCALED_LOSS_TOL if (build is tiny_llama and loss is not sum_nll_loss) else ORACLE_TOL
+    scaled_llama = build is tiny_llama and loss is not sum_nll_loss
+    tol = LLAMA_SCALED_LOSS_TOL if scaled_llama else ORACLE_TOL
     assert max(errs.values()) <= tol, errs
     assert cb.tracker.counters.positions_sampled == count == sum([12, 9, 12, 7, 12, 12, 10, 12])
 

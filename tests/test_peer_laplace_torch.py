@@ -58,13 +58,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import run, sum_nll_loss
-from models import text_examples, tiny_llama
-from reference import rel_err
 from torch import nn
 
 from kfac_stream import Snapshot
 from kfac_stream.query.laplace import LaplacePosterior
+
+from harness import run, sum_nll_loss
+from models import text_examples, tiny_llama
+from reference import rel_err
 
 INSTALL_HINT = ("install it with `pip install --no-deps laplace-torch==0.3` plus the deps listed "
                 "in this module's docstring, never torch/torchvision")

@@ -3,7 +3,6 @@ tests/models.py (no kfac_stream imports)."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -112,7 +111,7 @@ def test_summed_nll_matches_hf_mean_loss():
     assert torch.equal(labels_of(nolab), kw["labels"])
 
 
-# --------------------------------------------------------------------------- (a) rows vs param grads
+# ------------------------------------------------------------------------ (a) rows vs param grads
 
 
 def _check_rows_against_param_grads(model, names, kw):

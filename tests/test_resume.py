@@ -12,8 +12,9 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from harness import run
 from kfac_stream.tracker_state import TrackerStateError, load_tracker_state
+
+from harness import run
 from models import text_examples, tiny_gpt2
 
 STEPS, SAVE = 8, 4

@@ -7,9 +7,10 @@ import shutil
 import pytest
 import torch
 
-from harness import run
 from kfac_stream import Snapshot, SnapshotError
 from kfac_stream.stats.spectrum import safe_psd_eigh, spectrum_stats
+
+from harness import run
 from models import text_examples, tiny_gpt2
 from reference import rel_err
 
@@ -45,7 +46,8 @@ def test_round_trip_is_bit_identical_and_eigendecomposition_reconstructs(snapsho
         lf = snap[name]
         assert torch.equal(lf.A, live[name][0]) and torch.equal(lf.G, live[name][1])
         for f in ("A", "G"):
-            mat, vals, vecs = getattr(lf, f), getattr(lf, f"{f}_eigvals"), getattr(lf, f"{f}_eigvecs")
+            mat = getattr(lf, f)
+            vals, vecs = getattr(lf, f"{f}_eigvals"), getattr(lf, f"{f}_eigvecs")
             assert (vals >= 0).all()
             if mat.dim() == 1:
                 n_diag += 1

@@ -22,7 +22,7 @@ def test_ema_matches_closed_form_float64(decay, path, diagonal):
     store = FactorStore("float64", decay, flush_every=5)  # 12 updates: folds of 5, 5 and 2
     store.add("f", 6, diagonal=diagonal)
     stats, counts = [], []
-    for k in range(12):
+    for _ in range(12):
         n = int(torch.randint(1, 5, (1,), generator=gen))  # < d rows: only flush_every folds
         x = torch.randn(n, 6, generator=gen, dtype=torch.float64)
         s = x.T @ x / n

@@ -8,8 +8,14 @@ written by ``save_pretrained``).
 from __future__ import annotations
 
 import torch
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel,
-                          PreTrainedModel, PreTrainedTokenizerBase)
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 
 def tiny_gpt2(vocab_size: int = 256, n_layer: int = 2, n_embd: int = 128, n_head: int = 4,

@@ -21,7 +21,7 @@ report     the end-of-run report: uncertainty contrast sizes
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, make_dataclass
-from typing import Any, Optional, get_type_hints
+from typing import Any, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -32,8 +32,8 @@ from ..config import KFACConfig
 @dataclass
 class ModelConf:
     kind: str = "tiny"  # tiny | hf
-    name_or_path: Optional[str] = None  # hf: hub id or local directory
-    dtype: Optional[str] = None  # hf: "auto", "float32", "bfloat16", ...
+    name_or_path: str | None = None  # hf: hub id or local directory
+    dtype: str | None = None  # hf: "auto", "float32", "bfloat16", ...
     vocab_size: int = 256  # tiny: byte-level
     n_layer: int = 2
     n_embd: int = 128
@@ -45,12 +45,12 @@ class ModelConf:
 @dataclass
 class DataConf:
     kind: str = "pydoc"  # pydoc | hf
-    path: Optional[str] = None  # hf: load_dataset(path, name, data_files=..., split=...)
-    name: Optional[str] = None
-    data_files: Optional[str] = None
+    path: str | None = None  # hf: load_dataset(path, name, data_files=..., split=...)
+    name: str | None = None
+    data_files: str | None = None
     split: str = "train"
     text_field: str = "text"
-    max_documents: Optional[int] = None
+    max_documents: int | None = None
     heldout_fraction: float = 0.1  # documents kept out of training for the report
     # out-of-domain text sets for the report: python_source (stdlib), licenses (license texts)
     ood: list[str] = field(default_factory=lambda: ["python_source", "licenses"])
@@ -94,17 +94,17 @@ class TrainerConf:
     use_cpu: bool = False
     seed: int = 0
     report_to: list[str] = field(default_factory=lambda: ["wandb", "tensorboard"])
-    run_name: Optional[str] = None
+    run_name: str | None = None
     disable_tqdm: bool = False
     dataloader_num_workers: int = 0
-    deepspeed: Optional[str] = None  # path to a DeepSpeed JSON (the `deepspeed` launcher)
+    deepspeed: str | None = None  # path to a DeepSpeed JSON (the `deepspeed` launcher)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class LoggingConf:
     wandb_project: str = "kfac_stream"
-    wandb_mode: Optional[str] = None  # None: "online" with an API key, else "offline"
+    wandb_mode: str | None = None  # None: "online" with an API key, else "offline"
     log_every: int = 25  # cheap tracker scalars every N steps (0: off)
     media: bool = True  # W&B histograms of log10 eigenvalues and the spectra PNG
     level: str = "INFO"
@@ -127,7 +127,7 @@ class AppConf:
     trainer: TrainerConf = field(default_factory=TrainerConf)
     logging: LoggingConf = field(default_factory=LoggingConf)
     report: ReportConf = field(default_factory=ReportConf)
-    output_dir: Optional[str] = None  # default: Hydra's run directory
+    output_dir: str | None = None  # default: Hydra's run directory
 
 
 def register() -> None:

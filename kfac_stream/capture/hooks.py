@@ -17,9 +17,9 @@ One ``PassRecord`` per training forward pass of the model (one micro-batch):
   returns (the loss input when the user computes the loss, after e.g. soft-capping) and the
   output of the output embedding (``get_output_embeddings()``, the LM head), which is the
   loss input when the model computes the loss itself but the returned logits are a copy
-  (accelerate's mixed-precision wrapper converts outputs to float32 after the loss was taken). Each hook that fires in the
-  backward adds a fit; the first one (nearer the loss) with live rows gives ``c``
-  (`resolve_scale`, on the device).
+  (accelerate's mixed-precision wrapper converts outputs to float32 after the loss was taken).
+  Each hook that fires in the backward adds a fit; the first one (nearer the loss) with live
+  rows gives ``c`` (`resolve_scale`, on the device).
 
 No hook reads a device value on the host (no ``.item()``, ``nonzero`` or boolean-mask
 indexing): every shape they use is known from the batch shape, so on a GPU the training

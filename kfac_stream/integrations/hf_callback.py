@@ -12,8 +12,8 @@ import os
 from transformers import TrainerCallback
 
 from ..config import KFACConfig
-from ..snapshot.background import SnapshotWorker
 from ..distributed.context import LOCAL, DistContext
+from ..snapshot.background import SnapshotWorker
 from ..snapshot.contents import add_eigendecompositions, merge_manifests, snapshot_contents
 from ..snapshot.layout import step_dir_name
 from ..snapshot.media import make_media
@@ -151,12 +151,12 @@ class KFACStreamCallback(TrainerCallback):
                 path = write_snapshot(root, step, tensors, manifest, comm, merge_manifests,
                                       local_error=local_error)
             except Exception as e:
-                self.tracker.counters.snapshot_failures += 1
+                failures = self.tracker.count_snapshot_failure()
                 if self.config.fail_on_snapshot_error:
                     raise
                 logger.error("kfac_stream: %s; training goes on, earlier snapshots are intact "
                              "(%d failed so far; fail_on_snapshot_error=True makes this fatal)",
-                             e, self.tracker.counters.snapshot_failures)
+                             e, failures)
                 return
             if comm.rank == 0:
                 logger.info("kfac_stream: snapshot %s", path)

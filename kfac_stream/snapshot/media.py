@@ -2,8 +2,8 @@
 plot needs matplotlib: ``pip install kfac_stream[plot]``).
 
 Made on the snapshot thread of rank 0 right after the snapshot is written (it reads the whole
-snapshot back), so that monitoring (`kfac_stream.integrations.spectrum_monitor`) only reads the manifest on the
-training thread.
+snapshot back), so that monitoring (`kfac_stream.integrations.spectrum_monitor`) only reads
+the manifest on the training thread.
 """
 
 from __future__ import annotations

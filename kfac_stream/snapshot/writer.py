@@ -21,8 +21,7 @@ from safetensors.torch import save_file
 
 from ..distributed.context import LOCAL
 from ..exceptions import SnapshotError
-from .layout import (MANIFEST, TMP_DIR_RE, sha256_file, shard_name, step_dir_name,
-                     tmp_dir_name)
+from .layout import MANIFEST, TMP_DIR_RE, sha256_file, shard_name, step_dir_name, tmp_dir_name
 from .snapshot import Snapshot
 
 

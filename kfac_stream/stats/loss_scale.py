@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
 FIT_ROWS = 32  # rows used for the fit: the first loss-bearing ones (exact from one live row;
 # 32 rows × V entries also show a label-smoothing residual plainly)
 
