@@ -50,15 +50,18 @@ BENCH_PEERS := $(VENV)/.bench-peers
 $(BENCH_PEERS): $(PEERS)
 	$(PY) -m pip install -q --no-deps kronfluence==1.0.1 && touch $(BENCH_PEERS)
 
-bench: $(STAMP) $(BENCH_PEERS)  ## run every benchmark (~35 min on 2 cores), write benchmarks/RESULTS.md
-	$(PY) benchmarks/overhead.py
-	$(PY) benchmarks/snapshot_query.py
-	$(PY) benchmarks/distributed.py
-	$(PY) benchmarks/scale.py
-	$(PY) benchmarks/peers.py
-	$(PY) benchmarks/uncertainty.py
-	$(PY) benchmarks/uncertainty.py --task classification
-	$(PY) benchmarks/headline.py
+# One script per question (benchmarks/_common.py: what they share). In this order: the
+# classification task reuses the LM uncertainty.py saves; headline.py reads everyone's JSON.
+BENCH_SCRIPTS := overhead snapshot_query distributed scale peers uncertainty \
+	uncertainty_classification headline
+# QUICK=1: every script's --quick smoke run, which writes nothing (`make bench-quick`).
+BENCH_FLAGS := $(if $(QUICK),--quick,)
+
+bench: $(STAMP) $(BENCH_PEERS)  ## run every benchmark (~35 min on 2 cores), write benchmarks/RESULTS.md; QUICK=1: smoke runs
+	set -e; for s in $(BENCH_SCRIPTS); do $(PY) benchmarks/$$s.py $(BENCH_FLAGS); done
+
+bench-quick:  ## every benchmark's --quick smoke run (writes nothing)
+	$(MAKE) bench QUICK=1
 
 clean:
 	rm -rf $(VENV) build *.egg-info

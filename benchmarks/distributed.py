@@ -2,47 +2,56 @@
 
 Method
 ------
-* The overhead.py GPT-2 (4 x 256, vocabulary 2048), batch 8 x 256 tokens per rank, AdamW,
-  launched with ``accelerate launch --config_file launch/cpu_zero3.yaml --num_processes W``
-  (parameters really partitioned), one torch thread per process (2 cores here, so W = 2 uses
-  both and W = 1 one). Tracker: token_fraction 0.05, ema_decay 0.95, empirical Fisher,
-  float16 storage, ``update_every`` = 1 (every step an update, so the per-update figures are
-  per step) and 10 (the default).
+* The overhead.py GPT-2 (4 x 256, vocabulary 2048; ``benchmarks/_common.py``), batch 8 x 256
+  tokens per rank, AdamW, launched with ``accelerate launch --config_file
+  launch/cpu_zero3.yaml --num_processes W`` (parameters really partitioned), one torch thread
+  per process (2 cores here, so W = 2 uses both and W = 1 one). Tracker: token_fraction 0.05,
+  ema_decay 0.95, empirical Fisher, float16 storage, ``update_every`` = 1 (every step an
+  update, so the per-update figures are per step) and 10 (the default).
 * Overhead: inside ONE training run per (W, update_every), ``--pairs`` pairs of plain and
-  tracked blocks of ``--timed-steps`` steps, order alternating (overhead.py's ``BlockClock``:
-  plain blocks have the hooks removed; a tracked block's last step also pays for folding its
-  rows). Ratio = mean tracked step / mean plain step of a pair, median over pairs [min-max],
-  per rank; the slower rank's median is reported.
+  tracked blocks of ``--timed-steps`` steps, order alternating (``_common.BlockClock``, as in
+  overhead.py: plain blocks have the hooks removed; a tracked block's last step also pays for
+  folding its rows). Ratio = mean tracked step / mean plain step of a pair, median over pairs
+  [min-max], per rank; the slower rank's median is reported.
 * Per update, per rank: stored factor bytes, fold FLOPs (``Σ_owned n·d(d+1)``, the upper
   triangles the store computes, ``n`` = rows of the union), the time in the exchange
   collectives and in folding (tracker counters), and the bytes each exchange strategy moves
-  (from the row counts every rank shares): rows to owners, partial statistics reduced to
-  owners, the per-factor choice, and a ring all-reduce of every full factor (float32,
+  (from the row counts every rank shares; the tracker's ``exchange_bytes_rows`` /
+  ``exchange_bytes_stats`` counters over its updates): rows to owners, partial statistics
+  reduced to owners, the per-factor choice, and a ring all-reduce of every full factor (float32,
   ``2(W-1)/W · Σ d² · 4`` bytes per rank, what an optimizer-style K-FAC would move).
 * Extrapolation to Llama-7B on 8 GPUs: formulas in `extrapolate`, printed with the numbers.
 
 Usage: ``python benchmarks/distributed.py [--pairs 3] [--timed-steps 10]``; ``--quick`` is a
-smoke run. Writes the section of ``benchmarks/RESULTS.md`` between the ``distributed``
-markers and ``benchmarks/results/distributed.json``.
+smoke run that writes nothing. Writes the section of ``benchmarks/RESULTS.md`` between the
+``distributed`` markers and ``benchmarks/results/distributed.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import torch
+import transformers
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+from kfac_stream import KFACConfig, KFACStreamCallback
+from kfac_stream.distributed.ownership import assign_owners
+
+from _common import (BATCH, MODEL, BlockClock, GatedKFAC, StartClock, StopClock, free_port,
+                     machine, make_data, write_section)
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-from results_md import write_section  # noqa: E402
 BEGIN, END = "<!-- distributed:begin -->", "<!-- distributed:end -->"
 TOKEN_FRACTION = 0.05
 
@@ -50,13 +59,6 @@ TOKEN_FRACTION = 0.05
 # -- worker (one per rank, started by accelerate launch) ----------------------------------------
 
 def worker(a) -> None:
-    import torch
-    import transformers
-    from overhead import BATCH, MODEL, BlockClock, _GatedKFAC, _Start, _Stop, make_data
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
-
-    from kfac_stream import KFACConfig, KFACStreamCallback
-
     torch.set_flush_denormal(True)
     torch.set_num_threads(1)
     k = a.update_every
@@ -72,27 +74,16 @@ def worker(a) -> None:
         token_fraction=TOKEN_FRACTION, ema_decay=0.95, update_every=k, fisher="empirical",
         storage_dtype="float16", snapshot_every=10**9, seed=0,
         output_dir=os.path.join(tmp, "kfac")))
-    clock = BlockClock(schedule, kfac, model)
-    what_if = {"rows": 0, "stats": 0, "updates": 0}
-
-    class Exchanges(TrainerCallback):  # after the kfac callback: the update's exchange report
-        def on_step_end(self, args, state, control, **kw):
-            ex = kfac.tracker.last_exchange
-            if ex is not None:
-                what_if["rows"] += ex.bytes_rows
-                what_if["stats"] += ex.bytes_stats
-                what_if["updates"] += 1
-                kfac.tracker.last_exchange = None
-
+    clock = BlockClock(schedule, kfac)
     args = TrainingArguments(
         output_dir=tmp, use_cpu=True, report_to=[], save_strategy="no",
         logging_strategy="no", disable_tqdm=True, learning_rate=1e-4, seed=0,
         per_device_train_batch_size=BATCH, max_steps=len(schedule), optim="adamw_torch")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     data = make_data(BATCH * world * len(schedule))
-    cbs = [_Start(clock), _GatedKFAC(kfac, schedule), Exchanges(), _Stop(clock)]
+    cbs = [StartClock(clock), GatedKFAC(kfac, schedule), StopClock(clock)]
     Trainer(model=model, args=args, train_dataset=data, callbacks=cbs).train()
-    tr = kfac.tracker
+    record = kfac.tracker.export()  # flushed: every update folded, counters final
     pos, pairs = 2 * k, []
     for i in range(a.pairs):
         res = {}
@@ -102,37 +93,30 @@ def worker(a) -> None:
         pairs.append(res["tracked"] / res["plain"])
     ds_partitioned = [p for p in model.parameters() if hasattr(p, "ds_tensor")]
     out = {
-        "rank": tr.rank, "world_size": tr.world_size, "update_every": k,
+        "rank": record.rank, "world_size": record.world_size, "update_every": k,
         "ratios": pairs, "plain_step_s": statistics.median(clock.times),
         "stored_bytes": sum(f.data.numel() * f.data.element_size()
-                            for f in tr.store.factors.values()),
+                            for f in record.factors.values()),
         "largest_factor_bytes": max(d * d * 2 if not diag else d * 2
-                                    for d, diag in tr.dims.values()),
-        "total_bytes": sum(tr.ownership.bytes_per_rank),
-        "owned": len(tr.store.factors), "factors": len(tr.dims),
-        "counters": {k2: v for k2, v in vars(tr.read_counters()).items() if k2 != "skipped_steps"},
-        "what_if": what_if,
-        "dims": {key: list(v) for key, v in tr.dims.items()},
-        "owner": tr.ownership.owner,
+                                    for d, diag in record.dims.values()),
+        "total_bytes": sum(record.ownership.bytes_per_rank),
+        "owned": len(record.factors), "factors": len(record.dims),
+        "counters": {k2: v for k2, v in vars(record.counters).items() if k2 != "skipped_steps"},
+        "dims": {key: list(v) for key, v in record.dims.items()},
+        "owner": record.ownership.owner,
         "zero3_partitioned_params": len(ds_partitioned),
     }
-    with open(os.path.join(a.out, f"rank-{tr.rank}.json"), "w") as f:
+    with open(os.path.join(a.out, f"rank-{record.rank}.json"), "w") as f:
         json.dump(out, f)
 
 
 # -- driver -------------------------------------------------------------------------------------
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world: int, k: int, a, out: str) -> list[dict]:
     os.makedirs(out, exist_ok=True)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
            str(ROOT / "launch" / "cpu_zero3.yaml"), "--num_processes", str(world),
-           "--main_process_port", str(_port()), __file__, "--worker", "--out", out,
+           "--main_process_port", str(free_port()), __file__, "--worker", "--out", out,
            "--update-every", str(k), "--pairs", str(a.pairs), "--timed-steps",
            str(a.timed_steps)]
     env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
@@ -165,8 +149,6 @@ def summarise(ranks: list[dict]) -> dict:
     c = r0["counters"]
     updates = max(c["updates"], 1)
     rows = c["positions_sampled"] / updates
-    wi = r0["what_if"]
-    n_ex = max(wi["updates"], 1)
     return {
         "world_size": r0["world_size"], "update_every": r0["update_every"],
         "ratio_median": max(statistics.median(r["ratios"]) for r in ranks),
@@ -183,7 +165,9 @@ def summarise(ranks: list[dict]) -> dict:
         } for r in ranks],
         "total_bytes": r0["total_bytes"], "largest_factor_bytes": r0["largest_factor_bytes"],
         "bytes_per_update": {
-            "rows_strategy": wi["rows"] / n_ex, "stats_strategy": wi["stats"] / n_ex,
+            # the exchange counters are totals over updates, the same on every rank
+            "rows_strategy": c["exchange_bytes_rows"] / updates,
+            "stats_strategy": c["exchange_bytes_stats"] / updates,
             "chosen": sum(r["counters"]["comm_bytes"] for r in ranks) / updates,
             "allreduce_full_factors_per_rank": allreduce_bytes(r0["dims"], r0["world_size"]),
             "allreduce_full_factors_total": allreduce_bytes(r0["dims"], r0["world_size"])
@@ -216,8 +200,6 @@ def extrapolate(world: int = 8, tokens_per_rank: int = 4 * 4096,
       ``(W-1)/W · n_r · Σ_keys d · 2``;
     * all-reduce of full float32 factors, per rank = ``2 (W-1)/W · Σ_keys s_k · 4``.
     """
-    from kfac_stream.distributed.ownership import assign_owners
-
     rows = []
     for mdd in (8192, 11008):
         dims = llama7b_factors(mdd)
@@ -301,7 +283,8 @@ def main(argv=None) -> None:
     p.add_argument("--update-every", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--timed-steps", type=int, default=10)
-    p.add_argument("--quick", action="store_true")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 1 pair of 2 steps per run; writes nothing")
     p.add_argument("--report-only", action="store_true",
                    help="rewrite the RESULTS.md section from results/distributed.json")
     a = p.parse_args(argv)
@@ -318,10 +301,7 @@ def main(argv=None) -> None:
     if a.quick:
         a.pairs, a.timed_steps = 1, 2
     a.command = "python benchmarks/distributed.py " + shlex.join(argv or sys.argv[1:])
-    import datetime
-
     import deepspeed  # version for the report (the workers import it anyway)
-    from overhead import machine
 
     info = dict(machine(), deepspeed=deepspeed.__version__,
                 date=datetime.date.today().isoformat())

@@ -3,19 +3,19 @@
 ``make bench`` runs it last: every figure comes from the JSON the other scripts wrote in the
 same ``make bench`` (their sections below the headline hold the method, machine and command).
 A script whose JSON is missing is named as missing, not filled in. Usage:
-``python benchmarks/headline.py``.
+``python benchmarks/headline.py``; ``--quick`` prints the table and writes nothing.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
-import sys
 from pathlib import Path
 
+from _common import write_section
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from results_md import write_section  # noqa: E402
 
 BEGIN, END = "<!-- headline:begin -->", "<!-- headline:end -->"
 RESULTS = HERE / "results"
@@ -76,8 +76,8 @@ def lm_rows(d: dict) -> list[str]:
 def cls_rows(d: dict) -> list[str]:
     res = d["results"]
     base = res["MAP"]
-    link = ("[classification](#small-data-multiple-choice-with-lora-benchmarksuncertaintypy"
-            "---task-classification)")
+    link = ("[classification](#small-data-multiple-choice-with-lora-"
+            "benchmarksuncertainty_classificationpy)")
 
     def cell(v):
         return f"{100 * v['acc']:.1f}% / {v['nll']:.3f} / {100 * v['ece']:.1f}%"
@@ -105,7 +105,10 @@ def scale_rows(d: dict) -> list[str]:
     return rows
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="print the table; write nothing")
+    a = p.parse_args(argv)
     parts = {"overhead": overhead_rows, "peers": peer_rows, "uncertainty": lm_rows,
              "uncertainty_classification": cls_rows, "scale": scale_rows}
     rows, missing = [], []
@@ -124,8 +127,11 @@ def main() -> None:
         lines += ["", "Not run yet: " + ", ".join(f"`benchmarks/{m}.py`" for m in missing)]
     lines.append(END)
     section = "\n".join(lines)
-    write_section(BEGIN, END, section, top=True)
     print(section)
+    if a.quick:
+        print("--quick: nothing written")
+        return
+    write_section(BEGIN, END, section, top=True)
 
 
 if __name__ == "__main__":

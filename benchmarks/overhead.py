@@ -7,14 +7,17 @@ Method
   ``pydoc_data.topics`` (ships with CPython) as UTF-8 bytes, token id = byte (0..255); only
   256 of the 2048 vocabulary rows are ever targets, which does not change the cost (the LM
   head computes all 2048 logits anyway).
+* Model, data, and the block clock below are shared with the other cost benchmarks
+  (``benchmarks/_common.py``: ``MODEL``, ``make_data``, ``BlockClock``).
 * One training run per configuration (in a fresh spawned process): a few tracked warm-up
   steps, then ``--pairs`` pairs of blocks, each pair a PLAIN block and a TRACKED block of
   ``--timed-steps`` steps (rounded up to a multiple of ``update_every``; blocks start at
   multiples of it, so a tracked block holds exactly its share of update steps), the order
   alternating between pairs. Interleaving inside one process removes the run-to-run and
   process-to-process variance (allocator state, memory placement: +-5-15% here) that
-  separate runs suffer. In a plain block the kfac hooks are removed from the model (a true
-  plain step); they are re-attached for the tracked block.
+  separate runs suffer. In a plain block the kfac hooks are removed from the model
+  (``Tracker.detach``: a true plain step); they are put back for the tracked block
+  (``Tracker.attach``).
 * Step time = ``on_step_begin`` -> ``on_step_end``, clocked by a callback placed before the
   kfac callback and one after it (data loading, done by the Trainer before
   ``on_step_begin``, is outside). A block's statistic is its MEAN step (a median would hide
@@ -26,10 +29,10 @@ Method
   incl. the LM head): plain step = 6*P*N + 3 * (4*B*T^2*E per layer: attention QK^T and AV
   forward, x3 for forward + backward). Tracker per update = sum over tracked layers of
   n*(a_dim*(a_dim+1) + g_dim*(g_dim+1)) (the upper triangles of the symmetric second
-  moments, which is what the store computes), n = token_fraction*N; fisher="mc" adds a forward (2*P*N +
-  attention) and a backward to the activations only (no weight gradients: ~2*P*N + 2x the
-  attention forward). Per step: / update_every. Bound ratio = 1 + extra/plain. Row gathers,
-  softmaxes, sampling and FP16 conversions are not counted.
+  moments, which is what the store computes), n = token_fraction*N; fisher="mc" adds a
+  forward (2*P*N + attention) and a backward to the activations only (no weight gradients:
+  ~2*P*N + 2x the attention forward). Per step: / update_every. Bound ratio = 1 +
+  extra/plain. Row gathers, softmaxes, sampling and FP16 conversions are not counted.
 
 Usage: ``python benchmarks/overhead.py [--pairs 6] [--timed-steps 20] [--grid-pairs 3]
 [--grid-timed-steps 10] [--configs ...]`` (the first two for the default configs, the grid
@@ -46,7 +49,6 @@ import json
 import math
 import multiprocessing
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -57,125 +59,22 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback
-from kfac_stream.app.data import ExampleDataset as ListDataset
-from kfac_stream.capture.hooks import CaptureHooks
+
+from _common import (BATCH, MODEL, SEQ, BlockClock, GatedKFAC, StartClock, StopClock, log,
+                     machine, make_data, write_section)
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from results_md import write_section  # noqa: E402
-BATCH, SEQ = 8, 256
-MODEL = dict(n_layer=4, n_embd=256, n_head=4, vocab_size=2048, n_positions=SEQ, resid_pdrop=0.0,
-             embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
 ALL = [(tf, fi, k) for fi in ("empirical", "mc") for k in (1, 10) for tf in (1.0, 0.25, 0.05)]
 QUICK = [(0.05, "empirical", 1), (0.05, "empirical", 10), (1.0, "mc", 1)]
 DEFAULTS = [(0.05, "empirical", 1), (0.05, "empirical", 10)]  # the acceptance target
 BEGIN, END = "<!-- overhead:begin -->", "<!-- overhead:end -->"
 
 
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
 def name(cfg) -> str:
     return f"tf={cfg[0]:g} {cfg[1]} k={cfg[2]}"
-
-
-def make_data(n: int) -> ListDataset:
-    from pydoc_data.topics import topics
-
-    text = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
-    ids = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
-    windows = len(ids) // SEQ  # ~1800; longer runs cycle through the text again
-    return ListDataset([{"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()}
-                        for x in (ids[(i % windows) * SEQ:(i % windows + 1) * SEQ]
-                                  for i in range(n))])
-
-
-class BlockClock(TrainerCallback):
-    """Alternates plain and tracked blocks of steps inside ONE training run and times them.
-
-    Placed first AND last in the callback list (``first=True`` instance starts the clock before
-    the kfac callback's ``on_step_begin``; the last one stops it after its ``on_step_end``).
-    Before a plain block the kfac hooks are removed from the model (a true plain step); before
-    a tracked block they are put back. The last step of a tracked block also pays, timed, for
-    folding its pending rows into the store, so every block pays exactly for its own updates.
-    """
-
-    def __init__(self, schedule: list[str], kfac: KFACStreamCallback, model):
-        self.schedule, self.kfac, self.model = schedule, kfac, model  # schedule[step]
-        self.times, self.cpu = [], []
-        self.tracker_s: list[float] = []
-
-    def _set_mode(self, step: int) -> None:
-        mode = self.schedule[step]
-        prev = self.schedule[step - 1] if step > 0 else None
-        tr = self.kfac.tracker
-        if mode == prev:
-            return
-        if mode == "plain":
-            tr.capture.remove()
-        elif prev == "plain":  # re-attach the same hooks a fresh tracker would
-            layers = {n: self.model.get_submodule(n) for n in tr.specs}
-            tr.capture = CaptureHooks(self.model, layers, tr.plan, tr.config.token_fraction,
-                                      tr.config.seed + step, tr.capture.row_dtype, tr.device,
-                                      sum_dtype=tr.capture.sum_dtype)
-
-    def start(self, step: int) -> None:
-        self._set_mode(step)
-        self._c0 = self.kfac.tracker.counters.tracker_seconds
-        self._p0, self._t0 = time.process_time(), time.perf_counter()
-
-    def stop(self, step: int) -> None:
-        tr = self.kfac.tracker
-        flush_s = 0.0
-        if self.schedule[step] == "tracked" and (
-                step + 1 == len(self.schedule) or self.schedule[step + 1] != "tracked"):
-            t = time.perf_counter()
-            tr.flush()  # timed: the block pays for folding its own updates
-            flush_s = time.perf_counter() - t
-        self.times.append(time.perf_counter() - self._t0)
-        self.cpu.append(time.process_time() - self._p0)
-        self.tracker_s.append(tr.counters.tracker_seconds - self._c0 + flush_s)
-
-
-class _Start(TrainerCallback):
-    def __init__(self, clock):
-        self.clock = clock
-
-    def on_step_begin(self, args, state, control, **kw):
-        self.clock.start(state.global_step)
-
-
-class _Stop(TrainerCallback):
-    def __init__(self, clock):
-        self.clock = clock
-
-    def on_step_end(self, args, state, control, **kw):
-        self.clock.stop(state.global_step - 1)
-
-
-class _GatedKFAC(TrainerCallback):
-    """Forwards step events to the kfac callback only in tracked blocks."""
-
-    def __init__(self, kfac, schedule):
-        self.kfac, self.schedule = kfac, schedule
-
-    def on_train_begin(self, *a, **kw):
-        return self.kfac.on_train_begin(*a, **kw)
-
-    def on_train_end(self, *a, **kw):
-        return self.kfac.on_train_end(*a, **kw)
-
-    def on_step_begin(self, args, state, control, **kw):
-        if self.schedule[state.global_step] == "tracked":
-            return self.kfac.on_step_begin(args, state, control, **kw)
-
-    def on_step_end(self, args, state, control, **kw):
-        if self.schedule[state.global_step - 1] == "tracked":
-            return self.kfac.on_step_end(args, state, control, **kw)
 
 
 def run_isolated(*args) -> dict:
@@ -203,13 +102,13 @@ def run_blocks(cfg, warmup: int, block: int, pairs: int, seed: int) -> dict:
         kfac = KFACStreamCallback(KFACConfig(
             token_fraction=cfg[0], ema_decay=0.95, update_every=cfg[2], fisher=cfg[1],
             snapshot_every=10**9, output_dir=os.path.join(tmp, "kfac"), seed=seed))
-        clock = BlockClock(schedule, kfac, model)
+        clock = BlockClock(schedule, kfac)
         args = TrainingArguments(
             output_dir=tmp, use_cpu=True, report_to=[], save_strategy="no",
             logging_strategy="no", disable_tqdm=True, learning_rate=1e-4, seed=seed,
             per_device_train_batch_size=BATCH, max_steps=len(schedule),
             dataloader_num_workers=0)
-        cbs = [_Start(clock), _GatedKFAC(kfac, schedule), _Stop(clock)]
+        cbs = [StartClock(clock), GatedKFAC(kfac, schedule), StopClock(clock)]
         Trainer(model=model, args=args, train_dataset=data, callbacks=cbs).train()
     out = {"pairs": [], "specs": [(s.a_dim, s.g_dim, s.d_in * s.d_out)
                                   for s in kfac.tracker.specs.values()],
@@ -245,18 +144,6 @@ def flop_bound(cfg, specs) -> dict:
         per_update += 4 * params * n_tok + 3 * attn_fwd
     extra = per_update / k
     return {"plain_flops": plain, "extra_flops_per_step": extra, "ratio": 1 + extra / plain}
-
-
-def machine() -> dict:
-    cpu = platform.processor() or "?"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version()}
 
 
 def plan(cfg, a) -> tuple[int, int, int]:
@@ -386,7 +273,8 @@ def main(argv=None) -> None:
                 return cfg in DEFAULTS
             parts = f.split(":")
             vals = (f"{cfg[0]:g}", cfg[1], str(cfg[2]))
-            return all(x in ("*", v) for x, v in zip(parts, vals))
+            # a filter may name fewer fields than a config has
+            return all(x in ("*", v) for x, v in zip(parts, vals, strict=False))
         configs = [c for c in ALL if any(match(c, f) for f in a.configs)]
     if not configs:
         p.error("no configuration matches --configs")

@@ -1,4 +1,4 @@
-r"""Streaming K-FAC during training vs post-hoc K-FAC peers (curvlinops, laplace-torch, kronfluence).
+r"""Streaming K-FAC in training vs post-hoc K-FAC peers (curvlinops, laplace-torch, kronfluence).
 
 Question: how much does it cost to obtain a batch's K-FAC factors with a post-hoc library,
 compared with what ``kfac_stream`` adds to a training step? Goal: peer pass ÷ kfac_stream's
@@ -8,7 +8,7 @@ Models and data
 ---------------
 * ``gpt2``: ``GPT2Config(n_layer=4, n_embd=256, n_head=4, vocab_size=2048, n_positions=256)``,
   dropout 0 — the model of ``benchmarks/overhead.py`` (``MODEL``, ``make_data``, ``BATCH``,
-  ``machine()`` imported from it). Training and kfac_stream run on the original model
+  shared through ``benchmarks/_common.py``). Training and kfac_stream run on the original model
   (transformers' ``Conv1D``); the peers (which hook ``nn.Linear`` only) run on an equivalent
   copy in which every ``Conv1D`` is an ``nn.Linear`` with the transposed weight (same
   outputs, same factors; its plain step is timed too, ``plain (Linear)``).
@@ -88,7 +88,8 @@ more shows there): agreement = both within 1.5× of their noise references.
 kronfluence is also checked in empirical mode (``use_empirical_fisher=True``) for the mapping.
 
 Usage: ``python benchmarks/peers.py [--repeats 5] [--threads 2] [--models gpt2 llama]``;
-``--quick``: 1 repeat, gpt2 only (unless ``--models``), writes nothing. Writes ``benchmarks/results/peers.json``
+``--quick``: 1 repeat, gpt2 only (unless ``--models``), writes nothing. Writes
+``benchmarks/results/peers.json``
 and the section of ``benchmarks/RESULTS.md`` between the ``peers`` markers.
 Peers (never let pip touch torch)::
 
@@ -109,7 +110,6 @@ import statistics
 import sys
 import time
 import warnings
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
@@ -117,15 +117,14 @@ import torch.nn.functional as F
 import transformers
 from torch import nn
 
+from kfac_stream import KFACConfig
+from kfac_stream.capture.selection import select_layers
+from kfac_stream.tracker import Tracker
+
+from _common import (BATCH, MODEL, SEQ, conv1d_to_linear, dist_version, log, machine, make_data,
+                     write_section)
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from results_md import write_section  # noqa: E402
-from overhead import BATCH, MODEL, SEQ, machine, make_data  # noqa: E402
-
-from kfac_stream import KFACConfig  # noqa: E402
-from kfac_stream.capture.selection import select_layers  # noqa: E402
-from kfac_stream.tracker import Tracker  # noqa: E402
-
 BEGIN, END = "<!-- peers:begin -->", "<!-- peers:end -->"
 LLAMA = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=4, vocab_size=2048, max_position_embeddings=SEQ,
@@ -136,17 +135,6 @@ PEERS = ["curvlinops EF", "curvlinops MC", "laplace-torch", "kronfluence"]
 GOAL = 20.0
 
 
-def log(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def ver(pkg: str) -> str:
-    try:
-        return version(pkg)
-    except PackageNotFoundError:
-        return "not installed"
-
-
 # -- models --------------------------------------------------------------------------------------
 
 def build(kind: str, seed: int) -> nn.Module:
@@ -154,23 +142,6 @@ def build(kind: str, seed: int) -> nn.Module:
     if kind == "gpt2":
         return transformers.GPT2LMHeadModel(transformers.GPT2Config(**MODEL))
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
-
-
-def to_linear(model: nn.Module) -> nn.Module:
-    """Copy of ``model`` with every transformers ``Conv1D`` replaced by an equal ``nn.Linear``."""
-    from transformers.pytorch_utils import Conv1D
-
-    model = copy.deepcopy(model)
-    for name, mod in list(model.named_modules()):
-        if isinstance(mod, Conv1D):
-            lin = nn.Linear(mod.weight.shape[0], mod.weight.shape[1], bias=mod.bias is not None)
-            with torch.no_grad():
-                lin.weight.copy_(mod.weight.t())
-                if mod.bias is not None:
-                    lin.bias.copy_(mod.bias)
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent), child, lin)
-    return model
 
 
 class SeqLM(nn.Module):
@@ -277,8 +248,9 @@ class Peers:
                                 separate_weight_and_bias=False, check_deterministic=False,
                                 num_data=ids.shape[0], seed=seed)
         op.compute_kronecker_factors()
-        return {n[len("lm."):]: (op._input_covariances[n], op._gradient_covariances[n])
-                for n in op._mapping}
+        state = op.state_dict()  # references, no copies: {"input_covariances": {module: A}, ...}
+        a, g = state["input_covariances"], state["gradient_covariances"]
+        return {n[len("lm."):]: (a[n], g[n]) for n in a}
 
     def laplace(self, ids, y) -> dict:
         import laplace
@@ -294,7 +266,7 @@ class Peers:
                  if p.requires_grad and n.endswith(".weight")]
         blocks = [f for f in kron.kfacs if len(f) == 2]  # weight blocks [B, A]; bias blocks [B]
         assert len(blocks) == len(names), (len(blocks), len(names))
-        return {n: (A, B) for n, (B, A) in zip(names, blocks)}
+        return {n: (A, B) for n, (B, A) in zip(names, blocks, strict=True)}
 
     def kronfluence(self, ids, y, empirical: bool) -> dict:
         from kronfluence.analyzer import prepare_model
@@ -318,7 +290,8 @@ class Peers:
         out = {}
         for n in self.layers:
             k = f"lm.{n}"
-            a = fac[ACTIVATION_COVARIANCE_MATRIX_NAME][k] / fac[NUM_ACTIVATION_COVARIANCE_PROCESSED][k]
+            a = (fac[ACTIVATION_COVARIANCE_MATRIX_NAME][k]
+                 / fac[NUM_ACTIVATION_COVARIANCE_PROCESSED][k])
             g = fac[GRADIENT_COVARIANCE_MATRIX_NAME][k] / fac[NUM_GRADIENT_COVARIANCE_PROCESSED][k]
             out[n] = (a, g)
         return out
@@ -414,7 +387,7 @@ def agreement(lin, peers: Peers, batch) -> dict:
 
 def bench_model(kind: str, a) -> dict:
     base = build(kind, a.seed).train()
-    lin = to_linear(base) if kind == "gpt2" else base
+    lin = conv1d_to_linear(base) if kind == "gpt2" else base
     layers = list(select_layers(base, None, None))
     n_steps = 4 + a.repeats * (2 * a.block + 4)
     data = batches(min(n_steps, 200))
@@ -498,7 +471,8 @@ def bench_model(kind: str, a) -> dict:
                "peers_s": rec["peers"]}
         reps.append(row)
         log(f"[{kind}] repeat {r + 1}/{a.repeats} ({time.perf_counter() - t_r:.0f} s): plain "
-            f"{1e3 * row['plain_s']:.0f} ms, default extra {1e3 * row['dflt_extra_s']:+.1f} ms/step "
+            f"{1e3 * row['plain_s']:.0f} ms, default extra "
+            f"{1e3 * row['dflt_extra_s']:+.1f} ms/step "
             f"(thread {1e3 * row['dflt_thread_s']:.1f}), tf=1 extra "
             f"{1e3 * row['full_extra_s']:+.1f} ms (thread {1e3 * row['full_thread_s']:.1f}); "
             + ", ".join(f"{p} {1e3 * s:.0f} ms" for p, s in rec["peers"].items()))
@@ -538,7 +512,8 @@ def table(results) -> str:
                     f"{f['extra_ms']:+.1f}, thread {f['thread_ms']:.1f} | "
                     f"{f['extra_used_ms']:.1f} | {f['extra_used_ms'] / p:.3f} | | |")
         for peer, ms in r["peers_ms"].items():
-            rows.append(f"| {r['model']} | {peer} (one batch's factors) | {ms:.0f} | {ms / p:.2f} | "
+            rows.append(f"| {r['model']} | {peer} (one batch's factors) | {ms:.0f} | "
+                        f"{ms / p:.2f} | "
                         f"{ms / d['extra_used_ms']:.0f}× | {ms / f['extra_used_ms']:.1f}× |")
     return "\n".join(rows)
 
@@ -623,7 +598,7 @@ def main(argv=None) -> None:
     t0 = time.perf_counter()
     info = {**machine(), "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "load_start": os.getloadavg()[0],
-            "versions": {k: ver(k) for k in ("curvlinops-for-pytorch", "laplace-torch",
+            "versions": {k: dist_version(k) for k in ("curvlinops-for-pytorch", "laplace-torch",
                                                "kronfluence")}}
     log(f"peers benchmark: {a.models}, {a.repeats} repeats; {info['cpu']}, {info['cores']} cores, "
         f"{a.threads} threads, torch {info['torch']}, transformers {info['transformers']}, "

@@ -12,8 +12,9 @@ Method
   storage, max_dense_dim 8192, snapshot_every 500), update_every k = 10 and 1. Plain step =
   6 * P * tokens / (989 TFLOP/s * MFU 0.40).
 * Per rank and update (max over ranks): captured rows (before: fp32, all copied to the host;
-  after: bf16, kept on the GPU; a diagonal factor keeps only its fp32 ``[d]`` sum), host copy (after: fp32 sums of the owned factors once per K = 8
-  updates if they fit the 4 GiB device budget, else K = 1), bytes sent/received, fold FLOPs
+  after: bf16, kept on the GPU; a diagonal factor keeps only its fp32 ``[d]`` sum), host copy
+  (after: fp32 sums of the owned factors once per K = 8 updates if they fit the 4 GiB device
+  budget, else K = 1), bytes sent/received, fold FLOPs
   (2 N d^2 dense, 2 N d diagonal; before the CPU store's upper triangle N d (d+1)), CPU EMA
   entries, CPU factor bytes, eigh FLOPs per snapshot (9 d^3 per dense factor, a round figure for
   tridiagonalisation (4/3 d^3) + divide-and-conquer + back-transformation).
@@ -41,7 +42,6 @@ import math
 import multiprocessing as mp
 import os
 import shlex
-import socket
 import statistics
 import sys
 import time
@@ -57,9 +57,9 @@ from kfac_stream.distributed.ownership import assign_owners
 from kfac_stream.store.factor_store import FactorStore
 from kfac_stream.tracker import plan_tracking
 
+from _common import free_port, machine, write_section
+
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from results_md import write_section
 
 BEGIN, END = "<!-- scale:begin -->", "<!-- scale:end -->"
 MODELS = {  # published configs: hidden, intermediate, layers, heads, kv heads, vocab
@@ -103,7 +103,7 @@ def layout(name: str) -> dict:
     """Build ``name`` on ``meta`` and return its parameter count and factor layouts
     ``{"before": dims, "after": dims}`` (``{key: (d, diagonal)}``) from the tracker."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(LlamaConfig(**dict(zip(FIELDS, MODELS[name]))))
+        model = LlamaForCausalLM(LlamaConfig(**dict(zip(FIELDS, MODELS[name], strict=True))))
     specs, plan = plan_tracking(model, KFACConfig(max_dense_dim=MAX_DENSE))
     return {"params": sum(p.numel() for p in model.parameters()), "layers": len(specs),
             "groups": len(plan.groups), "after": plan.dims,
@@ -252,9 +252,7 @@ def _gloo_worker(rank: int, port: int, nbytes: int, repeats: int, out) -> None:
 
 def measure_gloo(nbytes: int, repeats: int) -> dict:
     """Median time of a 2-process gloo ``gather`` of ``nbytes`` over loopback -> bytes/s."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=_gloo_worker, args=(r, port, nbytes, repeats, q)) for r in (0, 1)]
@@ -435,8 +433,6 @@ def main(argv=None) -> None:
         lay = layout(name)
         layouts[name] = {k: lay[k] for k in ("params", "layers", "groups")}
         results[name] = {w: {k: predict(lay, w, k, rates) for k in EVERY} for w in WORLDS}
-    from overhead import machine
-
     info = dict(machine(), date=datetime.date.today().isoformat(), load=load)
     section = report(results, meas, info, command.strip())
     print(section)

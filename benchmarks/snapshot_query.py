@@ -1,17 +1,18 @@
 """Cost of kfac_stream snapshots and Laplace predictive queries on the overhead.py GPT-2 (CPU).
 
-Method (model, data, Trainer setup imported from ``benchmarks/overhead.py``: GPT-2, 4 layers,
-n_embd 256, vocab 2048, batch 8 x 256 byte tokens, AdamW, CPU, flush-denormal). One training run
+Method (the model, data and batch of ``benchmarks/overhead.py``, shared through
+``benchmarks/_common.py``: GPT-2, 4 layers, n_embd 256, vocab 2048, batch 8 x 256 byte tokens,
+AdamW, CPU, flush-denormal). One training run
 of ``--every * --snapshots`` steps with ``KFACStreamCallback(token_fraction=0.05, update_every=1,
 snapshot_every=--every)`` (every step updates the factors: steps differ only by the snapshot).
 16 tracked layers, 32 factors (sides 256..1025), FP16 store. Interleaved jobs run in an order
 rotated between repetitions; medians are reported.
 
-1. Snapshot vs eigh, on the final factors: ``snapshot_contents`` (copies of the stored factors,
-   on the training thread) + ``add_eigendecompositions`` (float64 ``safe_psd_eigh`` of every
-   factor, spectrum stats; a background thread in training) + ``write_snapshot`` (safetensors,
-   fsync, sha256), all timed here in one thread, vs
-   plain ``torch.linalg.eigh`` of the same dequantised matrices summed over the 32 factors, in
+1. Snapshot vs eigh, on the final factors: ``snapshot_contents(tracker.export())`` (copies of
+   the stored factors, on the training thread) + ``add_eigendecompositions`` (float64
+   ``safe_psd_eigh`` of every factor, spectrum stats; a background thread in training) +
+   ``write_snapshot`` (safetensors, fsync, sha256), all timed here in one thread, vs plain
+   ``torch.linalg.eigh`` of the same dequantised matrices summed over the 32 factors, in
    float64, float32, and float64 on one thread. Ratio = snapshot / eigh.
 2. Step spike: step time = ``on_step_begin`` -> ``on_step_end`` of a callback placed after the
    kfac callback (whose on_step_end copies the factors and hands the eigendecomposition and the
@@ -47,14 +48,12 @@ import torch
 import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import BATCH, MODEL, make_data, machine  # noqa: E402
-
-from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot  # noqa: E402
+from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
 from kfac_stream.snapshot.contents import (add_eigendecompositions, merge_manifests,
-                                         snapshot_contents)  # noqa: E402
-from kfac_stream.snapshot.writer import write_snapshot  # noqa: E402
-from results_md import write_section  # noqa: E402
+                                           snapshot_contents)
+from kfac_stream.snapshot.writer import write_snapshot
+
+from _common import BATCH, MODEL, machine, make_data, write_section
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- snapshot_query:begin -->", "<!-- snapshot_query:end -->"
@@ -119,12 +118,11 @@ def interleave(jobs: dict, reps: int) -> dict[str, list[float]]:
 def bench_snapshot(kfac, reps: int, tmp: str) -> dict:
     """Part 1: snapshot_contents + write_snapshot vs plain eigh of the same matrices."""
     tracker, root, split = kfac.tracker, os.path.join(tmp, "bench"), {"contents": [], "write": []}
-    tracker.flush()
-    mats = [f.value() for f in tracker.store.factors.values()]  # dequantised, float32
+    mats = [f.value() for f in tracker.export().factors.values()]  # dequantised, float32
 
     def snapshot():
         t0 = time.perf_counter()
-        tensors, manifest = snapshot_contents(tracker, 10**6)
+        tensors, manifest = snapshot_contents(tracker.export(), 10**6)  # as save_snapshot does
         add_eigendecompositions(tensors, manifest)
         split["contents"].append(1e3 * (time.perf_counter() - t0))
         write_snapshot(root, 10**6, tensors, manifest, merge=merge_manifests)
@@ -228,7 +226,8 @@ def main(argv=None) -> None:
     p.add_argument("--snapshots", type=int, default=6, help="snapshots in the training run")
     p.add_argument("--every", type=int, default=5, help="snapshot_every of the training run")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="smoke run: 2 reps, 2 snapshots; writes nothing")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 2 reps, 2 snapshots; writes nothing")
     a = p.parse_args(argv)
     a.command = " ".join(["python benchmarks/snapshot_query.py", *map(shlex.quote, sys.argv[1:])])
     if a.quick:

@@ -1,9 +1,9 @@
 r"""Predictive uncertainty of the streamed K-FAC Laplace on real offline text (issue 7, item 2).
 
 What it does (``python benchmarks/uncertainty.py``; ``--quick`` = smoke run, writes nothing;
-``--task classification`` runs item 3 instead, described in
-``benchmarks/uncertainty_classification.py``; it fine-tunes the LM this task saves in
-``--base-model``):
+item 3, ``benchmarks/uncertainty_classification.py``, fine-tunes the LM this task saves in
+``--base-model``; the data, training recipe and metrics both use are in
+``benchmarks/_common.py``):
 
 1. Trains the app's default small LM in-process: ``tiny_gpt2`` (2 layers x 128, byte tokens,
    seq_len 128, no dropout), a real ``transformers.Trainer`` with the app's trainer defaults
@@ -31,7 +31,8 @@ What it does (``python benchmarks/uncertainty.py``; ``--quick`` = smoke run, wri
      (fixed seed). Prior precision tau: (a) ``optimize_prior_precision()`` (Laplace marginal
      likelihood of the tracked weights), (b) the value of a log grid (plus the marglik value)
      with the lowest next-token NLL on ``val``. The Jacobian features are computed once per
-     position and reused for every tau.
+     position and reused for every tau (``LaplacePosterior.predictive_covariances`` with the
+     per-position top-k as per-row ``token_ids``).
    * Post-hoc laplace-torch ``KronLaplace`` (CurvlinopsEF = empirical Fisher, K-FAC expand)
      on the same trained weights and the same layers (the tracked Conv1D layers are converted
      to equivalent ``nn.Linear`` s in a copy, as curvlinops' KFAC supports only
@@ -52,104 +53,33 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import copy
 import datetime
 import json
-import math
 import os
-import platform
 import shlex
 import shutil
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch import nn
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
-sys.path.insert(0, str(HERE))
-from kfac_stream.app.data import ExampleDataset as ListDataset  # noqa: E402
-from results_md import write_section  # noqa: E402
+from kfac_stream import LaplacePosterior, Snapshot
 
+from _common import (SEQ_LEN, auroc, conv1d_to_linear, lm_datasets, machine, nll_ece, pick,
+                     save_base_lm, train_lm, write_section)
+
+HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- uncertainty:begin -->", "<!-- uncertainty:end -->"
-CLS_BEGIN, CLS_END = ("<!-- uncertainty-classification:begin -->",
-                      "<!-- uncertainty-classification:end -->")
-SEQ_LEN = 128
 FISHERS = ("empirical", "mc")
 EVAL_SETS = ("id", "python_source", "licenses")
-
-
-# -- data -----------------------------------------------------------------------------------------
-
-def pick(windows: list[torch.Tensor], n: int) -> torch.Tensor:
-    """``n`` windows evenly spaced over the list, ``[n, T]``."""
-    if len(windows) < n:
-        raise SystemExit(f"only {len(windows)} windows available, {n} requested")
-    idx = torch.linspace(0, len(windows) - 1, n).round().long().tolist()
-    return torch.stack([windows[i] for i in idx])
-
-
-def datasets(n_seqs: int):
-    from kfac_stream.app import data as d
-
-    tok = d.ByteTokenizer()
-    train_docs, held = d.split_documents(d.pydoc_documents(), 0.1, seed=0)
-
-    def windows(docs):
-        return [e["input_ids"] for e in d.lm_examples(d.encode_documents(docs, tok), SEQ_LEN)]
-
-    sets = {"val": pick(windows(held[0::2]), n_seqs), "id": pick(windows(held[1::2]), n_seqs),
-            "python_source": pick(windows(d.ood_documents()), n_seqs)}
-    lic = d.license_documents()
-    if lic:
-        sets["licenses"] = pick(windows(lic), n_seqs)
-    train = d.lm_examples(d.encode_documents(train_docs, tok), SEQ_LEN)
-    return train, sets
 
 
 def positions(n: int) -> list[int]:
     """Evenly spaced positions t in [16, T-2] (each predicts token t+1)."""
     return torch.linspace(16, SEQ_LEN - 2, n).round().long().tolist()
-
-
-# -- training -------------------------------------------------------------------------------------
-
-def train(train_examples, steps: int, out: str, fisher: str | None):
-    """One Trainer run with one `KFACStreamCallback` (two callbacks on one Trainer: only the
-    last one records, the other ends with tokens_seen 0, so each Fisher gets its own run from
-    the same seed; the script checks that both runs end with identical weights).
-    ``fisher=None``: the same recipe without a tracker (the snapshot is then None)."""
-    from transformers import Trainer, TrainingArguments
-
-    from kfac_stream import KFACConfig, KFACStreamCallback
-    from kfac_stream.app.models import tiny_gpt2
-
-    model = tiny_gpt2(seed=0)
-    args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=8,
-                             learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=10,
-                             weight_decay=0.0, logging_steps=max(steps // 4, 1),
-                             save_strategy="no", report_to="none", disable_tqdm=True,
-                             use_cpu=True, seed=0)
-    cb = None if fisher is None else KFACStreamCallback(KFACConfig(
-        fisher=fisher, output_dir=os.path.join(out, "kfac"), snapshot_every=10 * steps))
-    trainer = Trainer(model=model, args=args, train_dataset=ListDataset(train_examples),
-                      callbacks=None if cb is None else [cb])
-    return train_and_collect(trainer, model, cb)
-
-
-def train_and_collect(trainer, model, cb):
-    """Run ``trainer``; returns ``(model in eval mode, the callback's last snapshot directory
-    or None without a callback, training seconds, the logged losses)``."""
-    t0 = time.perf_counter()
-    trainer.train()
-    wall = time.perf_counter() - t0
-    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    model.eval()
-    return model, None if cb is None else cb.snapshots[-1], wall, losses
 
 
 # -- MAP ------------------------------------------------------------------------------------------
@@ -162,61 +92,21 @@ def map_logits(model, ids: torch.Tensor, pos: list[int]):
     return logits[:, p].reshape(-1, logits.shape[-1]), ids[:, p + 1].reshape(-1)
 
 
-# -- Laplace from the stream ------------------------------------------------------------------------
-
-@contextmanager
-def per_row_token_ids():
-    """Let `LaplacePosterior` take ``token_ids`` as a ``[B, K]`` tensor (one top-k per row).
-
-    The library's selection takes one list of K ids for the whole batch; a per-row top-k
-    needs a gather. Only the selection changes: Jacobians and covariances are the library's.
-    """
-    from kfac_stream.query import laplace as lq
-
-    orig = lq._select_logits
-
-    def select(logits, batch, positions, token_ids):
-        if isinstance(token_ids, torch.Tensor) and token_ids.dim() == 2:
-            B = logits.shape[0]
-            rows = logits[torch.arange(B), torch.as_tensor(positions)]  # [B, V]
-            return rows.gather(1, token_ids.to(rows.device))
-        return orig(logits, batch, positions, token_ids)
-
-    lq._select_logits = select
-    try:
-        yield
-    finally:
-        lq._select_logits = orig
-
+# -- Laplace from the stream --------------------------------------------------------------------
 
 def stream_covs(post, ids: torch.Tensor, pos: list[int], top: torch.Tensor, taus: list[float]):
     """Per sequence (batch = P copies, one position each): covariances of the top-k logits for
-    every tau. ``top`` [n*P, K]. Returns ``{tau: [n*P, K, K]}`` float64."""
+    every tau from one Jacobian pass. ``ids`` [n, T], ``top`` [n*P, K] (row = (seq, pos)).
+    Returns ``{tau: [n*P, K, K]}`` float64."""
     P = len(pos)
-    out = {t: [] for t in taus}
-    with per_row_token_ids():
-        for i in range(ids.shape[0]):
-            x = ids[i:i + 1].expand(P, -1)
-            batch = {"input_ids": x, "attention_mask": torch.ones_like(x)}
-            _, feats = post.jacobian_features(batch, pos, top[i * P:(i + 1) * P])
-            for t, c in covs_from_features(post, feats, taus).items():
-                out[t].append(c)
-    return {t: torch.cat(v) for t, v in out.items()}
-
-
-def covs_from_features(post, feats, taus: list[float]) -> dict[float, torch.Tensor]:
-    """``{tau: [B, K, K]}`` float64 from one batch's layer features ``(name, M [B, K, o, i])``
-    (`LaplacePosterior.jacobian_features`): the library's covariance, for many tau at once."""
-    from kfac_stream.query import kron_eigen as ke
-
-    cov: dict[float, torch.Tensor] = {}
-    for name, m in feats:
-        _, aval, _, gval = post.eig[name]
-        for t in taus:
-            d = ke.precision_eigenvalues(gval, aval, post.num_data, t)
-            c = torch.einsum("bkij,blij->bkl", m / d.to(m.dtype), m).double()
-            cov[t] = cov[t] + c if t in cov else c
-    return cov
+    per_seq = []
+    for i in range(ids.shape[0]):
+        x = ids[i:i + 1].expand(P, -1)
+        batch = {"input_ids": x, "attention_mask": torch.ones_like(x)}
+        _, covs = post.predictive_covariances(batch, pos, top[i * P:(i + 1) * P],
+                                              prior_precisions=taus)  # [len(taus), P, K, K]
+        per_seq.append(covs)
+    return dict(zip(taus, torch.cat(per_seq, dim=1), strict=True))
 
 
 # -- laplace-torch KronLaplace (post-hoc peer) -----------------------------------------------------
@@ -236,22 +126,6 @@ class SeqLM(nn.Module):
             return logits.permute(0, 2, 1)
         pos, top = self.select
         return logits[torch.arange(logits.shape[0]), pos].gather(1, top)
-
-
-def conv1d_to_linear(model, names: list[str]):
-    """A copy of ``model`` with the named transformers ``Conv1D`` s as equivalent Linears."""
-    m = copy.deepcopy(model)
-    for name in names:
-        parent, _, child = name.rpartition(".")
-        old = m.get_submodule(name)
-        w = old.weight  # Conv1D: [d_in, d_out]
-        lin = nn.Linear(w.shape[0], w.shape[1], bias=old.bias is not None)
-        with torch.no_grad():
-            lin.weight.copy_(w.T)
-            if old.bias is not None:
-                lin.bias.copy_(old.bias)
-        setattr(m.get_submodule(parent), child, lin)
-    return m
 
 
 def fit_kron(model, layer_names, train_examples, n_fit: int):
@@ -310,74 +184,26 @@ def mc_probs(logits: torch.Tensor, top: torch.Tensor, cov: torch.Tensor, n_sampl
     return probs / n_samples
 
 
-def nll_ece(probs: torch.Tensor, y: torch.Tensor, bins: int = 15) -> tuple[float, float]:
-    nll = float(-probs.gather(1, y[:, None]).clamp(min=1e-300).log().mean())
-    conf, pred = probs.max(-1)
-    acc = (pred == y).double()
-    edges = torch.linspace(0, 1, bins + 1, dtype=conf.dtype)
-    ece = 0.0
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        m = (conf > lo) & (conf <= hi) if lo > 0 else (conf >= lo) & (conf <= hi)
-        if m.any():
-            ece += float(m.double().mean() * (conf[m].mean() - acc[m].mean()).abs())
-    return nll, ece
-
-
-def auroc(score_in: torch.Tensor, score_out: torch.Tensor) -> float:
-    a, b = score_out[:, None], score_in[None, :]
-    return float((a > b).double().mean() + 0.5 * (a == b).double().mean())
-
-
 def per_seq(x: torch.Tensor, P: int) -> torch.Tensor:
     return x.reshape(-1, P).mean(1)
 
 
 # -- main -----------------------------------------------------------------------------------------
 
-def machine() -> dict:
-    import laplace  # noqa: F401
-    import transformers
-
-    from importlib.metadata import PackageNotFoundError, version
-
-    def ver(dist: str) -> str:
-        try:
-            return version(dist)
-        except PackageNotFoundError:  # pragma: no cover
-            return "not installed"
-
-    cpu = platform.processor() or "?"
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
-            "laplace_torch": ver("laplace-torch"), "peft": ver("peft"),
-            "python": platform.python_version()}
-
-
 def run(a) -> dict:
     torch.manual_seed(0)
     torch.set_flush_denormal(True)
-    from kfac_stream import LaplacePosterior, Snapshot
-
     P, K = a.positions, a.top_k
     pos = positions(P)
-    train_examples, sets = datasets(a.seqs)
+    train_examples, sets = lm_datasets(a.seqs)
     print(f"sets: {{{', '.join(f'{k}: {tuple(v.shape)}' for k, v in sets.items())}}}; "
           f"{len(train_examples)} training windows; positions {pos}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {f: train(train_examples, a.steps, os.path.join(tmp, f), f) for f in FISHERS}
+        runs = {f: train_lm(train_examples, a.steps, os.path.join(tmp, f), f) for f in FISHERS}
         for f, (_, _, s, ls) in runs.items():
             print(f"[{f}] trained {a.steps} steps in {s:.1f} s; loss {ls[0]:.3f} -> "
                   f"{ls[-1]:.3f}", flush=True)
         model, _, train_s, losses = runs["empirical"]
-        from uncertainty_classification import save_base_lm
-
         save_base_lm(model, a.base_model, a.steps)  # the base of the classification task
         same = all(torch.equal(v, runs["mc"][0].state_dict()[k])
                    for k, v in model.state_dict().items())
@@ -459,7 +285,8 @@ def run(a) -> dict:
     ood = [k for k in EVAL_SETS[1:] if k in sets]
     detect = {m: {k: auroc(s["id"], s[k]) for k in ood} for m, s in scores.items()}
     detect["MC dropout (8 samples)"] = {k: None for k in ood}
-    return {"train_seconds": train_s, "identical_weights": same, "train_loss_first_last": [losses[0], losses[-1]],
+    return {"train_seconds": train_s, "identical_weights": same,
+            "train_loss_first_last": [losses[0], losses[-1]],
             "counts": counts, "positions": pos, "calibration": res, "auroc": detect,
             "taus": taus, "cost_seconds": cost, "kron": kron_note,
             "sets": {k: list(v.shape) for k, v in sets.items()}}
@@ -468,7 +295,8 @@ def run(a) -> dict:
 def tables(r: dict) -> str:
     sets = [k for k in EVAL_SETS if k in r["sets"]]
     ood = sets[1:]
-    head = "| method | tau | " + " | ".join(f"{k} NLL | {k} ECE %" for k in sets) + " | s beyond training |"
+    head = ("| method | tau | " + " | ".join(f"{k} NLL | {k} ECE %" for k in sets)
+            + " | s beyond training |")
     lines = ["Next-token NLL (nats) and ECE (15 bins, top-1), full 256-byte vocabulary:", "",
              head, "|" + "---|" * (2 * len(sets) + 3)]
     for m, v in r["calibration"].items():
@@ -480,7 +308,8 @@ def tables(r: dict) -> str:
               "", "| score | " + " | ".join(f"id vs {k}" for k in ood) + " |",
               "|" + "---|" * (len(ood) + 1)]
     for m, v in r["auroc"].items():
-        name = m if m == "MAP entropy" or m.startswith("MC dropout") else f"{m}: top-k logit variance"
+        plain = m == "MAP entropy" or m.startswith("MC dropout")
+        name = m if plain else f"{m}: top-k logit variance"
         cells = " | ".join("n/a: no dropout" if v[k] is None else f"{v[k]:.3f}" for k in ood)
         lines.append(f"| {name} | {cells} |")
     return "\n".join(lines)
@@ -533,7 +362,8 @@ def report(r: dict, a, info: dict) -> str:
         f"- Laplace predictive: linearised N(mu, Sigma) of the top-{a.top_k} MAP logits per "
         f"position (other logits at MAP); probabilities by Monte Carlo ({a.mc_samples} draws, "
         "full-vocabulary softmax). tau: `optimize_prior_precision()` (marglik) or the lowest "
-        "val NLL over {1e-2, 1, 1e2, 1e4, 1e6, 1e8} ∪ {marglik}. laplace-torch: KronLaplace + CurvlinopsEF on "
+        "val NLL over {1e-2, 1, 1e2, 1e4, 1e6, 1e8} ∪ {marglik}. laplace-torch: KronLaplace + "
+        "CurvlinopsEF on "
         f"{a.kron_fit} training windows (its N = those sequences), tau by its marglik; Conv1D "
         "converted to Linear in a copy (curvlinops KFAC supports Linear/Conv2d). Seconds beyond "
         "training include the Jacobian features, tau selection and MC sampling on this machine. "
@@ -548,61 +378,37 @@ def report(r: dict, a, info: dict) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--task", choices=["lm", "classification"], default="lm",
-                   help="lm: next-token uncertainty of the small LM (item 2); classification: "
-                   "LoRA multiple choice on stdlib docstrings (item 3, "
-                   "benchmarks/uncertainty_classification.py)")
     p.add_argument("--steps", type=int, default=1000, help="LM training steps")
     p.add_argument("--base-model", default="out/bench/tiny_lm",
-                   help="where the lm task saves its trained LM and the classification task "
-                   "looks for it (trained there with the same recipe when missing)")
+                   help="where to save the trained LM for benchmarks/uncertainty_classification.py "
+                   "(which trains it there with the same recipe when missing)")
     p.add_argument("--seqs", type=int, default=32, help="windows per evaluation set")
     p.add_argument("--positions", type=int, default=8, help="scored positions per window")
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--mc-samples", type=int, default=256)
     p.add_argument("--kron-fit", type=int, default=32, help="training windows for KronLaplace")
     p.add_argument("--no-kron", action="store_true", help="skip laplace-torch")
-    g = p.add_argument_group("classification task")
-    g.add_argument("--train-per-class", type=int, default=48)
-    g.add_argument("--val-per-class", type=int, default=24)
-    g.add_argument("--test-per-class", type=int, default=72)
-    g.add_argument("--ft-steps", type=int, default=500, help="LoRA fine-tuning steps")
-    g.add_argument("--batch", type=int, default=16)
-    g.add_argument("--lr", type=float, default=2e-3)
-    g.add_argument("--seed", type=int, default=0, help="data split and LoRA initialisation")
     p.add_argument("--quick", action="store_true", help="smoke run; writes nothing")
     a = p.parse_args(argv)
     a.command = "python benchmarks/uncertainty.py " + shlex.join(argv if argv is not None
                                                                  else sys.argv[1:])
     if a.quick:
         a.steps, a.seqs, a.positions, a.kron_fit, a.mc_samples = 30, 4, 3, 8, 32
-        a.train_per_class, a.val_per_class, a.test_per_class, a.ft_steps = 8, 4, 8, 4
         a.base_model = tempfile.mkdtemp(prefix="kfac-bench-lm-")
         atexit.register(shutil.rmtree, a.base_model, ignore_errors=True)
-    a.lm_steps = a.steps
     t0 = time.perf_counter()
-    info = dict(machine(), date=datetime.datetime.now(datetime.timezone.utc).isoformat(
-        timespec="seconds"))
-    if a.task == "classification":
-        import uncertainty_classification as uc
-
-        r = uc.run(a)
-        r["total_seconds"] = time.perf_counter() - t0
-        section = uc.report(r, a, info, CLS_BEGIN, CLS_END)
-        name = "uncertainty_classification"
-    else:
-        r = run(a)
-        r["total_seconds"] = time.perf_counter() - t0
-        section = report(r, a, info)
-        name = "uncertainty"
+    info = dict(machine({"laplace_torch": "laplace-torch", "peft": "peft"}),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    r = run(a)
+    r["total_seconds"] = time.perf_counter() - t0
+    section = report(r, a, info)
     print(section, flush=True)
     if a.quick:
         return
     (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / f"{name}.json").write_text(json.dumps(
+    (HERE / "results" / "uncertainty.json").write_text(json.dumps(
         {"machine": info, "command": a.command, "args": vars(a), **r}, indent=1, default=str))
-    write_section(*((CLS_BEGIN, CLS_END) if a.task == "classification" else (BEGIN, END)),
-                  section)
+    write_section(BEGIN, END, section)
 
 
 if __name__ == "__main__":

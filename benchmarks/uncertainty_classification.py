@@ -1,5 +1,10 @@
 r"""Small-data multiple choice with LoRA: MAP vs Laplace from the stream vs post-hoc (issue 7,
-item 3). Run through ``python benchmarks/uncertainty.py --task classification``.
+item 3).
+
+Usage: ``python benchmarks/uncertainty_classification.py [--lm-steps 1000] [--ft-steps 500]
+...``; ``--quick`` is a smoke run that writes nothing. Writes ``benchmarks/results/
+uncertainty_classification.json`` and the section of ``benchmarks/RESULTS.md`` between the
+``uncertainty-classification`` markers.
 
 Task (labelled data that ships with CPython, nothing downloaded): *which standard-library
 package does this docstring come from?* as a 4-way multiple choice with answer tokens.
@@ -16,8 +21,9 @@ package does this docstring come from?* as a 4-way multiple choice with answer t
   answer only (``labels = -100`` elsewhere), which is what the Trainer optimises. Predictions:
   the 4-way softmax over the answer tokens' logits at the last prompt position.
 * Base model: the app's default tiny GPT-2 trained on Python's reference documentation with
-  the recipe of item 2 (``--lm-steps`` steps; cached in ``--base-model`` and reused when the LM
-  task already wrote it). Fine-tuning: PEFT LoRA (r 8, alpha 16, no dropout) on every
+  the recipe of item 2 (``benchmarks/uncertainty.py``; ``--lm-steps`` steps; cached in
+  ``--base-model`` and reused when the LM task already wrote it there; the recipe is
+  ``_common.train_lm``). Fine-tuning: PEFT LoRA (r 8, alpha 16, no dropout) on every
   ``c_attn``/``c_proj``/``c_fc`` of the blocks, everything else frozen; a real
   ``transformers.Trainer`` (batch ``--batch``, ``--ft-steps`` steps, lr ``--lr`` linear decay,
   no weight decay), with one `KFACStreamCallback` per run tracking the LoRA ``lora_A`` /
@@ -29,15 +35,17 @@ package does this docstring come from?* as a 4-way multiple choice with answer t
   - Laplace from the stream (`LaplacePosterior` on the last snapshot; N from the snapshot):
     linearised predictive N(mu, Sigma) of the 4 answer logits; probabilities = mean of the
     softmax over ``--mc-samples`` draws (fixed seed). tau by ``optimize_prior_precision()``
-    (marginal likelihood) and by the lowest NLL on the validation prompts over a log grid.
+    (marginal likelihood) and by the lowest NLL on the validation prompts over a log grid
+    (every candidate's covariance from one Jacobian pass: ``predictive_covariances``).
     Tracker settings: the defaults (empirical and MC Fisher: token_fraction 0.05,
     update_every 10, ema_decay 0.95) and empirical with token_fraction 1, update_every 1.
   - Post-hoc laplace-torch ``KronLaplace`` on the same LoRA weights after training, fitted on
     the whole training set (``CurvlinopsEF`` = empirical Fisher, and ``CurvlinopsGGN`` with
     ``stochastic=True`` = 1-sample MC Fisher, the two Fishers the stream offers; the exact
-    GGN needs one backward per vocabulary entry, 27.7 s for 32 examples here), full-vocabulary likelihood at the answer position
-    (the training loss), N = training examples (laplace-torch's convention), tau by its own
-    marginal likelihood; the same 4-logit MC predictive.
+    GGN needs one backward per vocabulary entry, 27.7 s for 32 examples here),
+    full-vocabulary likelihood at the answer position (the training loss), N = training
+    examples (laplace-torch's convention), tau by its own marginal likelihood; the same
+    4-logit MC predictive.
 
 * Metrics on the test set: accuracy, NLL (nats) and ECE (15 equal-width bins of top-1
   confidence), and the seconds each method needed beyond training.
@@ -45,11 +53,18 @@ package does this docstring come from?* as a 4-way multiple choice with answer t
 
 from __future__ import annotations
 
+import argparse
 import ast
+import atexit
 import copy
+import datetime
+import json
 import os
 import random
 import re
+import shlex
+import shutil
+import sys
 import sysconfig
 import tempfile
 import time
@@ -57,14 +72,23 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
-from uncertainty import nll_ece, train_and_collect
+from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
+from kfac_stream.app.data import ExampleDataset
+from kfac_stream.query.laplace import probs_from_gaussian
 
+from _common import (lm_datasets, machine, nll_ece, save_base_lm, train_and_collect, train_lm,
+                     write_section)
+
+HERE = Path(__file__).resolve().parent
+BEGIN, END = ("<!-- uncertainty-classification:begin -->",
+              "<!-- uncertainty-classification:end -->")
 PACKAGES = ("asyncio", "email", "logging", "xml")
 ANSWERS = "ABCD"
 ANSWER_IDS = [ord(c) for c in ANSWERS]  # byte tokens
 SNIPPET_BYTES = 80
-SUFFIX = "\n" + " ".join(f"{c} {p}" for c, p in zip(ANSWERS, PACKAGES)) + "? "
+SUFFIX = "\n" + " ".join(f"{c} {p}" for c, p in zip(ANSWERS, PACKAGES, strict=True)) + "? "
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc")
 #: tracker settings, each its own training run: label -> KFACConfig overrides
 TRACKERS = {
@@ -118,7 +142,7 @@ def choice_splits(train_per_class: int, val_per_class: int, test_per_class: int,
             raise SystemExit(f"{p}: {len(unique)} unique docstrings, {need} needed")
         rng.shuffle(unique)
         cuts = (0, train_per_class, train_per_class + val_per_class, need)
-        for name, lo, hi in zip(splits, cuts[:-1], cuts[1:]):
+        for name, lo, hi in zip(splits, cuts[:-1], cuts[1:], strict=True):
             splits[name] += [(s, c) for s in unique[lo:hi]]
     for v in splits.values():
         rng.shuffle(v)
@@ -164,27 +188,17 @@ def collate(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
 
 def base_lm(path: str, steps: int):
     """The item-2 LM: loaded from ``path`` when a previous run saved it with the same number of
-    steps, else trained with the same recipe (`uncertainty.train`, no tracker) and saved."""
-    from transformers import GPT2LMHeadModel
-
-    from uncertainty import datasets, train
-
+    steps, else trained with the same recipe (`_common.train_lm`, no tracker) and saved."""
     stamp = Path(path) / "lm_steps.txt"
     if stamp.exists() and stamp.read_text().strip() == str(steps):
         print(f"base LM: loaded from {path} ({steps} steps)", flush=True)
         return GPT2LMHeadModel.from_pretrained(path).float(), 0.0
-    train_examples, _ = datasets(1)
+    train_examples, _ = lm_datasets(1)
     with tempfile.TemporaryDirectory() as tmp:
-        model, _, wall, _ = train(train_examples, steps, tmp, None)
+        model, _, wall, _ = train_lm(train_examples, steps, tmp, None)
     save_base_lm(model, path, steps)
     print(f"base LM: trained {steps} steps in {wall:.0f} s, saved to {path}", flush=True)
     return model, wall
-
-
-def save_base_lm(model, path: str, steps: int) -> None:
-    """Cache the item-2 LM for the classification task (``lm_steps.txt`` records its steps)."""
-    model.save_pretrained(path)
-    (Path(path) / "lm_steps.txt").write_text(f"{steps}\n")
 
 
 def lora_model(base, seed: int):
@@ -198,12 +212,8 @@ def lora_model(base, seed: int):
 
 
 def finetune(base, examples, a, out: str, overrides: dict):
-    """One LoRA fine-tuning run with one tracker; returns (model, snapshot dir, seconds)."""
-    from transformers import Trainer, TrainingArguments
-
-    from kfac_stream import KFACConfig, KFACStreamCallback
-    from kfac_stream.app.data import ExampleDataset
-
+    """One LoRA fine-tuning run with one tracker; returns (model, snapshot dir, seconds,
+    logged losses)."""
     model = lora_model(base, a.seed)
     args = TrainingArguments(output_dir=out, max_steps=a.ft_steps,
                              per_device_train_batch_size=a.batch, learning_rate=a.lr,
@@ -235,15 +245,11 @@ def map_answer_logits(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def stream_covs(post, batch, taus: list[float], size: int = 32) -> dict[float, torch.Tensor]:
-    """``{tau: [n, 4, 4]}``: the answer logits' covariance for every tau, features once."""
-    from uncertainty import covs_from_features
-
-    out = {t: [] for t in taus}
-    for b in batches(batch, size):
-        _, feats = post.jacobian_features(b, -1, ANSWER_IDS)
-        for t, c in covs_from_features(post, feats, taus).items():
-            out[t].append(c)
-    return {t: torch.cat(v) for t, v in out.items()}
+    """``{tau: [n, 4, 4]}``: the answer logits' covariance for every tau, features once
+    (`LaplacePosterior.predictive_covariances`, batches of ``size`` prompts)."""
+    covs = [post.predictive_covariances(b, -1, ANSWER_IDS, prior_precisions=taus)[1]
+            for b in batches(batch, size)]  # each [len(taus), b, 4, 4]
+    return dict(zip(taus, torch.cat(covs, dim=1), strict=True))
 
 
 class AnswerHead(nn.Module):
@@ -310,14 +316,11 @@ def kron_covs(la, head, batch, size: int = 4) -> torch.Tensor:
 # -- the task -------------------------------------------------------------------------------------
 
 def run(a) -> dict:
-    from kfac_stream import LaplacePosterior, Snapshot
-    from kfac_stream.query.laplace import probs_from_gaussian
-
     torch.manual_seed(0)
     torch.set_flush_denormal(True)
     splits = choice_splits(a.train_per_class, a.val_per_class, a.test_per_class, seed=a.seed)
     print("examples: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items())
-          + f"; classes {dict(zip(ANSWERS, PACKAGES))}", flush=True)
+          + f"; classes {dict(zip(ANSWERS, PACKAGES, strict=True))}", flush=True)
     base, base_s = base_lm(a.base_model, a.lm_steps)
     train = [train_example(s, c) for s, c in splits["train"]]
     evals = {k: prompt_batch(splits[k]) for k in ("val", "test")}
@@ -406,7 +409,7 @@ def run(a) -> dict:
             "counts": counts, "results": res, "taus": taus, "cost_seconds": cost, "kron": kron}
 
 
-def report(r: dict, a, info: dict, begin: str, end: str) -> str:
+def report(r: dict, a, info: dict) -> str:
     rows = ["| method | tau | accuracy % | NLL | ECE % | s beyond training |",
             "|---|---|---|---|---|---|"]
     for m, v in r["results"].items():
@@ -419,8 +422,8 @@ def report(r: dict, a, info: dict, begin: str, end: str) -> str:
     c = r["counts"]
     s = r["splits"]
     return "\n".join([
-        begin,
-        "## Small-data multiple choice with LoRA (`benchmarks/uncertainty.py --task classification`)",
+        BEGIN,
+        "## Small-data multiple choice with LoRA (`benchmarks/uncertainty_classification.py`)",
         "",
         f"- date: {info['date']}",
         f"- machine: {info['cpu']}, {info['cores']} cores ({info['torch_threads']} torch threads); "
@@ -430,7 +433,7 @@ def report(r: dict, a, info: dict, begin: str, end: str) -> str:
         "- data (offline, labelled by where it comes from): docstrings of the Python "
         f"{info['python']} standard library on this machine, first paragraph cut to "
         f"{SNIPPET_BYTES} bytes; the label is the package it is defined in: "
-        + ", ".join(f"{c_} = `{p}`" for c_, p in zip(ANSWERS, PACKAGES))
+        + ", ".join(f"{c_} = `{p}`" for c_, p in zip(ANSWERS, PACKAGES, strict=True))
         + f". Prompt `<docstring>\\n{SUFFIX.strip()} ` → answer byte. {s['train']} training, "
         f"{s['val']} validation (tau grid only), {s['test']} test examples, balanced; "
         "snippets that occur in more than one package are dropped.",
@@ -460,7 +463,7 @@ def report(r: dict, a, info: dict, begin: str, end: str) -> str:
                                                                  "laplace-torch"))
         + f". Lowest NLL: {best_nll[0]} ({best_nll[1]['nll']:.4f}); lowest ECE: {best_ece[0]} "
         f"({100 * best_ece[1]['ece']:.2f}%).",
-        end])
+        END])
 
 
 def spread(results: dict, prefix: str) -> str:
@@ -475,3 +478,47 @@ def spread(results: dict, prefix: str) -> str:
 
     return (f"{prefix} ({len(group)} variants): accuracy {rng('acc', 100)}%, NLL "
             f"{rng('nll', fmt='.4f')}, ECE {rng('ece', 100, '.2f')}%")
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--lm-steps", type=int, default=1000,
+                   help="training steps of the base LM (benchmarks/uncertainty.py --steps)")
+    p.add_argument("--base-model", default="out/bench/tiny_lm",
+                   help="where benchmarks/uncertainty.py saved its trained LM (trained there "
+                   "with the same recipe when missing or trained for other --lm-steps)")
+    p.add_argument("--train-per-class", type=int, default=48)
+    p.add_argument("--val-per-class", type=int, default=24)
+    p.add_argument("--test-per-class", type=int, default=72)
+    p.add_argument("--ft-steps", type=int, default=500, help="LoRA fine-tuning steps")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--seed", type=int, default=0, help="data split and LoRA initialisation")
+    p.add_argument("--mc-samples", type=int, default=256)
+    p.add_argument("--no-kron", action="store_true", help="skip laplace-torch")
+    p.add_argument("--quick", action="store_true", help="smoke run; writes nothing")
+    a = p.parse_args(argv)
+    a.command = "python benchmarks/uncertainty_classification.py " + shlex.join(
+        argv if argv is not None else sys.argv[1:])
+    if a.quick:
+        a.lm_steps, a.mc_samples = 30, 32
+        a.train_per_class, a.val_per_class, a.test_per_class, a.ft_steps = 8, 4, 8, 4
+        a.base_model = tempfile.mkdtemp(prefix="kfac-bench-lm-")
+        atexit.register(shutil.rmtree, a.base_model, ignore_errors=True)
+    t0 = time.perf_counter()
+    info = dict(machine({"laplace_torch": "laplace-torch", "peft": "peft"}),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    r = run(a)
+    r["total_seconds"] = time.perf_counter() - t0
+    section = report(r, a, info)
+    print(section, flush=True)
+    if a.quick:
+        return
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "uncertainty_classification.json").write_text(json.dumps(
+        {"machine": info, "command": a.command, "args": vars(a), **r}, indent=1, default=str))
+    write_section(BEGIN, END, section)
+
+
+if __name__ == "__main__":
+    main()

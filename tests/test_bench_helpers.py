@@ -1,5 +1,6 @@
 """The helpers the uncertainty benchmarks rely on (issue 7): the docstring multiple-choice data,
-the per-tau covariance reuse, and the answer-position indexing under right padding."""
+the per-tau covariance reuse (`LaplacePosterior.predictive_covariances` since issue 13), and the
+answer-position indexing under right padding."""
 
 import sys
 from pathlib import Path
@@ -15,7 +16,6 @@ from models import text_examples, tiny_gpt2
 from reference import rel_err
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import uncertainty  # noqa: E402
 import uncertainty_classification as uc  # noqa: E402
 
 EXACT_TOL = 1e-12  # the same float64 arithmetic in a different order
@@ -83,10 +83,9 @@ def posterior(tmp_path_factory):
 def test_covs_for_many_tau_equal_the_librarys_predictive(posterior):
     ex = text_examples(3, 10, seed=4, lengths=[10, 8, 6])
     batch = {k: torch.stack([e[k] for e in ex]) for k in ("input_ids", "attention_mask")}
-    tokens = [5, 17, 99, 3]
+    tokens = uc.ANSWER_IDS
     taus = [1e-3, 0.7, 50.0]
-    _, feats = posterior.jacobian_features(batch, -1, tokens)
-    covs = uncertainty.covs_from_features(posterior, feats, taus)
+    covs = uc.stream_covs(posterior, batch, taus)  # one predictive_covariances pass
     for t in taus:
         posterior.prior_precision = t
         _, ref = posterior.predictive(batch, -1, tokens)

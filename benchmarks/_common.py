@@ -1,0 +1,323 @@
+"""What the benchmark scripts share; the one module they import besides the library.
+
+Every script in ``benchmarks/`` answers one question and imports only this module (never another
+script). Contents, by the scripts that use them:
+
+* results: `write_section` (one script's section of ``benchmarks/RESULTS.md``), `machine`
+  (CPU, cores, threads, versions), `dist_version`, `log`, `free_port`;
+* the GPT-2 of the cost benchmarks (overhead, snapshot_query, distributed, peers): `MODEL`,
+  `BATCH`, `SEQ`, `make_data`;
+* plain and tracked blocks interleaved in one training run (overhead, distributed):
+  `BlockClock`, `StartClock`, `StopClock`, `GatedKFAC`;
+* the peers' view of GPT-2 (peers, uncertainty): `conv1d_to_linear`;
+* the small LM of the uncertainty benchmarks (uncertainty, uncertainty_classification):
+  `SEQ_LEN`, `pick`, `lm_datasets`, `train_lm`, `train_and_collect`, `save_base_lm`;
+* metrics: `nll_ece`, `auroc`.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import platform
+import socket
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+import transformers
+from torch import nn
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from kfac_stream import KFACConfig, KFACStreamCallback
+from kfac_stream.app import data as app_data
+from kfac_stream.app.data import ExampleDataset
+from kfac_stream.app.models import tiny_gpt2
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "RESULTS.md"
+TITLE = "# Benchmarks\n"
+
+
+# -- results -------------------------------------------------------------------------------------
+
+def write_section(begin: str, end: str, section: str, path: Path = RESULTS,
+                  top: bool = False) -> None:
+    """Replace the text from ``begin`` to ``end`` (markers included in ``section``), or, when the
+    markers are not there yet, append ``section`` (``top``: put it right under the title)."""
+    old = path.read_text() if path.exists() else TITLE
+    if begin in old and end in old:
+        new = old[:old.index(begin)] + section + old[old.index(end) + len(end):]
+    elif top and old.startswith(TITLE):
+        new = TITLE + "\n" + section + "\n\n" + old[len(TITLE):].lstrip("\n")
+    else:
+        new = old.rstrip("\n") + "\n\n" + section + "\n"
+    path.write_text(new)
+
+
+def dist_version(dist: str) -> str:
+    """Installed version of the distribution ``dist``, or ``"not installed"``."""
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def machine(versions: dict[str, str] | None = None) -> dict:
+    """``{"cpu", "cores", "torch_threads", "torch", "transformers", <versions>, "python"}``;
+    ``versions`` maps a result key to a distribution name, e.g. ``{"peft": "peft"}``."""
+    cpu = platform.processor() or "?"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            **{key: dist_version(dist) for key, dist in (versions or {}).items()},
+            "python": platform.python_version()}
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a process group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# -- the GPT-2 of the cost benchmarks ------------------------------------------------------------
+
+BATCH, SEQ = 8, 256
+MODEL = dict(n_layer=4, n_embd=256, n_head=4, vocab_size=2048, n_positions=SEQ, resid_pdrop=0.0,
+             embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+
+
+def make_data(n: int) -> ExampleDataset:
+    """``n`` windows of ``SEQ`` byte tokens of ``pydoc_data.topics`` (ships with CPython), each
+    ``{"input_ids", "attention_mask", "labels"}`` of shape ``[SEQ]``; token id = byte (0..255).
+    ~1800 windows; longer runs cycle through the text again."""
+    from pydoc_data.topics import topics
+
+    text = "\n\n".join(topics[k] for k in sorted(topics)).encode("utf-8")
+    ids = torch.frombuffer(bytearray(text), dtype=torch.uint8).long()
+    windows = len(ids) // SEQ
+    return ExampleDataset([{"input_ids": x, "attention_mask": torch.ones_like(x),
+                            "labels": x.clone()}
+                           for x in (ids[(i % windows) * SEQ:(i % windows + 1) * SEQ]
+                                     for i in range(n))])
+
+
+# -- plain and tracked blocks in one training run ------------------------------------------------
+
+class BlockClock:
+    """Alternates plain and tracked blocks of steps inside ONE training run and times them.
+
+    Driven by a `StartClock` placed before the kfac callback (the clock starts before its
+    ``on_step_begin``) and a `StopClock` after it (stops after its ``on_step_end``); the kfac
+    callback itself sits behind a `GatedKFAC`. Before a plain block the kfac hooks are removed
+    from the model (a true plain step); before a tracked block they are put back. The last step
+    of a tracked block also pays, timed, for folding its pending rows into the store, so every
+    block pays exactly for its own updates.
+
+    Per step (lists indexed by step): ``times`` wall seconds, ``cpu`` process CPU seconds,
+    ``tracker_s`` the tracker's training-thread seconds (+ the block's final fold).
+    """
+
+    def __init__(self, schedule: list[str], kfac: KFACStreamCallback):
+        self.schedule, self.kfac = schedule, kfac  # schedule[step]: "plain" | "tracked"
+        self.times: list[float] = []
+        self.cpu: list[float] = []
+        self.tracker_s: list[float] = []
+
+    def _set_mode(self, step: int) -> None:
+        mode = self.schedule[step]
+        prev = self.schedule[step - 1] if step > 0 else None
+        if mode == prev:
+            return
+        if mode == "plain":
+            self.kfac.tracker.detach()  # every hook off the model: a true plain step
+        elif prev == "plain":
+            self.kfac.tracker.attach()  # the same hooks back, sampler state carried over
+
+    def start(self, step: int) -> None:
+        self._set_mode(step)
+        self._c0 = self.kfac.tracker.counters.tracker_seconds
+        self._p0, self._t0 = time.process_time(), time.perf_counter()
+
+    def stop(self, step: int) -> None:
+        tr = self.kfac.tracker
+        flush_s = 0.0
+        if self.schedule[step] == "tracked" and (
+                step + 1 == len(self.schedule) or self.schedule[step + 1] != "tracked"):
+            t = time.perf_counter()
+            tr.flush()  # timed: the block pays for folding its own updates
+            flush_s = time.perf_counter() - t
+        self.times.append(time.perf_counter() - self._t0)
+        self.cpu.append(time.process_time() - self._p0)
+        self.tracker_s.append(tr.counters.tracker_seconds - self._c0 + flush_s)
+
+
+class StartClock(TrainerCallback):
+    """First in the callback list: starts the `BlockClock` at ``on_step_begin``."""
+
+    def __init__(self, clock: BlockClock):
+        self.clock = clock
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.clock.start(state.global_step)
+
+
+class StopClock(TrainerCallback):
+    """Last in the callback list: stops the `BlockClock` at ``on_step_end``."""
+
+    def __init__(self, clock: BlockClock):
+        self.clock = clock
+
+    def on_step_end(self, args, state, control, **kw):
+        self.clock.stop(state.global_step - 1)
+
+
+class GatedKFAC(TrainerCallback):
+    """Forwards step events to the kfac callback only in tracked blocks."""
+
+    def __init__(self, kfac: KFACStreamCallback, schedule: list[str]):
+        self.kfac, self.schedule = kfac, schedule
+
+    def on_train_begin(self, *a, **kw):
+        return self.kfac.on_train_begin(*a, **kw)
+
+    def on_train_end(self, *a, **kw):
+        return self.kfac.on_train_end(*a, **kw)
+
+    def on_step_begin(self, args, state, control, **kw):
+        if self.schedule[state.global_step] == "tracked":
+            return self.kfac.on_step_begin(args, state, control, **kw)
+
+    def on_step_end(self, args, state, control, **kw):
+        if self.schedule[state.global_step - 1] == "tracked":
+            return self.kfac.on_step_end(args, state, control, **kw)
+
+
+# -- the peers' view of GPT-2 --------------------------------------------------------------------
+
+def conv1d_to_linear(model: nn.Module, names: list[str] | None = None) -> nn.Module:
+    """A copy of ``model`` with transformers' ``Conv1D`` s (the named ones; ``None``: all) as
+    equal ``nn.Linear`` s (weight transposed: Conv1D holds ``[d_in, d_out]``)."""
+    from transformers.pytorch_utils import Conv1D
+
+    model = copy.deepcopy(model)
+    if names is None:
+        names = [n for n, m in model.named_modules() if isinstance(m, Conv1D)]
+    for name in names:
+        old = model.get_submodule(name)
+        lin = nn.Linear(old.weight.shape[0], old.weight.shape[1], bias=old.bias is not None)
+        with torch.no_grad():
+            lin.weight.copy_(old.weight.T)
+            if old.bias is not None:
+                lin.bias.copy_(old.bias)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, lin)
+    return model
+
+
+# -- the small LM of the uncertainty benchmarks --------------------------------------------------
+
+SEQ_LEN = 128
+
+
+def pick(windows: list[torch.Tensor], n: int) -> torch.Tensor:
+    """``n`` windows (each ``[T]``) evenly spaced over the list, ``[n, T]``."""
+    if len(windows) < n:
+        raise SystemExit(f"only {len(windows)} windows available, {n} requested")
+    idx = torch.linspace(0, len(windows) - 1, n).round().long().tolist()
+    return torch.stack([windows[i] for i in idx])
+
+
+def lm_datasets(n_seqs: int) -> tuple[list[dict], dict[str, torch.Tensor]]:
+    """``(training examples, evaluation sets)`` of the LM task, byte tokens, ``SEQ_LEN`` windows.
+
+    Training: the pydoc topics left after ``split_documents(0.1, seed=0)``. Evaluation sets,
+    each ``[n_seqs, SEQ_LEN]`` (`pick`): ``val`` = the even half of the held-out topics,
+    ``id`` = the odd half, ``python_source`` = ``ood_documents()``, ``licenses`` =
+    ``license_documents()`` (when the machine has them)."""
+    tok = app_data.ByteTokenizer()
+    train_docs, held = app_data.split_documents(app_data.pydoc_documents(), 0.1, seed=0)
+
+    def windows(docs):
+        return [e["input_ids"]
+                for e in app_data.lm_examples(app_data.encode_documents(docs, tok), SEQ_LEN)]
+
+    sets = {"val": pick(windows(held[0::2]), n_seqs), "id": pick(windows(held[1::2]), n_seqs),
+            "python_source": pick(windows(app_data.ood_documents()), n_seqs)}
+    lic = app_data.license_documents()
+    if lic:
+        sets["licenses"] = pick(windows(lic), n_seqs)
+    train = app_data.lm_examples(app_data.encode_documents(train_docs, tok), SEQ_LEN)
+    return train, sets
+
+
+def train_lm(train_examples: list[dict], steps: int, out: str, fisher: str | None):
+    """The app's default tiny GPT-2 trained by one Trainer run with one `KFACStreamCallback`
+    (``fisher``; ``None``: the same recipe without a tracker, snapshot ``None``).
+
+    Two callbacks on one Trainer do not work (only the last one records, the other ends with
+    tokens_seen 0), so each Fisher gets its own run from the same seed. Returns what
+    `train_and_collect` returns."""
+    model = tiny_gpt2(seed=0)
+    args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=8,
+                             learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=10,
+                             weight_decay=0.0, logging_steps=max(steps // 4, 1),
+                             save_strategy="no", report_to="none", disable_tqdm=True,
+                             use_cpu=True, seed=0)
+    cb = None if fisher is None else KFACStreamCallback(KFACConfig(
+        fisher=fisher, output_dir=os.path.join(out, "kfac"), snapshot_every=10 * steps))
+    trainer = Trainer(model=model, args=args, train_dataset=ExampleDataset(train_examples),
+                      callbacks=None if cb is None else [cb])
+    return train_and_collect(trainer, model, cb)
+
+
+def train_and_collect(trainer, model: nn.Module, cb: KFACStreamCallback | None):
+    """Run ``trainer``; returns ``(model in eval mode, the callback's last snapshot directory
+    or None without a callback, training seconds, the logged losses)``."""
+    t0 = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - t0
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    model.eval()
+    return model, None if cb is None else cb.snapshots[-1], wall, losses
+
+
+def save_base_lm(model: nn.Module, path: str, steps: int) -> None:
+    """Cache the LM task's trained model as the classification task's base (``lm_steps.txt``
+    records its training steps)."""
+    model.save_pretrained(path)
+    (Path(path) / "lm_steps.txt").write_text(f"{steps}\n")
+
+
+# -- metrics -------------------------------------------------------------------------------------
+
+def nll_ece(probs: torch.Tensor, y: torch.Tensor, bins: int = 15) -> tuple[float, float]:
+    """Mean NLL (nats) of the labels ``y [n]`` under ``probs [n, C]``, and the ECE over
+    ``bins`` equal-width bins of the top-1 confidence (the first bin includes 0)."""
+    nll = float(-probs.gather(1, y[:, None]).clamp(min=1e-300).log().mean())
+    conf, pred = probs.max(-1)
+    acc = (pred == y).double()
+    edges = torch.linspace(0, 1, bins + 1, dtype=conf.dtype)
+    ece = 0.0
+    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
+        m = (conf > lo) & (conf <= hi) if lo > 0 else (conf >= lo) & (conf <= hi)
+        if m.any():
+            ece += float(m.double().mean() * (conf[m].mean() - acc[m].mean()).abs())
+    return nll, ece
+
+
+def auroc(score_in: torch.Tensor, score_out: torch.Tensor) -> float:
+    """P(score of a random OOD item > that of a random ID item), ties 1/2; ``[n_in]``,
+    ``[n_out]``."""
+    a, b = score_out[:, None], score_in[None, :]
+    return float((a > b).double().mean() + 0.5 * (a == b).double().mean())
