@@ -47,8 +47,18 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from kfac_stream import KFACConfig, KFACStreamCallback
 from kfac_stream.distributed.ownership import assign_owners
 
-from _common import (BATCH, MODEL, BlockClock, GatedKFAC, StartClock, StopClock, free_port,
-                     machine, make_data, write_section)
+from _common import (
+    BATCH,
+    MODEL,
+    BlockClock,
+    GatedKFAC,
+    StartClock,
+    StopClock,
+    free_port,
+    machine,
+    make_data,
+    write_section,
+)
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -63,8 +63,19 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback
 
-from _common import (BATCH, MODEL, SEQ, BlockClock, GatedKFAC, StartClock, StopClock, log,
-                     machine, make_data, write_section)
+from _common import (
+    BATCH,
+    MODEL,
+    SEQ,
+    BlockClock,
+    GatedKFAC,
+    StartClock,
+    StopClock,
+    log,
+    machine,
+    make_data,
+    write_section,
+)
 
 HERE = Path(__file__).resolve().parent
 ALL = [(tf, fi, k) for fi in ("empirical", "mc") for k in (1, 10) for tf in (1.0, 0.25, 0.05)]

@@ -121,8 +121,17 @@ from kfac_stream import KFACConfig
 from kfac_stream.capture.selection import select_layers
 from kfac_stream.tracker import Tracker
 
-from _common import (BATCH, MODEL, SEQ, conv1d_to_linear, dist_version, log, machine, make_data,
-                     write_section)
+from _common import (
+    BATCH,
+    MODEL,
+    SEQ,
+    conv1d_to_linear,
+    dist_version,
+    log,
+    machine,
+    make_data,
+    write_section,
+)
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- peers:begin -->", "<!-- peers:end -->"
@@ -272,10 +281,12 @@ class Peers:
         from kronfluence.analyzer import prepare_model
         from kronfluence.arguments import FactorArguments
         from kronfluence.factor.covariance import fit_covariance_matrices_with_loader
-        from kronfluence.utils.constants import (ACTIVATION_COVARIANCE_MATRIX_NAME,
-                                                 GRADIENT_COVARIANCE_MATRIX_NAME,
-                                                 NUM_ACTIVATION_COVARIANCE_PROCESSED,
-                                                 NUM_GRADIENT_COVARIANCE_PROCESSED)
+        from kronfluence.utils.constants import (
+            ACTIVATION_COVARIANCE_MATRIX_NAME,
+            GRADIENT_COVARIANCE_MATRIX_NAME,
+            NUM_ACTIVATION_COVARIANCE_PROCESSED,
+            NUM_GRADIENT_COVARIANCE_PROCESSED,
+        )
         from kronfluence.utils.state import State
 
         if self._kf is None:

@@ -49,8 +49,11 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
-from kfac_stream.snapshot.contents import (add_eigendecompositions, merge_manifests,
-                                           snapshot_contents)
+from kfac_stream.snapshot.contents import (
+    add_eigendecompositions,
+    merge_manifests,
+    snapshot_contents,
+)
 from kfac_stream.snapshot.writer import write_snapshot
 
 from _common import BATCH, MODEL, machine, make_data, write_section

@@ -68,8 +68,18 @@ from torch import nn
 
 from kfac_stream import LaplacePosterior, Snapshot
 
-from _common import (SEQ_LEN, auroc, conv1d_to_linear, lm_datasets, machine, nll_ece, pick,
-                     save_base_lm, train_lm, write_section)
+from _common import (
+    SEQ_LEN,
+    auroc,
+    conv1d_to_linear,
+    lm_datasets,
+    machine,
+    nll_ece,
+    pick,
+    save_base_lm,
+    train_lm,
+    write_section,
+)
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- uncertainty:begin -->", "<!-- uncertainty:end -->"
@@ -284,7 +294,7 @@ def run(a) -> dict:
 
     ood = [k for k in EVAL_SETS[1:] if k in sets]
     detect = {m: {k: auroc(s["id"], s[k]) for k in ood} for m, s in scores.items()}
-    detect["MC dropout (8 samples)"] = {k: None for k in ood}
+    detect["MC dropout (8 samples)"] = dict.fromkeys(ood)
     return {"train_seconds": train_s, "identical_weights": same,
             "train_loss_first_last": [losses[0], losses[-1]],
             "counts": counts, "positions": pos, "calibration": res, "auroc": detect,

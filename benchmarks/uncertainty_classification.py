@@ -78,8 +78,15 @@ from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapsh
 from kfac_stream.app.data import ExampleDataset
 from kfac_stream.query.laplace import probs_from_gaussian
 
-from _common import (lm_datasets, machine, nll_ece, save_base_lm, train_and_collect, train_lm,
-                     write_section)
+from _common import (
+    lm_datasets,
+    machine,
+    nll_ece,
+    save_base_lm,
+    train_and_collect,
+    train_lm,
+    write_section,
+)
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = ("<!-- uncertainty-classification:begin -->",

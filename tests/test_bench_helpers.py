@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import run, sum_nll_loss
 from kfac_stream import Snapshot
 from kfac_stream.app.models import tiny_gpt2 as app_gpt2
 from kfac_stream.query.laplace import LaplacePosterior
+
+from harness import run, sum_nll_loss
 from models import text_examples, tiny_gpt2
 from reference import rel_err
 

@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch.func import functional_call, jacrev
 
-from harness import run, sum_nll_loss
 from kfac_stream import Snapshot
 from kfac_stream.query.kron_eigen import sample_block
 from kfac_stream.query.laplace import LaplacePosterior, SnapshotMismatchError
+
+from harness import run, sum_nll_loss
 from models import text_examples, tiny_gpt2
 from reference import rel_err
 
@@ -156,7 +157,7 @@ def test_sampled_weights_are_the_same_draws_and_restore_exactly(trained):
         assert torch.equal(v, before[k]), k
     with pytest.raises(ZeroDivisionError):
         with post.sampled_weights(seed=4):
-            1 / 0
+            1 / 0  # noqa: B018 (the body raises on purpose)
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
 
@@ -272,7 +273,7 @@ def test_per_layer_prior_precision(trained):
     model, snap = trained
     ex = text_examples(2, 10, seed=9)
     batch = {k: torch.stack([e[k] for e in ex]) for k in ("input_ids", "attention_mask")}
-    same = {n: TAU for n in snap.layer_names}
+    same = dict.fromkeys(snap.layer_names, TAU)
     _, c_float = LaplacePosterior(model, snap, TAU, N_DATA).predictive(batch, token_ids=[1, 2])
     post = LaplacePosterior(model, snap, same, N_DATA)
     _, c_dict = post.predictive(batch, token_ids=[1, 2])

@@ -4,13 +4,14 @@ and several prior precisions from one Jacobian pass in `LaplacePosterior`."""
 import pytest
 import torch
 
-from harness import run, sum_nll_loss
 from kfac_stream import Snapshot
 from kfac_stream.query.laplace import LaplacePosterior
+
+from harness import run, sum_nll_loss
 from models import text_examples, tiny_gpt2
 from reference import rel_err
 
-ROUNDOFF_TOL = 1e-12  # float64 model and features: the same numbers, possibly summed in another order
+ROUNDOFF_TOL = 1e-12  # float64 model and features: the same numbers, maybe summed in another order
 EXACT_TOL = 1e-12  # the same float64 arithmetic in the same order (bit-identical in practice)
 N_DATA, TAU = 50.0, 0.7
 

@@ -267,7 +267,8 @@ class LaplacePosterior:
             mean, cov = self.predictive(item["batch"], item.get("positions", -1),
                                         item["token_ids"])
             pred = mean.argmax(-1)  # [B]
-            variances.append(torch.diagonal(cov, dim1=-2, dim2=-1).gather(1, pred[:, None])[:, 0].cpu())
+            variance = torch.diagonal(cov, dim1=-2, dim2=-1)  # [B, K]
+            variances.append(variance.gather(1, pred[:, None])[:, 0].cpu())
             correct.append(pred.cpu() == torch.as_tensor(item["labels"]).cpu())
         self.beta = fit_confidence_beta(torch.cat(variances), torch.cat(correct))
         return self.beta
