@@ -3,29 +3,25 @@
 Per optimizer step ``k`` (counted from 0): ``begin_step(k)`` arms the hooks if ``k`` is an
 update step (``k % update_every == 0``); the micro-batches' forward/backward passes collect
 rows; ``end_step(model)`` runs the MC passes (``fisher="mc"``), weights and scales the rows
-(sampling weights, the pass's loss scale ``c``) and hands an `UpdateJob` to the factor worker.
+(sampling weights, the pass's loss scale ``c``) and hands an `UpdateJob` to the
+`FactorUpdater` (`kfac_stream.factor_updates`: exchange with the owners, fold into the store).
 
 The training thread never reads a device value on the host (tests/test_host_syncs.py counts):
 every decision that needs one (is the update finite? is ``c`` known? how many positions?) is
-a device tensor in the job, read by the worker (``async_updates``, the default on CUDA), which
-runs on its own CUDA stream after an event recorded at the end of the step. The worker
-exchanges rows or partial statistics with the factors' owners (several ranks,
-`distributed.exchange`), folds the second moments where the rows are (``fold_on``: on the GPU,
-with only the folded fp32 statistics crossing to the host, combined over a few updates on the
-device; on CPU the store folds rows itself) and updates the FP16 EMA store on CPU. The step
-waits only when the worker is a whole update behind; then the wait is counted and logged once.
-A non-finite statistic on any rank skips the update on all of them.
+a device tensor in the job, read by the updater's worker (``async_updates``, the default on
+CUDA) on its own CUDA stream after an event recorded at the end of the step. The step waits
+only when the worker is a whole update behind; then the wait is counted and logged once.
+
+The tracker's state leaves it only as a frozen `TrackerRecord` (`Tracker.export`: snapshots,
+checkpoints, monitoring) and comes back through `Tracker.load_state` (checkpoints).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from collections.abc import Mapping
-from contextlib import nullcontext
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -37,35 +33,13 @@ from .capture.selection import LayerSpec, select_layers
 from .capture.sharing import FactorPlan, plan_factors, probe_shared_inputs
 from .config import KFACConfig
 from .distributed.context import DistContext
-from .distributed.exchange import exchange_to_owners
 from .distributed.ownership import Ownership, assign_owners
 from .enums import StorageDtype
-from .stats.covariance import all_finite, gram, with_bias_column
-from .store.factor_store import FactorState, FactorStore
+from .factor_updates import Counters, FactorUpdater, UpdateJob
+from .stats.covariance import all_finite, with_bias_column
+from .store.factor_store import FactorState
 
 logger = logging.getLogger("kfac_stream")
-
-
-@dataclass
-class Counters:
-    """Running totals, written into every snapshot manifest."""
-
-    tokens_seen: int = 0  # usable positions of every training forward pass (read lazily)
-    positions_sampled: int = 0  # positions folded into the factors
-    updates: int = 0
-    skipped_updates: int = 0  # steps dropped for NaN/Inf statistics or a bad loss scale
-    tracker_seconds: float = 0.0  # time spent on the training thread in end_step
-    comm_bytes: int = 0  # bytes this rank sent to factor owners (multi-process only)
-    exchange_seconds: float = 0.0  # time in the exchange collectives (multi-process only)
-    fold_seconds: float = 0.0  # time folding rows/statistics into the owned factors
-    wait_seconds: float = 0.0  # time the training thread waited for the factor worker
-    waits: int = 0  # update steps that waited for the factor worker
-    snapshot_failures: int = 0  # snapshots abandoned (non-fatal unless fail_on_snapshot_error)
-    # bytes the rows / the statistics exchange strategy would move over all ranks, summed
-    # over updates (the same on every rank; multi-process only): what `exchange` chooses from
-    exchange_bytes_rows: int = 0
-    exchange_bytes_stats: int = 0
-    skipped_steps: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -105,36 +79,6 @@ class TrackerRecord:
     def dims(self) -> dict[str, tuple[int, bool]]:
         """``{key: (side, diagonal)}`` of every factor (all ranks')."""
         return self.plan.dims
-
-
-@dataclass
-class UpdateJob:
-    """One update step's local contribution, handed from the training thread to `_apply`.
-
-    Every tensor is on the rows' device and may still be being computed there (``event``).
-
-    Attributes:
-        step: Optimizer step.
-        rows: ``{factor key: rows [m, d]}``, each row multiplied by the square root of its
-            sampling weight, G rows divided by their pass's loss scale; A rows with the bias
-            column. Keys absent: no rows on this rank.
-        weights: ``{factor key: 0-dim Σ weights}`` (the EMA's ``n``).
-        positions: ``{factor key: 0-dim count of sampled non-padding positions}``.
-        ok: 0-dim bool: finite statistics and every pass's loss scale known.
-        residual: 0-dim largest loss-scale fit residual (empirical Fisher), or None.
-        event: CUDA event recorded after the job's tensors were queued (None on CPU).
-        sums: ``{factor key: Σ_s w_s x_s⊙x_s [d]}`` of the diagonal factors (float32, float64
-            for float64 storage): reduced in the hooks, they never travel as rows.
-    """
-
-    step: int
-    rows: dict[str, Tensor]
-    weights: dict[str, Tensor]
-    positions: dict[str, Tensor]
-    ok: Tensor
-    residual: Tensor | None = None
-    event: object = None
-    sums: dict[str, Tensor] = field(default_factory=dict)
 
 
 def plan_tracking(model: nn.Module, config: KFACConfig
@@ -190,27 +134,14 @@ class Tracker:
         self.counters = Counters()
         self.step: int | None = None
         self.is_update_step = False
-        self._warned_scale = False
-        self._warned_wait = False
         self._last_end: float | None = None
         self._step_seconds = 0.0  # EMA of the wall time between end_step calls
         self.dims: dict[str, tuple[int, bool]] = self.plan.dims  # {key: (side, diagonal)}
         self._a_has_bias = {self.plan.a_key[n]: s.has_bias for n, s in specs.items()}
         self.ownership: Ownership = assign_owners(self.dims, self.world_size, storage.itemsize)
-        budget = config.device_memory_budget if self.fold_on == "device" else 0
-        self.store = FactorStore(config.storage_dtype, config.ema_decay, device_budget=budget)
-        for key in self.ownership.owned_by(self.rank):
-            self.store.add(key, *self.dims[key])
-        self._stream = torch.cuda.Stream(self.device) if on_gpu else None
-        self._async = bool(config.async_updates)
-        self._queue: queue.Queue | None = None
-        self._worker: threading.Thread | None = None
-        self._worker_error: BaseException | None = None
-        if self._async:
-            self._queue = queue.Queue(maxsize=1)
-            self._worker = threading.Thread(target=self._work, name="kfac-stream-ema",
-                                            daemon=True)
-            self._worker.start()
+        self.updater = FactorUpdater(config, self.dims, self.ownership, dist_ctx, self.device,
+                                     self.fold_on, wide, self.counters)
+        self.store = self.updater.store  # this rank's factors
 
     def _make_capture(self) -> CaptureHooks:
         plan, fraction, seed, row_dtype, device, sum_dtype = self._capture_args
@@ -275,10 +206,10 @@ class Tracker:
             job = self._collect(passes)
             if job is None:
                 return False
-            if self._stream is not None:
+            if self.updater.stream is not None:
                 job.event = torch.cuda.Event()
                 job.event.record()  # on the training stream; the worker's stream waits on it
-            self._submit(job)
+            self.updater.submit(job, self._step_seconds)
             return True
         finally:
             self.is_update_step = False
@@ -369,147 +300,6 @@ class Tracker:
 
     # -- factor arithmetic (worker thread, or the training thread without async_updates) -------
 
-    def _submit(self, job: UpdateJob) -> None:
-        if self._queue is None:
-            self._apply(job)
-            return
-        self._raise_worker_error()
-        t0 = time.perf_counter()
-        self._queue.put(job)  # blocks only if the previous update is still being applied
-        waited = time.perf_counter() - t0
-        if self._step_seconds > 0 and waited > max(0.02 * self._step_seconds, 1e-3):
-            self.counters.waits += 1
-            self.counters.wait_seconds += waited
-            if not self._warned_wait:
-                self._warned_wait = True
-                self._warn_slow(waited)
-
-    def _warn_slow(self, waited: float) -> None:
-        c, every = self.counters, self.config.update_every
-        per_update = (c.exchange_seconds + c.fold_seconds) / max(c.updates, 1)
-        logger.warning(
-            "kfac_stream: step %s waited %.3f s for the factor worker: one update takes "
-            "%.3f s (exchange %.3f s, fold %.3f s per update) but arrives every %d step(s) of "
-            "%.3f s. Raise update_every (now %d), lower token_fraction (now %g) or "
-            "max_dense_dim (now %d, larger factors are kept diagonal). Waits are counted in "
-            "counts.waits / counts.wait_seconds; logged once.", self.step, waited, per_update,
-            c.exchange_seconds / max(c.updates, 1), c.fold_seconds / max(c.updates, 1), every,
-            self._step_seconds, every, self.config.token_fraction, self.config.max_dense_dim)
-
-    def _apply(self, job: UpdateJob) -> None:
-        """Read the job's flags (the one host read of an update), exchange (several ranks),
-        fold this rank's owned factors; skips are shared."""
-        ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
-        with ctx:
-            if job.event is not None:
-                self._stream.wait_event(job.event)
-            try:
-                self._apply_on_stream(job)
-            finally:
-                if self._stream is not None:
-                    self._stream.synchronize()  # job tensors are free to reuse afterwards
-
-    def _apply_on_stream(self, job: UpdateJob) -> None:
-        keys = list(job.rows) + list(job.sums)
-        scalars = [job.ok.to(torch.float64)] + [job.weights[k].to(torch.float64) for k in keys] \
-            + [job.positions[k].to(torch.float64) for k in keys]
-        if job.residual is not None:
-            scalars.append(job.residual.to(torch.float64))
-        values = torch.stack([v.to(self.device) for v in scalars]).tolist()  # one read
-        ok = values[0] > 0
-        weights = dict(zip(keys, values[1:1 + len(keys)]))
-        positions = {k: int(v) for k, v in zip(keys, values[1 + len(keys):1 + 2 * len(keys)])}
-        if job.residual is not None and ok:
-            self._warn_scale(values[-1])
-        t0 = time.perf_counter()
-        if self.dist is None:
-            if not ok:
-                self._skip(job.step)
-                return
-            delivered = {k: ("rows", v) for k, v in job.rows.items() if k in self.store}
-            delivered.update({k: ("stats", (v, weights[k])) for k, v in job.sums.items()
-                              if k in self.store})
-            total_pos = max(positions.values(), default=0)
-        else:
-            rows = job.rows if ok else {}
-            transport = torch.float16 if (self.config.storage_dtype == "float16"
-                                          and self._wire_dtype(rows) == torch.float32) else None
-            ex = exchange_to_owners(rows, self.dims, self.ownership, self.rank,
-                                    self.world_size, self.dist.exchange_group,
-                                    None if self.config.exchange == "auto"
-                                    else self.config.exchange, ok, transport,
-                                    self._wire_dtype(rows), weights, positions, self.device,
-                                    gram_fp32, job.sums if ok else {})
-            if not ex.ok:
-                self._skip(job.step)
-                return
-            delivered = ex.owned
-            weights, positions = ex.weights, ex.positions
-            total_pos = max(ex.positions.values(), default=0)
-            self.counters.comm_bytes += ex.bytes_moved
-            self.counters.exchange_bytes_rows += ex.bytes_rows
-            self.counters.exchange_bytes_stats += ex.bytes_stats
-            self.counters.exchange_seconds += time.perf_counter() - t0
-        if not any(w > 0 for w in weights.values()):  # every sampled slot was padding
-            return
-        self.counters.updates += 1
-        self.counters.positions_sampled += int(total_pos)
-        t1 = time.perf_counter()
-        for key, (how, payload) in delivered.items():
-            n, pos = weights[key], positions[key]
-            if n <= 0:
-                continue
-            if how == "rows" and self.fold_on == "host":
-                self.store.push_rows(key, payload.cpu(), n, pos)  # [m, d]
-            elif how == "rows":
-                self.store.push_stat(key, gram_fp32(payload, self.dims[key][1]), n, pos)
-            elif self.fold_on == "host":
-                self.store.update(key, payload[0].cpu().div_(n), n, pos)
-            else:
-                self.store.push_stat(key, payload[0], n, pos)
-        self.counters.fold_seconds += time.perf_counter() - t1
-
-    def _wire_dtype(self, rows: dict[str, Tensor]) -> torch.dtype:
-        """The rows' dtype on every rank (bf16 on a GPU with 16-bit activations)."""
-        return next((t.dtype for t in rows.values()), self.row_dtype)
-
-    def _skip(self, step: int) -> None:
-        self.counters.skipped_updates += 1
-        self.counters.skipped_steps.append(step)
-        where = f" on at least one of {self.world_size} ranks" if self.world_size > 1 else ""
-        logger.warning("kfac_stream: step %s has non-finite statistics (or loss scale)%s; "
-                       "skipped for the factors (%d skipped so far)", step, where,
-                       self.counters.skipped_updates)
-
-    def _work(self) -> None:
-        assert self._queue is not None
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        while True:
-            job = self._queue.get()
-            try:
-                if job is None:
-                    return
-                if self._worker_error is None:
-                    self._apply(job)
-            except BaseException as e:  # surfaced on the training thread at the next call
-                self._worker_error = e
-            finally:
-                self._queue.task_done()
-
-    def _raise_worker_error(self) -> None:
-        if self._worker_error is not None:
-            raise RuntimeError("kfac_stream background update failed") from self._worker_error
-
-    def flush(self) -> None:
-        """Wait until every submitted update is in the store."""
-        if self._queue is not None:
-            self._queue.join()
-        self._raise_worker_error()
-        t0 = time.perf_counter()
-        self.store.flush()
-        self.counters.fold_seconds += time.perf_counter() - t0
-
     def read_counters(self) -> Counters:
         """The counters with the device-side ones read (snapshot, checkpoint, log time)."""
         self.counters.tokens_seen = self.capture.tokens_seen
@@ -585,15 +375,15 @@ class Tracker:
         self.capture = self._make_capture()
         self.capture.load_state_dict(state)
 
+    def flush(self) -> None:
+        """Wait until every submitted update is in the store, folded."""
+        self.updater.flush()
+
     def close(self) -> None:
         """Flush, stop the worker and remove every hook."""
         try:
-            self.flush()
+            self.updater.close()
         finally:
-            if self._queue is not None and self._worker is not None:
-                self._queue.put(None)
-                self._worker.join()
-                self._queue = None
             self.capture.remove()
 
     def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
@@ -607,28 +397,6 @@ class Tracker:
             if a_key in vals and g_key in vals:
                 out[n] = (vals[a_key], vals[g_key])
         return out
-
-    def _warn_scale(self, residual: float) -> None:
-        if residual > 1e-2 and not self._warned_scale:
-            self._warned_scale = True
-            logger.warning(
-                "kfac_stream: the logits' gradient is not a scaled cross-entropy gradient "
-                "(relative residual %.2e): label smoothing or per-token loss weights make the "
-                "empirical-Fisher G scale approximate", residual)
-
-
-def gram_fp32(rows: Tensor, diagonal: bool) -> Tensor:
-    """``Σ rowsᵀrows`` (``[d, d]``) or its diagonal (``[d]``) where the rows are, accumulated
-    and returned in float32 (float64 rows: float64). bf16 rows on CUDA use the tensor cores
-    with fp32 accumulation and fp32 output (``torch.mm(..., out_dtype=float32)``)."""
-    if rows.dtype in (torch.float32, torch.float64):
-        return gram(rows, diagonal)
-    if diagonal:
-        return rows.float().square().sum(0)
-    if rows.is_cuda:
-        return torch.mm(rows.T, rows, out_dtype=torch.float32)
-    return gram(rows.float(), diagonal)
-
 
 def _zero3_enabled() -> bool:
     try:

@@ -145,7 +145,7 @@ def test_background_worker_gives_the_same_factors(tmp_path):
                      tmp_path=tmp_path / "a", record=False)
     bg, _, _ = run(tiny_gpt2(), ex, {"storage_dtype": "float16", "async_updates": True},
                    batch=2, tmp_path=tmp_path / "b", record=False)
-    assert bg.tracker._worker is not None and not bg.tracker._worker.is_alive()
+    assert bg.tracker.updater.worker is not None and not bg.tracker.updater.worker.is_alive()
     f1, f2 = sync.factors(), bg.factors()
     for n in f1:
         assert torch.equal(f1[n][0], f2[n][0]) and torch.equal(f1[n][1], f2[n][1])

@@ -1,0 +1,314 @@
+"""Applying the factor updates: the worker thread that exchanges each step's contribution with
+the factors' owners and folds it into the CPU store.
+
+The training thread hands one `UpdateJob` per update step to `FactorUpdater.submit` (see
+`kfac_stream.tracker`). Everything in a job is still on the rows' device; the updater reads its
+flags once (is it finite, how much weight per factor), on its own thread and CUDA stream when
+``async_updates`` is on (the default on CUDA), after the event recorded at the end of the step.
+With several ranks it exchanges rows or partial statistics with the owners
+(`distributed.exchange`; a non-finite statistic on any rank skips the update on all of them),
+then folds the second moments where the rows are (``fold_on``: on the GPU, only the folded
+fp32 statistics cross to the host, combined over a few updates on the device; on CPU the store
+folds rows itself) into the FP16 EMA `FactorStore`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from .config import KFACConfig
+from .distributed.context import DistContext
+from .distributed.exchange import exchange_to_owners
+from .distributed.ownership import Ownership
+from .stats.covariance import gram
+from .store.factor_store import FactorStore
+
+logger = logging.getLogger("kfac_stream")
+
+
+@dataclass
+class Counters:
+    """Running totals, written into every snapshot manifest."""
+
+    tokens_seen: int = 0  # usable positions of every training forward pass (read lazily)
+    positions_sampled: int = 0  # positions folded into the factors
+    updates: int = 0
+    skipped_updates: int = 0  # steps dropped for NaN/Inf statistics or a bad loss scale
+    tracker_seconds: float = 0.0  # time spent on the training thread in end_step
+    comm_bytes: int = 0  # bytes this rank sent to factor owners (multi-process only)
+    exchange_seconds: float = 0.0  # time in the exchange collectives (multi-process only)
+    fold_seconds: float = 0.0  # time folding rows/statistics into the owned factors
+    wait_seconds: float = 0.0  # time the training thread waited for the factor worker
+    waits: int = 0  # update steps that waited for the factor worker
+    snapshot_failures: int = 0  # snapshots abandoned (non-fatal unless fail_on_snapshot_error)
+    # bytes the rows / the statistics exchange strategy would move over all ranks, summed
+    # over updates (the same on every rank; multi-process only): what `exchange` chooses from
+    exchange_bytes_rows: int = 0
+    exchange_bytes_stats: int = 0
+    skipped_steps: list[int] = field(default_factory=list)
+
+
+@dataclass
+class UpdateJob:
+    """One update step's local contribution, handed from the training thread to the updater.
+
+    Every tensor is on the rows' device and may still be being computed there (``event``).
+
+    Attributes:
+        step: Optimizer step.
+        rows: ``{factor key: rows [m, d]}``, each row multiplied by the square root of its
+            sampling weight, G rows divided by their pass's loss scale; A rows with the bias
+            column. Keys absent: no rows on this rank.
+        weights: ``{factor key: 0-dim Σ weights}`` (the EMA's ``n``).
+        positions: ``{factor key: 0-dim count of sampled non-padding positions}``.
+        ok: 0-dim bool: finite statistics and every pass's loss scale known.
+        residual: 0-dim largest loss-scale fit residual (empirical Fisher), or None.
+        event: CUDA event recorded after the job's tensors were queued (None on CPU).
+        sums: ``{factor key: Σ_s w_s x_s⊙x_s [d]}`` of the diagonal factors (float32, float64
+            for float64 storage): reduced in the hooks, they never travel as rows.
+    """
+
+    step: int
+    rows: dict[str, Tensor]
+    weights: dict[str, Tensor]
+    positions: dict[str, Tensor]
+    ok: Tensor
+    residual: Tensor | None = None
+    event: object = None
+    sums: dict[str, Tensor] = field(default_factory=dict)
+
+
+class FactorUpdater:
+    """Applies `UpdateJob` s to this rank's owned factors, on a worker thread or inline.
+
+    Args:
+        config: The tracker's configuration (``storage_dtype``, ``ema_decay``, ``exchange``,
+            ``async_updates``, and the knobs named in the slow-worker warning).
+        dims: ``{key: (side, diagonal)}`` of every factor (all ranks').
+        ownership: Which rank owns each factor.
+        dist: Rank and process groups (None: one process).
+        device: The rows' device.
+        fold_on: ``"device"`` or ``"host"`` (resolved from ``config.fold_on``).
+        row_dtype: The rows' dtype when they are not 16-bit (float32 or float64).
+        counters: The tracker's running totals, updated here (updates, skips, exchange and
+            fold time, bytes, waits).
+
+    Attributes:
+        store: The `FactorStore` of the factors this rank owns.
+    """
+
+    def __init__(self, config: KFACConfig, dims: dict[str, tuple[int, bool]],
+                 ownership: Ownership, dist: DistContext | None, device: torch.device,
+                 fold_on: str, row_dtype: torch.dtype, counters: Counters) -> None:
+        self.config, self.dims, self.ownership, self.dist = config, dims, ownership, dist
+        self.rank, self.world_size = (dist.rank, dist.world_size) if dist else (0, 1)
+        self.device, self.fold_on, self.row_dtype = device, fold_on, row_dtype
+        self.counters = counters
+        budget = config.device_memory_budget if fold_on == "device" else 0
+        self.store = FactorStore(config.storage_dtype, config.ema_decay, device_budget=budget)
+        for key in ownership.owned_by(self.rank):
+            self.store.add(key, *dims[key])
+        self._warned_scale = False
+        self._warned_wait = False
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._queue: queue.Queue | None = None
+        self._worker: threading.Thread | None = None
+        self._worker_error: BaseException | None = None
+        if config.async_updates:
+            self._queue = queue.Queue(maxsize=1)
+            self._worker = threading.Thread(target=self._work, name="kfac-stream-ema",
+                                            daemon=True)
+            self._worker.start()
+
+    @property
+    def stream(self) -> torch.cuda.Stream | None:
+        """The CUDA stream updates run on (None on CPU)."""
+        return self._stream
+
+    @property
+    def worker(self) -> threading.Thread | None:
+        """The worker thread (None without ``async_updates``; stopped after `close`)."""
+        return self._worker
+
+    def submit(self, job: UpdateJob, step_seconds: float) -> None:
+        """Apply ``job`` (at once without ``async_updates``; else hand it to the worker, waiting
+        only while the previous update is still being applied). A wait longer than 2% of a
+        step (``step_seconds``, 0: unknown) is counted, and logged the first time."""
+        if self._queue is None:
+            self._apply(job)
+            return
+        self._raise_worker_error()
+        t0 = time.perf_counter()
+        self._queue.put(job)  # blocks only if the previous update is still being applied
+        waited = time.perf_counter() - t0
+        if step_seconds > 0 and waited > max(0.02 * step_seconds, 1e-3):
+            self.counters.waits += 1
+            self.counters.wait_seconds += waited
+            if not self._warned_wait:
+                self._warned_wait = True
+                self._warn_slow(job.step, waited, step_seconds)
+
+    def _warn_slow(self, step: int, waited: float, step_seconds: float) -> None:
+        c, every = self.counters, self.config.update_every
+        per_update = (c.exchange_seconds + c.fold_seconds) / max(c.updates, 1)
+        logger.warning(
+            "kfac_stream: step %s waited %.3f s for the factor worker: one update takes "
+            "%.3f s (exchange %.3f s, fold %.3f s per update) but arrives every %d step(s) of "
+            "%.3f s. Raise update_every (now %d), lower token_fraction (now %g) or "
+            "max_dense_dim (now %d, larger factors are kept diagonal). Waits are counted in "
+            "counts.waits / counts.wait_seconds; logged once.", step, waited, per_update,
+            c.exchange_seconds / max(c.updates, 1), c.fold_seconds / max(c.updates, 1), every,
+            step_seconds, every, self.config.token_fraction, self.config.max_dense_dim)
+
+    def _apply(self, job: UpdateJob) -> None:
+        """Read the job's flags (the one host read of an update), exchange (several ranks),
+        fold this rank's owned factors; skips are shared."""
+        ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+        with ctx:
+            if job.event is not None:
+                self._stream.wait_event(job.event)
+            try:
+                self._apply_on_stream(job)
+            finally:
+                if self._stream is not None:
+                    self._stream.synchronize()  # job tensors are free to reuse afterwards
+
+    def _apply_on_stream(self, job: UpdateJob) -> None:
+        keys = list(job.rows) + list(job.sums)
+        scalars = [job.ok.to(torch.float64)] + [job.weights[k].to(torch.float64) for k in keys] \
+            + [job.positions[k].to(torch.float64) for k in keys]
+        if job.residual is not None:
+            scalars.append(job.residual.to(torch.float64))
+        values = torch.stack([v.to(self.device) for v in scalars]).tolist()  # one read
+        ok = values[0] > 0
+        weights = dict(zip(keys, values[1:1 + len(keys)]))
+        positions = {k: int(v) for k, v in zip(keys, values[1 + len(keys):1 + 2 * len(keys)])}
+        if job.residual is not None and ok:
+            self._warn_scale(values[-1])
+        t0 = time.perf_counter()
+        if self.dist is None:
+            if not ok:
+                self._skip(job.step)
+                return
+            delivered = {k: ("rows", v) for k, v in job.rows.items() if k in self.store}
+            delivered.update({k: ("stats", (v, weights[k])) for k, v in job.sums.items()
+                              if k in self.store})
+            total_pos = max(positions.values(), default=0)
+        else:
+            rows = job.rows if ok else {}
+            transport = torch.float16 if (self.config.storage_dtype == "float16"
+                                          and self._wire_dtype(rows) == torch.float32) else None
+            ex = exchange_to_owners(rows, self.dims, self.ownership, self.rank,
+                                    self.world_size, self.dist.exchange_group,
+                                    None if self.config.exchange == "auto"
+                                    else self.config.exchange, ok, transport,
+                                    self._wire_dtype(rows), weights, positions, self.device,
+                                    gram_fp32, job.sums if ok else {})
+            if not ex.ok:
+                self._skip(job.step)
+                return
+            delivered = ex.owned
+            weights, positions = ex.weights, ex.positions
+            total_pos = max(ex.positions.values(), default=0)
+            self.counters.comm_bytes += ex.bytes_moved
+            self.counters.exchange_bytes_rows += ex.bytes_rows
+            self.counters.exchange_bytes_stats += ex.bytes_stats
+            self.counters.exchange_seconds += time.perf_counter() - t0
+        if not any(w > 0 for w in weights.values()):  # every sampled slot was padding
+            return
+        self.counters.updates += 1
+        self.counters.positions_sampled += int(total_pos)
+        t1 = time.perf_counter()
+        for key, (how, payload) in delivered.items():
+            n, pos = weights[key], positions[key]
+            if n <= 0:
+                continue
+            if how == "rows" and self.fold_on == "host":
+                self.store.push_rows(key, payload.cpu(), n, pos)  # [m, d]
+            elif how == "rows":
+                self.store.push_stat(key, gram_fp32(payload, self.dims[key][1]), n, pos)
+            elif self.fold_on == "host":
+                self.store.update(key, payload[0].cpu().div_(n), n, pos)
+            else:
+                self.store.push_stat(key, payload[0], n, pos)
+        self.counters.fold_seconds += time.perf_counter() - t1
+
+    def _wire_dtype(self, rows: dict[str, Tensor]) -> torch.dtype:
+        """The rows' dtype on every rank (bf16 on a GPU with 16-bit activations)."""
+        return next((t.dtype for t in rows.values()), self.row_dtype)
+
+    def _skip(self, step: int) -> None:
+        self.counters.skipped_updates += 1
+        self.counters.skipped_steps.append(step)
+        where = f" on at least one of {self.world_size} ranks" if self.world_size > 1 else ""
+        logger.warning("kfac_stream: step %s has non-finite statistics (or loss scale)%s; "
+                       "skipped for the factors (%d skipped so far)", step, where,
+                       self.counters.skipped_updates)
+
+    def _work(self) -> None:
+        assert self._queue is not None
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            job = self._queue.get()
+            try:
+                if job is None:
+                    return
+                if self._worker_error is None:
+                    self._apply(job)
+            except BaseException as e:  # surfaced on the training thread at the next call
+                self._worker_error = e
+            finally:
+                self._queue.task_done()
+
+    def _raise_worker_error(self) -> None:
+        if self._worker_error is not None:
+            raise RuntimeError("kfac_stream background update failed") from self._worker_error
+
+    def flush(self) -> None:
+        """Wait until every submitted update is in the store, folded."""
+        if self._queue is not None:
+            self._queue.join()
+        self._raise_worker_error()
+        t0 = time.perf_counter()
+        self.store.flush()
+        self.counters.fold_seconds += time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Flush, then stop the worker thread."""
+        try:
+            self.flush()
+        finally:
+            if self._queue is not None and self._worker is not None:
+                self._queue.put(None)
+                self._worker.join()
+                self._queue = None
+
+    def _warn_scale(self, residual: float) -> None:
+        if residual > 1e-2 and not self._warned_scale:
+            self._warned_scale = True
+            logger.warning(
+                "kfac_stream: the logits' gradient is not a scaled cross-entropy gradient "
+                "(relative residual %.2e): label smoothing or per-token loss weights make the "
+                "empirical-Fisher G scale approximate", residual)
+
+
+def gram_fp32(rows: Tensor, diagonal: bool) -> Tensor:
+    """``Σ rowsᵀrows`` (``[d, d]``) or its diagonal (``[d]``) where the rows are, accumulated
+    and returned in float32 (float64 rows: float64). bf16 rows on CUDA use the tensor cores
+    with fp32 accumulation and fp32 output (``torch.mm(..., out_dtype=float32)``)."""
+    if rows.dtype in (torch.float32, torch.float64):
+        return gram(rows, diagonal)
+    if diagonal:
+        return rows.float().square().sum(0)
+    if rows.is_cuda:
+        return torch.mm(rows.T, rows, out_dtype=torch.float32)
+    return gram(rows.float(), diagonal)
