@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 DEEPSPEED_VERSION ?= 0.19.8
 STAMP  := $(VENV)/.installed
 
-.PHONY: help venv test test-slow demo bench clean
+.PHONY: help venv lint test test-slow demo bench clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,lint]"
 	# DeepSpeed ships as an sdist whose build imports torch: build it against the pinned torch
 	# above (--no-build-isolation), without compiling CUDA ops (DS_BUILD_OPS=0; CPU uses gloo).
 	$(PY) -m pip install -q setuptools wheel
@@ -35,6 +35,9 @@ $(PEERS): $(STAMP)
 	-$(PY) -m pip install -q --no-deps $(PEER_PKGS) && touch $(PEERS)
 
 venv: $(STAMP)  ## create or reuse .venv and install the project with its test extra
+
+lint: $(STAMP)  ## ruff (rules in pyproject.toml: pyflakes, isort, bugbear, pycodestyle, ...)
+	$(VENV)/bin/ruff check .
 
 test: $(STAMP) $(PEERS)  ## run the test suite (CPU)
 	$(PY) -m pytest -q -rs -m "not slow" tests
@@ -55,13 +58,13 @@ $(BENCH_PEERS): $(PEERS)
 BENCH_SCRIPTS := overhead snapshot_query distributed scale peers uncertainty \
 	uncertainty_classification headline
 # QUICK=1: every script's --quick smoke run, which writes nothing (`make bench-quick`).
-BENCH_FLAGS := $(if $(QUICK),--quick,)
+BENCH_FLAGS = $(if $(QUICK),--quick,)
 
 bench: $(STAMP) $(BENCH_PEERS)  ## run every benchmark (~35 min on 2 cores), write benchmarks/RESULTS.md; QUICK=1: smoke runs
 	set -e; for s in $(BENCH_SCRIPTS); do $(PY) benchmarks/$$s.py $(BENCH_FLAGS); done
 
-bench-quick:  ## every benchmark's --quick smoke run (writes nothing)
-	$(MAKE) bench QUICK=1
+bench-quick: QUICK = 1
+bench-quick: bench  ## every benchmark's --quick smoke run (writes nothing)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
