@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 DEEPSPEED_VERSION ?= 0.19.8
 STAMP  := $(VENV)/.installed
 
-.PHONY: help venv lint test test-slow demo bench clean
+.PHONY: help venv lint test test-slow demo bench bench-quick clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
