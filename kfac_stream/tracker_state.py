@@ -1,11 +1,23 @@
-"""Tracker state in Trainer checkpoints: save with every checkpoint, restore on resume.
+"""Tracker state in Trainer checkpoints: written before the Trainer marks a checkpoint complete,
+verified by checksums on resume.
 
-Each rank writes ``<checkpoint>/kfac_stream/state-rank-<r>-of-<W>.safetensors``: its owned
-factors (flushed, exactly as stored: ``<key>`` in the storage dtype plus their scale, EMA
-weight and counts), the token sampler's and the MC sampler's generator states (uint8
-tensors), and, in the safetensors header metadata, JSON with the counters, the config and the
-tracked layers' shapes. Loading reads safetensors tensors and JSON metadata only, so
-nothing in a checkpoint can run code.
+Each rank writes ``state-rank-<r>-of-<W>.safetensors``: its owned factors (flushed, exactly as
+stored: ``<key>`` in the storage dtype plus their scale, EMA weight and counts), the token
+sampler's and the MC sampler's generator states (uint8 tensors), and, in the safetensors
+header metadata, JSON with the counters, the config and the tracked layers' shapes. Then rank 0
+writes ``index.json`` listing every rank's file with its size and sha256: a state directory is
+complete exactly when its index is there and every file matches it. Loading reads safetensors
+tensors and JSON only, so nothing in a checkpoint can run code.
+
+**Order against the Trainer** (`KFACStreamCallback`): the Trainer writes a checkpoint's model,
+optimizer and RNG state, then ``trainer_state.json`` (from then on it treats the checkpoint as
+complete and may rotate older ones away), and only then calls ``on_save``. So the state is
+written earlier, in ``on_step_end`` / ``on_epoch_end`` when the Trainer has decided to save,
+into ``<output_dir>/kfac_stream-pending/checkpoint-<N>/`` (not a ``checkpoint-*`` directory, so
+the Trainer's ``resume_from_checkpoint=True`` never picks it), and moved into
+``checkpoint-<N>/kfac_stream/`` by one rename in ``on_save``. A crash anywhere leaves the
+complete state in one of the two places for every checkpoint that has ``trainer_state.json``
+(`find_tracker_state` looks in both).
 
 Resume with the same world size restores every rank bit for bit (same factors, same RNG
 streams: an interrupted and resumed run ends equal to an uninterrupted one). With another
@@ -20,16 +32,22 @@ import glob
 import json
 import os
 import re
+import shutil
 
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .capture.hooks import CaptureState
+from .distributed.context import LOCAL, JsonComm
 from .exceptions import TrackerStateError
 from .factor_keys import split_factor_key
+from .files import fsync_path, sha256_of, write_json_atomic
 from .store.factor_store import FactorState
 
-STATE_DIR = "kfac_stream"
+STATE_DIR = "kfac_stream"  # inside a checkpoint
+PENDING_ROOT = "kfac_stream-pending"  # beside the checkpoints: states not yet moved in
+INDEX_FILE = "index.json"
+INDEX_FORMAT = "kfac_stream.tracker_state"
 _FILE_RE = re.compile(r"^state-rank-(\d{5})-of-(\d{5})\.safetensors$")
 _FIELDS = ("scale", "amax", "weight", "updates", "positions", "diagonal")
 
@@ -39,13 +57,30 @@ def state_file(rank: int, world_size: int) -> str:
     return f"state-rank-{rank:05d}-of-{world_size:05d}.safetensors"
 
 
-def save_tracker_state(record, directory: str) -> str:
-    """Write this rank's state into ``directory`` (created); returns the file path.
+def pending_state_dir(checkpoint: str) -> str:
+    """Where the state of ``<run dir>/checkpoint-<N>`` waits until ``on_save`` moves it in:
+    ``<run dir>/kfac_stream-pending/checkpoint-<N>``."""
+    checkpoint = os.path.normpath(checkpoint)
+    return os.path.join(os.path.dirname(checkpoint), PENDING_ROOT, os.path.basename(checkpoint))
+
+
+def save_tracker_state(record, directory: str, comm: JsonComm = LOCAL,
+                       step: int | None = None) -> str:
+    """Write this rank's state into ``directory`` (created); rank 0 then writes the index.
+
+    Collective over ``comm`` (every rank calls it with the same ``directory``); returns once
+    the index is on disk, so the state is complete on every rank's return.
 
     Args:
         record: A `kfac_stream.tracker.TrackerRecord` with factors (``Tracker.export()``).
-        directory: The checkpoint's ``kfac_stream/`` directory.
+        directory: The state directory (a checkpoint's ``kfac_stream/`` or its pending twin).
+        comm: The ranks' JSON communicator (`DistContext.snapshot_comm`).
+        step: The checkpoint's step (the Trainer's ``global_step``), written into the index
+            (default: the last step the tracker began).
     """
+    if comm.rank == 0 and os.path.isdir(directory):  # a stale state of the same step
+        shutil.rmtree(directory)
+    comm.all_gather(None)
     os.makedirs(directory, exist_ok=True)
     tensors = {"rng.sampler": record.capture.sampler, "rng.mc": record.mc_sampler}
     factors = {}
@@ -59,11 +94,80 @@ def save_tracker_state(record, directory: str) -> str:
             "storage_dtype": record.config.storage_dtype, "config": record.config.to_dict(),
             "counters": dict(counters), "tokens_seen": record.capture.tokens_seen,
             "factors": factors, "step": record.step}
-    path = os.path.join(directory, state_file(record.rank, record.world_size))
+    name = state_file(record.rank, record.world_size)
+    path = os.path.join(directory, name)
     tmp = path + ".tmp"
     save_file(tensors, tmp, metadata={"kfac_stream": json.dumps(meta)})
+    fsync_path(tmp)
     os.replace(tmp, path)
+    entry = {"file": name, "bytes": os.path.getsize(path), "sha256": sha256_of(path)}
+    entries = comm.all_gather(entry)
+    if comm.rank == 0:
+        fsync_path(directory)
+        write_json_atomic(os.path.join(directory, INDEX_FILE),
+                          {"format": INDEX_FORMAT, "world_size": record.world_size,
+                           "step": record.step if step is None else int(step),
+                           "files": entries})
+    comm.all_gather(None)  # the index exists before any rank goes on
     return path
+
+
+def check_state_dir(directory: str) -> str | None:
+    """Why ``directory`` is not a complete tracker state (None: it is): the index is missing or
+    unreadable, or a file it lists is missing, of another size or another sha256."""
+    index_path = os.path.join(directory, INDEX_FILE)
+    if not os.path.isfile(index_path):
+        return f"{index_path} is missing"
+    try:
+        with open(index_path) as f:
+            index = json.load(f)
+        files = index["files"]
+        if index.get("format") != INDEX_FORMAT or len(files) != int(index["world_size"]):
+            return f"{index_path} is not a complete kfac_stream state index"
+        for entry in files:
+            path = os.path.join(directory, os.path.basename(str(entry["file"])))
+            if not os.path.isfile(path):
+                return f"{path} is missing"
+            if os.path.getsize(path) != entry["bytes"] or sha256_of(path) != entry["sha256"]:
+                return f"{path} does not match its size and sha256 in {index_path}"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{index_path} is unreadable ({type(e).__name__}: {e})"
+    return None
+
+
+def find_tracker_state(checkpoint: str) -> tuple[str | None, list[str]]:
+    """The complete tracker state of ``checkpoint``: ``(directory or None, reasons)``.
+
+    Looks in ``<checkpoint>/kfac_stream`` (moved in by ``on_save``), then in its pending twin
+    (`pending_state_dir`: a crash between the Trainer's ``trainer_state.json`` and ``on_save``);
+    ``reasons`` says why each place that was looked at is not complete.
+    """
+    reasons = []
+    for directory in (os.path.join(checkpoint, STATE_DIR), pending_state_dir(checkpoint)):
+        why = check_state_dir(directory)
+        if why is None:
+            return directory, reasons
+        reasons.append(why)
+    return None, reasons
+
+
+def commit_pending_state(checkpoint: str) -> str | None:
+    """Move the pending state of ``checkpoint`` into it (one rename; rank 0 only). Returns the
+    new location, or None if nothing was pending."""
+    pending = pending_state_dir(checkpoint)
+    if not os.path.isdir(pending):
+        return None
+    target = os.path.join(checkpoint, STATE_DIR)
+    if os.path.isdir(target):  # an incomplete or older copy: the pending one is verified
+        shutil.rmtree(target)
+    os.replace(pending, target)
+    fsync_path(checkpoint)
+    root = os.path.dirname(pending)
+    try:
+        os.rmdir(root)  # only if no other state is pending
+    except OSError:
+        pass
+    return target
 
 
 def _read(path: str) -> tuple[dict, safe_open]:
@@ -78,12 +182,17 @@ def load_tracker_state(tracker, directory: str) -> str:
     """Restore ``tracker`` (this rank) from the state files in ``directory``.
 
     Raises:
-        TrackerStateError: no state files, files from different world sizes, tracked layers
-            of other shapes, another storage dtype, or a factor no file holds.
+        TrackerStateError: no state files, an index that does not match the files (checksums),
+            files from different world sizes, tracked layers of other shapes, another storage
+            dtype, or a factor no file holds.
 
     Returns:
         A one-line description of what was restored (logged by the callback).
     """
+    if os.path.exists(os.path.join(directory, INDEX_FILE)):  # states written before the index
+        why = check_state_dir(directory)                    # existed load without one
+        if why is not None:
+            raise TrackerStateError(f"{directory}: {why}")
     files = {}
     for path in glob.glob(os.path.join(directory, "state-rank-*.safetensors")):
         m = _FILE_RE.match(os.path.basename(path))

@@ -35,14 +35,15 @@ def mean_nll_loss(outputs, labels, num_items_in_batch=None):
 
 def run(model, examples, cfg: dict | None = None, *, batch=2, accum=1, steps=None, epochs=1,
         lr=1e-2, loss=None, tmp_path, record=True, callbacks=(), optimizers=(None, None),
-        resume=None, **train_kwargs):
+        resume=None, callback_kwargs=None, **train_kwargs):
     """Train ``model`` on ``examples`` with a `KFACStreamCallback`; return (cb, records, trainer).
 
     Data order is sequential-equivalent across batch sizes (Trainer's seeded RandomSampler
     draws one permutation; batch 8 × accum 1 and batch 2 × accum 4 see the same sequences
     per optimizer step).
     """
-    cb = KFACStreamCallback(KFACConfig(**{**EXACT, "snapshot_every": 10_000, **(cfg or {})}))
+    cb = KFACStreamCallback(KFACConfig(**{**EXACT, "snapshot_every": 10_000, **(cfg or {})}),
+                            **(callback_kwargs or {}))
     train_kwargs.setdefault("save_strategy", "no")
     train_kwargs.setdefault("use_cpu", True)
     args = TrainingArguments(

@@ -6,13 +6,15 @@ in float32 and in float16 storage. Multi-process resume and re-sharding: test_di
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import pytest
 import torch
 from transformers import TrainerCallback
 
-from kfac_stream.tracker_state import TrackerStateError, load_tracker_state
+from kfac_stream.tracker_state import TrackerStateError, check_state_dir, load_tracker_state
 
 from harness import run
 from models import text_examples, tiny_gpt2
@@ -31,7 +33,8 @@ class Interrupt(TrainerCallback):
             raise KeyboardInterrupt(f"interrupted at step {self.step}")
 
 
-def _run(tmp_path, storage, *, interrupt=None, resume=None, fisher="empirical"):
+def _run(tmp_path, storage, *, interrupt=None, resume=None, fisher="empirical",
+         callback_kwargs=None):
     cfg = dict(token_fraction=0.5, ema_decay=0.95, update_every=1, storage_dtype=storage,
                fisher=fisher, snapshot_every=10_000)
     model = tiny_gpt2(torch.float32)
@@ -40,7 +43,8 @@ def _run(tmp_path, storage, *, interrupt=None, resume=None, fisher="empirical"):
         kwargs["resume"] = resume
     return run(model, text_examples(40, 16), cfg, batch=2, accum=2, steps=STEPS,
                tmp_path=tmp_path, record=False,
-               callbacks=[Interrupt(interrupt)] if interrupt is not None else (), **kwargs)
+               callbacks=[Interrupt(interrupt)] if interrupt is not None else (),
+               callback_kwargs=callback_kwargs, **kwargs)
 
 
 @pytest.mark.parametrize("storage,fisher", [("float32", "empirical"), ("float16", "empirical"),
@@ -74,3 +78,80 @@ def test_state_of_another_model_is_refused(tmp_path):
                                                        "kfac_stream"))
     with pytest.raises(TrackerStateError, match="no kfac_stream state files"):
         load_tracker_state(cb.tracker, str(tmp_path))
+
+
+# -- issue 14: a checkpoint the Trainer considers complete always carries the tracker state ----
+
+def _cut_run(tmp_path):
+    """An interrupted run (checkpoint at SAVE) and its checkpoint directory."""
+    with pytest.raises(KeyboardInterrupt):
+        _run(tmp_path, "float32", interrupt=6)
+    return tmp_path / f"checkpoint-{SAVE}"
+
+
+def test_resume_without_tracker_state_is_an_error_naming_the_ways_out(tmp_path):
+    ckpt = _cut_run(tmp_path / "cut")
+    shutil.rmtree(ckpt / "kfac_stream")
+    with pytest.raises(TrackerStateError) as err:
+        _run(tmp_path / "cut", "float32", resume=str(ckpt))
+    msg = str(err.value)
+    print(msg)
+    assert f"from {ckpt}, which holds no complete tracker state" in msg
+    assert f"{ckpt / 'kfac_stream' / 'index.json'} is missing" in msg
+    assert "resume_from_checkpoint=<path>" in msg and "missing_state='fresh'" in msg
+
+
+def test_missing_state_fresh_is_an_explicit_opt_in(tmp_path, caplog):
+    ckpt = _cut_run(tmp_path / "cut")
+    shutil.rmtree(ckpt / "kfac_stream")
+    with caplog.at_level("WARNING", logger="kfac_stream"):
+        cb, _, trainer = _run(tmp_path / "cut", "float32", resume=str(ckpt),
+                              callback_kwargs={"missing_state": "fresh"})
+    assert trainer.state.global_step == STEPS
+    assert cb.tracker.counters.updates == STEPS - SAVE  # from zero at the checkpoint
+    assert "the factors start from zero (missing_state='fresh')" in caplog.text
+
+
+def test_missing_state_option_is_validated():
+    from kfac_stream import KFACConfigError, KFACStreamCallback
+
+    with pytest.raises(KFACConfigError, match=r"missing_state='warn'\) is not allowed: must be "
+                                              r"'error' or 'fresh'"):
+        KFACStreamCallback(missing_state="warn")
+
+
+def test_state_left_beside_the_checkpoint_by_a_crash_is_restored_and_moved_in(tmp_path):
+    """A kill after the Trainer's ``trainer_state.json`` but before ``on_save`` leaves the
+    state in ``kfac_stream-pending/checkpoint-N``: resuming restores it bit for bit (against an
+    uninterrupted run) and moves it into the checkpoint."""
+    whole, _, _ = _run(tmp_path / "whole", "float32")
+    ckpt = _cut_run(tmp_path / "cut")
+    pending = tmp_path / "cut" / "kfac_stream-pending" / f"checkpoint-{SAVE}"
+    pending.parent.mkdir()
+    os.replace(ckpt / "kfac_stream", pending)  # exactly what such a kill leaves on disk
+    resumed, _, _ = _run(tmp_path / "cut", "float32", resume=str(ckpt))
+    fa, fb = whole.tracker.store.values(), resumed.tracker.store.values()
+    assert fa.keys() == fb.keys() and all(torch.equal(fa[k], fb[k]) for k in fa)
+    assert (ckpt / "kfac_stream" / "index.json").is_file() and not pending.exists()
+
+
+def test_corrupted_state_file_is_refused_by_its_checksum(tmp_path):
+    ckpt = _cut_run(tmp_path / "cut")
+    path = ckpt / "kfac_stream" / "state-rank-00000-of-00001.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0xFF  # one flipped byte in the tensor data
+    path.write_bytes(bytes(data))
+    with pytest.raises(TrackerStateError, match="does not match its size and sha256"):
+        _run(tmp_path / "cut", "float32", resume=str(ckpt))
+
+
+def test_every_saved_checkpoint_has_a_verified_state_and_nothing_is_left_pending(tmp_path):
+    _run(tmp_path, "float32")
+    ckpts = sorted(p for p in tmp_path.iterdir() if p.name.startswith("checkpoint-"))
+    assert [p.name for p in ckpts] == [f"checkpoint-{SAVE}", f"checkpoint-{STEPS}"]
+    for ckpt in ckpts:
+        index = json.loads((ckpt / "kfac_stream" / "index.json").read_text())
+        assert index["step"] == int(ckpt.name.split("-")[1])
+        assert [e["file"] for e in index["files"]] == ["state-rank-00000-of-00001.safetensors"]
+        assert check_state_dir(str(ckpt / "kfac_stream")) is None
+    assert not (tmp_path / "kfac_stream-pending").exists()

@@ -1,7 +1,9 @@
 """`KFACStreamCallback`: wires the tracker into ``transformers.Trainer``. No math here.
 
 Event order in a Trainer step: ``on_step_begin`` → per micro-batch forward/backward (hooks
-collect rows) → optimizer step → ``on_step_end`` (MC pass, EMA update, maybe a snapshot).
+collect rows) → optimizer step → ``on_step_end`` (MC pass, EMA update, maybe a snapshot; when
+the Trainer is about to save a checkpoint, the tracker state, see `kfac_stream.tracker_state`)
+→ the Trainer's checkpoint → ``on_save`` (the state moves into the checkpoint).
 """
 
 from __future__ import annotations
@@ -13,13 +15,21 @@ from transformers import TrainerCallback
 
 from ..config import KFACConfig
 from ..distributed.context import LOCAL, DistContext
+from ..exceptions import KFACConfigError, TrackerStateError
 from ..snapshot.background import SnapshotWorker
 from ..snapshot.contents import add_eigendecompositions, merge_manifests, snapshot_contents
 from ..snapshot.layout import step_dir_name
 from ..snapshot.media import make_media
 from ..snapshot.writer import clean_stale_tmp, write_snapshot
 from ..tracker import Tracker, plan_tracking
-from ..tracker_state import STATE_DIR, load_tracker_state, save_tracker_state
+from ..tracker_state import (
+    STATE_DIR,
+    commit_pending_state,
+    find_tracker_state,
+    load_tracker_state,
+    pending_state_dir,
+    save_tracker_state,
+)
 
 logger = logging.getLogger("kfac_stream")
 
@@ -36,6 +46,10 @@ class KFACStreamCallback(TrainerCallback):
         spectra_media: On rank 0, after each snapshot (on the snapshot thread): histograms of
             log10 eigenvalues into ``media[path]`` and a PNG ``<snapshot>.spectra.png`` (needs
             matplotlib), for `kfac_stream.integrations.spectrum_monitor.SpectrumMonitor`.
+        missing_state: What a resume from a checkpoint without a complete tracker state does:
+            ``"error"`` (raise `TrackerStateError` naming the checkpoint and the ways out) or
+            ``"fresh"`` (start the factors from zero, with a warning): an explicit opt-in,
+            e.g. to resume a run that was trained without kfac_stream.
 
     Attributes:
         tracker: The live `Tracker` during training (None before ``on_train_begin``).
@@ -43,7 +57,12 @@ class KFACStreamCallback(TrainerCallback):
     """
 
     def __init__(self, config: KFACConfig | None = None, background_snapshots: bool = True,
-                 resume_from: str | None = None, spectra_media: bool = True) -> None:
+                 resume_from: str | None = None, spectra_media: bool = True,
+                 missing_state: str = "error") -> None:
+        if missing_state not in ("error", "fresh"):
+            raise KFACConfigError(f"KFACStreamCallback(missing_state={missing_state!r}) is not "
+                                  "allowed: must be 'error' or 'fresh'")
+        self.missing_state = missing_state
         self.config = config or KFACConfig()
         self.tracker: Tracker | None = None
         self.output_dir: str | None = None
@@ -55,6 +74,7 @@ class KFACStreamCallback(TrainerCallback):
         self._worker = SnapshotWorker()
         self._comm = LOCAL
         self._last_snapshot_step: int | None = None
+        self._pending_step: int | None = None  # step whose state waits beside its checkpoint
 
     # -- Trainer events --------------------------------------------------------------------------
 
@@ -87,22 +107,58 @@ class KFACStreamCallback(TrainerCallback):
                         "\n%s", self.tracker.ownership)
         return control
 
+    def _checkpoint(self, args, step: int) -> str:
+        return os.path.join(args.output_dir, f"checkpoint-{step}")
+
+    def _save_pending_state(self, args, state, control) -> None:
+        """The Trainer will write a checkpoint after this event: write the tracker state
+        first, beside it (`tracker_state.pending_state_dir`), so the checkpoint is never
+        complete without it; ``on_save`` moves it in."""
+        if self.tracker is not None and control.should_save:
+            checkpoint = self._checkpoint(args, state.global_step)
+            save_tracker_state(self.tracker.export(), pending_state_dir(checkpoint), self._comm,
+                               step=state.global_step)
+            self._pending_step = state.global_step
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        self._save_pending_state(args, state, control)
+        return control
+
     def on_save(self, args, state, control, **kwargs):
-        """Every rank writes its tracker state into the checkpoint the Trainer just saved."""
-        if self.tracker is not None:
-            save_tracker_state(self.tracker.export(), os.path.join(
-                args.output_dir, f"checkpoint-{state.global_step}", STATE_DIR))
+        """Move the state written before the Trainer's checkpoint into it (rank 0, one
+        rename). A save the Trainer decided after the step's events (``save_strategy="best"``
+        after an evaluation) gets its state written here, after ``trainer_state.json``."""
+        if self.tracker is None:
+            return control
+        checkpoint = self._checkpoint(args, state.global_step)
+        if self._pending_step == state.global_step:
+            if self._comm.rank == 0:
+                commit_pending_state(checkpoint)
+            self._comm.all_gather(None)
+        else:
+            save_tracker_state(self.tracker.export(), os.path.join(checkpoint, STATE_DIR),
+                               self._comm, step=state.global_step)
+        self._pending_step = None
         return control
 
     def _resume(self, args, state) -> None:
-        checkpoint = self.resume_from or os.path.join(args.output_dir,
-                                                      f"checkpoint-{state.global_step}")
-        directory = os.path.join(checkpoint, STATE_DIR)
-        if not os.path.isdir(directory):
-            logger.warning("kfac_stream: resuming at step %d but %s holds no tracker state; the "
-                           "factors start from zero", state.global_step, directory)
-            return
+        checkpoint = self.resume_from or self._checkpoint(args, state.global_step)
+        directory, reasons = find_tracker_state(checkpoint)
+        if directory is None:
+            if self.missing_state == "fresh":
+                logger.warning("kfac_stream: resuming at step %d from %s without a tracker "
+                               "state (%s); the factors start from zero (missing_state='fresh')",
+                               state.global_step, checkpoint, "; ".join(reasons))
+                return
+            raise TrackerStateError(
+                f"kfac_stream: resuming at step {state.global_step} from {checkpoint}, which "
+                f"holds no complete tracker state ({'; '.join(reasons)}). Resume from another "
+                "checkpoint (Trainer.train(resume_from_checkpoint=<path>)), or start the factors "
+                "afresh with KFACStreamCallback(..., missing_state='fresh')")
         logger.info("kfac_stream: %s", load_tracker_state(self.tracker, directory))
+        self._comm.all_gather(None)  # every rank has read it before it moves
+        if self._comm.rank == 0 and directory != os.path.join(checkpoint, STATE_DIR):
+            commit_pending_state(checkpoint)  # a crash left it beside the checkpoint
 
     def on_step_begin(self, args, state, control, **kwargs):
         if self.tracker is not None:
@@ -115,6 +171,7 @@ class KFACStreamCallback(TrainerCallback):
         self.tracker.end_step(model)
         if state.global_step % self.config.snapshot_every == 0:
             self.save_snapshot(state.global_step, state.epoch)
+        self._save_pending_state(args, state, control)
         return control
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -1,0 +1,38 @@
+"""Durable file writes: what survives a crash is either the old file or the whole new one."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+
+def fsync_path(path: str) -> None:
+    """Flush a file's (or a directory's entries') data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_of(path: str, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` through a fsynced temporary file and a rename, then
+    fsync the directory: a crash leaves the old file or the complete new one."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_path(os.path.dirname(os.path.abspath(path)))
