@@ -115,6 +115,7 @@ class KFACStreamCallback(TrainerCallback):
         first, beside it (`tracker_state.pending_state_dir`), so the checkpoint is never
         complete without it; ``on_save`` moves it in."""
         if self.tracker is not None and control.should_save:
+            self._worker.wait()  # the snapshot in flight uses the same process group
             checkpoint = self._checkpoint(args, state.global_step)
             save_tracker_state(self.tracker.export(), pending_state_dir(checkpoint), self._comm,
                                step=state.global_step)
@@ -130,6 +131,7 @@ class KFACStreamCallback(TrainerCallback):
         after an evaluation) gets its state written here, after ``trainer_state.json``."""
         if self.tracker is None:
             return control
+        self._worker.wait()  # the snapshot in flight uses the same process group
         checkpoint = self._checkpoint(args, state.global_step)
         if self._pending_step == state.global_step:
             if self._comm.rank == 0:
