@@ -21,16 +21,9 @@ from safetensors.torch import save_file
 
 from ..distributed.context import LOCAL
 from ..exceptions import SnapshotError
+from ..files import fsync_path
 from .layout import MANIFEST, TMP_DIR_RE, sha256_file, shard_name, step_dir_name, tmp_dir_name
 from .snapshot import Snapshot
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_shard(tmp_dir: str, tensors: dict[str, torch.Tensor], rank: int,
@@ -39,7 +32,7 @@ def write_shard(tmp_dir: str, tensors: dict[str, torch.Tensor], rank: int,
     name = shard_name(rank, world_size)
     path = os.path.join(tmp_dir, name)
     save_file({k: v.contiguous() for k, v in tensors.items()}, path)
-    _fsync_path(path)
+    fsync_path(path)
     return {"file": name, "sha256": sha256_file(path), "bytes": os.path.getsize(path)}
 
 
@@ -66,7 +59,7 @@ def clean_stale_tmp(root: str) -> None:
                 except SnapshotError:
                     continue
                 os.replace(os.path.join(root, entry), os.path.join(root, final))
-                _fsync_path(root)
+                fsync_path(root)
                 break
         for entry in entries:
             shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
@@ -178,6 +171,6 @@ def _finish(root: str, tmp: str, final: str, reports: list[dict],
         shutil.rmtree(stale, ignore_errors=True)
         os.replace(final, stale)  # deleted only once the new one is in place (a kill between
     os.replace(tmp, final)  # the renames leaves two complete hidden copies: clean_stale_tmp
-    _fsync_path(root)  # puts the newer one back under the final name)
+    fsync_path(root)  # puts the newer one back under the final name)
     if stale is not None:
         shutil.rmtree(stale, ignore_errors=True)
