@@ -6,6 +6,7 @@ from .exceptions import (
     AppConfigError,
     KFACConfigError,
     KFACStreamError,
+    QueryInputError,
     SnapshotError,
     SnapshotMismatchError,
     TrackerStateError,
@@ -36,6 +37,7 @@ __all__ = [
     "SnapshotError",
     "SnapshotMismatchError",
     "TrackerStateError",
+    "QueryInputError",
     "AppConfigError",
     "__version__",
 ]

@@ -3,15 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import sys
 
-from .exceptions import KFACStreamError
+from .exceptions import KFACStreamError, QueryInputError
+
+#: A hub model name (``gpt2``, ``org/name``); anything else that is not a directory is an error.
+HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-def _load_snapshot(path: str):
+def _load_snapshot(arg: str, path: str):
+    """The snapshot at ``path`` (a snapshot directory, or the newest in a directory of them)."""
     from .snapshot.snapshot import Snapshot
 
+    allowed = ("a snapshot directory (with manifest.json) or a directory of them "
+               "(e.g. out/demo/kfac)")
+    if not os.path.exists(path):
+        raise QueryInputError(f"{arg}={path!r} does not exist: must be {allowed}")
+    if not os.path.isdir(path):
+        raise QueryInputError(f"{arg}={path!r} is a file: must be {allowed}")
     if os.path.isfile(os.path.join(path, "manifest.json")):
         return Snapshot.load(path)
     return Snapshot.latest(path)
@@ -20,12 +32,17 @@ def _load_snapshot(path: str):
 def _inspect(args) -> int:
     from .snapshot.layer_table import layer_table
 
-    snap = _load_snapshot(args.path)
+    snap = _load_snapshot("path", args.path)
     print(layer_table(snap))
     if args.plot:
         from .snapshot.media import plot_spectra
 
-        print(f"spectra: {plot_spectra(snap, args.plot)}")
+        try:
+            png = plot_spectra(snap, args.plot)
+        except (OSError, ValueError) as e:  # an unwritable path, an unknown image format
+            raise QueryInputError(f"--plot={args.plot!r} could not be written ({_first_line(e)}):"
+                                  " must be a writable image path such as spectra.png") from None
+        print(f"spectra: {png}")
     return 0
 
 
@@ -37,24 +54,111 @@ def _decode(tokenizer, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def _query(args) -> int:
+def _first_line(e: BaseException) -> str:
+    """``e``'s message, first line (transformers' errors run over several)."""
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+
+
+def _prior_precision(value: str) -> float | str:
+    """``--prior-precision``: ``"marglik"`` or a positive finite number."""
+    if value == "marglik":
+        return value
+    try:
+        tau = float(value)
+    except ValueError:
+        tau = math.nan
+    if not (math.isfinite(tau) and tau > 0):
+        raise QueryInputError(f"--prior-precision={value!r} is not allowed: must be a positive "
+                              "finite number or 'marglik'")
+    return tau
+
+
+def _check_query_args(args) -> float | str:
+    """The cheap checks of ``query``'s arguments, before anything loads; returns ``τ``."""
+    if not args.text:
+        raise QueryInputError(f"--text={args.text!r} is not allowed: must be a non-empty text "
+                              "(the positions to query)")
+    if args.top_k < 1:
+        raise QueryInputError(f"--top-k={args.top_k} is not allowed: must be an int >= 1 (next "
+                              "tokens per position)")
+    if args.samples < 2:
+        raise QueryInputError(f"--samples={args.samples} is not allowed: must be an int >= 2 "
+                              "(draws per position for the mean and std)")
+    return _prior_precision(args.prior_precision)
+
+
+def _load_model(name: str):
+    """``--model``: a causal LM from a local directory or the hub, in float32 and eval mode."""
     import torch
     from transformers import AutoModelForCausalLM
+
+    allowed = ("a model directory written by save_pretrained (e.g. out/demo/model) or a hub "
+               "model name")
+    if not name:
+        raise QueryInputError(f"--model={name!r} is not allowed: must be {allowed}")
+    if os.path.isfile(name):
+        raise QueryInputError(f"--model={name!r} is a file: must be {allowed}")
+    if not os.path.isdir(name) and not HUB_NAME.match(name):
+        raise QueryInputError(f"--model={name!r} does not exist: must be {allowed}")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+    except (OSError, ValueError, ImportError) as e:  # no config / weights, not a causal LM
+        raise QueryInputError(f"--model={name!r} could not be loaded as a causal LM "
+                              f"({_first_line(e)}): must be {allowed}") from None
+    return model.eval()
+
+
+def _encode(args, model) -> tuple[object | None, list[int]]:
+    """``(tokenizer or None for --byte-level, the ids of --text)``, checked against the model."""
+    hint = ("pass --byte-level for a byte-level model such as the demo's, or --tokenizer DIR "
+            "for the model's tokenizer")
+    source = args.tokenizer or args.model
+    arg = "--tokenizer" if args.tokenizer else "--model"
+    tokenizer = None
+    if args.byte_level:
+        ids = list(args.text.encode("utf-8"))
+    else:
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+        except Exception as e:  # each tokenizer class fails in its own way (a missing file,
+            # sentencepiece not installed, a vocabulary it cannot read): all are the user's to fix
+            raise QueryInputError(f"{arg}={source!r} holds no tokenizer that loads "
+                                  f"({_first_line(e)}): {hint}") from None
+        ids = list(tokenizer(args.text)["input_ids"])
+        if not ids:
+            raise QueryInputError(f"{arg}={source!r}: its tokenizer turns --text={args.text!r} "
+                                  f"into no tokens (it knows {len(tokenizer)} tokens; no "
+                                  f"tokenizer files there?): {hint}")
+    emb = model.get_input_embeddings()
+    vocab = getattr(emb, "num_embeddings", None)
+    if vocab is not None and max(ids) >= vocab:
+        what = "UTF-8 bytes (--byte-level)" if args.byte_level else f"the tokenizer of {source!r}"
+        raise QueryInputError(f"--text={args.text!r}: {what} give token id {max(ids)}, but the "
+                              f"model's vocabulary has {vocab} tokens: pass the model's own "
+                              "tokenizer (--tokenizer DIR, or --byte-level for the demo's model)")
+    limit = getattr(model.config, "n_positions", None) or getattr(
+        model.config, "max_position_embeddings", None)
+    if limit is not None and len(ids) > limit:
+        raise QueryInputError(f"--text is {len(ids)} tokens long: must be at most {limit} tokens "
+                              "(the model's positions)")
+    return tokenizer, ids
+
+
+def _query(args) -> int:
+    tau = _check_query_args(args)
+    snap = _load_snapshot("--snapshot", args.snapshot)
+
+    import torch
 
     from .query.laplace import LaplacePosterior
     from .query.topk import topk_predictive
 
-    snap = _load_snapshot(args.snapshot)
-    model = AutoModelForCausalLM.from_pretrained(args.model, torch_dtype=torch.float32)
-    model.eval()
-    tokenizer = None
-    if not args.byte_level:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.model)
-    ids = (torch.tensor(list(args.text.encode("utf-8"))) if tokenizer is None
-           else torch.tensor(tokenizer(args.text)["input_ids"]))
-    tau = args.prior_precision if args.prior_precision == "marglik" else float(args.prior_precision)
+    model = _load_model(args.model)
+    tokenizer, ids = _encode(args, model)
+    ids = torch.tensor(ids)
     post = LaplacePosterior(model, snap, prior_precision=tau)
     print(f"snapshot {snap.path} (step {snap.step}); N = {post.num_data:.0f}, "
           f"prior precision = {post.prior_precision:.4g}")
@@ -99,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return _inspect(args) if args.cmd == "inspect" else _query(args)
-    except KFACStreamError as e:
-        print(f"kfac-stream: {e}", file=sys.stderr)
+    except KFACStreamError as e:  # a user error: one line, no traceback (exit code 2)
+        print(f"kfac-stream {args.cmd}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)
         return 2
 
 

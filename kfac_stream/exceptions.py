@@ -8,7 +8,8 @@ Each message names the offending field, value, key or file. The tree::
     ├── AppConfigError (also ValueError)        a composed Hydra config the app cannot use
     ├── SnapshotError                           a snapshot directory incomplete, altered, unknown
     ├── SnapshotMismatchError (also ValueError) a model whose layers differ from the snapshot's
-    └── TrackerStateError                       a checkpoint's tracker state that cannot restore
+    ├── TrackerStateError                       a checkpoint's tracker state that cannot restore
+    └── QueryInputError (also ValueError)       an argument of a query (LaplacePosterior, the CLI)
 """
 
 from __future__ import annotations
@@ -40,3 +41,8 @@ class SnapshotMismatchError(KFACStreamError, ValueError):
 
 class TrackerStateError(KFACStreamError):
     """A checkpoint's kfac_stream state cannot be restored into this tracker."""
+
+
+class QueryInputError(KFACStreamError, ValueError):
+    """An argument of the query API or the ``kfac-stream`` command line is of the wrong type or
+    out of range (one line naming the call, the argument, its value and what is allowed)."""

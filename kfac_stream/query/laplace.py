@@ -15,20 +15,40 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from ..capture.hooks import logits_of
 from ..capture.selection import layer_spec
-from ..exceptions import SnapshotMismatchError
+from ..exceptions import QueryInputError, SnapshotMismatchError
 from ..snapshot.snapshot import Snapshot
+from . import inputs
 from . import kron_eigen as ke
 
 #: Which logits to select: ``K`` indices for every row (a sequence of ints), or one row of ``K``
 #: indices per example (a ``[B, K]`` integer tensor or ``B`` sequences of ``K`` ints).
 TokenIds = Sequence[int] | Sequence[Sequence[int]] | Tensor
+
+PROBS_METHODS = ("probit", "mc")
+HELDOUT_ALLOWED = ("an iterable of dicts {'batch', 'token_ids', 'labels' [B], optionally "
+                   "'positions'} (a list of one dict for one batch)")
+
+
+@dataclass
+class _Query:
+    """Checked arguments of one predictive query (names as the caller knows them)."""
+
+    where: str
+    names: tuple[str, str, str]  # the batch, positions and token_ids arguments
+    batch: Mapping[str, Tensor]
+    size: int  # B
+    positions: int | list[int]
+    positions_given: object
+    ids: Tensor | None  # [K] (CPU) or [B, K] int64
+    ids_given: object
 
 
 def default_num_data(meta: dict) -> float:
@@ -45,20 +65,44 @@ def default_num_data(meta: dict) -> float:
 class LaplacePosterior:
     """Laplace posterior over the tracked layers of ``model`` from ``snapshot``.
 
+    Every argument is checked at the call (here and in every method): a value of the wrong type
+    or out of range raises `QueryInputError` (a `ValueError`), one line naming the argument,
+    the value and what is allowed.
+
     Args:
-        model: The trained model (the one the snapshot was tracked on, or a copy).
-        snapshot: A loaded `Snapshot`.
-        prior_precision: ``τ``: a float, ``{layer: float}``, or ``"marglik"`` (maximise the
-            Laplace marginal likelihood over one shared ``τ``).
-        num_data: ``N``; default `default_num_data`.
+        model: The trained model (the one the snapshot was tracked on, or a copy), an
+            ``nn.Module`` with whole weights (after DeepSpeed ZeRO-3 training: saved and loaded
+            again in one process).
+        snapshot: A loaded `Snapshot` (``Snapshot.load(path)`` or ``Snapshot.latest(dir)``).
+        prior_precision: ``τ``: a positive finite float, ``{layer: positive finite float}``
+            with exactly the snapshot's layers, or ``"marglik"`` (maximise the Laplace
+            marginal likelihood over one shared ``τ``).
+        num_data: ``N``, a positive finite number; default (None) `default_num_data`.
+
+    Raises:
+        QueryInputError: an argument of the wrong type or out of range, or a model whose
+            tracked weights are partitioned (DeepSpeed ZeRO-3).
+        SnapshotMismatchError: the model's layers differ from the snapshot's.
     """
 
     def __init__(self, model: nn.Module, snapshot: Snapshot,
                  prior_precision: float | dict[str, float] | str = 1.0,
                  num_data: float | None = None) -> None:
+        where = "LaplacePosterior"
+        if not isinstance(model, nn.Module):
+            raise inputs.error(where, "model", model, "a torch.nn.Module (the trained model)",
+                               typed=True)
+        if not isinstance(snapshot, Snapshot):
+            raise inputs.error(where, "snapshot", snapshot,
+                               "a kfac_stream.Snapshot (load one with Snapshot.load(path), or "
+                               "Snapshot.latest(dir) for the newest in a directory)", typed=True)
+        self.num_data = _check_num_data(where, num_data, snapshot.meta)
+        prior = inputs.check_prior(where, "prior_precision", prior_precision,
+                                   snapshot.layer_names, marglik=True)
         self.model, self.snapshot = model, snapshot
         self.modules = _match_layers(model, snapshot)
-        self.num_data = float(num_data) if num_data is not None else default_num_data(snapshot.meta)
+        _check_whole_weights(where, self.modules)
+        self._vocab = inputs.input_vocab(model)
         # Eigenvalue algebra (D, log-determinants, samples) runs in float64; the per-token
         # Jacobian features run in the model's precision (float64 models: float64, else
         # float32 — a float32 model's gradients carry no more digits than that).
@@ -72,27 +116,80 @@ class LaplacePosterior:
                 lf.A_eigvecs, lf.A_eigvals, lf.G_eigvecs, lf.G_eigvals))
             self._qf[name] = tuple(None if t is None else t.to(self.device, self.feature_dtype)
                                    for t in (lf.A_eigvecs, lf.G_eigvecs))
-        self.prior_precision: float | dict[str, float] = 1.0
-        if prior_precision == "marglik":
+        self._prior: float | dict[str, float] = 1.0
+        if prior == "marglik":
             self.optimize_prior_precision()
         else:
-            self.prior_precision = prior_precision  # type: ignore[assignment]
+            self._prior = prior  # type: ignore[assignment]
+
+    # -- prior precision -------------------------------------------------------------------------
+
+    @property
+    def prior_precision(self) -> float | dict[str, float]:
+        """``τ`` of the queries: a float, or ``{layer: float}`` over every tracked layer.
+
+        Assigning checks the value (a positive finite float or such a dict, else
+        `QueryInputError`); ``optimize_prior_precision()`` sets the marginal-likelihood one."""
+        return self._prior
+
+    @prior_precision.setter
+    def prior_precision(self, value: float | dict[str, float]) -> None:
+        self._prior = inputs.check_prior(  # type: ignore[assignment]
+            "LaplacePosterior", "prior_precision", value, self.snapshot.layer_names,
+            marglik=False)
 
     # -- helpers ---------------------------------------------------------------------------------
 
-    def tau(self, name: str, prior_precision=None) -> float:
-        """Prior precision of one layer."""
-        p = self.prior_precision if prior_precision is None else prior_precision
-        return float(p[name]) if isinstance(p, dict) else float(p)
+    def tau(self, name: str, prior_precision: float | dict[str, float] | None = None) -> float:
+        """Prior precision of one layer.
+
+        Args:
+            name: A tracked layer (one of ``snapshot.layer_names``).
+            prior_precision: None (``self.prior_precision``), a positive finite float or
+                ``{layer: positive finite float}`` over every tracked layer.
+        """
+        self._check_layer("LaplacePosterior.tau", name)
+        if prior_precision is None:
+            return self._tau(name, self._prior)
+        return self._tau(name, inputs.check_prior(
+            "LaplacePosterior.tau", "prior_precision", prior_precision,
+            self.snapshot.layer_names, marglik=False))  # type: ignore[arg-type]
+
+    @staticmethod
+    def _tau(name: str, prior: float | dict[str, float]) -> float:
+        """``τ`` of one layer under a checked prior precision."""
+        return prior[name] if isinstance(prior, dict) else prior
 
     def weights(self, name: str) -> Tensor:
-        """Trained ``W̄ = [W b]`` of a layer, ``[d_out, d_A]`` float64 (Conv1D transposed)."""
+        """Trained ``W̄ = [W b]`` of a layer, ``[d_out, d_A]`` float64 (Conv1D transposed).
+
+        Args:
+            name: A tracked layer (one of ``snapshot.layer_names``).
+        """
+        self._check_layer("LaplacePosterior.weights", name)
+        return self._weights(name)
+
+    def _weights(self, name: str) -> Tensor:
         m = self.modules[name]
         w = m.weight.detach().double()
         w = w.T if layer_spec(name, m).kind == "conv1d" else w
         if getattr(m, "bias", None) is not None:
             w = torch.cat([w, m.bias.detach().double()[:, None]], dim=1)
         return w
+
+    def _check_layer(self, where: str, name: object) -> None:
+        if not isinstance(name, str) or name not in self.modules:
+            names = self.snapshot.layer_names
+            raise inputs.error(where, "name", name, f"one of the snapshot's {len(names)} tracked "
+                               f"layers (snapshot.layer_names, e.g. {names[0]!r})")
+
+    def _query(self, where: str, batch, positions, token_ids,
+               names: tuple[str, str, str] = ("batch", "positions", "token_ids")) -> _Query:
+        """Check the arguments of a predictive query (before any model call)."""
+        size, length = inputs.check_batch(where, names[0], batch, self._vocab)
+        pos = inputs.check_positions(where, names[1], positions, size, length)
+        ids = inputs.check_token_ids(where, names[2], token_ids, size)
+        return _Query(where, names, batch, size, pos, positions, ids, token_ids)
 
     # -- predictive ------------------------------------------------------------------------------
 
@@ -102,20 +199,33 @@ class LaplacePosterior:
         """MAP logits and, layer by layer, ``M = Q_Gᵀ J Q_A`` for the chosen logits.
 
         Args:
-            batch: Model inputs (``input_ids``, ``attention_mask``, ...), batch size ``B``.
-            positions: Sequence position(s) of the logits, one int for all or one per example;
-                negative counts back from the last non-padding token (``-1``: the last one).
-                Ignored for classification heads (``logits [B, C]``).
-            token_ids: The ``K`` vocabulary (or class) indices: one sequence of ``K`` ints for
-                every example, or per example a row of ``K`` (a ``[B, K]`` integer tensor or
-                ``B`` sequences of ``K`` ints; row ``b`` selects ``f[b, k] = logits[b, ids[b,
-                k]]``). Default: all classes of a classification head.
+            batch: Model inputs, a dict with ``input_ids`` ``[B, T]`` (an integer tensor; on
+                the CPU, ids within the model's input embeddings) or ``inputs_embeds``
+                ``[B, T, d]``, optionally ``attention_mask`` ``[B, T]`` (``labels`` ignored).
+            positions: Sequence position(s) of the logits, one int for all or ``B`` ints (a
+                sequence or a 1-D integer tensor), each in ``[-T, T)``; negative counts back
+                from the last non-padding token (``-1``: the last one; it must land on a token
+                of the example). Ignored for classification heads (``logits [B, C]``).
+            token_ids: The ``K ≥ 1`` vocabulary (or class) indices, each in ``[0, V)`` (``[0,
+                C)``): one sequence of ``K`` ints for every example, or per example a row of
+                ``K`` (a ``[B, K]`` integer tensor or ``B`` sequences of ``K`` ints; row ``b``
+                selects ``f[b, k] = logits[b, ids[b, k]]``). Default: all classes of a
+                classification head; required for a language-model head. (A ``[B, K]``
+                tensor on an accelerator is not range-checked: that would need a host sync.)
 
         Returns:
             ``(f [B, K] float64, iterator of (layer, M [B, K, d_out, d_A]))``; the features
             of one layer at a time (in ``feature_dtype``), so memory stays at one layer's
             ``B·K·d_out·d_A``.
+
+        Raises:
+            QueryInputError: an argument of the wrong type, shape or range.
         """
+        return self._jacobian(self._query("LaplacePosterior.jacobian_features", batch,
+                                          positions, token_ids))
+
+    def _jacobian(self, q: _Query) -> tuple[Tensor, Iterator[tuple[str, Tensor]]]:
+        """`jacobian_features` of checked arguments."""
         acts: dict[str, Tensor] = {}
         outs: dict[str, Tensor] = {}
 
@@ -131,8 +241,8 @@ class LaplacePosterior:
         handles = [m.register_forward_hook(hook(n)) for n, m in self.modules.items()]
         try:
             with torch.enable_grad():
-                logits = logits_of(self.model(**_model_inputs(batch)))
-                f = _select_logits(logits, batch, positions, token_ids)  # [B, K]
+                logits = logits_of(self.model(**_model_inputs(q.batch)))
+                f = _select_logits(logits, q)  # [B, K]
                 names = list(outs)
                 grads: dict[str, list[Tensor]] = {n: [] for n in names}
                 for k in range(f.shape[1]):  # one backward per chosen logit
@@ -162,13 +272,13 @@ class LaplacePosterior:
                    token_ids: TokenIds | None = None) -> tuple[Tensor, Tensor]:
         """Linearised predictive of chosen logits under ``self.prior_precision``.
 
-        Arguments as in `jacobian_features`.
+        Arguments (and their allowed values) as in `jacobian_features`.
 
         Returns:
             ``(mean [B, K], cov [B, K, K])``, float64.
         """
-        mean, covs = self.predictive_covariances(batch, positions, token_ids,
-                                                 prior_precisions=[self.prior_precision])
+        q = self._query("LaplacePosterior.predictive", batch, positions, token_ids)
+        mean, covs = self._covariances(q, [self._prior])
         return mean, covs[0]
 
     def predictive_covariances(self, batch: dict[str, Tensor],
@@ -186,19 +296,28 @@ class LaplacePosterior:
 
         Args:
             batch, positions, token_ids: As in `jacobian_features`.
-            prior_precisions: ``P`` candidates, each a float ``τ`` or ``{layer: τ}``.
+            prior_precisions: ``P ≥ 1`` candidates (a list or tuple), each a positive finite
+                float ``τ`` or ``{layer: positive finite float}`` over every tracked layer.
 
         Returns:
             ``(mean [B, K], covs [P, B, K, K])``, float64; ``covs[p]`` is the covariance
             under ``prior_precisions[p]``.
         """
-        f, feats = self.jacobian_features(batch, positions, token_ids)
+        where = "LaplacePosterior.predictive_covariances"
+        priors = inputs.check_priors(where, "prior_precisions", prior_precisions,
+                                     self.snapshot.layer_names)
+        return self._covariances(self._query(where, batch, positions, token_ids), priors)
+
+    def _covariances(self, q: _Query, priors: list[float | dict[str, float]]
+                     ) -> tuple[Tensor, Tensor]:
+        """`predictive_covariances` of checked arguments."""
+        f, feats = self._jacobian(q)
         B, K = f.shape
-        covs = f.new_zeros(len(prior_precisions), B, K, K)  # on the model's device
+        covs = f.new_zeros(len(priors), B, K, K)  # on the model's device
         for name, m in feats:
             _, aval, _, gval = self.eig[name]
-            for p, prior in enumerate(prior_precisions):
-                d = ke.precision_eigenvalues(gval, aval, self.num_data, self.tau(name, prior))
+            for p, prior in enumerate(priors):
+                d = ke.precision_eigenvalues(gval, aval, self.num_data, self._tau(name, prior))
                 covs[p] += torch.einsum("bkij,blij->bkl", m / d.to(m.device, m.dtype), m).double()
         return f, covs
 
@@ -207,23 +326,39 @@ class LaplacePosterior:
                          n_samples: int = 1000, seed: int = 0) -> Tensor:
         """Predictive probabilities over the ``K`` chosen logits (a K-way softmax).
 
-        ``method="probit"``: ``softmax(μ / sqrt(1 + π/8 · diag Σ))``; ``"mc"``: the mean of
-        ``softmax(f)`` over ``n_samples`` draws ``f ~ N(μ, Σ)``.
+        Args:
+            batch, positions, token_ids: As in `jacobian_features`.
+            method: ``"probit"``: ``softmax(μ / sqrt(1 + π/8 · diag Σ))``; ``"mc"``: the mean
+                of ``softmax(f)`` over ``n_samples`` draws ``f ~ N(μ, Σ)``.
+            n_samples: Draws for ``"mc"``, an int ≥ 1.
+            seed: Seed of the draws, an int.
 
         Returns:
             ``[B, K]``.
         """
-        mean, cov = self.predictive(batch, positions, token_ids)
-        return probs_from_gaussian(mean, cov, method, n_samples, seed)
+        where = "LaplacePosterior.predictive_probs"
+        inputs.check_choice(where, "method", method, PROBS_METHODS)
+        inputs.check_int(where, "n_samples", n_samples, 1)
+        inputs.check_seed(where, "seed", seed)
+        mean, covs = self._covariances(self._query(where, batch, positions, token_ids),
+                                       [self._prior])
+        return probs_from_gaussian(mean, covs[0], method, n_samples, seed)
 
     # -- posterior samples -----------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def sampled_weights(self, seed: int = 0) -> Iterator[None]:
+    def sampled_weights(self, seed: int = 0) -> contextlib.AbstractContextManager[None]:
         """Replace the tracked weights by one posterior sample inside the block.
 
         The trained values are restored bit-identically on exit, also when the body raises.
+
+        Args:
+            seed: Seed of the draw, an int (checked at the call, before the block).
         """
+        return self._sampled_weights(inputs.check_seed("LaplacePosterior.sampled_weights",
+                                                       "seed", seed))
+
+    @contextlib.contextmanager
+    def _sampled_weights(self, seed: int) -> Iterator[None]:
         gen = torch.Generator().manual_seed(seed)
         saved = {}
         with torch.no_grad():
@@ -233,7 +368,8 @@ class LaplacePosterior:
             try:
                 for name, m in self.modules.items():
                     qa, aval, qg, gval = self.eig[name]
-                    dw = ke.sample_block(qg, gval, qa, aval, self.num_data, self.tau(name), gen)
+                    dw = ke.sample_block(qg, gval, qa, aval, self.num_data,
+                                         self._tau(name, self._prior), gen)
                     if self.snapshot[name].has_bias:
                         m.bias.add_(dw[:, -1].to(m.bias.device, m.bias.dtype))
                         dw = dw[:, :-1]
@@ -249,45 +385,81 @@ class LaplacePosterior:
 
     # -- confidence score ------------------------------------------------------------------------
 
-    def confidence(self, variance: Tensor) -> Tensor:
-        """The seed report's score ``1 / (1 + β·var)`` (``β`` from `fit_beta`, default 1)."""
+    def confidence(self, variance: Tensor | float) -> Tensor | float:
+        """The seed report's score ``1 / (1 + β·var)`` (``β`` from `fit_beta`, default 1).
+
+        Args:
+            variance: Predictive variance(s), a tensor (any shape) or a float.
+        """
+        if not isinstance(variance, Tensor) and not inputs.is_real(variance):
+            raise inputs.error("LaplacePosterior.confidence", "variance", variance,
+                               "a tensor or a float (predictive variances >= 0)", typed=True)
         return 1.0 / (1.0 + getattr(self, "beta", 1.0) * variance)
 
-    def fit_beta(self, heldout) -> float:
+    def fit_beta(self, heldout: Iterable[Mapping]) -> float:
         """Fit ``β`` of `confidence` on held-out data; sets and returns it.
 
         Args:
-            heldout: Iterable of dicts ``{"batch", "token_ids", "labels" [B] (index into
-                token_ids of the right answer), "positions" (optional, default -1)}``. The
-                score uses the predictive variance of the MAP-predicted logit and is fitted to
-                whether that prediction is right (`fit_confidence_beta`).
+            heldout: Iterable (e.g. a list) of dicts ``{"batch", "token_ids", "labels" [B]
+                (index into token_ids of the right answer, in ``[0, K)``), "positions"
+                (optional, default -1)}``, at least one; ``batch``, ``token_ids`` and
+                ``positions`` as in `jacobian_features`. The score uses the predictive
+                variance of the MAP-predicted logit and is fitted to whether that prediction
+                is right (`fit_confidence_beta`).
         """
+        where = "LaplacePosterior.fit_beta"
+        if isinstance(heldout, (Mapping, Tensor, str, bytes)) or not isinstance(heldout,
+                                                                               Iterable):
+            raise inputs.error(where, "heldout", heldout, HELDOUT_ALLOWED, typed=True)
         variances, correct = [], []
-        for item in heldout:
-            mean, cov = self.predictive(item["batch"], item.get("positions", -1),
-                                        item["token_ids"])
+        for i, item in enumerate(heldout):
+            arg = f"heldout[{i}]"
+            if not isinstance(item, Mapping) or not {"batch", "token_ids", "labels"} <= set(item):
+                raise inputs.error(where, arg, item, "a dict {'batch', 'token_ids', 'labels', "
+                                   "optionally 'positions'}", typed=not isinstance(item, Mapping))
+            q = self._query(where, item["batch"], item.get("positions", -1), item["token_ids"],
+                            (f"{arg}['batch']", f"{arg}['positions']", f"{arg}['token_ids']"))
+            labels = inputs.check_labels(where, f"{arg}['labels']", item["labels"], q.size)
+            mean, covs = self._covariances(q, [self._prior])
+            inputs.check_id_range(where, f"{arg}['labels']", item["labels"], labels,
+                                  mean.shape[1], f"the {mean.shape[1]} token_ids of a row")
             pred = mean.argmax(-1)  # [B]
-            variance = torch.diagonal(cov, dim1=-2, dim2=-1)  # [B, K]
+            variance = torch.diagonal(covs[0], dim1=-2, dim2=-1)  # [B, K]
             variances.append(variance.gather(1, pred[:, None])[:, 0].cpu())
-            correct.append(pred.cpu() == torch.as_tensor(item["labels"]).cpu())
+            correct.append(pred.cpu() == labels)
+        if not variances:
+            raise inputs.error(where, "heldout", heldout, HELDOUT_ALLOWED, problem="is empty")
         self.beta = fit_confidence_beta(torch.cat(variances), torch.cat(correct))
         return self.beta
 
     # -- evidence --------------------------------------------------------------------------------
 
-    def log_marginal_likelihood(self, prior_precision=None, log_likelihood: float = 0.0) -> float:
+    def log_marginal_likelihood(self, prior_precision: float | dict[str, float] | None = None,
+                                log_likelihood: float = 0.0) -> float:
         r"""Laplace log marginal likelihood over the tracked weights.
 
         :math:`\log p(D|\theta^*) + \log p(\theta^*) + \frac P2\log 2\pi - \frac12\log\det H`
         with ``H`` the posterior precision. ``log_likelihood`` is :math:`\log p(D|\theta^*)`
         (minus the training loss summed over the data); it does not depend on ``τ``, so the
         default 0 gives the evidence up to that constant, enough to choose ``τ``.
+
+        Args:
+            prior_precision: None (``self.prior_precision``), a positive finite float or
+                ``{layer: positive finite float}`` over every tracked layer.
+            log_likelihood: A finite float.
         """
-        total = float(log_likelihood)
+        where = "LaplacePosterior.log_marginal_likelihood"
+        prior = self._prior if prior_precision is None else inputs.check_prior(
+            where, "prior_precision", prior_precision, self.snapshot.layer_names, marglik=False)
+        return self._log_evidence(prior, inputs.check_finite(where, "log_likelihood",
+                                                             log_likelihood))  # type: ignore
+
+    def _log_evidence(self, prior: float | dict[str, float], log_likelihood: float) -> float:
+        total = log_likelihood
         for name in self.modules:
             _, aval, _, gval = self.eig[name]
-            tau = self.tau(name, prior_precision)
-            w = self.weights(name)
+            tau = self._tau(name, prior)
+            w = self._weights(name)
             logdet = ke.log_det_precision(gval, aval, self.num_data, tau)
             total += float(ke.marglik_terms(w.numel(), float((w * w).sum()), logdet, tau))
         return total
@@ -298,30 +470,58 @@ class LaplacePosterior:
 
         A log-spaced grid over ``[lower, upper]`` brackets the maximum, golden-section search
         on ``log τ`` refines it.
-        """
-        def negative_evidence(log_tau: float) -> float:
-            return -self.log_marginal_likelihood(math.exp(log_tau))
 
-        self.prior_precision = _minimise_over_log_range(negative_evidence, lower, upper,
-                                                        grid, iters)
-        return self.prior_precision
+        Args:
+            lower, upper: The range of ``τ``, finite with ``0 < lower < upper``.
+            grid: Grid points, an int ≥ 1.
+            iters: Golden-section steps, an int ≥ 1.
+        """
+        lower, upper = _check_range("LaplacePosterior.optimize_prior_precision", lower, upper)
+        grid = inputs.check_int("LaplacePosterior.optimize_prior_precision", "grid", grid, 1)
+        iters = inputs.check_int("LaplacePosterior.optimize_prior_precision", "iters", iters, 1)
+
+        def negative_evidence(log_tau: float) -> float:
+            return -self._log_evidence(math.exp(log_tau), 0.0)
+
+        self._prior = _minimise_over_log_range(negative_evidence, lower, upper, grid, iters)
+        return self._prior
 
 
 def probs_from_gaussian(mean: Tensor, cov: Tensor, method: str = "probit",
                         n_samples: int = 1000, seed: int = 0) -> Tensor:
-    """K-way softmax probabilities under ``f ~ N(mean, cov)`` (``[B, K]``, ``[B, K, K]``)."""
+    """K-way softmax probabilities under ``f ~ N(mean, cov)``.
+
+    Args:
+        mean: ``[B, K]`` floating tensor.
+        cov: ``[B, K, K]`` floating tensor.
+        method: ``"probit"`` or ``"mc"`` (as in `LaplacePosterior.predictive_probs`).
+        n_samples: Draws for ``"mc"``, an int ≥ 1.
+        seed: Seed of the draws, an int.
+
+    Returns:
+        ``[B, K]``.
+    """
+    where = "probs_from_gaussian"
+    inputs.check_choice(where, "method", method, PROBS_METHODS)
+    if not isinstance(mean, Tensor) or not mean.is_floating_point() or mean.dim() != 2:
+        raise inputs.error(where, "mean", mean, "a [B, K] floating tensor",
+                           typed=not isinstance(mean, Tensor))
+    if not isinstance(cov, Tensor) or not cov.is_floating_point() or tuple(cov.shape) != (
+            *mean.shape, mean.shape[-1]):
+        raise inputs.error(where, "cov", cov, f"a [B, K, K] = {[*mean.shape, mean.shape[-1]]} "
+                           "floating tensor (mean is [B, K])", typed=not isinstance(cov, Tensor))
+    n_samples = inputs.check_int(where, "n_samples", n_samples, 1)
+    seed = inputs.check_seed(where, "seed", seed)
     if method == "probit":
         kappa = 1.0 / torch.sqrt(1.0 + math.pi / 8.0 * torch.diagonal(cov, dim1=-2, dim2=-1))
         return torch.softmax(mean * kappa, dim=-1)
-    if method == "mc":
-        gen = torch.Generator().manual_seed(seed)
-        k = mean.shape[-1]
-        jitter = 1e-10 * torch.diagonal(cov, dim1=-2, dim2=-1).mean(-1).clamp(min=1e-30)
-        chol = torch.linalg.cholesky(cov + jitter[:, None, None] * torch.eye(k, dtype=cov.dtype))
-        z = torch.randn(n_samples, *mean.shape, generator=gen, dtype=mean.dtype)  # [S, B, K]
-        f = mean + torch.einsum("bkl,sbl->sbk", chol, z)
-        return torch.softmax(f, dim=-1).mean(0)
-    raise ValueError(f"method={method!r} is not supported: use 'probit' or 'mc'")
+    gen = torch.Generator().manual_seed(seed)
+    k = mean.shape[-1]
+    jitter = 1e-10 * torch.diagonal(cov, dim1=-2, dim2=-1).mean(-1).clamp(min=1e-30)
+    chol = torch.linalg.cholesky(cov + jitter[:, None, None] * torch.eye(k, dtype=cov.dtype))
+    z = torch.randn(n_samples, *mean.shape, generator=gen, dtype=mean.dtype)  # [S, B, K]
+    f = mean + torch.einsum("bkl,sbl->sbk", chol, z)
+    return torch.softmax(f, dim=-1).mean(0)
 
 
 def fit_confidence_beta(variances: Tensor, correct: Tensor, lower: float = 1e-8,
@@ -329,12 +529,22 @@ def fit_confidence_beta(variances: Tensor, correct: Tensor, lower: float = 1e-8,
     """``β ≥ 0`` minimising the binary cross-entropy of ``1/(1+β·var)`` against correctness.
 
     Args:
-        variances: ``[n]`` predictive variances (≥ 0).
+        variances: ``[n]`` predictive variances (≥ 0), ``n ≥ 1``.
         correct: ``[n]`` bool, whether each prediction was right.
+        lower, upper: The range of ``β``, finite with ``0 < lower < upper``.
 
     Returns:
         The minimiser over a log-spaced grid on ``[lower, upper]`` refined by golden section.
     """
+    where = "fit_confidence_beta"
+    if not isinstance(variances, Tensor) or variances.dim() != 1 or variances.numel() == 0:
+        raise inputs.error(where, "variances", variances, "a [n] tensor with n >= 1",
+                           typed=not isinstance(variances, Tensor))
+    if not isinstance(correct, Tensor) or tuple(correct.shape) != tuple(variances.shape):
+        raise inputs.error(where, "correct", correct,
+                           f"a [n] = {list(variances.shape)} bool tensor like variances",
+                           typed=not isinstance(correct, Tensor))
+    lower, upper = _check_range(where, lower, upper)
     v = variances.double().clamp(min=0.0)
     y = correct.double()
 
@@ -343,6 +553,16 @@ def fit_confidence_beta(variances: Tensor, correct: Tensor, lower: float = 1e-8,
         return -float((y * conf.log() + (1 - y) * (1 - conf).log()).mean())
 
     return _minimise_over_log_range(nll, lower, upper, grid=161, iters=80)
+
+
+def _check_range(where: str, lower: object, upper: object) -> tuple[float, float]:
+    """``(lower, upper)`` as floats, finite with ``0 < lower < upper``."""
+    allowed = "a finite float with 0 < lower < upper"
+    lo = inputs.check_positive(where, "lower", lower, allowed)
+    hi = inputs.check_positive(where, "upper", upper, allowed)
+    if not lo < hi:
+        raise inputs.error(where, "upper", upper, allowed, problem=f"is not above lower={lo!r}")
+    return lo, hi
 
 
 def _minimise_over_log_range(f: Callable[[float], float], lower: float, upper: float,
@@ -372,66 +592,87 @@ def _minimise_over_log_range(f: Callable[[float], float], lower: float, upper: f
     return math.exp((lo + hi) / 2)
 
 
-def _model_inputs(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+def _check_num_data(where: str, num_data: object, meta: dict) -> float:
+    """``N``: ``num_data`` (a positive finite number) or, when None, the snapshot's own."""
+    allowed = ("None (N from the snapshot's counts) or a positive finite number (N: the "
+               "training positions the factors average over)")
+    if num_data is not None:
+        return inputs.check_positive(where, "num_data", num_data, allowed)
+    try:
+        n = default_num_data(meta)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise QueryInputError(f"{where}: num_data=None takes N from the snapshot's counts, which "
+                              f"are unreadable ({type(e).__name__}: {e}): pass num_data, "
+                              "a positive finite number") from None
+    if not (math.isfinite(n) and n > 0):
+        raise QueryInputError(f"{where}: num_data=None takes N from the snapshot's counts, which "
+                              f"give N={n!r} (counts.tokens_seen={meta['counts']['tokens_seen']!r},"
+                              f" epoch={meta.get('epoch')!r}): pass num_data, a positive finite "
+                              "number")
+    return n
+
+
+def _check_whole_weights(where: str, modules: dict[str, nn.Module]) -> None:
+    """Every tracked layer holds its whole weight in this process (not a DeepSpeed ZeRO-3
+    partition: such a weight has ``ds_numel`` and an empty or partial local tensor)."""
+    for name, m in modules.items():
+        spec = layer_spec(name, m)
+        w = m.weight
+        full = spec.d_in * spec.d_out
+        if w.numel() != full:
+            zero3 = " by DeepSpeed ZeRO-3" if hasattr(w, "ds_numel") else ""
+            raise QueryInputError(
+                f"{where}: model has its weights partitioned{zero3} (layer {name!r} holds "
+                f"{w.numel()} of its {full} weights in this process): query a model with whole "
+                "weights: save it (trainer.save_model(dir)) and load it again with "
+                "from_pretrained(dir) in one process, outside the DeepSpeed engine")
+
+
+def _model_inputs(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return {k: v for k, v in batch.items() if k not in ("labels", "num_items_in_batch")}
 
 
-def _select_logits(logits: Tensor, batch: dict[str, Tensor], positions,
-                   token_ids: TokenIds | None) -> Tensor:
+def _select_logits(logits: Tensor | None, q: _Query) -> Tensor:
     """``f [B, K]``: the chosen logits of each example.
 
     ``logits`` is ``[B, C]`` (classification head: ``positions`` ignored, ``token_ids``
     default all ``C`` classes) or ``[B, T, V]`` (language-model head: the row at each
     example's position, then ``token_ids``, required).
     """
+    if logits is None or logits.dim() not in (2, 3):
+        raise QueryInputError(f"{q.where}: the model's output holds no logits [B, C] or "
+                              f"[B, T, V] (got {inputs.show(logits)}): the model must return "
+                              "logits (a tensor, or an output with .logits)")
     if logits.dim() == 2:  # classification head: [B, C]
         rows = logits
-        if token_ids is None:
-            token_ids = list(range(logits.shape[1]))
+        ids = q.ids if q.ids is not None else torch.arange(logits.shape[1])
+        what = f"the head's {logits.shape[1]} classes"
     else:
-        if token_ids is None:
-            raise ValueError("token_ids is required for a language-model head")
-        rows = _rows_at_positions(logits, batch, positions)  # [B, V]
-    per_row = _per_row_ids(token_ids, rows.shape[0])
-    if per_row is None:
-        return rows[:, list(token_ids)]
-    return rows.gather(1, per_row.to(rows.device))
+        if q.ids is None:
+            raise inputs.error(q.where, q.names[2], None,
+                               "the K vocabulary ids to query (only a classification head "
+                               "defaults to all classes)",
+                               problem="is not allowed: token_ids is required for a "
+                                       "language-model head (logits [B, T, V])")
+        rows = _rows_at_positions(logits, q)  # [B, V]
+        ids = q.ids
+        what = f"the model's {logits.shape[-1]} vocabulary logits"
+    inputs.check_id_range(q.where, q.names[2], q.ids_given, ids, rows.shape[1], what)
+    if ids.dim() == 1:
+        return rows[:, ids.to(rows.device)]
+    return rows.gather(1, ids.to(rows.device))
 
 
-def _rows_at_positions(logits: Tensor, batch: dict[str, Tensor], positions) -> Tensor:
+def _rows_at_positions(logits: Tensor, q: _Query) -> Tensor:
     """``[B, V]`` rows of ``logits [B, T, V]`` at one position per example (negative: counted
     back from the example's last non-padding token)."""
     B, T = logits.shape[:2]
-    mask = batch.get("attention_mask")
+    mask = q.batch.get("attention_mask")
     lengths = mask.sum(1).tolist() if mask is not None else [T] * B
-    pos = [positions] * B if isinstance(positions, int) else list(positions)
+    pos = [q.positions] * B if isinstance(q.positions, int) else q.positions
     idx = [p if p >= 0 else int(lengths[b]) + p for b, p in enumerate(pos)]
+    inputs.check_past_start(q.where, q.names[1], q.positions_given, idx, lengths)
     return logits[torch.arange(B, device=logits.device), torch.tensor(idx, device=logits.device)]
-
-
-def _per_row_ids(token_ids: TokenIds, batch_size: int) -> Tensor | None:
-    """``token_ids`` as a ``[B, K]`` int64 tensor when given per row, ``None`` when one
-    sequence of ``K`` ints serves every row."""
-    if isinstance(token_ids, Tensor):
-        if token_ids.dim() <= 1:
-            return None
-        ids = token_ids.long()
-    elif len(token_ids) and _is_row(token_ids[0]):
-        if len({len(row) for row in token_ids}) != 1:
-            raise ValueError("per-row token_ids must all have the same length K, got lengths "
-                             f"{sorted({len(row) for row in token_ids})}")
-        ids = torch.tensor([[int(i) for i in row] for row in token_ids], dtype=torch.long)
-    else:
-        return None
-    if ids.dim() != 2 or ids.shape[0] != batch_size:
-        raise ValueError(f"per-row token_ids must be [B, K] with B = {batch_size} (the batch), "
-                         f"got shape {tuple(ids.shape)}")
-    return ids
-
-
-def _is_row(x) -> bool:
-    """Whether ``x`` is a row of ids (a sequence or 1-D tensor), not one id."""
-    return isinstance(x, Tensor) and x.dim() == 1 or isinstance(x, Sequence)
 
 
 def _match_layers(model: nn.Module, snapshot: Snapshot) -> dict[str, nn.Module]:

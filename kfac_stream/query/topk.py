@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import inputs
 from .laplace import LaplacePosterior
 
 
@@ -16,18 +17,43 @@ def topk_predictive(post: LaplacePosterior, input_ids: Tensor, k: int = 5,
     vocabulary held at its MAP logits).
 
     Args:
-        post: The posterior.
-        input_ids: ``[T]`` token ids.
-        k: Tokens per position.
+        post: The posterior (a `LaplacePosterior` of a language model).
+        input_ids: ``[T]`` token ids (a 1-D integer tensor, ``T ≥ 1``, ids within the model's
+            input embeddings).
+        k: Tokens per position, an int in ``[1, V]``.
+        n_samples: Draws per position, an int ≥ 2.
+        seed: Seed of the draws, an int.
 
     Returns:
         One dict per position ``t``: ``{"position", "token_ids" [k], "map_prob" [k],
         "mean_prob" [k], "std_prob" [k]}`` (lists of floats/ints).
+
+    Raises:
+        QueryInputError: an argument of the wrong type or out of range.
     """
+    where = "topk_predictive"
+    if not isinstance(post, LaplacePosterior):
+        raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
+    if not inputs.is_int_tensor(input_ids) or input_ids.dim() != 1 or input_ids.numel() == 0:
+        raise inputs.error(where, "input_ids", input_ids,
+                           "a [T] integer tensor of token ids with T >= 1 (one sequence)",
+                           typed=not isinstance(input_ids, Tensor))
+    vocab = inputs.input_vocab(post.model)
+    if vocab is not None:
+        inputs.check_id_range(where, "input_ids", input_ids, input_ids, vocab,
+                              f"the model's {vocab} input embeddings")
+    k = inputs.check_int(where, "k", k, 1)
+    n_samples = inputs.check_int(where, "n_samples", n_samples, 2)
+    seed = inputs.check_seed(where, "seed", seed)
     gen = torch.Generator().manual_seed(seed)
     batch = {"input_ids": input_ids[None], "attention_mask": torch.ones_like(input_ids)[None]}
     with torch.no_grad():
         logits = post.model(**batch).logits[0].double()  # [T, V]
+    if logits.dim() != 2:
+        raise inputs.error(where, "post", post, "the posterior of a language model (logits "
+                           f"[B, T, V]); this model gives logits {[1, *logits.shape]}")
+    if k > logits.shape[-1]:
+        raise inputs.error(where, "k", k, f"an int in [1, {logits.shape[-1]}] (the vocabulary)")
     out = []
     for t in range(input_ids.shape[0]):
         top = torch.topk(logits[t], k).indices.tolist()

@@ -1,0 +1,330 @@
+"""Argument checks of the query API (`LaplacePosterior`, `topk_predictive`, the CLI).
+
+Every check raises `QueryInputError` with one line::
+
+    {where}: {argument}={value} {problem}: must be {what is allowed}
+
+naming the call, the argument, its value (shortened to one line) and what is allowed. The checks
+look at Python types, tensor shapes and dtypes, and the values of integer tensors that live on
+the CPU; they run no model and read nothing back from an accelerator (no host sync), so they cost
+microseconds per call.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..exceptions import QueryInputError
+
+#: Longest rendering of a value in a message (longer ones end in "...").
+MAX_SHOWN = 80
+
+BATCH_ALLOWED = ("a dict of model inputs with 'input_ids' [B, T] (an integer tensor) or "
+                 "'inputs_embeds' [B, T, d], optionally 'attention_mask' [B, T] "
+                 "(one sequence ids [T]: {'input_ids': ids[None]})")
+
+
+def show(value: Any) -> str:
+    """``value`` on one line of at most `MAX_SHOWN` characters (a tensor as its shape and
+    dtype, a mapping with its values shown so)."""
+    if isinstance(value, Tensor):
+        where = "" if value.device.type == "cpu" else f" on {value.device}"
+        return f"<tensor {list(value.shape)} {str(value.dtype).removeprefix('torch.')}{where}>"
+    if isinstance(value, Mapping):
+        text = "{" + ", ".join(f"{k!r}: {show(v)}" for k, v in value.items()) + "}"
+    else:
+        text = repr(value)
+    text = " ".join(text.splitlines())
+    return text if len(text) <= MAX_SHOWN else text[:MAX_SHOWN - 3] + "..."
+
+
+def error(where: str, arg: str, value: Any, allowed: str, problem: str = "is not allowed",
+          typed: bool = False) -> QueryInputError:
+    """The `QueryInputError` ``"{where}: {arg}={value} {problem}: must be {allowed}"``;
+    ``typed`` adds the value's type (for a value of the wrong type)."""
+    shown = show(value) + (f" (a {type(value).__name__})" if typed else "")
+    return QueryInputError(f"{where}: {arg}={shown} {problem}: must be {allowed}")
+
+
+def is_int(x: Any) -> bool:
+    """An integer, not a bool (Python or NumPy)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_real(x: Any) -> bool:
+    """A real number, not a bool (Python or NumPy)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def is_int_tensor(x: Any) -> bool:
+    """An integer (not bool) tensor."""
+    return (isinstance(x, Tensor) and not x.is_floating_point() and not x.is_complex()
+            and x.dtype != torch.bool)
+
+
+def from_numpy(value: Any) -> Any:
+    """A NumPy array (anything with ``__array__`` that is no tensor or string) as a tensor;
+    anything else unchanged."""
+    if hasattr(value, "__array__") and not isinstance(value, (Tensor, str, bytes)):
+        return torch.as_tensor(value)
+    return value
+
+
+def check_int(where: str, arg: str, value: Any, lowest: int) -> int:
+    """``value`` as an int ``>= lowest``."""
+    if not is_int(value):
+        raise error(where, arg, value, f"an int >= {lowest}", typed=True)
+    if value < lowest:
+        raise error(where, arg, value, f"an int >= {lowest}")
+    return int(value)
+
+
+def check_seed(where: str, arg: str, value: Any) -> int:
+    """A random seed: any int."""
+    if not is_int(value):
+        raise error(where, arg, value, "an int (the random seed)", typed=True)
+    return int(value)
+
+
+def check_positive(where: str, arg: str, value: Any, allowed: str = "a positive finite float"
+                   ) -> float:
+    """``value`` as a float, finite and ``> 0``."""
+    if not is_real(value):
+        raise error(where, arg, value, allowed, typed=True)
+    if not (math.isfinite(value) and value > 0):
+        raise error(where, arg, value, allowed)
+    return float(value)
+
+
+def check_finite(where: str, arg: str, value: Any, allowed: str = "a finite float") -> float:
+    """``value`` as a finite float."""
+    if not is_real(value):
+        raise error(where, arg, value, allowed, typed=True)
+    if not math.isfinite(value):
+        raise error(where, arg, value, allowed)
+    return float(value)
+
+
+def check_choice(where: str, arg: str, value: Any, choices: tuple[str, ...]) -> str:
+    """One of ``choices``."""
+    if not isinstance(value, str) or value not in choices:
+        raise error(where, arg, value, f"one of {choices}", typed=not isinstance(value, str))
+    return value
+
+
+def prior_allowed(n_layers: int, marglik: bool) -> str:
+    """What a prior precision may be, for a snapshot of ``n_layers`` layers."""
+    return (f"a positive finite float, a dict {{layer: positive finite float}} with exactly the "
+            f"snapshot's {n_layers} layers" + (", or 'marglik'" if marglik else ""))
+
+
+def _names(names: list, most: int = 3) -> str:
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(repr(n) for n in names[:most]) + more
+
+
+def check_prior(where: str, arg: str, value: Any, layers: Sequence[str], marglik: bool
+                ) -> float | dict[str, float] | str:
+    """A prior precision ``τ``: a float, ``{layer: float}`` over exactly ``layers`` (returned in
+    their order, as floats) or, where ``marglik``, the string ``"marglik"``."""
+    allowed = prior_allowed(len(layers), marglik)
+    if isinstance(value, str):
+        if marglik and value == "marglik":
+            return value
+        raise error(where, arg, value, allowed)
+    if isinstance(value, Mapping):
+        missing = [n for n in layers if n not in value]
+        if missing:
+            raise error(where, arg, value, allowed,
+                        problem=f"lacks {len(missing)} of the snapshot's layers "
+                                f"({_names(missing)})")
+        known = set(layers)
+        extra = [k for k in value if k not in known]
+        if extra:
+            raise error(where, arg, value, allowed,
+                        problem=f"has {len(extra)} key(s) that are no layer of the snapshot "
+                                f"({_names(extra)})")
+        return {n: check_positive(where, f"{arg}[{n!r}]", value[n]) for n in layers}
+    if not is_real(value):
+        raise error(where, arg, value, allowed, typed=True)
+    if not (math.isfinite(value) and value > 0):
+        raise error(where, arg, value, allowed)
+    return float(value)
+
+
+def input_vocab(model: nn.Module) -> int | None:
+    """Rows of the model's input embedding (the ids ``input_ids`` may hold), or None."""
+    get = getattr(model, "get_input_embeddings", None)
+    try:
+        emb = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
+    return int(emb.num_embeddings) if isinstance(emb, nn.Embedding) else None
+
+
+def check_id_range(where: str, arg: str, value: Any, ids: Tensor, size: int, what: str) -> None:
+    """Every entry of the integer tensor ``ids`` in ``[0, size)``; ``value`` is what the caller
+    passed (for the message). Tensors on an accelerator are not read (no host sync)."""
+    if ids.device.type != "cpu" or ids.numel() == 0:
+        return
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= size:
+        bad = lo if lo < 0 else hi
+        raise error(where, arg, value, f"ids in [0, {size})",
+                    problem=f"holds {bad}, outside {what}")
+
+
+def check_batch(where: str, arg: str, batch: Any, vocab: int | None = None) -> tuple[int, int]:
+    """A batch of model inputs; returns ``(B, T)``.
+
+    ``input_ids`` must be a ``[B, T]`` integer tensor (on the CPU, ids in ``[0, vocab)``) or
+    ``inputs_embeds`` a ``[B, T, d]`` floating tensor; ``attention_mask``, if given, ``[B, T]``.
+    """
+    if not isinstance(batch, Mapping):
+        raise error(where, arg, batch, BATCH_ALLOWED, typed=True)
+    ids, emb = batch.get("input_ids"), batch.get("inputs_embeds")
+    if ids is None and emb is None:
+        raise error(where, arg, batch, BATCH_ALLOWED,
+                    problem="has neither 'input_ids' nor 'inputs_embeds'")
+    if ids is not None:
+        allowed = "a [B, T] integer tensor of token ids with B, T >= 1"
+        if not is_int_tensor(ids) or ids.dim() != 2 or ids.numel() == 0:
+            raise error(where, f"{arg}['input_ids']", ids, allowed,
+                        typed=not isinstance(ids, Tensor))
+        if vocab is not None:
+            check_id_range(where, f"{arg}['input_ids']", ids, ids, vocab,
+                           f"the model's {vocab} input embeddings")
+        shape = tuple(ids.shape)
+    else:
+        if not isinstance(emb, Tensor) or not emb.is_floating_point() or emb.dim() != 3 or (
+                emb.shape[0] == 0 or emb.shape[1] == 0):
+            raise error(where, f"{arg}['inputs_embeds']", emb,
+                        "a [B, T, d] floating tensor with B, T >= 1",
+                        typed=not isinstance(emb, Tensor))
+        shape = tuple(emb.shape[:2])
+    mask = batch.get("attention_mask")
+    if mask is not None and (not isinstance(mask, Tensor) or tuple(mask.shape) != shape[:2]):
+        raise error(where, f"{arg}['attention_mask']", mask,
+                    f"a [B, T] = {list(shape[:2])} tensor (1: token, 0: padding)",
+                    typed=not isinstance(mask, Tensor))
+    return int(shape[0]), int(shape[1])
+
+
+def check_positions(where: str, arg: str, positions: Any, batch_size: int, length: int
+                    ) -> int | list[int]:
+    """One position for every example or one per example, each in ``[-T, T)``; returns an int
+    or a list of ``B`` ints."""
+    allowed = (f"an int in [-{length}, {length}) for every example, or {batch_size} such ints "
+               f"(one per example); negative counts back from the last non-padding token")
+    if is_int(positions):
+        out: int | list[int] = int(positions)
+        values = [out]
+    else:
+        positions = from_numpy(positions)
+        if isinstance(positions, Tensor):
+            if not is_int_tensor(positions) or positions.dim() != 1:
+                raise error(where, arg, positions, allowed)
+            values = positions.tolist()
+        elif isinstance(positions, Sequence) and not isinstance(positions, (str, bytes)):
+            values = list(positions)
+            if not all(is_int(p) for p in values):
+                raise error(where, arg, positions, allowed)
+            values = [int(p) for p in values]
+        else:
+            raise error(where, arg, positions, allowed, typed=True)
+        if len(values) != batch_size:
+            raise error(where, arg, positions, allowed,
+                        problem=f"gives {len(values)} positions for {batch_size} examples")
+        out = values
+    for p in values:
+        if not -length <= p < length:
+            raise error(where, arg, positions, allowed,
+                        problem=f"{'is' if is_int(positions) else f'holds {p},'} outside the "
+                                f"{length} positions")
+    return out
+
+
+def check_past_start(where: str, arg: str, positions: Any, index: list[int],
+                     lengths: list[int]) -> None:
+    """Every negative position lands on a token of its example (``index`` ≥ 0)."""
+    for b, i in enumerate(index):
+        if i < 0:
+            raise error(where, arg, positions,
+                        "in [-n, T) for an example of n non-padding tokens",
+                        problem=f"counts back past the start of example {b}, which has "
+                                f"{int(lengths[b])} non-padding tokens")
+
+
+def check_token_ids(where: str, arg: str, token_ids: Any, batch_size: int) -> Tensor | None:
+    """The chosen logits' ids: None, ``K`` ints for every example (returned as a CPU ``[K]``
+    int64 tensor) or a row of ``K`` per example (a ``[B, K]`` int64 tensor, on the device it
+    came on). Ranges are checked against the logits later (`check_id_range`)."""
+    if token_ids is None:
+        return None
+    allowed = (f"K >= 1 ids: one sequence of K ints for every example, or per example a row of "
+               f"K ints ([B, K] with B = {batch_size}, the batch; every row the same length K)")
+    token_ids = from_numpy(token_ids)
+    if isinstance(token_ids, Tensor):
+        if not is_int_tensor(token_ids) or token_ids.dim() not in (1, 2) or token_ids.numel() == 0:
+            raise error(where, arg, token_ids, allowed)
+        if token_ids.dim() == 1:
+            return torch.tensor(token_ids.tolist(), dtype=torch.long)
+        if token_ids.shape[0] != batch_size:
+            raise error(where, arg, token_ids, allowed,
+                        problem=f"has {token_ids.shape[0]} rows for {batch_size} examples")
+        return token_ids.long()
+    if not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes)):
+        raise error(where, arg, token_ids, allowed, typed=True)
+    if len(token_ids) == 0:
+        raise error(where, arg, token_ids, allowed, problem="is empty")
+    rows = [r.tolist() if isinstance(r, Tensor) and r.dim() == 1 else r for r in token_ids]
+    if all(is_int(i) for i in rows):
+        return torch.tensor([int(i) for i in rows], dtype=torch.long)
+    if not all(isinstance(r, Sequence) and not isinstance(r, (str, bytes)) for r in rows) or not (
+            all(is_int(i) for r in rows for i in r)):
+        raise error(where, arg, token_ids, allowed)
+    lengths = sorted({len(r) for r in rows})
+    if len(lengths) != 1 or lengths[0] == 0:
+        raise error(where, arg, token_ids, allowed, problem=f"has rows of lengths {lengths}")
+    if len(rows) != batch_size:
+        raise error(where, arg, token_ids, allowed,
+                    problem=f"has {len(rows)} rows for {batch_size} examples")
+    return torch.tensor([[int(i) for i in r] for r in rows], dtype=torch.long)
+
+
+def check_priors(where: str, arg: str, value: Any, layers: Sequence[str]
+                 ) -> list[float | dict[str, float]]:
+    """A non-empty sequence of prior precisions (each as `check_prior`, no ``"marglik"``)."""
+    allowed = (f"a non-empty list of prior precisions, each {prior_allowed(len(layers), False)}"
+               f" (one: [tau])")
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence):
+        raise error(where, arg, value, allowed, typed=True)
+    if len(value) == 0:
+        raise error(where, arg, value, allowed, problem="is empty")
+    return [check_prior(where, f"{arg}[{p}]", v, layers, marglik=False)  # type: ignore[misc]
+            for p, v in enumerate(value)]
+
+
+def check_labels(where: str, arg: str, value: Any, batch_size: int) -> Tensor:
+    """``B`` class indices (an integer tensor or a sequence of ints) as a CPU int64 tensor."""
+    allowed = f"{batch_size} ints (per example, the index into its token_ids of the right answer)"
+    value = from_numpy(value)
+    if isinstance(value, Tensor):
+        if not is_int_tensor(value) or value.dim() != 1:
+            raise error(where, arg, value, allowed)
+        labels = value.cpu().long()
+    elif isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and all(
+            is_int(i) for i in value):
+        labels = torch.tensor([int(i) for i in value], dtype=torch.long)
+    else:
+        raise error(where, arg, value, allowed, typed=True)
+    if labels.shape[0] != batch_size:
+        raise error(where, arg, value, allowed,
+                    problem=f"has {labels.shape[0]} labels for {batch_size} examples")
+    return labels
