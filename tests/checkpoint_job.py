@@ -1,7 +1,7 @@
 """A training job with Trainer checkpoints that tests/test_checkpoint_kills.py SIGKILLs and resumes
 (issue 14: the tracker state is never missing from a checkpoint the Trainer considers complete).
 
-``python tests/checkpoint_job.py --out DIR [--resume CHECKPOINT] [--kill-after-state N]``
+``python tests/checkpoint_job.py --out DIR [--resume CHECKPOINT|latest] [--kill-after-state N]``
 
 A real ``transformers.Trainer`` trains a tiny float32 GPT-2 with a `KFACStreamCallback`
 (update every step, float32 storage: deterministic and bit-reproducible on CPU) for ``--steps``
@@ -106,7 +106,8 @@ def main(argv=None) -> None:
     trainer = SequentialTrainer(model=tiny_gpt2(torch.float32, attn_implementation="eager"),
                                 args=args, train_dataset=ListDataset(text_examples(64, 16)),
                                 callbacks=[cb, Ready()])
-    trainer.train(resume_from_checkpoint=opts.resume)
+    # "latest": the Trainer's own choice (resume_from_checkpoint=True: the newest checkpoint-*)
+    trainer.train(resume_from_checkpoint=True if opts.resume == "latest" else opts.resume)
     factors = {k: v.contiguous() for k, v in cb.tracker.store.values().items()}
     save_file(factors, os.path.join(opts.out, f"final-{opts.tag}.safetensors"),
               metadata={"updates": str(cb.tracker.counters.updates)})

@@ -3,8 +3,9 @@
 The Trainer treats a checkpoint as complete once its ``trainer_state.json`` is written, and it
 calls ``on_save`` only after that (and after rotating old checkpoints away). Each chain below
 trains `tests/checkpoint_job.py` (12 steps, a checkpoint every 2, ``save_total_limit=2``) and
-SIGKILLs it, then resumes from the newest checkpoint whose ``trainer_state.json`` parses (what
-``resume_from_checkpoint=True`` would take if the kill left no half-written one), kills the
+SIGKILLs it, then resumes from the newest checkpoint whose ``trainer_state.json`` parses (with
+``resume_from_checkpoint=True``, the Trainer's own choice, when that is the newest
+``checkpoint-*`` directory; by its path when the kill left a newer half-written one), kills the
 resumed run again, and so on until a run finishes. Kills are of two kinds:
 
 * **targeted**: the job kills itself right after writing a ``trainer_state.json`` (the moment
@@ -53,7 +54,11 @@ def _launch(out: str, tag: str, resume: str | None, kill_after_state: int = 0):
     args = [sys.executable, JOB, "--out", out, "--tag", tag, "--steps", str(STEPS),
             "--save-steps", str(SAVE_STEPS), "--kill-after-state", str(kill_after_state)]
     if resume:
-        args += ["--resume", resume]
+        # when the newest checkpoint-* is complete, let the Trainer pick it itself
+        # (resume_from_checkpoint=True), else name the newest complete one
+        newest = max((n for n in os.listdir(out) if n.startswith("checkpoint-")),
+                     key=lambda n: int(n.split("-")[1]))
+        args += ["--resume", "latest" if os.path.basename(resume) == newest else resume]
     log = open(os.path.join(out, f"{tag}.log"), "wb")
     proc = subprocess.Popen(args, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
                             stdin=subprocess.DEVNULL)
@@ -134,13 +139,13 @@ def _chain(base: str, index: int, rng: random.Random, window: float) -> dict:
                     "kills": kills, "resumes": resumes, "log": log}
         assert rc == -signal.SIGKILL, f"{out}/{tag}.log: rc={rc}"
         resume = _newest_complete_checkpoint(out)
-        kills += resume is not None  # a kill before the first checkpoint restarts, not resumes
         if resume is not None and resume.endswith(f"checkpoint-{STEPS}"):
             # killed after the last checkpoint: training is complete, its state is final (not
             # counted: no resume follows)
             log.append(f"{tag}: kill after the last checkpoint")
             return {"out": out, "final": resume, "kills": kills, "resumes": resumes,
                     "log": log}
+        kills += resume is not None  # a kill before the first checkpoint restarts, not resumes
         log.append(f"{tag}: {'targeted' if targeted else 'random'} kill -> resume from "
                    f"{os.path.basename(resume) if resume else 'scratch'}")
     pytest.fail(f"{out}: no run finished in 12 links")
