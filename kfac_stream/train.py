@@ -16,6 +16,7 @@ from a config, byte-level tokens, Python's reference documentation (``conf/``).
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import time
@@ -108,6 +109,13 @@ def _check_choices(cfg: DictConfig) -> None:
     if not 0.0 <= cfg.data.heldout_fraction < 1.0:
         raise AppConfigError(f"data.heldout_fraction={cfg.data.heldout_fraction}: must be in "
                              "[0, 1)")
+    for key in ("windows", "positions", "top_k"):
+        value = cfg.report[key]
+        if value < 1:
+            raise AppConfigError(f"report.{key}={value}: must be a positive integer")
+    tau = cfg.report.prior_precision
+    if not (math.isfinite(tau) and tau > 0):
+        raise AppConfigError(f"report.prior_precision={tau}: must be a positive finite float")
 
 
 def training_arguments(cfg: DictConfig, out: str):

@@ -155,6 +155,8 @@ def test_app_under_accelerate_deepspeed_zero3(tmp_path):
     ("kfac.token_fraction=2", "token_fraction=2.0"),
     ("+trainer.extra.bogus_field=1", "trainer.extra.bogus_field"),
     ("model=hf model.name_or_path=null", "model.name_or_path"),
+    ("report.top_k=0", "report.top_k=0: must be a positive integer"),
+    ("report.prior_precision=-1", "report.prior_precision=-1.0: must be a positive finite float"),
 ])
 def test_bad_override_fails_before_training(tmp_path, override, needle):
     run_dir = tmp_path / "run"
