@@ -18,6 +18,7 @@ script). Contents, by the scripts that use them:
 from __future__ import annotations
 
 import copy
+import json
 import os
 import platform
 import socket
@@ -41,6 +42,14 @@ TITLE = "# Benchmarks\n"
 
 
 # -- results -------------------------------------------------------------------------------------
+
+def write_json(name: str, payload: dict) -> Path:
+    """``benchmarks/results/<name>.json`` (indented; values JSON cannot hold as ``str``)."""
+    path = HERE / "results" / f"{name}.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(payload, indent=1, default=str))
+    return path
+
 
 def write_section(begin: str, end: str, section: str, path: Path = RESULTS,
                   top: bool = False) -> None:

@@ -57,6 +57,7 @@ from _common import (
     free_port,
     machine,
     make_data,
+    write_json,
     write_section,
 )
 
@@ -330,10 +331,9 @@ def main(argv=None) -> None:
     print(section)
     if a.quick:
         return
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "distributed.json").write_text(json.dumps(
+    write_json("distributed",
         {"machine": info, "command": a.command, "results": results, "llama7b_w8": extra,
-         "args": {"pairs": a.pairs, "timed_steps": a.timed_steps}}, indent=1))
+         "args": {"pairs": a.pairs, "timed_steps": a.timed_steps}})
     write_section(BEGIN, END, section)
 
 

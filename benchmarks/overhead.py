@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import multiprocessing
 import os
@@ -74,6 +73,7 @@ from _common import (
     log,
     machine,
     make_data,
+    write_json,
     write_section,
 )
 
@@ -233,9 +233,8 @@ def verdict(results) -> str:
 
 
 def write_outputs(results, a, info) -> None:
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "overhead.json").write_text(json.dumps(
-        {"machine": info, "command": a.command, "args": vars(a), "results": results}, indent=1))
+    write_json("overhead",
+        {"machine": info, "command": a.command, "args": vars(a), "results": results})
     section = "\n".join([
         BEGIN, "## Training overhead of KFACStreamCallback (`benchmarks/overhead.py`)", "",
         f"- date: {info['date']}",

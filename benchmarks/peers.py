@@ -103,7 +103,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
-import json
 import os
 import shlex
 import statistics
@@ -130,6 +129,7 @@ from _common import (
     log,
     machine,
     make_data,
+    write_json,
     write_section,
 )
 
@@ -561,9 +561,8 @@ def verdict(results) -> str:
 
 
 def write_outputs(results, a, info) -> None:
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "peers.json").write_text(json.dumps(
-        {"machine": info, "command": a.command, "args": vars(a), "results": results}, indent=1))
+    write_json("peers",
+        {"machine": info, "command": a.command, "args": vars(a), "results": results})
     v = info["versions"]
     section = "\n".join([
         BEGIN, "## kfac_stream vs post-hoc K-FAC peers (`benchmarks/peers.py`)", "",

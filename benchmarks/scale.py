@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import multiprocessing as mp
 import os
@@ -57,7 +56,7 @@ from kfac_stream.distributed.ownership import assign_owners
 from kfac_stream.store.factor_store import FactorStore
 from kfac_stream.tracker import plan_tracking
 
-from _common import free_port, machine, write_section
+from _common import free_port, machine, write_json, write_section
 
 HERE = Path(__file__).resolve().parent
 
@@ -438,10 +437,9 @@ def main(argv=None) -> None:
     print(section)
     if a.quick:
         return
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "scale.json").write_text(json.dumps(
+    write_json("scale",
         {"machine": info, "command": command.strip(), "device": DEVICE, "sources": SOURCES,
-         "measured": meas, "layouts": layouts, "results": results}, indent=1))
+         "measured": meas, "layouts": layouts, "results": results})
     write_section(BEGIN, END, section)
 
 

@@ -33,7 +33,6 @@ is a smoke run that writes nothing. Otherwise writes a section of ``benchmarks/R
 import argparse
 import cProfile
 import io
-import json
 import os
 import pstats
 import shlex
@@ -56,7 +55,7 @@ from kfac_stream.snapshot.contents import (
 )
 from kfac_stream.snapshot.writer import write_snapshot
 
-from _common import BATCH, MODEL, machine, make_data, write_section
+from _common import BATCH, MODEL, machine, make_data, write_json, write_section
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- snapshot_query:begin -->", "<!-- snapshot_query:end -->"
@@ -197,9 +196,8 @@ def table(r) -> str:
 
 
 def write_outputs(r, a, info) -> None:
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "snapshot_query.json").write_text(json.dumps(
-        {"machine": info, "command": a.command, **r}, indent=1, default=str))
+    write_json("snapshot_query",
+        {"machine": info, "command": a.command, **r})
     st = r["steps"]
     section = "\n".join([
         BEGIN, "## Snapshot and query cost (`benchmarks/snapshot_query.py`)", "",

@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import atexit
 import datetime
-import json
 import os
 import shlex
 import shutil
@@ -78,6 +77,7 @@ from _common import (
     pick,
     save_base_lm,
     train_lm,
+    write_json,
     write_section,
 )
 
@@ -415,9 +415,8 @@ def main(argv=None) -> None:
     print(section, flush=True)
     if a.quick:
         return
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "uncertainty.json").write_text(json.dumps(
-        {"machine": info, "command": a.command, "args": vars(a), **r}, indent=1, default=str))
+    write_json("uncertainty",
+        {"machine": info, "command": a.command, "args": vars(a), **r})
     write_section(BEGIN, END, section)
 
 

@@ -58,7 +58,6 @@ import ast
 import atexit
 import copy
 import datetime
-import json
 import os
 import random
 import re
@@ -85,6 +84,7 @@ from _common import (
     save_base_lm,
     train_and_collect,
     train_lm,
+    write_json,
     write_section,
 )
 
@@ -521,9 +521,8 @@ def main(argv=None) -> None:
     print(section, flush=True)
     if a.quick:
         return
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "uncertainty_classification.json").write_text(json.dumps(
-        {"machine": info, "command": a.command, "args": vars(a), **r}, indent=1, default=str))
+    write_json("uncertainty_classification",
+        {"machine": info, "command": a.command, "args": vars(a), **r})
     write_section(BEGIN, END, section)
 
 
