@@ -172,3 +172,29 @@ def test_loading_never_unpickles(snapshots, monkeypatch):
     root, _ = snapshots
     snap = Snapshot.latest(root)
     assert len(snap.layer_names) == 8
+
+
+@pytest.mark.parametrize("bad", [123, None, b"/tmp", ["step-00000004"]])
+def test_a_path_argument_that_is_not_a_path_is_refused(bad):
+    for call, arg in ((Snapshot.load, "path"), (Snapshot.latest, "root")):
+        with pytest.raises(SnapshotError, match=rf"{arg}=.* is not allowed: must be a str or "
+                                                r"os\.PathLike"):
+            call(bad)
+
+
+def test_manifest_alone_is_checked_against_the_schema(snapshots, tmp_path):
+    """`read_manifest` (what the spectrum monitor reads on the training thread) applies the
+    same schema as `Snapshot.load`, without opening a shard."""
+    from kfac_stream.snapshot.snapshot import read_manifest
+
+    root, _ = snapshots
+    _, newest = copy_of(root, tmp_path)
+    assert read_manifest(newest)["step"] == 4
+    _shard(newest).unlink()
+    assert read_manifest(newest)["step"] == 4  # shards are not its business
+    m = _manifest(newest)
+    m["counts"]["tokens_seen"] = -1000
+    (newest / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(SnapshotError, match=r"manifest\.json: counts\.tokens_seen is -1000; "
+                                            r"expected an integer ≥ 0"):
+        read_manifest(newest)

@@ -15,6 +15,9 @@ input, `capture.sharing`) names the stored key in its manifest entry (``layers[n
 groups. Format 1 (no ``key``, no sharing) is still read. A snapshot is first written to
 ``.step-XXXXXXXX.tmp-<tag>`` and renamed when complete, so a directory under a final name
 is always whole.
+
+The manifest's full schema (every key, its type and range) is `kfac_stream.snapshot.manifest`;
+the limits below bound what a reader accepts before it reads or parses anything.
 """
 
 from __future__ import annotations
@@ -28,6 +31,24 @@ READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 STEP_DIR_RE = re.compile(r"^step-(\d{8})$")
 TMP_DIR_RE = re.compile(r"^\.(step-\d{8})\.tmp-(.+)$")  # hidden name of a snapshot in writing
+SHARD_RE = re.compile(r"^shard-(\d{5,})-of-(\d{5,})\.safetensors$")  # what `shard_name` makes
+
+#: Largest ``manifest.json`` a reader accepts, in bytes. A manifest takes about 1.1 KiB per
+#: tracked layer (8.8 KiB measured for 8 layers), so 64 MiB is ~60 000 layers, far beyond any
+#: model; a larger file is refused from its size, before one byte is read, so a wrong file
+#: (a log, a disk image) cannot exhaust memory.
+MAX_MANIFEST_BYTES = 64 * 2**20
+#: Longest integer literal (digits, without the sign) in a manifest or shard header. Every
+#: integer of the format (step, counts, byte sizes, dims, offsets, ranks) fits in 64 bits, i.e.
+#: at most 20 digits; a longer literal is refused before Python converts it (Python's own
+#: limit, 4300 digits, raises a bare ValueError; below it, conversion is quadratic).
+MAX_INT_DIGITS = 20
+#: Deepest nesting of JSON containers accepted. The manifest's own structure is 5 levels
+#: deep (manifest → layers → layer → factor → spectrum); 32 leaves room for additions. Deeper
+#: documents are refused whole (the parser's recursion would otherwise end in RecursionError).
+MAX_JSON_DEPTH = 32
+#: Largest safetensors header, in bytes: safetensors' own limit (its reader refuses more).
+MAX_SAFETENSORS_HEADER_BYTES = 100_000_000
 
 
 def step_dir_name(step: int) -> str:
@@ -43,6 +64,29 @@ def tmp_dir_name(step: int, tag: str) -> str:
 def shard_name(rank: int, world_size: int) -> str:
     """``shard-00000-of-00001.safetensors``."""
     return f"shard-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def file_name_problem(name: str) -> str | None:
+    """Why ``name`` is not a plain file name that stays inside its directory, or None.
+
+    A plain name has no path separator, is not ``.`` or ``..``, is not absolute, has no NUL
+    or other control character and is at most 255 bytes (the usual file system limit).
+    """
+    if not name:
+        return "an empty name"
+    if "/" in name or "\\" in name:
+        return "a path with a separator, not a plain file name"
+    if name in (".", ".."):
+        return "a directory reference, not a file name"
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in name):
+        return "a name with a NUL or control character"
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError:
+        return "a name that is not valid Unicode text"
+    if len(encoded) > 255:
+        return "a name longer than 255 bytes"
+    return None
 
 
 def layer_fingerprint(layers: dict[str, tuple[int, int, bool]]) -> str:

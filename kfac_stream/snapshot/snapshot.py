@@ -1,24 +1,43 @@
 """`Snapshot`: load and verify a snapshot directory (JSON + safetensors only: nothing on this
-path can execute code from a file; tests/test_snapshot.py checks it).
+path can execute code from a file; tests/test_snapshot.py and tests/test_snapshot_fuzz.py
+check it).
 
-``Snapshot.load(path)`` checks the manifest (JSON, format name and version), that every shard
-listed exists and matches its sha256, and that every tensor has the shape the manifest states;
-anything else raises `SnapshotError` naming the path and the reason.
+``Snapshot.load(path)``:
+
+1. opens the directory once (a symlink given as ``path`` is resolved there, once); every file
+   is then opened relative to that directory by its plain name without following symlinks,
+   and must be a regular file: a symlink (to anywhere, also inside), FIFO, device or
+   directory in its place is refused before it is opened;
+2. reads ``manifest.json`` (at most `layout.MAX_MANIFEST_BYTES`) and checks it against the
+   schema, `manifest.validate_manifest`, before any shard is opened;
+3. for each shard listed: checks its size against the manifest's ``bytes`` and against the
+   size of the tensors the manifest places in it before reading, reads it once, checks the
+   sha256 of exactly the bytes read, parses the safetensors header from the same bytes and
+   checks every tensor's dtype and shape against `manifest.implied_tensors` (no other tensor
+   may be there), then takes the tensors from those bytes (no second open, no pickle);
+4. checks the values: every tensor finite, scales and eigenvalues ≥ 0.
+
+Anything else raises `SnapshotError` naming the file, the key and what was expected (see
+`manifest` for the message format).
 """
 
 from __future__ import annotations
 
-import json
+import errno
+import hashlib
+import math
 import os
+import stat
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from ..exceptions import SnapshotError
-from ..factor_keys import FACTOR_KINDS, factor_key
-from .layout import FORMAT_NAME, MANIFEST, READABLE_VERSIONS, STEP_DIR_RE, sha256_file
+from ..factor_keys import FACTOR_KINDS
+from .layout import MANIFEST, MAX_MANIFEST_BYTES, MAX_SAFETENSORS_HEADER_BYTES, STEP_DIR_RE
+from .manifest import TensorSpec, implied_tensors, parse_json, stored_key, validate_manifest
 
 
 @dataclass(frozen=True)
@@ -84,56 +103,43 @@ class Snapshot:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Snapshot:
-        """Load and verify a snapshot directory.
+        """Load and verify a snapshot directory (the steps in the module docstring).
 
         Raises:
-            SnapshotError: missing/invalid manifest, unknown format version, missing or
-                altered shard, or a tensor whose shape differs from the manifest.
+            SnapshotError: missing, invalid or oversized manifest, unknown format version, a
+                manifest key of the wrong type or range, a symlink or non-regular file, a
+                missing or altered shard, a tensor whose dtype or shape differs from the
+                manifest, non-finite values.
         """
-        path = os.fspath(path)
-        meta = read_manifest(path)
-        tensors: dict[str, torch.Tensor] = {}
-        for fname, info in meta["shards"].items():
-            fpath = os.path.join(path, fname)
-            if os.path.basename(fname) != fname or not os.path.isfile(fpath):
-                raise SnapshotError(f"{path}: shard {fname!r} listed in the manifest is missing")
-            digest = sha256_file(fpath)
-            if digest != info.get("sha256"):
-                raise SnapshotError(f"{fpath}: sha256 mismatch (file altered or truncated)")
-            try:
-                with safe_open(fpath, framework="pt") as f:
-                    for key in f.keys():
-                        tensors[key] = f.get_tensor(key)
-            except Exception as e:  # safetensors raises its own error types
-                raise SnapshotError(f"{fpath}: not a readable safetensors file ({e})") from None
+        path = _path_arg(path, "Snapshot.load", "path")
+        with _SnapshotDir(path) as d:
+            meta = _read_manifest_in(d)
+            implied = implied_tensors(meta)
+            tensors: dict[str, torch.Tensor] = {}
+            origin: dict[str, str] = {}  # tensor name -> shard path, for messages
+            for fname, info in meta["shards"].items():
+                found = _read_shard(d, fname, info, implied, tensors)
+                tensors.update(found)
+                origin.update(dict.fromkeys(found, os.path.join(path, fname)))
+        for name, spec in implied.items():
+            if name not in tensors:
+                where = f"shard {spec.shard!r}" if spec.shard else "the shards"
+                raise SnapshotError(f"{path}: tensor {name!r} is missing from {where}; "
+                                    f"expected it, as the manifest says ({spec.source})")
+        _check_values(tensors, origin)
         layers = {}
         values: dict[str, torch.Tensor] = {}  # dequantised once per stored key (a shared A)
         for name, info in meta["layers"].items():
-            parts = {}
+            parts: dict[str, torch.Tensor | None] = {}
             for factor in FACTOR_KINDS:
-                finfo = info[factor]
-                key = finfo.get("key", factor_key(name, factor))  # format 2: a shared A's key
-                if not isinstance(key, str):
-                    raise SnapshotError(f"{path}: layer {name!r} factor {factor} has a "
-                                        f"non-string key {key!r}")
-                if key not in tensors or f"{key}.scale" not in tensors:
-                    raise SnapshotError(f"{path}: tensor {key!r} is missing from the shards")
+                key = stored_key(meta, name, factor)  # format 2: a shared A's leader key
                 data = tensors[key]
-                d = int(finfo["dim"])
-                want = (d,) if finfo["diagonal"] else (d, d)
-                if tuple(data.shape) != want:
-                    raise SnapshotError(f"{path}: tensor {key!r} has shape {tuple(data.shape)}, "
-                                        f"manifest says {want}")
                 out = torch.float64 if data.dtype == torch.float64 else torch.float32
                 if key not in values:
                     values[key] = data.to(out) * tensors[f"{key}.scale"].to(out)
                 parts[factor] = values[key]
-                vals, vecs = tensors.get(f"{key}.eigvals"), tensors.get(f"{key}.eigvecs")
-                if vals is None or tuple(vals.shape) != (d,) or (
-                        not finfo["diagonal"] and (vecs is None or tuple(vecs.shape) != (d, d))):
-                    raise SnapshotError(f"{path}: eigendecomposition of {key!r} is missing or "
-                                        f"has the wrong shape (manifest says d={d})")
-                parts[f"{factor}_eigvals"], parts[f"{factor}_eigvecs"] = vals, vecs
+                parts[f"{factor}_eigvals"] = tensors[f"{key}.eigvals"]
+                parts[f"{factor}_eigvecs"] = tensors.get(f"{key}.eigvecs")
             layers[name] = LayerFactors(name, parts["A"], parts["G"], info,
                                         parts["A_eigvals"], parts["A_eigvecs"],
                                         parts["G_eigvals"], parts["G_eigvecs"])
@@ -141,40 +147,249 @@ class Snapshot:
 
     @classmethod
     def latest(cls, root: str | os.PathLike) -> Snapshot:
-        """The newest snapshot under ``root`` that loads and verifies; incomplete or altered
-        ones are skipped (with a warning)."""
-        root = os.fspath(root)
+        """The newest snapshot under ``root`` that loads and verifies; incomplete, altered or
+        symlinked ``step-*`` entries are skipped (their reasons are in the error if none
+        loads)."""
+        root = _path_arg(root, "Snapshot.latest", "root")
         steps = sorted((e for e in (os.listdir(root) if os.path.isdir(root) else [])
                         if STEP_DIR_RE.match(e)), reverse=True)
         errors = []
         for entry in steps:
+            full = os.path.join(root, entry)
+            if os.path.islink(full):  # nothing inside root is followed out of it
+                errors.append(f"{full}: is a symbolic link; expected a snapshot directory")
+                continue
             try:
-                return cls.load(os.path.join(root, entry))
+                return cls.load(full)
             except SnapshotError as e:
                 errors.append(str(e))
         detail = f"; skipped: {'; '.join(errors)}" if errors else ""
         raise SnapshotError(f"{root}: no complete snapshot found{detail}")
 
 
-def read_manifest(path: str) -> dict[str, Any]:
-    """The checked ``manifest.json`` of a snapshot directory (format, version, required fields)
-    without reading the shards; raises `SnapshotError` like `Snapshot.load`."""
-    mpath = os.path.join(path, MANIFEST)
-    if not os.path.isdir(path):
-        raise SnapshotError(f"{path}: not a directory")
-    if not os.path.isfile(mpath):
-        raise SnapshotError(f"{mpath}: missing (snapshot incomplete)")
-    try:
-        with open(mpath) as f:
-            meta = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SnapshotError(f"{mpath}: not valid JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
-        raise SnapshotError(f"{mpath}: not a kfac_stream snapshot manifest")
-    if meta.get("format_version") not in READABLE_VERSIONS:
-        raise SnapshotError(f"{mpath}: unknown format_version {meta.get('format_version')!r} "
-                            f"(this kfac_stream reads {', '.join(map(str, READABLE_VERSIONS))})")
-    for key in ("step", "layers", "shards"):
-        if key not in meta:
-            raise SnapshotError(f"{mpath}: field {key!r} is missing")
-    return meta
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """The checked ``manifest.json`` of a snapshot directory (schema and agreement, see
+    `manifest.validate_manifest`) without reading the shards; raises `SnapshotError` like
+    `Snapshot.load`."""
+    path = _path_arg(path, "read_manifest", "path")
+    with _SnapshotDir(path) as d:
+        return _read_manifest_in(d)
+
+
+def _path_arg(value: Any, func: str, name: str) -> str:
+    """``value`` as a path string; `SnapshotError` naming the argument if it is not one (as
+    every error kfac_stream raises on purpose, it derives from `KFACStreamError`)."""
+    if isinstance(value, str) or (isinstance(value, os.PathLike)
+                                  and isinstance(os.fspath(value), str)):
+        return os.fspath(value)
+    shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
+    raise SnapshotError(f"{func}: {name}={shown} is not allowed: must be a str or "
+                        "os.PathLike naming a snapshot directory")
+
+
+# ---------------------------------------------------------------- files ----------------------
+
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+# O_NONBLOCK: a FIFO put in a file's place would block open(); it is refused by fstat instead
+_FILE_FLAGS = os.O_RDONLY | _O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0) | _O_CLOEXEC
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "FIFO"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISSOCK, "socket"), (stat.S_ISLNK, "symbolic link")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+class _SnapshotDir:
+    """A snapshot directory opened once; its files are read by plain name relative to it."""
+
+    def __init__(self, path: str):
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | _O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            raise SnapshotError(f"{path}: not a directory") from None
+        except OSError as e:
+            raise SnapshotError(f"{path}: cannot be opened ({e.strerror})") from None
+
+    def __enter__(self) -> _SnapshotDir:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        os.close(self.fd)
+
+    def read(self, name: str, missing: str, check_size) -> bytearray:
+        """The bytes of the regular file ``name`` in this directory, read once through one
+        descriptor opened without following symlinks. ``check_size(size)`` runs before the
+        file is opened (it raises to refuse); ``missing``: the message if there is no file."""
+        fpath = os.path.join(self.path, name)
+        try:
+            st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
+        except FileNotFoundError:
+            raise SnapshotError(missing) from None
+        except OSError as e:
+            raise SnapshotError(f"{fpath}: cannot be read ({e.strerror})") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise SnapshotError(f"{fpath}: is a symbolic link; expected a regular file inside "
+                                "the snapshot directory (links are never followed)")
+        if not stat.S_ISREG(st.st_mode):
+            raise SnapshotError(f"{fpath}: is a {_kind(st.st_mode)}; expected a regular file")
+        check_size(st.st_size)
+        try:
+            fd = os.open(name, _FILE_FLAGS, dir_fd=self.fd)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EMLINK):  # became a symlink since the stat
+                raise SnapshotError(f"{fpath}: is a symbolic link; expected a regular file "
+                                    "inside the snapshot directory") from None
+            raise SnapshotError(f"{fpath}: cannot be read ({e.strerror})") from None
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            now = os.fstat(fd)
+            if (now.st_dev, now.st_ino, now.st_size) != (st.st_dev, st.st_ino, st.st_size):
+                raise SnapshotError(f"{fpath}: changed while being opened; expected a "
+                                    "snapshot no one is writing")
+            buf = bytearray(now.st_size)
+            with memoryview(buf) as view:
+                n = 0
+                while n < len(buf) and (got := f.readinto(view[n:])):
+                    n += got
+            if n != len(buf) or f.read(1):
+                raise SnapshotError(f"{fpath}: changed size while being read; expected a "
+                                    "snapshot no one is writing")
+        return buf
+
+
+def _read_manifest_in(d: _SnapshotDir) -> dict[str, Any]:
+    mpath = os.path.join(d.path, MANIFEST)
+
+    def check_size(size: int) -> None:
+        if size > MAX_MANIFEST_BYTES:
+            raise SnapshotError(f"{mpath}: is {size} bytes; expected at most "
+                                f"{MAX_MANIFEST_BYTES} (layout.MAX_MANIFEST_BYTES)")
+
+    data = d.read(MANIFEST, f"{mpath}: missing (snapshot incomplete)", check_size)
+    return validate_manifest(parse_json(data, mpath), mpath)
+
+
+# ---------------------------------------------------------------- shards ---------------------
+
+_ST_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
+
+
+def _read_shard(d: _SnapshotDir, fname: str, info: dict[str, Any],
+                implied: dict[str, TensorSpec], done: dict[str, torch.Tensor]
+                ) -> dict[str, torch.Tensor]:
+    """The tensors of shard ``fname`` (listed in the manifest with ``info``), verified."""
+    fpath = os.path.join(d.path, fname)
+    ipath = f"shards[{fname!r}]"
+    # the tensors this shard may hold: those the manifest places in it, and those of format-1
+    # entries that name no shard (any shard) not found yet
+    allowed = {k: s for k, s in implied.items()
+               if s.shard == fname or (s.shard is None and k not in done)}
+    placed = sum(s.nbytes for s in allowed.values() if s.shard == fname)
+    free = sum(s.nbytes for s in allowed.values() if s.shard is None)
+    lo, hi = 8 + 2 + placed, 8 + MAX_SAFETENSORS_HEADER_BYTES + placed + free
+    if not lo <= info["bytes"] <= hi:
+        raise SnapshotError(f"{d.path}: {ipath}.bytes is {info['bytes']}; expected {lo} to "
+                            f"{hi}: the {placed + free} bytes of the tensors the manifest "
+                            "places in it, plus a safetensors header")
+
+    def check_size(size: int) -> None:
+        if size != info["bytes"]:
+            raise SnapshotError(f"{fpath}: size/sha256 mismatch (file altered or truncated): "
+                                f"it has {size} bytes; expected {ipath}.bytes = "
+                                f"{info['bytes']}")
+
+    buf = d.read(fname, f"{d.path}: shard {fname!r} listed in the manifest is missing",
+                 check_size)
+    digest = hashlib.sha256(buf).hexdigest()
+    if digest != info["sha256"]:
+        raise SnapshotError(f"{fpath}: sha256 mismatch (file altered or truncated): it is "
+                            f"{digest}; expected {ipath}.sha256 = {info['sha256']}")
+    return _safetensors(buf, fpath, allowed)
+
+
+def _safetensors(buf: bytearray, fpath: str, allowed: dict[str, TensorSpec]
+                 ) -> dict[str, torch.Tensor]:
+    """Tensors of the safetensors file in ``buf``, each checked against ``allowed`` (dtype,
+    shape) before it is made; the data offsets must tile the data section exactly."""
+    bad = f"{fpath}: not a readable safetensors file"
+    if len(buf) < 10:
+        raise SnapshotError(f"{bad}: {len(buf)} bytes; expected at least 10 (header length "
+                            "and header)")
+    n = int.from_bytes(buf[:8], "little")
+    if n > len(buf) - 8 or n > MAX_SAFETENSORS_HEADER_BYTES:
+        raise SnapshotError(f"{bad}: its header length is {n} bytes; expected at most "
+                            f"{min(len(buf) - 8, MAX_SAFETENSORS_HEADER_BYTES)} (the rest of "
+                            "the file)")
+    header = parse_json(memoryview(buf)[8:8 + n], f"{fpath} (safetensors header)")
+    if not isinstance(header, dict):
+        raise SnapshotError(f"{bad}: its header is not a JSON object")
+    extra = header.pop("__metadata__", {})
+    if not isinstance(extra, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in extra.items()):
+        raise SnapshotError(f"{bad}: its __metadata__ is not an object of strings")
+    start, size = 8 + n, len(buf) - 8 - n
+    spans = []
+    for name, entry in sorted(header.items()):  # by name: a factor before its parts
+        spec = allowed.get(name)
+        if spec is None:
+            raise SnapshotError(f"{fpath}: tensor {name!r} is in this shard; expected only "
+                                "the tensors the manifest places in it")
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise SnapshotError(f"{bad}: the header entry of {name!r} is not an object with "
+                                "dtype, shape and data_offsets")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not (isinstance(shape, list) and all(_is_int(x) and x >= 0 for x in shape)
+                and isinstance(offsets, list) and len(offsets) == 2
+                and all(_is_int(x) for x in offsets)):
+            raise SnapshotError(f"{bad}: the header entry of {name!r} has a malformed shape "
+                                "or data_offsets")
+        if _ST_DTYPES.get(dtype) != spec.dtype or tuple(shape) != spec.shape:
+            raise SnapshotError(f"{fpath}: tensor {name!r} is {dtype} {shape}, manifest says "
+                                f"{spec.dtype} {list(spec.shape)} ({spec.source})")
+        b, e = offsets
+        if not 0 <= b <= e <= size or e - b != spec.nbytes:
+            raise SnapshotError(f"{bad}: tensor {name!r} has data_offsets [{b}, {e}]; "
+                                f"expected {spec.nbytes} bytes inside the {size}-byte data")
+        spans.append((b, e, name))
+    pos = 0
+    for b, e, name in sorted(spans):
+        if b != pos:
+            raise SnapshotError(f"{bad}: tensor {name!r} starts at byte {b} of the data; "
+                                f"expected {pos} (tensors tile the data without gaps)")
+        pos = e
+    if pos != size:
+        raise SnapshotError(f"{bad}: its tensors end at byte {pos} of the data; expected "
+                            f"{size} (the end of the file)")
+    out = {}
+    for b, e, name in spans:
+        spec = allowed[name]
+        dtype = getattr(torch, spec.dtype)
+        if (start + b) % dtype.itemsize:  # unaligned (not as safetensors writes): a copy
+            t = torch.frombuffer(bytearray(buf[start + b:start + e]), dtype=dtype)
+        else:
+            t = torch.frombuffer(buf, dtype=dtype, count=math.prod(spec.shape),
+                                 offset=start + b)
+        if sys.byteorder == "big":  # safetensors is little-endian
+            t = torch.from_numpy(t.numpy().byteswap())
+        out[name] = t.view(spec.shape)
+    return out
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_values(tensors: dict[str, torch.Tensor], origin: dict[str, str]) -> None:
+    """Every tensor finite; every scale and eigenvalue ≥ 0."""
+    for name, t in tensors.items():
+        if not bool(torch.isfinite(t).all()):
+            raise SnapshotError(f"{origin[name]}: tensor {name!r} has non-finite values; "
+                                "expected finite numbers")
+        if name.endswith((".scale", ".eigvals")) and bool((t < 0).any()):
+            raise SnapshotError(f"{origin[name]}: tensor {name!r} has negative values "
+                                f"(min {float(t.min()):g}); expected ≥ 0")
