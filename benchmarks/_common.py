@@ -17,11 +17,15 @@ script). Contents, by the scripts that use them:
 
 from __future__ import annotations
 
+import atexit
 import copy
+import datetime
 import json
 import os
 import platform
+import shutil
 import socket
+import tempfile
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -49,6 +53,26 @@ def write_json(name: str, payload: dict) -> Path:
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps(payload, indent=1, default=str))
     return path
+
+
+def run_uncertainty_benchmark(name: str, a, run, report, begin: str, end: str) -> None:
+    """The uncertainty scripts' main body: ``run(a)`` timed, ``report(r, a, info)`` printed,
+    then (unless ``a.quick``) ``results/<name>.json`` and the RESULTS.md section written.
+    ``--quick`` trains its base LM into a temporary directory that is removed at exit."""
+    if a.quick:
+        a.base_model = tempfile.mkdtemp(prefix="kfac-bench-lm-")
+        atexit.register(shutil.rmtree, a.base_model, ignore_errors=True)
+    t0 = time.perf_counter()
+    info = dict(machine({"laplace_torch": "laplace-torch", "peft": "peft"}),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    r = run(a)
+    r["total_seconds"] = time.perf_counter() - t0
+    section = report(r, a, info)
+    print(section, flush=True)
+    if a.quick:
+        return
+    write_json(name, {"machine": info, "command": a.command, "args": vars(a), **r})
+    write_section(begin, end, section)
 
 
 def write_section(begin: str, end: str, section: str, path: Path = RESULTS,

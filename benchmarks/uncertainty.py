@@ -52,11 +52,8 @@ item 3, ``benchmarks/uncertainty_classification.py``, fine-tunes the LM this tas
 from __future__ import annotations
 
 import argparse
-import atexit
-import datetime
 import os
 import shlex
-import shutil
 import sys
 import tempfile
 import time
@@ -72,13 +69,11 @@ from _common import (
     auroc,
     conv1d_to_linear,
     lm_datasets,
-    machine,
     nll_ece,
     pick,
+    run_uncertainty_benchmark,
     save_base_lm,
     train_lm,
-    write_json,
-    write_section,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -404,20 +399,7 @@ def main(argv=None) -> None:
                                                                  else sys.argv[1:])
     if a.quick:
         a.steps, a.seqs, a.positions, a.kron_fit, a.mc_samples = 30, 4, 3, 8, 32
-        a.base_model = tempfile.mkdtemp(prefix="kfac-bench-lm-")
-        atexit.register(shutil.rmtree, a.base_model, ignore_errors=True)
-    t0 = time.perf_counter()
-    info = dict(machine({"laplace_torch": "laplace-torch", "peft": "peft"}),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    r = run(a)
-    r["total_seconds"] = time.perf_counter() - t0
-    section = report(r, a, info)
-    print(section, flush=True)
-    if a.quick:
-        return
-    write_json("uncertainty",
-        {"machine": info, "command": a.command, "args": vars(a), **r})
-    write_section(BEGIN, END, section)
+    run_uncertainty_benchmark("uncertainty", a, run, report, BEGIN, END)
 
 
 if __name__ == "__main__":

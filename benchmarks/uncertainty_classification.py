@@ -55,14 +55,11 @@ from __future__ import annotations
 
 import argparse
 import ast
-import atexit
 import copy
-import datetime
 import os
 import random
 import re
 import shlex
-import shutil
 import sys
 import sysconfig
 import tempfile
@@ -79,13 +76,11 @@ from kfac_stream.query.laplace import probs_from_gaussian
 
 from _common import (
     lm_datasets,
-    machine,
     nll_ece,
+    run_uncertainty_benchmark,
     save_base_lm,
     train_and_collect,
     train_lm,
-    write_json,
-    write_section,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -510,20 +505,7 @@ def main(argv=None) -> None:
     if a.quick:
         a.lm_steps, a.mc_samples = 30, 32
         a.train_per_class, a.val_per_class, a.test_per_class, a.ft_steps = 8, 4, 8, 4
-        a.base_model = tempfile.mkdtemp(prefix="kfac-bench-lm-")
-        atexit.register(shutil.rmtree, a.base_model, ignore_errors=True)
-    t0 = time.perf_counter()
-    info = dict(machine({"laplace_torch": "laplace-torch", "peft": "peft"}),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-    r = run(a)
-    r["total_seconds"] = time.perf_counter() - t0
-    section = report(r, a, info)
-    print(section, flush=True)
-    if a.quick:
-        return
-    write_json("uncertainty_classification",
-        {"machine": info, "command": a.command, "args": vars(a), **r})
-    write_section(BEGIN, END, section)
+    run_uncertainty_benchmark("uncertainty_classification", a, run, report, BEGIN, END)
 
 
 if __name__ == "__main__":

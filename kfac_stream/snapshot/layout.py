@@ -94,11 +94,3 @@ def layer_fingerprint(layers: dict[str, tuple[int, int, bool]]) -> str:
     text = "\n".join(f"{n}:{d_in}:{d_out}:{int(b)}" for n, (d_in, d_out, b) in layers.items())
     return hashlib.sha256(text.encode()).hexdigest()
 
-
-def sha256_file(path: str, chunk: int = 1 << 20) -> str:
-    """Hex sha256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()

@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 
 from ..distributed.context import LOCAL
 from ..exceptions import SnapshotError
-from ..files import fsync_path
-from .layout import MANIFEST, TMP_DIR_RE, sha256_file, shard_name, step_dir_name, tmp_dir_name
+from ..files import fsync_path, sha256_of
+from .layout import MANIFEST, TMP_DIR_RE, shard_name, step_dir_name, tmp_dir_name
 from .snapshot import Snapshot
 
 
@@ -33,7 +33,7 @@ def write_shard(tmp_dir: str, tensors: dict[str, torch.Tensor], rank: int,
     path = os.path.join(tmp_dir, name)
     save_file({k: v.contiguous() for k, v in tensors.items()}, path)
     fsync_path(path)
-    return {"file": name, "sha256": sha256_file(path), "bytes": os.path.getsize(path)}
+    return {"file": name, "sha256": sha256_of(path), "bytes": os.path.getsize(path)}
 
 
 def clean_stale_tmp(root: str) -> None:
@@ -153,7 +153,7 @@ def _finish(root: str, tmp: str, final: str, reports: list[dict],
             continue
         info = r["shard"]
         path = os.path.join(tmp, info["file"])
-        if not os.path.isfile(path) or sha256_file(path) != info["sha256"]:
+        if not os.path.isfile(path) or sha256_of(path) != info["sha256"]:
             raise SnapshotError(f"shard {info['file']} of rank {r['rank']} is missing or "
                                 f"differs from what rank {r['rank']} wrote")
         shards[info["file"]] = {"sha256": info["sha256"], "bytes": info["bytes"],
