@@ -46,7 +46,7 @@ test-slow: $(STAMP) $(PEERS)  ## run only the slow tests (long runs, kill -9 cam
 	$(PY) -m pytest -q -rs -m slow tests
 
 demo: $(STAMP)  ## the main job on its offline defaults (tiny GPT-2, Python docs) → out/demo
-	$(PY) -m kfac_stream.train hydra.run.dir=out/demo
+	$(VENV)/bin/kfac-stream demo
 
 # Benchmark-only peers (never runtime dependencies): the test peers plus kronfluence.
 BENCH_PEERS := $(VENV)/.bench-peers

@@ -186,15 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--top-k", type=int, default=5)
     q.add_argument("--prior-precision", default="marglik", help="a float or 'marglik'")
     q.add_argument("--samples", type=int, default=2000)
-    sub.add_parser("demo", help="kfac-stream train with its offline defaults into out/demo",
-                   add_help=False)
+    sub.add_parser("demo", help="kfac-stream train with its offline defaults into out/demo "
+                   "(= kfac-stream train --config-name demo)", add_help=False)
     sub.add_parser("train", help="the Hydra training app (kfac_stream.train): "
-                   "kfac-stream train key=value ... (--help: Hydra's help)", add_help=False)
+                   "kfac-stream train [-cd DIR] [-cn NAME] key=value ... (configs shipped in "
+                   "kfac_stream/conf; --help: Hydra's help)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("train", "demo"):  # Hydra parses its own command line
         from .train import cli_main as train_main
 
-        demo = ["hydra.run.dir=out/demo"] if argv[0] == "demo" else []
+        # demo: the packaged kfac_stream/conf/demo.yaml (config.yaml into out/demo), as a
+        # leading flag, so the user's own flags and overrides follow in any order Hydra accepts
+        demo = ["--config-name", "demo"] if argv[0] == "demo" else []
         sys.argv = [f"kfac-stream {argv[0]}", *demo, *argv[1:]]
         train_main()
         return 0

@@ -10,7 +10,21 @@ under the ``deepspeed`` launcher (``trainer.deepspeed=launch/deepspeed/zero3.jso
 several processes the run directory is rank 0's (all ranks write their snapshot shards there).
 
 Defaults need no network and finish in a few minutes on 2 CPU cores: a 2 x 128 GPT-2 built
-from a config, byte-level tokens, Python's reference documentation (``conf/``).
+from a config, byte-level tokens, Python's reference documentation.
+
+Configs: ``kfac_stream/conf/`` inside the package (``config.yaml`` and the groups ``model``,
+``data``, ``kfac``, ``trainer``, ``logging``, ``report``), found from any working directory.
+Override any key on the command line (``kfac-stream train trainer.max_steps=200
+model.n_layer=4``), or add configs of your own with Hydra's flags (before the overrides):
+``--config-dir DIR`` (``-cd``) adds ``DIR`` to the search path, after the shipped directory
+(new group options such as ``DIR/model/mine.yaml``, chosen by ``model=mine``; a shipped file
+of the same name wins), and ``--config-name NAME`` (``-cn``) picks the primary config
+``NAME.yaml`` (default ``config``; ``demo`` is ``config`` into ``out/demo``, what
+``kfac-stream demo`` runs). A primary config of your own should list ``- config`` first in its
+defaults (then ``override model: mine``, ... and ``_self_``) to keep the typed schema, e.g.
+``kfac-stream train -cd my_conf -cn my_run trainer.max_steps=200``.
+``kfac-stream train --help`` prints these flags and the composed config; ``--hydra-help``
+all of Hydra's.
 """
 
 from __future__ import annotations
@@ -36,7 +50,13 @@ logger = logging.getLogger("kfac_stream")
 register()
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+#: The app's configs, shipped inside the package (package data). An absolute path, so
+#: Hydra reads them as files from any working directory, whether the package is installed or
+#: run from a checkout (``--config-dir``/``-cd`` adds a directory searched after this one).
+CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
         run(cfg)

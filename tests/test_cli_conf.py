@@ -1,4 +1,4 @@
-"""conf/ mirrors KFACConfig; the CLI reads real snapshots."""
+"""kfac_stream/conf/ mirrors KFACConfig; the CLI reads real snapshots."""
 
 import dataclasses
 import pathlib
@@ -13,22 +13,39 @@ from kfac_stream.stats.spectrum import spectrum_stats
 from harness import run
 from models import text_examples, tiny_gpt2
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONF = pathlib.Path(__file__).resolve().parents[1] / "kfac_stream" / "conf"
 
 
 def test_conf_defaults_match_kfacconfig():
-    """The app's composed ``kfac`` node is KFACConfig's defaults; conf/kfac/default.yaml
-    repeats none of them (the dataclass is the one source)."""
+    """The app's composed ``kfac`` node is KFACConfig's defaults; kfac_stream/conf/kfac/
+    default.yaml repeats none of them (the dataclass is the one source)."""
     from hydra import compose, initialize_config_dir
 
     from kfac_stream.app.schema import register
 
-    assert yaml.safe_load((ROOT / "conf" / "kfac" / "default.yaml").read_text()) is None
+    assert yaml.safe_load((CONF / "kfac" / "default.yaml").read_text()) is None
     register()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         conf = compose("config").kfac
     defaults = {f.name: f.default for f in dataclasses.fields(KFACConfig)}
     assert dict(conf) == defaults
+
+
+def test_conf_demo_is_config_into_out_demo():
+    """``kfac-stream demo`` (``--config-name demo``): the job config of ``config``, and the run
+    directory ``out/demo``."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from kfac_stream.app.schema import register
+
+    register()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        assert compose("demo", return_hydra_config=True).hydra.run.dir == "out/demo"
+        assert compose("config", return_hydra_config=True).hydra.run.dir != "out/demo"
+        demo, config = compose("demo"), compose("config")
+    assert OmegaConf.to_container(demo) == OmegaConf.to_container(config)
+    assert OmegaConf.get_type(demo) is OmegaConf.get_type(config)
 
 
 def test_cli_inspect_prints_the_snapshot_table(tmp_path, capsys):
