@@ -13,6 +13,7 @@ from .exceptions import (
     UnsupportedModuleError,
 )
 from .integrations.hf_callback import KFACStreamCallback
+from .integrations.spectrum_monitor import snapshot_metrics, step_metrics
 from .query.laplace import LaplacePosterior
 from .snapshot.snapshot import LayerFactors, Snapshot
 
@@ -22,6 +23,9 @@ __all__ = [
     # training-time tracking
     "KFACConfig",
     "KFACStreamCallback",
+    # monitoring: the metrics the callback reports (names: integrations.spectrum_monitor)
+    "snapshot_metrics",
+    "step_metrics",
     # snapshots
     "Snapshot",
     "LayerFactors",

@@ -83,19 +83,17 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
 
     from .app import data as appdata
     from .integrations.hf_callback import KFACStreamCallback
-    from .integrations.spectrum_monitor import SpectrumMonitor
 
     model, tokenizer, seq_len = _model(cfg)
     train_docs, heldout_docs, ood_docs = _documents(cfg)
     train = appdata.lm_examples(appdata.encode_documents(train_docs, tokenizer), seq_len)
     if not train:
         raise AppConfigError(f"data: the training text yields no window of seq_len={seq_len}")
-    kfac = KFACStreamCallback(kcfg)
-    monitor = SpectrumMonitor(kfac, log_every=cfg.logging.log_every, media=cfg.logging.media)
+    # the callback reports its spectra and scalars to the Trainer's reporters itself
+    kfac = KFACStreamCallback(kcfg, log_every=cfg.logging.log_every,
+                              report_media=cfg.logging.media)
     trainer = Trainer(model=model, args=args, train_dataset=appdata.ExampleDataset(train),
-                      callbacks=[kfac, monitor])
-    monitor.bind(trainer)
-    _quiet_console(trainer)
+                      callbacks=[kfac])
     t0 = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - t0
@@ -210,29 +208,6 @@ def _documents(cfg: DictConfig) -> tuple[list[str], list[str], dict[str, list[st
     train, heldout = appdata.split_documents(docs, d.heldout_fraction, seed=cfg.model.seed)
     ood = {name: getattr(appdata, OOD_SETS[name])() for name in d.ood}
     return train, heldout, {name: docs for name, docs in ood.items() if docs}
-
-
-def _quiet_console(trainer) -> None:
-    """Keep the per-layer ``kfac/...`` scalars out of the console (the Trainer prints every
-    logged dict; a 32-layer model logs ~900 spectrum keys per snapshot). Reporters still get
-    them; the report at the end prints the table."""
-    from transformers.trainer_callback import PrinterCallback, ProgressCallback
-
-    for cls in (ProgressCallback, PrinterCallback):
-        old = trainer.pop_callback(cls)
-        if old is not None:
-            trainer.add_callback(_without_kfac_keys(cls)())
-
-
-def _without_kfac_keys(cls):
-    class Quiet(cls):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            kept = {k: v for k, v in (logs or {}).items() if not k.startswith("kfac")}
-            if len(kept) > (1 if "epoch" in kept else 0):
-                return super().on_log(args, state, control, logs=kept, **kwargs)
-
-    Quiet.__name__ = f"Quiet{cls.__name__}"
-    return Quiet
 
 
 def _strip_local_rank_arg() -> None:

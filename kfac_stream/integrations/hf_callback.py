@@ -3,7 +3,9 @@
 Event order in a Trainer step: ``on_step_begin`` → per micro-batch forward/backward (hooks
 collect rows) → optimizer step → ``on_step_end`` (MC pass, EMA update, maybe a snapshot; when
 the Trainer is about to save a checkpoint, the tracker state, see `kfac_stream.tracker_state`)
-→ the Trainer's checkpoint → ``on_save`` (the state moves into the checkpoint).
+→ the Trainer's checkpoint → ``on_save`` (the state moves into the checkpoint). Each finished
+snapshot's spectra (and every ``log_every`` steps the tracker's scalars) go to the Trainer's
+reporters, see `kfac_stream.integrations.spectrum_monitor` for the names.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from ..tracker_state import (
     pending_state_dir,
     save_tracker_state,
 )
+from .spectrum_monitor import SpectraReporter, find_callback_handler
 
 logger = logging.getLogger("kfac_stream")
 
@@ -45,11 +48,19 @@ class KFACStreamCallback(TrainerCallback):
             Trainer saved it (every checkpoint carries the state, see `on_save`).
         spectra_media: On rank 0, after each snapshot (on the snapshot thread): histograms of
             log10 eigenvalues into ``media[path]`` and a PNG ``<snapshot>.spectra.png`` (needs
-            matplotlib), for `kfac_stream.integrations.spectrum_monitor.SpectrumMonitor`.
+            matplotlib); reported to an active W&B run with the spectra.
         missing_state: What a resume from a checkpoint without a complete tracker state does:
             ``"error"`` (raise `TrackerStateError` naming the checkpoint and the ways out) or
             ``"fresh"`` (start the factors from zero, with a warning): an explicit opt-in,
             e.g. to resume a run that was trained without kfac_stream.
+        report_spectra: Report each snapshot's spectrum statistics and the tracker's scalars
+            through the Trainer's reporters (``report_to``: W&B, TensorBoard, MLflow, ...),
+            media to an active W&B run; False: no ``kfac`` key is logged. Names and
+            conventions: `kfac_stream.integrations.spectrum_monitor`.
+        log_every: The tracker's scalars (``step_metrics``) every this many steps; None: with
+            the Trainer's own logs (``logging_steps``); 0: never.
+        report_media: With ``report_spectra``, also log the ``spectra_media`` (histograms,
+            PNG) to an active W&B run; False: scalars only (the PNG is still written).
 
     Attributes:
         tracker: The live `Tracker` during training (None before ``on_train_begin``).
@@ -58,10 +69,14 @@ class KFACStreamCallback(TrainerCallback):
 
     def __init__(self, config: KFACConfig | None = None, background_snapshots: bool = True,
                  resume_from: str | None = None, spectra_media: bool = True,
-                 missing_state: str = "error") -> None:
+                 missing_state: str = "error", report_spectra: bool = True,
+                 log_every: int | None = None, report_media: bool = True) -> None:
         if missing_state not in ("error", "fresh"):
             raise KFACConfigError(f"KFACStreamCallback(missing_state={missing_state!r}) is not "
                                   "allowed: must be 'error' or 'fresh'")
+        if log_every is not None and int(log_every) < 0:
+            raise KFACConfigError(f"KFACStreamCallback(log_every={log_every!r}) is not allowed: "
+                                  "must be None (with the Trainer's logs), 0 (never) or > 0")
         self.missing_state = missing_state
         self.config = config or KFACConfig()
         self.tracker: Tracker | None = None
@@ -71,6 +86,8 @@ class KFACStreamCallback(TrainerCallback):
         self.resume_from = resume_from
         self.spectra_media = spectra_media
         self.media: dict[str, dict] = {}  # snapshot path -> histograms and PNG (rank 0)
+        self.report_spectra = report_spectra
+        self._reporter = SpectraReporter(log_every, media=report_media)
         self._worker = SnapshotWorker()
         self._comm = LOCAL
         self._last_snapshot_step: int | None = None
@@ -81,8 +98,13 @@ class KFACStreamCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if model is None:
             raise ValueError("KFACStreamCallback needs the model (Trainer passes it)")
+        handler = find_callback_handler()  # the Trainer's reporters (not given to callbacks)
+        if handler is None and self.report_spectra:
+            logger.info("kfac_stream: not called by a Trainer's callback handler: spectra "
+                        "go only to an active W&B run")
         cfg = KFACConfig(**self.config.to_dict())  # re-validate (the config may be a copy)
         self.close()
+        self._reporter.start(handler, len(self.snapshots))  # earlier runs' are not reported
         specs, plan = plan_tracking(model, cfg)  # collective under ZeRO-3 (probe forward)
         modules = dict(model.named_modules())
         async_updates = cfg.async_updates
@@ -174,6 +196,10 @@ class KFACStreamCallback(TrainerCallback):
         if state.global_step % self.config.snapshot_every == 0:
             self.save_snapshot(state.global_step, state.epoch)
         self._save_pending_state(args, state, control)
+        if self.report_spectra:
+            if control.should_training_stop:  # last step: the snapshot in flight reaches
+                self._worker.wait()  # every reporter before they end their runs
+            self._reporter.step(self, args, state, control)
         return control
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -181,6 +207,8 @@ class KFACStreamCallback(TrainerCallback):
             if self._last_snapshot_step != state.global_step:
                 self.save_snapshot(state.global_step, state.epoch)
             self.close()
+            if self.report_spectra:  # the reporters ended their runs before this event
+                self._reporter.snapshots(self, args, state, control, after_end=True)
         return control
 
     # -- public helpers --------------------------------------------------------------------------

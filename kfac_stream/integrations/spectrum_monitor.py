@@ -1,12 +1,19 @@
-"""Spectrum monitoring: curvature statistics of every snapshot to W&B, TensorBoard, MLflow...
+"""Spectra and tracker scalars of `KFACStreamCallback`, sent through the Trainer's reporting.
 
-`SpectrumMonitor` is a ``TrainerCallback`` placed after the `KFACStreamCallback` in the
-Trainer's callback list. For each snapshot the K-FAC callback finishes it logs
-`snapshot_metrics` (from the manifest's per-factor ``spectrum``) through ``Trainer.log``
-(every reporter of the Trainer receives them) and, when a W&B run is active, histograms of the
-log10 eigenvalues and a PNG of the spectra. Only the main process logs.
+`KFACStreamCallback` reports by itself (``report_spectra=True``, the default): nothing to bind,
+nothing else in ``callbacks``. On the main process, for every snapshot it finishes it sends
+`snapshot_metrics` (read from the manifest's per-factor ``spectrum``) and, every ``log_every``
+steps, `step_metrics`, to each reporter of the Trainer: the callbacks ``report_to`` made
+(W&B, TensorBoard, MLflow, Comet, ...; the same classes added by hand count too). With an
+active W&B run it also logs the log10-eigenvalue histograms and the spectra PNG there.
+``report_spectra=False`` turns all of it off (no ``kfac`` key is logged at all).
 
-Metric names (``prefix="kfac"``; ``<layer>`` is the module name, ``<F>`` is ``A`` or ``G``):
+Metric names. The name column is what the callback logs; the reporters of W&B and TensorBoard
+(and the others that use transformers' ``rewrite_logs``: Comet, ClearML, SwanLab, trackio, ...)
+show every Trainer metric under ``train/``, the Trainer's ``loss`` as ``train/loss``, so these
+as ``train/kfac/...`` (e.g. ``train/kfac/transformer.h.0.mlp.c_fc/A/max``); MLflow shows the
+names as written. The media rows go straight to the W&B run: their names arrive as written.
+``<layer>`` is the module name, ``<F>`` is ``A`` or ``G``:
 
 =========================================  =========================  =========================
 name                                       when                       value
@@ -34,32 +41,48 @@ name                                       when                       value
                                                                       ``ms_per_step``
 =========================================  =========================  =========================
 
+``log_every``: ``None`` (the default) logs the step scalars with the Trainer's own logs (the
+steps where it logs its loss, ``logging_steps``), ``N`` every ``N`` steps, ``0`` never.
+
 Conventions:
 
 * The condition number is logged as ``log10_cond`` only: it spans 1 to 1e12 (eigenvalues
   below ``1e-12·max`` do not count, so ``0 ≤ log10_cond < 12``), which a linear chart cannot
   show, and a zero factor's is infinite, which W&B and TensorBoard chart poorly; for a zero
   factor the key is left out of that row (and out of the summaries).
-* The Trainer's W&B and TensorBoard reporters prefix every key with ``train/``
-  (``train/kfac/...``); W&B rows written here directly (media; scalars when the Trainer does
-  not report to W&B or no Trainer is bound) use the names above, media rows with the
-  Trainer's ``train/global_step`` axis when the Trainer reports to W&B.
+* Reporters are called directly (their ``on_log``), as ``Trainer.log`` calls them, at the
+  Trainer's ``global_step``: the Trainer's console printer and ``state.log_history`` do not
+  get the (many) per-layer keys, and the Trainer's own loss logs are unaffected. Media rows
+  carry ``train/global_step``, the W&B step axis the Trainer's W&B reporter defines. Without
+  a W&B reporter but with an active W&B run (the user's ``wandb.init``), the scalars go to
+  that run too, names as written.
 * A snapshot is written on a background thread, so it is usually logged at a later step
-  than its own: ``kfac/snapshot_step`` says which snapshot a row describes. The PNG is written
-  next to the snapshot directory as ``<snapshot dir>.spectra.png``. Histograms and PNG are
-  made by `KFACStreamCallback` on its snapshot thread (``spectra_media=True``, matplotlib for
-  the PNG), so this callback reads only the manifest on the training thread.
+  than its own: ``kfac/snapshot_step`` says which snapshot a row describes. Snapshots up to
+  the last step are reported before the reporters end their runs; one written in
+  ``on_train_end`` (the last step is not a multiple of ``snapshot_every``, or a callback stopped
+  training) comes after, and reaches W&B and TensorBoard only. The PNG is written next to the
+  snapshot directory as ``<snapshot dir>.spectra.png``. Histograms and PNG are made on the
+  snapshot thread (``spectra_media=True``, matplotlib for the PNG; ``report_media=False``
+  keeps them out of W&B), so the training thread reads only the manifest.
+* The reporters are found on the call stack of the Trainer's ``on_train_begin`` event (the
+  Trainer's callback handler; callbacks are not given the Trainer). Where there is none
+  (callback events called by hand), the scalars go only to an active W&B run.
+* `SpectrumMonitor`, the separate callback of earlier versions, is deprecated: it switches the
+  K-FAC callback's own reporting off and reports the same names through a bound Trainer.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import statistics
 import sys
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
-from transformers.integrations import TensorBoardCallback, WandbCallback
+from transformers.integrations import INTEGRATION_TO_CALLBACK, TensorBoardCallback, WandbCallback
+from transformers.trainer_callback import CallbackHandler
 
 from ..factor_keys import FACTOR_KINDS, split_factor_key
 from ..snapshot.snapshot import read_manifest
@@ -71,6 +94,13 @@ FACTORS = FACTOR_KINDS
 STATS = ("max", "trace", "log10_cond", "eff_rank")
 AGGREGATES = {"min": min, "median": statistics.median, "max": max}
 COUNTERS = ("tokens_seen", "positions_sampled", "updates", "skipped_updates")
+#: The Trainer's reporting integrations (``report_to`` names -> callback classes).
+REPORTERS = tuple(INTEGRATION_TO_CALLBACK.values())
+#: Reporters that still take logs after their own ``on_train_end`` (the final snapshot).
+AFTER_END = (WandbCallback, TensorBoardCallback)
+#: The keyword arguments the Trainer's callback handler gives every event.
+_EVENT_KWARGS = ("model", "processing_class", "optimizer", "lr_scheduler", "train_dataloader",
+                 "eval_dataloader")
 
 
 def factor_stats(spectrum: dict[str, float]) -> dict[str, float]:
@@ -128,85 +158,83 @@ def step_metrics(tracker, prefix: str = "kfac", steps: int | None = None) -> dic
     return out
 
 
-class SpectrumMonitor(TrainerCallback):
-    """Log every snapshot's spectrum statistics (and media) while a Trainer trains.
+def find_callback_handler(depth: int = 12) -> CallbackHandler | None:
+    """The Trainer's ``CallbackHandler`` on the call stack of the current callback event, or
+    None: a ``TrainerCallback`` is not given the Trainer, but each event is called from the
+    handler's ``call_event`` (whose callbacks include the reporters)."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(depth):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, CallbackHandler):
+                return owner
+        return None
+    finally:
+        del frame  # no reference cycle through the frames
 
-    Place it after ``kfac`` in the Trainer's callbacks (the final snapshot is finished in the
-    K-FAC callback's ``on_train_end``) and bind the Trainer (``bind`` or ``trainer=``) so
-    scalars go through ``Trainer.log``; unbound, they go to the active W&B run, if any.
+
+class SpectraReporter:
+    """Sends one `KFACStreamCallback`'s snapshot and step metrics to the Trainer's reporters
+    (see the module's docstring); the callback and `SpectrumMonitor` drive it from their
+    events.
 
     Args:
-        kfac: The `KFACStreamCallback` whose snapshots are logged.
-        trainer: The ``transformers.Trainer`` to log through (or call `bind` later).
-        log_every: Also log `step_metrics` every this many steps (0: never).
-        media: With an active W&B run, log the log10-eigenvalue histograms and the spectra
-            PNG that ``kfac`` made on its snapshot thread (``spectra_media``).
+        log_every: Step metrics every this many steps; None: at the Trainer's logging steps
+            (``control.should_log`` as the K-FAC callback's ``on_step_end`` sees it); 0: never.
+        media: With an active W&B run, log the histograms and PNG the K-FAC callback made.
         prefix: First component of every metric name.
     """
 
-    def __init__(self, kfac: KFACStreamCallback, trainer=None, log_every: int = 0,
-                 media: bool = True, prefix: str = "kfac") -> None:
-        self.kfac = kfac
-        self.trainer = trainer
-        self.log_every = int(log_every)
+    def __init__(self, log_every: int | None = None, media: bool = True,
+                 prefix: str = "kfac") -> None:
+        self.log_every = None if log_every is None else int(log_every)
         self.media = media
         self.prefix = prefix
-        self.logged = 0  # how many of kfac.snapshots have been handled
-        self._steps = 0
+        self.handler: CallbackHandler | None = None
+        self.logged = 0  # how many of the callback's snapshots have been handled
+        self.steps = 0  # training steps since start (for ms_per_step)
 
-    def bind(self, trainer) -> SpectrumMonitor:
-        """Log through ``trainer.log`` from now on; returns ``self``."""
-        self.trainer = trainer
-        return self
+    def start(self, handler: CallbackHandler | None, logged: int) -> None:
+        """A new ``Trainer.train()``: report through ``handler`` (None: to W&B only); the first
+        ``logged`` snapshots are older ones, not reported again."""
+        self.handler, self.logged, self.steps = handler, logged, 0
 
-    # -- Trainer events --------------------------------------------------------------------------
+    def reporters(self, after_end: bool = False) -> list:
+        """The handler's reporting callbacks (``after_end``: those that take logs after their
+        ``on_train_end``)."""
+        callbacks = [] if self.handler is None else list(self.handler.callbacks)
+        return [cb for cb in callbacks
+                if isinstance(cb, AFTER_END if after_end else REPORTERS)]
 
-    def on_train_begin(self, args, state, control, **kwargs):
-        self._steps = 0
-        if self.trainer is not None:
-            callbacks = self.trainer.callback_handler.callbacks
-            if self.kfac in callbacks and self in callbacks and (
-                    callbacks.index(self) < callbacks.index(self.kfac)):
-                raise ValueError("SpectrumMonitor must come after its KFACStreamCallback in "
-                                 "the Trainer's callbacks (it logs the snapshots that one "
-                                 "finishes, the last one in its on_train_end)")
-        return control
+    def step(self, kfac: KFACStreamCallback, args, state, control) -> None:
+        """``on_step_end``: the snapshots finished since the last call, then maybe
+        `step_metrics`."""
+        self.steps += 1
+        self.snapshots(kfac, args, state, control)
+        every = self.log_every
+        due = (control.should_log if every is None
+               else every > 0 and state.global_step % every == 0)
+        if (due and kfac.tracker is not None and state.is_world_process_zero
+                and (self.reporters() or _active_wandb_run() is not None)):
+            self.emit(args, state, control, step_metrics(kfac.tracker, self.prefix, self.steps),
+                      {})
 
-    def on_step_end(self, args, state, control, **kwargs):
-        self._steps += 1
-        self._log_new_snapshots(state, control)
-        tracker = self.kfac.tracker
-        if (self.log_every > 0 and state.global_step % self.log_every == 0
-                and tracker is not None and state.is_world_process_zero):
-            self._emit(state, control, step_metrics(tracker, self.prefix, self._steps), {})
-        return control
-
-    def on_train_end(self, args, state, control, **kwargs):
-        # TensorBoardCallback closed its writer in its own on_train_end (reporters run before
-        # user callbacks); Trainer.log re-opens it: close it again once logged.
-        closed = [cb for cb in self._callbacks() if isinstance(cb, TensorBoardCallback)
-                  and cb.tb_writer is None]
-        self._log_new_snapshots(state, control)
-        for cb in closed:
-            cb.on_train_end(args, state, control)
-        return control
-
-    # -- logging ---------------------------------------------------------------------------------
-
-    def _callbacks(self) -> list:
-        return [] if self.trainer is None else list(self.trainer.callback_handler.callbacks)
-
-    def _log_new_snapshots(self, state, control) -> None:
-        paths = self.kfac.snapshots[self.logged:]  # appended by the snapshot thread
+    def snapshots(self, kfac: KFACStreamCallback, args, state, control,
+                  after_end: bool = False) -> None:
+        """Report each snapshot of ``kfac`` finished since the last call (main process)."""
+        paths = kfac.snapshots[self.logged:]  # appended by the snapshot thread
         self.logged += len(paths)
-        if state.is_world_process_zero:
-            for path in paths:
-                self._log_snapshot(state, control, path)
-
-    def _log_snapshot(self, state, control, path: str) -> None:
-        meta = read_manifest(path)  # the manifest only: cheap on the training thread
-        media = self._snapshot_media(meta, self.kfac.media.get(path)) if self.media else {}
-        self._emit(state, control, snapshot_metrics(meta, self.prefix), media)
+        if not paths or not state.is_world_process_zero or (
+                not self.reporters(after_end) and _active_wandb_run() is None):
+            return  # nowhere to report: not even the manifest is read
+        for path in paths:
+            meta = read_manifest(path)  # the manifest only: cheap on the training thread
+            media = self._snapshot_media(meta, kfac.media.get(path)) if self.media else {}
+            self.emit(args, state, control, snapshot_metrics(meta, self.prefix), media,
+                      after_end=after_end)
 
     def _snapshot_media(self, meta: dict[str, Any], made: dict | None) -> dict[str, Any]:
         """W&B objects for the histograms and PNG the K-FAC callback made on its snapshot
@@ -223,27 +251,98 @@ class SpectrumMonitor(TrainerCallback):
                                                               caption=f"step {meta['step']}")
         return out
 
-    def _emit(self, state, control, scalars: dict[str, float], media: dict[str, Any]) -> None:
-        """Scalars through the Trainer; media (and scalars the Trainer does not send to W&B)
-        straight to the active W&B run."""
-        trainer_to_wandb = False
-        if self.trainer is not None:
-            should_log = control.should_log
-            self.trainer.log(dict(scalars))  # Trainer.log adds "epoch" to the dict it gets
-            # CallbackHandler.on_log clears should_log, which would drop the Trainer's own
-            # (loss) log of this step, decided in DefaultFlowCallback.on_step_end
-            control.should_log = should_log
-            trainer_to_wandb = any(isinstance(cb, WandbCallback) for cb in self._callbacks())
+    def emit(self, args, state, control, scalars: dict[str, float], media: dict[str, Any],
+             after_end: bool = False) -> None:
+        """Scalars to every reporter (their ``on_log``, as ``Trainer.log`` calls it); media
+        (and the scalars, when no reporter writes to W&B) to the active W&B run."""
+        reporters = self.reporters(after_end)
+        # after the reporters' on_train_end: TensorBoard re-opens the writer it closed there
+        reopened = [cb for cb in reporters
+                    if after_end and isinstance(cb, TensorBoardCallback) and cb.tb_writer is None]
+        kwargs = {name: getattr(self.handler, name, None) for name in _EVENT_KWARGS}
+        should_log = control.should_log  # the Trainer's own (loss) log of this step
+        for cb in reporters:
+            cb.on_log(args, state, control, logs=dict(scalars), **kwargs)
+        control.should_log = should_log
+        for cb in reopened:
+            cb.on_train_end(args, state, control)
         run = _active_wandb_run()
         if run is None:
             return
         row = dict(media)
-        if not trainer_to_wandb:
+        if not any(isinstance(cb, WandbCallback) for cb in reporters):
             row.update(scalars)
-        elif row:
+        if row and self.handler is not None:
             row["train/global_step"] = state.global_step
         if row:
             run.log(row)
+
+
+class SpectrumMonitor(TrainerCallback):
+    """Deprecated: `KFACStreamCallback` reports its spectra itself (``report_spectra``,
+    ``log_every``); this separate callback is kept for existing code. It turns the K-FAC
+    callback's own reporting off and reports the same metrics through a bound Trainer.
+
+    Place it after ``kfac`` in the Trainer's callbacks (the final snapshot is finished in the
+    K-FAC callback's ``on_train_end``) and bind the Trainer (``bind`` or ``trainer=``) so
+    scalars reach its reporters; unbound, they go to the active W&B run, if any.
+
+    Args:
+        kfac: The `KFACStreamCallback` whose snapshots are logged.
+        trainer: The ``transformers.Trainer`` to report through (or call `bind` later).
+        log_every: Also log `step_metrics` every this many steps (0: never).
+        media: With an active W&B run, log the log10-eigenvalue histograms and the spectra
+            PNG that ``kfac`` made on its snapshot thread (``spectra_media``).
+        prefix: First component of every metric name.
+    """
+
+    def __init__(self, kfac: KFACStreamCallback, trainer=None, log_every: int = 0,
+                 media: bool = True, prefix: str = "kfac") -> None:
+        warnings.warn("SpectrumMonitor is deprecated: KFACStreamCallback reports the spectra "
+                      "itself (report_spectra=True, log_every=...); remove the monitor. It "
+                      "turns the callback's own reporting off.", DeprecationWarning,
+                      stacklevel=2)
+        kfac.report_spectra = False  # one report of each snapshot, this monitor's
+        self.kfac = kfac
+        self.trainer = trainer
+        self.log_every = int(log_every)
+        self.media = media
+        self.prefix = prefix
+        self.reporter = SpectraReporter(self.log_every, media, prefix)
+        self.reporter.handler = None if trainer is None else trainer.callback_handler
+
+    @property
+    def logged(self) -> int:
+        """How many of ``kfac.snapshots`` have been handled."""
+        return self.reporter.logged
+
+    def bind(self, trainer) -> SpectrumMonitor:
+        """Report through ``trainer``'s reporters from now on; returns ``self``."""
+        self.trainer = trainer
+        self.reporter.handler = trainer.callback_handler
+        return self
+
+    # -- Trainer events --------------------------------------------------------------------------
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        handler = self.reporter.handler
+        self.reporter.start(handler, self.reporter.logged)
+        if handler is not None:
+            callbacks = handler.callbacks
+            if self.kfac in callbacks and self in callbacks and (
+                    callbacks.index(self) < callbacks.index(self.kfac)):
+                raise ValueError("SpectrumMonitor must come after its KFACStreamCallback in "
+                                 "the Trainer's callbacks (it logs the snapshots that one "
+                                 "finishes, the last one in its on_train_end)")
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.reporter.step(self.kfac, args, state, control)
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.reporter.snapshots(self.kfac, args, state, control, after_end=True)
+        return control
 
 
 def _active_wandb_run():
