@@ -7,6 +7,7 @@ import math
 import os
 import re
 import sys
+import time
 
 from .exceptions import KFACStreamError, QueryInputError
 
@@ -147,8 +148,15 @@ def _encode(args, model) -> tuple[object | None, list[int]]:
     return tokenizer, ids
 
 
+def _status(message: str) -> None:
+    """One line of what ``query`` is doing, on stderr (stdout keeps the table alone)."""
+    print(f"kfac-stream query: {message}", file=sys.stderr, flush=True)
+
+
 def _query(args) -> int:
     tau = _check_query_args(args)
+    t0 = time.perf_counter()
+    _status(f"loading snapshot {args.snapshot} ...")
     snap = _load_snapshot("--snapshot", args.snapshot)
 
     import torch
@@ -156,10 +164,16 @@ def _query(args) -> int:
     from .query.laplace import LaplacePosterior
     from .query.topk import topk_predictive
 
+    _status(f"snapshot {snap.path}: {len(snap)} layers; loading model {args.model} ...")
     model = _load_model(args.model)
     tokenizer, ids = _encode(args, model)
     ids = torch.tensor(ids)
+    if tau == "marglik":
+        _status(f"choosing the prior precision by marginal likelihood over {len(snap)} layers "
+                "(--prior-precision FLOAT skips it) ...")
     post = LaplacePosterior(model, snap, prior_precision=tau)
+    _status(f"{len(ids)} positions x top-{args.top_k} next tokens ({time.perf_counter() - t0:.1f}"
+            " s so far) ...")
     print(f"snapshot {snap.path} (step {snap.step}); N = {post.num_data:.0f}, "
           f"prior precision = {post.prior_precision:.4g}")
     print(f"{'pos':>4} {'input':>8}  top-{args.top_k} next tokens: token  MAP p  mean p ± std")
@@ -168,6 +182,7 @@ def _query(args) -> int:
         cells = [f"{_decode(tokenizer, i)!r} {m:.4f} {mu:.4f}±{sd:.4f}" for i, m, mu, sd in zip(
             row["token_ids"], row["map_prob"], row["mean_prob"], row["std_prob"])]
         print(f"{t:>4} {_decode(tokenizer, int(ids[t]))!r:>8}  " + " | ".join(cells))
+    _status(f"done in {time.perf_counter() - t0:.1f} s")
     return 0
 
 

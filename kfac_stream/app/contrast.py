@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..query.laplace import LaplacePosterior
+from ..query.progress import progress
 
 
 @dataclass
@@ -47,29 +48,54 @@ class Contrast:
         ]
 
 
-def _scores(post: LaplacePosterior, windows: list[Tensor], positions: int, top_k: int
-            ) -> tuple[Tensor, Tensor]:
-    """``(variance [n], entropy [n])`` over windows x positions."""
+def window_scores(post: LaplacePosterior, windows: list[Tensor], positions: int, top_k: int,
+                  bar=None) -> tuple[Tensor, Tensor]:
+    """``(variance [n], entropy [n])`` over windows x positions; ``bar`` (a tqdm bar, or None)
+    advances by one per window."""
     variances, entropies = [], []
     for ids in windows:  # ids: [T]
         batch = {"input_ids": ids[None], "attention_mask": torch.ones_like(ids)[None]}
         with torch.no_grad():
             logits = post.model(**batch).logits[0].double()  # [T, V]
         t_max = ids.shape[0] - 1
-        for t in torch.linspace(t_max / positions, t_max, positions).round().long().tolist():
-            logp = torch.log_softmax(logits[t], -1)
-            entropies.append(float(-(logp.exp() * logp).sum()))
-            top = torch.topk(logits[t], top_k).indices.tolist()
-            _, cov = post.predictive(batch, positions=t, token_ids=top)  # [1, k, k]
-            variances.append(float(cov[0].diagonal().mean()))
+        ts = torch.linspace(t_max / positions, t_max, positions).round().long().tolist()
+        logp = torch.log_softmax(logits[ts], -1)  # [P, V]
+        entropies += (-(logp.exp() * logp).sum(-1)).tolist()
+        top = torch.topk(logits[ts], top_k).indices  # [P, k]
+        # all P positions in one Jacobian pass: the window repeated P times, one position and
+        # one row of top-k ids per copy (the same figures as P passes of one position each)
+        rows = {k: v.expand(len(ts), -1) for k, v in batch.items()}
+        _, cov = post.predictive(rows, positions=ts, token_ids=top)  # [P, k, k]
+        variances += cov.diagonal(dim1=-2, dim2=-1).mean(-1).tolist()
+        if bar is not None:
+            bar.update()
     return torch.tensor(variances, dtype=torch.float64), torch.tensor(entropies,
                                                                       dtype=torch.float64)
 
 
+def uncertainty_contrasts(post: LaplacePosterior, in_domain: list[Tensor],
+                          out_of_domain: dict[str, list[Tensor]], positions: int = 4,
+                          top_k: int = 4, show_progress: bool | None = None
+                          ) -> dict[str, Contrast]:
+    """`uncertainty_contrast` of the in-domain windows against each set of ``out_of_domain``
+    (``{name: windows}``); the in-domain windows are scored once. One progress bar over all
+    windows (`kfac_stream.query.progress`: ``show_progress`` None = on a terminal)."""
+    total = len(in_domain) + sum(len(w) for w in out_of_domain.values())
+    bar = progress(total=total, desc="uncertainty contrast", unit="window", show=show_progress)
+    try:
+        vi, ei = window_scores(post, in_domain, positions, top_k, bar)
+        out = {}
+        for name, windows in out_of_domain.items():
+            vo, eo = window_scores(post, windows, positions, top_k, bar)
+            out[name] = Contrast({"in": vi, "out": vo}, {"in": ei, "out": eo})
+    finally:
+        bar.close()
+    return out
+
+
 def uncertainty_contrast(post: LaplacePosterior, in_domain: list[Tensor],
-                         out_of_domain: list[Tensor], positions: int = 4, top_k: int = 4
-                         ) -> Contrast:
+                         out_of_domain: list[Tensor], positions: int = 4, top_k: int = 4,
+                         show_progress: bool | None = None) -> Contrast:
     """Score in-domain and out-of-domain windows (each ``[T]`` token ids) with ``post``."""
-    vi, ei = _scores(post, in_domain, positions, top_k)
-    vo, eo = _scores(post, out_of_domain, positions, top_k)
-    return Contrast({"in": vi, "out": vo}, {"in": ei, "out": eo})
+    return uncertainty_contrasts(post, in_domain, {"out": out_of_domain}, positions, top_k,
+                                 show_progress)["out"]

@@ -4,13 +4,14 @@ uncertainty contrast of held-out against out-of-domain text (``conf/report``).""
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from ..query.laplace import LaplacePosterior
 from ..snapshot.layer_table import layer_table
 from ..snapshot.snapshot import Snapshot
 from . import data as appdata
-from .contrast import uncertainty_contrast
+from .contrast import uncertainty_contrasts
 
 
 def end_of_run_report(cfg, model, tokenizer, seq_len: int, kfac, wall: float,
@@ -57,12 +58,20 @@ def end_of_run_report(cfg, model, tokenizer, seq_len: int, kfac, wall: float,
 
             model.eval()
             dev = next(model.parameters()).device
-            post = LaplacePosterior(model, snap, prior_precision=r.prior_precision)
             held = [w.to(dev) for w in windows(heldout_docs)]
+            ood = {name: [w.to(dev) for w in windows(docs)] for name, docs in ood_docs.items()}
+            n_pos = (len(held) + sum(map(len, ood.values()))) * r.positions
+            print(f"kfac_stream: uncertainty contrast of the last snapshot: {len(held)} held-out "
+                  f"and {' + '.join(f'{len(w)} {n}' for n, w in ood.items())} out-of-domain "
+                  f"windows x {r.positions} positions ({n_pos} linearised-Laplace predictives "
+                  f"of the top-{r.top_k} logits; report.enabled=false skips it)", flush=True)
+            t0 = time.perf_counter()
+            post = LaplacePosterior(model, snap, prior_precision=r.prior_precision)
+            # a bar like the Trainer's: shown unless trainer.disable_tqdm
+            show = not cfg.trainer.disable_tqdm
+            cons = uncertainty_contrasts(post, held, ood, r.positions, r.top_k, show)
             result["contrast"] = {}
-            for name, docs in ood_docs.items():
-                con = uncertainty_contrast(post, held, [w.to(dev) for w in windows(docs)],
-                                           r.positions, r.top_k)
+            for name, con in cons.items():
                 lines += ["", f"[out-of-domain: {name}]"] + con.lines()
                 result["contrast"][name] = {
                     "variance_in": float(con.variance["in"].mean()),
@@ -71,6 +80,7 @@ def end_of_run_report(cfg, model, tokenizer, seq_len: int, kfac, wall: float,
                     "entropy_out": float(con.entropy["out"].mean()),
                     "auroc_variance": con.auroc("variance"),
                     "auroc_entropy": con.auroc("entropy")}
+            lines += ["", f"uncertainty contrast: {time.perf_counter() - t0:.1f} s"]
     lines += [f"trained model: {model_dir} (kfac-stream query --snapshot {snap.path} --model "
               f"{model_dir}{' --byte-level' if cfg.model.kind == 'tiny' else ''} --text ...)",
               "=" * 78]

@@ -14,7 +14,10 @@ logit) and ``Cov[f_c, f_c'] = Σ_layers Σ_ij M_c[i,j] M_c'[i,j] / D_ij``,
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
+import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -27,6 +30,13 @@ from ..exceptions import QueryInputError, SnapshotMismatchError
 from ..snapshot.snapshot import Snapshot
 from . import inputs
 from . import kron_eigen as ke
+from .progress import progress
+
+logger = logging.getLogger("kfac_stream")
+
+#: `LaplacePosterior` warns when ``num_data`` is more than this factor away (either way) from
+#: the snapshot's own count (`default_num_data`).
+NUM_DATA_WARN_FACTOR = 4.0
 
 #: Which logits to select: ``K`` indices for every row (a sequence of ints), or one row of ``K``
 #: indices per example (a ``[B, K]`` integer tensor or ``B`` sequences of ``K`` ints).
@@ -77,7 +87,12 @@ class LaplacePosterior:
         prior_precision: ``τ``: a positive finite float, ``{layer: positive finite float}``
             with exactly the snapshot's layers, or ``"marglik"`` (maximise the Laplace
             marginal likelihood over one shared ``τ``).
-        num_data: ``N``, a positive finite number; default (None) `default_num_data`.
+        num_data: ``N``, a positive finite number; default (None) `default_num_data`. ``N``
+            counts token positions (the Fisher is a sum over the positions the loss is taken
+            at: 300 examples of 65 tokens are ``N = 19,500``), not examples as laplace-torch's
+            ``num_data``; the posterior precision scales with it. A value more than
+            `NUM_DATA_WARN_FACTOR` times away from the snapshot's own count warns
+            (``UserWarning``).
 
     Raises:
         QueryInputError: an argument of the wrong type or out of range, or a model whose
@@ -97,6 +112,8 @@ class LaplacePosterior:
                                "a kfac_stream.Snapshot (load one with Snapshot.load(path), or "
                                "Snapshot.latest(dir) for the newest in a directory)", typed=True)
         self.num_data = _check_num_data(where, num_data, snapshot.meta)
+        if num_data is not None:
+            _warn_far_num_data(where, self.num_data, snapshot.meta)
         prior = inputs.check_prior(where, "prior_precision", prior_precision,
                                    snapshot.layer_names, marglik=True)
         self.model, self.snapshot = model, snapshot
@@ -454,36 +471,65 @@ class LaplacePosterior:
         return self._log_evidence(prior, inputs.check_finite(where, "log_likelihood",
                                                              log_likelihood))  # type: ignore
 
-    def _log_evidence(self, prior: float | dict[str, float], log_likelihood: float) -> float:
+    def _log_evidence(self, prior: float | dict[str, float], log_likelihood: float,
+                      norms: dict[str, tuple[int, float]] | None = None) -> float:
+        """``norms``: ``{layer: (weights, squared norm)}`` when known (`_weight_norms`)."""
+        norms = norms or self._weight_norms()
         total = log_likelihood
         for name in self.modules:
             _, aval, _, gval = self.eig[name]
             tau = self._tau(name, prior)
-            w = self._weights(name)
+            numel, sq = norms[name]
             logdet = ke.log_det_precision(gval, aval, self.num_data, tau)
-            total += float(ke.marglik_terms(w.numel(), float((w * w).sum()), logdet, tau))
+            total += float(ke.marglik_terms(numel, sq, logdet, tau))
         return total
 
+    def _weight_norms(self) -> dict[str, tuple[int, float]]:
+        """``{layer: (number of weights of W̄, ‖W̄‖²)}``."""
+        out = {}
+        for name in self.modules:
+            w = self._weights(name)
+            out[name] = (w.numel(), float((w * w).sum()))
+        return out
+
     def optimize_prior_precision(self, lower: float = 1e-6, upper: float = 1e6,
-                                 grid: int = 61, iters: int = 60) -> float:
+                                 grid: int = 61, iters: int = 60, *,
+                                 show_progress: bool | None = None) -> float:
         """Maximise `log_marginal_likelihood` over one shared ``τ``; sets and returns it.
 
         A log-spaced grid over ``[lower, upper]`` brackets the maximum, golden-section search
-        on ``log τ`` refines it.
+        on ``log τ`` refines it: ``grid + iters + 2`` evaluations, each a sum over every
+        tracked layer's ``d_out·d_A`` eigenvalues. A progress bar counts the evaluations
+        (`kfac_stream.query.progress`: on a terminal by default), and the result is logged
+        (logger ``kfac_stream``, INFO) with its time.
 
         Args:
             lower, upper: The range of ``τ``, finite with ``0 < lower < upper``.
             grid: Grid points, an int ≥ 1.
             iters: Golden-section steps, an int ≥ 1.
+            show_progress: None (a bar when stderr is a terminal), True or False.
         """
-        lower, upper = _check_range("LaplacePosterior.optimize_prior_precision", lower, upper)
-        grid = inputs.check_int("LaplacePosterior.optimize_prior_precision", "grid", grid, 1)
-        iters = inputs.check_int("LaplacePosterior.optimize_prior_precision", "iters", iters, 1)
+        where = "LaplacePosterior.optimize_prior_precision"
+        lower, upper = _check_range(where, lower, upper)
+        grid = inputs.check_int(where, "grid", grid, 1)
+        iters = inputs.check_int(where, "iters", iters, 1)
+        t0 = time.perf_counter()
+        norms = self._weight_norms()  # once, not per evaluation
+        bar = progress(total=grid + iters + 2, desc=f"marglik prior precision "
+                       f"({len(self.modules)} layers)", unit="eval", show=show_progress)
 
         def negative_evidence(log_tau: float) -> float:
-            return -self._log_evidence(math.exp(log_tau), 0.0)
+            value = -self._log_evidence(math.exp(log_tau), 0.0, norms)
+            bar.update()
+            return value
 
-        self._prior = _minimise_over_log_range(negative_evidence, lower, upper, grid, iters)
+        try:
+            self._prior = _minimise_over_log_range(negative_evidence, lower, upper, grid, iters)
+        finally:
+            bar.close()
+        logger.info("kfac_stream: marginal-likelihood prior precision %.4g over %d layers "
+                    "(%d evaluations, %.1f s)", self._prior, len(self.modules),
+                    grid + iters + 2, time.perf_counter() - t0)
         return self._prior
 
 
@@ -610,6 +656,34 @@ def _check_num_data(where: str, num_data: object, meta: dict) -> float:
                               f" epoch={meta.get('epoch')!r}): pass num_data, a positive finite "
                               "number")
     return n
+
+
+def _warn_far_num_data(where: str, num_data: float, meta: dict) -> None:
+    """Warn (``UserWarning``) when ``num_data`` is more than `NUM_DATA_WARN_FACTOR` times away
+    from the snapshot's own count; silent when the counts are unreadable (nothing to compare)."""
+    try:
+        own = default_num_data(meta)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return
+    if not (math.isfinite(own) and own > 0):
+        return
+    ratio = num_data / own
+    if 1 / NUM_DATA_WARN_FACTOR <= ratio <= NUM_DATA_WARN_FACTOR:
+        return
+    epoch = meta.get("epoch")
+    per = f" over {epoch:.3g} epochs" if isinstance(epoch, (int, float)) and epoch > 0 else ""
+    factor = max(ratio, 1 / ratio)
+    times = f"{factor:,.0f}x" if factor >= 10 else f"{factor:.2g}x"
+    far = f"{times} below" if ratio < 1 else f"{times} above"
+    small, wide = ("small", "wide") if ratio < 1 else ("large", "narrow")
+    warnings.warn(
+        f"{where}: num_data={num_data:,.6g} is {far} the snapshot's own count N={own:,.0f} "
+        f"(counts.tokens_seen={meta['counts']['tokens_seen']:,}{per}). Here N counts token "
+        "positions, not examples: the K-FAC Fisher is a sum over every position the loss is "
+        "taken at (e.g. 300 examples of 65 tokens are N=19,500), unlike laplace-torch's "
+        "num_data. The data term N*(A(x)G) of the posterior precision scales with N, so it is "
+        f"{times} too {small} here (the posterior up to {times} too {wide}). Pass "
+        "num_data=None for the snapshot's count.", UserWarning, stacklevel=3)
 
 
 def _check_whole_weights(where: str, modules: dict[str, nn.Module]) -> None:

@@ -7,10 +7,16 @@ from torch import Tensor
 
 from . import inputs
 from .laplace import LaplacePosterior
+from .progress import progress
+
+#: Positions of one Jacobian pass (memory: this many copies of the sequence's activations and
+#: of each layer's ``k·d_out·d_A`` features).
+POSITIONS_PER_PASS = 8
 
 
 def topk_predictive(post: LaplacePosterior, input_ids: Tensor, k: int = 5,
-                    n_samples: int = 2000, seed: int = 0) -> list[dict]:
+                    n_samples: int = 2000, seed: int = 0,
+                    show_progress: bool | None = None) -> list[dict]:
     """For every position of one sequence: the ``k`` most likely next tokens under the MAP
     model, and for each the mean and standard deviation of its probability when its logit and
     the other top-k logits are drawn from the linearised Laplace predictive (the rest of the
@@ -23,6 +29,8 @@ def topk_predictive(post: LaplacePosterior, input_ids: Tensor, k: int = 5,
         k: Tokens per position, an int in ``[1, V]``.
         n_samples: Draws per position, an int ≥ 2.
         seed: Seed of the draws, an int.
+        show_progress: A progress bar over the positions: None (when stderr is a terminal,
+            `kfac_stream.query.progress`), True or False.
 
     Returns:
         One dict per position ``t``: ``{"position", "token_ids" [k], "map_prob" [k],
@@ -54,18 +62,37 @@ def topk_predictive(post: LaplacePosterior, input_ids: Tensor, k: int = 5,
                            f"[B, T, V]); this model gives logits {[1, *logits.shape]}")
     if k > logits.shape[-1]:
         raise inputs.error(where, "k", k, f"an int in [1, {logits.shape[-1]}] (the vocabulary)")
+    top_all = torch.topk(logits, k).indices  # [T, k]
+    T = input_ids.shape[0]
     out = []
-    for t in range(input_ids.shape[0]):
-        top = torch.topk(logits[t], k).indices.tolist()
-        mean, cov = post.predictive(batch, positions=t, token_ids=top)  # [1, k], [1, k, k]
-        rest = logits[t].clone()
-        rest[top] = float("-inf")
-        rest_lse = torch.logsumexp(rest, 0)
-        chol = torch.linalg.cholesky(cov[0] + 1e-12 * torch.eye(k, dtype=cov.dtype))
-        f = mean[0] + torch.randn(n_samples, k, generator=gen, dtype=mean.dtype) @ chol.T
-        lse = torch.logsumexp(torch.cat([f, rest_lse.expand(n_samples, 1)], 1), 1, keepdim=True)
-        p = (f - lse).exp()  # [S, k]
-        out.append({"position": t, "token_ids": top,
-                    "map_prob": torch.softmax(logits[t], 0)[top].tolist(),
-                    "mean_prob": p.mean(0).tolist(), "std_prob": p.std(0).tolist()})
+    bar = progress(total=T, desc="top-k predictive", unit="position", show=show_progress)
+    try:
+        for start in range(0, T, POSITIONS_PER_PASS):
+            # several positions in one Jacobian pass: the sequence repeated, one position and
+            # its top-k ids per copy (the same figures as one pass per position)
+            ts = list(range(start, min(start + POSITIONS_PER_PASS, T)))
+            rows = {name: v.expand(len(ts), -1) for name, v in batch.items()}
+            means, covs = post.predictive(rows, positions=ts, token_ids=top_all[ts])
+            for j, t in enumerate(ts):
+                out.append(_row(t, top_all[t].tolist(), logits[t], means[j], covs[j],
+                                n_samples, gen))
+            bar.update(len(ts))
+    finally:
+        bar.close()
     return out
+
+
+def _row(t: int, top: list[int], logits: Tensor, mean: Tensor, cov: Tensor, n_samples: int,
+         gen: torch.Generator) -> dict:
+    """One position's entry of `topk_predictive` from its MAP logits ``[V]`` and the
+    predictive ``mean [k]``, ``cov [k, k]`` of its top-k logits."""
+    k = len(top)
+    rest = logits.clone()
+    rest[top] = float("-inf")
+    rest_lse = torch.logsumexp(rest, 0)
+    chol = torch.linalg.cholesky(cov + 1e-12 * torch.eye(k, dtype=cov.dtype))
+    f = mean + torch.randn(n_samples, k, generator=gen, dtype=mean.dtype) @ chol.T
+    lse = torch.logsumexp(torch.cat([f, rest_lse.expand(n_samples, 1)], 1), 1, keepdim=True)
+    p = (f - lse).exp()  # [S, k]
+    return {"position": t, "token_ids": top, "map_prob": torch.softmax(logits, 0)[top].tolist(),
+            "mean_prob": p.mean(0).tolist(), "std_prob": p.std(0).tolist()}

@@ -8,6 +8,7 @@ the manifest on the training thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from typing import Any
@@ -48,31 +49,145 @@ def make_media(path: str, bins: int = 32) -> dict[str, Any]:
     return {"histograms": log10_histograms(snap, bins), "png": png}
 
 
-def plot_spectra(snap: Snapshot, path: str) -> str:
-    """Sorted eigenvalues of every A and G factor on log axes, one panel per factor kind."""
+#: Up to this many layers each line gets a legend entry (on every panel); above it the colour
+#: bar (layer index in model order, a few names) says which line is which.
+LEGEND_MAX_LAYERS = 8
+#: With more layers than the legend shows, one row of panels per layer type when the model has
+#: between 2 and this many types (repeated blocks); else every layer on one row.
+MAX_TYPE_ROWS = 8
+#: The colour map of depth (layer index in model order); its last tenth (pale yellow) is
+#: left out so that every line shows on white.
+DEPTH_CMAP = "viridis"
+PANEL_SIZE = (5.5, 3.2)  # inches per panel (width, height)
+DPI = 120
+
+
+def layer_type(name: str) -> str:
+    """A layer's type: the part of its module name after the last block index
+    (``model.layers.3.self_attn.q_proj`` -> ``self_attn.q_proj``; ``transformer.h.0.mlp.c_proj``
+    -> ``mlp.c_proj``); a name without an all-digit component is its own type."""
+    parts = name.split(".")
+    digits = [i for i, p in enumerate(parts) if p.isdigit()]
+    return ".".join(parts[digits[-1] + 1:]) if digits and digits[-1] + 1 < len(parts) else name
+
+
+def spectra_layout(layer_names: list[str]) -> list[tuple[str, list[int]]]:
+    """Rows of panels: ``[(row title, indices of its layers in model order)]``.
+
+    One row ("all layers") when the legend still names every line, or when the layers do not
+    fall into 2..`MAX_TYPE_ROWS` rows; else one row per layer type (`layer_type`) in order of
+    first appearance, the types of a single layer (a head, a classifier) together in a last
+    row "other layers"."""
+    every = [("all layers", list(range(len(layer_names))))]
+    if len(layer_names) <= LEGEND_MAX_LAYERS:
+        return every
+    groups: dict[str, list[int]] = {}
+    for i, name in enumerate(layer_names):
+        groups.setdefault(layer_type(name), []).append(i)
+    rows = [(t, idx) for t, idx in groups.items() if len(idx) > 1]
+    single = [idx[0] for idx in groups.values() if len(idx) == 1]
+    if len(single) == 1:
+        rows.append((layer_names[single[0]], single))
+    elif single:
+        rows.append(("other layers", single))
+    return rows if 2 <= len(rows) <= MAX_TYPE_ROWS else every
+
+
+def depth_colors(n: int) -> list[tuple[float, float, float, float]]:
+    """``n`` distinct RGBA colours of a sequential map, in model order (first layer darkest):
+    `DEPTH_CMAP` from 0 to 0.9, interpolated (its 256 entries would repeat at 200 layers)."""
+    import numpy as np
+    from matplotlib import colormaps
+    from matplotlib.colors import LinearSegmentedColormap
+
+    ramp = LinearSegmentedColormap.from_list(
+        "depth", colormaps[DEPTH_CMAP](np.linspace(0.0, 0.9, 256)), N=max(256, 4 * n))
+    return [tuple(float(v) for v in ramp(i / max(n - 1, 1))) for i in range(n)]
+
+
+def spectra_figure(snap: Snapshot):
+    """The matplotlib ``Figure`` of `plot_spectra` (not saved; close it with
+    ``matplotlib.pyplot.close(fig)``).
+
+    Columns: the A and the G factors. Rows: `spectra_layout`. Each line is one layer's sorted
+    eigenvalues (a diagonal factor: its sorted diagonal) against their rank, log-log, coloured
+    by depth (layer index in model order, `depth_colors`); a legend names the lines when there
+    are at most `LEGEND_MAX_LAYERS` layers, else a colour bar maps colour to layer index (ticks
+    labelled with a few layer names), and every panel of at most that many lines has a legend
+    too."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.cm import ScalarMappable
+        from matplotlib.colors import BoundaryNorm, ListedColormap
+        from matplotlib.ticker import NullFormatter
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError("plotting needs matplotlib: pip install 'kfac_stream[plot]'") from e
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
-    for ax, f in zip(axes, FACTOR_KINDS):
-        for name in snap.layer_names:
-            ev = getattr(snap[name], f"{f}_eigvals").double().flip(0)
-            ev = ev[ev > 0]
-            if ev.numel():
-                ax.loglog(range(1, ev.numel() + 1), ev.numpy(), lw=1, label=name)
-        ax.set_title(f"{f} factors (step {snap.step})")
-        ax.set_xlabel("rank")
-        ax.set_ylabel("eigenvalue")
-        ax.grid(True, which="both", alpha=0.3)
-    if len(snap.layer_names) <= 12:
-        axes[1].legend(fontsize=6, loc="lower left")
-    fig.tight_layout()
-    tmp = f"{path}.tmp-{os.getpid()}.png"  # written whole, then renamed: never a torn PNG
-    fig.savefig(tmp, dpi=120)
-    plt.close(fig)
-    os.replace(tmp, path)
+    names = snap.layer_names
+    n = len(names)
+    rows = spectra_layout(names)
+    colors = depth_colors(n)
+    legend = n <= LEGEND_MAX_LAYERS
+    lw, alpha = (1.4, 1.0) if n <= 16 else (0.9, 0.85) if n <= 64 else (0.7, 0.7)
+    fig, axes = plt.subplots(len(rows), 2, squeeze=False, layout="constrained",
+                             figsize=(2 * PANEL_SIZE[0] + (0 if legend else 1.2),
+                                      PANEL_SIZE[1] * len(rows) + 0.4))
+    fig.suptitle(f"K-FAC factor spectra, step {snap.step}, {n} layer{'s' * (n != 1)}"
+                 + ("" if legend else ", colour = depth"))
+    for r, (title, idx) in enumerate(rows):
+        for c, f in enumerate(FACTOR_KINDS):
+            ax = axes[r, c]
+            for i in idx:
+                ev = getattr(snap[names[i]], f"{f}_eigvals")
+                ev = ev.double().sort(descending=True).values if ev is not None else ev
+                ev = ev[ev > 0] if ev is not None else ev
+                if ev is not None and ev.numel():
+                    ax.loglog(range(1, ev.numel() + 1), ev.numpy(), lw=lw, alpha=alpha,
+                              color=colors[i], label=short_name(names[i], 40))
+            side = "input" if f == "A" else "output-gradient"
+            what = title if len(rows) == 1 else f"{title} ({len(idx)} layer{'s' * (len(idx) != 1)})"
+            ax.set_title(f"{f} ({side}) factors: {what}", fontsize=9)
+            ax.set_xlabel("rank", fontsize=8)
+            ax.set_ylabel("eigenvalue", fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.xaxis.set_minor_formatter(NullFormatter())  # no "2x10^0" labels on short axes
+            ax.grid(True, which="both", alpha=0.3)
+            if len(idx) <= LEGEND_MAX_LAYERS and ax.lines:  # few lines: name each one
+                ax.legend(fontsize=6, loc="lower left")
+    if not legend:
+        cmap = ListedColormap(colors)
+        mappable = ScalarMappable(BoundaryNorm([i - 0.5 for i in range(n + 1)], n), cmap)
+        bar = fig.colorbar(mappable, ax=axes, location="right",
+                           shrink=min(1.0, 0.7 + 0.05 * len(rows)), aspect=20 + 15 * len(rows))
+        ticks = sorted({round(k * (n - 1) / 5) for k in range(6)})
+        bar.set_ticks(ticks)
+        bar.set_ticklabels([f"{i}: {short_name(names[i])}" for i in ticks], fontsize=6)
+        bar.set_label("layer index (model order)", fontsize=8)
+    return fig
+
+
+def short_name(name: str, width: int = 28) -> str:
+    """``name``, or its last ``width - 1`` characters after "…" when longer."""
+    return name if len(name) <= width else "…" + name[-(width - 1):]
+
+
+def plot_spectra(snap: Snapshot, path: str) -> str:
+    """Draw `spectra_figure` of ``snap`` into the image ``path`` (written whole, then renamed:
+    never a torn file); returns ``path``."""
+    fig = spectra_figure(snap)
+    import matplotlib.pyplot as plt
+
+    root, ext = os.path.splitext(path)
+    tmp = f"{root}.tmp-{os.getpid()}{ext or '.png'}"
+    try:
+        fig.savefig(tmp, dpi=DPI)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    finally:
+        plt.close(fig)
     return path

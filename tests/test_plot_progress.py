@@ -1,0 +1,238 @@
+"""Issue 15: the spectra plot readable at 2 to 200 layers, progress on the long steps after
+training, and the warning when ``num_data`` is far from the snapshot's own count."""
+
+import logging
+import math
+import struct
+import warnings
+
+import matplotlib
+import pytest
+import torch
+
+from kfac_stream import LaplacePosterior, Snapshot
+from kfac_stream.app.contrast import uncertainty_contrast, uncertainty_contrasts
+from kfac_stream.cli import main as cli_main
+from kfac_stream.query import progress as qprogress
+from kfac_stream.query.laplace import NUM_DATA_WARN_FACTOR, default_num_data
+from kfac_stream.query.topk import topk_predictive
+from kfac_stream.snapshot import media
+from kfac_stream.snapshot.snapshot import LayerFactors
+
+from harness import run
+from models import text_examples, tiny_gpt2
+
+matplotlib.use("Agg")
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+LLAMA_TYPES = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+# -- fixtures --------------------------------------------------------------------------------------
+
+def synthetic_snapshot(names: list[str], diagonal: set[str] = frozenset()) -> Snapshot:
+    """A `Snapshot` of made-up factors (small dims, distinct spectra per layer); the layers in
+    ``diagonal`` are stored as diagonals (no eigenvectors)."""
+    layers = {}
+    for i, name in enumerate(names):
+        d_a, d_g = 6 + i % 5, 4 + i % 3
+        a = torch.logspace(-4 + 0.01 * i, 1 + 0.02 * i, d_a)[torch.randperm(
+            d_a, generator=torch.Generator().manual_seed(i))]  # unsorted: the plot sorts
+        g = torch.logspace(-6, -1, d_g) * (1 + i / len(names))
+        layers[name] = LayerFactors(
+            name, a.diag(), g.diag(), {"has_bias": False},
+            A_eigvals=a, A_eigvecs=None if name in diagonal else torch.eye(d_a),
+            G_eigvals=g, G_eigvecs=torch.eye(d_g))
+    return Snapshot("synthetic", {"step": 7}, layers)
+
+
+def gpt2_names(blocks: int) -> list[str]:
+    return [f"transformer.h.{b}.{t}" for b in range(blocks)
+            for t in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+
+
+CASES = {
+    2: ["fc1", "fc2"],
+    14: gpt2_names(3) + ["lm_head", "score"],
+    200: [f"model.layers.{b}.{t}" for b in range(29) for t in LLAMA_TYPES][:199] + ["lm_head"],
+}
+
+
+@pytest.fixture(scope="module")
+def classified(tmp_path_factory):
+    """A real tiny snapshot of 300 examples of 65 tokens, one epoch: N = 19,500 positions."""
+    tmp = tmp_path_factory.mktemp("n")
+    model = tiny_gpt2(torch.float32, n_positions=80)
+    run(model, text_examples(300, 65), {"storage_dtype": "float32"}, batch=50, tmp_path=tmp,
+        record=False)
+    model.eval()
+    return model, Snapshot.latest(tmp / "kfac"), tmp
+
+
+# -- the plot --------------------------------------------------------------------------------------
+
+def png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.mark.parametrize("n", sorted(CASES))
+def test_spectra_png_is_readable_at_2_14_and_200_layers(n, tmp_path):
+    import matplotlib.pyplot as plt
+
+    names = CASES[n]
+    assert len(names) == n
+    snap = synthetic_snapshot(names, diagonal={names[0], names[-1]})
+    rows = media.spectra_layout(names)
+    path = tmp_path / f"spectra{n}.png"
+    assert media.plot_spectra(snap, str(path)) == str(path)
+    fig = media.spectra_figure(snap)
+    try:
+        w, h = fig.get_size_inches()
+        assert png_size(path) == (round(w * media.DPI), round(h * media.DPI))
+        assert not list(tmp_path.glob("*.tmp-*"))  # written whole, then renamed
+        panels = [ax for ax in fig.axes if ax.get_xlabel() == "rank"]
+        assert len(panels) == 2 * len(rows)
+        for kind, col in (("A", panels[0::2]), ("G", panels[1::2])):
+            lines = [ln for ax in col for ln in ax.get_lines()]
+            # every layer drawn once per factor kind, diagonal factors included, sorted
+            assert sorted(ln.get_label() for ln in lines) == sorted(
+                media.short_name(x, 40) for x in names), kind
+            for ln in lines:
+                y = ln.get_ydata()
+                assert all(y[i] >= y[i + 1] for i in range(len(y) - 1))
+            colors = {tuple(ln.get_color()) for ln in lines}
+            assert len(colors) == n, "one colour per depth"
+        # colour follows depth: the colours are the colormap's in model order
+        by_label = {ln.get_label(): ln.get_color() for ln in panels[0].get_lines()}
+        want = media.depth_colors(n)
+        for i, name in enumerate(names):
+            if media.short_name(name, 40) in by_label:
+                assert tuple(by_label[media.short_name(name, 40)]) == want[i]
+        bars = [ax for ax in fig.axes if ax.get_ylabel() == "layer index (model order)"]
+        if n <= media.LEGEND_MAX_LAYERS:  # few layers: a legend on every panel, no bar
+            assert len(rows) == 1 and not bars
+            assert all(ax.get_legend() is not None for ax in panels)
+        else:  # a colour bar over the layer indices, and one row of panels per layer type
+            assert len(bars) == 1
+            ticks = [t.get_text() for t in bars[0].get_yticklabels()]
+            assert ticks[0].startswith("0: ") and ticks[-1].startswith(f"{n - 1}: ")
+            assert len(rows) >= 2
+        if n == 14:
+            assert [t for t, _ in rows] == ["attn.c_attn", "attn.c_proj", "mlp.c_fc",
+                                            "mlp.c_proj", "other layers"]
+        if n == 200:
+            assert [t for t, _ in rows] == LLAMA_TYPES + ["lm_head"]
+            assert [len(i) for _, i in rows] == [29, 29, 29, 28, 28, 28, 28, 1]
+    finally:
+        plt.close(fig)
+
+
+def test_layer_types_and_the_one_row_fallback():
+    assert media.layer_type("model.layers.3.self_attn.q_proj") == "self_attn.q_proj"
+    assert media.layer_type("transformer.h.0.mlp.c_proj") == "mlp.c_proj"
+    assert media.layer_type("lm_head") == "lm_head"
+    assert media.layer_type("blocks.7") == "blocks.7"
+    flat = [f"dense{i}" for i in range(200)]  # no repeated types: every layer on one row
+    assert media.spectra_layout(flat) == [("all layers", list(range(200)))]
+
+
+def test_make_media_on_a_real_snapshot(classified):
+    _, snap, _ = classified
+    out = media.make_media(snap.path)
+    assert out["png"] == media.spectra_png_path(snap.path)
+    with open(out["png"], "rb") as f:
+        assert f.read(8) == PNG_MAGIC
+    assert set(out["histograms"]) == {f"{n}/{f}" for n in snap.layer_names for f in "AG"}
+
+
+# -- num_data --------------------------------------------------------------------------------------
+
+def test_num_data_far_from_the_snapshots_count_warns(classified):
+    model, snap, _ = classified
+    own = default_num_data(snap.meta)
+    assert own == 300 * 65
+    with pytest.warns(UserWarning, match="num_data=300 is 65x below") as rec:
+        post = LaplacePosterior(model, snap, num_data=300)
+    message = str(rec[0].message)
+    assert "N=19,500" in message and "token positions" in message and "laplace-torch" in message
+    assert "scales with N" in message and rec[0].filename == __file__  # points at the caller
+    assert post.num_data == 300  # a warning, not a change
+    with pytest.warns(UserWarning, match="x above"):
+        LaplacePosterior(model, snap, num_data=own * NUM_DATA_WARN_FACTOR * 1.01)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for n in (None, own, own / NUM_DATA_WARN_FACTOR, own * NUM_DATA_WARN_FACTOR, own / 3):
+            LaplacePosterior(model, snap, num_data=n)
+
+
+# -- progress --------------------------------------------------------------------------------------
+
+def test_progress_switch(monkeypatch):
+    monkeypatch.delenv(qprogress.ENV, raising=False)
+    from transformers.utils import logging as hf_logging
+
+    assert qprogress.enabled(None) is None and qprogress.enabled(True) is True
+    assert qprogress.enabled(False) is False
+    hf_logging.disable_progress_bar()
+    try:
+        assert qprogress.enabled(None) is False and qprogress.enabled(True) is True
+    finally:
+        hf_logging.enable_progress_bar()
+    monkeypatch.setenv(qprogress.ENV, "0")
+    assert qprogress.enabled(True) is False
+    monkeypatch.setenv(qprogress.ENV, "1")
+    assert qprogress.enabled(False) is True
+
+
+def test_progress_of_topk_marglik_and_contrast(classified, capsys, caplog, monkeypatch):
+    monkeypatch.delenv(qprogress.ENV, raising=False)
+    model, snap, _ = classified
+    post = LaplacePosterior(model, snap, prior_precision=1.0)
+    ids = torch.tensor(list(b"def f(x):"))
+    quiet = topk_predictive(post, ids, k=2, n_samples=50)  # stderr is no terminal: no bar
+    assert "top-k predictive" not in capsys.readouterr().err
+    loud = topk_predictive(post, ids, k=2, n_samples=50, show_progress=True)
+    err = capsys.readouterr().err
+    assert "top-k predictive" in err and "/9 " in err
+    assert loud == quiet
+
+    with caplog.at_level(logging.INFO, logger="kfac_stream"):
+        tau = post.optimize_prior_precision(grid=5, iters=4, show_progress=True)
+    err = capsys.readouterr().err
+    assert f"marglik prior precision ({len(snap)} layers)" in err and "/11 " in err
+    assert any("marginal-likelihood prior precision" in r.getMessage() and "11 evaluations"
+               in r.getMessage() for r in caplog.records)
+    assert math.isfinite(tau) and tau > 0
+
+    post.prior_precision = 1.0
+    held = [e["input_ids"][:20] for e in text_examples(2, 20, seed=1)]
+    ood = {"a": [torch.arange(20) % 7 + 40], "b": [torch.arange(20) + 100] * 2}
+    cons = uncertainty_contrasts(post, held, ood, positions=2, top_k=2, show_progress=True)
+    err = capsys.readouterr().err
+    assert "uncertainty contrast" in err and "/5 " in err  # 2 held-out + 3 out-of-domain
+    for name, windows in ood.items():  # in-domain scored once, same figures as one by one
+        one = uncertainty_contrast(post, held, windows, positions=2, top_k=2)
+        assert torch.equal(one.variance["out"], cons[name].variance["out"])
+        assert torch.equal(one.variance["in"], cons[name].variance["in"])
+        assert torch.equal(one.entropy["out"], cons[name].entropy["out"])
+    assert "uncertainty contrast" not in capsys.readouterr().err
+
+
+def test_cli_query_says_what_it_loads(classified, capsys, monkeypatch):
+    monkeypatch.setenv(qprogress.ENV, "1")
+    model, snap, tmp = classified
+    model.save_pretrained(tmp / "model")
+    argv = ["query", "--snapshot", str(tmp / "kfac"), "--model", str(tmp / "model"),
+            "--text", "def f(x):", "--byte-level", "--top-k", "2", "--samples", "50"]
+    assert cli_main(argv) == 0
+    captured = capsys.readouterr()
+    err = captured.err
+    for needle in ("kfac-stream query: loading snapshot", "loading model",
+                   f"choosing the prior precision by marginal likelihood over {len(snap)} layers",
+                   "9 positions x top-2 next tokens", "top-k predictive", "/9 ",
+                   "kfac-stream query: done in"):
+        assert needle in err, needle
+    assert "kfac-stream query" not in captured.out and "prior precision =" in captured.out
