@@ -1,5 +1,7 @@
 """kfac_stream: training-time, streaming K-FAC curvature tracking for Hugging Face Trainer."""
 
+import importlib
+
 from .config import KFACConfig
 from .enums import FisherType, StorageDtype
 from .exceptions import (
@@ -12,12 +14,32 @@ from .exceptions import (
     TrackerStateError,
     UnsupportedModuleError,
 )
-from .integrations.hf_callback import KFACStreamCallback
-from .integrations.spectrum_monitor import snapshot_metrics, step_metrics
-from .query.laplace import LaplacePosterior
-from .snapshot.snapshot import LayerFactors, Snapshot
 
 __version__ = "0.1.0"
+
+# Imported on first use (PEP 562): the callback pulls in transformers' Trainer machinery
+# (~4 s, peft included), which `kfac-stream query` and `inspect` never need.
+_LAZY = {
+    "KFACStreamCallback": "integrations.hf_callback",
+    "snapshot_metrics": "integrations.spectrum_monitor",
+    "step_metrics": "integrations.spectrum_monitor",
+    "LaplacePosterior": "query.laplace",
+    "LayerFactors": "snapshot.snapshot",
+    "Snapshot": "snapshot.snapshot",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kfac_stream' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 __all__ = [
     # training-time tracking
