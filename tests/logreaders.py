@@ -7,6 +7,8 @@
   ``{"_type": "histogram", "values": [...], "bins": [...]}``).
 * ``read_tensorboard_scalars(logdir) -> dict[str, list[(step, value)]]``: every scalar under
   ``logdir`` (all event files, merged, sorted by step).
+* ``offline_wandb_env(root)`` / ``finish_wandb()``: set up and finish an offline W&B run whose
+  files stay under ``root``.
 
 wandb ≥ 0.19 writes its transaction log (``run-<id>.wandb``) from the Go ``wandb-core``
 process and no longer ships the Python reader (``wandb.sdk.internal.datastore``), so the
@@ -24,6 +26,22 @@ import os
 import struct
 import zlib
 from collections.abc import Iterator
+
+
+def offline_wandb_env(root) -> dict[str, str]:
+    """Environment for an offline W&B run whose files all stay under ``root``."""
+    return {"WANDB_MODE": "offline", "WANDB_DIR": str(root), "WANDB_PROJECT": "kfac-stream-test",
+            "WANDB_CONFIG_DIR": str(root / "wandb-config"), "WANDB_CACHE_DIR": str(root / "cache"),
+            "WANDB_DATA_DIR": str(root / "data"), "WANDB_SILENT": "true", "WANDB_CONSOLE": "off"}
+
+
+def finish_wandb() -> None:
+    """Finish the run (flushes its files) and stop wandb's service, so nothing leaks."""
+    import wandb
+
+    wandb.finish()
+    wandb.teardown()
+    assert wandb.run is None
 
 _HEADER = struct.Struct("<4sHB")  # ident, magic, version
 _RECORD = struct.Struct("<IHB")  # crc32, length, type

@@ -19,7 +19,13 @@ from transformers import Trainer, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback, Snapshot, snapshot_metrics
 
-from logreaders import latest_wandb_run_dir, read_tensorboard_scalars, read_wandb_offline
+from logreaders import (
+    finish_wandb,
+    latest_wandb_run_dir,
+    offline_wandb_env,
+    read_tensorboard_scalars,
+    read_wandb_offline,
+)
 from models import ListDataset, text_examples, tiny_gpt2
 
 # W&B keeps the Python floats the callback logged (JSON, shortest repr): equal up to rounding
@@ -31,22 +37,6 @@ STEPS, LOGGING_STEPS = 7, 2
 SNAPSHOT_STEPS = [3, 6, 7]
 LOSS_STEPS = [2, 4, 6]
 COUNTERS = ("tokens_seen", "positions_sampled", "updates", "skipped_updates", "ms_per_step")
-
-
-def offline_wandb_env(root) -> dict[str, str]:
-    """Environment for an offline W&B run whose files all stay under ``root``."""
-    return {"WANDB_MODE": "offline", "WANDB_DIR": str(root), "WANDB_PROJECT": "kfac-stream-test",
-            "WANDB_CONFIG_DIR": str(root / "wandb-config"), "WANDB_CACHE_DIR": str(root / "cache"),
-            "WANDB_DATA_DIR": str(root / "data"), "WANDB_SILENT": "true", "WANDB_CONSOLE": "off"}
-
-
-def finish_wandb() -> None:
-    """Finish the run (flushes its files) and stop wandb's service, so nothing leaks."""
-    import wandb
-
-    wandb.finish()
-    wandb.teardown()
-    assert wandb.run is None
 
 
 def train(root, report_to: list[str], **callback_kwargs) -> dict:

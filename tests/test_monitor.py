@@ -21,7 +21,13 @@ from kfac_stream.integrations.spectrum_monitor import SpectrumMonitor, snapshot_
 from kfac_stream.snapshot.media import log10_histograms
 from kfac_stream.stats.spectrum import spectrum_stats
 
-from logreaders import latest_wandb_run_dir, read_tensorboard_scalars, read_wandb_offline
+from logreaders import (
+    finish_wandb,
+    latest_wandb_run_dir,
+    offline_wandb_env,
+    read_tensorboard_scalars,
+    read_wandb_offline,
+)
 from models import ListDataset, text_examples, tiny_gpt2
 
 # The manifest's statistics come from float64 eigenvalues; the snapshot keeps them in float32
@@ -30,22 +36,6 @@ from models import ListDataset, text_examples, tiny_gpt2
 REL = 1e-6
 STEPS, LOG_EVERY = 7, 2
 STATS = ("max", "trace", "log10_cond", "eff_rank")
-
-
-def offline_wandb_env(root) -> dict[str, str]:
-    """Environment for an offline W&B run whose files all stay under ``root``."""
-    return {"WANDB_MODE": "offline", "WANDB_DIR": str(root), "WANDB_PROJECT": "kfac-stream-test",
-            "WANDB_CONFIG_DIR": str(root / "wandb-config"), "WANDB_CACHE_DIR": str(root / "cache"),
-            "WANDB_DATA_DIR": str(root / "data"), "WANDB_SILENT": "true", "WANDB_CONSOLE": "off"}
-
-
-def finish_wandb() -> None:
-    """Finish the run (flushes its files) and stop wandb's service, so nothing leaks."""
-    import wandb
-
-    wandb.finish()
-    wandb.teardown()
-    assert wandb.run is None
 
 
 @pytest.fixture(scope="module")
