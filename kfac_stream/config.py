@@ -140,6 +140,12 @@ class KFACConfig:
         if not isinstance(self.fail_on_snapshot_error, bool):
             raise KFACConfigError(f"KFACConfig.fail_on_snapshot_error="
                                   f"{self.fail_on_snapshot_error!r} is not allowed: must be a bool")
+        if self.output_dir is not None and not isinstance(self.output_dir, str):
+            raise KFACConfigError(f"KFACConfig.output_dir={self.output_dir!r} is not allowed: "
+                                  "must be None or a path string")
+        if self.async_updates is not None and not isinstance(self.async_updates, bool):
+            raise KFACConfigError(f"KFACConfig.async_updates={self.async_updates!r} is not "
+                                  "allowed: must be None or a bool")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise KFACConfigError(f"KFACConfig.seed={self.seed!r} is not allowed: must be an int")
         if self.fisher not in FisherType:
@@ -156,7 +162,8 @@ class KFACConfig:
             patterns = getattr(self, name)
             if patterns is None:
                 continue
-            if isinstance(patterns, str) or not all(isinstance(p, str) for p in patterns):
+            if not isinstance(patterns, (list, tuple)) or not all(
+                    isinstance(p, str) for p in patterns):
                 raise KFACConfigError(
                     f"KFACConfig.{name}={patterns!r} is not allowed: must be a list of regex "
                     "strings"

@@ -11,7 +11,7 @@ class _MetaEnum(EnumMeta):
     def __contains__(cls, item: object) -> bool:  # noqa: D105
         try:
             cls(item)
-        except ValueError:
+        except (ValueError, TypeError):  # TypeError: an unhashable value (a list)
             return False
         return True
 

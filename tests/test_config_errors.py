@@ -26,6 +26,10 @@ from models import ListDataset, text_examples, tiny_gpt2
     ("max_dense_dim", 0, "KFACConfig.max_dense_dim=0 is not allowed: must be a positive"),
     ("seed", 1.5, "KFACConfig.seed=1.5 is not allowed: must be an int"),
     ("fail_on_snapshot_error", "yes", "KFACConfig.fail_on_snapshot_error='yes' is not allowed"),
+    ("include", {"x": 1}, "KFACConfig.include={'x': 1} is not allowed: must be a list of regex"),
+    ("output_dir", [1], "KFACConfig.output_dir=[1] is not allowed: must be None or a path"),
+    ("async_updates", "eight", "KFACConfig.async_updates='eight' is not allowed: must be None"),
+    ("fisher", [1], "KFACConfig.fisher=[1] is not allowed: must be one of"),
 ])
 def test_field_errors_name_field_value_and_range(field, value, needle):
     with pytest.raises(KFACConfigError) as e:

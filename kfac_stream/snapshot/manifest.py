@@ -26,6 +26,7 @@ the same format version may add informational fields (counters were added this w
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -33,8 +34,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
+from ..config import KFACConfig
 from ..enums import FisherType, StorageDtype
-from ..exceptions import SnapshotError
+from ..exceptions import KFACConfigError, SnapshotError
 from ..factor_keys import FACTOR_KINDS, factor_key, split_factor_key
 from .layout import (
     FORMAT_NAME,
@@ -447,30 +449,26 @@ SHARD = Record({
     "rank": Field(Int(0, MAX_WORLD_SIZE - 1), since=None),
 }, what="a shard entry (an object with sha256 and bytes)")
 
-_REGEXES = Nullable(ListOf(Str(what="a regex string")))
-# The tracker's configuration as written (``KFACConfig.to_dict()``), informational: the keys
-# every format-1 writer wrote are required, later ones optional. Ranges as `KFACConfig` allows.
-CONFIG = Record({
-    "token_fraction": Field(Num(0.0, 1.0, lo_open=True)),
-    "ema_decay": Field(Num(0.0, 1.0)),
-    "update_every": Field(Int(1)),
-    "snapshot_every": Field(Int(1)),
-    "fisher": Field(Str(choices=tuple(f.value for f in FisherType))),
-    "include": Field(_REGEXES),
-    "exclude": Field(_REGEXES),
-    "output_dir": Field(Nullable(Str(what="a path string"))),
-    "storage_dtype": Field(Str(choices=_STORAGE_DTYPES)),
-    "max_dense_dim": Field(Int(1)),
-    "seed": Field(Int(-(2**63), 2**64 - 1)),
-    "async_updates": Field(Nullable(Bool())),
-    "share_inputs": Field(Bool(), since=None),
-    "fold_on": Field(Str(choices=("auto", "device", "host")), since=None),
-    "device_memory_budget": Field(_COUNT, since=None),
-    "exchange": Field(Str(choices=("auto", "rows", "stats")), since=None),
-    "eigh_device": Field(Str(choices=("auto", "cpu")), since=None),
-    "eigh_threads": Field(Nullable(Int(1)), since=None),
-    "fail_on_snapshot_error": Field(Bool(), since=None),
-}, what="the tracker's configuration (an object)")
+class _TrackerConfig(Rule):
+    """The tracker's configuration as written (``KFACConfig.to_dict()``), informational: each
+    key naming a `KFACConfig` field must pass that field's own validation (the dataclass is
+    the one source of the fields' types and ranges); keys of other versions are allowed."""
+
+    expected = "the tracker's configuration (an object of KFACConfig fields)"
+
+    def check(self, value: Any, path: str, ctx: _Ctx) -> None:
+        if not isinstance(value, dict):
+            _fail(ctx, path, value, self.expected)
+        names = {f.name for f in dataclasses.fields(KFACConfig)}
+        for name, v in value.items():
+            if name in names:
+                try:
+                    KFACConfig(**{name: v})
+                except (KFACConfigError, TypeError, ValueError) as e:
+                    _fail(ctx, _child(path, name), v, f"a valid value ({e})")
+
+
+CONFIG = _TrackerConfig()
 
 # The tracker's counters: the five every writer wrote are required, later ones optional.
 COUNTS = Record({

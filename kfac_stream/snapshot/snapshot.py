@@ -14,7 +14,8 @@ check it).
    size of the tensors the manifest places in it before reading, reads it once, checks the
    sha256 of exactly the bytes read, parses the safetensors header from the same bytes and
    checks every tensor's dtype and shape against `manifest.implied_tensors` (no other tensor
-   may be there), then takes the tensors from those bytes (no second open, no pickle);
+   may be there), then takes the tensors from those bytes (no second open; raw tensor data
+   only, never a Python object);
 4. checks the values: every tensor finite, scales and eigenvalues ≥ 0.
 
 Anything else raises `SnapshotError` naming the file, the key and what was expected (see
