@@ -35,7 +35,7 @@ import transformers
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from kfac_stream import KFACConfig, KFACStreamCallback
+from kfac_stream import KFACConfig, KFACStreamCallback, metrics
 from kfac_stream.app import data as app_data
 from kfac_stream.app.data import ExampleDataset
 from kfac_stream.app.models import tiny_gpt2
@@ -336,21 +336,12 @@ def save_base_lm(model: nn.Module, path: str, steps: int) -> None:
 
 def nll_ece(probs: torch.Tensor, y: torch.Tensor, bins: int = 15) -> tuple[float, float]:
     """Mean NLL (nats) of the labels ``y [n]`` under ``probs [n, C]``, and the ECE over
-    ``bins`` equal-width bins of the top-1 confidence (the first bin includes 0)."""
-    nll = float(-probs.gather(1, y[:, None]).clamp(min=1e-300).log().mean())
-    conf, pred = probs.max(-1)
-    acc = (pred == y).double()
-    edges = torch.linspace(0, 1, bins + 1, dtype=conf.dtype)
-    ece = 0.0
-    for lo, hi in zip(edges[:-1], edges[1:], strict=True):
-        m = (conf > lo) & (conf <= hi) if lo > 0 else (conf >= lo) & (conf <= hi)
-        if m.any():
-            ece += float(m.double().mean() * (conf[m].mean() - acc[m].mean()).abs())
-    return nll, ece
+    ``bins`` equal-width bins of the top-1 confidence (right-closed, the first bin includes 0):
+    `kfac_stream.metrics.nll` and `kfac_stream.metrics.ece`."""
+    return metrics.nll(probs, y), metrics.ece(probs, y, bins)
 
 
 def auroc(score_in: torch.Tensor, score_out: torch.Tensor) -> float:
     """P(score of a random OOD item > that of a random ID item), ties 1/2; ``[n_in]``,
-    ``[n_out]``."""
-    a, b = score_out[:, None], score_in[None, :]
-    return float((a > b).double().mean() + 0.5 * (a == b).double().mean())
+    ``[n_out]``: `kfac_stream.metrics.auroc`."""
+    return metrics.auroc(score_in, score_out)
