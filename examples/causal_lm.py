@@ -12,7 +12,7 @@ from pydoc_data.topics import topics
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
+from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, whole_model
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", default="out/causal_lm")
@@ -41,7 +41,12 @@ print(f"snapshot of step {snap.step}: {len(snap.layer_names)} layers, "
 name = snap.layer_names[0]
 print(name, "A", tuple(snap[name].A.shape), "G", tuple(snap[name].G.shape))
 
-# 4. Laplace posterior over the tracked weights; the prior precision by marginal likelihood
+# 4. Laplace posterior over the tracked weights; the prior precision by marginal likelihood.
+# whole_model returns the trained model; after DeepSpeed ZeRO-3 (weights partitioned across
+# ranks) it saves it and returns a whole copy on the main process, None on the other ranks.
+model = whole_model(trainer, f"{args.out}/model")
+if model is None:
+    raise SystemExit
 model.eval()
 post = LaplacePosterior(model, snap, prior_precision="marglik")
 print(f"prior precision {post.prior_precision:.3g}")

@@ -8,6 +8,7 @@ from .exceptions import (
     AppConfigError,
     KFACConfigError,
     KFACStreamError,
+    PartitionedModelError,
     QueryInputError,
     SnapshotError,
     SnapshotMismatchError,
@@ -26,6 +27,7 @@ _LAZY = {
     "LaplacePosterior": "query.laplace",
     "LayerFactors": "snapshot.snapshot",
     "Snapshot": "snapshot.snapshot",
+    "whole_model": "integrations.zero3",
 }
 
 
@@ -53,6 +55,7 @@ __all__ = [
     "LayerFactors",
     # queries
     "LaplacePosterior",
+    "whole_model",
     # enums
     "FisherType",
     "StorageDtype",
@@ -64,6 +67,7 @@ __all__ = [
     "SnapshotMismatchError",
     "TrackerStateError",
     "QueryInputError",
+    "PartitionedModelError",
     "AppConfigError",
     "__version__",
 ]

@@ -10,6 +10,7 @@ Each message names the offending field, value, key or file. The tree::
     ├── SnapshotMismatchError (also ValueError) a model whose layers differ from the snapshot's
     ├── TrackerStateError                       a checkpoint's tracker state that cannot restore
     └── QueryInputError (also ValueError)       an argument of a query (LaplacePosterior, the CLI)
+        └── PartitionedModelError               a model whose weights DeepSpeed ZeRO-3 partitions
 """
 
 from __future__ import annotations
@@ -46,3 +47,9 @@ class TrackerStateError(KFACStreamError):
 class QueryInputError(KFACStreamError, ValueError):
     """An argument of the query API or the ``kfac-stream`` command line is of the wrong type or
     out of range (one line naming the call, the argument, its value and what is allowed)."""
+
+
+class PartitionedModelError(QueryInputError):
+    """The model given to a query has its weights partitioned across ranks by DeepSpeed ZeRO-3
+    (the engine gathers them only inside its own forward); query a whole copy instead
+    (`kfac_stream.whole_model`, or the saved model loaded in one process)."""

@@ -93,9 +93,12 @@ def test_cli_query_prints_what_the_python_api_returns(tmp_path, capsys):
     assert any(sd > 0 for row in rows for sd in row["std_prob"])
 
 
-def test_launch_configs_parse_and_reference_existing_deepspeed_json():
-    """Every accelerate config in launch/ loads with accelerate's own reader, and every
-    DeepSpeed JSON it references exists, parses and names the ZeRO stage of its file name."""
+def test_launch_configs_parse_and_are_self_contained():
+    """Every accelerate config in launch/ loads with accelerate's own reader and names no
+    other file (a relative ``deepspeed_config_file`` breaks outside the repository root,
+    issue 15): the DeepSpeed ones set the ZeRO stage of their file name inline. Every DeepSpeed
+    JSON (for the ``deepspeed`` launcher and ``TrainingArguments(deepspeed=...)``) parses and
+    names the stage of its file name."""
     import glob
     import json
     import os
@@ -110,15 +113,23 @@ def test_launch_configs_parse_and_reference_existing_deepspeed_json():
     for path in files:
         cfg = load_config_from_file(path)
         ds = getattr(cfg, "deepspeed_config", None) or {}
+        assert "deepspeed_config_file" not in ds, path
         if str(cfg.distributed_type).endswith("DEEPSPEED"):
-            ref = os.path.join(root, ds["deepspeed_config_file"])
-            with open(ref) as f:
-                stage = json.load(f)["zero_optimization"]["stage"]
-            assert f"zero{stage}" in os.path.basename(ref), (path, ref, stage)
+            stage = int(ds["zero_stage"])
+            assert f"zero{stage}" in os.path.basename(path), (path, stage)
+            assert ds["offload_param_device"] == ("cpu" if "offload" in path else "none"), path
+            if stage == 3:  # trainer.save_model must write whole weights (README, ZeRO-3)
+                assert ds["zero3_save_16bit_model"] is True, path
             stages.add(stage)
         if os.path.basename(path).startswith("cpu_"):
             assert cfg.use_cpu, path
     assert stages == {1, 2, 3}
+    jsons = sorted(glob.glob(os.path.join(root, "launch", "deepspeed", "*.json")))
+    assert len(jsons) == 4
+    for path in jsons:
+        with open(path) as f:
+            stage = json.load(f)["zero_optimization"]["stage"]
+        assert f"zero{stage}" in os.path.basename(path), (path, stage)
     slurm = open(os.path.join(root, "launch", "slurm_multinode.sh")).read()
     assert re.search(r"--config_file launch/multinode_zero3\.yaml", slurm)
 

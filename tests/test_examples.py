@@ -4,9 +4,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shlex
+import socket
 import subprocess
 import sys
 
@@ -70,3 +72,27 @@ def test_readme_query_command_on_the_demo_model(tmp_path):
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     print(proc.stdout[-1500:])
     assert "±" in proc.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
+                    reason="deepspeed is not installed (`make test` installs it)")
+def test_causal_lm_example_under_zero3_from_outside_the_repo(tmp_path):
+    """The quickstart unchanged under 2-process DeepSpeed ZeRO-3 on CPU, launched from an
+    unrelated directory with `launch/cpu_zero3.yaml` (inline DeepSpeed settings, no relative
+    path): it trains, and its query works: `whole_model` saves the partitioned model and
+    reloads it whole on the main process (the saved weights prove that path ran; without it
+    `LaplacePosterior` raises `PartitionedModelError`, see test_query_validation)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           os.path.join(ROOT, "launch", "cpu_zero3.yaml"), "--main_process_port", str(port),
+           os.path.join(ROOT, "examples", "causal_lm.py"), "--out", "out", "--steps", "20"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=dict(_env(), DS_ACCELERATOR="cpu"),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    print(proc.stdout[-1500:])
+    # both ranks trained and read the snapshot; only the main process queried
+    assert proc.stdout.count("snapshot of step 20: 8 layers, 20480 tokens seen") == 2
+    assert len(re.findall(r"next ' ': logit -?\d+\.\d+ ± \d+\.\d+", proc.stdout)) == 1
+    assert (tmp_path / "out" / "model" / "model.safetensors").is_file()

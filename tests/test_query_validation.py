@@ -13,7 +13,13 @@ import pytest
 import torch
 from torch import nn
 
-from kfac_stream import KFACStreamError, LaplacePosterior, QueryInputError, Snapshot
+from kfac_stream import (
+    KFACStreamError,
+    LaplacePosterior,
+    PartitionedModelError,
+    QueryInputError,
+    Snapshot,
+)
 from kfac_stream.cli import main as cli_main
 from kfac_stream.query.laplace import fit_confidence_beta, probs_from_gaussian
 from kfac_stream.query.topk import topk_predictive
@@ -166,21 +172,32 @@ def test_model_must_be_a_module(trained):
 
 
 def test_zero3_partitioned_weights_fail_at_construction_saying_what_to_do(trained):
-    """After DeepSpeed ZeRO-3 training each rank holds a placeholder (numel 0, ``ds_numel`` and
-    ``ds_shape`` set); the posterior needs whole weights, also for "marglik"."""
+    """A model whose parameters DeepSpeed ZeRO-3 manages (``ds_numel`` set) fails at
+    construction, also for "marglik": as a placeholder (numel 0, between forwards) and gathered
+    whole (right after ``trainer.train()``: the engine partitions them again after the next
+    forward, so the first query would pass and a later one fail on a shape error)."""
     model, snap, _ = trained
-    part = copy.deepcopy(model)
     name = snap.layer_names[0]
-    m = dict(part.named_modules())[name]
-    full = m.weight.shape
-    m.weight = nn.Parameter(torch.empty(0))
-    m.weight.ds_numel, m.weight.ds_shape = full.numel(), full
-    for prior in (TAU, "marglik"):
-        raises(lambda prior=prior: LaplacePosterior(part, snap, prior),
-               "LaplacePosterior: model has its weights partitioned by DeepSpeed ZeRO-3 "
-               f"(layer {name!r} holds 0 of its {full.numel()} weights in this process): query "
-               "a model with whole weights: save it (trainer.save_model(dir)) and load it again "
-               "with from_pretrained(dir) in one process, outside the DeepSpeed engine")
+    for gathered in (False, True):
+        part = copy.deepcopy(model)
+        m = dict(part.named_modules())[name]
+        full = m.weight.shape
+        if not gathered:
+            m.weight = nn.Parameter(torch.empty(0))
+        m.weight.ds_numel, m.weight.ds_shape = full.numel(), full
+        held = full.numel() if gathered else 0
+        for prior in (TAU, "marglik"):
+            with pytest.raises(PartitionedModelError) as info:
+                LaplacePosterior(part, snap, prior)
+            assert isinstance(info.value, QueryInputError)
+            assert str(info.value) == (
+                "LaplacePosterior: the model's weights are partitioned across ranks by DeepSpeed "
+                f"ZeRO-3 ({name + '.weight'!r} holds {held} of its {full.numel()} values in this "
+                "process, and the engine gathers them only inside its own forward): query a "
+                "whole copy: model = kfac_stream.whole_model(trainer, save_dir) on every rank "
+                "(it saves the model and loads it on the main process), or save it with "
+                "trainer.save_model(dir) and load it with from_pretrained(dir) in a process "
+                "without DeepSpeed")
 
 
 def test_prior_precision_assignment_is_checked(post):

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from ..capture.hooks import logits_of
 from ..capture.selection import layer_spec
-from ..exceptions import QueryInputError, SnapshotMismatchError
+from ..exceptions import PartitionedModelError, QueryInputError, SnapshotMismatchError
 from ..snapshot.snapshot import Snapshot
 from . import inputs
 from . import kron_eigen as ke
@@ -81,8 +81,8 @@ class LaplacePosterior:
 
     Args:
         model: The trained model (the one the snapshot was tracked on, or a copy), an
-            ``nn.Module`` with whole weights (after DeepSpeed ZeRO-3 training: saved and loaded
-            again in one process).
+            ``nn.Module`` with whole weights (after DeepSpeed ZeRO-3 training:
+            ``kfac_stream.whole_model(trainer, save_dir)``).
         snapshot: A loaded `Snapshot` (``Snapshot.load(path)`` or ``Snapshot.latest(dir)``).
         prior_precision: ``τ``: a positive finite float, ``{layer: positive finite float}``
             with exactly the snapshot's layers, or ``"marglik"`` (maximise the Laplace
@@ -95,8 +95,10 @@ class LaplacePosterior:
             (``UserWarning``).
 
     Raises:
-        QueryInputError: an argument of the wrong type or out of range, or a model whose
-            tracked weights are partitioned (DeepSpeed ZeRO-3).
+        QueryInputError: an argument of the wrong type or out of range.
+        PartitionedModelError: a model whose weights DeepSpeed ZeRO-3 partitions (also right
+            after ``trainer.train()`` in the same script); `kfac_stream.whole_model` gives a
+            whole copy.
         SnapshotMismatchError: the model's layers differ from the snapshot's.
     """
 
@@ -118,7 +120,7 @@ class LaplacePosterior:
                                    snapshot.layer_names, marglik=True)
         self.model, self.snapshot = model, snapshot
         self.modules = _match_layers(model, snapshot)
-        _check_whole_weights(where, self.modules)
+        _check_whole_weights(where, model, self.modules)
         self._vocab = inputs.input_vocab(model)
         # Eigenvalue algebra (D, log-determinants, samples) runs in float64; the per-token
         # Jacobian features run in the model's precision (float64 models: float64, else
@@ -686,20 +688,31 @@ def _warn_far_num_data(where: str, num_data: float, meta: dict) -> None:
         "num_data=None for the snapshot's count.", UserWarning, stacklevel=3)
 
 
-def _check_whole_weights(where: str, modules: dict[str, nn.Module]) -> None:
-    """Every tracked layer holds its whole weight in this process (not a DeepSpeed ZeRO-3
-    partition: such a weight has ``ds_numel`` and an empty or partial local tensor)."""
+def _check_whole_weights(where: str, model: nn.Module, modules: dict[str, nn.Module]) -> None:
+    """The model holds its whole weights in this process and keeps them: not managed by
+    DeepSpeed ZeRO-3 (whose parameters carry ``ds_numel``; even when gathered right after
+    ``trainer.train()``, the engine partitions them again after the next forward), and every
+    tracked weight of its full size."""
+    for pname, p in model.named_parameters():
+        if hasattr(p, "ds_numel"):
+            raise PartitionedModelError(
+                f"{where}: the model's weights are partitioned across ranks by DeepSpeed ZeRO-3 "
+                f"({pname!r} holds {p.numel()} of its {p.ds_numel} values in this process, and "
+                "the engine gathers them only inside its own forward): query a whole copy: "
+                "model = kfac_stream.whole_model(trainer, save_dir) on every rank (it saves the "
+                "model and loads it on the main process), or save it with "
+                "trainer.save_model(dir) and load it with from_pretrained(dir) in a process "
+                "without DeepSpeed")
     for name, m in modules.items():
         spec = layer_spec(name, m)
         w = m.weight
         full = spec.d_in * spec.d_out
         if w.numel() != full:
-            zero3 = " by DeepSpeed ZeRO-3" if hasattr(w, "ds_numel") else ""
-            raise QueryInputError(
-                f"{where}: model has its weights partitioned{zero3} (layer {name!r} holds "
+            raise PartitionedModelError(
+                f"{where}: model has its weights partitioned (layer {name!r} holds "
                 f"{w.numel()} of its {full} weights in this process): query a model with whole "
                 "weights: save it (trainer.save_model(dir)) and load it again with "
-                "from_pretrained(dir) in one process, outside the DeepSpeed engine")
+                "from_pretrained(dir) in one process")
 
 
 def _model_inputs(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
