@@ -3,17 +3,19 @@ training, and the warning when ``num_data`` is far from the snapshot's own count
 
 import logging
 import math
+import os
 import struct
 import warnings
 
 import matplotlib
 import pytest
 import torch
+from tqdm import tqdm
 
 from kfac_stream import LaplacePosterior, Snapshot
+from kfac_stream import progress as qprogress
 from kfac_stream.app.contrast import uncertainty_contrast, uncertainty_contrasts
 from kfac_stream.cli import main as cli_main
-from kfac_stream.query import progress as qprogress
 from kfac_stream.query.laplace import NUM_DATA_WARN_FACTOR, default_num_data
 from kfac_stream.query.topk import topk_predictive
 from kfac_stream.snapshot import media
@@ -219,6 +221,23 @@ def test_progress_of_topk_marglik_and_contrast(classified, capsys, caplog, monke
         assert torch.equal(one.variance["in"], cons[name].variance["in"])
         assert torch.equal(one.entropy["out"], cons[name].entropy["out"])
     assert "uncertainty contrast" not in capsys.readouterr().err
+
+
+def test_progress_of_snapshot_loading(classified, capsys, monkeypatch):
+    """Loading counts the shard bytes read and verified: hidden off a terminal by default,
+    shown on request, with the manifest's byte total; the same snapshot either way."""
+    monkeypatch.delenv(qprogress.ENV, raising=False)
+    _, snap, _ = classified
+    quiet = Snapshot.load(snap.path)
+    assert "loading snapshot" not in capsys.readouterr().err
+    loud = Snapshot.latest(os.path.dirname(snap.path), show_progress=True)
+    err = capsys.readouterr().err
+    total = sum(i["bytes"] for i in snap.meta["shards"].values())
+    assert f"loading snapshot {os.path.basename(snap.path)}" in err, err
+    assert f"/{tqdm.format_sizeof(total, divisor=1024)}" in err, (total, err)  # bytes, 1024-based
+    assert loud.layer_names == quiet.layer_names
+    for name in quiet.layer_names:
+        assert torch.equal(loud[name].A, quiet[name].A) and torch.equal(loud[name].G, quiet[name].G)
 
 
 def test_cli_query_says_what_it_loads(classified, capsys, monkeypatch):

@@ -27,10 +27,10 @@ from torch import Tensor, nn
 from ..capture.hooks import logits_of
 from ..capture.selection import layer_spec
 from ..exceptions import PartitionedModelError, QueryInputError, SnapshotMismatchError
+from ..progress import progress
 from ..snapshot.snapshot import Snapshot
 from . import inputs
 from . import kron_eigen as ke
-from .progress import progress
 
 logger = logging.getLogger("kfac_stream")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..progress import progress
 from . import inputs
 from .laplace import LaplacePosterior
-from .progress import progress
 
 #: Positions of one Jacobian pass (memory: this many copies of the sequence's activations and
 #: of each layer's ``k·d_out·d_A`` features).

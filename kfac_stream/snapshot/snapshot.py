@@ -37,6 +37,7 @@ import torch
 
 from ..exceptions import SnapshotError
 from ..factor_keys import FACTOR_KINDS
+from ..progress import progress
 from .layout import MANIFEST, MAX_MANIFEST_BYTES, MAX_SAFETENSORS_HEADER_BYTES, STEP_DIR_RE
 from .manifest import TensorSpec, implied_tensors, parse_json, stored_key, validate_manifest
 
@@ -103,8 +104,12 @@ class Snapshot:
         return f"Snapshot({self.path!r}, step={self.step}, layers={len(self)})"
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> Snapshot:
+    def load(cls, path: str | os.PathLike, show_progress: bool | None = None) -> Snapshot:
         """Load and verify a snapshot directory (the steps in the module docstring).
+
+        A progress bar counts the shard bytes read and verified (``show_progress`` as in
+        `kfac_stream.progress`: by default on a terminal only); a 7B model's snapshot is
+        several GB.
 
         Raises:
             SnapshotError: missing, invalid or oversized manifest, unknown format version, a
@@ -118,10 +123,15 @@ class Snapshot:
             implied = implied_tensors(meta)
             tensors: dict[str, torch.Tensor] = {}
             origin: dict[str, str] = {}  # tensor name -> shard path, for messages
-            for fname, info in meta["shards"].items():
-                found = _read_shard(d, fname, info, implied, tensors)
-                tensors.update(found)
-                origin.update(dict.fromkeys(found, os.path.join(path, fname)))
+            total = sum(info["bytes"] for info in meta["shards"].values())
+            with progress(total=total, desc=f"loading snapshot {os.path.basename(path)}",
+                          unit="B", unit_scale=True, unit_divisor=1024,
+                          show=show_progress) as bar:
+                for fname, info in meta["shards"].items():
+                    found = _read_shard(d, fname, info, implied, tensors)
+                    tensors.update(found)
+                    origin.update(dict.fromkeys(found, os.path.join(path, fname)))
+                    bar.update(info["bytes"])
         for name, spec in implied.items():
             if name not in tensors:
                 where = f"shard {spec.shard!r}" if spec.shard else "the shards"
@@ -147,10 +157,10 @@ class Snapshot:
         return cls(path, meta, layers)
 
     @classmethod
-    def latest(cls, root: str | os.PathLike) -> Snapshot:
+    def latest(cls, root: str | os.PathLike, show_progress: bool | None = None) -> Snapshot:
         """The newest snapshot under ``root`` that loads and verifies; incomplete, altered or
         symlinked ``step-*`` entries are skipped (their reasons are in the error if none
-        loads)."""
+        loads). ``show_progress`` as in `load`."""
         root = _path_arg(root, "Snapshot.latest", "root")
         steps = sorted((e for e in (os.listdir(root) if os.path.isdir(root) else [])
                         if STEP_DIR_RE.match(e)), reverse=True)
@@ -161,7 +171,7 @@ class Snapshot:
                 errors.append(f"{full}: is a symbolic link; expected a snapshot directory")
                 continue
             try:
-                return cls.load(full)
+                return cls.load(full, show_progress)
             except SnapshotError as e:
                 errors.append(str(e))
         detail = f"; skipped: {'; '.join(errors)}" if errors else ""
