@@ -2,9 +2,11 @@
 
 Per optimizer step ``k`` (counted from 0): ``begin_step(k)`` arms the hooks if ``k`` is an
 update step (``k % update_every == 0``); the micro-batches' forward/backward passes collect
-rows; ``end_step(model)`` runs the MC passes (``fisher="mc"``), weights and scales the rows
-(sampling weights, the pass's loss scale ``c``) and hands an `UpdateJob` to the
-`FactorUpdater` (`kfac_stream.factor_updates`: exchange with the owners, fold into the store).
+rows; ``end_step(model)`` runs the MC passes (``fisher="mc"``: a replay on a random sub-batch
+of each micro-batch's sequences, or the whole micro-batch with ``mc_sequences="all"``), weights
+and scales the rows (sampling weights, the pass's loss scale ``c``) and hands an `UpdateJob` to
+the `FactorUpdater` (`kfac_stream.factor_updates`: exchange with the owners, fold into the
+store).
 
 The training thread never reads a device value on the host (tests/test_host_syncs.py counts):
 every decision that needs one (is the update finite? is ``c`` known? how many positions?) is
@@ -28,7 +30,12 @@ import torch
 from torch import Tensor, nn
 
 from .capture.hooks import IDLE, CaptureHooks, CaptureMode, CaptureState
-from .capture.mc_fisher import mc_fisher_pass, mc_grad_in_forward
+from .capture.mc_fisher import (
+    mc_fisher_pass,
+    mc_grad_in_forward,
+    mc_subbatch_pass,
+    selection_seed,
+)
 from .capture.selection import LayerSpec, select_layers
 from .capture.sharing import FactorPlan, plan_factors, probe_shared_inputs
 from .config import KFACConfig
@@ -131,6 +138,9 @@ class Tracker:
         self.capture = self._make_capture()
         self._zero3 = _zero3_enabled()
         self.mc_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
+        # the MC sub-batch's sequence sampler: reseeded every update step from (seed, rank,
+        # step), so it has no state to checkpoint
+        self.select_generator = torch.Generator(device=self.device)
         self.counters = Counters()
         self.step: int | None = None
         self.is_update_step = False
@@ -155,7 +165,8 @@ class Tracker:
         self.step = step
         self.is_update_step = step % self.config.update_every == 0
         mc = self.config.fisher == "mc"
-        in_forward = mc and self.is_update_step and self._mc_in_forward_ok()
+        in_forward = mc and self.is_update_step and self.config.mc_full_batch and \
+            self._mc_in_forward_ok()
         self.capture.take()
         self.capture.set_mode(CaptureMode(
             rows=self.is_update_step and (not mc or in_forward),
@@ -197,7 +208,16 @@ class Tracker:
                 return False
             passes, inputs = self.capture.take()
             self.capture.set_mode(IDLE)
-            if self.config.fisher == "mc":  # replay what the forward could not take
+            cfg = self.config
+            if cfg.fisher == "mc" and not cfg.mc_full_batch:  # replays on sub-batches
+                self.select_generator.manual_seed(
+                    selection_seed(cfg.seed, self.rank, int(self.step or 0)))
+                for kwargs in inputs:
+                    mc_subbatch_pass(model, self.capture, kwargs, self.mc_generator,
+                                     self.select_generator, cfg.mc_sequences,
+                                     cfg.token_fraction)
+                passes = self.capture.take()[0]
+            elif cfg.fisher == "mc":  # replay what the forward could not take
                 inputs += [rec.inputs for rec in passes if rec.replay]
                 passes = [rec for rec in passes if not rec.replay]
                 for kwargs in inputs:
@@ -252,7 +272,8 @@ class Tracker:
                     residuals.append(torch.where(fitted, rec.residual(), 0.0))
             keep = (rec.weight > 0)[:, None]  # [m, 1]
             root = rec.weight.sqrt()[:, None]  # [m, 1]
-            w_sum, n_pos = rec.weight.sum(), keep.sum()
+            w_sum, n_pos = rec.weight.sum(), keep.sum()  # Σ w (a diagonal A's bias entry)
+            n_w = w_sum if rec.total is None else rec.total  # the EMA's n (usable positions)
             for key, parts in rec.a_rows.items():
                 for a in parts:
                     a = a.to(self.row_dtype)
@@ -260,24 +281,24 @@ class Tracker:
                         a = with_bias_column(a)
                     rows.setdefault(key, []).append(
                         torch.where(keep, a * root.to(a.dtype), 0.0))
-                    count(key, w_sum, n_pos)
+                    count(key, n_w, n_pos)
             for key, parts in rec.a_sums.items():
                 for a in parts:  # Σ w a⊙a [d_in]; the bias entry is Σ w·1²
                     if self._a_has_bias[key]:
                         a = torch.cat([a, w_sum.reshape(1).to(a.dtype)])
                     add_sum(key, a)
-                    count(key, w_sum, n_pos)
+                    count(key, n_w, n_pos)
             g_root = root / c  # [m, 1]
             for name, parts in rec.g_rows.items():
                 for g in parts:
                     g = g.to(self.row_dtype)
                     rows.setdefault(self.plan.g_key(name), []).append(
                         torch.where(keep, g * g_root.to(g.dtype), 0.0))
-                    count(self.plan.g_key(name), w_sum, n_pos)
+                    count(self.plan.g_key(name), n_w, n_pos)
             for name, parts in rec.g_sums.items():
                 for g in parts:  # Σ w (c·g)⊙(c·g) / c²
                     add_sum(self.plan.g_key(name), g / (c * c))
-                    count(self.plan.g_key(name), w_sum, n_pos)
+                    count(self.plan.g_key(name), n_w, n_pos)
         if not rows and not sums and self.world_size == 1:
             return None
         fold = self._fold_dtype(passes)

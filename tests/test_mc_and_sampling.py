@@ -21,9 +21,12 @@ SUBSAMPLE_TOL = 0.1
 
 
 def test_mc_fisher_converges_to_expected_fisher(tmp_path):
+    # the whole-batch MC pass (taken inside the training forward); the sub-batch default:
+    # tests/test_mc_subbatch.py
     model = tiny_gpt2()
     ex = text_examples(2, 10, lengths=[10, 8])
-    cb, records, _ = run(model, ex, {"fisher": "mc", "snapshot_every": 20}, batch=2, epochs=300,
+    cfg = {"fisher": "mc", "mc_sequences": "all", "snapshot_every": 20}
+    cb, records, _ = run(model, ex, cfg, batch=2, epochs=300,
                          lr=0.0, tmp_path=tmp_path)  # lr=0: one fixed model, one fixed batch
     layers = list(cb.tracker.specs)
     exact_G = expected_fisher_G(model, records[0]["kwargs"], layers)

@@ -61,6 +61,9 @@ class CaptureMode:
             with respect to them).
         on_forward_end: Called with ``(record, model output)`` at the end of a captured
             forward (the tracker's in-forward MC Fisher); None: nothing.
+        token_fraction: Slots per position of the passes that follow, instead of the
+            tracker's ``token_fraction`` (the MC sub-batch replay, which takes the slots of a
+            whole micro-batch from a few of its sequences); None: the tracker's.
     """
 
     rows: bool = False
@@ -69,6 +72,7 @@ class CaptureMode:
     count_tokens: bool = True
     keep_outputs: bool = False
     on_forward_end: Callable[[PassRecord, Any], None] | None = None
+    token_fraction: float | None = None
 
 
 IDLE = CaptureMode()  # between update steps: count tokens, gather nothing
@@ -113,6 +117,11 @@ class PassRecord:
             so the training backward that follows adds nothing).
         replay: The in-forward MC gradient was not possible for this pass: replay it after
             the step (`mc.mc_fisher_pass`).
+        total: 0-dim device tensor, the EMA weight ``n`` of the pass when it is not
+            ``weight.sum()``: the MC sub-batch replay weights its slots by the inverse of
+            their inclusion probability in two stages (sequences, then positions), whose sum
+            varies with the sequences drawn, while ``n`` is the micro-batch's usable positions
+            (`mc_fisher.mc_subbatch_pass`). None: ``weight.sum()``.
     """
 
     index: Tensor
@@ -128,6 +137,7 @@ class PassRecord:
     inputs: dict[str, Tensor] | None = None
     closed: bool = False
     replay: bool = False
+    total: Tensor | None = None
 
     def resolve_scale(self) -> Tensor | float | None:
         """``c`` of the pass: ``scale`` if set, else the first fit with live rows (a device
@@ -308,7 +318,8 @@ class CaptureHooks:
                 self.inputs.append(inputs)
             return
         gen = self.generator if self.generator.device == usable.device else None
-        index, weight = sample_positions(usable, self.token_fraction, gen)
+        fraction = self.token_fraction if mode.token_fraction is None else mode.token_fraction
+        index, weight = sample_positions(usable, fraction, gen)
         self.current = PassRecord(index=index, weight=weight, n_positions=shape[0] * shape[1],
                                   inputs=inputs)
         self.passes.append(self.current)

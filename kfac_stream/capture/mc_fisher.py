@@ -3,16 +3,42 @@ r"""The Monte-Carlo (type-2) Fisher pass.
 Labels :math:`\hat y_t \sim p_\theta(\cdot\mid x_{<t})` sampled at the loss-bearing
 positions, :math:`L = \sum_t -\log p_\theta(\hat y_t\mid x_{<t})` (a SUM, so the loss scale
 is exactly 1), and ``torch.autograd.grad`` of ``L`` with respect to the tracked layers'
-outputs, which fires the capture hooks. Parameters' ``.grad`` are never touched. Two places:
+outputs, which fires the capture hooks. Parameters' ``.grad`` are never touched.
+:math:`E_{\hat y}[g_s g_s^\top] = \sum_t J_{s,t}^\top(\operatorname{diag} p_t - p_t p_t^\top)
+J_{s,t}` (cross terms of different ``t`` vanish in expectation): the GGN's K-FAC G factor.
+Three ways:
 
-* **in the training forward** (`mc_grad_in_forward`, the default where it is safe): at the end
-  of each captured forward, on its own graph (``retain_graph=True``; the training backward
-  that follows adds no rows). No second forward, and nothing read on the host;
-* **after the optimizer step** (`mc_fisher_pass`): a fresh forward of the stored inputs. Used
-  under DeepSpeed ZeRO-3 (a second backward inside the forward breaks its partitioning, brief
-  §4), with gradient checkpointing (the extra backward would recompute every block) and under
-  fp16 autocast (the in-forward gradient would be fp16 without a loss scale); that forward
-  makes whatever host syncs the model's forward makes.
+* **on a sub-batch** (`mc_subbatch_pass`, the default, ``KFACConfig.mc_sequences`` < all):
+  after the optimizer step, a fresh forward + backward of ``b`` of the micro-batch's ``B``
+  sequences, drawn uniformly without replacement (`select_sequences`, seeded by
+  ``(seed, rank, step)``). A forward/backward costs what its sequences cost, so the pass
+  costs ``b/B`` of the full one, while token subsampling alone shrinks only the factor GEMMs.
+  The ``m = ceil(token_fraction·B·T)`` slots the empirical path would take from the whole
+  micro-batch are drawn among the sub-batch's ``U_b`` usable positions; a usable slot carries
+  the two-stage Horvitz–Thompson weight :math:`w = (B/b)\max(1, U_b/m)`, the inverse of its
+  inclusion probability :math:`(b/B)\min(1, m/U_b)`, so
+  :math:`E[\sum_s w_s x_s x_s^\top] = \sum_{s\,\mathrm{usable}} x_s x_s^\top` over the whole
+  micro-batch (tower rule: positions given the sequences, then the sequences), for
+  ``x = ā`` and, over the sampled labels too, ``x = g``. The pass's EMA weight ``n`` is the
+  micro-batch's usable count ``U`` (``PassRecord.total``), not :math:`\sum w` (which varies
+  with the sequences drawn when their lengths differ): :math:`S = \sum_s w_s x_s x_s^\top/U`
+  is then exactly unbiased for the micro-batch's per-token mean, and ``n``, ``N``, the EMA and
+  the snapshot mean what they mean on the empirical path. With equal lengths
+  :math:`\sum w = U` anyway. ``b = B`` gives the full replay below, draw for draw;
+* **in the training forward** (`mc_grad_in_forward`, ``mc_sequences="all"`` where it is
+  safe): at the end of each captured forward, on its own graph (``retain_graph=True``; the
+  training backward that follows adds no rows). No second forward, and nothing read on the
+  host; it costs a backward of the whole micro-batch;
+* **after the optimizer step, whole micro-batch** (`mc_fisher_pass`, ``mc_sequences="all"``):
+  a fresh forward of the stored inputs. Used under DeepSpeed ZeRO-3 (a second backward inside
+  the forward breaks its partitioning, brief §4), with gradient checkpointing (the extra
+  backward would recompute every block) and under fp16 autocast (the in-forward gradient
+  would be fp16 without a loss scale); that forward makes whatever host syncs the model's
+  forward makes.
+
+Replays run on every rank on every update step, one per recorded micro-batch, whatever was
+drawn (a padding-only sequence gives a zero loss and still runs its backward): under ZeRO-3
+the forward gathers parameters collectively.
 """
 
 from __future__ import annotations
@@ -23,7 +49,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .hooks import MC_REPLAY, CaptureHooks, PassRecord, logits_of
+from ..config import mc_sequences_of
+from ..stats.rows import slots_per_pass, usable_positions
+from .hooks import MC_REPLAY, CaptureHooks, CaptureMode, PassRecord, logits_of
 
 _DROP = ("labels", "num_items_in_batch", "return_loss")
 
@@ -108,20 +136,24 @@ def mc_grad_in_forward(rec: PassRecord, output: Any, generator: torch.Generator)
 
 
 def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Tensor],
-                   generator: torch.Generator) -> None:
+                   generator: torch.Generator, mode: CaptureMode = MC_REPLAY
+                   ) -> PassRecord | None:
     """Run one MC Fisher forward/backward for one stored micro-batch (adds one PassRecord).
 
     Labels are drawn at every position and the loss masked to the loss-bearing ones (a
     masked SUM): the same gradient as a loss over the selected rows, with no host read.
+
+    Returns:
+        The pass's record (None if the forward was not captured).
     """
     kwargs = {k: v for k, v in inputs.items() if k not in _DROP}
     rec = None
-    with capture.using(MC_REPLAY), torch.enable_grad():
+    with capture.using(mode), torch.enable_grad():
         try:
             out = model(**kwargs)
             rec = capture.current
             if rec is None:
-                return
+                return None
             rec.scale = 1.0
             if not rec.outputs:
                 raise RuntimeError(
@@ -139,3 +171,72 @@ def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Te
         finally:
             if rec is not None:  # outputs → hooks → rec → outputs: a GC-invisible cycle
                 rec.outputs = []
+    return rec
+
+
+def selection_seed(seed: int, rank: int, step: int) -> int:
+    """Seed of the sequence selection of optimizer step ``step`` on ``rank``: a fixed
+    function of the three (reproducible, resumable without state), different per rank."""
+    return (((seed * 1_000_003 + rank) * 1_000_033 + step) * 2_654_435_761 + 97) % 2**63
+
+
+def select_sequences(batch: int, count: int, generator: torch.Generator,
+                     device: torch.device) -> Tensor:
+    """``count`` of ``batch`` sequence indices, uniformly without replacement, on ``device``
+    (the ``count`` smallest of ``batch`` uniform keys; nothing read on the host).
+
+    Returns:
+        ``[count]`` int64, ascending.
+    """
+    if count >= batch:
+        return torch.arange(batch, device=device)
+    keys = torch.rand(batch, generator=generator, device=device)  # [B]
+    return torch.topk(keys, count, largest=False, sorted=False).indices.sort().values
+
+
+def _batch_shape(inputs: dict[str, Tensor]) -> tuple[int, int] | None:
+    for key in ("input_ids", "inputs_embeds", "attention_mask"):
+        x = inputs.get(key)
+        if isinstance(x, Tensor) and x.dim() >= 2:
+            return int(x.shape[0]), int(x.shape[1])
+    return None
+
+
+def mc_subbatch_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Tensor],
+                     label_generator: torch.Generator, select_generator: torch.Generator,
+                     mc_sequences: int | float | str, token_fraction: float) -> None:
+    """The MC Fisher replay of one stored micro-batch on a random sub-batch of its sequences
+    (adds one PassRecord; the estimator and its weights: module docstring).
+
+    Args:
+        inputs: The micro-batch's recorded tensor kwargs (``[B, ...]`` batch-first tensors
+            are cut to the sub-batch; others pass unchanged).
+        label_generator: The MC label sampler.
+        select_generator: The sequence sampler (seeded per step by the tracker).
+        mc_sequences: ``KFACConfig.mc_sequences``.
+        token_fraction: ``KFACConfig.token_fraction`` (slots of the WHOLE micro-batch).
+    """
+    shape = _batch_shape(inputs)
+    if shape is None:  # not a [B, T] batch: the whole micro-batch, as before
+        mc_fisher_pass(model, capture, inputs, label_generator)
+        return
+    B, T = shape
+    b = mc_sequences_of(mc_sequences, B)
+    ref = next(v for v in inputs.values() if isinstance(v, Tensor) and v.dim() >= 2)
+    mask = inputs.get("attention_mask")
+    usable = usable_positions(mask if isinstance(mask, Tensor) else None, shape, ref.device)
+    total = usable.sum().to(torch.float32)  # U of the whole micro-batch (device)
+    sel = select_sequences(B, b, select_generator, ref.device)  # [b]
+    sub = {k: (v.index_select(0, sel.to(v.device))
+               if isinstance(v, Tensor) and v.dim() >= 1 and v.shape[0] == B else v)
+           for k, v in inputs.items()}
+    m = slots_per_pass(token_fraction, B * T)  # the empirical path's slots of this pass
+    n_sub = b * T
+    # ceil(((m - 1/2)/n)·n) = m exactly, whatever the rounding; m ≥ n: every position
+    fraction = 1.0 if m >= n_sub else (m - 0.5) / n_sub
+    rec = mc_fisher_pass(model, capture, sub, label_generator,
+                         CaptureMode(rows=True, estimate_scale=False, count_tokens=False,
+                                     keep_outputs=True, token_fraction=fraction))
+    if rec is not None and b < B:  # b = B: the full replay's record, untouched
+        rec.weight = rec.weight * (B / b)  # × 1/P(sequence drawn)
+        rec.total = total.to(rec.weight.device)
