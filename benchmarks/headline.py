@@ -74,23 +74,33 @@ def lm_rows(d: dict) -> list[str]:
 
 
 def cls_rows(d: dict) -> list[str]:
-    res = d["results"]
-    base = res["MAP"]
-    link = ("[classification](#small-data-multiple-choice-with-lora-"
-            "benchmarksuncertainty_classificationpy)")
+    """Per classification task: MAP, the default configuration's Laplace predictive (marglik
+    tau) and laplace-torch KronLaplace (default GGN), accuracy / NLL / ECE as mean ± std over
+    the seeds, and the acceptance verdicts."""
+    link = ("[classification](#small-data-classification-map-vs-laplace-from-the-stream-vs-"
+            "post-hoc-over-seeds-benchmarksuncertainty_classificationpy)")
 
     def cell(v):
-        return f"{100 * v['acc']:.1f}% / {v['nll']:.3f} / {100 * v['ece']:.1f}%"
+        def pm(key, scale, fmt):
+            m, s = v[key]
+            return f"{scale * m:{fmt}} ± {scale * s:{fmt}}"
+        return f"{pm('accuracy', 100, '.1f')}% / {pm('nll', 1, '.3f')} / {pm('ece', 100, '.1f')}%"
 
-    stream = {m: v for m, v in res.items() if m.startswith("Laplace stream")}
-    peers = {m: v for m, v in res.items() if m.startswith("laplace-torch")}
-    rows = [f"| 4-way docstring → package (LoRA), accuracy / NLL / ECE: MAP | {cell(base)} | "
-            f"tiny GPT-2 + LoRA, {d['splits']['train']} training examples | {link} |"]
-    for group in (stream, peers):
-        if group:
-            m = min(group, key=lambda k: group[k]["nll"])
-            rows.append(f"| same, lowest-NLL {m} | {cell(group[m])} | "
-                        f"{d['cost_seconds'][m]:.1f} s beyond training | {link} |")
+    rows = []
+    labels = {"MAP": "MAP", "Laplace stream (default), tau=marglik":
+              "Laplace from the stream, defaults, tau by marglik",
+              "laplace-torch KronLaplace (default GGN), tau=marglik":
+              "laplace-torch KronLaplace (default GGN), tau by marglik"}
+    for t in d["tasks"].values():
+        n = len(t["per_seed"])
+        for m, label in labels.items():
+            if m in t["summary"]:
+                rows.append(f"| {t['title']}: accuracy / NLL / ECE, {label} | "
+                            f"{cell(t['summary'][m])} | {n} seeds, "
+                            f"{t['per_seed'][0]['splits']['train']} training examples | {link} |")
+        met = sum(c["met"] is True for c in t["acceptance"])
+        rows.append(f"| {t['title']}: issue-16 acceptance criteria met | {met} of "
+                    f"{len(t['acceptance'])} | {n} seeds | {link} |")
     return rows
 
 

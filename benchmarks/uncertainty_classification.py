@@ -1,21 +1,27 @@
-r"""Small-data multiple choice with LoRA: MAP vs Laplace from the stream vs post-hoc (issue 7,
-item 3).
+r"""Small-data classification, over seeds: MAP vs Laplace from the stream vs post-hoc
+laplace-torch, on two tasks (issue 7 item 3; issue 16 "make the benchmarks decide").
 
-Usage: ``python benchmarks/uncertainty_classification.py [--lm-steps 1000] [--ft-steps 500]
-...``; ``--quick`` is a smoke run that writes nothing. Writes ``benchmarks/results/
-uncertainty_classification.json`` and the section of ``benchmarks/RESULTS.md`` between the
-``uncertainty-classification`` markers.
+Usage: ``python benchmarks/uncertainty_classification.py [--seeds 0 1 2] [--tasks ...]
+...``; ``--quick`` is a smoke run (tiny sizes, two seeds) that writes nothing. Writes
+``benchmarks/results/uncertainty_classification.json`` and the section of
+``benchmarks/RESULTS.md`` between the ``uncertainty-classification`` markers
+(``python benchmarks/headline.py`` then rebuilds the headline rows from the JSON).
 
-Task (labelled data that ships with CPython, nothing downloaded): *which standard-library
-package does this docstring come from?* as a 4-way multiple choice with answer tokens.
+Seeds (``--seeds``, default 0 1 2): each seed changes the data shuffle and split, the model's
+(or the LoRA weights') initialisation, the Trainer's seed and the tracker's ``seed``; every
+figure is reported as mean ± sample std over the seeds.
+
+Task 1, ``docstring-lora`` (labelled data that ships with CPython, nothing downloaded): *which
+standard-library package does this docstring come from?* as a 4-way multiple choice with
+answer tokens.
 
 * Examples: the docstrings of the functions and classes (``ast``, test directories left out)
   of the packages ``asyncio`` (A), ``email`` (B), ``logging`` (C) and ``xml`` (D) of the
   running interpreter's standard library. First paragraph, whitespace collapsed, at least 40
   characters, cut to ``SNIPPET_BYTES`` UTF-8 bytes; snippets that occur in more than one
-  package (or twice) are dropped. Shuffled with a fixed seed, then per class ``--train-per-class``
-  for training, ``--val-per-class`` for the prior-precision grid and ``--test-per-class`` for the
-  test set (balanced).
+  package (or twice) are dropped. Shuffled with the seed, then per class ``--train-per-class``
+  for training, ``--val-per-class`` for the prior-precision grid and ``--test-per-class`` for
+  the test set (balanced). No OOD split.
 * Prompt (byte tokens of the base LM): ``<snippet>\nA asyncio B email C logging D xml? `` and
   the answer byte ``A``-``D``; the loss is the full-vocabulary next-token cross-entropy at the
   answer only (``labels = -100`` elsewhere), which is what the Trainer optimises. Predictions:
@@ -23,32 +29,66 @@ package does this docstring come from?* as a 4-way multiple choice with answer t
 * Base model: the app's default tiny GPT-2 trained on Python's reference documentation with
   the recipe of item 2 (``benchmarks/uncertainty.py``; ``--lm-steps`` steps; cached in
   ``--base-model`` and reused when the LM task already wrote it there; the recipe is
-  ``_common.train_lm``). Fine-tuning: PEFT LoRA (r 8, alpha 16, no dropout) on every
-  ``c_attn``/``c_proj``/``c_fc`` of the blocks, everything else frozen; a real
-  ``transformers.Trainer`` (batch ``--batch``, ``--ft-steps`` steps, lr ``--lr`` linear decay,
-  no weight decay), with one `KFACStreamCallback` per run tracking the LoRA ``lora_A`` /
-  ``lora_B`` layers. Each tracker setting gets its own run from the same seed; the script
-  checks that all runs end with identical weights (one MAP model, several posteriors).
-* Methods, all on the same test prompts:
+  ``_common.train_lm``; the same base for every seed). Fine-tuning: PEFT LoRA (r 8, alpha 16,
+  no dropout) on every ``c_attn``/``c_proj``/``c_fc`` of the blocks, everything else frozen; a
+  real ``transformers.Trainer`` (batch ``--batch``, ``--ft-steps`` steps, lr ``--lr`` linear
+  decay, no weight decay) with one `KFACStreamCallback` per run tracking the LoRA layers.
 
-  - MAP: 4-way softmax of the answer logits.
-  - Laplace from the stream (`LaplacePosterior` on the last snapshot; N from the snapshot):
-    linearised predictive N(mu, Sigma) of the 4 answer logits; probabilities = mean of the
-    softmax over ``--mc-samples`` draws (fixed seed). tau by ``optimize_prior_precision()``
-    (marginal likelihood) and by the lowest NLL on the validation prompts over a log grid
-    (every candidate's covariance from one Jacobian pass: ``predictive_covariances``).
-    Tracker settings: the defaults (empirical and MC Fisher: token_fraction 0.05,
-    update_every 10, ema_decay 0.95) and empirical with token_fraction 1, update_every 1.
-  - Post-hoc laplace-torch ``KronLaplace`` on the same LoRA weights after training, fitted on
-    the whole training set (``CurvlinopsEF`` = empirical Fisher, and ``CurvlinopsGGN`` with
-    ``stochastic=True`` = 1-sample MC Fisher, the two Fishers the stream offers; the exact
-    GGN needs one backward per vocabulary entry, 27.7 s for 32 examples here),
-    full-vocabulary likelihood at the answer position (the training loss), N = training
-    examples (laplace-torch's convention), tau by its own marginal likelihood; the same
-    4-logit MC predictive.
+Task 2, ``manpage-section`` (`classification_tasks`: the man pages of this machine): *which
+section of the manual is this man page from?*, 4-way (1 user commands, 2 system calls,
+5 file formats, 8 administration), one 128-byte snippet per page from its DESCRIPTION on;
+``--man-train-per-class`` / ``--man-val-per-class`` / ``--man-test-per-class`` per class,
+balanced. Out of distribution, as many inputs as half the test set each: German man pages
+(``man-de``) and windows of Python's reference documentation (``pydoc``). Model: a
+``GPT2ForSequenceClassification`` trained FROM SCRATCH (``--man-layers`` × ``--man-width``,
+byte tokens, no dropout), ``--man-steps`` steps of a Trainer (batch ``--batch``, lr
+``--man-lr`` linear decay, no weight decay): it fits its training set (training accuracy
+reported), the regime in which the empirical Fisher shrinks with the training loss. The
+tracker follows its default layers (every Conv1D of the blocks).
 
-* Metrics on the test set: accuracy, NLL (nats) and ECE (15 equal-width bins of top-1
-  confidence), and the seconds each method needed beyond training.
+Tracker settings, each its own training run from the same seed (the script checks that all
+runs end with identical weights: one MAP model, several posteriors), read from `KFACConfig`
+at run time (`tracker_settings`): the defaults ``KFACConfig()`` (only ``output_dir``,
+``snapshot_every`` = one snapshot at the end, and ``seed`` set); ``fisher="empirical"``;
+``fisher="mc"`` with the default sub-batch option when that differs from the defaults; and
+with ``--mc-all`` also ``fisher="mc", mc_sequences="all"`` (the whole-batch MC pass) when that
+field exists. The
+defaults as they were at run time (``fisher``, ``token_fraction``, ``update_every``,
+``ema_decay``, every ``mc_*`` field) are printed and written with the results.
+
+Methods, all on the same test inputs:
+
+* MAP: the softmax of the class (answer) logits.
+* Laplace from the stream (`LaplacePosterior` on the run's last snapshot; N from the
+  snapshot): linearised predictive N(mu, Sigma) of the class logits (mu = MAP's logits);
+  probabilities by the probit approximation (``predictive_probs``' default). tau by
+  ``optimize_prior_precision()`` (marginal likelihood; the default query) and by the lowest
+  validation NLL over {1e-4, ..., 1e6} ∪ {marglik} (every candidate's covariance from one
+  Jacobian pass: ``predictive_covariances``).
+* Post-hoc laplace-torch ``KronLaplace`` with its DEFAULT backend (``CurvlinopsGGN``, the
+  exact GGN) on the same layers after training (task 1: the LoRA weights, the training
+  likelihood = full-vocabulary softmax at the answer position; task 2: the tracked Conv1D
+  layers as equal ``nn.Linear`` s), fitted on the whole training set, N = training examples
+  (laplace-torch's convention), tau by its own marginal likelihood; the same probit
+  predictive from its GLM covariance.
+
+Metrics on the test set (`kfac_stream.metrics`): accuracy, NLL (nats), ECE (15 equal-width
+bins of top-1 confidence), Brier, AURC and accuracy at 80% coverage (selective prediction,
+uncertainty = 1 − max probability of the method's predictive), and for task 2 the OOD AUROC
+(ID = test set) by predictive entropy and, for Laplace, by the predictive variance (trace of
+the logits' covariance); the seconds each method needed beyond training.
+
+Investigation of the accuracy drop seen under the MC-sampled predictive (issue 16), for every
+Laplace posterior: accuracy, NLL and ECE of the probit vs the MC-sampled probabilities
+(``--mc-samples`` draws, seed 0); how often each one's argmax differs from MAP's; and the
+selective-prediction AURC when MAP's decision is kept and only the Laplace probability of
+MAP's class serves as confidence.
+
+Acceptance block per task (issue 16), from the measured numbers: the default configuration's
+Laplace predictive (marglik tau, probit) has test NLL ≤ MAP's in every seed, ECE ≤ ½ MAP's on
+average, accuracy within 1 point of MAP's on average, and mean NLL ≤ 1.03 × laplace-torch
+KronLaplace (default GGN)'s. Nothing is tuned on the test set: tau by marginal likelihood or
+validation NLL only.
 """
 
 from __future__ import annotations
@@ -56,6 +96,9 @@ from __future__ import annotations
 import argparse
 import ast
 import copy
+import dataclasses
+import datetime
+import math
 import os
 import random
 import re
@@ -66,21 +109,25 @@ import tempfile
 import time
 from pathlib import Path
 
+import classification_tasks as ct
 import torch
 from torch import nn
 from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
-from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
+from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, metrics
 from kfac_stream.app.data import ExampleDataset
 from kfac_stream.query.laplace import probs_from_gaussian
 
 from _common import (
+    conv1d_to_linear,
     lm_datasets,
-    nll_ece,
+    machine,
     run_uncertainty_benchmark,
     save_base_lm,
     train_and_collect,
     train_lm,
+    write_json,
+    write_section,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -92,14 +139,6 @@ ANSWER_IDS = [ord(c) for c in ANSWERS]  # byte tokens
 SNIPPET_BYTES = 80
 SUFFIX = "\n" + " ".join(f"{c} {p}" for c, p in zip(ANSWERS, PACKAGES, strict=True)) + "? "
 LORA_TARGETS = ("c_attn", "c_proj", "c_fc")
-#: tracker settings, each its own training run: label -> KFACConfig overrides
-TRACKERS = {
-    "empirical": dict(fisher="empirical"),
-    "mc": dict(fisher="mc"),
-    "empirical, tf=1 k=1": dict(fisher="empirical", token_fraction=1.0, update_every=1),
-}
-
-
 # -- data -----------------------------------------------------------------------------------------
 
 def docstring_snippets(package: str, stdlib: str | None = None) -> list[str]:
@@ -213,18 +252,17 @@ def lora_model(base, seed: int):
         return get_peft_model(copy.deepcopy(base), cfg)
 
 
-def finetune(base, examples, a, out: str, overrides: dict):
-    """One LoRA fine-tuning run with one tracker; returns (model, snapshot dir, seconds,
-    logged losses)."""
-    model = lora_model(base, a.seed)
+def finetune(base, examples, a, out: str, overrides: dict, seed: int):
+    """One LoRA fine-tuning run with one tracker (`tracker_config`); returns (model, snapshot
+    dir, seconds, logged losses)."""
+    model = lora_model(base, seed)
     args = TrainingArguments(output_dir=out, max_steps=a.ft_steps,
                              per_device_train_batch_size=a.batch, learning_rate=a.lr,
                              lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
                              save_strategy="no", report_to="none", disable_tqdm=True,
-                             use_cpu=True, seed=a.seed, logging_steps=max(a.ft_steps // 4, 1),
+                             use_cpu=True, seed=seed, logging_steps=max(a.ft_steps // 4, 1),
                              remove_unused_columns=False)
-    cb = KFACStreamCallback(KFACConfig(output_dir=os.path.join(out, "kfac"),
-                                       snapshot_every=10 * a.ft_steps, **overrides))
+    cb = KFACStreamCallback(tracker_config(overrides, out, a.ft_steps, seed))
     trainer = Trainer(model=model, args=args, train_dataset=ExampleDataset(examples),
                       data_collator=collate, callbacks=[cb])
     return train_and_collect(trainer, model, cb)
@@ -270,29 +308,25 @@ class AnswerHead(nn.Module):
         return rows[:, ANSWER_IDS] if self.answers_only else rows
 
 
-#: laplace-torch backends: label -> (backend class, backend_kwargs)
-KRON_BACKENDS = {"EF": ("CurvlinopsEF", {}),
-                 "MC": ("CurvlinopsGGN", {"stochastic": True})}  # 1-sample MC Fisher
-
-
-def fit_kron(model, train_items, backend: str, a):
-    """laplace-torch KronLaplace on the LoRA weights of a copy of ``model``; ``backend`` is a
-    key of `KRON_BACKENDS`."""
-    import laplace
-    from laplace import curvature
-
+def fit_kron_lora(model, train_items, a):
+    """laplace-torch KronLaplace, its DEFAULT backend (exact GGN), on the LoRA weights of a copy
+    of ``model``; the training likelihood (full-vocabulary softmax at the answer position),
+    tau by its marginal likelihood. Returns ``(la, head, fit s, marglik s)``."""
     lm = copy.deepcopy(model).eval()
     for n, p in lm.named_parameters():
         p.requires_grad_("lora_" in n)
     batch, y = prompt_batch(train_items)
     targets = torch.tensor([ANSWER_IDS[c] for c in y.tolist()])
     loader = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(batch["input_ids"], targets), batch_size=a.batch)
-    head = AnswerHead(lm)
+        torch.utils.data.TensorDataset(batch["input_ids"], targets), batch_size=a.kron_batch)
+    return _fit_kron(AnswerHead(lm), loader)
+
+
+def _fit_kron(head, loader):
+    import laplace
+
     t0 = time.perf_counter()
-    cls, kwargs = KRON_BACKENDS[backend]
-    la = laplace.KronLaplace(head, "classification", prior_precision=1.0,
-                             backend=getattr(curvature, cls), backend_kwargs=kwargs)
+    la = laplace.KronLaplace(head, "classification", prior_precision=1.0)  # default backend
     la.fit(loader)
     t_fit = time.perf_counter() - t0
     t0 = time.perf_counter()
@@ -301,9 +335,10 @@ def fit_kron(model, train_items, backend: str, a):
 
 
 def kron_covs(la, head, batch, size: int = 4) -> torch.Tensor:
-    """``[n, 4, 4]``: laplace-torch's GLM covariance of the answer logits. Its Jacobians come
-    from ``torch.func.jacrev`` over the whole batch output (``B·4`` vector-Jacobian products
-    of the whole batch each), so the cost grows with B²: small batches."""
+    """``[n, C, C]``: laplace-torch's GLM covariance of the logits the task predicts from. Its
+    Jacobians come from ``torch.func.jacrev`` over the whole batch output (``B·C``
+    vector-Jacobian products of the whole batch each), so the cost grows with B²: small
+    batches."""
     covs = []
     head.answers_only = True
     try:
@@ -315,175 +350,585 @@ def kron_covs(la, head, batch, size: int = 4) -> torch.Tensor:
     return torch.cat(covs)
 
 
-# -- the task -------------------------------------------------------------------------------------
+# -- the tasks ------------------------------------------------------------------------------------
 
-def run(a) -> dict:
-    torch.manual_seed(0)
-    torch.set_flush_denormal(True)
-    splits = choice_splits(a.train_per_class, a.val_per_class, a.test_per_class, seed=a.seed)
-    print("examples: " + ", ".join(f"{k} {len(v)}" for k, v in splits.items())
-          + f"; classes {dict(zip(ANSWERS, PACKAGES, strict=True))}", flush=True)
-    base, base_s = base_lm(a.base_model, a.lm_steps)
-    train = [train_example(s, c) for s, c in splits["train"]]
-    evals = {k: prompt_batch(splits[k]) for k in ("val", "test")}
+class DocstringTask:
+    """4-way docstring -> package multiple choice, LoRA on the item-2 LM (module docstring)."""
 
-    def probs(mean, cov):
-        return probs_from_gaussian(mean, cov, "mc", n_samples=a.mc_samples, seed=0)
+    name = "docstring-lora"
+    title = "docstring → package, 4-way multiple choice with LoRA"
 
-    def metrics(p: torch.Tensor, y: torch.Tensor) -> dict:
-        nll, ece = nll_ece(p, y)
-        return {"acc": float((p.argmax(-1) == y).double().mean()), "nll": nll, "ece": ece}
+    def __init__(self, a, seed: int, base):
+        self.a, self.seed, self.base = a, seed, base
+        self.splits = choice_splits(a.train_per_class, a.val_per_class, a.test_per_class,
+                                    seed=seed)
+        self.train_items = [train_example(s, c) for s, c in self.splits["train"]]
+        self.evals = {k: prompt_batch(self.splits[k]) for k in ("val", "test")}
+        self.ood: dict[str, dict[str, torch.Tensor]] = {}
 
+    def train(self, overrides: dict, out: str):
+        return finetune(self.base, self.train_items, self.a, out, overrides, self.seed)
+
+    def logits(self, model, batch):
+        return map_answer_logits(model, batch)
+
+    def covs(self, post, batch, taus):
+        return stream_covs(post, batch, taus)
+
+    def kron(self, model):
+        return fit_kron_lora(model, self.splits["train"], self.a)
+
+    def trainable(self, model) -> int:
+        return sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
+
+
+class SeqClassifierHead(nn.Module):
+    """laplace-torch view of the man-page classifier: ``input_ids [B, T]`` -> logits
+    ``[B, C]`` (a copy whose tracked GPT-2 ``Conv1D`` s are equal ``nn.Linear`` s, the only
+    weights with gradients)."""
+
+    def __init__(self, model, layers: list[str]):
+        super().__init__()
+        self.m = conv1d_to_linear(model, layers).eval()
+        keep = {f"{name}.{p}" for name in layers for p in ("weight", "bias")}
+        for n, p in self.m.named_parameters():
+            p.requires_grad_(n in keep)
+        self.answers_only = False  # the head has C outputs already
+
+    def forward(self, input_ids):
+        return self.m(input_ids=input_ids, attention_mask=torch.ones_like(input_ids)).logits
+
+
+class ManpageTask:
+    """Which manual section is this man page from (`classification_tasks`), a tiny GPT-2
+    sequence classifier trained from scratch; OOD: German man pages, Python docs."""
+
+    name = "manpage-section"
+    title = "man page → section, 4-way, tiny GPT-2 classifier from scratch, with OOD text"
+
+    def __init__(self, a, seed: int, base=None):
+        self.a, self.seed = a, seed
+        self.splits = ct.manpage_splits(a.man_train_per_class, a.man_val_per_class,
+                                        a.man_test_per_class, seed=seed, pools=MAN_POOLS())
+        self.train_items = [self.example(s, c) for s, c in self.splits["train"]]
+        self.evals = {k: self.batch([s for s, _ in self.splits[k]], [c for _, c in
+                                                                       self.splits[k]])
+                      for k in ("val", "test")}
+        n_ood = len(self.splits["test"]) // 2
+        self.ood = {k: self.batch(v)[0] for k, v in ct.ood_snippets(n_ood, seed).items()}
+
+    @staticmethod
+    def example(s: bytes, c: int) -> dict[str, torch.Tensor]:
+        ids = torch.tensor(list(s))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "labels": torch.tensor(c)}
+
+    @staticmethod
+    def batch(snips: list[bytes], labels: list[int] | None = None):
+        ids = torch.tensor([list(s) for s in snips])
+        b = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        return b, None if labels is None else torch.tensor(labels)
+
+    def model(self):
+        from transformers import GPT2Config, GPT2ForSequenceClassification
+
+        torch.manual_seed(self.seed)
+        return GPT2ForSequenceClassification(GPT2Config(
+            vocab_size=256, n_positions=ct.SNIPPET_BYTES, n_embd=self.a.man_width,
+            n_layer=self.a.man_layers, n_head=4, num_labels=len(ct.SECTIONS), pad_token_id=0,
+            bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            summary_first_dropout=0.0))
+
+    def train(self, overrides: dict, out: str):
+        a = self.a
+        model = self.model()
+        args = TrainingArguments(output_dir=out, max_steps=a.man_steps,
+                                 per_device_train_batch_size=a.batch, learning_rate=a.man_lr,
+                                 lr_scheduler_type="linear", warmup_steps=0, weight_decay=0.0,
+                                 save_strategy="no", report_to="none", disable_tqdm=True,
+                                 use_cpu=True, seed=self.seed,
+                                 logging_steps=max(a.man_steps // 4, 1))
+        cb = KFACStreamCallback(tracker_config(overrides, out, a.man_steps, self.seed))
+        trainer = Trainer(model=model, args=args, train_dataset=ExampleDataset(self.train_items),
+                          callbacks=[cb])
+        return train_and_collect(trainer, model, cb)
+
+    @torch.no_grad()
+    def logits(self, model, batch):
+        return torch.cat([model(**b).logits.double() for b in batches(batch, 64)])
+
+    def covs(self, post, batch, taus):
+        covs = [post.predictive_covariances(b, -1, None, prior_precisions=taus)[1]
+                for b in batches(batch, 64)]
+        return dict(zip(taus, torch.cat(covs, dim=1), strict=True))
+
+    def kron(self, model, layers: list[str]):
+        head = SeqClassifierHead(model, layers)
+        b, y = self.batch([s for s, _ in self.splits["train"]],
+                          [c for _, c in self.splits["train"]])
+        loader = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(b["input_ids"], y), batch_size=self.a.kron_batch)
+        return _fit_kron(head, loader)
+
+    def trainable(self, model) -> int:
+        return sum(p.numel() for p in model.parameters())
+
+    def train_accuracy(self, model) -> float:
+        b, y = self.batch([s for s, _ in self.splits["train"]],
+                          [c for _, c in self.splits["train"]])
+        return float((self.logits(model, b).argmax(-1) == y).double().mean())
+
+
+_POOLS: dict = {}
+
+
+def MAN_POOLS() -> dict:  # noqa: N802 - a cached constant
+    """The man-page pools, read once per process."""
+    if not _POOLS:
+        _POOLS.update({s: ct.section_pool(s) for s in ct.SECTIONS})
+    return _POOLS
+
+
+TASKS = {"docstring-lora": DocstringTask, "manpage-section": ManpageTask}
+
+
+# -- evaluation -----------------------------------------------------------------------------------
+
+def entropy(p: torch.Tensor) -> torch.Tensor:
+    return -(p * p.clamp_min(1e-300).log()).sum(-1)
+
+
+def evaluate(mean: torch.Tensor, cov: torch.Tensor | None, y: torch.Tensor,
+             map_pred: torch.Tensor, ood: dict, mc_samples: int) -> dict:
+    """Metrics of one method on the test set (main figures from the probit predictive; the
+    MAP has ``cov=None``), the probit-vs-MC / mean-vs-MAP-argmax comparison, and OOD AUROCs.
+    ``ood``: ``{name: (mean, cov or None)}`` of the OOD inputs (ID = the test set)."""
+    if cov is None:
+        p = torch.softmax(mean, -1)
+    else:
+        p = probs_from_gaussian(mean, cov, "probit")
+    rep = metrics.classification_report(p, y, bins=15, coverage=0.8)
+    out = {k: rep[k] for k in ("accuracy", "nll", "ece", "brier", "aurc",
+                               "accuracy_at_coverage")}
+    out["mean_confidence"] = float(p.max(-1).values.mean())
+    out["auroc"] = {}
+    for name, (om, oc) in ood.items():
+        po = torch.softmax(om, -1) if oc is None else probs_from_gaussian(om, oc, "probit")
+        out["auroc"][f"{name} entropy"] = metrics.auroc(entropy(p), entropy(po))
+        if cov is not None:
+            var_in = torch.diagonal(cov, dim1=-2, dim2=-1).sum(-1)
+            var_out = torch.diagonal(oc, dim1=-2, dim2=-1).sum(-1)
+            out["auroc"][f"{name} variance"] = metrics.auroc(var_in, var_out)
+    if cov is not None:
+        pm = probs_from_gaussian(mean, cov, "mc", n_samples=mc_samples, seed=0)
+        rep_mc = metrics.classification_report(pm, y, bins=15)
+        map_correct = map_pred == y
+        u_map_dec = 1 - p.gather(1, map_pred[:, None])[:, 0]  # Laplace prob of MAP's class
+        out["investigation"] = {
+            "acc_probit": out["accuracy"], "acc_mc": rep_mc["accuracy"],
+            "acc_map_argmax": float(map_correct.double().mean()),
+            "nll_probit": out["nll"], "nll_mc": rep_mc["nll"],
+            "ece_probit": out["ece"], "ece_mc": rep_mc["ece"],
+            "flips_probit": float((p.argmax(-1) != map_pred).double().mean()),
+            "flips_mc": float((pm.argmax(-1) != map_pred).double().mean()),
+            "aurc_map_decision": metrics.aurc(map_correct, u_map_dec),
+            "acc80_map_decision": metrics.accuracy_at_coverage(map_correct, u_map_dec, 0.8),
+        }
+    return out
+
+
+def tracker_settings(mc_all: bool = False) -> dict[str, dict]:
+    """label -> KFACConfig overrides, each its own training run, read from `KFACConfig` as it is
+    at run time: the defaults; ``fisher="empirical"``; ``fisher="mc"`` with the default
+    sub-batch option (when that differs from the defaults) and, with ``mc_all``, with the whole
+    batch (when the ``mc_sequences`` field exists). Settings equal to an earlier one are
+    dropped."""
+    fields = {f.name: f.default for f in dataclasses.fields(KFACConfig)}
+    mc_fields = [k for k in fields if k.startswith("mc_")]
+    cands = {"default": {}, "empirical": {"fisher": "empirical"}, "mc": {"fisher": "mc"}}
+    if mc_all and "mc_sequences" in fields:
+        cands["mc, mc_sequences=all"] = {"fisher": "mc", "mc_sequences": "all"}
+    elif mc_all and mc_fields:
+        print(f"note: MC option fields {mc_fields}: only the defaults are run", flush=True)
+    out: dict[str, dict] = {}
+    seen: list[dict] = []
+    for label, ov in cands.items():
+        cfg = {**fields, **ov}
+        if cfg not in seen:
+            seen.append(cfg)
+            out[label] = ov
+    return out
+
+
+def default_fields() -> dict:
+    """The Fisher-related defaults of `KFACConfig()` as they are at run time."""
+    d = dataclasses.asdict(KFACConfig())
+    keys = ["fisher", "token_fraction", "update_every", "ema_decay", "storage_dtype"]
+    keys += [k for k in d if k.startswith("mc_")]
+    return {k: d[k] for k in keys if k in d}
+
+
+def tracker_config(overrides: dict, out: str, steps: int, seed: int) -> KFACConfig:
+    """`KFACConfig` with only the run-size fields set (output_dir, snapshot_every: one snapshot
+    at the end) and the run's seed, plus ``overrides``."""
+    return KFACConfig(output_dir=os.path.join(out, "kfac"), snapshot_every=10 * steps,
+                      seed=seed, **overrides)
+
+
+def run_seed(task, a) -> dict:
+    """Every method on one task and seed."""
+    trackers = tracker_settings(a.mc_all)
     res: dict[str, dict] = {}
     taus: dict[str, float] = {}
     cost: dict[str, float] = {}
+    info: dict = {"splits": {k: len(v) for k, v in task.splits.items()},
+                  "ood": {k: len(v["input_ids"]) for k, v in task.ood.items()}}
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {k: finetune(base, train, a, os.path.join(tmp, f"run{i}"), ov)
-                for i, (k, ov) in enumerate(TRACKERS.items())}
-        model = runs["empirical"][0]
+        runs = {k: task.train(ov, os.path.join(tmp, f"run{i}"))
+                for i, (k, ov) in enumerate(trackers.items())}
+        model = runs["default"][0]
         ref = model.state_dict()
-        same = all(all(torch.equal(v, r[0].state_dict()[k]) for k, v in ref.items())
-                   for r in runs.values())
+        diff = max(float((v - r[0].state_dict()[k]).abs().max())
+                   for r in runs.values() for k, v in ref.items())
         for k, (_, _, s, ls) in runs.items():
-            print(f"[{k}] fine-tuned {a.ft_steps} steps in {s:.1f} s; loss {ls[0]:.3f} -> "
-                  f"{ls[-1]:.3f}", flush=True)
-        print(f"all runs end with identical weights: {same}", flush=True)
-        if not same:
-            raise SystemExit("the fine-tuning runs diverged: cannot share one MAP model")
+            print(f"  [{k}] trained {s:.1f} s; loss {ls[0]:.3f} -> {ls[-1]:.3f}", flush=True)
+        print(f"  runs' final weights: max |difference| {diff:.3g}", flush=True)
+        if diff > 0:
+            raise SystemExit("the training runs diverged: cannot share one MAP model")
         snaps = {k: Snapshot.load(r[1]) for k, r in runs.items()}
+        info.update(train_seconds={k: r[2] for k, r in runs.items()},
+                    loss_first_last=runs["default"][3][:1] + runs["default"][3][-1:],
+                    trainable=task.trainable(model),
+                    tracked_layers=len(snaps["default"].layer_names),
+                    counts={k: s.meta["counts"] for k, s in snaps.items()})
+        if hasattr(task, "train_accuracy"):
+            info["train_accuracy"] = task.train_accuracy(model)
+            print(f"  training accuracy {100 * info['train_accuracy']:.1f}%", flush=True)
 
         t0 = time.perf_counter()
-        mp = {k: map_answer_logits(model, b) for k, (b, _) in evals.items()}
+        mp = {k: task.logits(model, b) for k, (b, _) in task.evals.items()}
+        mp_ood = {k: task.logits(model, b) for k, b in task.ood.items()}
         cost["MAP"] = time.perf_counter() - t0
-        y_test = evals["test"][1]
-        res["MAP"] = metrics(torch.softmax(mp["test"], -1), y_test)
+        y = task.evals["test"][1]
+        map_pred = mp["test"].argmax(-1)
+        res["MAP"] = evaluate(mp["test"], None, y, map_pred,
+                              {k: (v, None) for k, v in mp_ood.items()}, a.mc_samples)
 
         grid = [10.0 ** e for e in range(-4, 7)]
         for k, snap in snaps.items():
             post = LaplacePosterior(model, snap, prior_precision=1.0)
             t0 = time.perf_counter()
-            tau_ml = post.optimize_prior_precision()
+            tau_ml = post.optimize_prior_precision(show_progress=False)
             t_ml = time.perf_counter() - t0
             all_taus = sorted(set(grid) | {tau_ml})
             t0 = time.perf_counter()
-            covs = {s: stream_covs(post, evals[s][0], all_taus) for s in evals}
+            covs = {s: task.covs(post, task.evals[s][0], all_taus) for s in task.evals}
             t_feat = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            val_nll = {t: nll_ece(probs(mp["val"], covs["val"][t]), evals["val"][1])[0]
-                       for t in all_taus}
-            t_grid = time.perf_counter() - t0
+            ood_covs = {o: task.covs(post, b, all_taus) for o, b in task.ood.items()}
+            val_nll = {t: metrics.nll(probs_from_gaussian(mp["val"], covs["val"][t], "probit"),
+                                      task.evals["val"][1]) for t in all_taus}
             tau_val = min(val_nll, key=val_nll.get)
-            print(f"[{k}] N={post.num_data:.4g}; tau marglik {tau_ml:.4g}; val NLL per tau: "
-                  + ", ".join(f"{t:.3g}: {v:.4f}" for t, v in val_nll.items())
-                  + f" -> tau_val {tau_val:.4g}", flush=True)
-            n_val, n_test = (evals[s][0]["input_ids"].shape[0] for s in ("val", "test"))
-            t_test = t_feat * n_test / (n_val + n_test)  # features of the test prompts
+            print(f"  [{k}] N={post.num_data:.4g}; tau marglik {tau_ml:.4g}, val-NLL "
+                  f"{tau_val:.4g}", flush=True)
+            n_val, n_test = (len(task.evals[s][1]) for s in ("val", "test"))
+            t_test = t_feat * n_test / (n_val + n_test)
             for label, tau, extra in ((f"Laplace stream ({k}), tau=marglik", tau_ml, t_ml),
                                       (f"Laplace stream ({k}), tau=val-NLL", tau_val,
-                                       t_grid + t_feat - t_test)):
+                                       t_feat - t_test)):
                 taus[label] = tau
-                t0 = time.perf_counter()
-                res[label] = metrics(probs(mp["test"], covs["test"][tau]), y_test)
-                cost[label] = t_test + extra + time.perf_counter() - t0
+                res[label] = evaluate(mp["test"], covs["test"][tau], y, map_pred,
+                                      {o: (mp_ood[o], ood_covs[o][tau]) for o in task.ood},
+                                      a.mc_samples)
                 res[label]["num_data"] = post.num_data
+                cost[label] = t_test + extra
 
-        kron = {}
         if not a.no_kron:
-            for backend in KRON_BACKENDS:
-                la, head, t_fit, t_ml = fit_kron(model, splits["train"], backend, a)
-                t0 = time.perf_counter()
-                label = f"laplace-torch KronLaplace ({backend}), tau=marglik"
-                res[label] = metrics(probs(mp["test"], kron_covs(la, head, evals["test"][0])),
-                                     y_test)
-                cost[label] = t_fit + t_ml + time.perf_counter() - t0
-                taus[label] = float(la.prior_precision.reshape(-1)[0])
-                kron[backend] = {"fit_s": t_fit, "marglik_s": t_ml, "tau": taus[label]}
-                print(f"[laplace-torch {backend}] fit {t_fit:.1f} s on {len(train)} examples, "
-                      f"marglik {t_ml:.1f} s (tau {taus[label]:.4g})", flush=True)
+            args = (model,) if isinstance(task, DocstringTask) else (
+                model, list(snaps["default"].layer_names))
+            la, head, t_fit, t_ml = task.kron(*args)
+            label = "laplace-torch KronLaplace (default GGN), tau=marglik"
+            t0 = time.perf_counter()
+            kc = kron_covs(la, head, task.evals["test"][0])
+            kood = {o: (mp_ood[o], kron_covs(la, head, b)) for o, b in task.ood.items()}
+            res[label] = evaluate(mp["test"], kc, y, map_pred, kood, a.mc_samples)
+            cost[label] = t_fit + t_ml + time.perf_counter() - t0
+            taus[label] = float(la.prior_precision.reshape(-1)[0])
+            info["kron"] = {"backend": type(la.backend).__name__, "fit_s": t_fit,
+                            "marglik_s": t_ml, "tau": taus[label], "n_params": int(la.n_params)}
+            print(f"  [laplace-torch {info['kron']['backend']}] fit {t_fit:.1f} s, marglik "
+                  f"{t_ml:.1f} s (tau {taus[label]:.4g}, {la.n_params} weights)", flush=True)
+    return {**info, "results": res, "taus": taus, "cost_seconds": cost}
 
-    counts = {k: s.meta["counts"] for k, s in snaps.items()}
-    return {"splits": {k: len(v) for k, v in splits.items()}, "identical_weights": same,
-            "base_lm_train_seconds": base_s,
-            "finetune_seconds": {k: r[2] for k, r in runs.items()},
-            "finetune_loss_first_last": runs["empirical"][3][:1] + runs["empirical"][3][-1:],
-            "lora_params": sum(p.numel() for n, p in model.named_parameters() if "lora_" in n),
-            "tracked_layers": len(snaps["empirical"].layer_names),
-            "counts": counts, "results": res, "taus": taus, "cost_seconds": cost, "kron": kron}
+
+# -- summaries ------------------------------------------------------------------------------------
+
+MAIN = "Laplace stream (default), tau=marglik"
+KRON = "laplace-torch KronLaplace (default GGN), tau=marglik"
+
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    """``(mean, sample standard deviation)`` (0 for one value)."""
+    m = sum(xs) / len(xs)
+    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1
+               else 0.0)
+
+
+def summarise(per_seed: list[dict]) -> dict:
+    """``{method: {metric: (mean, std)}}`` over seeds, nested dicts flattened with ``/``."""
+    out: dict[str, dict] = {}
+    for m in per_seed[0]["results"]:
+        flat: dict[str, list[float]] = {}
+        for r in per_seed:
+            for key, v in _flatten(r["results"][m]).items():
+                flat.setdefault(key, []).append(v)
+        flat["cost_seconds"] = [r["cost_seconds"][m] for r in per_seed]
+        if m in per_seed[0]["taus"]:
+            flat["tau"] = [r["taus"][m] for r in per_seed]
+        out[m] = {k: mean_std(v) for k, v in flat.items()}
+    return out
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, float]:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}/"))
+        elif isinstance(v, (int, float)):
+            out[f"{prefix}{k}"] = float(v)
+    return out
+
+
+def acceptance(per_seed: list[dict], summary: dict) -> list[dict]:
+    """Issue 16's four criteria for the default configuration's Laplace predictive (marglik
+    tau, probit) against MAP and laplace-torch, from the measured numbers."""
+    main = [r["results"][MAIN] for r in per_seed]
+    base = [r["results"]["MAP"] for r in per_seed]
+    s_main, s_map = summary[MAIN], summary["MAP"]
+    nll_pairs = ", ".join(f"{m['nll']:.4f} vs {b['nll']:.4f}" for m, b in zip(main, base,
+                                                                               strict=True))
+    out = [
+        {"criterion": "test NLL ≤ MAP's in every seed",
+         "met": all(m["nll"] <= b["nll"] for m, b in zip(main, base, strict=True)),
+         "figures": f"per seed (default Laplace vs MAP): {nll_pairs}"},
+        {"criterion": "ECE ≤ ½ MAP's on average",
+         "met": s_main["ece"][0] <= 0.5 * s_map["ece"][0],
+         "figures": f"mean ECE {100 * s_main['ece'][0]:.2f}% vs ½ × {100 * s_map['ece'][0]:.2f}%"
+                    f" = {50 * s_map['ece'][0]:.2f}%"},
+        {"criterion": "accuracy within 1 point of MAP's on average",
+         "met": s_main["accuracy"][0] >= s_map["accuracy"][0] - 0.01,
+         "figures": f"mean accuracy {100 * s_main['accuracy'][0]:.2f}% vs MAP "
+                    f"{100 * s_map['accuracy'][0]:.2f}% "
+                    f"({100 * (s_main['accuracy'][0] - s_map['accuracy'][0]):+.2f} points)"},
+    ]
+    if KRON in summary:
+        ratio = s_main["nll"][0] / summary[KRON]["nll"][0]
+        out.append({"criterion": "NLL within 3% of laplace-torch KronLaplace (default GGN) on "
+                                 "average (mean NLL ≤ 1.03 × its mean)",
+                    "met": ratio <= 1.03,
+                    "figures": f"mean NLL {s_main['nll'][0]:.4f} vs {summary[KRON]['nll'][0]:.4f}"
+                               f" (ratio {ratio:.3f})"})
+    else:
+        out.append({"criterion": "NLL within 3% of laplace-torch KronLaplace (default GGN)",
+                    "met": None, "figures": "laplace-torch not run (--no-kron)"})
+    return out
+
+
+T_START = time.perf_counter()
+
+
+def run(a) -> dict:
+    torch.manual_seed(0)
+    torch.set_flush_denormal(True)
+    out: dict = {"defaults": default_fields(), "trackers": tracker_settings(a.mc_all),
+                 "tasks": {}}
+    print(f"KFACConfig() defaults: {out['defaults']}; tracker settings run: {out['trackers']}",
+          flush=True)
+    base, base_s = (base_lm(a.base_model, a.lm_steps) if "docstring-lora" in a.tasks
+                    else (None, 0.0))
+    out["base_lm_train_seconds"] = base_s
+    for name in a.tasks:
+        per_seed = []
+        t0 = time.perf_counter()
+        for seed in a.seeds:
+            print(f"[{name}] seed {seed}", flush=True)
+            task = TASKS[name](a, seed, base)
+            per_seed.append({"seed": seed, **run_seed(task, a)})
+        summary = summarise(per_seed)
+        out["tasks"][name] = {"title": TASKS[name].title, "seconds": time.perf_counter() - t0,
+                              "per_seed": per_seed, "summary": summary,
+                              "acceptance": acceptance(per_seed, summary)}
+        left = a.tasks[a.tasks.index(name) + 1:]
+        if left and not a.quick:  # a task's results are kept even if a later one fails
+            part = {**out, "total_seconds": time.perf_counter() - T_START, "tasks_left": left}
+            info = dict(machine({"laplace_torch": "laplace-torch", "peft": "peft"}),
+                        date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+                            timespec="seconds"))
+            write_json("uncertainty_classification",
+                       {"machine": info, "command": a.command, "args": vars(a), **part})
+            write_section(BEGIN, END, report(part, a, info))
+            print(f"partial results written (tasks left: {left})", flush=True)
+    return out
+
+
+# -- report ---------------------------------------------------------------------------------------
+
+def _pm(s: dict, key: str, scale: float = 1.0, fmt: str = ".4f") -> str:
+    if key not in s:
+        return "–"
+    m, sd = s[key]
+    return f"{scale * m:{fmt}} ± {scale * sd:{fmt}}"
+
+
+def _tau(s: dict) -> str:
+    if "tau" not in s:
+        return "–"
+    m, sd = s["tau"]
+    return f"{m:.3g} ± {sd:.2g}"
+
+
+def task_tables(t: dict) -> list[str]:
+    s = t["summary"]
+    ood_keys = sorted({k[len("auroc/"):] for v in s.values() for k in v if k.startswith("auroc/")})
+    head = ("| method | tau | accuracy % | NLL | ECE % | Brier | AURC | acc. @80% cov. % | "
+            + "".join(f"AUROC {k} | " for k in ood_keys) + "s beyond training |")
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for m, v in s.items():
+        rows.append(f"| {m} | {_tau(v)} | {_pm(v, 'accuracy', 100, '.1f')} | {_pm(v, 'nll')} | "
+                    f"{_pm(v, 'ece', 100, '.2f')} | {_pm(v, 'brier')} | {_pm(v, 'aurc')} | "
+                    f"{_pm(v, 'accuracy_at_coverage', 100, '.1f')} | "
+                    + "".join(f"{_pm(v, 'auroc/' + k, 1, '.3f')} | " for k in ood_keys)
+                    + f"{_pm(v, 'cost_seconds', 1, '.1f')} |")
+    inv = ["| Laplace method | acc. probit % | acc. MC % | acc. MAP argmax % | "
+           "argmax ≠ MAP's, probit / MC % | NLL probit | NLL MC | ECE probit % | ECE MC % | "
+           "AURC MAP decision + Laplace conf. (MAP alone) |", "|---" * 10 + "|"]
+    map_aurc = _pm(s["MAP"], "aurc")
+    for m, v in s.items():
+        if "investigation/acc_mc" not in v:
+            continue
+        def g(k, sc=1.0, f=".4f", v=v):
+            return _pm(v, "investigation/" + k, sc, f)
+
+        inv.append(f"| {m} | {g('acc_probit', 100, '.1f')} | {g('acc_mc', 100, '.1f')} | "
+                   f"{g('acc_map_argmax', 100, '.1f')} | {g('flips_probit', 100, '.1f')} / "
+                   f"{g('flips_mc', 100, '.1f')} | {g('nll_probit')} | {g('nll_mc')} | "
+                   f"{g('ece_probit', 100, '.2f')} | {g('ece_mc', 100, '.2f')} | "
+                   f"{g('aurc_map_decision')} ({map_aurc}) |")
+    acc = ["Acceptance (issue 16; the default configuration's Laplace predictive, "
+           "tau by marginal likelihood, probit):", ""]
+    for c in t["acceptance"]:
+        verdict = {True: "met", False: "NOT met", None: "not evaluated"}[c["met"]]
+        acc.append(f"- {c['criterion']}: **{verdict}** ({c['figures']})")
+    return [*rows, "", "Probit vs MC-sampled predictive, predictive-mean vs MAP argmax "
+            "(mean ± std over seeds):", "", *inv, "", *acc]
+
+
+def finding(t: dict) -> str:
+    """The investigation's result for one task in plain words, from the numbers."""
+    s = t["summary"]
+    laps = [m for m in s if "investigation/acc_mc" in s[m]]
+    if not laps:
+        return "no Laplace method run"
+    d_pro = [100 * (s[m]["investigation/acc_probit"][0] - s["MAP"]["accuracy"][0]) for m in laps]
+    d_mc = [100 * (s[m]["investigation/acc_mc"][0] - s["MAP"]["accuracy"][0]) for m in laps]
+    fl_p = [100 * s[m]["investigation/flips_probit"][0] for m in laps]
+    fl_m = [100 * s[m]["investigation/flips_mc"][0] for m in laps]
+    nll_gap = [s[m]["investigation/nll_mc"][0] - s[m]["investigation/nll_probit"][0]
+               for m in laps]
+    return (f"over the {len(laps)} Laplace posteriors, accuracy minus MAP's: probit "
+            f"{min(d_pro):+.1f} to {max(d_pro):+.1f} points, MC {min(d_mc):+.1f} to "
+            f"{max(d_mc):+.1f} points (mean over seeds); the predicted class differs from MAP's "
+            f"on {min(fl_p):.1f}–{max(fl_p):.1f}% of test inputs with probit, "
+            f"{min(fl_m):.1f}–{max(fl_m):.1f}% with MC; NLL MC − probit "
+            f"{min(nll_gap):+.4f} to {max(nll_gap):+.4f}")
 
 
 def report(r: dict, a, info: dict) -> str:
-    rows = ["| method | tau | accuracy % | NLL | ECE % | s beyond training |",
-            "|---|---|---|---|---|---|"]
-    for m, v in r["results"].items():
-        tau = r["taus"].get(m)
-        rows.append(f"| {m} | {'–' if tau is None else f'{tau:.3g}'} | {100 * v['acc']:.1f} | "
-                    f"{v['nll']:.4f} | {100 * v['ece']:.2f} | {r['cost_seconds'][m]:.1f} |")
-    base = r["results"]["MAP"]
-    best_nll = min(r["results"].items(), key=lambda kv: kv[1]["nll"])
-    best_ece = min(r["results"].items(), key=lambda kv: kv[1]["ece"])
-    c = r["counts"]
-    s = r["splits"]
-    return "\n".join([
+    lines = [
         BEGIN,
-        "## Small-data multiple choice with LoRA (`benchmarks/uncertainty_classification.py`)",
+        "## Small-data classification: MAP vs Laplace from the stream vs post-hoc, over seeds "
+        "(`benchmarks/uncertainty_classification.py`)",
         "",
         f"- date: {info['date']}",
         f"- machine: {info['cpu']}, {info['cores']} cores ({info['torch_threads']} torch threads); "
         f"torch {info['torch']}, transformers {info['transformers']}, peft {info['peft']}, "
         f"laplace-torch {info['laplace_torch']}, Python {info['python']}",
-        f"- command: `{a.command}` (total wall time {r['total_seconds']:.0f} s)",
-        "- data (offline, labelled by where it comes from): docstrings of the Python "
-        f"{info['python']} standard library on this machine, first paragraph cut to "
-        f"{SNIPPET_BYTES} bytes; the label is the package it is defined in: "
-        + ", ".join(f"{c_} = `{p}`" for c_, p in zip(ANSWERS, PACKAGES, strict=True))
-        + f". Prompt `<docstring>\\n{SUFFIX.strip()} ` → answer byte. {s['train']} training, "
-        f"{s['val']} validation (tau grid only), {s['test']} test examples, balanced; "
-        "snippets that occur in more than one package are dropped.",
-        f"- model: the item-2 tiny GPT-2 (2x128, byte tokens; {a.lm_steps} steps on the pydoc "
-        f"topics) + PEFT LoRA r 8 on c_attn/c_proj/c_fc ({r['lora_params']} trainable "
-        f"weights, {r['tracked_layers']} tracked LoRA layers); `transformers.Trainer`, "
-        f"{a.ft_steps} steps, batch {a.batch}, lr {a.lr:g} linear decay, loss at the answer "
-        f"token only (loss {r['finetune_loss_first_last'][0]:.3f} → "
-        f"{r['finetune_loss_first_last'][-1]:.3f}); one run per tracker setting from the same "
-        f"seed, identical final weights ({r['identical_weights']}); "
-        + "; ".join(f"{k}: {v['updates']} updates, {v['positions_sampled']} positions"
-                    for k, v in c.items()),
-        f"- predictive: linearised N(mu, Sigma) of the 4 answer logits, {a.mc_samples} Monte "
-        "Carlo draws of the 4-way softmax. Stream tau: marginal likelihood, or the lowest "
-        "validation NLL over {1e-4, ..., 1e6} ∪ {marglik}. laplace-torch: KronLaplace on the "
-        "same LoRA weights after training, fitted on all training examples with the training "
-        "likelihood (full-vocabulary softmax at the answer position), N = training examples, "
-        "tau by its marginal likelihood. Seconds beyond training: Jacobian features of the test "
-        "(and for val-NLL, validation) prompts, tau selection, sampling; laplace-torch "
-        "includes its fit. Method: docstring of `benchmarks/uncertainty_classification.py`.",
-        "",
-        *rows,
-        "",
-        f"- verdict (as measured, one seed, {s['test']} test examples): MAP accuracy "
-        f"{100 * base['acc']:.1f}%, NLL {base['nll']:.4f}, ECE {100 * base['ece']:.2f}%; "
-        + "; ".join(spread(r["results"], prefix) for prefix in ("Laplace stream",
-                                                                 "laplace-torch"))
-        + f". Lowest NLL: {best_nll[0]} ({best_nll[1]['nll']:.4f}); lowest ECE: {best_ece[0]} "
-        f"({100 * best_ece[1]['ece']:.2f}%).",
-        END])
+        f"- command: `{a.command}` (total wall time {r['total_seconds']:.0f} s); seeds "
+        f"{list(a.seeds)} (each: data split, model/LoRA initialisation, Trainer and tracker "
+        "seed)",
+        f"- `KFACConfig()` defaults at run time: {r['defaults']}; tracker settings, each its own "
+        f"training run from the same seed (identical final weights checked): "
+        + "; ".join(f"{k}: {v or 'defaults'}" for k, v in r["trackers"].items())
+        + " (only output_dir, snapshot_every (one snapshot at the end) and seed set besides)",
+        "- methods (same test inputs): MAP softmax; `LaplacePosterior` on the run's last "
+        "snapshot (N from the snapshot), linearised predictive of the class logits, "
+        "probabilities by the probit approximation (`predictive_probs` default), tau by "
+        "marginal likelihood (`optimize_prior_precision`, the default query) or by the lowest "
+        "validation NLL over {1e-4, …, 1e6} ∪ {marglik}; laplace-torch `KronLaplace` with its "
+        "default backend (`CurvlinopsGGN`, exact GGN) on the same layers after training, "
+        "fitted on the training set with the training likelihood, tau by its marginal "
+        "likelihood, the same probit predictive from its GLM covariance.",
+        "- metrics (`kfac_stream.metrics`, test set): accuracy, NLL (nats), ECE (15 equal-width "
+        "bins), Brier (multiclass, not divided by C), AURC and accuracy at 80% coverage "
+        "(uncertainty 1 − max probability of the method's predictive), OOD AUROC (ID = test "
+        "set; score: predictive entropy, and for Laplace also the predictive variance = trace "
+        "of the logits' covariance); mean ± sample std over seeds.",
+    ]
+    for name, t in r["tasks"].items():
+        p0 = t["per_seed"][0]
+        c = p0["counts"]["default"]
+        lines += ["", f"### {t['title']}", ""]
+        if name == "docstring-lora":
+            lines += [
+                f"- data: docstrings of the Python {info['python']} standard library, first "
+                f"paragraph cut to {SNIPPET_BYTES} bytes, label = package ("
+                + ", ".join(f"{c_} = `{p}`" for c_, p in zip(ANSWERS, PACKAGES, strict=True))
+                + f"); {p0['splits']['train']} training, {p0['splits']['val']} validation, "
+                f"{p0['splits']['test']} test examples, balanced; no OOD split.",
+                f"- model: the item-2 tiny GPT-2 (2×128, byte tokens, {a.lm_steps} steps on "
+                f"the pydoc topics) + PEFT LoRA r 8 on c_attn/c_proj/c_fc ({p0['trainable']} "
+                f"trainable, {p0['tracked_layers']} tracked layers); Trainer {a.ft_steps} "
+                f"steps, batch {a.batch}, lr {a.lr:g}, loss at the answer byte (full "
+                f"vocabulary); loss (seed {p0['seed']}) {p0['loss_first_last'][0]:.3f} → "
+                f"{p0['loss_first_last'][-1]:.3f}; default tracker: {c['updates']} updates.",
+            ]
+        else:
+            tr = [100 * p["train_accuracy"] for p in t["per_seed"]]
+            lines += [
+                "- data: English man pages of this machine, label = manual section ("
+                + ", ".join(f"{i} = {s_} {ct.SECTION_NAMES[s_]}"
+                            for i, s_ in enumerate(ct.SECTIONS))
+                + f"; generated `gcloud` pages left out), one {ct.SNIPPET_BYTES}-byte snippet "
+                "per page from its DESCRIPTION on (troff removed); "
+                f"{p0['splits']['train']} training, {p0['splits']['val']} validation, "
+                f"{p0['splits']['test']} test, balanced; OOD: "
+                + ", ".join(f"{k} ({v})" for k, v in p0["ood"].items())
+                + " (man-de: German man pages from BESCHREIBUNG on; pydoc: windows of "
+                "Python's reference documentation).",
+                f"- model: `GPT2ForSequenceClassification` from scratch ({a.man_layers}×"
+                f"{a.man_width}, byte tokens, no dropout, {p0['trainable']} weights, "
+                f"{p0['tracked_layers']} tracked layers); Trainer {a.man_steps} steps, batch "
+                f"{a.batch}, lr {a.man_lr:g} linear decay; training accuracy "
+                + "/".join(f"{x:.1f}" for x in tr) + "% per seed; loss (seed "
+                f"{p0['seed']}) {p0['loss_first_last'][0]:.3f} → {p0['loss_first_last'][-1]:.3f};"
+                f" default tracker: {c['updates']} updates.",
+            ]
+        lines += ["", *task_tables(t), "",
+                  f"- investigation ({name}): " + finding(t) + "."]
+    if r.get("tasks_left"):
+        lines += ["", f"**Partial results**: the run had not finished the tasks "
+                  f"{r['tasks_left']} when this was written."]
+    lines += ["", *INVESTIGATION_NOTE, END]
+    return "\n".join(lines)
 
 
-def spread(results: dict, prefix: str) -> str:
-    """``"<prefix> (n variants): accuracy lo–hi%, NLL lo–hi, ECE lo–hi%"``."""
-    group = [v for m, v in results.items() if m.startswith(prefix)]
-    if not group:
-        return f"{prefix}: not run"
-
-    def rng(key, scale=1.0, fmt=".1f"):
-        lo, hi = min(v[key] for v in group), max(v[key] for v in group)
-        return f"{scale * lo:{fmt}}–{scale * hi:{fmt}}"
-
-    return (f"{prefix} ({len(group)} variants): accuracy {rng('acc', 100)}%, NLL "
-            f"{rng('nll', fmt='.4f')}, ECE {rng('ece', 100, '.2f')}%")
+#: the plain-words finding of item 4, written after reading the numbers of the full run
+INVESTIGATION_NOTE: list[str] = []
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--lm-steps", type=int, default=1000,
                    help="training steps of the base LM (benchmarks/uncertainty.py --steps)")
     p.add_argument("--base-model", default="out/bench/tiny_lm",
@@ -495,16 +940,27 @@ def main(argv=None) -> None:
     p.add_argument("--ft-steps", type=int, default=500, help="LoRA fine-tuning steps")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--seed", type=int, default=0, help="data split and LoRA initialisation")
-    p.add_argument("--mc-samples", type=int, default=256)
+    p.add_argument("--man-train-per-class", type=int, default=48)
+    p.add_argument("--man-val-per-class", type=int, default=32)
+    p.add_argument("--man-test-per-class", type=int, default=64)
+    p.add_argument("--man-steps", type=int, default=300)
+    p.add_argument("--man-lr", type=float, default=1e-3)
+    p.add_argument("--man-width", type=int, default=64)
+    p.add_argument("--man-layers", type=int, default=2)
+    p.add_argument("--kron-batch", type=int, default=32, help="laplace-torch fit batch")
+    p.add_argument("--mc-samples", type=int, default=1000)
+    p.add_argument("--mc-all", action="store_true",
+                   help="also a run with fisher='mc', mc_sequences='all' (the whole-batch MC)")
     p.add_argument("--no-kron", action="store_true", help="skip laplace-torch")
     p.add_argument("--quick", action="store_true", help="smoke run; writes nothing")
     a = p.parse_args(argv)
     a.command = "python benchmarks/uncertainty_classification.py " + shlex.join(
         argv if argv is not None else sys.argv[1:])
     if a.quick:
-        a.lm_steps, a.mc_samples = 30, 32
-        a.train_per_class, a.val_per_class, a.test_per_class, a.ft_steps = 8, 4, 8, 4
+        a.lm_steps, a.mc_samples, a.seeds = 30, 32, a.seeds[:2]
+        a.train_per_class, a.val_per_class, a.test_per_class, a.ft_steps = 4, 4, 8, 4
+        a.man_train_per_class, a.man_val_per_class, a.man_test_per_class = 8, 4, 8
+        a.man_steps = 20
     run_uncertainty_benchmark("uncertainty_classification", a, run, report, BEGIN, END)
 
 

@@ -93,3 +93,91 @@ def test_covs_for_many_tau_equal_the_librarys_predictive(posterior):
         err = rel_err(covs[t], ref)
         print(f"tau {t}: covariance vs predictive {err:.1e}")
         assert err < EXACT_TOL
+
+
+# -- the man-page task (benchmarks/classification_tasks.py) ---------------------------------------
+
+import classification_tasks as ct  # noqa: E402
+
+
+def test_troff_text_keeps_macro_text_and_drops_requests_and_escapes():
+    src = "\n".join([
+        '.\\" a comment', ".TH FOO 1", ".SH DESCRIPTION", ".B foo",
+        "copies \\fIsource\\fR to \\fBdest\\fP \\- fast\\&.", ".PP",
+        '.BR "bar" (1)', "it\\(aqs \\(:uber\\e", ".IP", ".sp 2"])
+    assert ct.troff_text(src) == "foo copies source to dest - fast. bar (1) it's über\\"
+
+
+def test_page_snippet_from_the_heading_on_fixed_length_or_none(tmp_path):
+    body = "word " * 40
+    page = tmp_path / "x.1"
+    page.write_text(f".TH X 1\n.SH NAME\nx \\- y\n.SH DESCRIPTION\n{body}\n.SH SEE ALSO\nz\n")
+    s = ct.page_snippet(page, nbytes=32)
+    assert s == b"word word word word word word wo"
+    (tmp_path / "short.1").write_text(".SH DESCRIPTION\nshort\n")
+    assert ct.page_snippet(tmp_path / "short.1", nbytes=32) is None
+    (tmp_path / "so.1").write_text(".so man1/x.1\n")
+    assert ct.page_snippet(tmp_path / "so.1", nbytes=32) is None
+    assert ct.page_snippet(page, ("BESCHREIBUNG",), nbytes=32) is None
+
+
+def test_manpage_splits_balanced_disjoint_seeded_and_cross_section_duplicates_dropped():
+    pools = {s: [f"{s}-{i}".encode() for i in range(12)] + [b"shared"] for s in ct.SECTIONS}
+    splits = ct.manpage_splits(5, 2, 3, seed=1, pools=pools)
+    seen = set()
+    for name, n in (("train", 5), ("val", 2), ("test", 3)):
+        items = splits[name]
+        assert sorted(c for _, c in items) == sorted(list(range(len(ct.SECTIONS))) * n)
+        for s, c in items:
+            assert s.startswith(ct.SECTIONS[c].encode() + b"-")  # labelled by its section
+            assert s not in seen
+            seen.add(s)
+    assert ct.manpage_splits(5, 2, 3, seed=1, pools=pools) == splits
+    assert ct.manpage_splits(5, 2, 3, seed=2, pools=pools) != splits
+    with pytest.raises(SystemExit):
+        ct.manpage_splits(10, 2, 3, seed=1, pools=pools)  # 12 usable per section, 15 needed
+
+
+def test_text_windows_distinct_fixed_length_deterministic():
+    text = " ".join(f"w{i}" for i in range(500))
+    w = ct.text_windows(text, 10, seed=3, nbytes=16)
+    assert len(w) == 10 and all(len(x) == 16 for x in w)
+    assert all(x in text.encode() for x in w)
+    assert ct.text_windows(text, 10, seed=3, nbytes=16) == w
+
+
+def test_tracker_settings_default_first_and_distinct():
+    import dataclasses
+
+    from kfac_stream import KFACConfig
+
+    settings = uc.tracker_settings(mc_all=True)
+    assert next(iter(settings)) == "default" and settings["default"] == {}
+    fields = {f.name: f.default for f in dataclasses.fields(KFACConfig)}
+    configs = [{**fields, **ov} for ov in settings.values()]
+    assert all(a != b for i, a in enumerate(configs) for b in configs[i + 1:])
+    assert any(c["fisher"] == "empirical" for c in configs)
+    assert any(c["fisher"] == "mc" for c in configs)
+    for ov in settings.values():
+        KFACConfig(**ov)  # every setting is a valid config
+
+
+def test_mean_std_and_acceptance_from_numbers():
+    assert uc.mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0)
+    assert uc.mean_std([4.0]) == (4.0, 0.0)
+
+    def seed(map_nll, lap_nll, map_ece, lap_ece, map_acc, lap_acc, kron_nll):
+        return {"results": {
+            "MAP": {"nll": map_nll, "ece": map_ece, "accuracy": map_acc},
+            uc.MAIN: {"nll": lap_nll, "ece": lap_ece, "accuracy": lap_acc},
+            uc.KRON: {"nll": kron_nll, "ece": 0.1, "accuracy": 0.5}},
+            "taus": {}, "cost_seconds": {"MAP": 0.0, uc.MAIN: 0.0, uc.KRON: 0.0}}
+
+    per = [seed(1.5, 1.4, 0.2, 0.05, 0.6, 0.595, 1.45), seed(1.6, 1.61, 0.3, 0.1, 0.5, 0.5, 1.55)]
+    acc = uc.acceptance(per, uc.summarise(per))
+    assert [c["met"] for c in acc] == [False, True, True, True]
+    per[1]["results"][uc.MAIN]["nll"] = 1.59
+    per[1]["results"][uc.MAIN]["accuracy"] = 0.47
+    per[0]["results"][uc.KRON]["nll"] = 1.2
+    acc = uc.acceptance(per, uc.summarise(per))
+    assert [c["met"] for c in acc] == [True, True, False, False]  # 1.495 / 1.375 > 1.03
