@@ -29,15 +29,22 @@ Method
   incl. the LM head): plain step = 6*P*N + 3 * (4*B*T^2*E per layer: attention QK^T and AV
   forward, x3 for forward + backward). Tracker per update = sum over tracked layers of
   n*(a_dim*(a_dim+1) + g_dim*(g_dim+1)) (the upper triangles of the symmetric second
-  moments, which is what the store computes), n = token_fraction*N; fisher="mc" adds a
+  moments, which is what the store computes), n = token_fraction*N; the MC Fisher adds a
   forward (2*P*N + attention) and a backward to the activations only (no weight gradients:
-  ~2*P*N + 2x the attention forward). Per step: / update_every. Bound ratio = 1 +
-  extra/plain. Row gathers, softmaxes, sampling and FP16 conversions are not counted.
+  ~2*P*N + 2x the attention forward) of the sequences it runs on: ``mc`` (the default,
+  ``mc_sequences=0.125``: 1 of the 8 sequences, a replay after the step) scales that by 1/8,
+  ``mc-all`` (``mc_sequences="all"``: the whole batch, its backward inside the training
+  forward; the real in-forward pass needs no second forward, so its bound overstates it).
+  Per step: / update_every. Bound ratio = 1 + extra/plain. Row gathers, softmaxes, sampling
+  and FP16 conversions are not counted.
+* Configs are ``(token_fraction, fisher, update_every)`` with fisher ``empirical``, ``mc``
+  (KFACConfig's default: ``fisher="mc", mc_sequences=0.125``) or ``mc-all``.
 
 Usage: ``python benchmarks/overhead.py [--pairs 6] [--timed-steps 20] [--grid-pairs 3]
-[--grid-timed-steps 10] [--configs ...]`` (the first two for the default configs, the grid
-options for the rest); ``--quick`` is a smoke run that writes nothing. Writes the section of
-``benchmarks/RESULTS.md`` between the ``overhead`` markers and
+[--grid-timed-steps 10] [--configs ...] [--no-write]`` (the first two for the default and
+the empirical token_fraction 0.05 configs, the grid options for the rest); ``--quick`` is a
+smoke run that writes nothing, ``--no-write`` prints the table without writing. Writes the
+section of ``benchmarks/RESULTS.md`` between the ``overhead`` markers and
 ``benchmarks/results/overhead.json``.
 """
 
@@ -78,9 +85,13 @@ from _common import (
 )
 
 HERE = Path(__file__).resolve().parent
-ALL = [(tf, fi, k) for fi in ("empirical", "mc") for k in (1, 10) for tf in (1.0, 0.25, 0.05)]
-QUICK = [(0.05, "empirical", 1), (0.05, "empirical", 10), (1.0, "mc", 1)]
-DEFAULTS = [(0.05, "empirical", 1), (0.05, "empirical", 10)]  # the acceptance target
+# fisher label -> KFACConfig(fisher, mc_sequences)
+FISHERS = {"empirical": ("empirical", "all"), "mc": ("mc", 0.125), "mc-all": ("mc", "all")}
+ALL = [(tf, fi, k) for fi in FISHERS for k in (1, 10) for tf in (1.0, 0.25, 0.05)]
+QUICK = [(0.05, "mc", 1), (0.05, "empirical", 1), (1.0, "mc-all", 1)]
+DEFAULTS = [(0.05, "mc", 1), (0.05, "mc", 10)]  # KFACConfig's defaults: the acceptance target
+# measured with as many pairs as the defaults: the empirical Fisher at the same cost settings
+MAIN = DEFAULTS + [(0.05, "empirical", 1), (0.05, "empirical", 10)]
 BEGIN, END = "<!-- overhead:begin -->", "<!-- overhead:end -->"
 
 
@@ -110,9 +121,11 @@ def run_blocks(cfg, warmup: int, block: int, pairs: int, seed: int) -> dict:
     transformers.set_seed(seed)
     model = GPT2LMHeadModel(GPT2Config(**MODEL))
     with tempfile.TemporaryDirectory() as tmp:
+        fisher, mc_sequences = FISHERS[cfg[1]]
         kfac = KFACStreamCallback(KFACConfig(
-            token_fraction=cfg[0], ema_decay=0.95, update_every=cfg[2], fisher=cfg[1],
-            snapshot_every=10**9, output_dir=os.path.join(tmp, "kfac"), seed=seed))
+            token_fraction=cfg[0], ema_decay=0.95, update_every=cfg[2], fisher=fisher,
+            mc_sequences=mc_sequences, snapshot_every=10**9,
+            output_dir=os.path.join(tmp, "kfac"), seed=seed))
         clock = BlockClock(schedule, kfac)
         args = TrainingArguments(
             output_dir=tmp, use_cpu=True, report_to=[], save_strategy="no",
@@ -151,18 +164,21 @@ def flop_bound(cfg, specs) -> dict:
     plain = 6 * params * n_tok + 3 * attn_fwd
     # symmetric second moments: only the upper triangle, d(d+1)/2 entries x n MACs x 2 FLOPs
     per_update = sum(tf * n_tok * (a * (a + 1) + g * (g + 1)) for a, g, _ in specs)
-    if fisher == "mc":
-        per_update += 4 * params * n_tok + 3 * attn_fwd
+    if fisher != "empirical":
+        spec = FISHERS[fisher][1]
+        share = 1.0 if spec == "all" else math.ceil(spec * BATCH) / BATCH  # sequences run
+        per_update += share * (4 * params * n_tok + 3 * attn_fwd)
     extra = per_update / k
     return {"plain_flops": plain, "extra_flops_per_step": extra, "ratio": 1 + extra / plain}
 
 
 def plan(cfg, a) -> tuple[int, int, int]:
-    """``(warm-up steps, block steps, pairs)`` of one config: the acceptance configs
-    (`DEFAULTS`) get ``--pairs`` x ``--timed-steps``, the rest of the grid ``--grid-pairs`` x
-    ``--grid-timed-steps``; steps rounded up to a multiple of update_every."""
+    """``(warm-up steps, block steps, pairs)`` of one config: the acceptance configs and the
+    empirical Fisher at token_fraction 0.05 (`MAIN`) get ``--pairs`` x ``--timed-steps``, the
+    rest of the grid ``--grid-pairs`` x ``--grid-timed-steps``; steps rounded up to a multiple
+    of update_every."""
     k = cfg[2]
-    pairs, timed = ((a.pairs, a.timed_steps) if cfg in DEFAULTS
+    pairs, timed = ((a.pairs, a.timed_steps) if cfg in MAIN
                     else (a.grid_pairs, a.grid_timed_steps))
     return math.ceil(a.warmup / k) * k, math.ceil(timed / k) * k, pairs
 
@@ -182,7 +198,9 @@ def measure(cfg, a) -> dict:
     bound = flop_bound(cfg, run["specs"])
     med = statistics.median(ratios)
     return {
-        "config": {"token_fraction": cfg[0], "fisher": cfg[1], "update_every": cfg[2]},
+        "config": {"token_fraction": cfg[0], "fisher": FISHERS[cfg[1]][0],
+                   "mc_sequences": FISHERS[cfg[1]][1] if cfg[1] != "empirical" else None,
+                   "update_every": cfg[2]},
         "name": name(cfg), "block_steps": block, "warmup": warmup,
         "plain_ms": 1e3 * statistics.median(p["plain"]["mean_s"] for p in pairs),
         "tracked_ms": 1e3 * statistics.median(p["tracked"]["mean_s"] for p in pairs),
@@ -215,13 +233,14 @@ def verdict(results) -> str:
     lines = []
     for r in results:
         c = r["config"]
-        if (c["token_fraction"], c["fisher"]) != (0.05, "empirical"):
+        if (c["token_fraction"], c["fisher"], c["mc_sequences"]) != (0.05, "mc", 0.125):
             continue
         ok_ratio = r["ratio_median"] <= 1.02
         ok_bound = r["overhead_vs_bound"] is not None and r["overhead_vs_bound"] <= 1.2
         half = (r["ratio_max"] - r["ratio_min"]) / 2
         lines.append(
-            f"- default target, update_every={c['update_every']}: ratio {r['ratio_median']:.4f} "
+            f"- default target (fisher mc, mc_sequences 0.125), "
+            f"update_every={c['update_every']}: ratio {r['ratio_median']:.4f} "
             f"{'≤' if ok_ratio else '>'} 1.02 ({'met' if ok_ratio else 'NOT met'}); overhead "
             f"{'≤' if ok_bound else '>'} 1.2× the FLOP-bound overhead "
             f"({'met' if ok_bound else 'NOT met'}; FLOP-bound ratio "
@@ -271,6 +290,8 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 pair, 3 configs, 2 steps; writes nothing")
+    p.add_argument("--no-write", action="store_true",
+                   help="print the table and the verdict, write no file")
     a = p.parse_args(argv)
     a.command = "python benchmarks/overhead.py " + " ".join(map(shlex.quote, sys.argv[1:]))
     configs = ALL
@@ -304,8 +325,8 @@ def main(argv=None) -> None:
         results.append(r)
     info["load_end"] = os.getloadavg()[0]
     log("\n" + table(results) + "\n" + verdict(results))
-    if a.quick:
-        log("--quick: nothing written")
+    if a.quick or a.no_write:
+        log(f"{'--quick' if a.quick else '--no-write'}: nothing written")
         return
     write_outputs(results, a, info)
     log(f"wrote {HERE / 'RESULTS.md'} and {HERE / 'results' / 'overhead.json'}")

@@ -196,7 +196,7 @@ def main(argv=None) -> None:
     killer.install()
     model = tiny_gpt2(torch.float32, attn_implementation="eager")
     cfg = KFACConfig(snapshot_every=1, update_every=1, token_fraction=0.5,
-                     storage_dtype="float32", seed=0)
+                     storage_dtype="float32", seed=0, fisher="empirical")
     cb = KFACStreamCallback(cfg)
     root = os.path.join(opts.out, "kfac")
 

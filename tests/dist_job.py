@@ -38,6 +38,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--n-seq", type=int, default=48)
     p.add_argument("--pad-rows", default="")
     p.add_argument("--fisher", default="empirical")
+    p.add_argument("--mc-sequences", default="all",
+                   help="KFACConfig.mc_sequences: 'all', an int, or a fraction like 0.5")
     p.add_argument("--storage-dtype", default="float32")
     p.add_argument("--token-fraction", type=float, default=1.0)
     p.add_argument("--ema-decay", type=float, default=1.0)
@@ -62,6 +64,12 @@ def parse() -> argparse.Namespace:
     p.add_argument("--checkpointing", action="store_true",
                    help="gradient checkpointing (the MC Fisher pass is then replayed)")
     return p.parse_args()
+
+
+def _mc_sequences(text: str) -> int | float | str:
+    if text == "all":
+        return text
+    return float(text) if "." in text else int(text)
 
 
 def main() -> None:
@@ -89,6 +97,7 @@ def main() -> None:
                           attn_implementation="eager")
     cfg = KFACConfig(token_fraction=opts.token_fraction, ema_decay=opts.ema_decay,
                      update_every=1, snapshot_every=opts.snapshot_every, fisher=opts.fisher,
+                     mc_sequences=_mc_sequences(opts.mc_sequences),
                      storage_dtype=opts.storage_dtype, seed=0,
                      async_updates=opts.async_updates or None, fold_on=opts.fold_on,
                      exchange=opts.strategy or "auto",

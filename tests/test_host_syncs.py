@@ -115,9 +115,13 @@ def _count(tmp_path, cfg: dict | None, **train_kwargs) -> SyncCounter:
     return mode
 
 
-@pytest.mark.parametrize("extra", [{}, {"update_every": 1}, {"fisher": "mc"},
-                                   {"fisher": "mc", "update_every": 1}],
-                         ids=["defaults", "update_every=1", "mc", "mc-update_every=1"])
+# the Fisher made explicit (the default is the MC sub-batch replay since issue 16: counted in
+# test_replayed_mc_pass_adds_only_the_models_own_forward_syncs)
+@pytest.mark.parametrize("extra", [{"fisher": "empirical"},
+                                   {"fisher": "empirical", "update_every": 1},
+                                   {"fisher": "mc", "mc_sequences": "all"},
+                                   {"fisher": "mc", "mc_sequences": "all", "update_every": 1}],
+                         ids=["empirical", "update_every=1", "mc-all", "mc-all-update_every=1"])
 def test_callback_adds_no_host_sync_per_step(tmp_path, extra):
     # async_updates=True is the CUDA default (None → on when the model is on CUDA); on CPU
     # the default applies updates on the training thread, where reading CPU tensors is free.
@@ -132,12 +136,14 @@ def test_callback_adds_no_host_sync_per_step(tmp_path, extra):
     assert tracked.count == plain.count
 
 
-def test_replayed_mc_pass_adds_only_the_models_own_forward_syncs(tmp_path):
-    # gradient checkpointing: the MC pass is replayed after the step
-    # (see kfac_stream/capture/mc_fisher.py)
-    cfg = {"async_updates": True, "snapshot_every": 10_000, "fisher": "mc"}
-    plain = _count(tmp_path / "plain", None, gradient_checkpointing=True)
-    tracked = _count(tmp_path / "tracked", cfg, gradient_checkpointing=True)
+@pytest.mark.parametrize("extra,ckpt", [({"mc_sequences": "all"}, True), ({}, False)],
+                         ids=["whole-batch-checkpointing", "default-sub-batch"])
+def test_replayed_mc_pass_adds_only_the_models_own_forward_syncs(tmp_path, extra, ckpt):
+    # the MC pass replayed after the step: the whole batch under gradient checkpointing, or
+    # (the default) a sub-batch of sequences (see kfac_stream/capture/mc_fisher.py)
+    cfg = {"async_updates": True, "snapshot_every": 10_000, "fisher": "mc", **extra}
+    plain = _count(tmp_path / "plain", None, gradient_checkpointing=ckpt)
+    tracked = _count(tmp_path / "tracked", cfg, gradient_checkpointing=ckpt)
     updates = -(-STEPS // 10)
     print(f"MC replayed: host syncs over {STEPS} steps: plain {plain.count}, with the callback "
           f"{tracked.count}, of which the model's own in the replayed forwards "

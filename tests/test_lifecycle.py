@@ -240,7 +240,7 @@ def test_fp16_amp_scaler_skipped_steps_never_reach_the_factors(tmp_path):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = tiny_gpt2(torch.float32).to(device)
-    cb = KFACStreamCallback(KFACConfig(update_every=1, token_fraction=1.0,
+    cb = KFACStreamCallback(KFACConfig(update_every=1, token_fraction=1.0, fisher="empirical",
                                        storage_dtype="float32", snapshot_every=1000))
     scales = []
 

@@ -82,7 +82,7 @@ def test_wrong_sharing_is_caught_at_run_time():
     q, o = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
     plan = plan_factors(specs, 8192, [(q, o)])  # same width, different inputs
     tracker = Tracker(model, {n: model.get_submodule(n) for n in specs}, specs,
-                      KFACConfig(token_fraction=1.0), plan=plan)
+                      KFACConfig(token_fraction=1.0, fisher="empirical"), plan=plan)
     try:
         tracker.begin_step(0)
         ids = text_examples(1, 8)[0]["input_ids"][None]
