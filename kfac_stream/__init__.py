@@ -27,6 +27,7 @@ _LAZY = {
     "LaplacePosterior": "query.laplace",
     "LayerFactors": "snapshot.snapshot",
     "Snapshot": "snapshot.snapshot",
+    "sampled_predictive": "query.sampled",
     "whole_model": "integrations.zero3",
 }
 
@@ -55,6 +56,7 @@ __all__ = [
     "LayerFactors",
     # queries
     "LaplacePosterior",
+    "sampled_predictive",
     "whole_model",
     # enums
     "FisherType",

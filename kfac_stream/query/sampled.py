@@ -1,0 +1,444 @@
+r"""`sampled_predictive`: the whole-vocabulary predictive from posterior weight samples.
+
+``S`` draws ``W̄_s = W̄* + ΔW̄_s`` of the tracked layers (``ΔW̄_s = Q_G (Z_s ⊘ sqrt(N γ αᵀ +
+τ)) Q_Aᵀ``, the draws of ``LaplacePosterior.sampled_weights(seed + s)``) are evaluated in
+batched forward passes: the batch is repeated ``S_c`` times (sample-major, ``S_c`` samples of
+one chunk), and every tracked layer computes its rows of sample ``s`` with its own weights,
+``x_s W_sᵀ + b_s`` (one batched matmul, instead of its trained weights; the model is never
+copied and its weights are never changed). One forward of ``S_c·B`` rows thus costs what
+``S_c`` forwards of the batch cost. From the logits of every sample, for every position:
+the predictive distribution ``p̄ = mean_s softmax(f_s)`` over the whole vocabulary, its entropy
+``H[p̄]`` (total uncertainty), the expected entropy ``mean_s H[p_s]`` (aleatoric) and their
+difference, the mutual information between the prediction and the weights (epistemic), and,
+given labels, the mean and variance over samples of the label's log-probability.
+
+``linearized=True`` evaluates the linearised model instead (the GLM predictive):
+``f_s = f(x; θ*) + J (θ_s − θ*)``, the Jacobian-vector product computed in forward mode
+(`torch.autograd.forward_ad` dual tensors) in one batched forward per chunk, each sample's
+rows carrying its own tangent. Its logits are exactly Gaussian, ``N(f*, J Σ Jᵀ)``: the
+distribution `LaplacePosterior.predictive` gives in closed form for ``K`` chosen logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.autograd.forward_ad as fwAD
+from torch import Tensor, nn
+
+from ..capture.hooks import logits_of
+from ..capture.selection import layer_spec
+from ..exceptions import QueryInputError
+from ..progress import progress
+from . import inputs
+from . import kron_eigen as ke
+from .laplace import LaplacePosterior
+
+#: Samples per batched forward when ``chunk`` is None.
+DEFAULT_CHUNK = 8
+
+#: Label value of a position without a label (as in Hugging Face's losses).
+IGNORE_INDEX = -100
+
+LABELS_ALLOWED = ("None, 'next' (causal LM: the next token of input_ids at every position) or "
+                  "an integer tensor of the logits' shape without the last axis ([B, T] for a "
+                  "language-model head, [B] for a classification head), entries in [0, V) or "
+                  f"{IGNORE_INDEX} (no label)")
+
+
+@dataclass(frozen=True)
+class SampledPredictive:
+    """The predictive of ``S`` posterior weight samples at every position of a batch.
+
+    Shapes: ``P`` is the logits' shape without the class axis — ``[B, T]`` for a
+    language-model head (logits ``[B, T, V]``; position ``t`` predicts token ``t + 1``) and
+    ``[B]`` for a classification head (logits ``[B, C]``); ``V`` is the vocabulary (or the
+    ``C`` classes). Every tensor lies on the model's device; the statistics are float64.
+    Entropies are in nats. Padding positions hold values of no meaning.
+
+    Attributes:
+        probs: ``[*P, V]``: the predictive distribution ``p̄ = (1/S) Σ_s softmax(f_s)``.
+        entropy: ``[*P]``: ``H[p̄]``, the total predictive uncertainty.
+        expected_entropy: ``[*P]``: ``(1/S) Σ_s H[softmax(f_s)]``, the aleatoric part.
+        mutual_information: ``[*P]``: ``entropy − expected_entropy`` (≥ 0 by Jensen; clamped
+            at 0 against round-off), the epistemic part: the information between the
+            prediction and the weights.
+        label_logprob_mean: ``[*P]`` or None (no labels): ``(1/S) Σ_s log softmax(f_s)[y]``
+            of the label ``y`` at each position; NaN where there is no label.
+        label_logprob_var: ``[*P]`` or None: the variance over samples of the same
+            (denominator ``S − 1``); NaN where there is no label.
+        sample_logits: ``[S, *P, V]`` (the model's dtype) with ``return_logits=True``, else
+            None: the logits of each sample ``s`` (drawn as `LaplacePosterior.sampled_weights`
+            with ``seed + s``).
+        n_samples: ``S``.
+        seed: The seed of sample 0.
+        linearized: Whether the logits are those of the linearised model.
+    """
+
+    probs: Tensor
+    entropy: Tensor
+    expected_entropy: Tensor
+    mutual_information: Tensor
+    label_logprob_mean: Tensor | None
+    label_logprob_var: Tensor | None
+    sample_logits: Tensor | None
+    n_samples: int
+    seed: int
+    linearized: bool
+
+
+def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor], n_samples: int = 16,
+                       seed: int = 0, chunk: int | None = None,
+                       labels: Tensor | str | None = None, *, linearized: bool = False,
+                       return_logits: bool = False,
+                       show_progress: bool | None = None) -> SampledPredictive:
+    """The whole-vocabulary predictive of ``S`` posterior samples, in batched forwards.
+
+    Sample ``s`` is exactly the draw of ``post.sampled_weights(seed=seed + s)`` (the same
+    random numbers, layer by layer), so a loop over that context manager gives the same
+    logits up to round-off — at ``S`` copies of nothing: here the model and its weights stay
+    as they are, and each forward evaluates ``chunk`` samples at once (the batch repeated
+    ``chunk`` times). Cost: about ``S`` forwards of the batch (``S + 1`` with
+    ``linearized``, whose dual tensors carry a tangent beside every activation) plus the
+    draws; memory: ``chunk`` copies of the batch's activations (and of its logits) and of
+    the tracked weights. The statistics are accumulated in float64 over the chunks.
+
+    A tracked layer whose weight is shared with another module (tied embeddings) is
+    perturbed in this layer's use only, as in `LaplacePosterior.predictive` (while
+    ``sampled_weights`` changes the shared tensor, so also the other use). The model runs in
+    the mode it is in (call ``model.eval()`` to turn dropout off).
+
+    Args:
+        post: The posterior (a `LaplacePosterior`), with its prior precision and ``N``.
+        batch: Model inputs, a dict with ``input_ids`` ``[B, T]`` (an integer tensor; on the
+            CPU, ids within the model's input embeddings) or ``inputs_embeds`` ``[B, T, d]``,
+            optionally ``attention_mask`` ``[B, T]`` and other inputs whose first axis is the
+            batch's (``labels`` ignored: pass them as ``labels``).
+        n_samples: ``S``, an int ≥ 2.
+        seed: Seed of sample 0 (sample ``s`` uses ``seed + s``), an int.
+        chunk: Samples per forward, None (`DEFAULT_CHUNK`, at most ``S``) or an int ≥ 1.
+        labels: None; ``"next"`` (a causal LM's next tokens: ``input_ids[:, t + 1]`` at
+            position ``t``, none at the last position and at padding); or the label of each
+            position, an integer tensor of shape ``[B, T]`` (language-model head, aligned with
+            the logits: position ``t`` holds the token that follows it; a Hugging Face
+            collator's ``labels``, equal to ``input_ids``, are not: pass ``"next"``) or
+            ``[B]`` (classification head), entries in ``[0, V)`` or ``-100`` (no label).
+        linearized: Evaluate the linearised model ``f* + J(θ_s − θ*)`` (forward-mode
+            Jacobian-vector products; attention through PyTorch's math SDPA kernel, the one
+            with forward-mode derivatives) instead of the model at ``θ_s``.
+        return_logits: Keep every sample's logits (``sample_logits``, ``S`` times the
+            logits' memory).
+        show_progress: A progress bar over the samples: None (when stderr is a terminal,
+            `kfac_stream.progress`), True or False.
+
+    Returns:
+        A `SampledPredictive` (shapes in its docstring).
+
+    Raises:
+        QueryInputError: an argument of the wrong type, shape or range, or a model whose
+            output holds no logits.
+    """
+    where = "sampled_predictive"
+    if not isinstance(post, LaplacePosterior):
+        raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
+    size, length = inputs.check_batch(where, "batch", batch, inputs.input_vocab(post.model))
+    n_samples = inputs.check_int(where, "n_samples", n_samples, 2)
+    seed = inputs.check_seed(where, "seed", seed)
+    if chunk is None:
+        chunk = min(DEFAULT_CHUNK, n_samples)
+    else:
+        chunk = min(inputs.check_int(where, "chunk", chunk, 1), n_samples)
+    _check_flag(where, "linearized", linearized)
+    _check_flag(where, "return_logits", return_logits)
+    if show_progress is not None:
+        _check_flag(where, "show_progress", show_progress)
+    label_ids = _check_labels(where, labels, batch, size, length)
+
+    model_inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_items_in_batch")}
+    config = getattr(post.model, "config", None)
+    if getattr(config, "use_cache", None) is not None:
+        model_inputs.setdefault("use_cache", False)  # no key/value cache of S·B rows
+    layers = _Layers(post)
+    acc = _Accumulator(n_samples, return_logits)
+    bar = progress(total=n_samples, desc=f"sampled predictive ({n_samples} samples of "
+                   f"{size}x{length}{', linearised' if linearized else ''})", unit="sample",
+                   show=show_progress)
+    try:
+        for first in range(0, n_samples, chunk):
+            count = min(chunk, n_samples - first)
+            deltas = layers.draws(range(seed + first, seed + first + count))
+            rows = _repeat(model_inputs, size, count)
+            if linearized:
+                logits = layers.linearized_forward(rows, deltas, count)
+            else:
+                logits = layers.sampled_forward(rows, deltas, count)
+            logits = _check_logits(where, logits, size, count)
+            if first == 0 and label_ids is not None:
+                label_ids = _labels_for(where, labels, label_ids, logits)
+            acc.add(logits, label_ids)
+            bar.update(count)
+    finally:
+        bar.close()
+    return acc.result(seed, linearized)
+
+
+# -- the tracked layers under samples -----------------------------------------------------------
+
+
+class _Layers:
+    """The tracked layers of a posterior: posterior draws, and forwards of the model with
+    per-sample weights (exact) or per-sample tangents (linearised)."""
+
+    def __init__(self, post: LaplacePosterior) -> None:
+        self.post = post
+        self.specs = {n: layer_spec(n, m) for n, m in post.modules.items()}
+
+    def draws(self, seeds: range) -> dict[str, Tensor]:
+        """``{layer: ΔW̄ [S_c, d_out, d_A]}`` float64 on the layer's device: sample ``i`` is
+        ``sampled_weights(seeds[i])``'s draw (the same generator, consumed layer by layer in
+        the same order; the rotation ``Q_G Z Q_Aᵀ`` on the device, with one layer's
+        eigenbases there at a time)."""
+        post = self.post
+        zs: dict[str, list[Tensor]] = {n: [] for n in post.modules}
+        for s in seeds:
+            gen = torch.Generator().manual_seed(s)
+            for name in post.modules:
+                _, aval, _, gval = post.eig[name]
+                # no eigenbases: Z ⊘ sqrt(D) from the same generator calls as sample_block
+                zs[name].append(ke.sample_block(None, gval, None, aval, post.num_data,
+                                                post.tau(name), gen))
+        out = {}
+        for name, m in post.modules.items():
+            qa, _, qg, _ = post.eig[name]
+            dev = m.weight.device
+            z = torch.stack(zs.pop(name)).to(dev)
+            if qg is not None:
+                z = qg.to(dev) @ z
+            if qa is not None:
+                z = z @ qa.to(dev).T
+            out[name] = z
+        return out
+
+    def sampled_forward(self, rows: dict[str, Tensor], deltas: dict[str, Tensor],
+                        count: int) -> Tensor | None:
+        """Logits of the model at ``θ* + ΔW̄_s``, rows of sample ``s`` at ``[s·B, (s+1)·B)``."""
+        forwards = {}
+        for name, m in self.post.modules.items():
+            spec = self.specs[name]
+            dw = deltas.pop(name)
+            w_delta = dw[:, :, :spec.d_in]  # [S_c, d_out, d_in]
+            if spec.kind == "conv1d":  # module layout [d_in, d_out]: x @ W
+                w_delta = w_delta.transpose(1, 2)
+            # the very weights sampled_weights writes: W + ΔW in the weight's dtype
+            weight = m.weight.detach()[None] + w_delta.to(m.weight.dtype)
+            bias = None
+            if spec.has_bias:
+                bias = m.bias.detach()[None] + dw[:, :, spec.d_in].to(m.bias.dtype)
+            forwards[name] = _sampled_linear(weight, bias, spec.kind == "conv1d", count,
+                                             spec.d_in)
+        with torch.no_grad(), _forwards_replaced(self.post.modules, forwards):
+            return logits_of(self.post.model(**rows))
+
+    def linearized_forward(self, rows: dict[str, Tensor], deltas: dict[str, Tensor],
+                           count: int) -> Tensor | None:
+        """Logits of the linearised model ``f* + J ΔW̄_s`` (forward mode), rows as above."""
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        handles = []
+        try:
+            for name, m in self.post.modules.items():
+                spec = self.specs[name]
+                dw = deltas.pop(name).to(m.weight.dtype)
+                handles.append(m.register_forward_hook(_tangent_hook(
+                    dw[:, :, :spec.d_in].transpose(1, 2),
+                    dw[:, :, spec.d_in] if spec.has_bias else None, count, spec.d_in)))
+            with torch.no_grad(), fwAD.dual_level(), sdpa_kernel(SDPBackend.MATH):
+                logits = logits_of(self.post.model(**rows))
+                if logits is None:
+                    return None
+                primal, tangent = fwAD.unpack_dual(logits)
+                return primal if tangent is None else primal + tangent
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def _sampled_linear(weight: Tensor, bias: Tensor | None, conv1d: bool, count: int, d_in: int):
+    """A tracked layer's forward with ``count`` weights: ``x [count·B, ..., d_in]`` →
+    ``x_s W_sᵀ + b_s`` per sample group (``weight [S_c, d_out, d_in]``, Conv1D
+    ``[S_c, d_in, d_out]``)."""
+    w = weight if conv1d else weight.transpose(1, 2)  # [S_c, d_in, d_out]
+
+    def forward(x: Tensor) -> Tensor:
+        xs = x.reshape(count, -1, d_in)
+        out = torch.bmm(xs, w) if bias is None else torch.baddbmm(bias[:, None, :], xs, w)
+        return out.reshape(*x.shape[:-1], w.shape[-1])
+
+    return forward
+
+
+def _tangent_hook(w_delta_t: Tensor, b_delta: Tensor | None, count: int, d_in: int):
+    """A forward hook adding ``x_s ΔW_sᵀ + Δb_s`` to the tangent of a tracked layer's output
+    (the product rule's weight term; the module's own forward carries the input's tangent)."""
+
+    def fn(module: nn.Module, args: tuple, out: Tensor) -> Tensor:
+        x = fwAD.unpack_dual(args[0]).primal
+        xs = x.reshape(count, -1, d_in)
+        t = torch.bmm(xs, w_delta_t) if b_delta is None else torch.baddbmm(
+            b_delta[:, None, :], xs, w_delta_t)
+        primal, tangent = fwAD.unpack_dual(out)
+        t = t.reshape(primal.shape)
+        return fwAD.make_dual(primal, t if tangent is None else tangent + t)
+
+    return fn
+
+
+class _forwards_replaced:
+    """Context manager: ``module.forward = forwards[name]`` (an instance attribute; hooks still
+    run), the previous attribute restored on exit, also when the body raises."""
+
+    def __init__(self, modules: Mapping[str, nn.Module], forwards: Mapping[str, object]) -> None:
+        self.modules, self.forwards = modules, forwards
+        self.saved: list[tuple[nn.Module, object]] = []
+
+    def __enter__(self) -> None:
+        for name, fwd in self.forwards.items():
+            m = self.modules[name]
+            self.saved.append((m, m.__dict__.get("forward")))
+            m.forward = fwd  # type: ignore[method-assign]
+
+    def __exit__(self, *exc: object) -> None:
+        for m, prev in reversed(self.saved):
+            if prev is None:
+                del m.forward
+            else:
+                m.forward = prev  # type: ignore[method-assign]
+        self.saved.clear()
+
+
+# -- statistics ---------------------------------------------------------------------------------
+
+
+class _Accumulator:
+    """Float64 running sums over the samples: ``Σ p_s``, ``Σ H[p_s]``, the label's
+    log-probabilities ``[S, *P]`` and (optionally) every sample's logits."""
+
+    def __init__(self, n_samples: int, keep_logits: bool) -> None:
+        self.n = n_samples
+        self.keep_logits = keep_logits
+        self.sum_p: Tensor | None = None
+        self.sum_h: Tensor | None = None
+        self.label_lp: list[Tensor] = []
+        self.logits: list[Tensor] = []
+
+    def add(self, logits: Tensor, labels: Tensor | None) -> None:
+        """``logits [S_c, *P, V]``; ``labels [*P]`` (``-100``: none) or None."""
+        if self.keep_logits:
+            self.logits.append(logits)
+        for f in logits:  # one sample at a time: float64 temporaries of one batch's logits
+            logp = torch.log_softmax(f.double(), dim=-1)
+            p = logp.exp()
+            h = -(p * logp).nan_to_num(nan=0.0).sum(-1)  # 0·(−∞) = 0
+            self.sum_p = p if self.sum_p is None else self.sum_p + p
+            self.sum_h = h if self.sum_h is None else self.sum_h + h
+            if labels is not None:
+                lp = logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0]
+                self.label_lp.append(lp.masked_fill(labels == IGNORE_INDEX, float("nan")))
+
+    def result(self, seed: int, linearized: bool) -> SampledPredictive:
+        assert self.sum_p is not None and self.sum_h is not None
+        probs = self.sum_p / self.n
+        entropy = -torch.special.xlogy(probs, probs).sum(-1)
+        expected = self.sum_h / self.n
+        mean = var = None
+        if self.label_lp:
+            lp = torch.stack(self.label_lp)  # [S, *P]
+            mean, var = lp.mean(0), lp.var(0)  # unbiased (S ≥ 2)
+        return SampledPredictive(
+            probs=probs, entropy=entropy, expected_entropy=expected,
+            mutual_information=(entropy - expected).clamp(min=0.0),
+            label_logprob_mean=mean, label_logprob_var=var,
+            sample_logits=torch.cat(self.logits) if self.keep_logits else None,
+            n_samples=self.n, seed=seed, linearized=linearized)
+
+
+# -- arguments ----------------------------------------------------------------------------------
+
+
+def _check_flag(where: str, arg: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise inputs.error(where, arg, value, "True or False", typed=True)
+
+
+def _check_labels(where: str, labels: object, batch: Mapping[str, Tensor], size: int,
+                  length: int) -> Tensor | None:
+    """Labels as an int64 tensor (``-100``: none) before any model call: ``"next"`` from
+    ``input_ids`` and ``attention_mask`` (``[B, T]``), a given tensor checked for type and
+    batch size (its shape against the logits', and its range, after the first forward)."""
+    if labels is None:
+        return None
+    if isinstance(labels, str):
+        if labels != "next":
+            raise inputs.error(where, "labels", labels, LABELS_ALLOWED)
+        ids = batch.get("input_ids")
+        if ids is None:
+            raise inputs.error(where, "labels", labels, LABELS_ALLOWED,
+                               problem="needs the batch's input_ids (it has inputs_embeds)")
+        nxt = torch.full_like(ids, IGNORE_INDEX, dtype=torch.long)
+        nxt[:, :-1] = ids[:, 1:]
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            keep = mask.bool().clone()  # never write into the caller's mask
+            keep[:, :-1] &= mask[:, 1:].bool()
+            nxt = nxt.masked_fill(~keep, IGNORE_INDEX)
+        return nxt
+    labels = inputs.from_numpy(labels)
+    if not inputs.is_int_tensor(labels) or labels.dim() not in (1, 2):
+        raise inputs.error(where, "labels", labels, LABELS_ALLOWED,
+                           typed=not isinstance(labels, Tensor))
+    if labels.shape[0] != size or (labels.dim() == 2 and labels.shape[1] != length):
+        raise inputs.error(where, "labels", labels, LABELS_ALLOWED,
+                           problem=f"does not fit the batch [B, T] = {[size, length]}")
+    return labels.long()
+
+
+def _labels_for(where: str, given: object, labels: Tensor, logits: Tensor) -> Tensor:
+    """``labels`` on the logits' device, checked against the logits ``[S_c, *P, V]``."""
+    shape, vocab = tuple(logits.shape[1:-1]), logits.shape[-1]
+    if tuple(labels.shape) != shape:
+        head = "a classification head" if len(shape) == 1 else "a language-model head"
+        raise inputs.error(where, "labels", given, LABELS_ALLOWED,
+                           problem=f"is {list(labels.shape)}, but the logits of {head} are "
+                                   f"{list(logits.shape[1:])}")
+    if labels.device.type == "cpu" and labels.numel():
+        bad = labels[(labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab))]
+        if bad.numel():
+            raise inputs.error(where, "labels", given, LABELS_ALLOWED,
+                               problem=f"holds {int(bad[0])}, outside the logits' {vocab} "
+                                       f"classes")
+    return labels.to(logits.device)
+
+
+def _check_logits(where: str, logits: Tensor | None, size: int, count: int) -> Tensor:
+    """``[S_c, *P, V]`` from the model's ``[S_c·B, *P, V]`` logits."""
+    if logits is None or logits.dim() not in (2, 3) or logits.shape[0] != count * size:
+        raise QueryInputError(f"{where}: the model's output holds no logits [B, C] or "
+                              f"[B, T, V] (got {inputs.show(logits)} for {count}x{size} rows): "
+                              "the model must return logits (a tensor, or an output with "
+                              ".logits) with the batch's rows first")
+    return logits.reshape(count, size, *logits.shape[1:])
+
+
+def _repeat(model_inputs: Mapping[str, object], size: int, count: int) -> dict[str, object]:
+    """The inputs repeated ``count`` times along the batch axis (sample-major); values
+    without the batch axis first are passed as they are."""
+    out: dict[str, object] = {}
+    for k, v in model_inputs.items():
+        if isinstance(v, Tensor) and v.dim() >= 1 and v.shape[0] == size:
+            out[k] = v.repeat(count, *([1] * (v.dim() - 1)))
+        else:
+            out[k] = v
+    return out
+
