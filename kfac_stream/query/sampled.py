@@ -100,10 +100,12 @@ def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor], n_sa
     random numbers, layer by layer), so a loop over that context manager gives the same
     logits up to round-off — at ``S`` copies of nothing: here the model and its weights stay
     as they are, and each forward evaluates ``chunk`` samples at once (the batch repeated
-    ``chunk`` times). Cost: about ``S`` forwards of the batch (``S + 1`` with
-    ``linearized``, whose dual tensors carry a tangent beside every activation) plus the
-    draws; memory: ``chunk`` copies of the batch's activations (and of its logits) and of
-    the tracked weights. The statistics are accumulated in float64 over the chunks.
+    ``chunk`` times). Cost: about ``S`` forwards of the batch (with ``linearized`` about
+    twice that: every activation carries a tangent), plus the draws — per sample and layer
+    the rotation ``Q_G Z Q_Aᵀ``, ``2·d_out·d_A·(d_out + d_A)`` flops on the model's device
+    (as in ``sampled_weights``), which dominates when ``B·T`` is small against the layers'
+    widths. Memory: ``chunk`` copies of the batch's activations (and logits) and of the
+    tracked weights. The statistics are accumulated in float64 over the chunks.
 
     A tracked layer whose weight is shared with another module (tied embeddings) is
     perturbed in this layer's use only, as in `LaplacePosterior.predictive` (while
@@ -228,16 +230,14 @@ class _Layers:
         for name, m in self.post.modules.items():
             spec = self.specs[name]
             dw = deltas.pop(name)
-            w_delta = dw[:, :, :spec.d_in]  # [S_c, d_out, d_in]
-            if spec.kind == "conv1d":  # module layout [d_in, d_out]: x @ W
-                w_delta = w_delta.transpose(1, 2)
-            # the very weights sampled_weights writes: W + ΔW in the weight's dtype
-            weight = m.weight.detach()[None] + w_delta.to(m.weight.dtype)
+            # the very weights sampled_weights writes, W + ΔW in the weight's dtype, laid out
+            # [S_c, d_in, d_out] for x_s @ W_sᵀ
+            w = m.weight.detach() if spec.kind == "conv1d" else m.weight.detach().T
+            weight = (w[None] + dw[:, :, :spec.d_in].transpose(1, 2).to(w.dtype)).contiguous()
             bias = None
             if spec.has_bias:
                 bias = m.bias.detach()[None] + dw[:, :, spec.d_in].to(m.bias.dtype)
-            forwards[name] = _sampled_linear(weight, bias, spec.kind == "conv1d", count,
-                                             spec.d_in)
+            forwards[name] = _sampled_linear(weight, bias, count)
         with torch.no_grad(), _forwards_replaced(self.post.modules, forwards):
             return logits_of(self.post.model(**rows))
 
@@ -265,16 +265,16 @@ class _Layers:
                 h.remove()
 
 
-def _sampled_linear(weight: Tensor, bias: Tensor | None, conv1d: bool, count: int, d_in: int):
-    """A tracked layer's forward with ``count`` weights: ``x [count·B, ..., d_in]`` →
-    ``x_s W_sᵀ + b_s`` per sample group (``weight [S_c, d_out, d_in]``, Conv1D
-    ``[S_c, d_in, d_out]``)."""
-    w = weight if conv1d else weight.transpose(1, 2)  # [S_c, d_in, d_out]
+def _sampled_linear(weight: Tensor, bias: Tensor | None, count: int):
+    """A tracked layer's forward with ``count`` weights ``weight [S_c, d_in, d_out]`` (and
+    ``bias [S_c, d_out]``): ``x [count·B, ..., d_in]`` → ``x_s W_sᵀ + b_s`` per sample group."""
+    d_in = weight.shape[1]
 
     def forward(x: Tensor) -> Tensor:
         xs = x.reshape(count, -1, d_in)
-        out = torch.bmm(xs, w) if bias is None else torch.baddbmm(bias[:, None, :], xs, w)
-        return out.reshape(*x.shape[:-1], w.shape[-1])
+        out = (torch.bmm(xs, weight) if bias is None
+               else torch.baddbmm(bias[:, None, :], xs, weight))
+        return out.reshape(*x.shape[:-1], weight.shape[-1])
 
     return forward
 
