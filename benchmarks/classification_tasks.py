@@ -22,6 +22,7 @@ import gzip
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 MAN_ROOT = Path("/usr/share/man")
 SECTIONS = ("1", "2", "5", "8")
@@ -134,16 +135,27 @@ def manpage_splits(train_per_class: int, val_per_class: int, test_per_class: int
     for snippets in pools.values():
         for s in set(snippets):
             count[s] = count.get(s, 0) + 1
-    need = train_per_class + val_per_class + test_per_class
-    rng = random.Random(seed)
-    splits: dict[str, list[tuple[bytes, int]]] = {"train": [], "val": [], "test": []}
-    for c, sec in enumerate(pools):
-        unique = [s for s in pools[sec] if count[s] == 1]
+    return balanced_splits({f"man{sec}": pool for sec, pool in pools.items()}, count,
+                           (train_per_class, val_per_class, test_per_class),
+                           random.Random(seed), "usable pages")
+
+
+def balanced_splits(pools: dict[str, list], count: dict, per_class: tuple[int, int, int],
+                    rng: random.Random, what: str) -> dict[str, list[tuple[Any, int]]]:
+    """``{"train"|"val"|"test": [(item, class index)]}`` from one pool per class (the class
+    index is the pool's position in ``pools``): the items counted once in ``count`` (others
+    occur in several pools, or twice), shuffled with ``rng``, cut into ``per_class`` =
+    (train, val, test) items per class; each split shuffled after. ``what`` names the items in
+    the error when a pool is too small."""
+    train, val, _ = per_class
+    need = sum(per_class)
+    splits: dict[str, list[tuple[Any, int]]] = {"train": [], "val": [], "test": []}
+    for c, key in enumerate(pools):
+        unique = [s for s in pools[key] if count[s] == 1]
         if len(unique) < need:
-            raise SystemExit(f"man{sec}: {len(unique)} usable pages, {need} needed")
-        unique = list(unique)
+            raise SystemExit(f"{key}: {len(unique)} {what}, {need} needed")
         rng.shuffle(unique)
-        cuts = (0, train_per_class, train_per_class + val_per_class, need)
+        cuts = (0, train, train + val, need)
         for name, lo, hi in zip(splits, cuts[:-1], cuts[1:], strict=True):
             splits[name] += [(s, c) for s in unique[lo:hi]]
     for v in splits.values():

@@ -174,20 +174,8 @@ def choice_splits(train_per_class: int, val_per_class: int, test_per_class: int,
     for snippets in per.values():
         for s in snippets:
             count[s] = count.get(s, 0) + 1
-    rng = random.Random(seed)
-    need = train_per_class + val_per_class + test_per_class
-    splits: dict[str, list[tuple[str, int]]] = {"train": [], "val": [], "test": []}
-    for c, p in enumerate(PACKAGES):
-        unique = [s for s in per[p] if count[s] == 1]
-        if len(unique) < need:
-            raise SystemExit(f"{p}: {len(unique)} unique docstrings, {need} needed")
-        rng.shuffle(unique)
-        cuts = (0, train_per_class, train_per_class + val_per_class, need)
-        for name, lo, hi in zip(splits, cuts[:-1], cuts[1:], strict=True):
-            splits[name] += [(s, c) for s in unique[lo:hi]]
-    for v in splits.values():
-        rng.shuffle(v)
-    return splits
+    return ct.balanced_splits(per, count, (train_per_class, val_per_class, test_per_class),
+                              random.Random(seed), "unique docstrings")
 
 
 def prompt_ids(snippet: str) -> list[int]:

@@ -49,6 +49,27 @@ def _build(model_cls, config, dtype: torch.dtype, seed: int):
     return model
 
 
+def tiny_classifier_run(tmp_path, n_classes: int = 4):
+    """A 1-layer float64 ``GPT2ForSequenceClassification`` (16 wide, ``n_classes`` labels)
+    trained by `harness.run` on 4 sequences of 12 byte tokens labelled ``i % n_classes``, its
+    snapshot under ``tmp_path/kfac``. Returns ``(model, snapshot, examples)``."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    from kfac_stream import Snapshot
+
+    from harness import run
+
+    torch.manual_seed(0)
+    model = GPT2ForSequenceClassification(GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=256, n_positions=64, num_labels=n_classes,
+        pad_token_id=0, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).double()
+    ex = text_examples(4, 12)
+    for i, e in enumerate(ex):
+        e["labels"] = torch.tensor(i % n_classes)
+    run(model, ex, batch=2, tmp_path=tmp_path, record=False)
+    return model, Snapshot.latest(tmp_path / "kfac"), ex
+
+
 def tiny_gpt2(dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
     """A 2-layer byte-level GPT-2 (``transformers.pytorch_utils.Conv1D`` layers).
 

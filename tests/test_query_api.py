@@ -8,7 +8,7 @@ from kfac_stream import Snapshot
 from kfac_stream.query.laplace import LaplacePosterior
 
 from harness import run, sum_nll_loss
-from models import text_examples, tiny_gpt2
+from models import text_examples, tiny_classifier_run, tiny_gpt2
 from reference import rel_err
 
 ROUNDOFF_TOL = 1e-12  # float64 model and features: the same numbers, maybe summed in another order
@@ -113,17 +113,8 @@ def test_several_prior_precisions_equal_separate_single_tau_calls(posterior):
 
 
 def test_per_row_class_ids_of_a_classification_head(tmp_path):
-    from transformers import GPT2Config, GPT2ForSequenceClassification
-
-    torch.manual_seed(0)
-    model = GPT2ForSequenceClassification(GPT2Config(
-        n_layer=1, n_embd=16, n_head=2, vocab_size=256, n_positions=64, num_labels=4,
-        pad_token_id=0, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).double()
-    ex = text_examples(4, 12)
-    for i, e in enumerate(ex):
-        e["labels"] = torch.tensor(i % 4)
-    run(model, ex, batch=2, tmp_path=tmp_path, record=False)
-    post = LaplacePosterior(model, Snapshot.latest(tmp_path / "kfac"), TAU, N_DATA)
+    model, snap, ex = tiny_classifier_run(tmp_path)
+    post = LaplacePosterior(model, snap, TAU, N_DATA)
     batch = {k: torch.stack([e[k] for e in ex[:2]]) for k in ("input_ids", "attention_mask")}
     per_row = [[3, 0], [1, 2]]
     mean, cov = post.predictive(batch, token_ids=per_row)

@@ -12,7 +12,7 @@ from kfac_stream.query.laplace import LaplacePosterior
 from kfac_stream.query.sampled import SampledPredictive, sampled_predictive
 
 from harness import run, sum_nll_loss
-from models import lora_gpt2, text_examples, tiny_gpt2
+from models import lora_gpt2, text_examples, tiny_classifier_run, tiny_gpt2
 from reference import rel_err
 
 #: float64 model: batched matmuls (bmm) against F.linear / addmm on the same weights, the same
@@ -37,18 +37,8 @@ def lm(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def classifier(tmp_path_factory):
-    from transformers import GPT2Config, GPT2ForSequenceClassification
-
-    tmp = tmp_path_factory.mktemp("sampled_cls")
-    torch.manual_seed(0)
-    model = GPT2ForSequenceClassification(GPT2Config(
-        n_layer=1, n_embd=16, n_head=2, vocab_size=256, n_positions=64, num_labels=4,
-        pad_token_id=0, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)).double()
-    ex = text_examples(4, 12)
-    for i, e in enumerate(ex):
-        e["labels"] = torch.tensor(i % 4)
-    run(model, ex, batch=2, tmp_path=tmp, record=False)
-    return LaplacePosterior(model, Snapshot.latest(tmp / "kfac"), TAU, N_DATA)
+    model, snap, _ = tiny_classifier_run(tmp_path_factory.mktemp("sampled_cls"))
+    return LaplacePosterior(model, snap, TAU, N_DATA)
 
 
 def padded_batch(lengths, seed=4):
