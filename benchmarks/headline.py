@@ -27,16 +27,29 @@ def load(name: str) -> dict | None:
 
 
 def overhead_rows(d: dict) -> list[str]:
+    """The token_fraction 0.05 rows, labelled by their Fisher; "(the default)" only where the
+    config is `KFACConfig`'s default (a results file from before issue 16 has no
+    ``mc_sequences``: its "mc" ran on the whole batch, and its default was empirical)."""
+    from kfac_stream import KFACConfig
+
+    default = KFACConfig()
     rows = []
     for r in d["results"]:
         c = r["config"]
-        if (c["token_fraction"], c["fisher"]) == (0.05, "empirical"):
-            rows.append(
-                f"| training step with the callback ÷ plain step, defaults (token_fraction "
-                f"0.05, empirical), update_every={c['update_every']} | {r['ratio_median']:.3f} "
-                f"[{r['ratio_min']:.3f}–{r['ratio_max']:.3f}] over {len(r['pairs'])} pairs "
-                f"(FLOP bound {r['bound']['ratio']:.4f}) | GPT-2 4×256, batch 8×256, CPU | "
-                "[overhead](#training-overhead-of-kfacstreamcallback-benchmarksoverheadpy) |")
+        if c["token_fraction"] != 0.05:
+            continue
+        seqs = c.get("mc_sequences", "all")
+        label = "empirical" if c["fisher"] == "empirical" else (
+            "mc, whole batch" if seqs in ("all", 1.0) else f"mc, mc_sequences {seqs}")
+        is_default = c["fisher"] == default.fisher and (
+            c["fisher"] != "mc" or seqs == default.mc_sequences)
+        rows.append(
+            f"| training step with the callback ÷ plain step, token_fraction 0.05, {label}"
+            f"{' (the default)' if is_default else ''}, update_every={c['update_every']} | "
+            f"{r['ratio_median']:.3f} [{r['ratio_min']:.3f}–{r['ratio_max']:.3f}] over "
+            f"{len(r['pairs'])} pairs (FLOP bound {r['bound']['ratio']:.4f}) | GPT-2 4×256, "
+            "batch 8×256, CPU | "
+            "[overhead](#training-overhead-of-kfacstreamcallback-benchmarksoverheadpy) |")
     return rows
 
 
