@@ -28,6 +28,7 @@ _LAZY = {
     "LayerFactors": "snapshot.snapshot",
     "Snapshot": "snapshot.snapshot",
     "sampled_predictive": "query.sampled",
+    "iter_sample_logits": "query.sampled",
     "whole_model": "integrations.zero3",
 }
 
@@ -57,6 +58,7 @@ __all__ = [
     # queries
     "LaplacePosterior",
     "sampled_predictive",
+    "iter_sample_logits",
     "whole_model",
     # enums
     "FisherType",

@@ -21,7 +21,7 @@ distribution `LaplacePosterior.predictive` gives in closed form for ``K`` chosen
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -148,22 +148,68 @@ def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor], n_sa
     size, length = inputs.check_batch(where, "batch", batch, inputs.input_vocab(post.model))
     n_samples = inputs.check_int(where, "n_samples", n_samples, 2)
     seed = inputs.check_seed(where, "seed", seed)
-    if chunk is None:
-        chunk = min(DEFAULT_CHUNK, n_samples)
-    else:
-        chunk = min(inputs.check_int(where, "chunk", chunk, 1), n_samples)
+    chunk = _check_chunk(where, chunk, n_samples)
     _check_flag(where, "linearized", linearized)
     _check_flag(where, "return_logits", return_logits)
     if show_progress is not None:
         _check_flag(where, "show_progress", show_progress)
     label_ids = _check_labels(where, labels, batch, size, length)
 
+    acc = _Accumulator(n_samples, return_logits)
+    for first, logits in _sample_logits(where, post, batch, size, length, n_samples, seed, chunk,
+                                        linearized, show_progress):
+        if first == 0 and label_ids is not None:
+            label_ids = _labels_for(where, labels, label_ids, logits)
+        acc.add(logits, label_ids)
+    return acc.result(seed, linearized)
+
+
+def iter_sample_logits(post: LaplacePosterior, batch: Mapping[str, Tensor], n_samples: int = 16,
+                       seed: int = 0, chunk: int | None = None, *, linearized: bool = False,
+                       show_progress: bool | None = None) -> Iterator[tuple[int, Tensor]]:
+    """The logits of ``S`` posterior samples, one chunk of samples at a time.
+
+    The samples, the batched forwards and the arguments are those of `sampled_predictive`
+    (sample ``s`` is ``post.sampled_weights(seed + s)``'s draw); use this to compute a
+    statistic of your own without keeping ``S`` copies of the logits.
+
+    Yields:
+        ``(first, logits [S_c, *P, V])``: the logits of samples ``first … first + S_c − 1``
+        in the model's dtype, ``*P`` the logits' shape without the class axis (``[B, T]`` for
+        a language-model head, ``[B]`` for a classification head).
+
+    Raises:
+        QueryInputError: as `sampled_predictive` (checked before the first forward).
+    """
+    where = "iter_sample_logits"
+    if not isinstance(post, LaplacePosterior):
+        raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
+    size, length = inputs.check_batch(where, "batch", batch, inputs.input_vocab(post.model))
+    n_samples = inputs.check_int(where, "n_samples", n_samples, 2)
+    seed = inputs.check_seed(where, "seed", seed)
+    chunk = _check_chunk(where, chunk, n_samples)
+    _check_flag(where, "linearized", linearized)
+    if show_progress is not None:
+        _check_flag(where, "show_progress", show_progress)
+    return _sample_logits(where, post, batch, size, length, n_samples, seed, chunk, linearized,
+                          show_progress)
+
+
+def _check_chunk(where: str, chunk: object, n_samples: int) -> int:
+    if chunk is None:
+        return min(DEFAULT_CHUNK, n_samples)
+    return min(inputs.check_int(where, "chunk", chunk, 1), n_samples)
+
+
+def _sample_logits(where: str, post: LaplacePosterior, batch: Mapping[str, Tensor], size: int,
+                   length: int, n_samples: int, seed: int, chunk: int, linearized: bool,
+                   show_progress: bool | None) -> Iterator[tuple[int, Tensor]]:
+    """`iter_sample_logits` of checked arguments."""
     model_inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_items_in_batch")}
     config = getattr(post.model, "config", None)
     if getattr(config, "use_cache", None) is not None:
         model_inputs.setdefault("use_cache", False)  # no key/value cache of S·B rows
     layers = _Layers(post)
-    acc = _Accumulator(n_samples, return_logits)
     bar = progress(total=n_samples, desc=f"sampled predictive ({n_samples} samples of "
                    f"{size}x{length}{', linearised' if linearized else ''})", unit="sample",
                    show=show_progress)
@@ -176,14 +222,10 @@ def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor], n_sa
                 logits = layers.linearized_forward(rows, deltas, count)
             else:
                 logits = layers.sampled_forward(rows, deltas, count)
-            logits = _check_logits(where, logits, size, count)
-            if first == 0 and label_ids is not None:
-                label_ids = _labels_for(where, labels, label_ids, logits)
-            acc.add(logits, label_ids)
+            yield first, _check_logits(where, logits, size, count)
             bar.update(count)
     finally:
         bar.close()
-    return acc.result(seed, linearized)
 
 
 # -- the tracked layers under samples -----------------------------------------------------------
