@@ -29,6 +29,7 @@ _LAZY = {
     "Snapshot": "snapshot.snapshot",
     "sampled_predictive": "query.sampled",
     "iter_sample_logits": "query.sampled",
+    "sample_rows": "query.sampled",
     "whole_model": "integrations.zero3",
 }
 
@@ -59,6 +60,7 @@ __all__ = [
     "LaplacePosterior",
     "sampled_predictive",
     "iter_sample_logits",
+    "sample_rows",
     "whole_model",
     # enums
     "FisherType",

@@ -328,3 +328,31 @@ def test_classifier_labels_must_be_one_per_example(classifier):
         sampled_predictive(classifier, batch, labels=torch.tensor([0, 4]))
     got = sampled_predictive(classifier, batch, labels=torch.tensor([0, -100]))
     assert got.probs.shape == (2, 4) and got.label_logprob_mean[1].isnan()
+
+
+def test_sample_rows_forward_and_greedy_generation_equal_the_loop(lm):
+    """`sample_rows`: rows ``[s·B, (s+1)·B)`` of one call see sample ``s``: the logits of one
+    forward of the repeated batch, and greedy decoding with the key/value cache, equal a loop
+    over ``sampled_weights`` (float64 round-off; the decoded tokens exactly)."""
+    from kfac_stream import sample_rows
+
+    post, n, seed = lm, 3, 11
+    batch = padded_batch([7, 7])  # equal lengths: generate() needs no left padding
+    expected = loop_logits(post, batch, n, seed)
+    ids = batch["input_ids"]
+    with torch.no_grad():
+        before = post.model(**batch).logits
+    with sample_rows(post, n, seed):
+        got = post.model(input_ids=ids.repeat(n, 1)).logits.reshape(expected.shape)
+        gen = post.model.generate(ids.repeat(n, 1), max_new_tokens=4, do_sample=False,
+                                  pad_token_id=0)
+    assert rel_err(got, expected) < ROUNDOFF_TOL
+    for s in range(n):
+        with post.sampled_weights(seed=seed + s), torch.no_grad():
+            one = post.model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(gen[s * 2:(s + 1) * 2], one)
+    # the context leaves the model as it was
+    with torch.no_grad():
+        after = post.model(**batch).logits
+    assert "forward" not in post.model.transformer.h[0].attn.c_attn.__dict__
+    assert torch.equal(after, before)

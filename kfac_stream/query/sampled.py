@@ -21,6 +21,7 @@ distribution `LaplacePosterior.predictive` gives in closed form for ``K`` chosen
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -228,6 +229,39 @@ def _sample_logits(where: str, post: LaplacePosterior, batch: Mapping[str, Tenso
         bar.close()
 
 
+@contextlib.contextmanager
+def sample_rows(post: LaplacePosterior, n_samples: int, seed: int = 0) -> Iterator[None]:
+    """Context manager: the model evaluates ``S`` posterior samples at once, one per group of
+    rows.
+
+    Inside, every tracked layer of ``post.model`` splits its input's rows into ``S`` equal
+    groups (sample-major) and computes group ``s`` with the weights of sample ``s``
+    (``post.sampled_weights(seed + s)``'s draw); nothing else changes and the model's weights
+    are never written. Call the model with the batch repeated ``S`` times along the batch axis
+    (``x.repeat(S, ...)``): each group of ``B`` rows then sees its own posterior sample. Any
+    number of calls fit inside, with any sequence length (e.g. ``model.generate`` with its
+    key/value cache: decode ``S`` posterior samples in one generation). Gradients are off
+    inside. Memory: ``S`` copies of the tracked weights (the draws), in their dtype.
+
+    Args:
+        post: The posterior (a `LaplacePosterior`).
+        n_samples: ``S``, an int ≥ 1.
+        seed: Seed of sample 0 (sample ``s`` uses ``seed + s``), an int.
+
+    Raises:
+        QueryInputError: an argument of the wrong type or range.
+    """
+    where = "sample_rows"
+    if not isinstance(post, LaplacePosterior):
+        raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
+    n_samples = inputs.check_int(where, "n_samples", n_samples, 1)
+    seed = inputs.check_seed(where, "seed", seed)
+    layers = _Layers(post)
+    forwards = layers.sampled_forwards(layers.draws(range(seed, seed + n_samples)), n_samples)
+    with torch.no_grad(), _forwards_replaced(post.modules, forwards):
+        yield
+
+
 # -- the tracked layers under samples -----------------------------------------------------------
 
 
@@ -268,6 +302,13 @@ class _Layers:
     def sampled_forward(self, rows: dict[str, Tensor], deltas: dict[str, Tensor],
                         count: int) -> Tensor | None:
         """Logits of the model at ``θ* + ΔW̄_s``, rows of sample ``s`` at ``[s·B, (s+1)·B)``."""
+        with torch.no_grad(), _forwards_replaced(self.post.modules,
+                                                 self.sampled_forwards(deltas, count)):
+            return logits_of(self.post.model(**rows))
+
+    def sampled_forwards(self, deltas: dict[str, Tensor], count: int) -> dict[str, object]:
+        """``{layer: forward}`` computing sample ``s``'s rows with ``W̄* + ΔW̄_s`` (``deltas``
+        ``{layer: [S_c, d_out, d_A]}``, consumed)."""
         forwards = {}
         for name, m in self.post.modules.items():
             spec = self.specs[name]
@@ -280,8 +321,7 @@ class _Layers:
             if spec.has_bias:
                 bias = m.bias.detach()[None] + dw[:, :, spec.d_in].to(m.bias.dtype)
             forwards[name] = _sampled_linear(weight, bias, count)
-        with torch.no_grad(), _forwards_replaced(self.post.modules, forwards):
-            return logits_of(self.post.model(**rows))
+        return forwards
 
     def linearized_forward(self, rows: dict[str, Tensor], deltas: dict[str, Tensor],
                            count: int) -> Tensor | None:
