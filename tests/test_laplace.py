@@ -283,3 +283,35 @@ def test_per_layer_prior_precision(trained):
     assert (torch.diagonal(c_stiff, dim1=1, dim2=2) < torch.diagonal(c_dict, dim1=1, dim2=2)).all()
     assert post.log_marginal_likelihood(same) == pytest.approx(post.log_marginal_likelihood(TAU),
                                                                rel=1e-14)
+
+
+def test_k_logit_backwards_run_as_one_batched_backward_and_fall_back_exactly(trained,
+                                                                              monkeypatch):
+    """The K backward passes of a predictive are one ``is_grads_batched`` backward (vmap over
+    the K cotangents); where that raises (an op without a batching rule) the loop of K
+    backwards gives the same covariance (float64 round-off: the same products summed in
+    another order)."""
+    model, snap = trained
+    post = LaplacePosterior(model, snap, prior_precision=TAU, num_data=N_DATA)
+    ex = text_examples(2, 10, seed=5, lengths=[10, 7])
+    batch = {k: torch.stack([e[k] for e in ex]) for k in ("input_ids", "attention_mask")}
+    real_grad, calls = torch.autograd.grad, []
+
+    def recording(*args, **kw):
+        calls.append(bool(kw.get("is_grads_batched", False)))
+        return real_grad(*args, **kw)
+
+    monkeypatch.setattr(torch.autograd, "grad", recording)
+    mean, cov = post.predictive(batch, positions=-1, token_ids=[3, 101, 32, 7])
+    assert calls == [True]
+
+    def no_vmap(*args, **kw):
+        if kw.get("is_grads_batched"):
+            raise RuntimeError("Batching rule not implemented for aten::something")
+        return recording(*args, **kw)
+
+    calls.clear()
+    monkeypatch.setattr(torch.autograd, "grad", no_vmap)
+    mean2, cov2 = post.predictive(batch, positions=-1, token_ids=[3, 101, 32, 7])
+    assert calls == [False] * 4
+    assert torch.equal(mean, mean2) and rel_err(cov2, cov) <= DENSE_TOL

@@ -263,18 +263,13 @@ class LaplacePosterior:
                 logits = logits_of(self.model(**_model_inputs(q.batch)))
                 f = _select_logits(logits, q)  # [B, K]
                 names = list(outs)
-                grads: dict[str, list[Tensor]] = {n: [] for n in names}
-                for k in range(f.shape[1]):  # one backward per chosen logit
-                    gs = torch.autograd.grad(f[:, k].sum(), [outs[n] for n in names],
-                                             retain_graph=k + 1 < f.shape[1], allow_unused=True)
-                    for n, g in zip(names, gs):
-                        grads[n].append(torch.zeros_like(outs[n]) if g is None else g.detach())
+                grads = dict(zip(names, _logit_gradients(f, [outs[n] for n in names])))
         finally:
             for h in handles:
                 h.remove()
         outs.clear()
         return f.detach().double(), (
-            (n, self._features(n, acts.pop(n), torch.stack(grads.pop(n)))) for n in names)
+            (n, self._features(n, acts.pop(n), grads.pop(n))) for n in names)
 
     def _features(self, name: str, a: Tensor, g: Tensor) -> Tensor:
         """``M[b, k] = Σ_t (Q_Gᵀ g_{k,b,t}) (Q_Aᵀ ā_{b,t})ᵀ`` from ``a [B, T, d_in]`` and
@@ -713,6 +708,35 @@ def _check_whole_weights(where: str, model: nn.Module, modules: dict[str, nn.Mod
                 f"{w.numel()} of its {full} weights in this process): query a model with whole "
                 "weights: save it (trainer.save_model(dir)) and load it again with "
                 "from_pretrained(dir) in one process")
+
+
+def _logit_gradients(f: Tensor, outs: list[Tensor]) -> list[Tensor]:
+    """``[K, *out.shape]`` per tensor of ``outs``: ``∂f[:, k].sum() / ∂out`` for every chosen
+    logit ``k`` of ``f [B, K]`` (rows are independent examples, so the sum over rows gives each
+    row's own gradient).
+
+    The ``K`` backward passes run as one batched backward (``is_grads_batched``: vmap over the
+    cotangents ``e_k``; the graph is walked once, with ``K``-wide kernels); where an operation
+    of the graph has no batching rule, as a loop of ``K`` backward passes (the same numbers).
+    """
+    k_count = f.shape[1]
+    if k_count > 1:
+        eye = torch.eye(k_count, dtype=f.dtype, device=f.device)[:, None, :].expand(
+            k_count, *f.shape)
+        try:
+            gs = torch.autograd.grad(f, outs, grad_outputs=eye, retain_graph=True,
+                                     allow_unused=True, is_grads_batched=True)
+            return [torch.zeros(k_count, *o.shape, dtype=o.dtype, device=o.device) if g is None
+                    else g.detach() for g, o in zip(gs, outs)]
+        except RuntimeError:  # an operation without a vmap rule: fall back to the loop
+            pass
+    per_k: list[list[Tensor]] = [[] for _ in outs]
+    for k in range(k_count):  # one backward per chosen logit
+        gs = torch.autograd.grad(f[:, k].sum(), outs, retain_graph=k + 1 < k_count,
+                                 allow_unused=True)
+        for i, (g, o) in enumerate(zip(gs, outs)):
+            per_k[i].append(torch.zeros_like(o) if g is None else g.detach())
+    return [torch.stack(g) for g in per_k]
 
 
 def _model_inputs(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
