@@ -30,6 +30,8 @@ _LAZY = {
     "sampled_predictive": "query.sampled",
     "iter_sample_logits": "query.sampled",
     "sample_rows": "query.sampled",
+    "posterior_draws": "query.sampled",
+    "PosteriorDraws": "query.sampled",
     "answer_distribution": "query.answers", "generated_answers": "query.answers",
     "AnswerDistribution": "query.answers",
     "whole_model": "integrations.zero3",
@@ -63,6 +65,8 @@ __all__ = [
     "sampled_predictive",
     "iter_sample_logits",
     "sample_rows",
+    "posterior_draws",
+    "PosteriorDraws",
     "answer_distribution", "generated_answers", "AnswerDistribution",
     "whole_model",
     # enums

@@ -356,3 +356,37 @@ def test_sample_rows_forward_and_greedy_generation_equal_the_loop(lm):
         after = post.model(**batch).logits
     assert "forward" not in post.model.transformer.h[0].attn.c_attn.__dict__
     assert torch.equal(after, before)
+
+
+def test_posterior_draws_drawn_once_give_the_same_samples(lm):
+    """`posterior_draws` once, then any batch: the same logits as drawing per call (exactly
+    at the same chunking; other chunkings sum the same products in another order:
+    `ROUNDOFF_TOL`), in `sample_rows` too; stale or foreign draws and
+    conflicting counts are one-line errors."""
+    from kfac_stream import posterior_draws, sample_rows
+
+    post, batch = lm, padded_batch([7, 5])
+    draws = posterior_draws(post, 5, seed=3)
+    assert repr(draws) == "PosteriorDraws(n_samples=5, seed=3, 8 layers)"
+    fresh = sampled_predictive(post, batch, 5, seed=3, chunk=2, return_logits=True)
+    again = sampled_predictive(post, batch, draws=draws, chunk=2, return_logits=True)
+    assert torch.equal(fresh.sample_logits, again.sample_logits)
+    other_chunks = sampled_predictive(post, batch, draws=draws, chunk=3, return_logits=True)
+    assert rel_err(other_chunks.sample_logits, fresh.sample_logits) < ROUNDOFF_TOL
+    assert again.n_samples == 5 and again.seed == 3
+    ids = batch["input_ids"]
+    with sample_rows(post, draws=draws):
+        rows = post.model(input_ids=ids.repeat(5, 1), attention_mask=batch["attention_mask"]
+                          .repeat(5, 1)).logits
+    assert rel_err(rows.reshape(fresh.sample_logits.shape), fresh.sample_logits) < ROUNDOFF_TOL
+    with pytest.raises(QueryInputError, match=r"^sampled_predictive: n_samples=4 differs "):
+        sampled_predictive(post, batch, 4, draws=draws)
+    with pytest.raises(QueryInputError, match=r"^sampled_predictive: draws=\[1, 2\] \(a list\) "
+                       r"is not allowed: must be None or a PosteriorDraws"):
+        sampled_predictive(post, batch, draws=[1, 2])
+    other = LaplacePosterior(post.model, post.snapshot, TAU * 2, N_DATA)
+    with pytest.raises(QueryInputError, match=r"were drawn at prior precision 0.7 and N = 50, "
+                       r"but the posterior now has 1.4 and N = 50: must be None or a "
+                       r"PosteriorDraws of this posterior \(kfac_stream\.posterior_draws"
+                       r"\(post\)\)$"):
+        sampled_predictive(other, batch, draws=draws)

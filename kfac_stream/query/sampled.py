@@ -40,6 +40,9 @@ from .laplace import LaplacePosterior
 #: Samples per batched forward when ``chunk`` is None.
 DEFAULT_CHUNK = 8
 
+#: Posterior samples when neither ``n_samples`` nor ``draws`` is given.
+DEFAULT_SAMPLES = 16
+
 #: Label value of a position without a label (as in Hugging Face's losses).
 IGNORE_INDEX = -100
 
@@ -90,10 +93,97 @@ class SampledPredictive:
     linearized: bool
 
 
-def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor], n_samples: int = 16,
-                       seed: int = 0, chunk: int | None = None,
-                       labels: Tensor | str | None = None, *, linearized: bool = False,
-                       return_logits: bool = False,
+@dataclass(frozen=True, repr=False)
+class PosteriorDraws:
+    """``S`` posterior weight samples of a posterior's tracked layers, drawn once.
+
+    Sample ``s`` is ``post.sampled_weights(seed + s)``'s draw. Pass it as ``draws=`` to
+    `sampled_predictive`, `iter_sample_logits` or `sample_rows` to evaluate the same samples on
+    many batches: the draws (``2·d_out·d_A·(d_out + d_A)`` flops per sample and layer) are then
+    paid once, and each batch costs its ``S`` forwards.
+
+    Attributes:
+        deltas: ``{layer: ΔW̄ [S, d_out, d_A]}`` in the layer's weight dtype on its device
+            (``d_A = d_in + 1`` with a bias, whose column is last). Memory: ``S`` copies of
+            the tracked weights.
+        n_samples: ``S``.
+        seed: The seed of sample 0.
+        prior_precision: The posterior's ``τ`` when drawn (a float or ``{layer: float}``).
+        num_data: The posterior's ``N`` when drawn.
+    """
+
+    deltas: Mapping[str, Tensor]
+    n_samples: int
+    seed: int
+    prior_precision: float | Mapping[str, float]
+    num_data: float
+
+    def __repr__(self) -> str:
+        return (f"PosteriorDraws(n_samples={self.n_samples}, seed={self.seed}, "
+                f"{len(self.deltas)} layers)")
+
+
+def posterior_draws(post: LaplacePosterior, n_samples: int = DEFAULT_SAMPLES,
+                    seed: int = 0) -> PosteriorDraws:
+    """Draw ``S`` posterior weight samples of ``post``'s tracked layers once (see
+    `PosteriorDraws`; sample ``s`` = ``post.sampled_weights(seed + s)``'s draw).
+
+    Args:
+        post: The posterior (a `LaplacePosterior`), at the prior precision and ``N`` to use.
+        n_samples: ``S``, an int ≥ 1.
+        seed: Seed of sample 0, an int.
+
+    Raises:
+        QueryInputError: an argument of the wrong type or range.
+    """
+    where = "posterior_draws"
+    if not isinstance(post, LaplacePosterior):
+        raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
+    n_samples = inputs.check_int(where, "n_samples", n_samples, 1)
+    seed = inputs.check_seed(where, "seed", seed)
+    deltas = _Layers(post).draws(range(seed, seed + n_samples))
+    prior = post.prior_precision
+    return PosteriorDraws(deltas=deltas, n_samples=n_samples, seed=seed,
+                          prior_precision=dict(prior) if isinstance(prior, dict) else prior,
+                          num_data=post.num_data)
+
+
+def _check_samples(where: str, post: LaplacePosterior, n_samples: object, seed: object,
+                   draws: object, lowest: int) -> tuple[int, int]:
+    """``(S, seed)`` from the arguments, or from ``draws`` (which must be this posterior's,
+    at its current prior precision and ``N``; ``n_samples``/``seed`` None or equal)."""
+    if draws is None:
+        n = DEFAULT_SAMPLES if n_samples is None else inputs.check_int(where, "n_samples",
+                                                                       n_samples, lowest)
+        return n, 0 if seed is None else inputs.check_seed(where, "seed", seed)
+    allowed = "None or a PosteriorDraws of this posterior (kfac_stream.posterior_draws(post))"
+    if not isinstance(draws, PosteriorDraws):
+        raise inputs.error(where, "draws", draws, allowed, typed=True)
+    if set(draws.deltas) != set(post.modules):
+        raise inputs.error(where, "draws", draws, allowed,
+                           problem="holds other layers than this posterior's")
+    prior = post.prior_precision
+    if (dict(prior) if isinstance(prior, dict) else prior) != draws.prior_precision or \
+            post.num_data != draws.num_data:
+        raise inputs.error(where, "draws", draws, allowed,
+                           problem=f"were drawn at prior precision {draws.prior_precision!r} "
+                                   f"and N = {draws.num_data:g}, but the posterior now has "
+                                   f"{prior!r} and N = {post.num_data:g}")
+    for arg, given, theirs in (("n_samples", n_samples, draws.n_samples),
+                               ("seed", seed, draws.seed)):
+        if given is not None and given != theirs:
+            raise inputs.error(where, arg, given, f"None or the draws' {arg} ({theirs})",
+                               problem="differs from the draws'")
+    if draws.n_samples < lowest:
+        raise inputs.error(where, "draws", draws, f"draws of at least {lowest} samples")
+    return draws.n_samples, draws.seed
+
+
+def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor],
+                       n_samples: int | None = None, seed: int | None = None,
+                       chunk: int | None = None, labels: Tensor | str | None = None, *,
+                       linearized: bool = False, return_logits: bool = False,
+                       draws: PosteriorDraws | None = None,
                        show_progress: bool | None = None) -> SampledPredictive:
     """The whole-vocabulary predictive of ``S`` posterior samples, in batched forwards.
 
@@ -119,8 +209,9 @@ def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor], n_sa
             CPU, ids within the model's input embeddings) or ``inputs_embeds`` ``[B, T, d]``,
             optionally ``attention_mask`` ``[B, T]`` and other inputs whose first axis is the
             batch's (``labels`` ignored: pass them as ``labels``).
-        n_samples: ``S``, an int ≥ 2.
-        seed: Seed of sample 0 (sample ``s`` uses ``seed + s``), an int.
+        n_samples: ``S``, an int ≥ 2 (default: `DEFAULT_SAMPLES`, or the count of ``draws``).
+        seed: Seed of sample 0 (sample ``s`` uses ``seed + s``), an int (default 0, or the
+            seed of ``draws``).
         chunk: Samples per forward, None (`DEFAULT_CHUNK`, at most ``S``) or an int ≥ 1.
         labels: None; ``"next"`` (a causal LM's next tokens: ``input_ids[:, t + 1]`` at
             position ``t``, none at the last position and at padding); or the label of each
@@ -133,6 +224,10 @@ def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor], n_sa
             with forward-mode derivatives) instead of the model at ``θ_s``.
         return_logits: Keep every sample's logits (``sample_logits``, ``S`` times the
             logits' memory).
+        draws: Samples drawn once by `posterior_draws`, to evaluate the same ``S`` samples on
+            many batches without drawing them again (the draws cost ``2·d_out·d_A·(d_out +
+            d_A)`` flops per sample and layer, as much as a forward of ``d_out + d_A`` tokens
+            through the layer, twice); None: drawn here, for this batch.
         show_progress: A progress bar over the samples: None (when stderr is a terminal,
             `kfac_stream.progress`), True or False.
 
@@ -147,8 +242,7 @@ def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor], n_sa
     if not isinstance(post, LaplacePosterior):
         raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
     size, length = inputs.check_batch(where, "batch", batch, inputs.input_vocab(post.model))
-    n_samples = inputs.check_int(where, "n_samples", n_samples, 2)
-    seed = inputs.check_seed(where, "seed", seed)
+    n_samples, seed = _check_samples(where, post, n_samples, seed, draws, 2)
     chunk = _check_chunk(where, chunk, n_samples)
     _check_flag(where, "linearized", linearized)
     _check_flag(where, "return_logits", return_logits)
@@ -158,15 +252,17 @@ def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor], n_sa
 
     acc = _Accumulator(n_samples, return_logits)
     for first, logits in _sample_logits(where, post, batch, size, length, n_samples, seed, chunk,
-                                        linearized, show_progress):
+                                        linearized, draws, show_progress):
         if first == 0 and label_ids is not None:
             label_ids = _labels_for(where, labels, label_ids, logits)
         acc.add(logits, label_ids)
     return acc.result(seed, linearized)
 
 
-def iter_sample_logits(post: LaplacePosterior, batch: Mapping[str, Tensor], n_samples: int = 16,
-                       seed: int = 0, chunk: int | None = None, *, linearized: bool = False,
+def iter_sample_logits(post: LaplacePosterior, batch: Mapping[str, Tensor],
+                       n_samples: int | None = None, seed: int | None = None,
+                       chunk: int | None = None, *, linearized: bool = False,
+                       draws: PosteriorDraws | None = None,
                        show_progress: bool | None = None) -> Iterator[tuple[int, Tensor]]:
     """The logits of ``S`` posterior samples, one chunk of samples at a time.
 
@@ -186,14 +282,13 @@ def iter_sample_logits(post: LaplacePosterior, batch: Mapping[str, Tensor], n_sa
     if not isinstance(post, LaplacePosterior):
         raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
     size, length = inputs.check_batch(where, "batch", batch, inputs.input_vocab(post.model))
-    n_samples = inputs.check_int(where, "n_samples", n_samples, 2)
-    seed = inputs.check_seed(where, "seed", seed)
+    n_samples, seed = _check_samples(where, post, n_samples, seed, draws, 2)
     chunk = _check_chunk(where, chunk, n_samples)
     _check_flag(where, "linearized", linearized)
     if show_progress is not None:
         _check_flag(where, "show_progress", show_progress)
     return _sample_logits(where, post, batch, size, length, n_samples, seed, chunk, linearized,
-                          show_progress)
+                          draws, show_progress)
 
 
 def _check_chunk(where: str, chunk: object, n_samples: int) -> int:
@@ -204,6 +299,7 @@ def _check_chunk(where: str, chunk: object, n_samples: int) -> int:
 
 def _sample_logits(where: str, post: LaplacePosterior, batch: Mapping[str, Tensor], size: int,
                    length: int, n_samples: int, seed: int, chunk: int, linearized: bool,
+                   draws: PosteriorDraws | None,
                    show_progress: bool | None) -> Iterator[tuple[int, Tensor]]:
     """`iter_sample_logits` of checked arguments."""
     model_inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_items_in_batch")}
@@ -217,7 +313,8 @@ def _sample_logits(where: str, post: LaplacePosterior, batch: Mapping[str, Tenso
     try:
         for first in range(0, n_samples, chunk):
             count = min(chunk, n_samples - first)
-            deltas = layers.draws(range(seed + first, seed + first + count))
+            deltas = (layers.draws(range(seed + first, seed + first + count)) if draws is None
+                      else {n: d[first:first + count] for n, d in draws.deltas.items()})
             rows = _repeat(model_inputs, size, count)
             if linearized:
                 logits = layers.linearized_forward(rows, deltas, count)
@@ -230,7 +327,8 @@ def _sample_logits(where: str, post: LaplacePosterior, batch: Mapping[str, Tenso
 
 
 @contextlib.contextmanager
-def sample_rows(post: LaplacePosterior, n_samples: int, seed: int = 0) -> Iterator[None]:
+def sample_rows(post: LaplacePosterior, n_samples: int | None = None, seed: int | None = None,
+                *, draws: PosteriorDraws | None = None) -> Iterator[None]:
     """Context manager: the model evaluates ``S`` posterior samples at once, one per group of
     rows.
 
@@ -245,8 +343,11 @@ def sample_rows(post: LaplacePosterior, n_samples: int, seed: int = 0) -> Iterat
 
     Args:
         post: The posterior (a `LaplacePosterior`).
-        n_samples: ``S``, an int ≥ 1.
-        seed: Seed of sample 0 (sample ``s`` uses ``seed + s``), an int.
+        n_samples: ``S``, an int ≥ 1 (default: `DEFAULT_SAMPLES`, or the count of ``draws``).
+        seed: Seed of sample 0 (sample ``s`` uses ``seed + s``), an int (default 0, or the
+            seed of ``draws``).
+        draws: Samples drawn once by `posterior_draws` (then ``n_samples`` and ``seed`` are
+            theirs), or None: drawn here.
 
     Raises:
         QueryInputError: an argument of the wrong type or range.
@@ -254,10 +355,11 @@ def sample_rows(post: LaplacePosterior, n_samples: int, seed: int = 0) -> Iterat
     where = "sample_rows"
     if not isinstance(post, LaplacePosterior):
         raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
-    n_samples = inputs.check_int(where, "n_samples", n_samples, 1)
-    seed = inputs.check_seed(where, "seed", seed)
+    n_samples, seed = _check_samples(where, post, n_samples, seed, draws, 1)
     layers = _Layers(post)
-    forwards = layers.sampled_forwards(layers.draws(range(seed, seed + n_samples)), n_samples)
+    deltas = (layers.draws(range(seed, seed + n_samples)) if draws is None
+              else dict(draws.deltas))
+    forwards = layers.sampled_forwards(deltas, n_samples)
     with torch.no_grad(), _forwards_replaced(post.modules, forwards):
         yield
 
@@ -274,10 +376,11 @@ class _Layers:
         self.specs = {n: layer_spec(n, m) for n, m in post.modules.items()}
 
     def draws(self, seeds: range) -> dict[str, Tensor]:
-        """``{layer: ΔW̄ [S_c, d_out, d_A]}`` float64 on the layer's device: sample ``i`` is
-        ``sampled_weights(seeds[i])``'s draw (the same generator, consumed layer by layer in
-        the same order; the rotation ``Q_G Z Q_Aᵀ`` on the device, with one layer's
-        eigenbases there at a time)."""
+        """``{layer: ΔW̄ [S_c, d_out, d_A]}`` in the layer's weight dtype on its device: sample
+        ``i`` is ``sampled_weights(seeds[i])``'s draw (the same generator, consumed layer by
+        layer in the same order; the rotation ``Q_G Z Q_Aᵀ`` on the device in the posterior's
+        ``feature_dtype`` — float64 for float64 models, else float32, whose rounding is far
+        below a draw's own spread — with one layer's eigenbases there at a time)."""
         post = self.post
         zs: dict[str, list[Tensor]] = {n: [] for n in post.modules}
         for s in seeds:
@@ -288,15 +391,16 @@ class _Layers:
                 zs[name].append(ke.sample_block(None, gval, None, aval, post.num_data,
                                                 post.tau(name), gen))
         out = {}
+        fd = post.feature_dtype
         for name, m in post.modules.items():
             qa, _, qg, _ = post.eig[name]
             dev = m.weight.device
-            z = torch.stack(zs.pop(name)).to(dev)
+            z = torch.stack(zs.pop(name)).to(dev, fd)
             if qg is not None:
-                z = qg.to(dev) @ z
+                z = qg.to(dev, fd) @ z
             if qa is not None:
-                z = z @ qa.to(dev).T
-            out[name] = z
+                z = z @ qa.to(dev, fd).T
+            out[name] = z.to(m.weight.dtype)
         return out
 
     def sampled_forward(self, rows: dict[str, Tensor], deltas: dict[str, Tensor],
