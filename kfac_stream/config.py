@@ -11,7 +11,7 @@ import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .enums import FisherType, StorageDtype
+from .enums import FisherType, LayerPreset, StorageDtype
 from .exceptions import KFACConfigError
 
 
@@ -61,7 +61,16 @@ class KFACConfig:
             a supported layer is tracked if one matches. ``None``: every trainable
             Linear/Conv1D inside the transformer blocks (not the LM head or embeddings).
             (Default: None)
-        exclude: Regexes; a layer matching one is never tracked. (Default: None)
+        exclude: Regexes; a layer matching one is never tracked, also with a ``preset``.
+            (Default: None)
+        preset: A named selection instead of ``include``: ``"last_layer"`` (the output head:
+            ``lm_head``, or a classifier's ``score``/``classifier``), ``"lora"`` (the PEFT
+            ``lora_A``/``lora_B`` adapters), ``"attention"`` / ``"mlp"`` (the attention /
+            feed-forward layers inside the transformer blocks) or ``"all_linear"`` (every
+            trainable Linear/Conv1D in the blocks, the same as ``include=None``); rules and
+            memory cost in `kfac_stream.capture.presets` and the README. Only trainable
+            layers count; ``exclude`` applies on top; setting ``include`` too is an error.
+            (Default: None)
         output_dir: Where snapshots go. ``None``: ``<TrainingArguments.output_dir>/kfac``.
             (Default: None)
         storage_dtype: CPU dtype of the stored factors: ``"float16"`` (with a float32 scale
@@ -111,6 +120,7 @@ class KFACConfig:
     mc_sequences: int | float | str = 0.125
     include: list[str] | None = None
     exclude: list[str] | None = None
+    preset: str | None = None
     output_dir: str | None = None
     storage_dtype: str = "float16"
     max_dense_dim: int = 8192
@@ -192,6 +202,18 @@ class KFACConfig:
                     raise KFACConfigError(
                         f"KFACConfig.{name} has an invalid regex {p!r}: {e}"
                     ) from None
+        if self.preset is not None:
+            if self.preset not in LayerPreset:
+                raise KFACConfigError(
+                    f"KFACConfig.preset={self.preset!r} is not allowed: must be None or one of "
+                    f"{tuple(p.value for p in LayerPreset)}"
+                )
+            if self.include is not None:
+                raise KFACConfigError(
+                    f"KFACConfig.preset={self.preset!r} and include={self.include!r} are both "
+                    "set: a preset chooses the layers itself; set one of them (exclude still "
+                    "applies on top of a preset)"
+                )
 
     @property
     def mc_full_batch(self) -> bool:

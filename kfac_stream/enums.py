@@ -55,3 +55,21 @@ class StorageDtype(str, Enum, metaclass=_MetaEnum):
         """Dtype of captured rows and step statistics: float64 for float64 storage (exact
         tests with float64 models), else float32."""
         return torch.float64 if self is StorageDtype.FLOAT64 else torch.float32
+
+
+class LayerPreset(str, Enum, metaclass=_MetaEnum):
+    """Named layer selections (``KFACConfig.preset``), resolved by
+    `kfac_stream.capture.presets.preset_layers`.
+
+    ``last_layer``: the output head (LM head, or a sequence classifier's head).
+    ``lora``: the PEFT LoRA adapters (``lora_A``/``lora_B``).
+    ``attention``: the attention projections inside the transformer blocks.
+    ``mlp``: the feed-forward layers inside the transformer blocks.
+    ``all_linear``: every trainable Linear/Conv1D inside the blocks (the default selection).
+    """
+
+    LAST_LAYER = "last_layer"
+    LORA = "lora"
+    ATTENTION = "attention"
+    MLP = "mlp"
+    ALL_LINEAR = "all_linear"

@@ -93,7 +93,7 @@ def plan_tracking(model: nn.Module, config: KFACConfig
     """The tracked layers of ``model`` and its factor plan (shared-input A groups found by a
     2-token probe forward when ``config.share_inputs``). Reads no weight data: works on a
     model built on the ``meta`` device (cost models) and under ZeRO-3 (collective there)."""
-    specs = select_layers(model, config.include, config.exclude)
+    specs = select_layers(model, config.include, config.exclude, config.preset)
     groups = []
     if config.share_inputs:
         modules = dict(model.named_modules())

@@ -8,7 +8,9 @@ and are tracked as such, while the frozen ``base_layer`` is left out by the trai
 
 Default selection (``include=None``): every supported layer with a trainable weight inside the
 transformer blocks, i.e. under the longest ``nn.ModuleList`` of the model (``transformer.h``,
-``model.layers``, ...). The LM head and the embeddings are outside the blocks.
+``model.layers``, ...). The LM head and the embeddings are outside the blocks. A ``preset``
+(``last_layer``, ``lora``, ``attention``, ``mlp``, ``all_linear``) names another choice; its
+rules are in `kfac_stream.capture.presets`.
 """
 
 from __future__ import annotations
@@ -16,17 +18,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from ..exceptions import KFACConfigError, UnsupportedModuleError
-
-try:  # transformers is a dependency, but keep the math importable without it
-    from transformers.pytorch_utils import Conv1D
-except ImportError:  # pragma: no cover
-    Conv1D = ()  # type: ignore[assignment]
-
-SUPPORTED_TYPES: tuple[type, ...] = (nn.Linear,) + ((Conv1D,) if Conv1D else ())
+from .presets import SUPPORTED_TYPES, Conv1D, block_prefix, is_trainable, preset_layers
 
 
 @dataclass(frozen=True)
@@ -80,37 +75,28 @@ def _conv1d_dims(module: nn.Module) -> tuple[int, int]:
     return int(shape[0]), d_out
 
 
-def _trainable(module: nn.Module) -> bool:
-    w = getattr(module, "weight", None)
-    return isinstance(w, torch.Tensor) and w.requires_grad
-
-
-def _block_prefix(model: nn.Module) -> str | None:
-    """Name of the longest ``nn.ModuleList`` (the transformer blocks), or None."""
-    best, best_len = None, 0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > best_len:
-            best, best_len = name, len(module)
-    return best
-
-
 def select_layers(
-    model: nn.Module, include: list[str] | None = None, exclude: list[str] | None = None
+    model: nn.Module, include: list[str] | None = None, exclude: list[str] | None = None,
+    preset: str | None = None,
 ) -> dict[str, LayerSpec]:
     """Return ``{name: LayerSpec}`` of the layers to track, in ``named_modules`` order.
 
     A layer is tracked if it is supported, has a trainable weight, matches no ``exclude``
-    regex, and matches an ``include`` regex (``re.search``) or, with ``include=None``, lies
-    inside the transformer blocks.
+    regex, and matches an ``include`` regex (``re.search``), or is among the ``preset``'s
+    layers (`kfac_stream.capture.presets.preset_layers`), or, with neither, lies inside the
+    transformer blocks.
 
     Raises:
         UnsupportedModuleError: an ``include`` regex selects no supported layer but matches a
             module of another type that holds parameters (e.g. an embedding).
-        KFACConfigError: an ``include`` regex, or the whole selection, selects nothing.
+        KFACConfigError: an ``include`` regex, a preset, or the whole selection, selects
+            nothing; ``preset`` and ``include`` are both given; an unknown preset.
     """
+    if preset is not None:
+        return _select_preset(model, preset, include, exclude)
     inc = [re.compile(p) for p in include] if include is not None else None
     exc = [re.compile(p) for p in exclude or []]
-    prefix = _block_prefix(model) if inc is None else None
+    prefix = block_prefix(model) if inc is None else None
     kinds = "/".join(t.__name__ for t in SUPPORTED_TYPES)
     candidates = {
         name: m for name, m in model.named_modules()
@@ -118,7 +104,7 @@ def select_layers(
     }
     chosen: dict[str, LayerSpec] = {}
     for name, module in candidates.items():
-        if not isinstance(module, SUPPORTED_TYPES) or not _trainable(module):
+        if not isinstance(module, SUPPORTED_TYPES) or not is_trainable(module):
             continue
         if inc is not None:
             if not any(p.search(name) for p in inc):
@@ -150,4 +136,24 @@ def select_layers(
             f"KFACConfig.include/exclude select no layer: the default selection (trainable "
             f"{kinds} modules under {prefix!r}) with exclude={exclude!r} is empty"
         )
+    return chosen
+
+
+def _select_preset(model: nn.Module, preset: str, include: list[str] | None,
+                   exclude: list[str] | None) -> dict[str, LayerSpec]:
+    if include is not None:
+        raise KFACConfigError(
+            f"KFACConfig.preset={preset!r} and include={include!r} are both set: a preset "
+            "chooses the layers itself; set one of them (exclude still applies on top of a "
+            "preset)")
+    names = preset_layers(model, preset)
+    exc = [re.compile(p) for p in exclude or []]
+    modules = dict(model.named_modules())
+    chosen = {n: layer_spec(n, modules[n]) for n in names
+              if not any(p.search(n) for p in exc)}
+    if not chosen:
+        raise KFACConfigError(
+            f"KFACConfig.preset={preset!r} with exclude={exclude!r} selects no layer: "
+            f"exclude removes all {len(names)} of the preset's layers of "
+            f"{type(model).__name__} ({names[0]!r}, ...)")
     return chosen
