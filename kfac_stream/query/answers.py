@@ -380,8 +380,9 @@ class _Selector:
                                    "a classification head defaults to all its classes)",
                                    problem="is not allowed for a language-model head (logits "
                                            "[B, T, V])")
-            self.index = _answer_positions(where, batch, size, logits.shape[1], pos,
-                                           positions_given).to(dev)
+            self.index = torch.tensor(inputs.position_index(
+                where, "positions", positions_given, batch, size, logits.shape[1], pos),
+                dtype=torch.long, device=dev)
         inputs.check_id_range(where, "options", options_given, ids, vocab, what)
         if ids.dim() == 1:
             ids = ids[None].expand(size, -1)
@@ -399,26 +400,6 @@ class _Selector:
         if self.index is not None:
             logits = logits[:, self.rows, self.index]  # [S_c, B, V]
         return logits.gather(-1, self.options[None].expand(logits.shape[0], -1, -1))
-
-
-def _answer_positions(where: str, batch: Mapping[str, Tensor], size: int, length: int,
-                      pos: int | list[int], positions_given: object) -> Tensor:
-    """``[B]`` int64 (CPU): the position of each example's answer logits. A negative position
-    ``p`` counts back from the example's last non-padding token (``last + 1 + p``) and must stay
-    within its ``n`` tokens (``n + p ≥ 0``)."""
-    mask = batch.get("attention_mask")
-    if mask is None:
-        lengths, last = [length] * size, [length - 1] * size
-    else:
-        m = mask.detach().cpu().bool()
-        lengths = m.sum(1).tolist()
-        # last non-padding token: right padding n − 1, left padding T − 1 (none: -1)
-        last = (length - 1 - m.flip(1).int().argmax(1)).tolist()
-        last = [t if n else -1 for t, n in zip(last, lengths)]
-    ps = [pos] * size if isinstance(pos, int) else pos
-    inputs.check_past_start(where, "positions", positions_given,
-                            [int(n) + p if p < 0 else 0 for n, p in zip(lengths, ps)], lengths)
-    return torch.tensor([p if p >= 0 else t + 1 + p for p, t in zip(ps, last)], dtype=torch.long)
 
 
 def _majority(counts: Tensor, map_answer: Tensor) -> tuple[Tensor, Tensor]:

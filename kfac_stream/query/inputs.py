@@ -250,15 +250,31 @@ def check_positions(where: str, arg: str, positions: Any, batch_size: int, lengt
     return out
 
 
-def check_past_start(where: str, arg: str, positions: Any, index: list[int],
-                     lengths: list[int]) -> None:
-    """Every negative position lands on a token of its example (``index`` ≥ 0)."""
-    for b, i in enumerate(index):
-        if i < 0:
-            raise error(where, arg, positions,
+def position_index(where: str, arg: str, positions_given: Any, batch: Mapping[str, Tensor],
+                   size: int, length: int, positions: int | list[int]) -> list[int]:
+    """The checked ``positions`` (one int or ``B`` ints, each in ``[-T, T)``) as ``B`` indices
+    into the sequence axis. A negative position ``p`` counts back from the example's last
+    non-padding token (``last + 1 + p``; right padding: ``n + p``, left padding: ``T + p``,
+    ``n`` the example's tokens) and must stay within its tokens (``n + p ≥ 0``).
+
+    Raises:
+        QueryInputError: a negative position that counts back past an example's start.
+    """
+    mask = batch.get("attention_mask")
+    if mask is None:
+        lengths, last = [length] * size, [length - 1] * size
+    else:
+        m = mask.detach().cpu().bool()
+        lengths = m.sum(1).tolist()
+        last = (length - 1 - m.flip(1).int().argmax(1)).tolist()  # the last 1 of each row
+    pos = [positions] * size if isinstance(positions, int) else list(positions)
+    for b, (n, p) in enumerate(zip(lengths, pos)):
+        if p < 0 and n + p < 0:
+            raise error(where, arg, positions_given,
                         "in [-n, T) for an example of n non-padding tokens",
                         problem=f"counts back past the start of example {b}, which has "
-                                f"{int(lengths[b])} non-padding tokens")
+                                f"{int(n)} non-padding tokens")
+    return [p if p >= 0 else t + 1 + p for p, t in zip(pos, last)]
 
 
 def check_token_ids(where: str, arg: str, token_ids: Any, batch_size: int) -> Tensor | None:

@@ -776,13 +776,10 @@ def _select_logits(logits: Tensor | None, q: _Query) -> Tensor:
 
 def _rows_at_positions(logits: Tensor, q: _Query) -> Tensor:
     """``[B, V]`` rows of ``logits [B, T, V]`` at one position per example (negative: counted
-    back from the example's last non-padding token)."""
+    back from the example's last non-padding token, with right or left padding)."""
     B, T = logits.shape[:2]
-    mask = q.batch.get("attention_mask")
-    lengths = mask.sum(1).tolist() if mask is not None else [T] * B
-    pos = [q.positions] * B if isinstance(q.positions, int) else q.positions
-    idx = [p if p >= 0 else int(lengths[b]) + p for b, p in enumerate(pos)]
-    inputs.check_past_start(q.where, q.names[1], q.positions_given, idx, lengths)
+    idx = inputs.position_index(q.where, q.names[1], q.positions_given, q.batch, B, T,
+                                q.positions)
     return logits[torch.arange(B, device=logits.device), torch.tensor(idx, device=logits.device)]
 
 
