@@ -615,3 +615,20 @@ def test_cli_query_tokenizers(trained, tmp_path, capsys):
               "but the model's vocabulary has 256 tokens: pass the model's own tokenizer")
     assert cli_main(query_argv(tmp)) == 0  # the same arguments with --byte-level run
     assert "top-2 next tokens" in capsys.readouterr().out
+
+
+def test_negative_positions_count_back_from_the_last_token_with_either_padding():
+    """`inputs.position_index`: ``-1`` is the last 1 of the attention mask (right padding:
+    ``n − 1``; left padding: ``T − 1``), ``-n`` the first token; past the start is an error."""
+    from kfac_stream.query.inputs import position_index
+
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    batch = {"input_ids": torch.zeros(3, 5, dtype=torch.long), "attention_mask": mask}
+    assert position_index("q", "positions", -1, batch, 3, 5, -1) == [2, 4, 4]
+    assert position_index("q", "positions", -3, batch, 3, 5, -3) == [0, 2, 2]
+    assert position_index("q", "positions", [1, -2, 0], batch, 3, 5, [1, -2, 0]) == [1, 3, 0]
+    assert position_index("q", "positions", -2, {"input_ids": batch["input_ids"]}, 3, 5,
+                          -2) == [3, 3, 3]
+    with pytest.raises(QueryInputError, match=r"^q: positions=-4 counts back past the start of "
+                       r"example 0, which has 3 non-padding tokens: must be in \[-n, T\)"):
+        position_index("q", "positions", -4, batch, 3, 5, -4)
