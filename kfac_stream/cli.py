@@ -75,17 +75,49 @@ def _prior_precision(value: str) -> float | str:
     return tau
 
 
+#: ``--mode``: the per-token whole-vocabulary table, or the top-k next tokens.
+MODES = ("tokens", "topk")
+
+#: ``--samples`` by mode: posterior weight samples (a forward each) for ``tokens``, Gaussian
+#: draws of the top-k logits per position (cheap) for ``topk``.
+DEFAULT_SAMPLES = {"tokens": 32, "topk": 2000}
+
+
 def _check_query_args(args) -> float | str:
-    """The cheap checks of ``query``'s arguments, before anything loads; returns ``τ``."""
+    """The cheap checks of ``query``'s arguments, before anything loads (filling in the
+    defaults that depend on ``--mode``); returns ``τ``."""
+    if args.mode is None:  # --top-k asks for the top-k table; else the per-token table
+        args.mode = "topk" if args.top_k is not None else "tokens"
     if not args.text:
         raise QueryInputError(f"--text={args.text!r} is not allowed: must be a non-empty text "
                               "(the positions to query)")
+    if args.mode == "tokens" and args.top_k is not None:
+        raise QueryInputError(f"--top-k={args.top_k} is not allowed with --mode tokens (its "
+                              "table shows the top token): must come with --mode topk")
+    if args.top_k is None:
+        args.top_k = 5
     if args.top_k < 1:
         raise QueryInputError(f"--top-k={args.top_k} is not allowed: must be an int >= 1 (next "
                               "tokens per position)")
+    if args.samples is None:
+        args.samples = DEFAULT_SAMPLES[args.mode]
     if args.samples < 2:
+        what = ("draws per position for the mean and std" if args.mode == "topk" else
+                "posterior samples for the predictive and the mean and std")
         raise QueryInputError(f"--samples={args.samples} is not allowed: must be an int >= 2 "
-                              "(draws per position for the mean and std)")
+                              f"({what})")
+    if args.mode == "topk" and args.linearized:
+        raise QueryInputError("--linearized is not allowed with --mode topk (always the "
+                              "linearised predictive): must come with --mode tokens")
+    if args.options is not None:
+        if args.mode == "topk":
+            raise QueryInputError(f"--options={args.options!r} is not allowed with --mode topk:"
+                                  " must come with --mode tokens (the default)")
+        if len(args.options) < 2 or len(set(args.options)) != len(args.options) or not all(
+                args.options):
+            raise QueryInputError(f"--options={args.options!r} is not allowed: must be two or "
+                                  "more distinct non-empty answer strings of one token each "
+                                  "(e.g. --options ' A' ' B' ' C' ' D')")
     return _prior_precision(args.prior_precision)
 
 
@@ -153,6 +185,27 @@ def _status(message: str) -> None:
     print(f"kfac-stream query: {message}", file=sys.stderr, flush=True)
 
 
+def _option_ids(args, tokenizer, vocab: int | None) -> list[int]:
+    """The token id of each ``--options`` string (each must be exactly one token)."""
+    ids = []
+    for option in args.options:
+        if tokenizer is None:
+            toks = list(option.encode("utf-8"))
+            how, hint = "UTF-8 bytes (--byte-level)", "one ASCII character, e.g. A"
+        else:
+            toks = list(tokenizer(option, add_special_tokens=False)["input_ids"])
+            how, hint = "tokens", "often with a leading space, e.g. ' A'"
+        if len(toks) != 1:
+            shown = " ".join(repr(_decode(tokenizer, t)) for t in toks)
+            raise QueryInputError(f"--options: {option!r} is {len(toks)} {how} ({shown}): each "
+                                  f"option must encode to exactly one token ({hint})")
+        if vocab is not None and toks[0] >= vocab:
+            raise QueryInputError(f"--options: {option!r} is token id {toks[0]}, but the "
+                                  f"model's vocabulary has {vocab} tokens")
+        ids.append(toks[0])
+    return ids
+
+
 def _query(args) -> int:
     tau = _check_query_args(args)
     t0 = time.perf_counter()
@@ -161,27 +214,73 @@ def _query(args) -> int:
 
     import torch
 
+    from .query import token_table as tt
     from .query.laplace import LaplacePosterior
-    from .query.topk import topk_predictive
 
     _status(f"snapshot {snap.path}: {len(snap)} layers; loading model {args.model} ...")
     model = _load_model(args.model)
     tokenizer, ids = _encode(args, model)
-    ids = torch.tensor(ids)
+    option_ids = None
+    if args.options is not None:
+        option_ids = _option_ids(args, tokenizer, getattr(model.get_input_embeddings(),
+                                                          "num_embeddings", None))
     if tau == "marglik":
         _status(f"choosing the prior precision by marginal likelihood over {len(snap)} layers "
                 "(--prior-precision FLOAT skips it) ...")
     post = LaplacePosterior(model, snap, prior_precision=tau)
-    _status(f"{len(ids)} positions x top-{args.top_k} next tokens ({time.perf_counter() - t0:.1f}"
-            " s so far) ...")
-    print(f"snapshot {snap.path} (step {snap.step}); N = {post.num_data:.0f}, "
-          f"prior precision = {post.prior_precision:.4g}")
-    print(f"{'pos':>4} {'input':>8}  top-{args.top_k} next tokens: token  MAP p  mean p ± std")
-    for row in topk_predictive(post, ids, k=args.top_k, n_samples=args.samples):
-        t = row["position"]
-        cells = [f"{_decode(tokenizer, i)!r} {m:.4f} {mu:.4f}±{sd:.4f}" for i, m, mu, sd in zip(
-            row["token_ids"], row["map_prob"], row["mean_prob"], row["std_prob"])]
-        print(f"{t:>4} {_decode(tokenizer, int(ids[t]))!r:>8}  " + " | ".join(cells))
+    meta = {"snapshot": str(snap.path), "step": snap.step, "model": args.model,
+            "text": args.text, "mode": args.mode, "num_data": float(post.num_data),
+            "prior_precision": float(post.prior_precision), "samples": args.samples,
+            "seed": args.seed}
+    decode = lambda i: _decode(tokenizer, i)  # noqa: E731
+    answers = None
+    if args.mode == "topk":
+        from .query.topk import topk_predictive
+
+        meta["top_k"] = args.top_k
+        _status(f"{len(ids)} positions x top-{args.top_k} next tokens "
+                f"({time.perf_counter() - t0:.1f} s so far) ...")
+        rows = topk_predictive(post, torch.tensor(ids), k=args.top_k, n_samples=args.samples,
+                               seed=args.seed)
+        records = tt.topk_records(ids, rows, decode)
+        table = tt.topk_table(records, args.top_k)
+    else:
+        from .query.sampled import sampled_predictive
+
+        meta["linearized"] = args.linearized
+        _status(f"{len(ids)} positions x {args.samples} posterior samples"
+                f"{' (linearised)' if args.linearized else ''} "
+                f"({time.perf_counter() - t0:.1f} s so far) ...")
+        batch = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids),
+                                                                               dtype=torch.long)}
+        with torch.no_grad():
+            map_probs = torch.softmax(model(**batch).logits[0].double(), -1)
+        pred = sampled_predictive(post, batch, n_samples=args.samples, seed=args.seed,
+                                  labels="next", linearized=args.linearized)
+        records = tt.token_records(ids, pred, map_probs, decode)
+        table = tt.token_table(records)
+        if option_ids is not None:
+            from .query.answers import answer_distribution
+
+            _status(f"answer agreement of {len(option_ids)} options over {args.samples} "
+                    "posterior samples ...")
+            dist = answer_distribution(post, batch, options=option_ids,
+                                       n_samples=args.samples, seed=args.seed,
+                                       linearized=args.linearized)
+            meta["options"] = list(args.options)
+            answers = tt.answer_record(args.options, option_ids, dist)
+    meta["seconds"] = round(time.perf_counter() - t0, 3)
+    if args.json:
+        print(tt.document(meta, records, answers))
+    else:
+        if args.mode == "topk":  # the line that opened the top-k table since issue 15
+            print(f"snapshot {snap.path} (step {snap.step}); N = {post.num_data:.0f}, "
+                  f"prior precision = {post.prior_precision:.4g}")
+        print(table)
+        if answers is not None:
+            print()
+            print(tt.answer_table(answers, len(ids) - 1))
+        print(tt.footer(meta))
     _status(f"done in {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -192,15 +291,30 @@ def main(argv: list[str] | None = None) -> int:
     ins = sub.add_parser("inspect", help="per-layer table of a snapshot (or the newest in a dir)")
     ins.add_argument("path")
     ins.add_argument("--plot", metavar="PNG", help="also draw the eigenvalue spectra")
-    q = sub.add_parser("query", help="per-position top-k next tokens with predictive mean/std")
+    q = sub.add_parser("query", help="per-token uncertainty of a text under the posterior "
+                       "(or its top-k next tokens)")
     q.add_argument("--snapshot", required=True, help="snapshot directory (or its parent)")
     q.add_argument("--model", required=True, help="model directory or hub name")
     q.add_argument("--text", required=True)
     q.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
     q.add_argument("--byte-level", action="store_true", help="token id = UTF-8 byte (the demo)")
-    q.add_argument("--top-k", type=int, default=5)
+    q.add_argument("--mode", choices=MODES, help="tokens: per position the next token's "
+                   "predictive probability, entropy, aleatoric and epistemic parts over the "
+                   "whole vocabulary, from posterior weight samples; topk: the top-k next "
+                   "tokens with mean p +- std (default: topk if --top-k is given, else tokens)")
+    q.add_argument("--top-k", type=int, help="next tokens per position (--mode topk; default 5)")
     q.add_argument("--prior-precision", default="marglik", help="a float or 'marglik'")
-    q.add_argument("--samples", type=int, default=2000)
+    q.add_argument("--samples", type=int, help="posterior samples (--mode tokens, default "
+                   f"{DEFAULT_SAMPLES['tokens']}) or draws per position (--mode topk, default "
+                   f"{DEFAULT_SAMPLES['topk']})")
+    q.add_argument("--seed", type=int, default=0, help="seed of the samples (default 0)")
+    q.add_argument("--linearized", action="store_true", help="--mode tokens: the linearised "
+                   "model f* + J(theta_s - theta*) instead of the model at theta_s")
+    q.add_argument("--options", nargs="+", metavar="OPTION", help="answer options, one token "
+                   "each (e.g. ' A' ' B' ' C' ' D'): also print which one each posterior sample "
+                   "picks at the last position, and their agreement")
+    q.add_argument("--json", action="store_true", help="print one JSON document instead of "
+                   "the table")
     sub.add_parser("demo", help="kfac-stream train with its offline defaults into out/demo "
                    "(= kfac-stream train --config-name demo)", add_help=False)
     sub.add_parser("train", help="the Hydra training app (kfac_stream.train): "
