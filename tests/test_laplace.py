@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.func import functional_call, jacrev
 
-from kfac_stream import Snapshot
+from kfac_stream import QueryInputError, Snapshot
 from kfac_stream.query.kron_eigen import sample_block
 from kfac_stream.query.laplace import LaplacePosterior, SnapshotMismatchError
 
@@ -315,3 +315,37 @@ def test_k_logit_backwards_run_as_one_batched_backward_and_fall_back_exactly(tra
     mean2, cov2 = post.predictive(batch, positions=-1, token_ids=[3, 101, 32, 7])
     assert calls == [False] * 4
     assert torch.equal(mean, mean2) and rel_err(cov2, cov) <= DENSE_TOL
+
+
+def test_posterior_over_a_preset_or_a_list_of_layers_is_the_block_marginal(trained):
+    """``layers=``: the block-diagonal posterior's marginal over some layers: its predictive
+    covariance is the sum of those layers' terms of the full posterior (the dense reference of
+    `test_predictive_covariance_equals_dense_J_Sigma_Jt`), its log evidence the sum of their
+    terms; a preset resolves on the model; unknown names and presets are one-line errors."""
+    model, snap = trained
+    ex = text_examples(2, 10, seed=5, lengths=[10, 7])
+    batch = {k: torch.stack([e[k] for e in ex]) for k in ("input_ids", "attention_mask")}
+    tokens = [3, 101, 32]
+    mlp = [n for n in snap.layer_names if ".mlp." in n]
+    jac = dense_jacobian(model, snap.layer_names, batch, torch.tensor([9, 6]), tokens)
+    ref = torch.zeros(2, 3, 3, dtype=torch.float64)
+    for n in mlp:
+        J = jac[n].reshape(2, 3, -1)
+        ref += J @ torch.linalg.inv(dense_block(snap[n], N_DATA, TAU)) @ J.transpose(1, 2)
+    by_preset = LaplacePosterior(model, snap, TAU, N_DATA, layers="mlp")
+    by_list = LaplacePosterior(model, snap, TAU, N_DATA, layers=list(reversed(mlp)))
+    assert by_preset.layer_names == by_list.layer_names == mlp and len(mlp) == 4
+    _, cov = by_preset.predictive(batch, positions=-1, token_ids=tokens)
+    assert rel_err(cov, ref) <= DENSE_TOL
+    full = LaplacePosterior(model, snap, TAU, N_DATA)
+    attn = LaplacePosterior(model, snap, TAU, N_DATA, layers="attention")
+    assert math.isclose(by_preset.log_marginal_likelihood() + attn.log_marginal_likelihood(),
+                        full.log_marginal_likelihood(), rel_tol=1e-12)
+    with pytest.raises(QueryInputError, match=r"^LaplacePosterior: layers='lora' selects "
+                       r"nothing here \(.*lora.*\): must be None, a preset"):
+        LaplacePosterior(model, snap, TAU, N_DATA, layers="lora")
+    with pytest.raises(QueryInputError, match=r"^LaplacePosterior: layers='last_layer' selects "
+                       r"1 layer\(s\) the snapshot did not track \(e.g. 'lm_head'\)"):
+        LaplacePosterior(model, snap, TAU, N_DATA, layers="last_layer")
+    with pytest.raises(QueryInputError, match=r"names 'nope', which the snapshot did not track"):
+        LaplacePosterior(model, snap, TAU, N_DATA, layers=["nope"])

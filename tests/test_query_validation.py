@@ -83,7 +83,7 @@ def raises(fn, *needles, cls=QueryInputError) -> str:
 def prior_allowed(snap, marglik=True):
     n = len(snap.layer_names)
     return (f"must be a positive finite float, a dict {{layer: positive finite float}} with "
-            f"exactly the snapshot's {n} layers" + (", or 'marglik'" if marglik else ""))
+            f"exactly the posterior's {n} layers" + (", or 'marglik'" if marglik else ""))
 
 
 # -- LaplacePosterior(...) -----------------------------------------------------------------------
@@ -112,9 +112,9 @@ def test_prior_precision_dict_must_cover_exactly_the_snapshots_layers(trained):
     full = dict.fromkeys(names, TAU)
     missing = {n: TAU for n in names if n != names[1]}
     raises(lambda: LaplacePosterior(model, snap, missing), "LaplacePosterior: prior_precision={",
-           f"lacks 1 of the snapshot's layers ({names[1]!r}): " + prior_allowed(snap))
+           f"lacks 1 of the posterior's layers ({names[1]!r}): " + prior_allowed(snap))
     raises(lambda: LaplacePosterior(model, snap, {names[0]: 1.0}),
-           f"lacks {len(names) - 1} of the snapshot's layers ({names[1]!r}, {names[2]!r}, "
+           f"lacks {len(names) - 1} of the posterior's layers ({names[1]!r}, {names[2]!r}, "
            f"{names[3]!r} and {len(names) - 4} more)")
     extra = dict(full, **{"transformer.h.9.mlp.c_fc": TAU})
     raises(lambda: LaplacePosterior(model, snap, extra),
@@ -378,7 +378,7 @@ def test_prior_precisions(post, forwards):
            + prior_allowed(snap, marglik=False))
     raises(lambda: call([1.0, "marglik"]), f"{where}prior_precisions[1]='marglik' is not allowed")
     raises(lambda: call([{snap.layer_names[0]: 1.0}]), f"{where}prior_precisions[0]={{",
-           f"lacks {len(snap.layer_names) - 1} of the snapshot's layers")
+           f"lacks {len(snap.layer_names) - 1} of the posterior's layers")
     assert forwards[0] == 0
 
 
@@ -426,9 +426,8 @@ def test_log_marginal_likelihood_arguments(post):
 def test_layer_names_of_tau_and_weights(post):
     first = post.snapshot.layer_names[0]
     raises(lambda: post.tau("nope"),
-           "LaplacePosterior.tau: name='nope' is not allowed: must be one of the snapshot's "
-           f"{len(post.snapshot.layer_names)} tracked layers (snapshot.layer_names, e.g. "
-           f"{first!r})")
+           "LaplacePosterior.tau: name='nope' is not allowed: must be one of the posterior's "
+           f"{len(post.layer_names)} layers (its layer_names, e.g. {first!r})")
     raises(lambda: post.weights(3), "LaplacePosterior.weights: name=3 is not allowed")
     raises(lambda: post.tau(first, -3.0), "LaplacePosterior.tau: prior_precision=-3.0")
     assert post.tau(first) == TAU

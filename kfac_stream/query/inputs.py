@@ -119,9 +119,9 @@ def check_choice(where: str, arg: str, value: Any, choices: tuple[str, ...]) -> 
 
 
 def prior_allowed(n_layers: int, marglik: bool) -> str:
-    """What a prior precision may be, for a snapshot of ``n_layers`` layers."""
+    """What a prior precision may be, for a posterior over ``n_layers`` layers."""
     return (f"a positive finite float, a dict {{layer: positive finite float}} with exactly the "
-            f"snapshot's {n_layers} layers" + (", or 'marglik'" if marglik else ""))
+            f"posterior's {n_layers} layers" + (", or 'marglik'" if marglik else ""))
 
 
 def _names(names: list, most: int = 3) -> str:
@@ -142,7 +142,7 @@ def check_prior(where: str, arg: str, value: Any, layers: Sequence[str], marglik
         missing = [n for n in layers if n not in value]
         if missing:
             raise error(where, arg, value, allowed,
-                        problem=f"lacks {len(missing)} of the snapshot's layers "
+                        problem=f"lacks {len(missing)} of the posterior's layers "
                                 f"({_names(missing)})")
         known = set(layers)
         extra = [k for k in value if k not in known]

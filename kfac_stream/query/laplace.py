@@ -25,8 +25,15 @@ import torch
 from torch import Tensor, nn
 
 from ..capture.hooks import logits_of
+from ..capture.presets import preset_layers
 from ..capture.selection import layer_spec
-from ..exceptions import PartitionedModelError, QueryInputError, SnapshotMismatchError
+from ..enums import LayerPreset
+from ..exceptions import (
+    KFACConfigError,
+    PartitionedModelError,
+    QueryInputError,
+    SnapshotMismatchError,
+)
 from ..progress import progress
 from ..snapshot.snapshot import Snapshot
 from . import inputs
@@ -94,6 +101,12 @@ class LaplacePosterior:
             `NUM_DATA_WARN_FACTOR` times away from the snapshot's own count warns
             (``UserWarning``).
 
+        layers: The layers the posterior is over (the others stay at their trained values,
+            as the block-diagonal posterior's marginal): None (every layer of the snapshot),
+            a preset name (``"last_layer"``, ``"lora"``, ``"attention"``, ``"mlp"``,
+            ``"all_linear"``: `kfac_stream.capture.presets`, resolved on ``model``; every layer
+            it selects must be in the snapshot), or a list of the snapshot's layer names. Track
+            broadly once, query any subset (e.g. ``layers="mlp"``).
     Raises:
         QueryInputError: an argument of the wrong type or out of range.
         PartitionedModelError: a model whose weights DeepSpeed ZeRO-3 partitions (also right
@@ -104,7 +117,8 @@ class LaplacePosterior:
 
     def __init__(self, model: nn.Module, snapshot: Snapshot,
                  prior_precision: float | dict[str, float] | str = 1.0,
-                 num_data: float | None = None) -> None:
+                 num_data: float | None = None,
+                 layers: str | Sequence[str] | None = None) -> None:
         where = "LaplacePosterior"
         if not isinstance(model, nn.Module):
             raise inputs.error(where, "model", model, "a torch.nn.Module (the trained model)",
@@ -116,10 +130,11 @@ class LaplacePosterior:
         self.num_data = _check_num_data(where, num_data, snapshot.meta)
         if num_data is not None:
             _warn_far_num_data(where, self.num_data, snapshot.meta)
+        self.layer_names = _chosen_layers(where, model, snapshot, layers)
         prior = inputs.check_prior(where, "prior_precision", prior_precision,
-                                   snapshot.layer_names, marglik=True)
+                                   self.layer_names, marglik=True)
         self.model, self.snapshot = model, snapshot
-        self.modules = _match_layers(model, snapshot)
+        self.modules = _match_layers(model, snapshot, self.layer_names)
         _check_whole_weights(where, model, self.modules)
         self._vocab = inputs.input_vocab(model)
         # Eigenvalue algebra (D, log-determinants, samples) runs in float64; the per-token
@@ -129,7 +144,7 @@ class LaplacePosterior:
         self.feature_dtype = torch.float64 if torch.float64 in wdtypes else torch.float32
         self.device = next(iter(self.modules.values())).weight.device
         self.eig, self._qf = {}, {}
-        for name in snapshot.layer_names:
+        for name in self.layer_names:
             lf = snapshot[name]
             self.eig[name] = tuple(None if t is None else t.double() for t in (
                 lf.A_eigvecs, lf.A_eigvals, lf.G_eigvecs, lf.G_eigvals))
@@ -154,7 +169,7 @@ class LaplacePosterior:
     @prior_precision.setter
     def prior_precision(self, value: float | dict[str, float]) -> None:
         self._prior = inputs.check_prior(  # type: ignore[assignment]
-            "LaplacePosterior", "prior_precision", value, self.snapshot.layer_names,
+            "LaplacePosterior", "prior_precision", value, self.layer_names,
             marglik=False)
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -172,7 +187,7 @@ class LaplacePosterior:
             return self._tau(name, self._prior)
         return self._tau(name, inputs.check_prior(
             "LaplacePosterior.tau", "prior_precision", prior_precision,
-            self.snapshot.layer_names, marglik=False))  # type: ignore[arg-type]
+            self.layer_names, marglik=False))  # type: ignore[arg-type]
 
     @staticmethod
     def _tau(name: str, prior: float | dict[str, float]) -> float:
@@ -198,9 +213,9 @@ class LaplacePosterior:
 
     def _check_layer(self, where: str, name: object) -> None:
         if not isinstance(name, str) or name not in self.modules:
-            names = self.snapshot.layer_names
-            raise inputs.error(where, "name", name, f"one of the snapshot's {len(names)} tracked "
-                               f"layers (snapshot.layer_names, e.g. {names[0]!r})")
+            names = self.layer_names
+            raise inputs.error(where, "name", name, f"one of the posterior's {len(names)} "
+                               f"layers (its layer_names, e.g. {names[0]!r})")
 
     def _query(self, where: str, batch, positions, token_ids,
                names: tuple[str, str, str] = ("batch", "positions", "token_ids")) -> _Query:
@@ -319,7 +334,7 @@ class LaplacePosterior:
         """
         where = "LaplacePosterior.predictive_covariances"
         priors = inputs.check_priors(where, "prior_precisions", prior_precisions,
-                                     self.snapshot.layer_names)
+                                     self.layer_names)
         return self._covariances(self._query(where, batch, positions, token_ids), priors)
 
     def _covariances(self, q: _Query, priors: list[float | dict[str, float]]
@@ -464,7 +479,7 @@ class LaplacePosterior:
         """
         where = "LaplacePosterior.log_marginal_likelihood"
         prior = self._prior if prior_precision is None else inputs.check_prior(
-            where, "prior_precision", prior_precision, self.snapshot.layer_names, marglik=False)
+            where, "prior_precision", prior_precision, self.layer_names, marglik=False)
         return self._log_evidence(prior, inputs.check_finite(where, "log_likelihood",
                                                              log_likelihood))  # type: ignore
 
@@ -783,10 +798,45 @@ def _rows_at_positions(logits: Tensor, q: _Query) -> Tensor:
     return logits[torch.arange(B, device=logits.device), torch.tensor(idx, device=logits.device)]
 
 
-def _match_layers(model: nn.Module, snapshot: Snapshot) -> dict[str, nn.Module]:
+def _chosen_layers(where: str, model: nn.Module, snapshot: Snapshot,
+                   layers: object) -> list[str]:
+    """The snapshot's layers the posterior is over, in the snapshot's order."""
+    names = snapshot.layer_names
+    if layers is None:
+        return list(names)
+    presets = tuple(p.value for p in LayerPreset)
+    allowed = (f"None, a preset ({', '.join(map(repr, presets))}) or a non-empty list of the "
+               f"snapshot's layer names (snapshot.layer_names, e.g. {names[0]!r})")
+    if isinstance(layers, str):
+        if layers not in presets:
+            raise inputs.error(where, "layers", layers, allowed)
+        try:
+            chosen = preset_layers(model, layers)
+        except KFACConfigError as e:
+            raise inputs.error(where, "layers", layers, allowed,
+                               problem=f"selects nothing here ({e})") from None
+        missing = [n for n in chosen if n not in names]
+        if missing:
+            raise inputs.error(where, "layers", layers, allowed,
+                               problem=f"selects {len(missing)} layer(s) the snapshot did not "
+                                       f"track (e.g. {missing[0]!r})")
+    elif isinstance(layers, Sequence) and layers and all(isinstance(n, str) for n in layers):
+        chosen = list(layers)
+        unknown = [n for n in chosen if n not in names]
+        if unknown:
+            raise inputs.error(where, "layers", layers, allowed,
+                               problem=f"names {unknown[0]!r}, which the snapshot did not track")
+    else:
+        raise inputs.error(where, "layers", layers, allowed, typed=not isinstance(layers, list))
+    keep = set(chosen)
+    return [n for n in names if n in keep]
+
+
+def _match_layers(model: nn.Module, snapshot: Snapshot,
+                  names: Sequence[str]) -> dict[str, nn.Module]:
     modules = dict(model.named_modules())
     out = {}
-    for name in snapshot.layer_names:
+    for name in names:
         info = snapshot[name].meta
         if name not in modules:
             raise SnapshotMismatchError(
