@@ -390,3 +390,35 @@ def test_posterior_draws_drawn_once_give_the_same_samples(lm):
                        r"PosteriorDraws of this posterior \(kfac_stream\.posterior_draws"
                        r"\(post\)\)$"):
         sampled_predictive(other, batch, draws=draws)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_statistics_with_minus_infinite_logits_and_many_samples(dtype):
+    """The accumulator on hand-made logits: a −∞ logit (a masked token) has probability 0 and
+    adds nothing to the entropy (0·log 0 = 0); S = 20 samples cross the float32 blocks of
+    ``FLUSH`` samples. Reference: the statistics in float64 by ``xlogy``. float32 work: 1e-6
+    (float32 log-softmax, ~1e-7 per entry, summed over 6 classes and 20 samples)."""
+    from kfac_stream.query.sampled import _Accumulator
+
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(20, 3, 6, generator=gen, dtype=torch.float64)
+    logits[:, 0, 2] = float("-inf")
+    labels = torch.tensor([1, -100, 5])
+    acc = _Accumulator(20, False)
+    acc.add(logits[:7].to(dtype), labels)
+    acc.add(logits[7:].to(dtype), labels)
+    got = acc.result(0, False)
+    p = torch.softmax(logits, -1)  # float64 reference, 0·log 0 = 0 by xlogy
+    probs = p.mean(0)
+    entropy = -torch.special.xlogy(probs, probs).sum(-1)
+    expected = -torch.special.xlogy(p, p).sum(-1).mean(0)
+    lp = torch.log(p[:, [0, 2], [1, 5]])
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    assert got.probs[0, 2] == 0 and torch.isfinite(got.expected_entropy).all()
+    for value, want in ((got.probs, probs), (got.entropy, entropy),
+                        (got.expected_entropy, expected),
+                        (got.mutual_information, entropy - expected),
+                        (got.label_logprob_mean[[0, 2]], lp.mean(0)),
+                        (got.label_logprob_var[[0, 2]], lp.var(0))):
+        assert rel_err(value, want) < tol
+    assert got.label_logprob_mean[1].isnan()

@@ -158,8 +158,8 @@ def answer_distribution(post: LaplacePosterior, batch: Mapping[str, Tensor],
             an accelerator is not checked for range or repeats: that would need a host sync.)
         n_samples: ``S``, an int ≥ 2.
         seed: Seed of sample 0 (sample ``s`` uses ``seed + s``), an int.
-        chunk: Samples per forward, None (`kfac_stream.query.sampled.DEFAULT_CHUNK`, at most
-            ``S``) or an int ≥ 1.
+        chunk: Samples per forward, None (as `sampled_predictive` chooses: by
+            `kfac_stream.query.sampled.CHUNK_TOKENS`) or an int ≥ 1.
         positions: Language-model head: the position whose next-token logits answer, one int
             for all examples or ``B`` ints, each in ``[-T, T)``; negative counts back from the
             example's last non-padding token (``-1``, the default: the last one, with the
