@@ -106,9 +106,10 @@ def _check_query_args(args) -> float | str:
                 "posterior samples for the predictive and the mean and std")
         raise QueryInputError(f"--samples={args.samples} is not allowed: must be an int >= 2 "
                               f"({what})")
-    if args.mode == "topk" and args.linearized:
-        raise QueryInputError("--linearized is not allowed with --mode topk (always the "
+    if args.mode == "topk" and args.weight_samples:
+        raise QueryInputError("--weight-samples is not allowed with --mode topk (always the "
                               "linearised predictive): must come with --mode tokens")
+    args.linearized = not args.weight_samples
     if args.options is not None:
         if args.mode == "topk":
             raise QueryInputError(f"--options={args.options!r} is not allowed with --mode topk:"
@@ -308,8 +309,10 @@ def main(argv: list[str] | None = None) -> int:
                    f"{DEFAULT_SAMPLES['tokens']}) or draws per position (--mode topk, default "
                    f"{DEFAULT_SAMPLES['topk']})")
     q.add_argument("--seed", type=int, default=0, help="seed of the samples (default 0)")
-    q.add_argument("--linearized", action="store_true", help="--mode tokens: the linearised "
-                   "model f* + J(theta_s - theta*) instead of the model at theta_s")
+    q.add_argument("--weight-samples", action="store_true", help="--mode tokens: evaluate "
+                   "the network at the posterior samples theta_s instead of the linearised "
+                   "model f* + J(theta_s - theta*) (the default; the network at theta_s is "
+                   "often far flatter than the trained model: README)")
     q.add_argument("--options", nargs="+", metavar="OPTION", help="answer options, one token "
                    "each (e.g. ' A' ' B' ' C' ' D'): also print which one each posterior sample "
                    "picks at the last position, and their agreement")

@@ -50,7 +50,7 @@ def argv(tmp, *extra: str) -> list[str]:
             TEXT, "--byte-level", "--prior-precision", str(TAU), *extra]
 
 
-def expected(post, batch, samples: int, seed: int, linearized: bool = False):
+def expected(post, batch, samples: int, seed: int, linearized: bool = True):
     """``(SampledPredictive, MAP probabilities [T, V])`` of the API."""
     pred = sampled_predictive(post, batch, n_samples=samples, seed=seed, labels="next",
                               linearized=linearized)
@@ -114,14 +114,14 @@ def test_token_table_prints_what_the_python_api_returns(trained, capsys):
     footer = out.splitlines()[-1]
     assert footer.startswith(f"snapshot {post.snapshot.path} (step {post.snapshot.step}); "
                              f"N = {post.num_data:.0f}, prior precision τ = 2, S = 6 "
-                             "posterior samples (seed 3); ")
+                             "posterior samples, linearised (seed 3); ")
     assert re.search(r"; \d+\.\d s$", footer)
 
 
 @pytest.mark.parametrize("linearized", [False, True])
 def test_json_holds_every_field_as_the_api_returns_it(trained, capsys, linearized):
     tmp, post, batch = trained
-    extra = ["--samples", "4", "--json"] + (["--linearized"] if linearized else [])
+    extra = ["--samples", "4", "--json"] + ([] if linearized else ["--weight-samples"])
     assert cli_main(argv(tmp, *extra)) == 0
     doc = json.loads(capsys.readouterr().out)  # stdout is the document alone
     assert {k: doc[k] for k in ("snapshot", "step", "mode", "samples", "seed", "linearized",
@@ -163,7 +163,7 @@ def test_options_print_the_answer_agreement_of_the_api(trained, capsys):
     assert cli_main(argv(tmp, "--samples", "5", "--seed", "2", "--options", *options)) == 0
     out = capsys.readouterr().out
     d = answer_distribution(post, batch, options=[ord(o) for o in options], n_samples=5,
-                            seed=2)
+                            seed=2, linearized=True)
     lines = out.splitlines()
     start = lines.index(next(ln for ln in lines if ln.startswith("answers at the last position")))
     assert lines[start].startswith(f"answers at the last position (t = {len(TEXT) - 1}): each "
@@ -250,8 +250,8 @@ def test_bad_arguments_exit_2_with_one_line(trained, capsys):
               "--samples=1 is not allowed: must be an int >= 2 (draws per position")
     cli_error(capsys, argv(tmp, "--mode", "tokens", "--top-k", "3"),
               "--top-k=3 is not allowed with --mode tokens", "must come with --mode topk")
-    cli_error(capsys, argv(tmp, "--top-k", "3", "--linearized"),
-              "--linearized is not allowed with --mode topk")
+    cli_error(capsys, argv(tmp, "--top-k", "3", "--weight-samples"),
+              "--weight-samples is not allowed with --mode topk")
     cli_error(capsys, argv(tmp, "--options", "A"),
               "must be two or more distinct non-empty answer strings")
     cli_error(capsys, argv(tmp, "--options", "A", "A"), "two or more distinct")
