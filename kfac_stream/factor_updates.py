@@ -15,6 +15,7 @@ folds rows itself) into the FP16 EMA `FactorStore`.
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -54,6 +55,8 @@ class Counters:
     exchange_bytes_rows: int = 0
     exchange_bytes_stats: int = 0
     skipped_steps: list[int] = field(default_factory=list)
+    # the step of the update that restarted the average for the final window (-1: none yet)
+    window_start_step: int = -1
 
 
 @dataclass
@@ -112,6 +115,7 @@ class FactorUpdater:
         self.rank, self.world_size = (dist.rank, dist.world_size) if dist else (0, 1)
         self.device, self.fold_on, self.row_dtype = device, fold_on, row_dtype
         self.counters = counters
+        self.restart_step: int | None = None  # the final window's first step (set_final_window)
         budget = config.device_memory_budget if fold_on == "device" else 0
         self.store = FactorStore(config.storage_dtype, config.ema_decay, device_budget=budget)
         for key in ownership.owned_by(self.rank):
@@ -227,19 +231,48 @@ class FactorUpdater:
         self.counters.updates += 1
         self.counters.positions_sampled += int(total_pos)
         t1 = time.perf_counter()
+        decay = self.decay_at(job.step)
+        if decay == 0.0:  # the final window's restart (every factor of this update)
+            self.counters.window_start_step = int(job.step)
         for key, (how, payload) in delivered.items():
             n, pos = weights[key], positions[key]
             if n <= 0:
                 continue
             if how == "rows" and self.fold_on == "host":
-                self.store.push_rows(key, payload.cpu(), n, pos)  # [m, d]
+                self.store.push_rows(key, payload.cpu(), n, pos, decay)  # [m, d]
             elif how == "rows":
-                self.store.push_stat(key, gram_fp32(payload, self.dims[key][1]), n, pos)
+                self.store.push_stat(key, gram_fp32(payload, self.dims[key][1]), n, pos, decay)
             elif self.fold_on == "host":
-                self.store.update(key, payload[0].cpu().div_(n), n, pos)
+                self.store.update(key, payload[0].cpu().div_(n), n, pos, decay)
             else:
-                self.store.push_stat(key, payload[0], n, pos)
+                self.store.push_stat(key, payload[0], n, pos, decay)
         self.counters.fold_seconds += time.perf_counter() - t1
+
+    def set_final_window(self, max_steps: int) -> int | None:
+        """Plan the final window of a run of ``max_steps`` optimizer steps (``final_window``):
+        the restart step is the first update step (a multiple of ``update_every``) at or after
+        ``ceil((1 − final_window)·max_steps)``, or the last update step when none is (a short
+        run); None (the EMA throughout) when ``final_window`` is 0 or ``max_steps`` unknown
+        (``≤ 0``). Returns the restart step."""
+        fw, every = self.config.final_window, self.config.update_every
+        self.restart_step = None
+        if fw > 0 and max_steps > 0:
+            start = math.ceil((1.0 - fw) * max_steps - 1e-9)
+            restart = -(-start // every) * every
+            if restart >= max_steps:
+                restart = ((max_steps - 1) // every) * every
+            self.restart_step = restart
+        return self.restart_step
+
+    def decay_at(self, step: int) -> float | None:
+        """``λ`` of the update at ``step``: None (``ema_decay``) before the final window; in it
+        0 for the first update applied (the restart: the factors become that update's
+        statistic; `Counters.window_start_step` records its step, and rides with checkpoints),
+        1 after it (the exact token-weighted mean over the window's updates)."""
+        r = self.restart_step
+        if r is None or step < r:
+            return None
+        return 0.0 if self.counters.window_start_step < 0 else 1.0
 
     def _wire_dtype(self, rows: dict[str, Tensor]) -> torch.dtype:
         """The rows' dtype on every rank (bf16 on a GPU with 16-bit activations)."""

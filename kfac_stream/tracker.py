@@ -321,6 +321,12 @@ class Tracker:
 
     # -- factor arithmetic (worker thread, or the training thread without async_updates) -------
 
+    def set_final_window(self, max_steps: int) -> int | None:
+        """Plan ``final_window`` for a run of ``max_steps`` optimizer steps; returns the step
+        whose update restarts the average (None: the EMA throughout). See
+        `FactorUpdater.set_final_window`."""
+        return self.updater.set_final_window(max_steps)
+
     def read_counters(self) -> Counters:
         """The counters with the device-side ones read (snapshot, checkpoint, log time)."""
         self.counters.tokens_seen = self.capture.tokens_seen

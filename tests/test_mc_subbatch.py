@@ -58,8 +58,8 @@ class _EachUpdate(TrainerCallback):
 def _updates(model, examples, cfg, updates, tmp_path):
     """``updates`` i.i.d. statistics of one fixed model (lr 0) on one fixed batch (all
     examples), one update per step, float64."""
-    full = {"token_fraction": 1.0, "ema_decay": 0.0, "storage_dtype": "float64",
-            "update_every": 1, "snapshot_every": 10**6, **cfg}
+    full = {"token_fraction": 1.0, "ema_decay": 0.0, "final_window": 0.0,
+            "storage_dtype": "float64", "update_every": 1, "snapshot_every": 10**6, **cfg}
     cb = KFACStreamCallback(KFACConfig(**full))
     each = _EachUpdate(cb)  # after the K-FAC callback: reads the update it just made
     args = TrainingArguments(str(tmp_path), per_device_train_batch_size=len(examples),

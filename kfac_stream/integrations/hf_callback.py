@@ -117,6 +117,7 @@ class KFACStreamCallback(TrainerCallback):
         self._comm = dist_ctx.snapshot_comm if dist_ctx else LOCAL
         self.output_dir = cfg.output_dir or os.path.join(args.output_dir, "kfac")
         self._last_snapshot_step = None
+        restart = self.tracker.set_final_window(int(getattr(state, "max_steps", 0) or 0))
         if state.global_step > 0:  # resuming from a checkpoint
             self._resume(args, state)
         if self.tracker.rank == 0:
@@ -125,6 +126,10 @@ class KFACStreamCallback(TrainerCallback):
                         "ema_decay=%g, update_every=%d) on %d rank(s); snapshots in %s",
                         len(specs), cfg.fisher, cfg.token_fraction, cfg.ema_decay,
                         cfg.update_every, self.tracker.world_size, self.output_dir)
+            if restart is not None:
+                logger.info("kfac_stream: final window (final_window=%g): from step %d of %d "
+                            "the factors are the mean of the updates (the EMA before)",
+                            cfg.final_window, restart, state.max_steps)
             logger.info("kfac_stream: factor owners (bytes of the stored factors, eigh cost)"
                         "\n%s", self.tracker.ownership)
         return control

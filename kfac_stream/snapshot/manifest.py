@@ -485,6 +485,7 @@ COUNTS = Record({
     "snapshot_failures": Field(_COUNT, since=None),
     "exchange_bytes_rows": Field(_COUNT, since=None),
     "exchange_bytes_stats": Field(_COUNT, since=None),
+    "window_start_step": Field(Int(-1), since=None),
 }, what="the tracker's counters (an object with tokens_seen, positions_sampled, updates, "
         "skipped_updates, tracker_seconds)")
 

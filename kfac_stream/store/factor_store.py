@@ -215,15 +215,17 @@ class FactorStore:
         for monitoring between snapshots)."""
         return {key: f.trace() for key, f in self._factors.items()}
 
-    def _record(self, f: StoredFactor, n: float, positions: int) -> float:
-        """Advance ``f``'s EMA weight and counts by one update of weight ``n``; returns ``η``."""
-        f.weight, eta = ema_step(f.weight, n, self.ema_decay)
+    def _record(self, f: StoredFactor, n: float, positions: int,
+                decay: float | None = None) -> float:
+        """Advance ``f``'s EMA weight and counts by one update of weight ``n`` (with this
+        update's ``λ``: ``decay``, or the store's ``ema_decay`` when None); returns ``η``."""
+        f.weight, eta = ema_step(f.weight, n, self.ema_decay if decay is None else decay)
         f.updates += 1
         f.positions += int(positions)
         return eta
 
     def push_rows(self, key: str, rows: Tensor, n: float | None = None,
-                  positions: int | None = None) -> None:
+                  positions: int | None = None, decay: float | None = None) -> None:
         """Record one update whose statistic is ``S = rowsᵀ rows / n``.
 
         Args:
@@ -232,16 +234,18 @@ class FactorStore:
                 already multiplied by the square root of its sampling weight.
             n: Total weight of the rows (``> 0``; default ``m``: unweighted rows).
             positions: Sampled positions behind the rows (default ``m``), for the counts.
+            decay: This update's ``λ`` (None: ``ema_decay``; ``0`` restarts the average).
         """
         f = self._factors[key]
         n = float(rows.shape[0]) if n is None else float(n)
-        eta = self._record(f, n, rows.shape[0] if positions is None else positions)
+        eta = self._record(f, n, rows.shape[0] if positions is None else positions, decay)
         f.pending.append((rows.to(device="cpu", dtype=self.compute_dtype), eta, n))
         limit = 256 if f.diagonal else f.data.shape[0]
         if len(f.pending) >= self.flush_every or f.pending_rows >= limit:
             self._flush(f)
 
-    def update(self, key: str, stat: Tensor, n: float, positions: int | None = None) -> None:
+    def update(self, key: str, stat: Tensor, n: float, positions: int | None = None,
+               decay: float | None = None) -> None:
         """Fold one step statistic given as a matrix.
 
         Args:
@@ -249,14 +253,16 @@ class FactorStore:
             stat: ``S`` (the mean), ``[d, d]`` (symmetric PSD) or ``[d]`` (moved to CPU here).
             n: Weight of the positions ``S`` was built from (``> 0``).
             positions: Sampled positions (default ``n``), for the counts.
+            decay: This update's ``λ`` (None: ``ema_decay``; ``0`` restarts the average).
         """
         f = self._factors[key]
         self._flush(f)
-        eta = self._record(f, n, n if positions is None else positions)
+        eta = self._record(f, n, n if positions is None else positions, decay)
         stat = stat.to(device="cpu", dtype=self.compute_dtype) * eta
         self._fold(f, 1.0 - eta, stat=stat)
 
-    def push_stat(self, key: str, stat_sum: Tensor, n: float, positions: int) -> None:
+    def push_stat(self, key: str, stat_sum: Tensor, n: float, positions: int,
+                  decay: float | None = None) -> None:
         """Record one update given as a summed statistic on the rows' device.
 
         Args:
@@ -265,13 +271,14 @@ class FactorStore:
                 float64 for float64 storage), on any device; ``S = stat_sum / n``.
             n: Total weight (``> 0``).
             positions: Sampled positions behind it, for the counts.
+            decay: This update's ``λ`` (None: ``ema_decay``; ``0`` restarts the average).
 
         Kept on the device and combined with the following ones (see the module docstring)
         while the budget allows; the caller must not modify ``stat_sum`` afterwards.
         """
         f = self._factors[key]
         self._flush(f)  # rows and device statistics never pend together
-        eta = self._record(f, n, positions)
+        eta = self._record(f, n, positions, decay)
         term = stat_sum.to(self.compute_dtype).mul_(eta / float(n))
         if f.device_pending is None:
             f.device_pending, f.device_alpha = term, 1.0 - eta
