@@ -33,7 +33,8 @@ _LAZY = {
     "posterior_draws": "query.sampled",
     "PosteriorDraws": "query.sampled",
     "answer_distribution": "query.answers", "generated_answers": "query.answers",
-    "AnswerDistribution": "query.answers",
+    "AnswerDistribution": "query.answers", "GeneratedAnswers": "query.answers",
+    "abstain": "query.answers",
     "whole_model": "integrations.zero3",
 }
 
@@ -67,7 +68,8 @@ __all__ = [
     "sample_rows",
     "posterior_draws",
     "PosteriorDraws",
-    "answer_distribution", "generated_answers", "AnswerDistribution",
+    "answer_distribution", "generated_answers", "AnswerDistribution", "GeneratedAnswers",
+    "abstain",
     "whole_model",
     # enums
     "FisherType",
