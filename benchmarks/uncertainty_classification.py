@@ -72,6 +72,15 @@ Methods, all on the same test inputs:
   (laplace-torch's convention), tau by its own marginal likelihood; the same probit
   predictive from its GLM covariance.
 
+Selective answering (task 1, issue 17; `selective_answers`): on the test prompts, the default
+posterior at the marglik tau, ``--answer-samples`` posterior samples (default 32) each answer
+the question (`kfac_stream.answer_distribution`: argmax over the four answer tokens; the
+network at the samples, and the linearised model); the rule answers with the majority and
+abstains below an agreement threshold. Beside it: MAP's answer ranked by MAP's confidence, and
+MAP's answer ranked by the linearised variance of its logit. Per rule: accuracy when answering
+everything, AURC, accuracy at 80% and 50% coverage, and the coverage / accuracy of "answer when
+the agreement ≥ t".
+
 Metrics on the test set (`kfac_stream.metrics`): accuracy, NLL (nats), ECE (15 equal-width
 bins of top-1 confidence), Brier, AURC and accuracy at 80% coverage (selective prediction,
 uncertainty = 1 − max probability of the method's predictive), and for task 2 the OOD AUROC
@@ -345,6 +354,7 @@ class DocstringTask:
 
     name = "docstring-lora"
     title = "docstring → package, 4-way multiple choice with LoRA"
+    answer_options = ANSWER_IDS  # the answer tokens: selective answering (`selective_answers`)
 
     def __init__(self, a, seed: int, base):
         self.a, self.seed, self.base = a, seed, base
@@ -527,6 +537,72 @@ def evaluate(mean: torch.Tensor, cov: torch.Tensor | None, y: torch.Tensor,
     return out
 
 
+AGREEMENT_THRESHOLDS = (0.5, 0.75, 0.9, 1.0)
+
+
+def selective_answers(task, post, map_logits: torch.Tensor, cov: torch.Tensor, y: torch.Tensor,
+                      a) -> dict:
+    """Selective answering on the test set (issue 17, seed 000's "answers under the
+    posterior"): each rule answers, or abstains when its uncertainty is high.
+
+    * MAP's answer, ranked by MAP's confidence (1 − max softmax of the answer logits);
+    * MAP's answer, ranked by the linearised variance of its logit (``Σ[k*, k*]`` at the
+      marglik tau, the default posterior);
+    * the majority answer of ``S`` posterior samples (`kfac_stream.answer_distribution`: each
+      sample's argmax over the four answer tokens; the network at the samples, and the
+      linearised model), ranked by 1 − agreement (the majority's share of the votes).
+
+    Per rule: accuracy of its answers at full coverage, AURC and accuracy at 80% / 50% coverage
+    (`kfac_stream.metrics`; ties in the uncertainty, frequent for the agreement with ``S``
+    votes, averaged over every order), and for the agreement rules the coverage and accuracy of
+    the threshold rule "answer when agreement ≥ t" for t in `AGREEMENT_THRESHOLDS`."""
+    from kfac_stream import answer_distribution
+
+    batch = task.evals["test"][0]
+    map_pred = map_logits.argmax(-1)
+    rules = {"MAP answer, MAP confidence": (
+                 map_pred, 1 - torch.softmax(map_logits, -1).max(-1).values),
+             "MAP answer, linearised variance of its logit": (
+                 map_pred, cov[torch.arange(len(map_pred)), map_pred, map_pred])}
+    agreements, seconds = {}, {}
+    for lin in (False, True):
+        name = (f"majority of {a.answer_samples} {'linearised' if lin else 'weight'} samples, "
+                "agreement")
+        t0 = time.perf_counter()
+        dists = [answer_distribution(post, b, options=task.answer_options,
+                                     n_samples=a.answer_samples, seed=task.seed,
+                                     linearized=lin, show_progress=False)
+                 for b in batches(batch, 32)]
+        seconds[name] = time.perf_counter() - t0
+        majority = torch.cat([d.majority for d in dists])
+        agreement = torch.cat([d.agreement for d in dists])
+        agreements[name] = agreement
+        rules[name] = (majority, 1 - agreement)
+    out = {}
+    for name, (pred, unc) in rules.items():
+        correct = pred.cpu() == y
+        unc = unc.double().cpu()
+        out[name] = {"accuracy": float(correct.double().mean()),
+                     "aurc": metrics.aurc(correct, unc),
+                     "acc80": metrics.accuracy_at_coverage(correct, unc, 0.8),
+                     "acc50": metrics.accuracy_at_coverage(correct, unc, 0.5),
+                     "agrees_with_map": float((pred.cpu() == map_pred.cpu()).double().mean())}
+        if name in agreements:
+            ag = agreements[name].cpu()
+            out[name]["seconds"] = seconds[name]
+            out[name]["mean_agreement"] = float(ag.mean())
+            for t in AGREEMENT_THRESHOLDS:
+                keep = ag >= t - 1e-12
+                out[name][f"coverage@{t:g}"] = float(keep.double().mean())
+                out[name][f"accuracy@{t:g}"] = (float(correct[keep].double().mean())
+                                                if bool(keep.any()) else float("nan"))
+    for name, v in out.items():
+        print(f"  [selective] {name}: accuracy {100 * v['accuracy']:.1f}%, AURC "
+              f"{v['aurc']:.4f}, acc@80% {100 * v['acc80']:.1f}%, acc@50% "
+              f"{100 * v['acc50']:.1f}%", flush=True)
+    return out
+
+
 def tracker_settings(mc_all: bool = False) -> dict[str, dict]:
     """label -> KFACConfig overrides, each its own training run, read from `KFACConfig` as it is
     at run time: the defaults; ``fisher="empirical"``; ``fisher="mc"`` with the default
@@ -553,7 +629,8 @@ def tracker_settings(mc_all: bool = False) -> dict[str, dict]:
 def default_fields() -> dict:
     """The Fisher-related defaults of `KFACConfig()` as they are at run time."""
     d = dataclasses.asdict(KFACConfig())
-    keys = ["fisher", "token_fraction", "update_every", "ema_decay", "storage_dtype"]
+    keys = ["fisher", "token_fraction", "update_every", "ema_decay", "final_window",
+            "storage_dtype"]
     keys += [k for k in d if k.startswith("mc_")]
     return {k: d[k] for k in keys if k in d}
 
@@ -620,6 +697,9 @@ def run_seed(task, a) -> dict:
             tau_val = min(val_nll, key=val_nll.get)
             print(f"  [{k}] N={post.num_data:.4g}; tau marglik {tau_ml:.4g}, val-NLL "
                   f"{tau_val:.4g}", flush=True)
+            if k == "default" and getattr(task, "answer_options", None) is not None:
+                info["selective"] = selective_answers(task, post, mp["test"],
+                                                      covs["test"][tau_ml], y, a)
             n_val, n_test = (len(task.evals[s][1]) for s in ("val", "test"))
             t_test = t_feat * n_test / (n_val + n_test)
             for label, tau, extra in ((f"Laplace stream ({k}), tau=marglik", tau_ml, t_ml),
@@ -675,6 +755,21 @@ def summarise(per_seed: list[dict]) -> dict:
         if m in per_seed[0]["taus"]:
             flat["tau"] = [r["taus"][m] for r in per_seed]
         out[m] = {k: mean_std(v) for k, v in flat.items()}
+    return out
+
+
+def summarise_selective(per_seed: list[dict]) -> dict:
+    """``{rule: {figure: (mean, std)}}`` of `selective_answers` over seeds (NaN figures, a
+    threshold no answer reached, left out of their mean)."""
+    out: dict[str, dict] = {}
+    for rule in per_seed[0]["selective"]:
+        keys = per_seed[0]["selective"][rule]
+        out[rule] = {}
+        for key in keys:
+            xs = [r["selective"][rule][key] for r in per_seed]
+            xs = [x for x in xs if not math.isnan(x)]
+            if xs:
+                out[rule][key] = mean_std(xs)
     return out
 
 
@@ -754,6 +849,8 @@ def run(a) -> dict:
         summary = summarise(per_seed)
         out["tasks"][name] = {"title": TASKS[name].title, "seconds": time.perf_counter() - t0,
                               "per_seed": per_seed, "summary": summary,
+                              **({"selective": summarise_selective(per_seed)}
+                                 if "selective" in per_seed[0] else {}),
                               "args": {k: v for k, v in vars(a).items() if k != "command"},
                               "acceptance": acceptance(per_seed, summary)}
         left = a.tasks[a.tasks.index(name) + 1:]
@@ -819,7 +916,38 @@ def task_tables(t: dict) -> list[str]:
         verdict = {True: "met", False: "NOT met", None: "not evaluated"}[c["met"]]
         acc.append(f"- {c['criterion']}: **{verdict}** ({c['figures']})")
     return [*rows, "", "Probit vs MC-sampled predictive, predictive-mean vs MAP argmax "
-            "(mean ± std over seeds):", "", *inv, "", *acc]
+            "(mean ± std over seeds):", "", *inv, "", *acc, *selective_table(t)]
+
+
+def selective_table(t: dict) -> list[str]:
+    """Selective answering (`selective_answers`), mean ± std over seeds; [] without it."""
+    sel = t.get("selective")
+    if not sel:
+        return []
+    rows = ["", "Selective answering (issue 17; answer or abstain; the default posterior at "
+            "marglik tau; uncertainty per rule as named; mean ± std over seeds):", "",
+            "| rule | accuracy % (all answered) | AURC | acc. @80% cov. % | acc. @50% cov. % | "
+            "answer = MAP's % | s |", "|---|---|---|---|---|---|---|"]
+    for rule, v in sel.items():
+        sec = _pm(v, "seconds", 1, ".1f") if "seconds" in v else "–"
+        rows.append(f"| {rule} | {_pm(v, 'accuracy', 100, '.1f')} | {_pm(v, 'aurc')} | "
+                    f"{_pm(v, 'acc80', 100, '.1f')} | {_pm(v, 'acc50', 100, '.1f')} | "
+                    f"{_pm(v, 'agrees_with_map', 100, '.1f')} | {sec} |")
+    thr = [r for r in sel if "mean_agreement" in sel[r]]
+    if thr:
+        rows += ["", "Threshold rule \"answer when the agreement ≥ t\" (coverage % / accuracy "
+                 "% of the answered; mean over seeds):", "",
+                 "| rule | mean agreement | " + " | ".join(f"t = {x:g}" for x in
+                                                        AGREEMENT_THRESHOLDS) + " |",
+                 "|---|---|" + "---|" * len(AGREEMENT_THRESHOLDS)]
+        for rule in thr:
+            v = sel[rule]
+            cells = [f"{100 * v[f'coverage@{x:g}'][0]:.1f} / "
+                     + (f"{100 * v[f'accuracy@{x:g}'][0]:.1f}" if f"accuracy@{x:g}" in v
+                        else "–") for x in AGREEMENT_THRESHOLDS]
+            rows.append(f"| {rule} | {v['mean_agreement'][0]:.3f} | " + " | ".join(cells)
+                        + " |")
+    return rows
 
 
 def finding(t: dict) -> str:
@@ -996,6 +1124,8 @@ def main(argv=None) -> None:
     p.add_argument("--man-layers", type=int, default=2)
     p.add_argument("--kron-batch", type=int, default=32, help="laplace-torch fit batch")
     p.add_argument("--mc-samples", type=int, default=1000)
+    p.add_argument("--answer-samples", type=int, default=32,
+                   help="posterior samples of the selective-answering rule (docstring-lora)")
     p.add_argument("--mc-all", action="store_true",
                    help="also a run with fisher='mc', mc_sequences='all' (the whole-batch MC)")
     p.add_argument("--no-kron", action="store_true", help="skip laplace-torch")
