@@ -55,11 +55,22 @@ from kfac_stream.snapshot.contents import (
 )
 from kfac_stream.snapshot.writer import write_snapshot
 
-from _common import BATCH, MODEL, machine, make_data, write_json, write_section
+from _common import (
+    BATCH,
+    MODEL,
+    conv1d_to_linear,
+    dist_version,
+    machine,
+    make_data,
+    write_json,
+    write_section,
+)
 
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- snapshot_query:begin -->", "<!-- snapshot_query:end -->"
 WARMUP, KS, QB, QT = 2, (1, 4, 16), 2, 128  # warm-up steps left out; K values; query batch
+SAMPLES = (4, 16)  # S of the sampled predictive (part 4)
+GLM_KS = (2, 4, 16)  # K of the side-by-side with laplace-torch (part 5; a classifier has K >= 2)
 
 
 class _Clock(TrainerCallback):
@@ -174,6 +185,92 @@ def bench_query(model, path: str, reps: int) -> dict:
     return res
 
 
+def bench_sampled(model, path: str, reps: int) -> dict:
+    """Part 4: the whole-vocabulary sampled predictive of S posterior samples vs one no-grad
+    forward of the same batch (the training batch, BATCH x SEQ tokens)."""
+    from kfac_stream import posterior_draws, sampled_predictive
+
+    model.eval()
+    post = LaplacePosterior(model, Snapshot.load(path), prior_precision=1.0)
+    data = make_data(2 * BATCH)
+    ids = torch.stack([data[BATCH + i]["input_ids"] for i in range(BATCH)])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    draws = {s: posterior_draws(post, s, seed=1) for s in SAMPLES}
+    jobs = {"forward": torch.no_grad()(lambda: model(**batch))}
+    for s in SAMPLES:
+        jobs[f"draws S={s}"] = lambda s=s: posterior_draws(post, s, seed=1)
+        jobs[f"sampled S={s}, drawn here"] = lambda s=s: sampled_predictive(
+            post, batch, s, seed=1, labels="next")
+        jobs[f"sampled S={s}, drawn once"] = lambda s=s: sampled_predictive(
+            post, batch, draws=draws[s], labels="next")
+        jobs[f"linearised S={s}, drawn once"] = lambda s=s: sampled_predictive(
+            post, batch, draws=draws[s], labels="next", linearized=True)
+    interleave(jobs, 1)  # warm-up
+    t = interleave(jobs, reps)
+    med = {k: statistics.median(v) for k, v in t.items()}
+    fwd = med["forward"]
+    rows = {k: {"ms": v, "ratio": v / fwd, "S": int(k.split("S=")[1].split(",")[0])}
+            for k, v in med.items() if k != "forward"}
+    for k, v in rows.items():
+        v["goal"] = v["S"] + 1 if not k.startswith("draws") else None
+        v["met"] = None if v["goal"] is None else v["ratio"] <= v["goal"]
+    return {"forward_ms": fwd, "batch": [BATCH, int(ids.shape[1])], "rows": rows, "raw_ms": t}
+
+
+class _LastLogits(torch.nn.Module):
+    """laplace-torch's view of the LM: ``input_ids [B, T]`` -> the first ``K`` logits at the
+    last position ``[B, K]`` (a copy whose tracked Conv1D s are equal ``nn.Linear`` s, the only
+    weights with gradients)."""
+
+    def __init__(self, model, layers: list[str], k: int):
+        super().__init__()
+        self.m, self.k = conv1d_to_linear(model, layers).eval(), k
+        keep = {f"{name}.{p}" for name in layers for p in ("weight", "bias")}
+        for n, p in self.m.named_parameters():
+            p.requires_grad_(n in keep)
+
+    def forward(self, input_ids):
+        return self.m(input_ids=input_ids).logits[:, -1, :self.k]
+
+
+def bench_glm(model, path: str, reps: int) -> dict:
+    """Part 5: the exact K-logit predictive (probit probabilities from the linearised
+    covariance) vs laplace-torch's ``la(x, pred_type="glm", link_approx="probit")`` on the same
+    model, layers, batch and K (KronLaplace fitted on two training windows; the fit is not
+    timed)."""
+    import laplace
+
+    model.eval()
+    snap = Snapshot.load(path)
+    post = LaplacePosterior(model, snap, prior_precision=1.0)
+    data = make_data(2 * QB)
+    ids = torch.stack([data[QB + i]["input_ids"][:QT] for i in range(QB)])
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    fit_x = torch.stack([data[i]["input_ids"][:QT] for i in range(QB)])
+    jobs, las = {}, {}
+    for k in GLM_KS:
+        head = _LastLogits(model, snap.layer_names, k)
+        la = laplace.KronLaplace(head, "classification", prior_precision=1.0)
+        la.fit(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+            fit_x, torch.zeros(QB, dtype=torch.long)), batch_size=QB))
+        las[k] = la
+        jobs[f"kfac_stream K={k}"] = lambda k=k: post.predictive_probs(
+            batch, positions=-1, token_ids=list(range(k)))
+        jobs[f"laplace-torch K={k}"] = lambda k=k: las[k](ids, pred_type="glm",
+                                                          link_approx="probit")
+    interleave(jobs, 1)  # warm-up
+    t = interleave(jobs, reps)
+    med = {k: statistics.median(v) for k, v in t.items()}
+    per_k = {k: {"ms": med[f"kfac_stream K={k}"], "peer_ms": med[f"laplace-torch K={k}"]}
+             for k in GLM_KS}
+    for v in per_k.values():
+        v["ratio"] = v["ms"] / v["peer_ms"]
+        v["met"] = v["ratio"] <= 0.5
+    return {"per_k": per_k, "raw_ms": t, "laplace_torch": dist_version("laplace-torch"),
+            "tracked_params": sum(p.numel() for p in las[GLM_KS[0]].model.parameters()
+                                  if p.requires_grad)}
+
+
 def table(r) -> str:
     s, st, q, every = r["snapshot"], r["steps"], r["query"], r["args"]["every"]
     rows = ["| measurement | ms | reference | ref ms | ratio | goal |", "|---|---|---|---|---|---|"]
@@ -192,6 +289,20 @@ def table(r) -> str:
     rows += [f"| predictive, K={k}, {QB}×{QT} tokens | {v['ms']:.0f} | forward, no grad | "
              f"{q['forward_ms']:.1f} | {v['ratio']:.1f} | ≤ {v['goal']} "
              f"({'met' if v['met'] else 'NOT met'}) |" for k, v in q["per_k"].items()]
+    if "sampled" in r:
+        sp = r["sampled"]
+        b, t = sp["batch"]
+        for name, v in sp["rows"].items():
+            goal = "–" if v["goal"] is None else (
+                f"≤ {v['goal']} ({'met' if v['met'] else 'NOT met'})")
+            rows.append(f"| {name}, whole vocabulary, {b}×{t} tokens | {v['ms']:.0f} | forward, "
+                        f"no grad | {sp['forward_ms']:.1f} | {v['ratio']:.1f} | {goal} |")
+    if "glm" in r:
+        for k, v in r["glm"]["per_k"].items():
+            rows.append(f"| predictive_probs (probit), K={k}, {QB}×{QT} tokens | {v['ms']:.0f} | "
+                        f"laplace-torch la(x, pred_type='glm', link_approx='probit') | "
+                        f"{v['peer_ms']:.0f} | {v['ratio']:.2f} | ≤ 0.5 "
+                        f"({'met' if v['met'] else 'NOT met'}) |")
     return "\n".join(rows)
 
 
@@ -205,7 +316,7 @@ def write_outputs(r, a, info) -> None:
         f"- machine: {info['cpu']}, {info['cores']} cores ({info['torch_threads']} torch "
         f"threads); torch {info['torch']}, transformers {info['transformers']}, "
         f"Python {info['python']}",
-        "- load average (1 min) at start / after training / snapshot part / query part: "
+        "- load average (1 min) at start / after training / snapshot / query / sampled / glm: "
         + " / ".join(f"{x:.2f}" for x in r["load"].values()),
         f"- command: `{a.command}`",
         f"- medians of {a.reps} interleaved repetitions (snapshot vs eigh; forward vs queries); "
@@ -247,6 +358,23 @@ def main(argv=None) -> None:
         print("[1] ms:", {k: [round(x) for x in v] for k, v in r["snapshot"]["raw_ms"].items()})
         r["query"] = bench_query(model, kfac.snapshots[-1], a.reps)
         r["load"]["query"] = os.getloadavg()[0]
+        print("[3] forward / predictive ms:", {k: round(v) for k, v in (
+            ("forward", r["query"]["forward_ms"]),
+            *((f"K={k}", v["ms"]) for k, v in r["query"]["per_k"].items()))})
+        r["sampled"] = bench_sampled(model, kfac.snapshots[-1], a.reps)
+        r["load"]["sampled"] = os.getloadavg()[0]
+        print("[4] ms:", {k: round(v["ms"]) for k, v in r["sampled"]["rows"].items()},
+              f"forward {r['sampled']['forward_ms']:.0f}")
+        try:
+            import laplace  # noqa: F401  (the optional peer: make .venv/.bench-peers)
+        except ImportError as e:
+            print(f"[5] skipped: laplace-torch does not import ({e}); install the peers with "
+                  "`make .venv/.bench-peers`")
+        else:
+            r["glm"] = bench_glm(model, kfac.snapshots[-1], a.reps)
+            r["load"]["glm"] = os.getloadavg()[0]
+            print("[5] ms (ours, laplace-torch):", {k: (round(v["ms"]), round(v["peer_ms"]))
+                                                   for k, v in r["glm"]["per_k"].items()})
     print(f"load averages: {r['load']}\n\n" + table(r))
     if a.quick:
         print("--quick: nothing written")

@@ -80,3 +80,26 @@ def set_threads(n=1):
     prev = torch.get_num_threads()
     torch.set_num_threads(n)
     return prev
+
+
+def lm_posterior(tmp_path, tau: float, num_data: float):
+    """A `LaplacePosterior` (prior ``tau``, ``N = num_data``) of a float64 tiny GPT-2 (8
+    tracked Conv1D layers with bias) trained 4 steps on 8 examples of 12 tokens (SUM loss)."""
+    from kfac_stream import LaplacePosterior, Snapshot
+
+    from models import text_examples, tiny_gpt2
+
+    model = tiny_gpt2()
+    run(model, text_examples(8, 12), {"snapshot_every": 10**6}, batch=2, loss=sum_nll_loss,
+        tmp_path=tmp_path, record=False)
+    return LaplacePosterior(model, Snapshot.latest(tmp_path / "kfac"), tau, num_data)
+
+
+def classifier_posterior(tmp_path, tau: float, num_data: float):
+    """A `LaplacePosterior` of `models.tiny_classifier_run`'s sequence classifier."""
+    from kfac_stream import LaplacePosterior
+
+    from models import tiny_classifier_run
+
+    model, snap, _ = tiny_classifier_run(tmp_path)
+    return LaplacePosterior(model, snap, tau, num_data)

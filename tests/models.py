@@ -269,3 +269,9 @@ def save_bpe_tokenizer(directory, texts: list[str]):
     hf = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
     hf.save_pretrained(directory)
     return hf
+
+
+def padded_batch(lengths: Sequence[int], seed: int = 4) -> dict[str, torch.Tensor]:
+    """``{"input_ids", "attention_mask"}``, each ``[B, T]``, right-padded to max(lengths)."""
+    ex = text_examples(len(lengths), max(lengths), seed=seed, lengths=list(lengths))
+    return {k: torch.stack([e[k] for e in ex]) for k in ("input_ids", "attention_mask")}

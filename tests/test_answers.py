@@ -13,7 +13,6 @@ import kfac_stream
 from kfac_stream import (
     AnswerDistribution,
     QueryInputError,
-    Snapshot,
     answer_distribution,
     generated_answers,
 )
@@ -22,8 +21,8 @@ from kfac_stream.query.answers import GeneratedAnswers, abstain
 from kfac_stream.query.laplace import LaplacePosterior
 from kfac_stream.query.sampled import sampled_predictive
 
-from harness import run, sum_nll_loss
-from models import text_examples, tiny_classifier_run, tiny_gpt2
+from harness import classifier_posterior, lm_posterior
+from models import padded_batch
 from reference import rel_err
 
 #: float64 model: the batched samples (bmm) against F.linear / addmm on the same weights sum the
@@ -43,23 +42,12 @@ OPTIONS = [3, 101, 32, 200]
 
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("answers_lm")
-    model = tiny_gpt2()  # float64, 8 tracked Conv1D layers with bias
-    run(model, text_examples(8, 12), {"snapshot_every": 10**6}, batch=2, loss=sum_nll_loss,
-        tmp_path=tmp, record=False)
-    return LaplacePosterior(model, Snapshot.latest(tmp / "kfac"), TAU, N_DATA)
+    return lm_posterior(tmp_path_factory.mktemp("answers_lm"), TAU, N_DATA)
 
 
 @pytest.fixture(scope="module")
 def classifier(tmp_path_factory):
-    model, snap, _ = tiny_classifier_run(tmp_path_factory.mktemp("answers_cls"))
-    return LaplacePosterior(model, snap, TAU, N_DATA)
-
-
-def padded_batch(lengths, seed=4):
-    """``{"input_ids", "attention_mask"}``, each ``[B, T]``, right-padded to max(lengths)."""
-    ex = text_examples(len(lengths), max(lengths), seed=seed, lengths=lengths)
-    return {k: torch.stack([e[k] for e in ex]) for k in ("input_ids", "attention_mask")}
+    return classifier_posterior(tmp_path_factory.mktemp("answers_cls"), TAU, N_DATA)
 
 
 def left_padded(lengths, seed=4):

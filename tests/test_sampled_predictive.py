@@ -11,8 +11,8 @@ from kfac_stream import QueryInputError, Snapshot
 from kfac_stream.query.laplace import LaplacePosterior
 from kfac_stream.query.sampled import SampledPredictive, sampled_predictive
 
-from harness import run, sum_nll_loss
-from models import lora_gpt2, text_examples, tiny_classifier_run, tiny_gpt2
+from harness import classifier_posterior, lm_posterior, run, sum_nll_loss
+from models import lora_gpt2, padded_batch, text_examples, tiny_gpt2
 from reference import rel_err
 
 #: float64 model: batched matmuls (bmm) against F.linear / addmm on the same weights, the same
@@ -28,23 +28,12 @@ MC_SAMPLES = 2000
 
 @pytest.fixture(scope="module")
 def lm(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sampled_lm")
-    model = tiny_gpt2()  # float64, 8 tracked Conv1D layers with bias
-    run(model, text_examples(8, 12), {"snapshot_every": 10**6}, batch=2, loss=sum_nll_loss,
-        tmp_path=tmp, record=False)
-    return LaplacePosterior(model, Snapshot.latest(tmp / "kfac"), TAU, N_DATA)
+    return lm_posterior(tmp_path_factory.mktemp("sampled_lm"), TAU, N_DATA)
 
 
 @pytest.fixture(scope="module")
 def classifier(tmp_path_factory):
-    model, snap, _ = tiny_classifier_run(tmp_path_factory.mktemp("sampled_cls"))
-    return LaplacePosterior(model, snap, TAU, N_DATA)
-
-
-def padded_batch(lengths, seed=4):
-    """``{"input_ids", "attention_mask"}``, each ``[B, T]``, right-padded to max(lengths)."""
-    ex = text_examples(len(lengths), max(lengths), seed=seed, lengths=lengths)
-    return {k: torch.stack([e[k] for e in ex]) for k in ("input_ids", "attention_mask")}
+    return classifier_posterior(tmp_path_factory.mktemp("sampled_cls"), TAU, N_DATA)
 
 
 def loop_logits(post, batch, n, seed):

@@ -243,15 +243,9 @@ def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor],
             output holds no logits.
     """
     where = "sampled_predictive"
-    if not isinstance(post, LaplacePosterior):
-        raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
-    size, length = inputs.check_batch(where, "batch", batch, inputs.input_vocab(post.model))
-    n_samples, seed = _check_samples(where, post, n_samples, seed, draws, 2)
-    chunk = _check_chunk(where, chunk, n_samples, post, size, length)
-    _check_flag(where, "linearized", linearized)
+    size, length, n_samples, seed, chunk = _check_arguments(
+        where, post, batch, n_samples, seed, chunk, linearized, draws, show_progress)
     _check_flag(where, "return_logits", return_logits)
-    if show_progress is not None:
-        _check_flag(where, "show_progress", show_progress)
     label_ids = _check_labels(where, labels, batch, size, length)
 
     acc = _Accumulator(n_samples, return_logits)
@@ -283,6 +277,16 @@ def iter_sample_logits(post: LaplacePosterior, batch: Mapping[str, Tensor],
         QueryInputError: as `sampled_predictive` (checked before the first forward).
     """
     where = "iter_sample_logits"
+    size, length, n_samples, seed, chunk = _check_arguments(
+        where, post, batch, n_samples, seed, chunk, linearized, draws, show_progress)
+    return _sample_logits(where, post, batch, size, length, n_samples, seed, chunk, linearized,
+                          draws, show_progress)
+
+
+def _check_arguments(where: str, post: object, batch: object, n_samples: object, seed: object,
+                     chunk: object, linearized: object, draws: object,
+                     show_progress: object) -> tuple[int, int, int, int, int]:
+    """``(B, T, S, seed, chunk)`` from the arguments every sampled query shares, checked."""
     if not isinstance(post, LaplacePosterior):
         raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
     size, length = inputs.check_batch(where, "batch", batch, inputs.input_vocab(post.model))
@@ -291,8 +295,7 @@ def iter_sample_logits(post: LaplacePosterior, batch: Mapping[str, Tensor],
     _check_flag(where, "linearized", linearized)
     if show_progress is not None:
         _check_flag(where, "show_progress", show_progress)
-    return _sample_logits(where, post, batch, size, length, n_samples, seed, chunk, linearized,
-                          draws, show_progress)
+    return size, length, n_samples, seed, chunk
 
 
 def _check_chunk(where: str, chunk: object, n_samples: int, post: LaplacePosterior,
