@@ -24,6 +24,19 @@ rotated between repetitions; medians are reported.
    positions=-1, token_ids=range(K))``, K in {1, 4, 16}, batch 2 x 128, vs a no-grad forward
    of the same batch (eval mode). Goal: query <= (K+2) x forward. A query more than 2x over
    its goal triggers a cProfile top list of one call (largest K), printed and kept in the json.
+4. Whole-vocabulary sampled predictive (issue 17): ``sampled_predictive(post, batch, S,
+   labels="next")`` for S in `SAMPLES` on the training batch (BATCH x SEQ tokens, vocabulary
+   2048) vs a no-grad forward of the same batch: drawn in the call, with the samples drawn
+   once (``posterior_draws``, reused: the cost per batch over a data set), the draws alone,
+   and the linearised variant (forward-mode JVPs) on drawn-once samples. Goal: <= (S+1) x
+   forward.
+5. Exact K-logit predictive vs laplace-torch, side by side (issue 17): probit probabilities of
+   the first K vocabulary logits at the last position of a 2 x 128 batch,
+   ``post.predictive_probs`` vs laplace-torch 0.3's ``la(x, pred_type="glm",
+   link_approx="probit")`` on ``KronLaplace`` (its default backend) over the same 16 tracked
+   layers (a copy whose Conv1D s are equal ``nn.Linear`` s, the only weights with gradients),
+   fitted on two training windows (not timed), K in `GLM_KS`. Goal: ours <= 0.5 x theirs.
+   Skipped (said so) when laplace-torch does not import (``make .venv/.bench-peers``).
 
 Usage: ``python benchmarks/snapshot_query.py [--reps 7] [--snapshots 6] [--every 5]``; ``--quick``
 is a smoke run that writes nothing. Otherwise writes a section of ``benchmarks/RESULTS.md`` and
