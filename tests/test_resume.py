@@ -34,9 +34,9 @@ class Interrupt(TrainerCallback):
 
 
 def _run(tmp_path, storage, *, interrupt=None, resume=None, fisher="empirical",
-         callback_kwargs=None):
+         callback_kwargs=None, window=0.0):
     cfg = dict(token_fraction=0.5, ema_decay=0.95, update_every=1, storage_dtype=storage,
-               fisher=fisher, snapshot_every=10_000)
+               fisher=fisher, snapshot_every=10_000, final_window=window)
     model = tiny_gpt2(torch.float32)
     kwargs = dict(save_strategy="steps", save_steps=SAVE, lr=1e-3)
     if resume:
@@ -47,20 +47,25 @@ def _run(tmp_path, storage, *, interrupt=None, resume=None, fisher="empirical",
                callback_kwargs=callback_kwargs, **kwargs)
 
 
-@pytest.mark.parametrize("storage,fisher", [("float32", "empirical"), ("float16", "empirical"),
-                                            ("float32", "mc")])
-def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, storage, fisher):
-    whole, _, _ = _run(tmp_path / "whole", storage, fisher=fisher)
+@pytest.mark.parametrize("storage,fisher,window", [
+    ("float32", "empirical", 0.0), ("float16", "empirical", 0.0), ("float32", "mc", 0.0),
+    # final_window 0.75 of 8 steps: the average restarts at step 2, before the checkpoint at
+    # step 4; the resumed run must go on with that window (its start rides with the state)
+    ("float32", "empirical", 0.75)])
+def test_interrupted_and_resumed_equals_uninterrupted(tmp_path, storage, fisher, window):
+    whole, _, _ = _run(tmp_path / "whole", storage, fisher=fisher, window=window)
     with pytest.raises(KeyboardInterrupt):
-        _run(tmp_path / "cut", storage, interrupt=6, fisher=fisher)
+        _run(tmp_path / "cut", storage, interrupt=6, fisher=fisher, window=window)
     ckpt = tmp_path / "cut" / f"checkpoint-{SAVE}"
     assert (ckpt / "kfac_stream" / "state-rank-00000-of-00001.safetensors").is_file()
-    resumed, _, trainer = _run(tmp_path / "cut", storage, resume=str(ckpt), fisher=fisher)
+    resumed, _, trainer = _run(tmp_path / "cut", storage, resume=str(ckpt), fisher=fisher,
+                               window=window)
     assert trainer.state.global_step == STEPS
     a, b = whole.tracker, resumed.tracker
     assert vars(a.counters)["updates"] == vars(b.counters)["updates"] == STEPS
-    for key in ("positions_sampled", "tokens_seen", "skipped_updates"):
+    for key in ("positions_sampled", "tokens_seen", "skipped_updates", "window_start_step"):
         assert getattr(a.counters, key) == getattr(b.counters, key), key
+    assert a.counters.window_start_step == (2 if window else -1)
     fa, fb = a.store.values(), b.store.values()
     assert fa.keys() == fb.keys()
     for key in fa:  # bit for bit
