@@ -75,8 +75,9 @@ Methods, all on the same test inputs:
 Selective answering (task 1, issue 17; `selective_answers`): on the test prompts, the default
 posterior at the marglik tau, ``--answer-samples`` posterior samples (default 32) each answer
 the question (`kfac_stream.answer_distribution`: argmax over the four answer tokens; the
-network at the samples, and the linearised model); the rule answers with the majority and
-abstains below an agreement threshold. Beside it: MAP's answer ranked by MAP's confidence, and
+network at the samples, and with ``--linearised-answers`` also the linearised model, whose
+forward-mode passes took over 10 minutes per seed on this CPU); the rule answers with the
+majority and abstains below an agreement threshold. Beside it: MAP's answer ranked by MAP's confidence, and
 MAP's answer ranked by the linearised variance of its logit. Per rule: accuracy when answering
 everything, AURC, accuracy at 80% and 50% coverage, and the coverage / accuracy of "answer when
 the agreement ≥ t".
@@ -131,6 +132,7 @@ from _common import (
     conv1d_to_linear,
     lm_datasets,
     machine,
+    mean_std,
     run_uncertainty_benchmark,
     save_base_lm,
     train_and_collect,
@@ -565,7 +567,7 @@ def selective_answers(task, post, map_logits: torch.Tensor, cov: torch.Tensor, y
              "MAP answer, linearised variance of its logit": (
                  map_pred, cov[torch.arange(len(map_pred)), map_pred, map_pred])}
     agreements, seconds = {}, {}
-    for lin in (False, True):
+    for lin in (False, True) if a.linearised_answers else (False,):
         name = (f"majority of {a.answer_samples} {'linearised' if lin else 'weight'} samples, "
                 "agreement")
         t0 = time.perf_counter()
@@ -734,13 +736,6 @@ def run_seed(task, a) -> dict:
 
 MAIN = "Laplace stream (default), tau=marglik"
 KRON = "laplace-torch KronLaplace (default GGN), tau=marglik"
-
-
-def mean_std(xs: list[float]) -> tuple[float, float]:
-    """``(mean, sample standard deviation)`` (0 for one value)."""
-    m = sum(xs) / len(xs)
-    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1
-               else 0.0)
 
 
 def summarise(per_seed: list[dict]) -> dict:
@@ -1126,6 +1121,9 @@ def main(argv=None) -> None:
     p.add_argument("--mc-samples", type=int, default=1000)
     p.add_argument("--answer-samples", type=int, default=32,
                    help="posterior samples of the selective-answering rule (docstring-lora)")
+    p.add_argument("--linearised-answers", action="store_true",
+                   help="also the rule on samples of the linearised model (forward-mode JVPs: "
+                        "on this CPU >10 min per seed for the 288 test prompts)")
     p.add_argument("--mc-all", action="store_true",
                    help="also a run with fisher='mc', mc_sequences='all' (the whole-batch MC)")
     p.add_argument("--no-kron", action="store_true", help="skip laplace-torch")
