@@ -77,10 +77,10 @@ posterior at the marglik tau, ``--answer-samples`` posterior samples (default 32
 the question (`kfac_stream.answer_distribution`: argmax over the four answer tokens; the
 network at the samples, and with ``--linearised-answers`` also the linearised model, whose
 forward-mode passes took over 10 minutes per seed on this CPU); the rule answers with the
-majority and abstains below an agreement threshold. Beside it: MAP's answer ranked by MAP's confidence, and
-MAP's answer ranked by the linearised variance of its logit. Per rule: accuracy when answering
-everything, AURC, accuracy at 80% and 50% coverage, and the coverage / accuracy of "answer when
-the agreement ≥ t".
+majority and abstains below an agreement threshold. Beside it: MAP's answer ranked by MAP's
+confidence, and MAP's answer ranked by the linearised variance of its logit. Per rule:
+accuracy when answering everything, AURC, accuracy at 80% and 50% coverage, and the coverage /
+accuracy of "answer when the agreement ≥ t".
 
 Metrics on the test set (`kfac_stream.metrics`): accuracy, NLL (nats), ECE (15 equal-width
 bins of top-1 confidence), Brier, AURC and accuracy at 80% coverage (selective prediction,
