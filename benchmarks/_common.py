@@ -12,7 +12,8 @@ script). Contents, by the scripts that use them:
 * the peers' view of GPT-2 (peers, uncertainty): `conv1d_to_linear`;
 * the small LM of the uncertainty benchmarks (uncertainty, uncertainty_classification):
   `SEQ_LEN`, `pick`, `lm_datasets`, `train_lm`, `train_and_collect`, `save_base_lm`;
-* metrics: `nll_ece`, `auroc`.
+* metrics: `nll_ece`, `auroc`;
+* over seeds (uncertainty, uncertainty_classification): `mean_std`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import atexit
 import copy
 import datetime
 import json
+import math
 import os
 import platform
 import shutil
@@ -263,52 +265,71 @@ def conv1d_to_linear(model: nn.Module, names: list[str] | None = None) -> nn.Mod
 SEQ_LEN = 128
 
 
-def pick(windows: list[torch.Tensor], n: int) -> torch.Tensor:
-    """``n`` windows (each ``[T]``) evenly spaced over the list, ``[n, T]``."""
+def pick(windows: list[torch.Tensor], n: int, seed: int | None = None) -> torch.Tensor:
+    """``n`` windows (each ``[T]``) evenly spaced over the list, ``[n, T]``.
+
+    ``seed`` ``None``: indices ``round(linspace(0, L-1, n))``; an int: ``floor((i + u) L / n)``
+    for i < n with one phase ``u`` ~ U[0, 1) drawn from a generator seeded with ``seed`` (still
+    one window per stretch of L/n, distinct; another sample for another seed)."""
     if len(windows) < n:
         raise SystemExit(f"only {len(windows)} windows available, {n} requested")
-    idx = torch.linspace(0, len(windows) - 1, n).round().long().tolist()
+    if seed is None:
+        idx = torch.linspace(0, len(windows) - 1, n).round().long().tolist()
+    else:
+        u = torch.rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+        idx = [min(int((i + float(u)) * len(windows) / n), len(windows) - 1) for i in range(n)]
     return torch.stack([windows[i] for i in idx])
 
 
-def lm_datasets(n_seqs: int) -> tuple[list[dict], dict[str, torch.Tensor]]:
+def lm_datasets(n_seqs: int, seed: int | None = None
+                ) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """``(training examples, evaluation sets)`` of the LM task, byte tokens, ``SEQ_LEN`` windows.
 
-    Training: the pydoc topics left after ``split_documents(0.1, seed=0)``. Evaluation sets,
-    each ``[n_seqs, SEQ_LEN]`` (`pick`): ``val`` = the even half of the held-out topics,
-    ``id`` = the odd half, ``python_source`` = ``ood_documents()``, ``licenses`` =
-    ``license_documents()`` (when the machine has them)."""
+    Training: the pydoc topics left after ``split_documents(0.1, seed=seed)`` (``None``: seed
+    0). Evaluation sets, each ``[n_seqs, SEQ_LEN]`` (`pick` with ``seed``; ``None``: no random
+    phase, the split of seed 0): ``val`` = the even half of the held-out topics, ``id`` = the odd
+    half, ``python_source`` = ``ood_documents()``, ``licenses`` = ``license_documents()`` (when
+    the machine has them). Each set's windows get their own phase (``seed`` + 1000 × set)."""
     tok = app_data.ByteTokenizer()
-    train_docs, held = app_data.split_documents(app_data.pydoc_documents(), 0.1, seed=0)
+    train_docs, held = app_data.split_documents(app_data.pydoc_documents(), 0.1,
+                                                seed=0 if seed is None else seed)
+    set_index = iter(range(4))
+
+    def picked(docs):
+        i = next(set_index)
+        return pick(windows(docs), n_seqs, seed=None if seed is None else seed + 1000 * i)
 
     def windows(docs):
         return [e["input_ids"]
                 for e in app_data.lm_examples(app_data.encode_documents(docs, tok), SEQ_LEN)]
 
-    sets = {"val": pick(windows(held[0::2]), n_seqs), "id": pick(windows(held[1::2]), n_seqs),
-            "python_source": pick(windows(app_data.ood_documents()), n_seqs)}
+    sets = {"val": picked(held[0::2]), "id": picked(held[1::2]),
+            "python_source": picked(app_data.ood_documents())}
     lic = app_data.license_documents()
     if lic:
-        sets["licenses"] = pick(windows(lic), n_seqs)
+        sets["licenses"] = picked(lic)
     train = app_data.lm_examples(app_data.encode_documents(train_docs, tok), SEQ_LEN)
     return train, sets
 
 
-def train_lm(train_examples: list[dict], steps: int, out: str, fisher: str | None):
+def train_lm(train_examples: list[dict], steps: int, out: str, fisher: str | None,
+             seed: int = 0):
     """The app's default tiny GPT-2 trained by one Trainer run with one `KFACStreamCallback`
-    (``fisher``; ``None``: the same recipe without a tracker, snapshot ``None``).
+    (``fisher``; ``None``: the same recipe without a tracker, snapshot ``None``); ``seed`` sets
+    the initialisation, the Trainer's seed (data order) and the tracker's ``KFACConfig.seed``.
 
     Two callbacks on one Trainer do not work (only the last one records, the other ends with
     tokens_seen 0), so each Fisher gets its own run from the same seed. Returns what
     `train_and_collect` returns."""
-    model = tiny_gpt2(seed=0)
+    model = tiny_gpt2(seed=seed)
     args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=8,
                              learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=10,
                              weight_decay=0.0, logging_steps=max(steps // 4, 1),
                              save_strategy="no", report_to="none", disable_tqdm=True,
-                             use_cpu=True, seed=0)
+                             use_cpu=True, seed=seed)
     cb = None if fisher is None else KFACStreamCallback(KFACConfig(
-        fisher=fisher, output_dir=os.path.join(out, "kfac"), snapshot_every=10 * steps))
+        fisher=fisher, output_dir=os.path.join(out, "kfac"), snapshot_every=10 * steps,
+        seed=seed))
     trainer = Trainer(model=model, args=args, train_dataset=ExampleDataset(train_examples),
                       callbacks=None if cb is None else [cb])
     return train_and_collect(trainer, model, cb)
@@ -345,3 +366,12 @@ def auroc(score_in: torch.Tensor, score_out: torch.Tensor) -> float:
     """P(score of a random OOD item > that of a random ID item), ties 1/2; ``[n_in]``,
     ``[n_out]``: `kfac_stream.metrics.auroc`."""
     return metrics.auroc(score_in, score_out)
+
+
+# -- over seeds ----------------------------------------------------------------------------------
+
+def mean_std(xs: list[float]) -> tuple[float, float]:
+    """``(mean, sample standard deviation)`` (0 for one value)."""
+    m = sum(xs) / len(xs)
+    return m, (math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1
+               else 0.0)

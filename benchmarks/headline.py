@@ -68,22 +68,43 @@ def peer_rows(d: dict) -> list[str]:
 
 
 def lm_rows(d: dict) -> list[str]:
-    cal, auc = d["calibration"], d["auroc"]
+    """MAP and the stream Laplace with the lowest mean held-out NLL (NLL / ECE), and per OOD set
+    the AUROC of MAP entropy and of the Laplace variance with the highest mean, as mean ± std
+    over the seeds (``summary`` of the multi-seed JSON; a single-seed JSON from before has the
+    figures at the top level and is shown as one seed)."""
+    if "summary" in d:
+        s, n = d["summary"], len(d["seeds"])
+        cal = {m: {k: (c["nll"], c["ece"]) for k, c in v.items()}
+               for m, v in s["calibration"].items()}
+        auc = s["auroc"]
+    else:  # single seed: (value, 0)
+        n = 1
+        cal = {m: {k: ((x[0], 0.0), (x[1], 0.0)) for k, x in v.items()}
+               for m, v in d["calibration"].items()}
+        auc = {m: {k: None if x is None else (x, 0.0) for k, x in v.items()}
+               for m, v in d["auroc"].items()}
+
+    def pm(ms, scale=1.0, fmt=".4f"):
+        return f"{scale * ms[0]:{fmt}} ± {scale * ms[1]:{fmt}}" if n > 1 else \
+            f"{scale * ms[0]:{fmt}}"
+
     base = cal["MAP"]
     laps = {m: v for m, v in cal.items() if m.startswith("Laplace")}
-    best = min(laps, key=lambda m: laps[m]["id"][0])
+    best = min(laps, key=lambda m: laps[m]["id"][0][0])
     ood = [k for k in ("python_source", "licenses") if k in base]
     best_auc = {k: max(((m, s[k]) for m, s in auc.items()
-                        if s[k] is not None and m != "MAP entropy"), key=lambda t: t[1])
+                        if s[k] is not None and m != "MAP entropy"), key=lambda t: t[1][0])
                 for k in ood}
     link = "[uncertainty](#predictive-uncertainty-on-real-text-benchmarksuncertaintypy)"
+    seeds = f"{n} seed{'s' if n > 1 else ''}"
     return [
-        f"| next-token NLL / ECE on held-out docs: MAP → best stream Laplace ({best}) | "
-        f"{base['id'][0]:.4f} / {100 * base['id'][1]:.2f}% → {laps[best]['id'][0]:.4f} / "
-        f"{100 * laps[best]['id'][1]:.2f}% | tiny GPT-2, byte tokens | {link} |",
-        *(f"| ID-vs-OOD AUROC, held-out docs vs {k}: MAP entropy, best Laplace variance | "
-          f"{auc['MAP entropy'][k]:.3f}, {best_auc[k][1]:.3f} ({best_auc[k][0]}) | "
-          f"tiny GPT-2 | {link} |" for k in ood)]
+        f"| next-token NLL / ECE on held-out docs: MAP → best stream Laplace by mean NLL "
+        f"({best}) | {pm(base['id'][0])} / {pm(base['id'][1], 100, '.2f')}% → "
+        f"{pm(laps[best]['id'][0])} / {pm(laps[best]['id'][1], 100, '.2f')}% | tiny GPT-2, "
+        f"byte tokens, {seeds} | {link} |",
+        *(f"| ID-vs-OOD AUROC, held-out docs vs {k}: MAP entropy, best Laplace variance by mean | "
+          f"{pm(auc['MAP entropy'][k], 1, '.3f')}, {pm(best_auc[k][1], 1, '.3f')} "
+          f"({best_auc[k][0]}) | tiny GPT-2, {seeds} | {link} |" for k in ood)]
 
 
 def cls_rows(d: dict) -> list[str]:

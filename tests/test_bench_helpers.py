@@ -181,3 +181,88 @@ def test_mean_std_and_acceptance_from_numbers():
     per[0]["results"][uc.KRON]["nll"] = 1.2
     acc = uc.acceptance(per, uc.summarise(per))
     assert [c["met"] for c in acc] == [True, True, False, False]  # 1.495 / 1.375 > 1.03
+
+
+# -- over seeds (benchmarks/_common.py, uncertainty.py, headline.py) ---------------------------
+
+import headline  # noqa: E402
+import uncertainty as un  # noqa: E402
+
+import _common  # noqa: E402
+
+
+def test_mean_std_is_shared_by_both_uncertainty_scripts():
+    assert uc.mean_std is _common.mean_std and un.mean_std is _common.mean_std
+    m, s = _common.mean_std([1.0, 4.0])
+    assert m == 2.5 and abs(s - 1.5 * 2 ** 0.5) < 1e-12
+
+
+def test_pick_seeded_phase_one_distinct_window_per_stretch_deterministic():
+    windows = [torch.tensor([i]) for i in range(37)]
+    assert _common.pick(windows, 5)[:, 0].tolist() == [0, 9, 18, 27, 36]  # no seed: as before
+    picks = {}
+    for seed in range(6):
+        idx = _common.pick(windows, 5, seed=seed)[:, 0].tolist()
+        assert idx == _common.pick(windows, 5, seed=seed)[:, 0].tolist()
+        assert len(set(idx)) == 5
+        for i, j in enumerate(idx):  # one window in each stretch [floor(i L/n), (i+1) L/n)
+            assert i * 37 // 5 <= j < (i + 1) * 37 / 5
+        picks[seed] = idx
+    assert len({tuple(v) for v in picks.values()}) > 1
+    assert _common.pick(windows, 37, seed=3)[:, 0].tolist() == list(range(37))
+    with pytest.raises(SystemExit):
+        _common.pick(windows, 38, seed=0)
+
+
+def _lm_seed(seed, map_nll, lap_nll, map_auc, lap_auc):
+    return {"seed": seed,
+            "calibration": {"MAP": {"id": [map_nll, 0.10], "licenses": [3.0, 0.2]},
+                            "Laplace empirical, tau=marglik": {"id": [lap_nll, 0.05],
+                                                               "licenses": [3.0, 0.2]}},
+            "auroc": {"MAP entropy": {"licenses": map_auc},
+                      "Laplace empirical, tau=marglik": {"licenses": lap_auc},
+                      un.MC_DROPOUT: {"licenses": None}},
+            "taus": {"Laplace empirical, tau=marglik": 100.0 * (seed + 1)},
+            "cost_seconds": {"MAP": 0.1, "Laplace empirical, tau=marglik": 1.0 + seed},
+            "train_seconds": {"empirical": 10.0, "mc": 12.0}}
+
+
+def test_uncertainty_summary_paired_calls_and_headline_rows():
+    per = [_lm_seed(0, 2.0, 1.9, 0.6, 0.5), _lm_seed(1, 2.2, 2.1, 0.7, 0.71),
+           _lm_seed(2, 2.1, 2.0, 0.5, 0.4)]
+    s = un.summarise(per)
+    lap = "Laplace empirical, tau=marglik"
+    assert s["calibration"]["MAP"]["id"]["nll"] == pytest.approx((2.1, 0.1))
+    assert s["calibration"][lap]["id"]["ece"] == pytest.approx((0.05, 0.0))
+    assert s["auroc"][un.MC_DROPOUT]["licenses"] is None
+    assert s["taus"][lap] == [100.0, 200.0, 300.0]
+    assert s["cost_seconds"][lap] == pytest.approx((2.0, 1.0))
+    assert s["train_seconds"]["mc"] == (12.0, 0.0)
+
+    cmp = un.comparisons(per)
+    nll = cmp["calibration"][lap]["id"]["nll"]
+    assert nll["diffs"] == pytest.approx([-0.1, -0.1, -0.1])
+    assert nll["lower"] == 3 and nll["call"] == "lower"  # every seed, std 0 < |mean|
+    assert cmp["calibration"][lap]["id"]["ece"]["call"] == "lower"
+    auc = cmp["auroc"][lap]["licenses"]
+    assert (auc["lower"], auc["higher"], auc["call"]) == (2, 1, "noise")  # signs disagree
+    assert cmp["calibration"][lap]["licenses"]["nll"]["call"] == "noise"  # no difference
+    assert un.MC_DROPOUT not in cmp["auroc"]
+    assert un.paired([1.0, 1.0, 1.0], [1.1, 1.3, 1.01])["call"] == "noise"  # |mean| < std
+    assert un.paired([1.0, 1.0, 1.0], [1.2, 1.3, 1.25])["call"] == "higher"
+    assert un.paired([1.0], [0.5])["call"] == "one seed"
+
+    r = {"seeds": [0, 1, 2], "sets": {"val": [4, 128], "id": [4, 128], "licenses": [4, 128]},
+         "summary": s, "vs_map": cmp, "per_seed": per}
+    text = un.tables(r) + "\n" + un.verdict(r)
+    assert "2.1000 ± 0.1000" in text and "100, 200, 300" in text
+    assert f"better than MAP (lower): {lap} id NLL, {lap} id ECE" in text
+    assert "worse than MAP (higher): none" in text
+    assert "within noise of MAP entropy" in text
+
+    import json
+
+    rows = headline.lm_rows(json.loads(json.dumps(r)))  # as read back from the JSON
+    assert "2.1000 ± 0.1000 / 10.00 ± 0.00% → 2.0000 ± 0.1000 / 5.00 ± 0.00%" in rows[0]
+    assert "3 seeds" in rows[0] and len(rows) == 2
+    assert f"0.600 ± 0.100, 0.537 ± 0.158 ({lap})" in rows[1]
