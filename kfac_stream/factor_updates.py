@@ -253,7 +253,9 @@ class FactorUpdater:
         the restart step is the first update step (a multiple of ``update_every``) at or after
         ``ceil((1 − final_window)·max_steps)``, or the last update step when none is (a short
         run); None (the EMA throughout) when ``final_window`` is 0 or ``max_steps`` unknown
-        (``≤ 0``). Returns the restart step."""
+        (``≤ 0``). Call it after restoring a checkpoint's counters: a window start restored
+        from a run planned with another ``max_steps`` before this plan's restart step is
+        dropped. Returns the restart step."""
         fw, every = self.config.final_window, self.config.update_every
         self.restart_step = None
         if fw > 0 and max_steps > 0:
@@ -262,6 +264,12 @@ class FactorUpdater:
             if restart >= max_steps:
                 restart = ((max_steps - 1) // every) * every
             self.restart_step = restart
+        # a window restored from a checkpoint counts only if it started within this plan's
+        # window (a run resumed with another max_steps plans its own; the restart discards
+        # the state before it, so the result is that of an uninterrupted run of this plan)
+        started = self.counters.window_start_step
+        if started >= 0 and (self.restart_step is None or started < self.restart_step):
+            self.counters.window_start_step = -1
         return self.restart_step
 
     def decay_at(self, step: int) -> float | None:

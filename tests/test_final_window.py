@@ -70,3 +70,20 @@ def test_final_window_factors_are_the_mean_over_the_window(tmp_path):
 def test_final_window_range(bad):
     with pytest.raises(KFACConfigError, match=r"^KFACConfig.final_window="):
         KFACConfig(final_window=bad)
+
+
+@pytest.mark.parametrize("restored,max_steps,kept", [
+    (1, 4, -1),  # a window of a shorter plan (max_steps 2: restart at 1) before this one's (3)
+    (3, 4, 3),   # resumed inside this plan's window
+    (2, 0, -1),  # max_steps unknown now: no window
+])
+def test_window_restored_from_another_plan_is_dropped(restored, max_steps, kept):
+    """A checkpoint's window start counts only within this run's plan: resumed with another
+    ``max_steps``, the restart at this plan's step discards the state before it, as an
+    uninterrupted run of this plan does (`tests/test_distributed.py` resumes a 2-step run to
+    4 steps and compares bit for bit)."""
+    up = FactorUpdater.__new__(FactorUpdater)
+    up.config, up.counters = KFACConfig(update_every=1, final_window=0.1), Counters()
+    up.counters.window_start_step = restored
+    up.set_final_window(max_steps)
+    assert up.counters.window_start_step == kept

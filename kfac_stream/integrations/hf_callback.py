@@ -117,9 +117,9 @@ class KFACStreamCallback(TrainerCallback):
         self._comm = dist_ctx.snapshot_comm if dist_ctx else LOCAL
         self.output_dir = cfg.output_dir or os.path.join(args.output_dir, "kfac")
         self._last_snapshot_step = None
-        restart = self.tracker.set_final_window(int(getattr(state, "max_steps", 0) or 0))
         if state.global_step > 0:  # resuming from a checkpoint
             self._resume(args, state)
+        restart = self.tracker.set_final_window(int(getattr(state, "max_steps", 0) or 0))
         if self.tracker.rank == 0:
             clean_stale_tmp(self.output_dir)
             logger.info("kfac_stream: tracking %d layers (%s Fisher, token_fraction=%g, "
