@@ -550,9 +550,13 @@ class _Accumulator:
             if labels is not None:
                 lp = logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0].double()
                 self.label_lp.append(lp.masked_fill(labels == IGNORE_INDEX, float("nan")))
-            # H = −Σ p log p, with 0·log 0 = 0 where a logit is −∞ (log p clamped to the
-            # lowest finite value there, where p = 0)
-            h = -torch.linalg.vecdot(p, logp.clamp_(min=torch.finfo(work).min)).double()
+            # H = −Σ p log p; a −∞ logit (p = 0) gives 0·(−∞) = NaN: those rows again with
+            # log p clamped to the lowest finite value (0·log 0 = 0); one host read of a [*P]
+            # flag per sample, and the extra pass only where such logits occur
+            h = -torch.linalg.vecdot(p, logp)
+            if bool(h.isnan().any()):
+                h = -torch.linalg.vecdot(p, logp.clamp_(min=torch.finfo(work).min))
+            h = h.double()
             self.sum_h = h if self.sum_h is None else self.sum_h.add_(h)
             self.block_p = p if self.block_p is None else self.block_p.add_(p)
             self.in_block += 1
