@@ -100,13 +100,13 @@ class LaplacePosterior:
             ``num_data``; the posterior precision scales with it. A value more than
             `NUM_DATA_WARN_FACTOR` times away from the snapshot's own count warns
             (``UserWarning``).
-
         layers: The layers the posterior is over (the others stay at their trained values,
             as the block-diagonal posterior's marginal): None (every layer of the snapshot),
             a preset name (``"last_layer"``, ``"lora"``, ``"attention"``, ``"mlp"``,
             ``"all_linear"``: `kfac_stream.capture.presets`, resolved on ``model``; every layer
             it selects must be in the snapshot), or a list of the snapshot's layer names. Track
             broadly once, query any subset (e.g. ``layers="mlp"``).
+
     Raises:
         QueryInputError: an argument of the wrong type or out of range.
         PartitionedModelError: a model whose weights DeepSpeed ZeRO-3 partitions (also right
