@@ -78,8 +78,9 @@ def _prior_precision(value: str) -> float | str:
 #: ``--mode``: the per-token whole-vocabulary table, or the top-k next tokens.
 MODES = ("tokens", "topk")
 
-#: ``--samples`` by mode: posterior weight samples (a forward each) for ``tokens``, Gaussian
-#: draws of the top-k logits per position (cheap) for ``topk``.
+#: ``--samples`` by mode: posterior samples for ``tokens`` (one forward-mode pass each of the
+#: linearised model, the default; one forward each with ``--weight-samples``), Gaussian draws of
+#: the top-k logits per position (cheap) for ``topk``.
 DEFAULT_SAMPLES = {"tokens": 32, "topk": 2000}
 
 
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--byte-level", action="store_true", help="token id = UTF-8 byte (the demo)")
     q.add_argument("--mode", choices=MODES, help="tokens: per position the next token's "
                    "predictive probability, entropy, aleatoric and epistemic parts over the "
-                   "whole vocabulary, from posterior weight samples; topk: the top-k next "
+                   "whole vocabulary, from posterior samples; topk: the top-k next "
                    "tokens with mean p +- std (default: topk if --top-k is given, else tokens)")
     q.add_argument("--top-k", type=int, help="next tokens per position (--mode topk; default 5)")
     q.add_argument("--prior-precision", default="marglik", help="a float or 'marglik'")
