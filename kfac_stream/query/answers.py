@@ -193,13 +193,11 @@ def answer_distribution(post: LaplacePosterior, batch: Mapping[str, Tensor],
     seed = inputs.check_seed(where, "seed", seed)
     if chunk is not None:
         chunk = inputs.check_int(where, "chunk", chunk, 1)
-    _check_flag(where, "linearized", linearized)
+    inputs.check_flag(where, "linearized", linearized)
     if show_progress is not None:
-        _check_flag(where, "show_progress", show_progress)
+        inputs.check_flag(where, "show_progress", show_progress)
 
-    model_inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_items_in_batch")}
-    if getattr(getattr(post.model, "config", None), "use_cache", None) is not None:
-        model_inputs.setdefault("use_cache", False)
+    model_inputs = inputs.forward_inputs(batch, post.model)
     with torch.no_grad():
         map_logits = logits_of(post.model(**model_inputs))
     select = _Selector(where, map_logits, batch, size, pos, positions, ids, options)
@@ -409,11 +407,6 @@ def _majority(counts: Tensor, map_answer: Tensor) -> tuple[Tensor, Tensor]:
     tied = counts == top[:, None]
     first = tied.int().argmax(-1)  # argmax returns the first of equal maxima
     return torch.where(tied.gather(1, map_answer[:, None])[:, 0], map_answer, first), top
-
-
-def _check_flag(where: str, arg: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise inputs.error(where, arg, value, "True or False", typed=True)
 
 
 def _check_left_padding(where: str, mask: object, input_ids: Tensor) -> Tensor:

@@ -52,6 +52,23 @@ def error(where: str, arg: str, value: Any, allowed: str, problem: str = "is not
     return QueryInputError(f"{where}: {arg}={shown} {problem}: must be {allowed}")
 
 
+def check_flag(where: str, arg: str, value: Any) -> None:
+    """``value`` is a bool (not merely truthy), else a one-line `QueryInputError`."""
+    if not isinstance(value, bool):
+        raise error(where, arg, value, "True or False", typed=True)
+
+
+def forward_inputs(batch: Mapping[str, Any], model: nn.Module | None = None) -> dict[str, Any]:
+    """The keyword arguments of a query's forward: ``batch`` without the training-only
+    ``labels`` / ``num_items_in_batch`` and, for a ``model`` whose config has ``use_cache``,
+    ``use_cache=False`` unless given (a query keeps no key/value cache)."""
+    out = {k: v for k, v in batch.items() if k not in ("labels", "num_items_in_batch")}
+    if model is not None and getattr(getattr(model, "config", None), "use_cache",
+                                     None) is not None:
+        out.setdefault("use_cache", False)
+    return out
+
+
 def is_int(x: Any) -> bool:
     """An integer, not a bool (Python or NumPy)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)

@@ -203,6 +203,17 @@ class LaplacePosterior:
         self._check_layer("LaplacePosterior.weights", name)
         return self._weights(name)
 
+    def eigenbases(self, name: str) -> tuple[Tensor | None, Tensor | None]:
+        """``(Q_A [d_A, d_A], Q_G [d_out, d_out])`` of a layer in ``feature_dtype`` on
+        ``self.device`` (kept from construction, shared by every query; None for a diagonal
+        factor, whose eigenbasis is the identity).
+
+        Args:
+            name: A tracked layer (one of ``layer_names``).
+        """
+        self._check_layer("LaplacePosterior.eigenbases", name)
+        return self._qf[name]
+
     def _weights(self, name: str) -> Tensor:
         m = self.modules[name]
         w = m.weight.detach().double()
@@ -275,7 +286,7 @@ class LaplacePosterior:
         handles = [m.register_forward_hook(hook(n)) for n, m in self.modules.items()]
         try:
             with torch.enable_grad():
-                logits = logits_of(self.model(**_model_inputs(q.batch)))
+                logits = logits_of(self.model(**inputs.forward_inputs(q.batch)))
                 f = _select_logits(logits, q)  # [B, K]
                 names = list(outs)
                 grads = dict(zip(names, _logit_gradients(f, [outs[n] for n in names])))
@@ -752,10 +763,6 @@ def _logit_gradients(f: Tensor, outs: list[Tensor]) -> list[Tensor]:
         for i, (g, o) in enumerate(zip(gs, outs)):
             per_k[i].append(torch.zeros_like(o) if g is None else g.detach())
     return [torch.stack(g) for g in per_k]
-
-
-def _model_inputs(batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    return {k: v for k, v in batch.items() if k not in ("labels", "num_items_in_batch")}
 
 
 def _select_logits(logits: Tensor | None, q: _Query) -> Tensor:

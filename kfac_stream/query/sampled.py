@@ -245,7 +245,7 @@ def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor],
     where = "sampled_predictive"
     size, length, n_samples, seed, chunk = _check_arguments(
         where, post, batch, n_samples, seed, chunk, linearized, draws, show_progress)
-    _check_flag(where, "return_logits", return_logits)
+    inputs.check_flag(where, "return_logits", return_logits)
     label_ids = _check_labels(where, labels, batch, size, length)
 
     acc = _Accumulator(n_samples, return_logits)
@@ -292,9 +292,9 @@ def _check_arguments(where: str, post: object, batch: object, n_samples: object,
     size, length = inputs.check_batch(where, "batch", batch, inputs.input_vocab(post.model))
     n_samples, seed = _check_samples(where, post, n_samples, seed, draws, 2)
     chunk = _check_chunk(where, chunk, n_samples, post, size, length)
-    _check_flag(where, "linearized", linearized)
+    inputs.check_flag(where, "linearized", linearized)
     if show_progress is not None:
-        _check_flag(where, "show_progress", show_progress)
+        inputs.check_flag(where, "show_progress", show_progress)
     return size, length, n_samples, seed, chunk
 
 
@@ -311,10 +311,7 @@ def _sample_logits(where: str, post: LaplacePosterior, batch: Mapping[str, Tenso
                    draws: PosteriorDraws | None,
                    show_progress: bool | None) -> Iterator[tuple[int, Tensor]]:
     """`iter_sample_logits` of checked arguments."""
-    model_inputs = {k: v for k, v in batch.items() if k not in ("labels", "num_items_in_batch")}
-    config = getattr(post.model, "config", None)
-    if getattr(config, "use_cache", None) is not None:
-        model_inputs.setdefault("use_cache", False)  # no key/value cache of S·B rows
+    model_inputs = inputs.forward_inputs(batch, post.model)  # no key/value cache of S·B rows
     layers = _Layers(post)
     bar = progress(total=n_samples, desc=f"sampled predictive ({n_samples} samples of "
                    f"{size}x{length}{', linearised' if linearized else ''})", unit="sample",
@@ -389,7 +386,8 @@ class _Layers:
         ``i`` is ``sampled_weights(seeds[i])``'s draw (the same generator, consumed layer by
         layer in the same order; the rotation ``Q_G Z Q_Aᵀ`` on the device in the posterior's
         ``feature_dtype`` — float64 for float64 models, else float32, whose rounding is far
-        below a draw's own spread — with one layer's eigenbases there at a time)."""
+        below a draw's own spread — with the eigenbases the posterior converted once,
+        `LaplacePosterior.eigenbases`)."""
         post = self.post
         zs: dict[str, list[Tensor]] = {n: [] for n in post.modules}
         for s in seeds:
@@ -400,15 +398,14 @@ class _Layers:
                 zs[name].append(ke.sample_block(None, gval, None, aval, post.num_data,
                                                 post.tau(name), gen))
         out = {}
-        fd = post.feature_dtype
         for name, m in post.modules.items():
-            qa, _, qg, _ = post.eig[name]
+            qa, qg = post.eigenbases(name)  # feature dtype, converted once per posterior
             dev = m.weight.device
-            z = torch.stack(zs.pop(name)).to(dev, fd)
+            z = torch.stack(zs.pop(name)).to(dev, post.feature_dtype)
             if qg is not None:
-                z = qg.to(dev, fd) @ z
+                z = qg.to(dev) @ z
             if qa is not None:
-                z = z @ qa.to(dev, fd).T
+                z = z @ qa.to(dev).T
             out[name] = z.to(m.weight.dtype)
         return out
 
@@ -588,11 +585,6 @@ class _Accumulator:
 
 
 # -- arguments ----------------------------------------------------------------------------------
-
-
-def _check_flag(where: str, arg: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise inputs.error(where, arg, value, "True or False", typed=True)
 
 
 def _check_labels(where: str, labels: object, batch: Mapping[str, Tensor], size: int,
