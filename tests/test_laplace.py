@@ -175,6 +175,33 @@ def test_probit_and_mc_probabilities_agree():
     assert (p_probit[0, 0] < torch.softmax(mean, -1)[0, 0])  # uncertainty flattens
 
 
+def test_meanfield_link_against_closed_forms_and_mc():
+    """The pairwise mean-field link: softmax(μ) under no or fully shared noise (where probit
+    moves), the probit sigmoid of the difference at K = 2, and the MC predictive at moderate
+    variances (an approximation: within 2e-2, like probit's)."""
+    from kfac_stream.query.laplace import probs_from_gaussian
+
+    mean = torch.tensor([[1.0, 0.0, -1.0]], dtype=torch.float64)
+    soft = torch.softmax(mean, -1)
+    zero = torch.zeros(1, 3, 3, dtype=torch.float64)
+    assert torch.allclose(probs_from_gaussian(mean, zero, "meanfield"), soft, atol=1e-15)
+    shared = torch.full((1, 3, 3), 25.0, dtype=torch.float64)  # one noise on every logit
+    assert torch.allclose(probs_from_gaussian(mean, shared, "meanfield"), soft, atol=1e-12)
+    assert (probs_from_gaussian(mean, shared, "probit") - soft).abs().max() > 0.1
+
+    m2 = torch.tensor([[0.7, -0.4]], dtype=torch.float64)
+    c2 = torch.tensor([[[2.0, 0.5], [0.5, 1.0]]], dtype=torch.float64)
+    s2 = 2.0 + 1.0 - 2 * 0.5
+    p1 = torch.sigmoid(torch.tensor(1.1 / math.sqrt(1 + math.pi / 8 * s2), dtype=torch.float64))
+    got = probs_from_gaussian(m2, c2, "meanfield")
+    assert abs(got[0, 0].item() - p1.item()) < 1e-14 and abs(got.sum().item() - 1) < 1e-14
+
+    cov = torch.tensor([[[0.5, 0.1, 0.0], [0.1, 0.3, 0.0], [0.0, 0.0, 0.2]]], dtype=torch.float64)
+    p_mc = probs_from_gaussian(mean, cov, "mc", n_samples=200_000)
+    p_mf = probs_from_gaussian(mean, cov, "meanfield")
+    assert (p_mc - p_mf).abs().max() < 2e-2
+
+
 def test_mismatched_model_names_the_first_mismatch(trained):
     _, snap = trained
     with pytest.raises(SnapshotMismatchError, match=r"layer 'transformer.h.0.attn.c_attn' has"):

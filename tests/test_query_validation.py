@@ -333,9 +333,11 @@ def test_method_samples_and_seed_of_predictive_probs(post, forwards):
     batch = batch_of([10, 10])
     where = "LaplacePosterior.predictive_probs: "
     raises(lambda: post.predictive_probs(batch, -1, [1, 2], method="exact"),
-           f"{where}method='exact' is not allowed: must be one of ('probit', 'mc')")
+           f"{where}method='exact' is not allowed: must be one of ('probit', "
+           "'meanfield', 'mc')")
     raises(lambda: post.predictive_probs(batch, -1, [1, 2], method=None),
-           f"{where}method=None (a NoneType) is not allowed: must be one of ('probit', 'mc')")
+           f"{where}method=None (a NoneType) is not allowed: must be one of ('probit', "
+           "'meanfield', 'mc')")
     raises(lambda: post.predictive_probs(batch, -1, [1, 2], method="mc", n_samples=0),
            f"{where}n_samples=0 is not allowed: must be an int >= 1")
     raises(lambda: post.predictive_probs(batch, -1, [1, 2], method="mc", seed="7"),
@@ -348,7 +350,7 @@ def test_probs_from_gaussian():
     cov = torch.eye(3, dtype=torch.float64).expand(2, 3, 3)
     raises(lambda: probs_from_gaussian(mean, cov, "sampling"),
            "probs_from_gaussian: method='sampling' is not allowed: must be one of ('probit', "
-           "'mc')")
+           "'meanfield', 'mc')")
     raises(lambda: probs_from_gaussian(mean, cov[0]),
            "probs_from_gaussian: cov=<tensor [3, 3] float64> is not allowed: must be a "
            "[B, K, K] = [2, 3, 3] floating tensor (mean is [B, K])")

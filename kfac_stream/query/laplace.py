@@ -49,7 +49,7 @@ NUM_DATA_WARN_FACTOR = 4.0
 #: indices per example (a ``[B, K]`` integer tensor or ``B`` sequences of ``K`` ints).
 TokenIds = Sequence[int] | Sequence[Sequence[int]] | Tensor
 
-PROBS_METHODS = ("probit", "mc")
+PROBS_METHODS = ("probit", "meanfield", "mc")
 HELDOUT_ALLOWED = ("an iterable of dicts {'batch', 'token_ids', 'labels' [B], optionally "
                    "'positions'} (a list of one dict for one batch)")
 
@@ -368,8 +368,11 @@ class LaplacePosterior:
 
         Args:
             batch, positions, token_ids: As in `jacobian_features`.
-            method: ``"probit"``: ``softmax(μ / sqrt(1 + π/8 · diag Σ))``; ``"mc"``: the mean
-                of ``softmax(f)`` over ``n_samples`` draws ``f ~ N(μ, Σ)``.
+            method: ``"probit"``: ``softmax(μ / sqrt(1 + π/8 · diag Σ))``; ``"meanfield"``:
+                the pairwise mean-field link, which uses the variances of the logit
+                *differences* (the covariances between the K logits; see
+                `probs_from_gaussian`); ``"mc"``: the mean of ``softmax(f)`` over ``n_samples``
+                draws ``f ~ N(μ, Σ)``.
             n_samples: Draws for ``"mc"``, an int ≥ 1.
             seed: Seed of the draws, an int.
 
@@ -563,12 +566,23 @@ def probs_from_gaussian(mean: Tensor, cov: Tensor, method: str = "probit",
     Args:
         mean: ``[B, K]`` floating tensor.
         cov: ``[B, K, K]`` floating tensor.
-        method: ``"probit"`` or ``"mc"`` (as in `LaplacePosterior.predictive_probs`).
+        method: ``"probit"``, ``"meanfield"`` or ``"mc"`` (as in
+            `LaplacePosterior.predictive_probs`).
         n_samples: Draws for ``"mc"``, an int ≥ 1.
         seed: Seed of the draws, an int.
 
     Returns:
         ``[B, K]``.
+
+    The probit link scales each logit by its own variance and ignores the covariances: where
+    the K logits move together (answer logits read from one shared representation), it
+    flattens and can reorder the probabilities although no logit *difference* is uncertain.
+    ``"meanfield"`` is the pairwise mean-field approximation of Lu, Ie & Sha (2020,
+    arXiv:2006.07584): with ``Δ_kj = μ_k − μ_j`` and ``s²_kj = Σ_kk + Σ_jj − 2Σ_kj``,
+    ``p_k ∝ 1 / Σ_j exp(−Δ_kj / sqrt(1 + π/8 · s²_kj))`` (the ``j = k`` term is 1),
+    normalised over k. A noise shared by all logits leaves it at ``softmax(μ)``, and for
+    K = 2 it is the probit approximation of the sigmoid of the difference (so it keeps the
+    MAP's decision there).
     """
     where = "probs_from_gaussian"
     inputs.check_choice(where, "method", method, PROBS_METHODS)
@@ -584,6 +598,13 @@ def probs_from_gaussian(mean: Tensor, cov: Tensor, method: str = "probit",
     if method == "probit":
         kappa = 1.0 / torch.sqrt(1.0 + math.pi / 8.0 * torch.diagonal(cov, dim1=-2, dim2=-1))
         return torch.softmax(mean * kappa, dim=-1)
+    if method == "meanfield":
+        var = torch.diagonal(cov, dim1=-2, dim2=-1)  # [B, K]
+        diff_var = (var[:, :, None] + var[:, None, :] - 2.0 * cov).clamp(min=0.0)  # [B, K, K]
+        diff = mean[:, :, None] - mean[:, None, :]  # [B, K, K]: Δ_kj
+        # −log p_k (unnormalised) = logsumexp_j(−Δ_kj / sqrt(1 + π/8 s²_kj)); diagonal: 0
+        score = -torch.logsumexp(-diff / torch.sqrt(1.0 + math.pi / 8.0 * diff_var), dim=-1)
+        return torch.softmax(score, dim=-1)
     gen = torch.Generator().manual_seed(seed)
     k = mean.shape[-1]
     jitter = 1e-10 * torch.diagonal(cov, dim1=-2, dim2=-1).mean(-1).clamp(min=1e-30)
