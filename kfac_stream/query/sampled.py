@@ -389,19 +389,26 @@ class _Layers:
         below a draw's own spread — with the eigenbases the posterior converted once,
         `LaplacePosterior.eigenbases`)."""
         post = self.post
-        zs: dict[str, list[Tensor]] = {n: [] for n in post.modules}
-        for s in seeds:
+        # Z ⊘ sqrt(D) from the same generator calls as `kron_eigen.sample_block` (one generator
+        # per seed, consumed layer by layer): the draws are bit-equal to sampled_weights'. The
+        # precision eigenvalues D, the same for every sample, are computed once per layer
+        # (recomputing them per sample cost more than the rotations).
+        root_d, zs = {}, {}
+        for name in post.modules:
+            _, aval, _, gval = post.eig[name]
+            root_d[name] = ke.precision_eigenvalues(gval, aval, post.num_data,
+                                                    post.tau(name)).sqrt()
+            zs[name] = root_d[name].new_empty((len(seeds), *root_d[name].shape))
+        for i, s in enumerate(seeds):
             gen = torch.Generator().manual_seed(s)
             for name in post.modules:
-                _, aval, _, gval = post.eig[name]
-                # no eigenbases: Z ⊘ sqrt(D) from the same generator calls as sample_block
-                zs[name].append(ke.sample_block(None, gval, None, aval, post.num_data,
-                                                post.tau(name), gen))
+                torch.randn(root_d[name].shape, generator=gen, dtype=root_d[name].dtype,
+                            out=zs[name][i])
         out = {}
         for name, m in post.modules.items():
             qa, qg = post.eigenbases(name)  # feature dtype, converted once per posterior
             dev = m.weight.device
-            z = torch.stack(zs.pop(name)).to(dev, post.feature_dtype)
+            z = zs.pop(name).div_(root_d[name]).to(dev, post.feature_dtype)
             if qg is not None:
                 z = qg.to(dev) @ z
             if qa is not None:
