@@ -96,9 +96,15 @@ def mc_z_scores(f, mean, cov):
 # -- 1. batched samples == a loop over sampled_weights -----------------------------------------
 
 
-@pytest.mark.parametrize("head", ["lm", "classifier"])
-def test_batched_samples_equal_a_loop_over_sampled_weights(request, head):
+@pytest.mark.parametrize("head,slices", [("lm", "one"), ("lm", "many"), ("classifier", "one")])
+def test_batched_samples_equal_a_loop_over_sampled_weights(request, monkeypatch, head, slices):
+    """``slices="many"``: the statistics over row slices of 5 positions (7 + 1 partial over the
+    36 positions; on a CPU the slices are cache-sized, one per sample in these tiny models)."""
+    from kfac_stream.query.sampled import _Accumulator
+
     post = request.getfixturevalue(head)
+    if slices == "many":
+        monkeypatch.setattr(_Accumulator, "CACHE_ELEMENTS", 5 * post.model.config.vocab_size)
     batch = padded_batch([12, 9, 6]) if head == "lm" else padded_batch([12, 7])
     labels = next_tokens(batch) if head == "lm" else torch.tensor([2, 0])
     before = {k: v.clone() for k, v in post.model.state_dict().items()}
@@ -381,13 +387,18 @@ def test_posterior_draws_drawn_once_give_the_same_samples(lm):
         sampled_predictive(other, batch, draws=draws)
 
 
+@pytest.mark.parametrize("rows", [None, 2, 1], ids=["one-slice", "slices-of-2", "slices-of-1"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_statistics_with_minus_infinite_logits_and_many_samples(dtype):
+def test_statistics_with_minus_infinite_logits_and_many_samples(monkeypatch, dtype, rows):
     """The accumulator on hand-made logits: a −∞ logit (a masked token) has probability 0 and
     adds nothing to the entropy (0·log 0 = 0); S = 20 samples cross the float32 blocks of
-    ``FLUSH`` samples. Reference: the statistics in float64 by ``xlogy``. float32 work: 1e-6
-    (float32 log-softmax, ~1e-7 per entry, summed over 6 classes and 20 samples)."""
+    ``FLUSH`` samples; the 3 positions in one row slice, or in slices of 2 (+ 1) or 1. Reference:
+    the statistics in float64 by ``xlogy``. float32 work: 1e-6 (float32 log-softmax, ~1e-7 per
+    entry, summed over 6 classes and 20 samples)."""
     from kfac_stream.query.sampled import _Accumulator
+
+    if rows is not None:
+        monkeypatch.setattr(_Accumulator, "CACHE_ELEMENTS", rows * 6)
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(20, 3, 6, generator=gen, dtype=torch.float64)
