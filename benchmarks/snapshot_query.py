@@ -267,8 +267,8 @@ def bench_glm(model, path: str, reps: int) -> dict:
         la.fit(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
             fit_x, torch.zeros(QB, dtype=torch.long)), batch_size=QB))
         las[k] = la
-        jobs[f"kfac_stream K={k}"] = lambda k=k: post.predictive_probs(
-            batch, positions=-1, token_ids=list(range(k)))
+        jobs[f"kfac_stream K={k}"] = lambda k=k: post.predictive_probs(  # laplace-torch's link
+            batch, positions=-1, token_ids=list(range(k)), method="probit")
         jobs[f"laplace-torch K={k}"] = lambda k=k: las[k](ids, pred_type="glm",
                                                           link_approx="probit")
     interleave(jobs, 1)  # warm-up
