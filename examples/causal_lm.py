@@ -54,7 +54,7 @@ prompt = torch.tensor([list(b"def f(x):\n    return")])
 batch = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}
 next_ids = [ord(c) for c in " x(1"]  # logits of four candidate next bytes
 mean, cov = post.predictive(batch, positions=-1, token_ids=next_ids)  # [1, 4], [1, 4, 4]
-probs = post.predictive_probs(batch, positions=-1, token_ids=next_ids, method="probit")
+probs = post.predictive_probs(batch, positions=-1, token_ids=next_ids)  # mean-field link
 for k, i in enumerate(next_ids):
     print(f"next {chr(i)!r}: logit {mean[0, k]:.2f} ± {cov[0, k, k].sqrt():.2f}, "
           f"p {probs[0, k]:.3f} (among the four)")

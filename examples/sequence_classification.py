@@ -55,7 +55,7 @@ batch = {k: torch.stack([e[k] for e in test]) for k in ("input_ids", "attention_
 labels = torch.stack([e["labels"] for e in test])
 with torch.no_grad():
     map_probs = model(**batch).logits.softmax(-1)  # [100, 2]
-probs = post.predictive_probs(batch, method="probit")  # [100, 2]: all classes of the head
+probs = post.predictive_probs(batch)  # [100, 2]: all classes of the head
 for name, q in (("trained model", map_probs), ("Laplace", probs)):
     nll = -q[torch.arange(len(labels)), labels].clamp_min(1e-12).log().mean()
     acc = (q.argmax(-1) == labels).float().mean()
