@@ -581,7 +581,10 @@ class _Accumulator:
                 logp = torch.log_softmax(flat[i:i + rows].to(work), dim=-1)
                 p = logp.exp()
                 h[i:i + rows] = torch.linalg.vecdot(p, logp)
-                block[i:i + rows].add_(p)
+                if self.in_block:
+                    block[i:i + rows].add_(p)
+                else:  # the block's first sample: written, not added (no zeroing pass)
+                    block[i:i + rows].copy_(p)
                 if lp is not None:
                     lp[i:i + rows] = logp.gather(-1, flat_labels[i:i + rows])[:, 0]
             # H = −Σ p log p; a −∞ logit (p = 0) gives 0·(−∞) = NaN: those rows again with
@@ -604,15 +607,16 @@ class _Accumulator:
     def _flush(self) -> None:
         if self.in_block:
             assert self.block_p is not None
-            block = self.block_p.to(torch.float64, copy=True)  # block_p is zeroed next
-            self.sum_p = block if self.sum_p is None else self.sum_p.add_(block)
-            self.block_p.zero_()
+            if self.sum_p is None:
+                self.sum_p = self.block_p.to(torch.float64, copy=True)  # block_p is reused
+            else:
+                self.sum_p.add_(self.block_p)  # float64 += work dtype, in one pass
         self.in_block = 0
 
     def result(self, seed: int, linearized: bool) -> SampledPredictive:
         self._flush()
         assert self.sum_p is not None and self.sum_h is not None
-        probs = self.sum_p / self.n
+        probs = self.sum_p.div_(self.n)  # in place: the accumulator is read once
         entropy = -torch.special.xlogy(probs, probs).sum(-1)
         expected = self.sum_h / self.n
         mean = var = None
