@@ -124,7 +124,8 @@ def cls_rows(d: dict) -> list[str]:
     labels = {"MAP": "MAP", "Laplace stream (default), tau=marglik":
               "Laplace from the stream, defaults, tau by marglik",
               "laplace-torch KronLaplace (default GGN), tau=marglik":
-              "laplace-torch KronLaplace (default GGN), tau by marglik"}
+              "laplace-torch KronLaplace (default GGN), tau by marglik, the stream's default "
+              "link on its covariance"}
     for t in d["tasks"].values():
         n = len(t["per_seed"])
         for m, label in labels.items():
@@ -132,6 +133,12 @@ def cls_rows(d: dict) -> list[str]:
                 rows.append(f"| {t['title']}: accuracy / NLL / ECE, {label} | "
                             f"{cell(t['summary'][m])} | {n} seeds, "
                             f"{t['per_seed'][0]['splits']['train']} training examples | {link} |")
+        inv = t["summary"].get("laplace-torch KronLaplace (default GGN), tau=marglik", {})
+        if "investigation/nll_probit" in inv:  # laplace-torch as a user runs it: la(x), probit
+            m, s = inv["investigation/nll_probit"]
+            rows.append(f"| {t['title']}: NLL, laplace-torch KronLaplace (default GGN), its own "
+                        f"default predictive (GLM, probit) | {m:.3f} ± {s:.3f} | {n} seeds | "
+                        f"{link} |")
         met = sum(c["met"] is True for c in t["acceptance"])
         rows.append(f"| {t['title']}: issue-16 acceptance criteria met | {met} of "
                     f"{len(t['acceptance'])} | {n} seeds | {link} |")
