@@ -96,9 +96,8 @@ the logits' covariance); the seconds each method needed beyond training.
 Investigation of the accuracy drop seen under the MC-sampled predictive (issue 16), for every
 Laplace posterior: accuracy, NLL and ECE of the probit, the mean-field and the MC-sampled
 probabilities (``--mc-samples`` draws, seed 0); how often each one's argmax differs from MAP's;
-and the
-selective-prediction AURC when MAP's decision is kept and only the Laplace probability of
-MAP's class serves as confidence.
+and the selective-prediction AURC when MAP's decision is kept and only the Laplace probability
+(default link) of MAP's class serves as confidence.
 
 Acceptance block per task (issue 16), from the measured numbers: the default configuration's
 Laplace predictive (marglik tau, default link) has test NLL ≤ MAP's in every seed, ECE ≤ ½
