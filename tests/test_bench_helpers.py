@@ -167,18 +167,23 @@ def test_mean_std_and_acceptance_from_numbers():
     assert uc.mean_std([4.0]) == (4.0, 0.0)
 
     def seed(map_nll, lap_nll, map_ece, lap_ece, map_acc, lap_acc, kron_nll):
+        # laplace-torch's own default predictive (probit) is the peer of the NLL criterion; its
+        # covariance under our link (here 0.5, which would fail every ratio) is only printed
         return {"results": {
             "MAP": {"nll": map_nll, "ece": map_ece, "accuracy": map_acc},
             uc.MAIN: {"nll": lap_nll, "ece": lap_ece, "accuracy": lap_acc},
-            uc.KRON: {"nll": kron_nll, "ece": 0.1, "accuracy": 0.5}},
+            uc.KRON: {"nll": 0.5, "ece": 0.1, "accuracy": 0.5,
+                      "investigation": {"nll_probit": kron_nll}}},
             "taus": {}, "cost_seconds": {"MAP": 0.0, uc.MAIN: 0.0, uc.KRON: 0.0}}
 
     per = [seed(1.5, 1.4, 0.2, 0.05, 0.6, 0.595, 1.45), seed(1.6, 1.61, 0.3, 0.1, 0.5, 0.5, 1.55)]
     acc = uc.acceptance(per, uc.summarise(per))
     assert [c["met"] for c in acc] == [False, True, True, True]
+    assert "vs 1.5000 (ratio 1.003)" in acc[3]["figures"]
+    assert "0.5000 (ratio 3.010)" in acc[3]["figures"]  # the same-link figure, printed
     per[1]["results"][uc.MAIN]["nll"] = 1.59
     per[1]["results"][uc.MAIN]["accuracy"] = 0.47
-    per[0]["results"][uc.KRON]["nll"] = 1.2
+    per[0]["results"][uc.KRON]["investigation"]["nll_probit"] = 1.2
     acc = uc.acceptance(per, uc.summarise(per))
     assert [c["met"] for c in acc] == [True, True, False, False]  # 1.495 / 1.375 > 1.03
 
