@@ -511,10 +511,11 @@ def evaluate(mean: torch.Tensor, cov: torch.Tensor | None, y: torch.Tensor,
     `LINK`; the MAP has ``cov=None``), the probit / mean-field / MC comparison with the
     mean-vs-MAP-argmax one, and OOD AUROCs. ``ood``: ``{name: (mean, cov or None)}`` of the OOD
     inputs (ID = the test set)."""
-    if cov is None:
-        p = torch.softmax(mean, -1)
-    else:
-        p = probs_from_gaussian(mean, cov, LINK)
+    links = {} if cov is None else {  # every link once; the main figures use LINK's
+        "probit": probs_from_gaussian(mean, cov, "probit"),
+        "meanfield": probs_from_gaussian(mean, cov, "meanfield"),
+        "mc": probs_from_gaussian(mean, cov, "mc", n_samples=mc_samples, seed=0)}
+    p = torch.softmax(mean, -1) if cov is None else links[LINK]
     rep = metrics.classification_report(p, y, bins=15, coverage=0.8)
     out = {k: rep[k] for k in ("accuracy", "nll", "ece", "brier", "aurc",
                                "accuracy_at_coverage")}
@@ -528,9 +529,6 @@ def evaluate(mean: torch.Tensor, cov: torch.Tensor | None, y: torch.Tensor,
             var_out = torch.diagonal(oc, dim1=-2, dim2=-1).sum(-1)
             out["auroc"][f"{name} variance"] = metrics.auroc(var_in, var_out)
     if cov is not None:
-        links = {"probit": probs_from_gaussian(mean, cov, "probit"),
-                 "meanfield": probs_from_gaussian(mean, cov, "meanfield"),
-                 "mc": probs_from_gaussian(mean, cov, "mc", n_samples=mc_samples, seed=0)}
         map_correct = map_pred == y
         u_map_dec = 1 - p.gather(1, map_pred[:, None])[:, 0]  # Laplace prob of MAP's class
         out["investigation"] = {

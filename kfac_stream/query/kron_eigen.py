@@ -36,12 +36,22 @@ def log_det_precision(g_eigvals: Tensor, a_eigvals: Tensor, num_data: float,
     return d.log().sum()
 
 
+def eigenbasis_draw(root_d: Tensor, generator: torch.Generator,
+                    out: Tensor | None = None) -> Tensor:
+    """``Z ⊘ sqrt(D)`` with ``Z ~ N(0, I)`` from ``generator``: one draw of the block in its
+    eigenbasis, ``[d_out, d_A]`` like ``root_d = sqrt(D)`` (written into ``out`` if given). The
+    one place the normals are taken, so every sampler consuming the same generator draws the
+    same weights bit for bit."""
+    z = torch.randn(root_d.shape, generator=generator, dtype=root_d.dtype, out=out)
+    return z.div_(root_d)
+
+
 def sample_block(g_eigvecs: Tensor | None, g_eigvals: Tensor, a_eigvecs: Tensor | None,
                  a_eigvals: Tensor, num_data: float, prior_precision: float,
                  generator: torch.Generator) -> Tensor:
     """One draw ``ΔW̄ ~ N(0, (N (A⊗G) + τI)^{-1})``: ``Q_G (Z ⊘ sqrt(D)) Q_Aᵀ``, ``[d_out, d_A]``."""
     d = precision_eigenvalues(g_eigvals, a_eigvals, num_data, prior_precision)
-    z = torch.randn(d.shape, generator=generator, dtype=d.dtype) / d.sqrt()
+    z = eigenbasis_draw(d.sqrt(), generator)
     if g_eigvecs is not None:
         z = g_eigvecs @ z
     if a_eigvecs is not None:

@@ -400,10 +400,9 @@ class _Layers:
         below a draw's own spread — with the eigenbases the posterior converted once,
         `LaplacePosterior.eigenbases`)."""
         post = self.post
-        # Z ⊘ sqrt(D) from the same generator calls as `kron_eigen.sample_block` (one generator
-        # per seed, consumed layer by layer): the draws are bit-equal to sampled_weights'. The
-        # precision eigenvalues D, the same for every sample, are computed once per layer
-        # (recomputing them per sample cost more than the rotations).
+        # Z ⊘ sqrt(D) by `kron_eigen.eigenbasis_draw`, one generator per seed consumed layer by
+        # layer as in sampled_weights (so the draws are bit-equal to its). sqrt(D), the same for
+        # every sample, is computed once per layer (per sample it cost more than the rotations).
         root_d, zs = {}, {}
         for name in post.modules:
             _, aval, _, gval = post.eig[name]
@@ -413,13 +412,12 @@ class _Layers:
         for i, s in enumerate(seeds):
             gen = torch.Generator().manual_seed(s)
             for name in post.modules:
-                torch.randn(root_d[name].shape, generator=gen, dtype=root_d[name].dtype,
-                            out=zs[name][i])
+                ke.eigenbasis_draw(root_d[name], gen, out=zs[name][i])
         out = {}
         for name, m in post.modules.items():
             qa, qg = post.eigenbases(name)  # feature dtype, converted once per posterior
             dev = m.weight.device
-            z = zs.pop(name).div_(root_d[name]).to(dev, post.feature_dtype)
+            z = zs.pop(name).to(dev, post.feature_dtype)
             if qg is not None:
                 z = qg.to(dev) @ z
             if qa is not None:
@@ -568,7 +566,7 @@ class _Accumulator:
         work = torch.float64 if logits.dtype == torch.float64 else torch.float32
         vocab = logits.shape[-1]
         if self.block_p is None:
-            self.block_p = logits.new_zeros(logits.shape[1:], dtype=work)
+            self.block_p = logits.new_empty(logits.shape[1:], dtype=work)  # 1st sample copies
         block = self.block_p.view(-1, vocab)
         flat_labels = None if labels is None else labels.clamp(min=0).reshape(-1, 1)
         rows = (max(1, self.CACHE_ELEMENTS // vocab) if logits.device.type == "cpu"
