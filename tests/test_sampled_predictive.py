@@ -387,24 +387,27 @@ def test_posterior_draws_drawn_once_give_the_same_samples(lm):
         sampled_predictive(other, batch, draws=draws)
 
 
+@pytest.mark.parametrize("n", [20, 70], ids=["one-block", "three-blocks"])
 @pytest.mark.parametrize("rows", [None, 2, 1], ids=["one-slice", "slices-of-2", "slices-of-1"])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_statistics_with_minus_infinite_logits_and_many_samples(monkeypatch, dtype, rows):
+def test_statistics_with_minus_infinite_logits_and_many_samples(monkeypatch, dtype, rows, n):
     """The accumulator on hand-made logits: a −∞ logit (a masked token) has probability 0 and
-    adds nothing to the entropy (0·log 0 = 0); S = 20 samples cross the float32 blocks of
-    ``FLUSH`` samples; the 3 positions in one row slice, or in slices of 2 (+ 1) or 1. Reference:
-    the statistics in float64 by ``xlogy``. float32 work: 1e-6 (float32 log-softmax, ~1e-7 per
-    entry, summed over 6 classes and 20 samples)."""
+    adds nothing to the entropy (0·log 0 = 0); S = 20 samples fill one block of ``FLUSH`` (32)
+    samples (``H[p̄]`` from the block in the work dtype), S = 70 cross two blocks into the
+    float64 sum; the 3 positions in one row slice, or in slices of 2 (+ 1) or 1. Reference:
+    the statistics in float64 by ``xlogy``. float32 work: 1e-6 (float32 log-softmax and
+    sums, ~1e-7 per entry, summed over 6 classes and ≤ 32 samples per block)."""
     from kfac_stream.query.sampled import _Accumulator
 
+    assert _Accumulator.FLUSH == 32  # the two cases: inside one block, across blocks
     if rows is not None:
         monkeypatch.setattr(_Accumulator, "CACHE_ELEMENTS", rows * 6)
 
     gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(20, 3, 6, generator=gen, dtype=torch.float64)
+    logits = torch.randn(n, 3, 6, generator=gen, dtype=torch.float64)
     logits[:, 0, 2] = float("-inf")
     labels = torch.tensor([1, -100, 5])
-    acc = _Accumulator(20, False)
+    acc = _Accumulator(n, False)
     acc.add(logits[:7].to(dtype), labels)
     acc.add(logits[7:].to(dtype), labels)
     got = acc.result(0, False)

@@ -105,17 +105,25 @@ class PosteriorDraws:
     many batches: the draws (``2·d_out·d_A·(d_out + d_A)`` flops per sample and layer) are then
     paid once, and each batch costs its ``S`` forwards.
 
+    The sampled weights are kept, not the perturbations: each batch then computes with them as
+    they are (adding ``W̄*`` to every sample's ``ΔW̄`` cost a pass over the tracked weights per
+    sample and call). The linearised variant takes the perturbation back as ``W̄_s − W̄*``:
+    the exact difference between the weight ``sampled_weights`` writes and the trained one
+    (Sterbenz: exact wherever ``W̄_s`` is within a factor 2 of ``W̄*``; elsewhere one rounding).
+
     Attributes:
-        deltas: ``{layer: ΔW̄ [S, d_out, d_A]}`` in the layer's weight dtype on its device
-            (``d_A = d_in + 1`` with a bias, whose column is last). Memory: ``S`` copies of
-            the tracked weights.
+        weights: ``{layer: W_s [S, d_out, d_in]}``, the sampled weights ``W* + ΔW_s`` in the
+            layer's weight dtype on its device, contiguous (a ``Conv1D``'s too in
+            ``[d_out, d_in]``). Memory: ``S`` copies of the tracked weights.
+        biases: ``{layer: b_s [S, d_out]}``, the sampled biases of the layers with a bias.
         n_samples: ``S``.
         seed: The seed of sample 0.
         prior_precision: The posterior's ``τ`` when drawn (a float or ``{layer: float}``).
         num_data: The posterior's ``N`` when drawn.
     """
 
-    deltas: Mapping[str, Tensor]
+    weights: Mapping[str, Tensor]
+    biases: Mapping[str, Tensor]
     n_samples: int
     seed: int
     prior_precision: float | Mapping[str, float]
@@ -123,7 +131,7 @@ class PosteriorDraws:
 
     def __repr__(self) -> str:
         return (f"PosteriorDraws(n_samples={self.n_samples}, seed={self.seed}, "
-                f"{len(self.deltas)} layers)")
+                f"{len(self.weights)} layers)")
 
 
 def posterior_draws(post: LaplacePosterior, n_samples: int = DEFAULT_SAMPLES,
@@ -144,9 +152,11 @@ def posterior_draws(post: LaplacePosterior, n_samples: int = DEFAULT_SAMPLES,
         raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
     n_samples = inputs.check_int(where, "n_samples", n_samples, 1)
     seed = inputs.check_seed(where, "seed", seed)
-    deltas = _Layers(post).draws(range(seed, seed + n_samples))
+    samples = _Layers(post).draws(range(seed, seed + n_samples))
     prior = post.prior_precision
-    return PosteriorDraws(deltas=deltas, n_samples=n_samples, seed=seed,
+    return PosteriorDraws(weights={n: w for n, (w, _) in samples.items()},
+                          biases={n: b for n, (_, b) in samples.items() if b is not None},
+                          n_samples=n_samples, seed=seed,
                           prior_precision=dict(prior) if isinstance(prior, dict) else prior,
                           num_data=post.num_data)
 
@@ -162,7 +172,7 @@ def _check_samples(where: str, post: LaplacePosterior, n_samples: object, seed: 
     allowed = "None or a PosteriorDraws of this posterior (kfac_stream.posterior_draws(post))"
     if not isinstance(draws, PosteriorDraws):
         raise inputs.error(where, "draws", draws, allowed, typed=True)
-    if set(draws.deltas) != set(post.modules):
+    if set(draws.weights) != set(post.modules):
         raise inputs.error(where, "draws", draws, allowed,
                            problem="holds other layers than this posterior's")
     prior = post.prior_precision
@@ -319,13 +329,13 @@ def _sample_logits(where: str, post: LaplacePosterior, batch: Mapping[str, Tenso
     try:
         for first in range(0, n_samples, chunk):
             count = min(chunk, n_samples - first)
-            deltas = (layers.draws(range(seed + first, seed + first + count)) if draws is None
-                      else {n: d[first:first + count] for n, d in draws.deltas.items()})
+            samples = (layers.draws(range(seed + first, seed + first + count))
+                       if draws is None else _drawn(draws, first, count))
             rows = _repeat(model_inputs, size, count)
             if linearized:
-                logits = layers.linearized_forward(rows, deltas, count)
+                logits = layers.linearized_forward(rows, samples, count)
             else:
-                logits = layers.sampled_forward(rows, deltas, count)
+                logits = layers.sampled_forward(rows, samples, count)
             yield first, _check_logits(where, logits, size, count)
             bar.update(count)
     finally:
@@ -363,14 +373,24 @@ def sample_rows(post: LaplacePosterior, n_samples: int | None = None, seed: int 
         raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
     n_samples, seed = _check_samples(where, post, n_samples, seed, draws, 1)
     layers = _Layers(post)
-    deltas = (layers.draws(range(seed, seed + n_samples)) if draws is None
-              else dict(draws.deltas))
-    forwards = layers.sampled_forwards(deltas, n_samples)
+    samples = (layers.draws(range(seed, seed + n_samples)) if draws is None
+               else _drawn(draws, 0, n_samples))
+    forwards = layers.sampled_forwards(samples, n_samples)
     with torch.no_grad(), _forwards_replaced(post.modules, forwards):
         yield
 
 
 # -- the tracked layers under samples -----------------------------------------------------------
+
+#: ``{layer: (W_s [S_c, d_out, d_in], b_s [S_c, d_out] or None)}``: sampled weights of a chunk.
+Samples = dict[str, tuple[Tensor, "Tensor | None"]]
+
+
+def _drawn(draws: PosteriorDraws, first: int, count: int) -> Samples:
+    """Samples ``first … first + count − 1`` of ``draws`` (views)."""
+    stop = first + count
+    return {n: (w[first:stop], None if n not in draws.biases else draws.biases[n][first:stop])
+            for n, w in draws.weights.items()}
 
 
 class _Layers:
@@ -392,13 +412,14 @@ class _Layers:
             self._bases[name] = (w.T if self.specs[name].kind == "conv1d" else w).contiguous()
         return self._bases[name]
 
-    def draws(self, seeds: range) -> dict[str, Tensor]:
-        """``{layer: ΔW̄ [S_c, d_out, d_A]}`` in the layer's weight dtype on its device: sample
-        ``i`` is ``sampled_weights(seeds[i])``'s draw (the same generator, consumed layer by
-        layer in the same order; the rotation ``Q_G Z Q_Aᵀ`` on the device in the posterior's
-        ``feature_dtype`` — float64 for float64 models, else float32, whose rounding is far
-        below a draw's own spread — with the eigenbases the posterior converted once,
-        `LaplacePosterior.eigenbases`)."""
+    def draws(self, seeds: range) -> Samples:
+        """The sampled weights ``W̄* + ΔW̄`` of every layer in its weight dtype on its device
+        (`Samples`): sample ``i`` is ``sampled_weights(seeds[i])``'s draw (the same generator,
+        consumed layer by layer in the same order; the rotation ``Q_G Z Q_Aᵀ`` on the device in
+        the posterior's ``feature_dtype`` — float64 for float64 models, else float32, whose
+        rounding is far below a draw's own spread — with the eigenbases the posterior converted
+        once, `LaplacePosterior.eigenbases`), added to the weights as ``sampled_weights`` adds
+        them (``W + ΔW`` in the weight's dtype: the very weights it writes)."""
         post = self.post
         # Z ⊘ sqrt(D) by `kron_eigen.eigenbasis_draw`, one generator per seed consumed layer by
         # layer as in sampled_weights (so the draws are bit-equal to its). sqrt(D), the same for
@@ -413,7 +434,7 @@ class _Layers:
             gen = torch.Generator().manual_seed(s)
             for name in post.modules:
                 ke.eigenbasis_draw(root_d[name], gen, out=zs[name][i])
-        out = {}
+        out: Samples = {}
         for name, m in post.modules.items():
             qa, qg = post.eigenbases(name)  # feature dtype, converted once per posterior
             dev = m.weight.device
@@ -422,47 +443,44 @@ class _Layers:
                 z = qg.to(dev) @ z
             if qa is not None:
                 z = z @ qa.to(dev).T
-            out[name] = z.to(m.weight.dtype)
+            dw = z.to(m.weight.dtype)  # ΔW̄ [S_c, d_out, d_A]
+            d_in = self.specs[name].d_in
+            # one pass writing the contiguous [S_c, d_out, d_in] that bmm reads as its
+            # transposed operand (a view of [S_c, d_out, d_A] would read with an odd stride)
+            weight = torch.add(dw[:, :, :d_in], self.base_weight(name)[None])
+            bias = (m.bias.detach()[None] + dw[:, :, d_in]) if self.specs[name].has_bias \
+                else None
+            out[name] = (weight, bias)
         return out
 
-    def sampled_forward(self, rows: dict[str, Tensor], deltas: dict[str, Tensor],
+    def sampled_forward(self, rows: dict[str, Tensor], samples: Samples,
                         count: int) -> Tensor | None:
-        """Logits of the model at ``θ* + ΔW̄_s``, rows of sample ``s`` at ``[s·B, (s+1)·B)``."""
+        """Logits of the model at ``W̄_s``, rows of sample ``s`` at ``[s·B, (s+1)·B)``."""
         with torch.no_grad(), _forwards_replaced(self.post.modules,
-                                                 self.sampled_forwards(deltas, count)):
+                                                 self.sampled_forwards(samples, count)):
             return logits_of(self.post.model(**rows))
 
-    def sampled_forwards(self, deltas: dict[str, Tensor], count: int) -> dict[str, object]:
-        """``{layer: forward}`` computing sample ``s``'s rows with ``W̄* + ΔW̄_s`` (``deltas``
-        ``{layer: [S_c, d_out, d_A]}``, consumed)."""
-        forwards = {}
-        for name, m in self.post.modules.items():
-            spec = self.specs[name]
-            dw = deltas.pop(name)
-            # the very weights sampled_weights writes, W + ΔW in the weight's dtype: one pass
-            # writing [S_c, d_out, d_in], handed to bmm as its transposed view [S_c, d_in, d_out]
-            # for x_s @ W_sᵀ (BLAS reads a transposed operand in place)
-            w = self.base_weight(name)
-            weight = torch.add(dw[:, :, :spec.d_in].to(w.dtype), w[None]).transpose(1, 2)
-            bias = None
-            if spec.has_bias:
-                bias = m.bias.detach()[None] + dw[:, :, spec.d_in].to(m.bias.dtype)
-            forwards[name] = _sampled_linear(weight, bias, count)
-        return forwards
+    def sampled_forwards(self, samples: Samples, count: int) -> dict[str, object]:
+        """``{layer: forward}`` computing sample ``s``'s rows with ``W̄_s`` (the weights handed
+        to bmm as their transposed view ``[S_c, d_in, d_out]``, for ``x_s @ W_sᵀ``: BLAS reads
+        a transposed operand in place)."""
+        return {name: _sampled_linear(w.transpose(1, 2), b, count)
+                for name, (w, b) in samples.items()}
 
-    def linearized_forward(self, rows: dict[str, Tensor], deltas: dict[str, Tensor],
+    def linearized_forward(self, rows: dict[str, Tensor], samples: Samples,
                            count: int) -> Tensor | None:
-        """Logits of the linearised model ``f* + J ΔW̄_s`` (forward mode), rows as above."""
+        """Logits of the linearised model ``f* + J (W̄_s − W̄*)`` (forward mode), rows as
+        above."""
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         handles = []
         try:
             for name, m in self.post.modules.items():
-                spec = self.specs[name]
-                dw = deltas.pop(name).to(m.weight.dtype)
+                w, b = samples[name]
+                dw = w - self.base_weight(name)  # see PosteriorDraws: θ_s − θ* as written
+                db = None if b is None else b - m.bias.detach()
                 handles.append(m.register_forward_hook(_tangent_hook(
-                    dw[:, :, :spec.d_in].transpose(1, 2),
-                    dw[:, :, spec.d_in] if spec.has_bias else None, count, spec.d_in)))
+                    dw.transpose(1, 2), db, count, self.specs[name].d_in)))
             with torch.no_grad(), fwAD.dual_level(), sdpa_kernel(SDPBackend.MATH):
                 logits = logits_of(self.post.model(**rows))
                 if logits is None:
@@ -538,10 +556,16 @@ class _Accumulator:
     for a float64 model, else float32 (good to ~1e-7, far inside the spread over samples).
     ``Σ p_s`` is summed in the work dtype over blocks of `FLUSH` samples and the blocks in
     float64 (a float64 copy of the ``[*P, V]`` probabilities per sample would cost more than
-    the sample's forward on a CPU), so its rounding stays at ``FLUSH`` times the work dtype's.
+    the sample's forward on a CPU), so its rounding stays at ``FLUSH`` times the work dtype's
+    (float32: ≤ 32 · 6e-8 ≈ 2e-6 relative). With ``S ≤ FLUSH`` (one block, no float64 sum)
+    the entropy of ``p̄`` is taken from the block in the work dtype too, as the samples'
+    entropies are: each float64 pass over the ``[*P, V]`` predictive costs about what a
+    sample's statistics cost (on 2 CPU cores at 2048 × 2048: converting and adding a block
+    9 ms, a float64 ``xlogy`` 15 ms over the whole tensor, 6 ms in slices; the block's
+    float32 ``xlogy`` 5 ms).
     """
 
-    FLUSH = 8
+    FLUSH = 32
     #: elements per row slice of the statistics on a CPU (512 KiB of float32): each slice's
     #: log-softmax, exponential, entropy and sum stay in a core's L2 cache; over whole
     #: ``[*P, V]`` logits the same passes cost 3–4× as much (12 vs 3.6 ms at 2048 × 2048 on
@@ -612,10 +636,17 @@ class _Accumulator:
         self.in_block = 0
 
     def result(self, seed: int, linearized: bool) -> SampledPredictive:
-        self._flush()
-        assert self.sum_p is not None and self.sum_h is not None
-        probs = self.sum_p.div_(self.n)  # in place: the accumulator is read once
-        entropy = -torch.special.xlogy(probs, probs).sum(-1)
+        """The statistics; the accumulator is read once (its sums are divided in place)."""
+        assert self.block_p is not None and self.sum_h is not None
+        if self.sum_p is None:  # one block: p̄ and H[p̄] in the work dtype, p̄ then float64
+            probs = self.block_p
+            entropy = _entropy_in_slices(probs.view(-1, probs.shape[-1]), 1.0 / self.n)
+            probs = probs.to(torch.float64)  # no copy for a float64 model
+        else:
+            self._flush()
+            probs = self.sum_p
+            entropy = _entropy_in_slices(probs.view(-1, probs.shape[-1]), 1.0 / self.n)
+        entropy = entropy.view(probs.shape[:-1]).double()
         expected = self.sum_h / self.n
         mean = var = None
         if self.label_lp:
@@ -627,6 +658,19 @@ class _Accumulator:
             label_logprob_mean=mean, label_logprob_var=var,
             sample_logits=torch.cat(self.logits) if self.keep_logits else None,
             n_samples=self.n, seed=seed, linearized=linearized)
+
+
+def _entropy_in_slices(sums: Tensor, scale: float) -> Tensor:
+    """``H[p] = −Σ_v p_v log p_v`` per row of ``p = scale · sums`` (``sums [R, V]``, scaled in
+    place), in row slices of `_Accumulator.CACHE_ELEMENTS` on a CPU (one pass each over a
+    slice in cache; ``0 · log 0 = 0``); ``[R]`` in ``sums``' dtype."""
+    rows = (max(1, _Accumulator.CACHE_ELEMENTS // sums.shape[-1])
+            if sums.device.type == "cpu" else sums.shape[0])
+    h = sums.new_empty(sums.shape[0])
+    for i in range(0, sums.shape[0], rows):
+        p = sums[i:i + rows].mul_(scale)
+        torch.sum(torch.special.xlogy(p, p), -1, out=h[i:i + rows])
+    return h.neg_()
 
 
 # -- arguments ----------------------------------------------------------------------------------
