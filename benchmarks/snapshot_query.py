@@ -40,9 +40,9 @@ rotated between repetitions; medians are reported.
    fitted on two training windows (not timed), K in `GLM_KS`. Goal: ours <= 0.5 x theirs.
    Skipped (said so) when laplace-torch does not import (``make .venv/.bench-peers``).
 
-Usage: ``python benchmarks/snapshot_query.py [--reps 7] [--snapshots 6] [--every 5]``; ``--quick``
-is a smoke run that writes nothing. Otherwise writes a section of ``benchmarks/RESULTS.md`` and
-``results/snapshot_query.json``.
+Usage: ``python benchmarks/snapshot_query.py [--reps 7] [--sampled-reps 11] [--snapshots 6]
+[--every 5]``; ``--quick`` is a smoke run that writes nothing. Otherwise writes a section of
+``benchmarks/RESULTS.md`` and ``results/snapshot_query.json``.
 """
 
 import argparse
@@ -343,7 +343,8 @@ def write_outputs(r, a, info) -> None:
         "- load average (1 min) at start / after training / snapshot / query / sampled / glm: "
         + " / ".join(f"{x:.2f}" for x in r["load"].values()),
         f"- command: `{a.command}`",
-        f"- medians of {a.reps} interleaved repetitions (snapshot vs eigh; forward vs queries); "
+        f"- medians of {a.reps} interleaved repetitions (snapshot vs eigh; forward vs queries; "
+        f"{a.sampled_reps} for the sampled predictive); "
         f"step times: means over one run of {st['steps']} steps with snapshot_every={a.every}, "
         f"token_fraction=0.05, update_every=1 ({st['n_snapshot_steps']} snapshot steps vs "
         f"{st['n_other_steps']} others, first {WARMUP} left out). Method: docstring of the "
@@ -358,7 +359,11 @@ def write_outputs(r, a, info) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=7, help="interleaved repetitions (parts 1, 3)")
+    p.add_argument("--reps", type=int, default=7,
+                   help="interleaved repetitions (parts 1, 3, 5)")
+    p.add_argument("--sampled-reps", type=int, default=11,
+                   help="interleaved repetitions of part 4, whose S = 16 ratio lies within a "
+                        "few percent of its goal (more repetitions: a steadier median)")
     p.add_argument("--snapshots", type=int, default=6, help="snapshots in the training run")
     p.add_argument("--every", type=int, default=5, help="snapshot_every of the training run")
     p.add_argument("--seed", type=int, default=0)
@@ -367,7 +372,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     a.command = " ".join(["python benchmarks/snapshot_query.py", *map(shlex.quote, sys.argv[1:])])
     if a.quick:
-        a.reps, a.snapshots = 2, 2
+        a.reps, a.sampled_reps, a.snapshots = 2, 2, 2
     sys.stdout.reconfigure(line_buffering=True)  # progress lines appear as they come
     torch.set_flush_denormal(True)  # as overhead.py: denormals slow x86 CPUs ~10x
     info = {**machine(), "date": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
@@ -385,7 +390,7 @@ def main(argv=None) -> None:
         print("[3] forward / predictive ms:", {k: round(v) for k, v in (
             ("forward", r["query"]["forward_ms"]),
             *((f"K={k}", v["ms"]) for k, v in r["query"]["per_k"].items()))})
-        r["sampled"] = bench_sampled(model, kfac.snapshots[-1], a.reps)
+        r["sampled"] = bench_sampled(model, kfac.snapshots[-1], a.sampled_reps)
         r["load"]["sampled"] = os.getloadavg()[0]
         print("[4] ms:", {k: round(v["ms"]) for k, v in r["sampled"]["rows"].items()},
               f"forward {r['sampled']['forward_ms']:.0f} (default, with its KV cache: "
