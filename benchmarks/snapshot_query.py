@@ -31,7 +31,10 @@ rotated between repetitions; medians are reported.
    and took ~1-3% longer, is timed beside it and printed): drawn in the call, with the samples
    drawn once (``posterior_draws``, reused: the cost per batch over a data set), the draws
    alone, and the linearised variant (forward-mode JVPs) on drawn-once samples. Goal:
-   <= (S+1) x the forward without a cache.
+   <= (S+1) x the forward without a cache. A check beside it: the same calls against one of
+   16 such forwards run in a row (a sampled call runs its S forwards in a row, each after the
+   last; a lone forward follows whichever job ran before it, and on 2 cores its median moved
+   by up to 5% between runs).
 5. Exact K-logit predictive vs laplace-torch, side by side (issue 17): probit probabilities of
    the first K vocabulary logits at the last position of a 2 x 128 batch,
    ``post.predictive_probs`` vs laplace-torch 0.3's ``la(x, pred_type="glm",
@@ -211,9 +214,12 @@ def bench_sampled(model, path: str, reps: int) -> dict:
     ids = torch.stack([data[BATCH + i]["input_ids"] for i in range(BATCH)])
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     draws = {s: posterior_draws(post, s, seed=1) for s in SAMPLES}
-    # the denominator: the forward each sample runs, at the trained weights (no KV cache)
-    jobs = {"forward": torch.no_grad()(lambda: model(**batch, use_cache=False)),
-            "forward, default": torch.no_grad()(lambda: model(**batch))}
+    # the denominator: the forward each sample runs, at the trained weights (no KV cache);
+    # beside it, S of them in a row (a sampled call runs its S forwards in a row, each after
+    # the last, while a lone forward follows whatever job ran before it)
+    forward = torch.no_grad()(lambda: model(**batch, use_cache=False))
+    jobs = {"forward": forward, "forward, default": torch.no_grad()(lambda: model(**batch)),
+            f"forward x{max(SAMPLES)} in a row": lambda: [forward() for _ in range(max(SAMPLES))]}
     for s in SAMPLES:
         jobs[f"draws S={s}"] = lambda s=s: posterior_draws(post, s, seed=1)
         jobs[f"sampled S={s}, drawn here"] = lambda s=s: sampled_predictive(
@@ -226,12 +232,15 @@ def bench_sampled(model, path: str, reps: int) -> dict:
     t = interleave(jobs, reps)
     med = {k: statistics.median(v) for k, v in t.items()}
     fwd = med["forward"]
-    rows = {k: {"ms": v, "ratio": v / fwd, "S": int(k.split("S=")[1].split(",")[0])}
+    in_a_row = med[f"forward x{max(SAMPLES)} in a row"] / max(SAMPLES)
+    rows = {k: {"ms": v, "ratio": v / fwd, "ratio_in_a_row": v / in_a_row,
+                "S": int(k.split("S=")[1].split(",")[0])}
             for k, v in med.items() if not k.startswith("forward")}
     for k, v in rows.items():
         v["goal"] = v["S"] + 1 if not k.startswith("draws") else None
         v["met"] = None if v["goal"] is None else v["ratio"] <= v["goal"]
     return {"forward_ms": fwd, "forward_default_ms": med["forward, default"],
+            "forward_in_a_row_ms": in_a_row,
             "batch": [BATCH, int(ids.shape[1])], "rows": rows, "raw_ms": t}
 
 
@@ -316,6 +325,10 @@ def table(r) -> str:
             rows.append(f"| {name}, whole vocabulary, {b}×{t} tokens | {v['ms']:.0f} | forward, "
                         f"no grad, no KV cache | {sp['forward_ms']:.1f} | {v['ratio']:.2f} | "
                         f"{goal} |")
+            if "ratio_in_a_row" in v and name.startswith("sampled") and "once" in name:
+                rows.append(f"| · the same | {v['ms']:.0f} | one of {max(SAMPLES)} such "
+                            f"forwards in a row | {sp['forward_in_a_row_ms']:.1f} | "
+                            f"{v['ratio_in_a_row']:.2f} | (check) |")
         if "forward_default_ms" in sp:
             rows.append(f"| forward, no grad, default (builds the KV cache), {b}×{t} tokens | "
                         f"{sp['forward_default_ms']:.1f} | forward, no grad, no KV cache | "
