@@ -5,8 +5,8 @@ Method (the model, data and batch of ``benchmarks/overhead.py``, shared through
 AdamW, CPU, flush-denormal). One training run
 of ``--every * --snapshots`` steps with ``KFACStreamCallback(token_fraction=0.05, update_every=1,
 snapshot_every=--every)`` (every step updates the factors: steps differ only by the snapshot).
-16 tracked layers, 32 factors (sides 256..1025), FP16 store. Interleaved jobs run in an order
-rotated between repetitions; medians are reported.
+16 tracked layers, 32 factors (sides 256..1025), FP16 store. Interleaved jobs run in a fresh
+seeded random order each repetition (`interleave`); medians are reported.
 
 1. Snapshot vs eigh, on the final factors: ``snapshot_contents(tracker.export())`` (copies of
    the stored factors, on the training thread) + ``add_eigendecompositions`` (float64
@@ -27,14 +27,13 @@ rotated between repetitions; medians are reported.
 4. Whole-vocabulary sampled predictive (issue 17): ``sampled_predictive(post, batch, S,
    labels="next")`` for S in `SAMPLES` on the training batch (BATCH x SEQ tokens, vocabulary
    2048) vs a no-grad forward of the same batch without a key/value cache (``use_cache=False``,
-   as the sampled path runs each sample; the default forward, which also builds GPT-2's cache
-   and took ~1-3% longer, is timed beside it and printed): drawn in the call, with the samples
-   drawn once (``posterior_draws``, reused: the cost per batch over a data set), the draws
-   alone, and the linearised variant (forward-mode JVPs) on drawn-once samples. Goal:
-   <= (S+1) x the forward without a cache. A check beside it: the same calls against one of
-   16 such forwards run in a row (a sampled call runs its S forwards in a row, each after the
-   last; a lone forward follows whichever job ran before it, and on 2 cores its median moved
-   by up to 5% between runs).
+   as the sampled path runs each sample), timed as 16 forwards in a row (per forward), as a
+   sampled call runs its S forwards: drawn in the call, with the samples drawn once
+   (``posterior_draws``, reused: the cost per batch over a data set), the draws alone, and the
+   linearised variant (forward-mode JVPs) on drawn-once samples. Goal: <= (S+1) x that
+   forward. Checks beside it: the drawn-once calls against a lone forward (whose time depends
+   more on the job before it: its median moved by 5% between runs on 2 cores), and the
+   default forward (which also builds GPT-2's cache) against the one without.
 5. Exact K-logit predictive vs laplace-torch, side by side (issue 17): probit probabilities of
    the first K vocabulary logits at the last position of a 2 x 128 batch,
    ``post.predictive_probs`` vs laplace-torch 0.3's ``la(x, pred_type="glm",
@@ -53,6 +52,7 @@ import cProfile
 import io
 import os
 import pstats
+import random
 import shlex
 import shutil
 import statistics
@@ -134,12 +134,17 @@ def train(a, tmp: str):
         "snapshot_bytes": sum(p.stat().st_size for p in Path(kfac.snapshots[-1]).iterdir())}
 
 
-def interleave(jobs: dict, reps: int) -> dict[str, list[float]]:
-    """Run each job once per repetition, the order rotated between repetitions; ms."""
+def interleave(jobs: dict, reps: int, seed: int = 0) -> dict[str, list[float]]:
+    """Run each job once per repetition, in a fresh seeded random order each repetition; ms.
+
+    (Not a rotation: rotating a fixed order keeps each job's predecessor the same in every
+    repetition, and a job's time depends on it: in two runs a lone forward that always came
+    after the linearised S = 16 job measured 5% and 8% slower than the default forward that
+    always came after it, though that one also builds a key/value cache.)"""
     out, names = {k: [] for k in jobs}, list(jobs)
-    for r in range(reps):
-        for j in range(len(names)):
-            name = names[(j + r) % len(names)]
+    order = random.Random(seed)
+    for _ in range(reps):
+        for name in order.sample(names, len(names)):
             t0 = time.perf_counter()
             jobs[name]()
             out[name].append(1e3 * (time.perf_counter() - t0))
@@ -214,12 +219,13 @@ def bench_sampled(model, path: str, reps: int) -> dict:
     ids = torch.stack([data[BATCH + i]["input_ids"] for i in range(BATCH)])
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     draws = {s: posterior_draws(post, s, seed=1) for s in SAMPLES}
-    # the denominator: the forward each sample runs, at the trained weights (no KV cache);
-    # beside it, S of them in a row (a sampled call runs its S forwards in a row, each after
-    # the last, while a lone forward follows whatever job ran before it)
+    # the denominator: the forward each sample runs, at the trained weights (no KV cache), 16
+    # in a row as a sampled call runs its S forwards (a lone one depends more on the job
+    # before it); beside it, a lone forward, and the default forward (which builds a cache)
     forward = torch.no_grad()(lambda: model(**batch, use_cache=False))
-    jobs = {"forward": forward, "forward, default": torch.no_grad()(lambda: model(**batch)),
-            f"forward x{max(SAMPLES)} in a row": lambda: [forward() for _ in range(max(SAMPLES))]}
+    row = f"forward x{max(SAMPLES)} in a row"
+    jobs = {row: lambda: [forward() for _ in range(max(SAMPLES))], "forward": forward,
+            "forward, default": torch.no_grad()(lambda: model(**batch))}
     for s in SAMPLES:
         jobs[f"draws S={s}"] = lambda s=s: posterior_draws(post, s, seed=1)
         jobs[f"sampled S={s}, drawn here"] = lambda s=s: sampled_predictive(
@@ -231,16 +237,15 @@ def bench_sampled(model, path: str, reps: int) -> dict:
     interleave(jobs, 1)  # warm-up
     t = interleave(jobs, reps)
     med = {k: statistics.median(v) for k, v in t.items()}
-    fwd = med["forward"]
-    in_a_row = med[f"forward x{max(SAMPLES)} in a row"] / max(SAMPLES)
-    rows = {k: {"ms": v, "ratio": v / fwd, "ratio_in_a_row": v / in_a_row,
+    fwd, lone = med[row] / max(SAMPLES), med["forward"]
+    rows = {k: {"ms": v, "ratio": v / fwd, "ratio_lone": v / lone,
                 "S": int(k.split("S=")[1].split(",")[0])}
             for k, v in med.items() if not k.startswith("forward")}
     for k, v in rows.items():
         v["goal"] = v["S"] + 1 if not k.startswith("draws") else None
         v["met"] = None if v["goal"] is None else v["ratio"] <= v["goal"]
-    return {"forward_ms": fwd, "forward_default_ms": med["forward, default"],
-            "forward_in_a_row_ms": in_a_row,
+    return {"forward_ms": fwd, "forward_lone_ms": lone,
+            "forward_default_ms": med["forward, default"],
             "batch": [BATCH, int(ids.shape[1])], "rows": rows, "raw_ms": t}
 
 
@@ -323,17 +328,16 @@ def table(r) -> str:
             goal = "–" if v["goal"] is None else (
                 f"≤ {v['goal']} ({'met' if v['met'] else 'NOT met'})")
             rows.append(f"| {name}, whole vocabulary, {b}×{t} tokens | {v['ms']:.0f} | forward, "
-                        f"no grad, no KV cache | {sp['forward_ms']:.1f} | {v['ratio']:.2f} | "
-                        f"{goal} |")
-            if "ratio_in_a_row" in v and name.startswith("sampled") and "once" in name:
-                rows.append(f"| · the same | {v['ms']:.0f} | one of {max(SAMPLES)} such "
-                            f"forwards in a row | {sp['forward_in_a_row_ms']:.1f} | "
-                            f"{v['ratio_in_a_row']:.2f} | (check) |")
+                        f"no grad, no KV cache ({max(SAMPLES)} in a row) | "
+                        f"{sp['forward_ms']:.1f} | {v['ratio']:.2f} | {goal} |")
+            if "ratio_lone" in v and name.startswith("sampled") and "once" in name:
+                rows.append(f"| · the same | {v['ms']:.0f} | a lone such forward | "
+                            f"{sp['forward_lone_ms']:.1f} | {v['ratio_lone']:.2f} | (check) |")
         if "forward_default_ms" in sp:
             rows.append(f"| forward, no grad, default (builds the KV cache), {b}×{t} tokens | "
-                        f"{sp['forward_default_ms']:.1f} | forward, no grad, no KV cache | "
-                        f"{sp['forward_ms']:.1f} | "
-                        f"{sp['forward_default_ms'] / sp['forward_ms']:.3f} | – |")
+                        f"{sp['forward_default_ms']:.1f} | a lone forward, no KV cache | "
+                        f"{sp['forward_lone_ms']:.1f} | "
+                        f"{sp['forward_default_ms'] / sp['forward_lone_ms']:.3f} | – |")
     if "glm" in r:
         for k, v in r["glm"]["per_k"].items():
             rows.append(f"| predictive_probs (probit), K={k}, {QB}×{QT} tokens | {v['ms']:.0f} | "
@@ -406,7 +410,8 @@ def main(argv=None) -> None:
         r["sampled"] = bench_sampled(model, kfac.snapshots[-1], a.sampled_reps)
         r["load"]["sampled"] = os.getloadavg()[0]
         print("[4] ms:", {k: round(v["ms"]) for k, v in r["sampled"]["rows"].items()},
-              f"forward {r['sampled']['forward_ms']:.0f} (default, with its KV cache: "
+              f"forward {r['sampled']['forward_ms']:.0f} (16 in a row; lone "
+              f"{r['sampled']['forward_lone_ms']:.0f}, default with its KV cache "
               f"{r['sampled']['forward_default_ms']:.0f})")
         try:
             import laplace  # noqa: F401  (the optional peer: make .venv/.bench-peers)
