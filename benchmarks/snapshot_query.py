@@ -66,6 +66,7 @@ import transformers
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
+from kfac_stream.capture.selection import layer_spec
 from kfac_stream.snapshot.contents import (
     add_eigendecompositions,
     merge_manifests,
@@ -219,6 +220,11 @@ def bench_sampled(model, path: str, reps: int) -> dict:
     ids = torch.stack([data[BATCH + i]["input_ids"] for i in range(BATCH)])
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     draws = {s: posterior_draws(post, s, seed=1) for s in SAMPLES}
+    # flops of one draw (the rotation Q_G Z Q_Aᵀ, 2·d_out·d_A·(d_out + d_A) per layer) over
+    # those of the batch's forward through the same layers (2·T·d_out·d_A)
+    specs = [layer_spec(n, m) for n, m in post.modules.items()]
+    draw_flops = sum(2 * s.g_dim * s.a_dim * (s.g_dim + s.a_dim) for s in specs)
+    layer_flops = sum(2 * ids.numel() * s.g_dim * s.a_dim for s in specs)
     # the denominator: the forward each sample runs, at the trained weights (no KV cache), 16
     # in a row as a sampled call runs its S forwards (a lone one depends more on the job
     # before it); beside it, a lone forward, and the default forward (which builds a cache)
@@ -245,6 +251,7 @@ def bench_sampled(model, path: str, reps: int) -> dict:
         v["goal"] = v["S"] + 1 if not k.startswith("draws") else None
         v["met"] = None if v["goal"] is None else v["ratio"] <= v["goal"]
     return {"forward_ms": fwd, "forward_lone_ms": lone,
+            "draw_over_layer_forward_flops": draw_flops / layer_flops,
             "forward_default_ms": med["forward, default"],
             "batch": [BATCH, int(ids.shape[1])], "rows": rows, "raw_ms": t}
 
@@ -370,7 +377,19 @@ def write_outputs(r, a, info) -> None:
         "thread only copies the factors (save_snapshot took "
         + ", ".join(f"{x:.0f}" for x in st["save_snapshot_ms"]) + " ms); the "
         "eigendecomposition and the write run on a background thread, which on 2 cores slows "
-        "the following steps instead of stalling one.", END])
+        "the following steps instead of stalling one.",
+        *([] if "sampled" not in r else [
+            "- the sampled predictive's goal, (S + 1) forwards, is for a call given its "
+            "samples (drawn once by `posterior_draws` and reused, as over a data set). The rows "
+            "drawn in the call add the draws, "
+            f"{r['sampled']['rows'][f'draws S={max(SAMPLES)}']['ratio'] / max(SAMPLES):.2f} "
+            "forward per sample here: per layer the rotation Q_G Z Q_Aᵀ costs "
+            "2·d_out·d_A·(d_out + d_A) flops, "
+            f"{r['sampled']['draw_over_layer_forward_flops']:.2f}× the batch's forward through "
+            "the tracked layers (2·T·d_out·d_A), plus the normals. The linearised rows carry a "
+            "tangent through every activation, with PyTorch's math attention (the kernel with "
+            "forward-mode derivatives). Both are printed against the same goal for "
+            "comparison."]), END])
     write_section(BEGIN, END, section)
 
 
