@@ -65,6 +65,16 @@ def whole_model(trainer, save_dir: str, device=None) -> nn.Module | None:
             "without DeepSpeed with its own loader")
     trainer.save_model(save_dir)  # collective under ZeRO-3: gathers the 16-bit weights
     trainer.accelerator.wait_for_everyone()
+    # A second barrier before the other ranks return (and usually exit at once). gloo's worker
+    # thread destroys a finished barrier's work after waking the caller; that work released
+    # tensors with Python objects (core dump of the abort: ProcessGroupGloo::runLoop →
+    # ~AsyncBarrierWork → ~AsyncWork → decref_pyobject → take_gil → pthread_exit →
+    # std::terminate), so a rank that had begun interpreter shutdown by then aborted
+    # ("terminate called without an active exception", SIGABRT): the ZeRO-3 quickstart test
+    # in 3 of 7 runs on a loaded 2-core machine. The worker destroys the first barrier's work
+    # before it runs the second, while this thread waits without the GIL: 0 aborts in 16 runs
+    # under the same load.
+    trainer.accelerator.wait_for_everyone()
     if not trainer.is_world_process_zero():
         return None
     found = [f for f in _WEIGHT_FILES if os.path.exists(os.path.join(save_dir, f))]
