@@ -33,8 +33,20 @@ def _load_snapshot(arg: str, path: str):
 def _inspect(args) -> int:
     from .snapshot.layer_table import layer_table
 
+    from .snapshot.adequacy import sampling_summary, sampling_warning
+
     snap = _load_snapshot("path", args.path)
     print(layer_table(snap))
+    s = sampling_summary(snap.meta)
+    if s["max_rel_se"] == s["max_rel_se"]:  # recorded (not NaN)
+        window = (f"; final window: {s['window_sequences']:,} sequences (min_window_sequences="
+                  f"{s['min_window_sequences']:,})" if s["window_sequences"] else "")
+        print(f"sampling: largest relative standard error of a factor {s['max_rel_se']:.3g} "
+              f"({s['max_rel_se_factor']}), at least {s['min_effective_updates']:.3g} effective "
+              f"updates{window}")
+    few = sampling_warning("warning", snap.meta)
+    if few is not None:
+        print(few)
     if args.plot:
         from .snapshot.media import plot_spectra
 

@@ -57,6 +57,27 @@ class Counters:
     skipped_steps: list[int] = field(default_factory=list)
     # the step of the update that restarted the average for the final window (-1: none yet)
     window_start_step: int = -1
+    # sequences each update's statistics come from (all ranks; 0: unknown) and how many the
+    # planned final window holds (0: no window); see KFACConfig.min_window_sequences
+    sequences_per_update: int = 0
+    window_sequences: int = 0
+
+
+@dataclass(frozen=True)
+class WindowPlan:
+    """What the final window of a run will hold (`FactorUpdater.set_final_window`).
+
+    Attributes:
+        restart_step: The window's first update step.
+        updates: Update steps in the window (skipped or empty updates not foreseen).
+        sequences: Sequences its updates' statistics come from (0: unknown).
+        sequences_per_update: Per update (0: unknown).
+    """
+
+    restart_step: int
+    updates: int
+    sequences: int
+    sequences_per_update: int
 
 
 @dataclass
@@ -116,6 +137,7 @@ class FactorUpdater:
         self.device, self.fold_on, self.row_dtype = device, fold_on, row_dtype
         self.counters = counters
         self.restart_step: int | None = None  # the final window's first step (set_final_window)
+        self.window_plan: WindowPlan | None = None
         budget = config.device_memory_budget if fold_on == "device" else 0
         self.store = FactorStore(config.storage_dtype, config.ema_decay, device_budget=budget)
         for key in ownership.owned_by(self.rank):
@@ -248,22 +270,33 @@ class FactorUpdater:
                 self.store.push_stat(key, payload[0], n, pos, decay)
         self.counters.fold_seconds += time.perf_counter() - t1
 
-    def set_final_window(self, max_steps: int) -> int | None:
+    def set_final_window(self, max_steps: int, sequences_per_update: int = 0) -> int | None:
         """Plan the final window of a run of ``max_steps`` optimizer steps (``final_window``):
         the restart step is the first update step (a multiple of ``update_every``) at or after
         ``ceil((1 − final_window)·max_steps)``, or the last update step when none is (a short
-        run); None (the EMA throughout) when ``final_window`` is 0 or ``max_steps`` unknown
-        (``≤ 0``). Call it after restoring a checkpoint's counters: a window start restored
-        from a run planned with another ``max_steps`` before this plan's restart step is
-        dropped. Returns the restart step."""
+        run), moved back by whole updates until the window's updates hold at least
+        ``min_window_sequences`` sequences at ``sequences_per_update`` each (0: unknown, no
+        move), at most to step 0; None (the EMA throughout) when ``final_window`` is 0 or
+        ``max_steps`` unknown (``≤ 0``). Call it after restoring a checkpoint's counters: a
+        window start restored from a run planned with another ``max_steps`` before this plan's
+        restart step is dropped. Returns the restart step; `window_plan` says what it holds."""
         fw, every = self.config.final_window, self.config.update_every
         self.restart_step = None
+        self.window_plan = None
         if fw > 0 and max_steps > 0:
             start = math.ceil((1.0 - fw) * max_steps - 1e-9)
             restart = -(-start // every) * every
             if restart >= max_steps:
                 restart = ((max_steps - 1) // every) * every
+            last = ((max_steps - 1) // every) * every  # the run's last update step
+            need = self.config.min_window_sequences
+            if need > 0 and sequences_per_update > 0:
+                updates = math.ceil(need / sequences_per_update)
+                restart = min(restart, max(0, last - (updates - 1) * every))
             self.restart_step = restart
+            updates = (last - restart) // every + 1
+            self.window_plan = WindowPlan(restart, updates, updates * sequences_per_update,
+                                          sequences_per_update)
         # a window restored from a checkpoint counts only if it started within this plan's
         # window (a run resumed with another max_steps plans its own; the restart discards
         # the state before it, so the result is that of an uninterrupted run of this plan)

@@ -321,11 +321,17 @@ class Tracker:
 
     # -- factor arithmetic (worker thread, or the training thread without async_updates) -------
 
-    def set_final_window(self, max_steps: int) -> int | None:
-        """Plan ``final_window`` for a run of ``max_steps`` optimizer steps; returns the step
-        whose update restarts the average (None: the EMA throughout). See
+    def set_final_window(self, max_steps: int, sequences_per_update: int = 0) -> int | None:
+        """Plan ``final_window`` for a run of ``max_steps`` optimizer steps, each update from
+        ``sequences_per_update`` sequences (0: unknown); returns the step whose update
+        restarts the average (None: the EMA throughout); the plan is in
+        ``updater.window_plan`` and its sequences in the counters. See
         `FactorUpdater.set_final_window`."""
-        return self.updater.set_final_window(max_steps)
+        restart = self.updater.set_final_window(max_steps, sequences_per_update)
+        plan = self.updater.window_plan
+        self.counters.sequences_per_update = int(sequences_per_update)
+        self.counters.window_sequences = plan.sequences if plan is not None else 0
+        return restart
 
     def read_counters(self) -> Counters:
         """The counters with the device-side ones read (snapshot, checkpoint, log time)."""

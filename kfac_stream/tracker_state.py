@@ -49,7 +49,8 @@ PENDING_ROOT = "kfac_stream-pending"  # beside the checkpoints: states not yet m
 INDEX_FILE = "index.json"
 INDEX_FORMAT = "kfac_stream.tracker_state"
 _FILE_RE = re.compile(r"^state-rank-(\d{5})-of-(\d{5})\.safetensors$")
-_FIELDS = ("scale", "amax", "weight", "updates", "positions", "diagonal")
+_FIELDS = ("scale", "amax", "weight", "updates", "positions", "diagonal", "sq_norm_sum",
+           "weight_sq")
 
 
 def state_file(rank: int, world_size: int) -> str:

@@ -48,7 +48,8 @@ def test_final_window_factors_are_the_mean_over_the_window(tmp_path):
     examples = text_examples(8, 12, lengths=[12, 9, 12, 7, 12, 12, 10, 12])
     model = tiny_gpt2(torch.float64)
     cb, records, _ = run(model, examples, {"ema_decay": 0.5, "final_window": 0.5,
-                                            "snapshot_every": 3}, batch=2,
+                                            "min_window_sequences": 0, "snapshot_every": 3},
+                         batch=2,
                          loss=sum_nll_loss, tmp_path=tmp_path / "window")
     assert len(records) == 4 and cb.tracker.counters.window_start_step == 2
     ref, _ = reference_factors(model, records[2:], LAYERS)

@@ -36,7 +36,8 @@ class Interrupt(TrainerCallback):
 def _run(tmp_path, storage, *, interrupt=None, resume=None, fisher="empirical",
          callback_kwargs=None, window=0.0):
     cfg = dict(token_fraction=0.5, ema_decay=0.95, update_every=1, storage_dtype=storage,
-               fisher=fisher, snapshot_every=10_000, final_window=window)
+               fisher=fisher, snapshot_every=10_000, final_window=window,
+               min_window_sequences=0)
     model = tiny_gpt2(torch.float32)
     kwargs = dict(save_strategy="steps", save_steps=SAVE, lr=1e-3)
     if resume:

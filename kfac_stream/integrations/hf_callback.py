@@ -15,13 +15,15 @@ import os
 
 from transformers import TrainerCallback
 
-from ..config import KFACConfig
+from ..config import KFACConfig, sequences_per_update
 from ..distributed.context import LOCAL, DistContext
 from ..exceptions import KFACConfigError, TrackerStateError
+from ..snapshot.adequacy import sampling_warning
 from ..snapshot.background import SnapshotWorker
 from ..snapshot.contents import add_eigendecompositions, merge_manifests, snapshot_contents
 from ..snapshot.layout import step_dir_name
 from ..snapshot.media import make_media
+from ..snapshot.snapshot import read_manifest
 from ..snapshot.writer import clean_stale_tmp, write_snapshot
 from ..tracker import Tracker, plan_tracking
 from ..tracker_state import (
@@ -90,6 +92,7 @@ class KFACStreamCallback(TrainerCallback):
         self._reporter = SpectraReporter(log_every, media=report_media)
         self._worker = SnapshotWorker()
         self._comm = LOCAL
+        self._final_step = 0  # the run's last step: its snapshot is checked for sample size
         self._last_snapshot_step: int | None = None
         self._pending_step: int | None = None  # step whose state waits beside its checkpoint
 
@@ -119,7 +122,12 @@ class KFACStreamCallback(TrainerCallback):
         self._last_snapshot_step = None
         if state.global_step > 0:  # resuming from a checkpoint
             self._resume(args, state)
-        restart = self.tracker.set_final_window(int(getattr(state, "max_steps", 0) or 0))
+        seqs = sequences_per_update(cfg, int(getattr(args, "per_device_train_batch_size", 0) or 0),
+                                    int(getattr(args, "gradient_accumulation_steps", 1) or 1),
+                                    self.tracker.world_size)
+        restart = self.tracker.set_final_window(int(getattr(state, "max_steps", 0) or 0), seqs)
+        plan = self.tracker.updater.window_plan
+        self._final_step = int(getattr(state, "max_steps", 0) or 0)
         if self.tracker.rank == 0:
             clean_stale_tmp(self.output_dir)
             logger.info("kfac_stream: tracking %d layers (%s Fisher, token_fraction=%g, "
@@ -127,9 +135,18 @@ class KFACStreamCallback(TrainerCallback):
                         len(specs), cfg.fisher, cfg.token_fraction, cfg.ema_decay,
                         cfg.update_every, self.tracker.world_size, self.output_dir)
             if restart is not None:
-                logger.info("kfac_stream: final window (final_window=%g): from step %d of %d "
-                            "the factors are the mean of the updates (the EMA before)",
-                            cfg.final_window, restart, state.max_steps)
+                logger.info("kfac_stream: final window (final_window=%g, min_window_sequences="
+                            "%d): from step %d of %d the factors are the mean of the updates "
+                            "(the EMA before): %d updates x %d sequences", cfg.final_window,
+                            cfg.min_window_sequences, restart, state.max_steps, plan.updates,
+                            plan.sequences_per_update)
+                if 0 < plan.sequences < cfg.min_window_sequences:
+                    logger.warning(
+                        "kfac_stream: this run's %d factor updates hold %d sequences in all "
+                        "(%d each), fewer than min_window_sequences=%d: the final snapshot's "
+                        "factors will rest on few samples and its posterior may be too wide; "
+                        "lower update_every or raise mc_sequences for more", plan.updates,
+                        plan.sequences, plan.sequences_per_update, cfg.min_window_sequences)
             logger.info("kfac_stream: factor owners (bytes of the stored factors, eigh cost)"
                         "\n%s", self.tracker.ownership)
         return control
@@ -252,6 +269,10 @@ class KFACStreamCallback(TrainerCallback):
                 return
             if comm.rank == 0:
                 logger.info("kfac_stream: snapshot %s", path)
+                few = sampling_warning("kfac_stream", read_manifest(path)) \
+                    if step == self._final_step else None
+                if few is not None:
+                    logger.warning(few)
                 if self.spectra_media:
                     try:
                         self.media[path] = make_media(path)

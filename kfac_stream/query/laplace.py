@@ -35,6 +35,7 @@ from ..exceptions import (
     SnapshotMismatchError,
 )
 from ..progress import progress
+from ..snapshot.adequacy import sampling_warning
 from ..snapshot.snapshot import Snapshot
 from . import inputs
 from . import kron_eigen as ke
@@ -130,6 +131,9 @@ class LaplacePosterior:
         self.num_data = _check_num_data(where, num_data, snapshot.meta)
         if num_data is not None:
             _warn_far_num_data(where, self.num_data, snapshot.meta)
+        few = sampling_warning(where, snapshot.meta)
+        if few is not None:
+            warnings.warn(few, UserWarning, stacklevel=2)
         self.layer_names = _chosen_layers(where, model, snapshot, layers)
         prior = inputs.check_prior(where, "prior_precision", prior_precision,
                                    self.layer_names, marglik=True)

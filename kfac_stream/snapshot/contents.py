@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from typing import Any
 
@@ -50,6 +51,9 @@ def snapshot_contents(record, step: int, epoch: float | None = None
                 entry[factor].update({"weight": f.weight, "updates": f.updates,
                                       "positions": f.positions,
                                       "dtype": str(f.data.dtype).removeprefix("torch.")})
+                rel_se, k_eff = f.sampling_error()
+                if not math.isnan(rel_se):  # not recorded (a state from an older version)
+                    entry[factor]["sampling"] = {"rel_se": rel_se, "effective_updates": k_eff}
         layers[name] = entry
     counters = dataclasses.asdict(record.counters)
     counters.pop("skipped_steps", None)

@@ -420,6 +420,11 @@ SPECTRUM = Record({
     "eff_rank": Field(_NONNEG),
 }, what="spectrum statistics (an object with max, trace, cond, eff_rank)")
 
+SAMPLING = Record({
+    "rel_se": Field(Num(lo=0.0, inf=True)),  # Infinity: one effective update
+    "effective_updates": Field(_NONNEG),
+}, what="sampling statistics (an object with rel_se, effective_updates)")
+
 FACTOR = Record({
     "key": Field(Str(what="a factor key '<layer>.A' or '<layer>.G'"), since=2),
     "dim": Field(Int(1, MAX_FACTOR_DIM)),
@@ -431,6 +436,7 @@ FACTOR = Record({
     "updates": Field(_COUNT),
     "positions": Field(_COUNT),
     "spectrum": Field(SPECTRUM),
+    "sampling": Field(SAMPLING, since=None),
 }, what="a factor entry (an object with dim, diagonal, dtype, weight, updates, positions, "
         "spectrum; format 2 also key)")
 
@@ -486,6 +492,8 @@ COUNTS = Record({
     "exchange_bytes_rows": Field(_COUNT, since=None),
     "exchange_bytes_stats": Field(_COUNT, since=None),
     "window_start_step": Field(Int(-1), since=None),
+    "sequences_per_update": Field(_COUNT, since=None),
+    "window_sequences": Field(_COUNT, since=None),
 }, what="the tracker's counters (an object with tokens_seen, positions_sampled, updates, "
         "skipped_updates, tracker_seconds)")
 

@@ -76,6 +76,10 @@ class FactorState:
         updates: Number of updates folded in.
         positions: Sampled positions over all updates.
         diagonal: Whether only the diagonal is kept.
+        sq_norm_sum: ``Q = Σ_k c_k ‖S_k‖²_F`` with the EMA's unnormalised coefficients
+            ``c_k = n_k Π_{j>k} λ_j`` (so ``Σ_k c_k = w``): with ``w`` and ``weight_sq`` the
+            sampling error of the factor (`sampling_error`). 0: not recorded.
+        weight_sq: ``R = Σ_k c_k²``.
     """
 
     data: Tensor
@@ -85,10 +89,38 @@ class FactorState:
     updates: int
     positions: int
     diagonal: bool
+    sq_norm_sum: float = 0.0
+    weight_sq: float = 0.0
 
     def value(self, dtype: torch.dtype | None = None) -> Tensor:
         """Dequantised factor, ``[d, d]`` or ``[d]``, float32 (float64 if stored so)."""
         return _dequantise(self.data, self.scale, dtype)
+
+    def sampling_error(self) -> tuple[float, float]:
+        """``(relative standard error, effective updates)`` of the factor as an estimate of
+        the mean of its updates' expected statistics.
+
+        ``F = Σ_k (c_k/w) S_k`` with independent update statistics ``S_k`` (each from its
+        own random positions and MC labels): ``E‖F − E F‖² = Σ_k (c_k/w)² tr Var(S)`` when the
+        updates share one variance, estimated by the weighted spread of the updates around
+        ``F``, ``Σ_k (c_k/w)‖S_k − F‖² = Q/w − ‖F‖²``, whose expectation is ``(1 − R/w²)
+        tr Var(S)``. So ``SE² = (Q/w − ‖F‖²) · (R/w²) / (1 − R/w²)`` and the relative error
+        is ``SE/‖F‖_F`` (Frobenius). Effective updates: ``w²/R`` (the number of equal-weight
+        updates with the same variance). NaN when not recorded (no update, or a state from
+        before these sums were kept); infinite with one effective update (no spread to
+        measure). Tested against replicated runs in ``tests/test_sampling_error.py``.
+        """
+        w, q, r = float(self.weight), float(self.sq_norm_sum), float(self.weight_sq)
+        if w <= 0.0 or r <= 0.0 or q <= 0.0:
+            return math.nan, math.nan
+        c2 = r / (w * w)  # Σ (c_k/w)² = 1 / effective updates
+        if c2 >= 1.0 - 1e-9:
+            return math.inf, 1.0
+        f2 = float(self.value(torch.float64).pow(2).sum())
+        if f2 <= 0.0:
+            return math.nan, 1.0 / c2
+        spread = max(q / w - f2, 0.0) / (1.0 - c2)
+        return math.sqrt(spread * c2 / f2), 1.0 / c2
 
 
 @dataclass
@@ -105,6 +137,8 @@ class StoredFactor:
         diagonal: Whether only the diagonal is kept.
         pending: ``[(rows [m, d], eta, n)]`` not yet folded into ``data`` (weighted rows:
             ``S = rowsᵀrows / n``).
+        sq_norm_sum, weight_sq: See `FactorState`; ``sq_norm_sum`` is a 0-dim device tensor
+            while device statistics add to it (read when the factor is exported).
         device_pending: ``Σ`` of pending device statistics (fp32, ``[d, d]`` or ``[d]``, on the
             rows' device) with ``device_alpha`` = ``Π (1-η)`` over them; None when empty.
         device_updates: Updates in ``device_pending``.
@@ -117,6 +151,8 @@ class StoredFactor:
     updates: int = 0
     positions: int = 0
     diagonal: bool = False
+    sq_norm_sum: float | Tensor = 0.0
+    weight_sq: float = 0.0
     pending: list[tuple[Tensor, float, float]] = field(default_factory=list)
     device_pending: Tensor | None = None
     device_alpha: float = 1.0
@@ -135,6 +171,17 @@ class StoredFactor:
         """``scale · Σ diag(data)``: the trace as folded so far (pending updates not in it)."""
         diag = self.data if self.diagonal else self.data.diagonal()
         return float(diag.double().sum()) * self.scale
+
+
+def _rows_sq_norm(rows: Tensor, diagonal: bool) -> float:
+    """``‖rowsᵀ rows‖²_F`` (``rows [m, d]``), or ``‖Σ_s rows_s²‖²`` for a diagonal factor:
+    from the smaller of the two Gram matrices (``m × m`` when ``m ≤ d``: ``m²d`` flops, a
+    share ``m/d`` of the fold's own ``m d²``), in float64."""
+    r = rows.double()
+    if diagonal:
+        return float(r.square().sum(0).square().sum())
+    g = r @ r.T if r.shape[0] <= r.shape[1] else r.T @ r
+    return float(g.square().sum())
 
 
 class FactorStore:
@@ -185,7 +232,8 @@ class FactorStore:
         """Every owned factor, flushed, as a `FactorState` holding a copy of its data."""
         self.flush()
         return {key: FactorState(f.data.clone(), f.scale, f.amax, f.weight, f.updates,
-                                 f.positions, f.diagonal) for key, f in self._factors.items()}
+                                 f.positions, f.diagonal, float(f.sq_norm_sum), f.weight_sq)
+                for key, f in self._factors.items()}
 
     def load_state_dict(self, states: Mapping[str, FactorState]) -> None:
         """Replace every owned factor by its state in ``states`` (which may hold more keys);
@@ -208,6 +256,7 @@ class FactorStore:
             f.data.copy_(st.data)
             f.scale, f.amax, f.weight = float(st.scale), float(st.amax), float(st.weight)
             f.updates, f.positions = int(st.updates), int(st.positions)
+            f.sq_norm_sum, f.weight_sq = float(st.sq_norm_sum), float(st.weight_sq)
             f.pending, f.device_pending, f.device_alpha, f.device_updates = [], None, 1.0, 0
 
     def traces(self) -> dict[str, float]:
@@ -215,11 +264,15 @@ class FactorStore:
         for monitoring between snapshots)."""
         return {key: f.trace() for key, f in self._factors.items()}
 
-    def _record(self, f: StoredFactor, n: float, positions: int,
-                decay: float | None = None) -> float:
-        """Advance ``f``'s EMA weight and counts by one update of weight ``n`` (with this
-        update's ``λ``: ``decay``, or the store's ``ema_decay`` when None); returns ``η``."""
-        f.weight, eta = ema_step(f.weight, n, self.ema_decay if decay is None else decay)
+    def _record(self, f: StoredFactor, n: float, positions: int, decay: float | None,
+                sq_norm: float | Tensor) -> float:
+        """Advance ``f``'s EMA weight and counts by one update of weight ``n`` whose statistic
+        has squared Frobenius norm ``sq_norm`` (with this update's ``λ``: ``decay``, or the
+        store's ``ema_decay`` when None); returns ``η``."""
+        lam = self.ema_decay if decay is None else decay
+        f.weight, eta = ema_step(f.weight, n, lam)
+        f.sq_norm_sum = f.sq_norm_sum * lam + sq_norm * n
+        f.weight_sq = f.weight_sq * lam * lam + n * n
         f.updates += 1
         f.positions += int(positions)
         return eta
@@ -238,7 +291,8 @@ class FactorStore:
         """
         f = self._factors[key]
         n = float(rows.shape[0]) if n is None else float(n)
-        eta = self._record(f, n, rows.shape[0] if positions is None else positions, decay)
+        eta = self._record(f, n, rows.shape[0] if positions is None else positions, decay,
+                           _rows_sq_norm(rows, f.diagonal) / (n * n))
         f.pending.append((rows.to(device="cpu", dtype=self.compute_dtype), eta, n))
         limit = 256 if f.diagonal else f.data.shape[0]
         if len(f.pending) >= self.flush_every or f.pending_rows >= limit:
@@ -257,7 +311,8 @@ class FactorStore:
         """
         f = self._factors[key]
         self._flush(f)
-        eta = self._record(f, n, n if positions is None else positions, decay)
+        eta = self._record(f, n, n if positions is None else positions, decay,
+                           float(stat.double().pow(2).sum()))
         stat = stat.to(device="cpu", dtype=self.compute_dtype) * eta
         self._fold(f, 1.0 - eta, stat=stat)
 
@@ -278,7 +333,9 @@ class FactorStore:
         """
         f = self._factors[key]
         self._flush(f)  # rows and device statistics never pend together
-        eta = self._record(f, n, positions, decay)
+        # ‖S‖² stays a device scalar (no host read here); read when the factor is exported
+        sq = stat_sum.double().pow(2).sum() / (float(n) ** 2)
+        eta = self._record(f, n, positions, decay, sq)
         term = stat_sum.to(self.compute_dtype).mul_(eta / float(n))
         if f.device_pending is None:
             f.device_pending, f.device_alpha = term, 1.0 - eta

@@ -1,0 +1,406 @@
+"""The tasks of the default-selection suite (`benchmarks/suite.py`): six regimes, every one
+from data already on the machine and models built from configs (nothing downloaded).
+
+Every task object offers the same small interface to the suite:
+
+* ``name``, ``title``, ``seed``; ``steps``, ``batch``, ``lr``, ``warmup``, ``scheduler``;
+* ``train_items`` (a list of examples for `ExampleDataset`) and ``collate`` (or None);
+* ``model()``: a fresh model, initialised from ``seed``;
+* ``evals``: ``{"val" | "test": (batch dict of [n, T] tensors, labels [n])}``;
+* ``logits(model, batch) -> [n, C]`` float64: what the task predicts from;
+* ``covs(post, batch, taus) -> {tau: [n, C, C]}``: the stream posterior's linearised
+  covariance of those logits for every ``tau`` (one Jacobian pass);
+* ``kron(model, layers) -> (la, head, fit s, marglik s)`` and ``kron_covs(la, head, batch)``:
+  post-hoc laplace-torch ``KronLaplace`` (its default backend, the exact GGN) on the same
+  layers, and its GLM covariance of the same logits.
+
+The two tasks of ``uncertainty_classification.py`` (LoRA docstring multiple choice; the man-page
+section classifier trained from scratch) are adapted here with their data and models unchanged;
+four are new:
+
+* ``source-small`` — the regime of the report that opened the suite (a small-data sequence
+  classifier, tens of factor updates): *which standard-library package is this 65-byte window
+  of source code from?* (``asyncio`` / ``email`` / ``json`` + ``http`` / ``logging``),
+  300 training sequences, 400 steps at batch 30 (40 factor updates at the default
+  ``update_every``), a 3-layer GPT-2 classifier (12 tracked layers) from scratch.
+* ``license-fit`` — a from-scratch classifier trained long enough to fit its data: *which
+  license is this 64-byte window from?* (GPL-3 / Apache-2.0 / MPL-2.0 / GFDL-1.3 under
+  ``/usr/share/common-licenses``), 1200 steps on 256 windows.
+* ``glyph-digits`` — an image turned into tokens: digits 0-9 rendered by the DejaVu fonts that
+  ship with matplotlib (6 faces), randomly shifted, scaled and rotated, down-sampled to 8×8 and
+  quantised to 16 grey levels: a 64-token sequence per image, 10 classes.
+* ``lm-heldout`` — next-token prediction with a held-out domain: the app's tiny GPT-2 LM
+  trained from scratch on Python's reference documentation, tested on the standard library's
+  source code (the held-out domain; its in-domain held-out pydoc windows are the ``val`` set):
+  the whole-vocabulary (256 bytes) prediction of the last token of each 128-byte window.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import sysconfig
+from pathlib import Path
+
+import torch
+import uncertainty_classification as uc
+from torch import nn
+from transformers import GPT2Config, GPT2ForSequenceClassification
+
+from kfac_stream.app import data as app_data
+from kfac_stream.app.models import tiny_gpt2
+
+from _common import conv1d_to_linear
+
+
+def _windows(text: bytes, n: int) -> list[bytes]:
+    """Non-overlapping ``n``-byte windows of ``text`` that are not mostly whitespace and hold no
+    byte 0 (the classifiers' padding token)."""
+    out = []
+    for i in range(0, len(text) - n + 1, n):
+        w = text[i:i + n]
+        if 0 not in w and len(w.split()) >= 3:
+            out.append(w)
+    return out
+
+
+def source_pool(packages: tuple[str, ...], n: int) -> list[bytes]:
+    """``n``-byte windows of the ``.py`` files of stdlib ``packages`` (test folders left out),
+    files in sorted order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out: list[bytes] = []
+    for package in packages:
+        path = root / package
+        files = sorted(path.rglob("*.py")) if path.is_dir() else [root / f"{package}.py"]
+        for f in files:
+            if any(p.startswith("test") for p in f.relative_to(root).parts[:-1]):
+                continue
+            out += _windows(f.read_bytes(), n)
+    return out
+
+
+def license_pool(name: str, n: int, root: str = "/usr/share/common-licenses") -> list[bytes]:
+    """``n``-byte windows of one license text, whitespace collapsed."""
+    text = b" ".join(Path(root, name).read_bytes().split())
+    return _windows(text, n)
+
+
+def split_pools(pools: list[list], sizes: tuple[int, int, int], seed: int
+                ) -> dict[str, list[tuple]]:
+    """``{"train" | "val" | "test": [(item, class)]}``: per class ``sizes`` items drawn without
+    replacement (shuffled with ``seed``), so the three sets are disjoint and balanced."""
+    rng = random.Random(seed)
+    out: dict[str, list[tuple]] = {"train": [], "val": [], "test": []}
+    need = sum(sizes)
+    for c, pool in enumerate(pools):
+        if len(pool) < need:
+            raise SystemExit(f"class {c}: {len(pool)} items, {need} needed")
+        items = rng.sample(pool, need)
+        a, b = sizes[0], sizes[0] + sizes[1]
+        out["train"] += [(x, c) for x in items[:a]]
+        out["val"] += [(x, c) for x in items[a:b]]
+        out["test"] += [(x, c) for x in items[b:]]
+    for v in out.values():
+        rng.shuffle(v)
+    return out
+
+
+# -- glyphs ---------------------------------------------------------------------------------------
+
+GLYPH_FONTS = ("DejaVuSans.ttf", "DejaVuSans-Bold.ttf", "DejaVuSerif.ttf",
+               "DejaVuSerif-Bold.ttf", "DejaVuSansMono.ttf", "DejaVuSans-Oblique.ttf")
+GLYPH_SIDE, GLYPH_LEVELS = 8, 16
+
+
+def glyph_tokens(digit: int, rng: random.Random) -> list[int]:
+    """One rendered digit as ``GLYPH_SIDE²`` tokens in ``1..GLYPH_LEVELS`` (row-major; 0 is
+    the padding token): a random face of `GLYPH_FONTS`, size 20-28 px, shift ±4 px, rotation
+    ±15°, on a 32×32 canvas, box-filtered to 8×8, with uniform noise of ±1/32 before the
+    16-level quantisation."""
+    import matplotlib
+    from PIL import Image, ImageDraw, ImageFont
+
+    font = ImageFont.truetype(str(Path(matplotlib.get_data_path(), "fonts", "ttf",
+                                       rng.choice(GLYPH_FONTS))), rng.randint(20, 28))
+    img = Image.new("L", (32, 32), 0)
+    draw = ImageDraw.Draw(img)
+    x0, y0, x1, y1 = draw.textbbox((0, 0), str(digit), font=font)
+    pos = (16 - (x0 + x1) / 2 + rng.uniform(-4, 4), 16 - (y0 + y1) / 2 + rng.uniform(-4, 4))
+    draw.text(pos, str(digit), fill=255, font=font)
+    img = img.rotate(rng.uniform(-15, 15), resample=Image.BILINEAR)
+    small = img.resize((GLYPH_SIDE, GLYPH_SIDE), resample=Image.BOX)
+    px = [v / 255 + rng.uniform(-1 / 32, 1 / 32) for v in small.getdata()]
+    return [1 + min(GLYPH_LEVELS - 1, max(0, int(v * GLYPH_LEVELS))) for v in px]
+
+
+def glyph_pools(per_class: int, seed: int) -> list[list[bytes]]:
+    """``per_class`` renderings of each digit (a generator seeded by ``seed`` and the digit)."""
+    return [[bytes(glyph_tokens(d, rng)) for _ in range(per_class)]
+            for d in range(10) for rng in [random.Random(1000 * seed + d)]]
+
+
+# -- tasks ----------------------------------------------------------------------------------------
+
+class _Classifier:
+    """A tiny GPT-2 sequence classifier trained from scratch on byte-like token sequences of
+    one length (no padding; token 0 never occurs): the shared part of the new tasks."""
+
+    scheduler, warmup, collate = "linear", 0, None
+    vocab = 256
+    n_head = 4
+
+    def __init__(self, seed: int, pools: list[list[bytes]], sizes: tuple[int, int, int]):
+        self.seed = seed
+        self.splits = split_pools(pools, sizes, seed)
+        self.n_classes = len(pools)
+        self.seq_len = len(pools[0][0])
+        self.train_items = [self.example(s, c) for s, c in self.splits["train"]]
+        self.evals = {k: self.batch(self.splits[k]) for k in ("val", "test")}
+
+    def train_batch(self):
+        return self.batch(self.splits["train"])
+
+    @staticmethod
+    def example(s: bytes, c: int) -> dict[str, torch.Tensor]:
+        ids = torch.tensor(list(s))
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "labels": torch.tensor(c)}
+
+    @staticmethod
+    def batch(items: list[tuple[bytes, int]]):
+        ids = torch.tensor([list(s) for s, _ in items])
+        return ({"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                torch.tensor([c for _, c in items]))
+
+    def model(self) -> nn.Module:
+        torch.manual_seed(self.seed)
+        return GPT2ForSequenceClassification(GPT2Config(
+            vocab_size=self.vocab, n_positions=self.seq_len, n_embd=self.width,
+            n_layer=self.layers, n_head=self.n_head, num_labels=self.n_classes, pad_token_id=0,
+            bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            summary_first_dropout=0.0))
+
+    @torch.no_grad()
+    def logits(self, model, batch):
+        return torch.cat([model(**b).logits.double() for b in uc.batches(batch, 64)])
+
+    def covs(self, post, batch, taus):
+        covs = [post.predictive_covariances(b, -1, None, prior_precisions=taus)[1]
+                for b in uc.batches(batch, 64)]
+        return dict(zip(taus, torch.cat(covs, dim=1), strict=True))
+
+    def kron(self, model, layers: list[str]):
+        head = uc.SeqClassifierHead(model, layers)
+        b, y = self.batch(self.splits["train"])
+        loader = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(b["input_ids"], y), batch_size=32)
+        return uc._fit_kron(head, loader)
+
+    def kron_covs(self, la, head, batch):
+        return uc.kron_covs(la, head, batch)
+
+
+class SourceSmall(_Classifier):
+    name = "source-small"
+    title = ("source window → stdlib package, 4-way, 300 sequences × 65 tokens, 400 steps at "
+             "batch 30 (40 updates), 3-layer classifier from scratch")
+    layers, width, steps, batch_size, lr = 3, 64, 400, 30, 2e-3
+    PACKAGES = (("asyncio",), ("email",), ("json", "http"), ("logging",))
+
+    def __init__(self, seed: int):
+        super().__init__(seed, [source_pool(p, 65) for p in self.PACKAGES], (75, 50, 100))
+
+
+class LicenseFit(_Classifier):
+    name = "license-fit"
+    title = ("license window → license, 4-way, 256 sequences × 64 tokens, 1200 steps (fits "
+             "its training set), 2-layer classifier from scratch")
+    layers, width, steps, batch_size, lr = 2, 64, 1200, 16, 2e-3
+    LICENSES = ("GPL-3", "Apache-2.0", "MPL-2.0", "GFDL-1.3")
+
+    def __init__(self, seed: int):
+        super().__init__(seed, [license_pool(n, 64) for n in self.LICENSES], (64, 30, 50))
+
+
+class GlyphDigits(_Classifier):
+    name = "glyph-digits"
+    title = ("rendered digit, 8×8 pixels at 16 grey levels → 64 tokens, 10-way, 400 images, "
+             "600 steps, 2-layer classifier from scratch")
+    layers, width, steps, batch_size, lr = 2, 64, 600, 32, 2e-3
+    vocab = GLYPH_LEVELS + 1
+
+    def __init__(self, seed: int):
+        super().__init__(seed, glyph_pools(40 + 20 + 40, seed), (40, 20, 40))
+
+
+class LastTokenHead(nn.Module):
+    """laplace-torch view of the LM: ``input_ids [B, T]`` -> next-token logits at the last
+    position ``[B, V]`` (a copy whose tracked Conv1D s are equal Linear s, the only weights
+    with gradients)."""
+
+    def __init__(self, model, layers: list[str]):
+        super().__init__()
+        self.m = conv1d_to_linear(model, layers).eval()
+        keep = {f"{name}.{p}" for name in layers for p in ("weight", "bias")}
+        for n, p in self.m.named_parameters():
+            p.requires_grad_(n in keep)
+        self.answers_only = False  # uc.kron_covs toggles it; the head has V outputs already
+
+    def forward(self, input_ids):
+        return self.m(input_ids=input_ids).logits[:, -1]
+
+
+CHAR_CLASSES = 32
+
+
+def char_class_ids(text: str) -> list[int]:
+    """Text → tokens of a 32-symbol alphabet (`CHAR_CLASSES`): ``a``-``z`` (case folded) 1-26,
+    space 27, newline 28, digits 29, other punctuation 30, anything else 31; 0 is BOS."""
+    out = []
+    for ch in text:
+        c = ch.lower()
+        out.append(1 + ord(c) - 97 if "a" <= c <= "z" else 27 if c == " " else 28 if c == "\n"
+                   else 29 if c.isdigit() else 30 if c.isascii() and not c.isspace() else 31)
+    return out
+
+
+class LMHeldout:
+    """Next-token prediction over a 32-symbol alphabet, tiny GPT-2 from scratch on pydoc, tested
+    on stdlib source (held-out domain). The small alphabet keeps the whole-vocabulary
+    linearised predictive (one backward per logit) affordable for ten posteriors per seed."""
+
+    name = "lm-heldout"
+    title = ("next symbol of a 64-symbol window, 32-way (letters, space, newline, digit, "
+             "punctuation): tiny GPT-2 LM (2×128) from scratch on pydoc, 600 steps; test = "
+             "stdlib source (held-out domain)")
+    steps, batch_size, lr, scheduler, warmup, collate = 600, 8, 1e-3, "cosine", 10, None
+    # windows of 64: the whole-vocabulary Jacobian features cost K·B·T·d² per layer, and a
+    # posterior is evaluated for every candidate rule
+    n_eval, n_kron, seq_len = 32, 128, 64
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        train_docs, held = app_data.split_documents(app_data.pydoc_documents(), 0.1, seed=seed)
+        rng = random.Random(seed)
+        self.train_items = [{"input_ids": w, "attention_mask": torch.ones_like(w),
+                             "labels": w.clone()} for w in self.windows(train_docs)]
+        self.kron_windows = torch.stack(rng.sample([e["input_ids"] for e in self.train_items],
+                                                   self.n_kron))
+        self.evals = {"val": self.batch(rng.sample(self.windows(held), self.n_eval)),
+                      "test": self.batch(rng.sample(self.windows(app_data.ood_documents()),
+                                                    self.n_eval))}
+
+    def windows(self, docs: list[str]) -> list[torch.Tensor]:
+        """Non-overlapping ``seq_len`` windows of the documents' symbols, BOS between them."""
+        ids: list[int] = []
+        for d in docs:
+            ids += [0] + char_class_ids(d)
+        n = self.seq_len
+        return [torch.tensor(ids[i:i + n]) for i in range(0, len(ids) - n + 1, n)]
+
+    @staticmethod
+    def batch(ws: list[torch.Tensor]):
+        w = torch.stack(ws)
+        return {"input_ids": w[:, :-1]}, w[:, -1]
+
+    def model(self) -> nn.Module:
+        return tiny_gpt2(vocab_size=CHAR_CLASSES, seq_len=self.seq_len, seed=self.seed)
+
+    def train_batch(self):
+        return None
+
+    @torch.no_grad()
+    def logits(self, model, batch):
+        return torch.cat([model(**b).logits[:, -1].double() for b in uc.batches(batch, 32)])
+
+    def covs(self, post, batch, taus):
+        vocab = list(range(CHAR_CLASSES))
+        covs = [post.predictive_covariances(b, -1, vocab, prior_precisions=taus)[1]
+                for b in uc.batches(batch, 32)]
+        return dict(zip(taus, torch.cat(covs, dim=1), strict=True))
+
+    def kron(self, model, layers: list[str]):
+        head = LastTokenHead(model, layers)
+        ids = self.kron_windows
+        loader = torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(ids[:, :-1], ids[:, -1]), batch_size=16)
+        return uc._fit_kron(head, loader)
+
+    def kron_covs(self, la, head, batch):
+        return uc.kron_covs(la, head, batch, size=4)
+
+
+# -- the two tasks of uncertainty_classification.py, adapted ------------------------------------
+
+class Manpage:
+    """`uc.ManpageTask` (its default sizes) with the suite's interface."""
+
+    name, title = uc.ManpageTask.name, uc.ManpageTask.title
+    scheduler, warmup, collate = "linear", 0, None
+
+    def __init__(self, seed: int, a):
+        self.seed, self.t = seed, uc.ManpageTask(a, seed)
+        self.steps, self.batch_size, self.lr = a.man_steps, a.batch, a.man_lr
+        self.train_items, self.evals, self.splits = (self.t.train_items, self.t.evals,
+                                                     self.t.splits)
+
+    def model(self):
+        return self.t.model()
+
+    def train_batch(self):
+        return self.t.batch([s for s, _ in self.splits["train"]],
+                            [c for _, c in self.splits["train"]])
+
+    def logits(self, model, batch):
+        return self.t.logits(model, batch)
+
+    def covs(self, post, batch, taus):
+        return self.t.covs(post, batch, taus)
+
+    def kron(self, model, layers):
+        return self.t.kron(model, layers)
+
+    def kron_covs(self, la, head, batch):
+        return uc.kron_covs(la, head, batch)
+
+
+class Docstring:
+    """`uc.DocstringTask` (its default sizes, LoRA on the cached base LM) with the suite's
+    interface."""
+
+    name, title = uc.DocstringTask.name, uc.DocstringTask.title
+    scheduler, warmup = "linear", 0
+    collate = staticmethod(uc.collate)
+
+    def __init__(self, seed: int, a, base):
+        self.seed, self.base, self.t = seed, base, uc.DocstringTask(a, seed, base)
+        self.steps, self.batch_size, self.lr = a.ft_steps, a.batch, a.lr
+        self.train_items, self.evals, self.splits = (self.t.train_items, self.t.evals,
+                                                     self.t.splits)
+        self.a = a
+
+    def model(self):
+        return uc.lora_model(self.base, self.seed)
+
+    def train_batch(self):
+        return uc.prompt_batch(self.splits["train"])
+
+    def logits(self, model, batch):
+        return self.t.logits(model, batch)
+
+    def covs(self, post, batch, taus):
+        return self.t.covs(post, batch, taus)
+
+    def kron(self, model, layers):
+        return self.t.kron(model)
+
+    def kron_covs(self, la, head, batch):
+        return uc.kron_covs(la, head, batch)
+
+
+NEW_TASKS = {t.name: t for t in (SourceSmall, LicenseFit, GlyphDigits, LMHeldout)}
+
+
+def updates_per_run(steps: int, update_every: int) -> int:
+    """Factor updates in a run of ``steps`` steps (steps 0, k, 2k, ...)."""
+    return math.ceil(steps / update_every)

@@ -1,0 +1,72 @@
+"""Does a snapshot's posterior rest on enough samples? Read from its manifest.
+
+Two signs, both recorded by the tracker (`kfac_stream.store.factor_store.FactorState`):
+
+* the final window held fewer sequences than ``KFACConfig.min_window_sequences`` asks for
+  (``counts.window_sequences``: the run had too few updates, or too few MC sequences per
+  update, to reach it even over its whole length);
+* a factor's relative sampling error ``‖SE(F)‖_F / ‖F‖_F`` (``sampling.rel_se``, from the
+  spread of the updates around their mean) above `REL_SE_WARN`.
+
+A factor estimated from few samples is noisy and rank-poor: the posterior precision
+``N·(A ⊗ G) + τI`` then falls back to the prior ``τ`` in most directions, and the predictive
+comes out too wide. The snapshot report (`kfac-stream inspect`), the tracker at train begin and
+at each snapshot, and `LaplacePosterior` warn with `sampling_problems`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+#: Relative sampling error of a factor above which a snapshot is reported as resting on too few
+#: samples (`benchmarks/suite.py` prints each rule's largest value beside its predictive NLL).
+REL_SE_WARN = 0.5
+
+
+def sampling_summary(meta: dict[str, Any]) -> dict[str, Any]:
+    """``{"max_rel_se", "max_rel_se_factor", "min_effective_updates", "window_sequences",
+    "min_window_sequences"}`` of a manifest (NaN / 0 / None where the snapshot did not record
+    them: written by an older version, or no final window)."""
+    worst, worst_key, k_min = math.nan, None, math.nan
+    for name, entry in meta.get("layers", {}).items():
+        for factor in ("A", "G"):
+            s = entry.get(factor, {}).get("sampling")
+            if not s:
+                continue
+            key = entry[factor].get("key", f"{name}.{factor}")
+            if math.isnan(worst) or s["rel_se"] > worst:
+                worst, worst_key = float(s["rel_se"]), key
+            k_min = min(k_min, s["effective_updates"]) if not math.isnan(k_min) \
+                else float(s["effective_updates"])
+    cfg, counts = meta.get("config", {}), meta.get("counts", {})
+    window = int(counts.get("window_sequences", 0)) if cfg.get("final_window", 0) else 0
+    return {"max_rel_se": worst, "max_rel_se_factor": worst_key, "min_effective_updates": k_min,
+            "window_sequences": window,
+            "min_window_sequences": int(cfg.get("min_window_sequences", 0) or 0)}
+
+
+def sampling_problems(meta: dict[str, Any]) -> list[str]:
+    """One sentence per sign that the snapshot's factors rest on too few samples (empty: none
+    seen)."""
+    s = sampling_summary(meta)
+    out = []
+    if 0 < s["window_sequences"] < s["min_window_sequences"]:
+        out.append(f"its final window holds {s['window_sequences']:,} sequences, fewer than "
+                   f"min_window_sequences={s['min_window_sequences']:,} (the run has too few "
+                   "factor updates to reach it; lower update_every or raise mc_sequences)")
+    if not math.isnan(s["max_rel_se"]) and s["max_rel_se"] > REL_SE_WARN:
+        out.append(f"factor {s['max_rel_se_factor']} has a relative sampling error of "
+                   f"{s['max_rel_se']:.2g} (> {REL_SE_WARN:g}; over "
+                   f"{s['min_effective_updates']:.3g} effective updates)")
+    return out
+
+
+def sampling_warning(where: str, meta: dict[str, Any]) -> str | None:
+    """The warning text for `sampling_problems` (None: nothing to warn about)."""
+    problems = sampling_problems(meta)
+    if not problems:
+        return None
+    return (f"{where}: the snapshot of step {meta.get('step')} rests on few samples: "
+            + "; ".join(problems) + ". A posterior from noisy, rank-poor factors falls back to "
+            "the prior in most directions and its predictive tends to be too wide.")

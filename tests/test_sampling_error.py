@@ -1,0 +1,204 @@
+"""The final window's sample size and the factors' sampling error (`KFACConfig.
+min_window_sequences`, `FactorState.sampling_error`, `kfac_stream.snapshot.adequacy`).
+
+* The window planning arithmetic: moved back by whole updates until it holds enough sequences.
+* On a tiny model, an extended window's factors equal the brute-force float64 factors of
+  exactly the window's forwards.
+* The sampling-error estimate against replication: the spread of many independent runs'
+  factors (the estimate is a variance, so it is checked in expectation over replicates).
+* On a tiny model with fixed weights, the window mean of the MC Fisher against the EXACT
+  expected Fisher, within a few of its own reported standard errors; the reported error
+  against the brute-force standard error of the recorded updates.
+* The snapshot records it; `LaplacePosterior` and `kfac-stream inspect` warn when the
+  posterior rests on too few samples, and stay silent when it does not.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+from kfac_stream import KFACConfig, KFACConfigError, LaplacePosterior, Snapshot
+from kfac_stream.config import sequences_per_update
+from kfac_stream.factor_updates import Counters, FactorUpdater
+from kfac_stream.snapshot.adequacy import REL_SE_WARN, sampling_problems, sampling_summary
+from kfac_stream.store.factor_store import FactorStore
+
+from harness import factor_errors, run, sum_nll_loss
+from models import text_examples, tiny_gpt2
+from reference import expected_fisher_G, reference_factors
+from test_mc_subbatch import _updates
+
+ORACLE_TOL = 1e-10  # float64 end to end: only summation-order rounding differs
+LAYERS = [f"transformer.h.{i}.{m}" for i in range(2)
+          for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+
+
+@pytest.mark.parametrize("max_steps,every,window,seqs,need,restart,updates", [
+    (1000, 10, 0.1, 4, 0, 900, 10),     # min_window_sequences 0: the fraction alone
+    (1000, 10, 0.1, 0, 256, 900, 10),   # sequences per update unknown: no move
+    (1000, 10, 0.1, 4, 40, 900, 10),    # 10 updates × 4 = 40: already enough
+    (1000, 10, 0.1, 4, 41, 890, 11),    # one more update needed
+    (1000, 10, 0.1, 4, 256, 360, 64),   # 64 updates: steps 360..990
+    (400, 10, 0.1, 4, 256, 0, 40),      # the whole run holds 160 < 256: all of it
+    (95, 10, 0.1, 8, 24, 70, 3),        # last update step 90; 3 updates: 70, 80, 90
+])
+def test_window_moves_back_until_it_holds_enough_sequences(max_steps, every, window, seqs,
+                                                           need, restart, updates):
+    cfg = KFACConfig(update_every=every, final_window=window, min_window_sequences=need)
+    up = FactorUpdater.__new__(FactorUpdater)  # only the planning state
+    up.config, up.counters = cfg, Counters()
+    assert up.set_final_window(max_steps, seqs) == restart
+    assert up.window_plan.updates == updates
+    assert up.window_plan.sequences == updates * seqs
+
+
+def test_sequences_per_update():
+    mc = KFACConfig()  # fisher="mc", mc_sequences=1/8
+    assert sequences_per_update(mc, 30, 1, 1) == 4  # ceil(30/8)
+    assert sequences_per_update(mc, 1, 4, 8) == 32  # one sequence per micro-batch and rank
+    assert sequences_per_update(KFACConfig(fisher="empirical"), 30, 2, 2) == 120
+    assert sequences_per_update(KFACConfig(mc_sequences="all"), 16, 1, 1) == 16
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "256"])
+def test_min_window_sequences_must_be_a_count(bad):
+    with pytest.raises(KFACConfigError, match="min_window_sequences"):
+        KFACConfig(min_window_sequences=bad)
+
+
+def test_extended_window_factors_are_the_mean_over_its_updates(tmp_path):
+    """8 examples, batch 2, 4 steps, one update each (2 sequences per update): the fraction
+    ``final_window=0.25`` alone starts at step 3; ``min_window_sequences=4`` needs two
+    updates, so the window starts at step 2, and the factors equal the brute-force factors of
+    steps 2 and 3 (not of step 3 alone: checked, so the test can fail)."""
+    examples = text_examples(8, 12, lengths=[12, 9, 12, 7, 12, 12, 10, 12])
+    model = tiny_gpt2(torch.float64)
+    cfg = {"ema_decay": 0.5, "final_window": 0.25, "min_window_sequences": 4,
+           "fisher": "empirical"}
+    cb, records, _ = run(model, examples, cfg, batch=2, loss=sum_nll_loss,
+                         tmp_path=tmp_path / "window")
+    assert len(records) == 4 and cb.tracker.counters.window_start_step == 2
+    assert cb.tracker.counters.window_sequences == 4
+    ref, _ = reference_factors(model, records[2:], LAYERS)
+    errs = factor_errors(cb, ref)
+    assert max(errs.values()) <= ORACLE_TOL, errs
+    last, _ = reference_factors(model, records[3:], LAYERS)
+    assert min(factor_errors(cb, last).values()) > 1e3 * ORACLE_TOL
+    snap = Snapshot.load(cb.snapshots[-1])
+    assert snap.meta["counts"]["window_sequences"] == 4
+    assert snap.meta["counts"]["sequences_per_update"] == 2
+    for name in LAYERS:  # two updates of unequal weight (padding): (n1+n2)²/(n1²+n2²) ≤ 2
+        s = snap.meta["layers"][name]["G"]["sampling"]
+        assert 1.5 < s["effective_updates"] <= 2.0 + 1e-12
+
+
+REPLICATES = 400
+REP_TOL = 0.15  # the mean of 400 replicates' squared errors: its own relative SE is ~7%
+
+
+@pytest.mark.parametrize("decay,updates,path", [(1.0, 12, "rows"), (0.8, 30, "rows"),
+                                                 (1.0, 6, "stat")])
+def test_sampling_error_matches_replicated_runs(decay, updates, path):
+    """Each replicate folds ``updates`` statistics of 6 rows drawn from one Gaussian (d = 3,
+    unequal weights) into a float64 store; the mean over replicates of the reported
+    ``rel_se²`` must equal the replicates' mean ``‖F − E F‖² / ‖E F‖²`` within `REP_TOL`
+    (E F = the Gaussian's second moment, exact). Forgetting the 1 − R/w² correction or the
+    effective count would miss by ≥ 1/(K_eff − 1) or a factor K_eff."""
+    gen = torch.Generator().manual_seed(0)
+    chol = torch.tensor([[1.0, 0.0, 0.0], [0.5, 1.0, 0.0], [0.2, -0.3, 0.7]], dtype=torch.float64)
+    exact = chol @ chol.T
+    est, err = [], []
+    for _ in range(REPLICATES):
+        store = FactorStore("float64", decay)
+        store.add("f", 3, False)
+        for k in range(updates):
+            m = 4 + (k % 3)
+            x = torch.randn(m, 3, generator=gen, dtype=torch.float64) @ chol.T  # [m, 3]
+            if path == "rows":
+                store.push_rows("f", x, float(m))
+            else:
+                store.update("f", x.T @ x / m, float(m))
+        st = store.state_dict()["f"]
+        rel, k_eff = st.sampling_error()
+        est.append(rel ** 2)
+        err.append(float((st.value() - exact).pow(2).sum() / exact.pow(2).sum()))
+    ratio = (sum(est) / REPLICATES) / (sum(err) / REPLICATES)
+    print(f"decay {decay}, {updates} updates ({path}): K_eff {k_eff:.2f}, mean rel_se² / "
+          f"replicated rel. MSE = {ratio:.3f}")
+    assert abs(ratio - 1.0) <= REP_TOL, ratio
+
+
+def test_window_mean_against_the_exact_expected_fisher(tmp_path):
+    """Fixed weights (lr 0), the MC Fisher on 2 of 4 sequences per update, 300 updates, all in
+    the window (``min_window_sequences`` ≥ the run's): the window's G is within 4 of its own
+    reported standard errors of the exact expected Fisher ``Σ Jᵀ(diag p − ppᵀ)J``, and the
+    reported error is within 20% of the brute-force standard error of the recorded updates'
+    mean (the same updates folded by `_updates` with ``ema_decay=0``)."""
+    model = tiny_gpt2()
+    ex = text_examples(4, 12, lengths=[12, 9, 12, 7])
+    K = 300
+    cfg = {"fisher": "mc", "mc_sequences": 2, "token_fraction": 0.3, "final_window": 0.1,
+           "min_window_sequences": 10**6}
+    # the window: every update, folded as a mean; the tracker restarts at step 0
+    cb_w, _ = _updates(model, ex, {**cfg, "ema_decay": 0.95}, K, tmp_path / "w")
+    assert cb_w.tracker.counters.window_start_step == 0
+    cb_s, stats = _updates(model, ex, {**cfg, "final_window": 0.0}, K, tmp_path / "s")
+    batch = {k: torch.stack([e[k] for e in ex]) for k in ex[0]}
+    layers = list(cb_w.tracker.specs)
+    exact_G = expected_fisher_G(model, batch, layers)
+    state = cb_w.tracker.store.state_dict()
+    worst_z, worst_ratio = 0.0, 1.0
+    for n in layers:
+        st = state[cb_w.tracker.plan.g_key(n)]
+        rel, k_eff = st.sampling_error()
+        assert k_eff == pytest.approx(K, rel=1e-9)  # equal weights: every update counts once
+        F = st.value(torch.float64)
+        se = rel * float(F.norm())
+        draws = torch.stack([s[n][1] for s in stats]).double()  # [K, d, d]
+        brute = float(((draws - draws.mean(0)).square().sum() / (K * (K - 1))).sqrt())
+        assert float((F - draws.mean(0)).norm()) <= 1e-6 * float(F.norm())  # same updates
+        worst_z = max(worst_z, float((F - exact_G[n]).norm()) / se)
+        worst_ratio = max(worst_ratio, se / brute, brute / se)
+    print(f"max ‖F − exact‖/reported SE {worst_z:.2f} (bound 4); reported vs brute-force SE "
+          f"within ×{worst_ratio:.3f} (bound 1.2)")
+    assert worst_z <= 4.0
+    assert worst_ratio <= 1.2
+
+
+def _short_run(tmp_path, cfg, steps=4, batch=2):
+    model = tiny_gpt2()
+    examples = text_examples(8, 12)
+    cb, _, _ = run(model, examples, {"fisher": "mc", "final_window": 0.5, **cfg}, batch=batch,
+                   steps=steps, tmp_path=tmp_path, record=False, lr=1e-3)
+    return model.eval(), Snapshot.load(cb.snapshots[-1])
+
+
+def test_short_run_warns_at_query_time_and_in_the_report(tmp_path, capsys):
+    from kfac_stream.cli import main
+
+    model, snap = _short_run(tmp_path / "short", {"min_window_sequences": 256})
+    s = sampling_summary(snap.meta)
+    assert s["window_sequences"] == 4 * 1  # 4 updates (the whole run) × ceil(2/8) sequences
+    problems = sampling_problems(snap.meta)
+    assert any("fewer than min_window_sequences=256" in p for p in problems), problems
+    with pytest.warns(UserWarning, match="rests on few samples"):
+        LaplacePosterior(model, snap)
+    assert main(["inspect", snap.path]) == 0
+    out = capsys.readouterr().out
+    assert "sampling: largest relative standard error" in out and "rests on few samples" in out
+
+
+def test_enough_samples_give_no_warning(tmp_path):
+    # 24 steps: a window of 12 updates × 4 sequences (the whole batch)
+    model, snap = _short_run(tmp_path / "ok", {"min_window_sequences": 48, "mc_sequences": 4},
+                             steps=24, batch=4)
+    s = sampling_summary(snap.meta)
+    assert s["window_sequences"] >= 4
+    if s["max_rel_se"] > REL_SE_WARN:  # the second sign alone may still fire: say which
+        pytest.fail(f"rel_se {s['max_rel_se']:.3g} > {REL_SE_WARN}: choose a larger run")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        LaplacePosterior(model, snap)
+    assert math.isfinite(s["max_rel_se"])
