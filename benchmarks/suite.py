@@ -269,8 +269,8 @@ def run_seed(task, a) -> dict:
         snap_def = Snapshot.load(snap_dir)
         res["default"] = evaluate_posterior(task, model, snap_def, mp, a.mc)
         res["default"]["meta_counts"] = snap_def.meta["counts"]
-        print(f"  default posterior evaluated in {time.perf_counter() - t_start - t_rec - t_def:.1f} s",
-              flush=True)
+        t_eval = time.perf_counter() - t_start - t_rec - t_def
+        print(f"  default posterior evaluated in {t_eval:.1f} s", flush=True)
         for rule in a.rules:
             decays, start = rule_decays(rule, steps, task.steps, seqs, defaults.ema_decay)
             F = fold_rule(rec.updates, decays)
@@ -289,7 +289,8 @@ def run_seed(task, a) -> dict:
                     float((snap[n].G - snap_def[n].G).norm() / snap_def[n].G.norm())
                     for n in snap_def.layer_names)
             m = r["scores"]["marglik"]
-            print(f"  [{rule:>14}] {r['seconds']:.1f} s; window {r['window_updates']:>3} upd, relSE max "
+            print(f"  [{rule:>14}] {r['seconds']:.1f} s; window {r['window_updates']:>3} upd, "
+                  "relSE max "
                   f"{r['rel_se_max']:.3f}; tau {r['tau']['marglik']:.3g}: NLL probit "
                   f"{m['probit']['nll']:.4f} meanfield {m['meanfield']['nll']:.4f} mc "
                   f"{m['mc']['nll']:.4f} (MAP {res['MAP']['nll']:.4f})", flush=True)

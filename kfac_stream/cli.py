@@ -31,9 +31,8 @@ def _load_snapshot(arg: str, path: str):
 
 
 def _inspect(args) -> int:
-    from .snapshot.layer_table import layer_table
-
     from .snapshot.adequacy import sampling_summary, sampling_warning
+    from .snapshot.layer_table import layer_table
 
     snap = _load_snapshot("path", args.path)
     print(layer_table(snap))

@@ -18,6 +18,7 @@ import warnings
 
 import pytest
 import torch
+from test_mc_subbatch import _updates
 
 from kfac_stream import KFACConfig, KFACConfigError, LaplacePosterior, Snapshot
 from kfac_stream.config import sequences_per_update
@@ -28,7 +29,6 @@ from kfac_stream.store.factor_store import FactorStore
 from harness import factor_errors, run, sum_nll_loss
 from models import text_examples, tiny_gpt2
 from reference import expected_fisher_G, reference_factors
-from test_mc_subbatch import _updates
 
 ORACLE_TOL = 1e-10  # float64 end to end: only summation-order rounding differs
 LAYERS = [f"transformer.h.{i}.{m}" for i in range(2)
