@@ -214,21 +214,23 @@ def scores(mean: torch.Tensor, cov: torch.Tensor | None, y: torch.Tensor, mc: in
     return out
 
 
-def evaluate_posterior(task, model, snap: Snapshot, mp: dict, mc: int) -> dict:
-    """Every (link, tau rule) of one snapshot on ``test``: ``{tau rule: {link: scores}}`` and
-    the taus."""
+def evaluate_posterior(task, model, snap: Snapshot, mp: dict, mc: int, val: bool) -> dict:
+    """One snapshot's posterior on ``test`` at the marglik tau, every link; with ``val`` also
+    the validation-NLL tau (per link, over `TAU_GRID` and the marglik value):
+    ``{"tau": {rule: tau}, "scores": {tau rule: {link: scores}}}``."""
     post = LaplacePosterior(model, snap, prior_precision=1.0)
     tau_ml = post.optimize_prior_precision(show_progress=False)
-    taus = sorted(set(TAU_GRID) | {tau_ml})
-    covs = {s: task.covs(post, task.evals[s][0], taus) for s in ("val", "test")}
-    y_val, y = task.evals["val"][1], task.evals["test"][1]
+    taus = sorted(set(TAU_GRID) | {tau_ml}) if val else [tau_ml]
+    covs = {s: task.covs(post, task.evals[s][0], taus) for s in (("val", "test") if val
+                                                                 else ("test",))}
+    y = task.evals["test"][1]
     out = {"tau": {"marglik": tau_ml}, "scores": {"marglik": scores(mp["test"],
                                                                     covs["test"][tau_ml], y, mc)}}
-    for link in LINKS:  # the validation tau, chosen with each link
+    for link in LINKS if val else ():  # the validation tau, chosen with each link
         kw = {"n_samples": mc, "seed": 0} if link == "mc" else {}
-        val = {t: metrics.nll(probs_from_gaussian(mp["val"], covs["val"][t], link, **kw), y_val)
-               for t in taus}
-        t = min(val, key=val.get)
+        nll = {t: metrics.nll(probs_from_gaussian(mp["val"], covs["val"][t], link, **kw),
+                              task.evals["val"][1]) for t in taus}
+        t = min(nll, key=nll.get)
         out["tau"][f"val-{link}"] = t
         out["scores"].setdefault("val", {})[link] = scores(mp["test"], covs["test"][t], y,
                                                            mc)[link]
@@ -261,13 +263,14 @@ def run_seed(task, a) -> dict:
               f"{losses[0]:.3f} -> {losses[-1]:.3f}; {len(steps)} updates × {seqs} "
               "sequences", flush=True)
         mp = {s: task.logits(model, task.evals[s][0]) for s in ("val", "test")}
+        # the default snapshot's own factors, to check the rebuild against (float16 storage)
         y = task.evals["test"][1]
         res = {"MAP": scores(mp["test"], None, y, a.mc)["map"],
                "train_accuracy": train_accuracy(task, model),
                "updates": len(steps), "sequences_per_update": seqs, "rules": {},
                "losses": [losses[0], losses[-1]], "train_seconds": [t_rec, t_def]}
         snap_def = Snapshot.load(snap_dir)
-        res["default"] = evaluate_posterior(task, model, snap_def, mp, a.mc)
+        res["default"] = evaluate_posterior(task, model, snap_def, mp, a.mc, val=True)
         res["default"]["meta_counts"] = snap_def.meta["counts"]
         t_eval = time.perf_counter() - t_start - t_rec - t_def
         print(f"  default posterior evaluated in {t_eval:.1f} s", flush=True)
@@ -276,7 +279,7 @@ def run_seed(task, a) -> dict:
             F = fold_rule(rec.updates, decays)
             snap = rule_snapshot(rec, F, os.path.join(tmp, "rules", rule), task.steps)
             t0 = time.perf_counter()
-            r = evaluate_posterior(task, model, snap, mp, a.mc)
+            r = evaluate_posterior(task, model, snap, mp, a.mc, val=False)
             r["seconds"] = time.perf_counter() - t0
             err = sampling_error(rec.updates, start, F) if RULES[rule][0] is not None else {}
             r.update(window_updates=len(steps) - start, window_sequences=(len(steps) - start)
@@ -408,7 +411,8 @@ def report(out: dict, info: dict) -> str:
               f" ({'holds' if d['held_out_score'] <= 1 else 'FAILS'})" for h, d in
               v["loto"].items()]
     lines += ["", "Per task, every rule (tau marglik) mean NLL by link, and the window's "
-              "sampling error:", ""]
+              "sampling error; the default run also with the validation-NLL tau (the "
+              "``eval_tau`` option, mean-field link):", ""]
     for name, t in out["tasks"].items():
         lines.append(f"**{name}** — {t['title']}")
         lines.append("")
@@ -421,7 +425,8 @@ def report(out: dict, info: dict) -> str:
             wu = _mean([s.get("window_updates", float("nan")) for s in src])
             se = _mean([s.get("rel_se_max", float("nan")) for s in src])
             nl = {k: _mean([s["scores"]["marglik"][k]["nll"] for s in src]) for k in LINKS}
-            vt = _mean([s["scores"]["val"]["meanfield"]["nll"] for s in src])
+            vt = _mean([s["scores"]["val"]["meanfield"]["nll"] for s in src
+                        if "val" in s["scores"]])
             lines.append(f"| {rule} | {wu:.1f} | {se:.3f} | {nl['probit']:.4f} | "
                          f"{nl['meanfield']:.4f} | {nl['mc']:.4f} | {vt:.4f} |")
         lines.append("")
@@ -451,7 +456,9 @@ def main(argv=None) -> None:
     p.add_argument("--tasks", nargs="+", default=ALL_TASKS, choices=ALL_TASKS)
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES))
-    p.add_argument("--check-rule", default="fw0.1",
+    d = KFACConfig()
+    p.add_argument("--check-rule", default=f"fw{d.final_window:g}" + (
+        f"+min{d.min_window_sequences}" if d.min_window_sequences else ""),
                    help="the rule the library's defaults fold (its rebuild is compared with the "
                    "real default run's factors)")
     p.add_argument("--mc", type=int, default=1000, help="draws of the MC link")
