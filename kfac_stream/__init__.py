@@ -36,6 +36,7 @@ _LAZY = {
     "AnswerDistribution": "query.answers", "GeneratedAnswers": "query.answers",
     "abstain": "query.answers",
     "whole_model": "integrations.zero3",
+    "fit_prior_precision": "query.heldout_tau", "HeldoutPrior": "snapshot.heldout_prior",
 }
 
 
@@ -70,6 +71,7 @@ __all__ = [
     "PosteriorDraws",
     "answer_distribution", "generated_answers", "AnswerDistribution", "GeneratedAnswers",
     "abstain",
+    "fit_prior_precision", "HeldoutPrior",
     "whole_model",
     # enums
     "FisherType",

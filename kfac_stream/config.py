@@ -131,6 +131,14 @@ class KFACConfig:
         eigh_threads: CPU threads for snapshot eigendecompositions. ``None``: the cores this
             process may use divided by the processes on the node (``LOCAL_WORLD_SIZE``),
             whatever ``OMP_NUM_THREADS`` the launcher set. (Default: None)
+        eval_prior_precision: At the end of training, when the Trainer has an
+            ``eval_dataset`` and one process trains (no DeepSpeed ZeRO-3), fit the prior
+            precision ``τ`` on it (the lowest held-out NLL of the linearised predictive, mean-
+            field link, over a log grid and the marginal-likelihood value:
+            `kfac_stream.query.heldout_tau.fit_prior_precision`) and store it beside the final
+            snapshot (``snap.heldout_prior.tau``). For a classification head (``labels [B]``);
+            an answer-token LM fine-tune calls ``fit_prior_precision`` with its ``token_ids``.
+            One Jacobian pass over the eval set. (Default: False)
         fail_on_snapshot_error: Make a failed snapshot (unwritable directory, full disk, a
             failed eigendecomposition) stop training. By default it is logged and counted
             (``counts.snapshot_failures`` in later manifests), training goes on and earlier
@@ -159,6 +167,7 @@ class KFACConfig:
     exchange: str = "auto"
     eigh_device: str = "auto"
     eigh_threads: int | None = None
+    eval_prior_precision: bool = False
     fail_on_snapshot_error: bool = False
 
     def __post_init__(self) -> None:
@@ -173,7 +182,7 @@ class KFACConfig:
                 raise KFACConfigError(
                     f"KFACConfig.{name}={value!r} is not allowed: must be a positive integer"
                 )
-        for name in ("share_inputs", "fail_on_snapshot_error"):
+        for name in ("share_inputs", "fail_on_snapshot_error", "eval_prior_precision"):
             if not isinstance(getattr(self, name), bool):
                 raise KFACConfigError(f"KFACConfig.{name}={getattr(self, name)!r} is not "
                                       "allowed: must be a bool")

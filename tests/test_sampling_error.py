@@ -26,7 +26,7 @@ from kfac_stream.factor_updates import Counters, FactorUpdater
 from kfac_stream.snapshot.adequacy import REL_SE_WARN, sampling_problems, sampling_summary
 from kfac_stream.store.factor_store import FactorStore
 
-from harness import factor_errors, run, sum_nll_loss
+from harness import ListDataset, factor_errors, run, sum_nll_loss
 from models import text_examples, tiny_gpt2
 from reference import expected_fisher_G, reference_factors
 
@@ -202,3 +202,50 @@ def test_enough_samples_give_no_warning(tmp_path):
         warnings.simplefilter("error", UserWarning)
         LaplacePosterior(model, snap)
     assert math.isfinite(s["max_rel_se"])
+
+
+def test_prior_precision_fitted_on_the_eval_dataset(tmp_path):
+    """``eval_prior_precision=True`` on a sequence classifier with an ``eval_dataset``: the
+    stored tau is the candidate with the lowest held-out NLL, recomputed here by brute force
+    (`LaplacePosterior.predictive` at every candidate, mean-field link, per example)."""
+    from transformers import GPT2Config, GPT2ForSequenceClassification, Trainer, \
+        TrainingArguments
+
+    from kfac_stream import KFACStreamCallback
+    from kfac_stream.query.laplace import probs_from_gaussian
+
+    torch.manual_seed(0)
+    model = GPT2ForSequenceClassification(GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2, num_labels=3,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0,
+        attn_pdrop=0.0))
+    ids = torch.randint(1, 64, (34, 10), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": i, "attention_mask": torch.ones_like(i),
+             "labels": torch.tensor(int(i[0]) % 3)} for i in ids]
+    train, held = data[:24], data[24:]
+    cb = KFACStreamCallback(KFACConfig(eval_prior_precision=True,
+                                       output_dir=str(tmp_path / "kfac")))
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=4,
+                             per_device_eval_batch_size=4, max_steps=6, learning_rate=1e-2,
+                             report_to=[], save_strategy="no", logging_strategy="no",
+                             disable_tqdm=True, use_cpu=True, seed=0)
+    Trainer(model=model, args=args, train_dataset=ListDataset(train),
+            eval_dataset=ListDataset(held), callbacks=[cb]).train()
+    snap = Snapshot.load(cb.snapshots[-1])
+    prior = snap.heldout_prior
+    assert prior is not None and prior.examples == 10 and prior.link == "meanfield"
+    model.eval()
+    post = LaplacePosterior(model, snap)
+    batch = {k: torch.stack([e[k] for e in held]) for k in ("input_ids", "attention_mask")}
+    y = torch.stack([e["labels"] for e in held])
+    brute = {}
+    for tau in prior.grid:
+        post.prior_precision = tau
+        mean, cov = post.predictive(batch)
+        p = probs_from_gaussian(mean, cov, "meanfield")
+        brute[tau] = float(-p[torch.arange(10), y].log().mean())
+    best = min(brute, key=lambda t: (brute[t], t))
+    assert prior.tau == best
+    assert prior.nll == pytest.approx(brute[best], rel=1e-9)
+    assert prior.marglik_tau in prior.grid
+    assert len(set(brute.values())) > 1  # the candidates differ: the choice is not trivial

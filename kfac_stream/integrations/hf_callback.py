@@ -34,6 +34,7 @@ from ..tracker_state import (
     pending_state_dir,
     save_tracker_state,
 )
+from .heldout import fit_heldout_prior
 from .spectrum_monitor import SpectraReporter, find_callback_handler
 
 logger = logging.getLogger("kfac_stream")
@@ -224,10 +225,13 @@ class KFACStreamCallback(TrainerCallback):
             self._reporter.step(self, args, state, control)
         return control
 
-    def on_train_end(self, args, state, control, **kwargs):
+    def on_train_end(self, args, state, control, model=None, **kwargs):
         if self.tracker is not None:
             if self._last_snapshot_step != state.global_step:
                 self.save_snapshot(state.global_step, state.epoch)
+            if self.tracker.config.eval_prior_precision:
+                self._worker.wait()
+                fit_heldout_prior(self, model)
             self.close()
             if self.report_spectra:  # the reporters ended their runs before this event
                 self._reporter.snapshots(self, args, state, control, after_end=True)

@@ -82,6 +82,15 @@ class Snapshot:
         self._layers = layers
 
     @property
+    def heldout_prior(self):
+        """The prior precision fitted on held-out data and stored beside this snapshot
+        (`kfac_stream.snapshot.heldout_prior.HeldoutPrior`: ``.tau``, ``.nll``, ...; written
+        with ``KFACConfig(eval_prior_precision=True)``), or None."""
+        from .heldout_prior import read_heldout_prior
+
+        return read_heldout_prior(self.path)
+
+    @property
     def layer_names(self) -> list[str]:
         """Tracked module names, in model order."""
         return list(self._layers)

@@ -1,0 +1,71 @@
+"""``KFACConfig.eval_prior_precision``: the prior precision fitted on the Trainer's
+``eval_dataset`` at the final snapshot, stored beside it (`kfac_stream.query.heldout_tau`)."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+import torch
+from transformers import Trainer
+
+from ..exceptions import QueryInputError
+from ..query.heldout_tau import fit_prior_precision
+from ..query.laplace import LaplacePosterior
+from ..snapshot.heldout_prior import write_heldout_prior
+from ..snapshot.snapshot import Snapshot
+
+logger = logging.getLogger("kfac_stream")
+
+
+def find_trainer(depth: int = 16) -> Trainer | None:
+    """The `transformers.Trainer` whose callback event is running (a callback is not given
+    it): the first ``self`` on the call stack that is one; None if there is none."""
+    frame = inspect.currentframe()
+    try:
+        for _ in range(depth):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, Trainer):
+                return owner
+        return None
+    finally:
+        del frame
+
+
+def fit_heldout_prior(callback, model) -> str | None:
+    """Fit ``τ`` on the running Trainer's eval set for the callback's last snapshot and write
+    it beside the snapshot; returns the file, or None (logged why) when it cannot."""
+    tracker = callback.tracker
+    if tracker.world_size > 1:
+        if tracker.rank == 0:
+            logger.info("kfac_stream: eval_prior_precision runs in one process only; with %d "
+                        "ranks, fit it after training with kfac_stream.fit_prior_precision",
+                        tracker.world_size)
+        return None
+    trainer = find_trainer()
+    if trainer is None or trainer.eval_dataset is None or not callback.snapshots:
+        logger.warning("kfac_stream: eval_prior_precision=True but the Trainer has no "
+                       "eval_dataset (or no snapshot was written): tau not fitted")
+        return None
+    path = callback.snapshots[-1]
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        post = LaplacePosterior(model, Snapshot.load(path, show_progress=False))
+        batches = ({k: v.to(device) for k, v in b.items() if torch.is_tensor(v)}
+                   for b in trainer.get_eval_dataloader())
+        prior = fit_prior_precision(post, batches)
+    except QueryInputError as e:
+        logger.warning("kfac_stream: eval_prior_precision: %s; tau not fitted", e)
+        return None
+    finally:
+        model.train(was_training)
+    out = write_heldout_prior(path, prior)
+    logger.info("kfac_stream: prior precision fitted on %d held-out examples: tau %.4g (NLL "
+                "%.4f; marginal likelihood's tau %.4g: NLL %.4f) -> %s", prior.examples,
+                prior.tau, prior.nll, prior.marglik_tau, prior.marglik_nll, out)
+    return out
