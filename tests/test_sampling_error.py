@@ -208,8 +208,7 @@ def test_prior_precision_fitted_on_the_eval_dataset(tmp_path):
     """``eval_prior_precision=True`` on a sequence classifier with an ``eval_dataset``: the
     stored tau is the candidate with the lowest held-out NLL, recomputed here by brute force
     (`LaplacePosterior.predictive` at every candidate, mean-field link, per example)."""
-    from transformers import GPT2Config, GPT2ForSequenceClassification, Trainer, \
-        TrainingArguments
+    from transformers import GPT2Config, GPT2ForSequenceClassification, Trainer, TrainingArguments
 
     from kfac_stream import KFACStreamCallback
     from kfac_stream.query.laplace import probs_from_gaussian
