@@ -208,7 +208,7 @@ class SourceSmall(_Classifier):
     PACKAGES = (("asyncio",), ("email",), ("json", "http"), ("logging",))
 
     def __init__(self, seed: int):
-        super().__init__(seed, [source_pool(p, 65) for p in self.PACKAGES], (75, 50, 100))
+        super().__init__(seed, [source_pool(p, 65) for p in self.PACKAGES], (75, 30, 75))
 
 
 class LicenseFit(_Classifier):
@@ -230,7 +230,7 @@ class GlyphDigits(_Classifier):
     vocab = GLYPH_LEVELS + 1
 
     def __init__(self, seed: int):
-        super().__init__(seed, glyph_pools(40 + 20 + 40, seed), (40, 20, 40))
+        super().__init__(seed, glyph_pools(40 + 12 + 24, seed), (40, 12, 24))
 
 
 class LastTokenHead(nn.Module):
