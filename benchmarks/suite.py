@@ -72,7 +72,7 @@ from kfac_stream.config import mc_sequences_of
 from kfac_stream.query.laplace import probs_from_gaussian
 from kfac_stream.snapshot.contents import add_eigendecompositions, snapshot_contents
 from kfac_stream.snapshot.writer import write_snapshot
-from kfac_stream.store.factor_store import FactorState
+from kfac_stream.store.factor_store import FactorState, FactorStore
 
 from _common import machine, train_and_collect, write_json, write_section
 
@@ -92,6 +92,14 @@ class Recorder(TrainerCallback):
 
     def __init__(self, kfac: KFACStreamCallback):
         self.kfac, self.updates, self.prev, self.record = kfac, [], {}, None
+        self.epoch = None  # the Trainer's epoch at the end (the snapshots' data-size estimate)
+
+    def on_train_end(self, args, state, control, **kw):
+        """The counters of the whole run (tokens seen by the steps after the last update
+        too), as the default run's final snapshot has them."""
+        self.epoch = state.epoch
+        self.record = dataclasses.replace(self.kfac.tracker.export(factors=False),
+                                          factors=self.record.factors)
 
     def on_step_end(self, args, state, control, **kw):
         tr = self.kfac.tracker
@@ -109,37 +117,20 @@ class Recorder(TrainerCallback):
         self.prev, self.record = cur, rec
 
 
-def fold_rule(updates: list[dict], decays: list[float]) -> dict[str, tuple]:
-    """``{key: (F, w, updates, positions)}``: the factors a tracker folds when update ``i`` has
-    decay ``decays[i]`` (the bias-free EMA; ``0`` restarts, ``1`` is the exact mean)."""
-    out: dict[str, list] = {}
+def fold_rule(updates: list[dict], decays: list[float], dims: dict[str, tuple[int, bool]]
+              ) -> dict[str, FactorState]:
+    """The factors a tracker with the default float16 storage holds when update ``i`` has
+    decay ``decays[i]`` (``0`` restarts, ``1`` is the exact mean): the recorded statistics fed
+    to the library's own `FactorStore` one update at a time (its float16 rounding included:
+    on ill-conditioned factors that rounding fills the smallest eigen-directions and moves the
+    posterior, so a float64 rebuild would not be the default's)."""
+    store = FactorStore("float16", 1.0)
+    for k, (d, diagonal) in dims.items():
+        store.add(k, d, diagonal)
     for u, lam in zip(updates, decays, strict=True):
         for k, (S, n, p) in u["stats"].items():
-            if k not in out:
-                out[k] = [S.clone(), n, 1, p]
-                continue
-            f = out[k]
-            f[1] = lam * f[1] + n
-            f[0] += (n / f[1]) * (S - f[0])
-            f[2], f[3] = (1, p) if lam == 0.0 else (f[2] + 1, f[3] + p)
-    return {k: tuple(v) for k, v in out.items()}
-
-
-def sampling_error(updates: list[dict], start: int, F: dict[str, tuple]) -> dict[str, float]:
-    """Per factor, the relative standard error ``‖SE(F)‖_F / ‖F‖_F`` of a window mean over
-    updates ``start..`` from the spread of the updates' statistics: ``SE² = (Σn²/W²)·Σ n_k
-    ‖S_k − F‖² / W`` (batch means; the updates are independent given the weights)."""
-    out = {}
-    for k, (Fk, W, _, _) in F.items():
-        ns = [u["stats"][k][1] for u in updates[start:] if k in u["stats"]]
-        if len(ns) < 2:
-            out[k] = float("inf")
-            continue
-        spread = sum(u["stats"][k][1] * float((u["stats"][k][0] - Fk).pow(2).sum())
-                     for u in updates[start:] if k in u["stats"]) / W
-        k_eff = W ** 2 / sum(n * n for n in ns)
-        out[k] = math.sqrt(spread / k_eff) / max(float(Fk.pow(2).sum().sqrt()), 1e-300)
-    return out
+            store.update(k, S.float(), n, p, decay=lam)
+    return store.state_dict()
 
 
 # -- candidate rules ------------------------------------------------------------------------------
@@ -172,13 +163,13 @@ def rule_decays(rule: str, steps: list[int], max_steps: int, seqs: int, ema: flo
     return [ema if i < start else (0.0 if i == start else 1.0) for i in range(len(steps))], start
 
 
-def rule_snapshot(rec: Recorder, F: dict[str, tuple], root: str, step: int) -> Snapshot:
-    """A snapshot of factors ``F`` written by the library's own snapshot code."""
-    factors = {k: FactorState(data=v[0].clone(), scale=1.0, amax=float(v[0].abs().max()),
-                              weight=v[1], updates=v[2], positions=v[3],
-                              diagonal=v[0].dim() == 1) for k, v in F.items()}
-    record = dataclasses.replace(rec.record, factors=factors)
-    tensors, manifest = snapshot_contents(record, step)
+def rule_snapshot(rec: Recorder, factors: dict[str, FactorState], root: str, step: int
+                  ) -> Snapshot:
+    """A snapshot of ``factors`` at the end of training (the run's epoch: N = tokens seen /
+    epochs, as in the default run's), written by the library's own snapshot code."""
+    config = dataclasses.replace(rec.record.config, storage_dtype="float16")
+    record = dataclasses.replace(rec.record, factors=factors, config=config)
+    tensors, manifest = snapshot_contents(record, step, rec.epoch)
     add_eigendecompositions(tensors, manifest)
     return Snapshot.load(write_snapshot(root, step, tensors, manifest))
 
@@ -283,12 +274,12 @@ def run_seed(task, a, real_default: bool) -> dict:
                   flush=True)
         for rule in a.rules:
             decays, start = rule_decays(rule, steps, task.steps, seqs, defaults.ema_decay)
-            F = fold_rule(rec.updates, decays)
+            F = fold_rule(rec.updates, decays, rec.record.plan.dims)
             snap = rule_snapshot(rec, F, os.path.join(tmp, "rules", rule), task.steps)
             t0 = time.perf_counter()
             r = evaluate_posterior(task, model, snap, mp, a.mc, val=rule == a.check_rule)
             r["seconds"] = time.perf_counter() - t0
-            err = sampling_error(rec.updates, start, F) if RULES[rule][0] is not None else {}
+            err = {k: f.sampling_error()[0] for k, f in F.items()}
             r.update(window_updates=len(steps) - start, window_sequences=(len(steps) - start)
                      * seqs, rel_se_max=max(err.values(), default=float("nan")),
                      rel_se_median=(sorted(err.values())[len(err) // 2] if err
@@ -298,11 +289,16 @@ def run_seed(task, a, real_default: bool) -> dict:
                 res["default"] = r
                 if snap_def is not None:  # the rebuilt default vs the real run's factors
                     res["rebuild_error"] = max(
-                        float((snap[n].G - snap_def[n].G).norm() / snap_def[n].G.norm())
-                        for n in snap_def.layer_names)
+                        float((getattr(snap[n], f) - getattr(snap_def[n], f)).norm()
+                              / getattr(snap_def[n], f).norm())
+                        for n in snap_def.layer_names for f in ("A", "G"))
+                    res["rebuild_num_data"] = [snap.meta["counts"]["tokens_seen"],
+                                               snap_def.meta["counts"]["tokens_seen"],
+                                               snap.meta.get("epoch"), snap_def.meta.get("epoch")]
                     rd = res["real_default"]["scores"]["marglik"][LIBRARY_LINK]["nll"]
                     print(f"  rebuilt default rule vs the real default run: factors within "
-                          f"{res['rebuild_error']:.2e} (rel. Frobenius, fp16 storage); NLL "
+                          f"{res['rebuild_error']:.2e} (rel. Frobenius, fp16 storage); tokens, "
+                          f"epoch {res['rebuild_num_data']}; NLL "
                           f"{r['scores']['marglik'][LIBRARY_LINK]['nll']:.4f} vs {rd:.4f}",
                           flush=True)
             m = r["scores"]["marglik"]

@@ -134,8 +134,11 @@ def test_window_mean_against_the_exact_expected_fisher(tmp_path):
     """Fixed weights (lr 0), the MC Fisher on 2 of 4 sequences per update, 300 updates, all in
     the window (``min_window_sequences`` ≥ the run's): the window's G is within 4 of its own
     reported standard errors of the exact expected Fisher ``Σ Jᵀ(diag p − ppᵀ)J``, and the
-    reported error is within 20% of the brute-force standard error of the recorded updates'
-    mean (the same updates folded by `_updates` with ``ema_decay=0``)."""
+    reported error is within 1.5x of the brute-force standard error of the recorded updates'
+    mean (the same updates folded by `_updates` with ``ema_decay=0``). Loose because G's
+    spread is measured through 8 fixed Gaussian probes (sides > 32): a sketch whose relative
+    error is about sqrt(2/(8·effective rank)), 0.1-0.3 here; an error in the effective count
+    (×K) or a missing square root would still fail it."""
     model = tiny_gpt2()
     ex = text_examples(4, 12, lengths=[12, 9, 12, 7])
     K = 300
@@ -162,9 +165,9 @@ def test_window_mean_against_the_exact_expected_fisher(tmp_path):
         worst_z = max(worst_z, float((F - exact_G[n]).norm()) / se)
         worst_ratio = max(worst_ratio, se / brute, brute / se)
     print(f"max ‖F − exact‖/reported SE {worst_z:.2f} (bound 4); reported vs brute-force SE "
-          f"within ×{worst_ratio:.3f} (bound 1.2)")
+          f"within ×{worst_ratio:.3f} (bound 1.5)")
     assert worst_z <= 4.0
-    assert worst_ratio <= 1.2
+    assert worst_ratio <= 1.5
 
 
 def _short_run(tmp_path, cfg, steps=4, batch=2):

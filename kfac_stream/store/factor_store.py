@@ -45,6 +45,7 @@ cheap to read) so that the largest stored magnitude is at most
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -76,10 +77,14 @@ class FactorState:
         updates: Number of updates folded in.
         positions: Sampled positions over all updates.
         diagonal: Whether only the diagonal is kept.
-        sq_norm_sum: ``Q = Σ_k c_k ‖S_k‖²_F`` with the EMA's unnormalised coefficients
-            ``c_k = n_k Π_{j>k} λ_j`` (so ``Σ_k c_k = w``): with ``w`` and ``weight_sq`` the
-            sampling error of the factor (`sampling_error`). 0: not recorded.
+        sq_norm_sum: ``Q = Σ_k c_k ‖S_k Z‖²_F / p`` with the EMA's unnormalised
+            coefficients ``c_k = n_k Π_{j>k} λ_j`` (so ``Σ_k c_k = w``) and the factor's fixed
+            Gaussian probes ``Z [d, p]`` (`probes`; a diagonal factor: ``‖S_k‖²`` exactly).
+            0: not recorded.
         weight_sq: ``R = Σ_k c_k²``.
+        spread: ``Σ_k (c_k/w) ‖S_k − F‖²_F`` as estimated with the same probes,
+            ``Q/w − ‖F Z‖²/p`` (NaN: not recorded): the updates' spread around their mean,
+            from which `sampling_error` follows.
     """
 
     data: Tensor
@@ -91,6 +96,7 @@ class FactorState:
     diagonal: bool
     sq_norm_sum: float = 0.0
     weight_sq: float = 0.0
+    spread: float = math.nan
 
     def value(self, dtype: torch.dtype | None = None) -> Tensor:
         """Dequantised factor, ``[d, d]`` or ``[d]``, float32 (float64 if stored so)."""
@@ -173,15 +179,27 @@ class StoredFactor:
         return float(diag.double().sum()) * self.scale
 
 
-def _rows_sq_norm(rows: Tensor, diagonal: bool) -> float:
-    """``‖rowsᵀ rows‖²_F`` (``rows [m, d]``), or ``‖Σ_s rows_s²‖²`` for a diagonal factor:
-    from the smaller of the two Gram matrices (``m × m`` when ``m ≤ d``: ``m²d`` flops, a
-    share ``m/d`` of the fold's own ``m d²``), in float64."""
-    r = rows.double()
-    if diagonal:
-        return float(r.square().sum(0).square().sum())
-    g = r @ r.T if r.shape[0] <= r.shape[1] else r.T @ r
-    return float(g.square().sum())
+#: Gaussian probes per dense factor for its spread (`FactorState.spread`): the sketch's
+#: relative error is about ``sqrt(2 / (p · effective rank))``
+PROBES = 8
+
+
+def probes(key: str, d: int, device=None) -> Tensor:
+    """The factor's fixed probes ``Z [d, p]`` (float64), the same on every rank and after a
+    resume: ``p = PROBES`` Gaussian columns from a generator seeded by the key's CRC32, or the
+    identity (``p = d``: exact) when ``d ≤ 4·PROBES``. Fixed probes make the spread of one
+    factor a sketch whose relative error is about ``sqrt(2 / (p · effective rank))``."""
+    if d <= 4 * PROBES:
+        z = torch.eye(d, dtype=torch.float64) * math.sqrt(d)  # ‖S Z‖²/p = ‖S‖²
+    else:
+        gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
+        z = torch.randn(d, PROBES, generator=gen, dtype=torch.float64)
+    return z if device is None else z.to(device)
+
+
+def _sketch(stat_z: Tensor) -> Tensor:
+    """``‖S Z‖²_F / p`` from ``S Z [d, p]``: an unbiased estimate of ``‖S‖²_F``."""
+    return stat_z.double().square().sum() / stat_z.shape[-1]
 
 
 class FactorStore:
@@ -206,6 +224,7 @@ class FactorStore:
         self._factors: dict[str, StoredFactor] = {}
         self._staging: Tensor | None = None  # pinned host buffer for device statistics
         self._pending_bytes = 0  # fp32 bytes of a pending device sum for every owned factor
+        self._probe_cache: dict[str, Tensor] = {}  # device probes of push_stat
 
     def add(self, key: str, dim: int, diagonal: bool) -> None:
         """Allocate a zero factor ``[dim, dim]`` (or ``[dim]`` if diagonal)."""
@@ -232,8 +251,17 @@ class FactorStore:
         """Every owned factor, flushed, as a `FactorState` holding a copy of its data."""
         self.flush()
         return {key: FactorState(f.data.clone(), f.scale, f.amax, f.weight, f.updates,
-                                 f.positions, f.diagonal, float(f.sq_norm_sum), f.weight_sq)
-                for key, f in self._factors.items()}
+                                 f.positions, f.diagonal, float(f.sq_norm_sum), f.weight_sq,
+                                 self._spread(key, f)) for key, f in self._factors.items()}
+
+    def _spread(self, key: str, f: StoredFactor) -> float:
+        """``Q/w − ‖F Z‖²/p`` (diagonal: ``Q/w − ‖F‖²``), NaN before any recorded update."""
+        q = float(f.sq_norm_sum)
+        if f.weight <= 0.0 or q <= 0.0:
+            return math.nan
+        F = f.value(torch.float64)
+        fz = F.square().sum() if f.diagonal else _sketch(F @ probes(key, F.shape[0]))
+        return q / f.weight - float(fz)
 
     def load_state_dict(self, states: Mapping[str, FactorState]) -> None:
         """Replace every owned factor by its state in ``states`` (which may hold more keys);
@@ -271,7 +299,7 @@ class FactorStore:
         store's ``ema_decay`` when None); returns ``η``."""
         lam = self.ema_decay if decay is None else decay
         f.weight, eta = ema_step(f.weight, n, lam)
-        f.sq_norm_sum = f.sq_norm_sum * lam + sq_norm * n
+        f.sq_norm_sum = f.sq_norm_sum * lam + sq_norm * n  # sq_norm: ‖S Z‖²/p (or ‖S‖²)
         f.weight_sq = f.weight_sq * lam * lam + n * n
         f.updates += 1
         f.positions += int(positions)
@@ -291,8 +319,13 @@ class FactorStore:
         """
         f = self._factors[key]
         n = float(rows.shape[0]) if n is None else float(n)
+        if f.diagonal:
+            sq = rows.double().square().sum(0).square().sum() / (n * n)
+        else:  # S Z = rowsᵀ (rows Z) / n: 2·m·d·p flops, in the rows' dtype
+            z = self._probes_on(key, rows).to(rows.dtype)  # [d, p]
+            sq = _sketch(rows.T @ (rows @ z)) / (n * n)
         eta = self._record(f, n, rows.shape[0] if positions is None else positions, decay,
-                           _rows_sq_norm(rows, f.diagonal) / (n * n))
+                           float(sq))
         f.pending.append((rows.to(device="cpu", dtype=self.compute_dtype), eta, n))
         limit = 256 if f.diagonal else f.data.shape[0]
         if len(f.pending) >= self.flush_every or f.pending_rows >= limit:
@@ -311,8 +344,9 @@ class FactorStore:
         """
         f = self._factors[key]
         self._flush(f)
-        eta = self._record(f, n, n if positions is None else positions, decay,
-                           float(stat.double().pow(2).sum()))
+        st = stat.double()
+        sq = st.square().sum() if f.diagonal else _sketch(st @ self._probes_on(key, st))
+        eta = self._record(f, n, n if positions is None else positions, decay, float(sq))
         stat = stat.to(device="cpu", dtype=self.compute_dtype) * eta
         self._fold(f, 1.0 - eta, stat=stat)
 
@@ -333,8 +367,10 @@ class FactorStore:
         """
         f = self._factors[key]
         self._flush(f)  # rows and device statistics never pend together
-        # ‖S‖² stays a device scalar (no host read here); read when the factor is exported
-        sq = stat_sum.double().pow(2).sum() / (float(n) ** 2)
+        # ‖S Z‖²/p stays a device scalar (no host read here); read when the factor is exported
+        st = stat_sum.double()
+        sq = (st.square().sum() if f.diagonal else
+              _sketch(st @ self._probes_on(key, st))) / (float(n) ** 2)
         eta = self._record(f, n, positions, decay, sq)
         term = stat_sum.to(self.compute_dtype).mul_(eta / float(n))
         if f.device_pending is None:
@@ -345,6 +381,13 @@ class FactorStore:
         f.device_updates += 1
         if f.device_updates >= self.flush_every or self._pending_bytes > self.device_budget:
             self._flush(f)
+
+    def _probes_on(self, key: str, like: Tensor) -> Tensor:
+        """`probes` of ``key`` on ``like``'s device, made once per factor and device."""
+        z = self._probe_cache.get(key)
+        if z is None or z.device != like.device:
+            z = self._probe_cache[key] = probes(key, like.shape[-1], like.device)
+        return z
 
     def flush(self) -> None:
         """Fold every pending update into the stored factors."""
