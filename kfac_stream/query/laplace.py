@@ -33,6 +33,7 @@ from ..exceptions import (
     PartitionedModelError,
     QueryInputError,
     SnapshotMismatchError,
+    UnsupportedLayoutError,
 )
 from ..progress import progress
 from ..snapshot.snapshot import Snapshot
@@ -294,18 +295,23 @@ class LaplacePosterior:
             for h in handles:
                 h.remove()
         outs.clear()
+        size = f.shape[0]
+        for n in names:  # every layout checked before the first feature is made
+            _per_example(q.where, n, acts[n], size)
         return f.detach().double(), (
-            (n, self._features(n, acts.pop(n), grads.pop(n))) for n in names)
+            (n, self._features(n, acts.pop(n), grads.pop(n), size)) for n in names)
 
-    def _features(self, name: str, a: Tensor, g: Tensor) -> Tensor:
-        """``M[b, k] = Σ_t (Q_Gᵀ g_{k,b,t}) (Q_Aᵀ ā_{b,t})ᵀ`` from ``a [B, T, d_in]`` and
-        ``g [K, B, T, d_out]``; the input side is rotated once for all K logits."""
+    def _features(self, name: str, a: Tensor, g: Tensor, size: int) -> Tensor:
+        """``M[b, k] = Σ_t (Q_Gᵀ g_{k,b,t}) (Q_Aᵀ ā_{b,t})ᵀ`` from the layer's input ``a``
+        (``[B, T, d_in]``, ``[B, ..., d_in]`` or batch-major rows ``[B*T, d_in]``, as OPT's
+        fc1/fc2 see them) and the output gradients ``g`` (``[K, *output shape]``) of a batch of
+        ``size`` = B examples; the input side is rotated once for all K logits."""
         qa, qg = self._qf[name]
         fd = self.feature_dtype
-        a = a.to(fd).reshape(a.shape[0], -1, a.shape[-1])  # [B, T, d_in]
+        a = _per_example("LaplacePosterior", name, a.to(fd), size)  # [B, T, d_in]
         if self.snapshot[name].has_bias:
             a = torch.cat([a, a.new_ones(a.shape[0], a.shape[1], 1)], dim=-1)  # [B, T, d_A]
-        g = g.to(fd).reshape(g.shape[0], g.shape[1], -1, g.shape[-1])  # [K, B, T, d_out]
+        g = g.to(fd).reshape(g.shape[0], size, a.shape[1], g.shape[-1])  # [K, B, T, d_out]
         return torch.einsum("kbti,btj->bkij", ke.rotate(g, qg), ke.rotate(a, qa))
 
     def predictive(self, batch: dict[str, Tensor], positions: int | Sequence[int] = -1,
@@ -758,6 +764,25 @@ def _check_whole_weights(where: str, model: nn.Module, modules: dict[str, nn.Mod
                 f"{w.numel()} of its {full} weights in this process): query a model with whole "
                 "weights: save it (trainer.save_model(dir)) and load it again with "
                 "from_pretrained(dir) in one process")
+
+
+def _per_example(where: str, name: str, x: Tensor, size: int) -> Tensor:
+    """A tracked layer's input ``x`` as ``[B, T, d]`` for a batch of ``size`` = B examples:
+    ``[B, ..., d]`` (the positions of each example flattened) or batch-major rows ``[B*T, d]``
+    (a 2-D input whose rows are the examples' positions, example by example: OPT's fc1/fc2,
+    a pooled ``[B, d]`` head with T = 1).
+
+    Raises:
+        UnsupportedLayoutError: any other layout (e.g. sequence-first ``[T, B, d]``), whose
+            rows cannot be told apart by example.
+    """
+    if x.dim() >= 2 and x.numel() > 0 and (
+            (x.dim() >= 3 and x.shape[0] == size) or (x.dim() == 2 and x.shape[0] % size == 0)):
+        return x.reshape(size, -1, x.shape[-1])
+    raise UnsupportedLayoutError(
+        f"{where}: layer {name!r} receives its input as {list(x.shape)} for a batch of {size} "
+        f"examples: queries need [B, ..., d] ([{size}, T, d]) or batch-major rows [B*T, d]; "
+        "leave this layer out of the posterior (layers=[...])")
 
 
 def _logit_gradients(f: Tensor, outs: list[Tensor]) -> list[Tensor]:
