@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from .capture.hooks import IDLE, CaptureHooks, CaptureMode, CaptureState
 from .capture.mc_fisher import (
+    is_encoder_decoder,
     mc_fisher_pass,
     mc_grad_in_forward,
     mc_subbatch_pass,
@@ -161,6 +162,11 @@ class Tracker:
                                      self.fold_on, wide, self.counters)
         self.store = self.updater.store  # this rank's factors
 
+    @property
+    def layers(self) -> dict[str, nn.Module]:
+        """``{name: module}`` of the tracked layers."""
+        return dict(self._layers)
+
     def _make_capture(self) -> CaptureHooks:
         plan, fraction, seed, row_dtype, device, sum_dtype = self._capture_args
         return CaptureHooks(self._model, self._layers, plan, fraction, seed, row_dtype, device,
@@ -197,7 +203,8 @@ class Tracker:
         return True
 
     def _mc_in_forward(self, rec, output) -> None:
-        mc_grad_in_forward(rec, output, self.mc_generator)
+        mc_grad_in_forward(rec, output, self.mc_generator,
+                           shift=not is_encoder_decoder(self._model))
 
     def end_step(self, model: nn.Module) -> bool:
         """Finish the step; returns True if an update was handed to the worker.

@@ -22,7 +22,8 @@ from ..snapshot.background import SnapshotWorker
 from ..snapshot.contents import add_eigendecompositions, merge_manifests, snapshot_contents
 from ..snapshot.layout import step_dir_name
 from ..snapshot.media import make_media
-from ..snapshot.writer import clean_stale_tmp, write_snapshot
+from ..snapshot.weights import weights_fingerprint
+from ..snapshot.writer import clean_stale_tmp, set_aside_other_runs, write_snapshot
 from ..tracker import Tracker, plan_tracking
 from ..tracker_state import (
     STATE_DIR,
@@ -122,6 +123,13 @@ class KFACStreamCallback(TrainerCallback):
         restart = self.tracker.set_final_window(int(getattr(state, "max_steps", 0) or 0))
         if self.tracker.rank == 0:
             clean_stale_tmp(self.output_dir)
+            moved = set_aside_other_runs(self.output_dir, self.tracker.run_id)
+            if moved:
+                logger.warning("kfac_stream: %s held %d snapshot(s) of another training run; "
+                               "moved to %s (this run's snapshots go to %s, and "
+                               "Snapshot.latest / kfac-stream inspect / query read this "
+                               "run's)", self.output_dir, len(moved),
+                               os.path.dirname(moved[0]), self.output_dir)
             logger.info("kfac_stream: tracking %d layers (%s Fisher, token_fraction=%g, "
                         "ema_decay=%g, update_every=%d) on %d rank(s); snapshots in %s",
                         len(specs), cfg.fisher, cfg.token_fraction, cfg.ema_decay,
@@ -229,6 +237,8 @@ class KFACStreamCallback(TrainerCallback):
         if self.tracker is None or self.output_dir is None:
             raise RuntimeError("KFACStreamCallback.save_snapshot: training has not started")
         tensors, manifest = snapshot_contents(self.tracker.export(), step, epoch)
+        # the weights at this step (collective under ZeRO-3): queries check their model by it
+        manifest["weights"] = weights_fingerprint(self.tracker.layers)
         root, comm = self.output_dir, self._comm
         cfg = self.tracker.config
         eigh_device = self.tracker.device if cfg.eigh_device == "auto" else None

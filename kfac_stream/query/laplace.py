@@ -233,6 +233,7 @@ class LaplacePosterior:
                names: tuple[str, str, str] = ("batch", "positions", "token_ids")) -> _Query:
         """Check the arguments of a predictive query (before any model call)."""
         size, length = inputs.check_batch(where, names[0], batch, self._vocab)
+        length, _ = inputs.output_positions(batch, length)  # an encoder-decoder's: decoder's
         pos = inputs.check_positions(where, names[1], positions, size, length)
         ids = inputs.check_token_ids(where, names[2], token_ids, size)
         return _Query(where, names, batch, size, pos, positions, ids, token_ids)
@@ -849,7 +850,8 @@ def _rows_at_positions(logits: Tensor, q: _Query) -> Tensor:
     """``[B, V]`` rows of ``logits [B, T, V]`` at one position per example (negative: counted
     back from the example's last non-padding token, with right or left padding)."""
     B, T = logits.shape[:2]
-    idx = inputs.position_index(q.where, q.names[1], q.positions_given, q.batch, B, T,
+    idx = inputs.position_index(q.where, q.names[1], q.positions_given,
+                                inputs.output_positions(q.batch, T)[1], B, T,
                                 q.positions)
     return logits[torch.arange(B, device=logits.device), torch.tensor(idx, device=logits.device)]
 
