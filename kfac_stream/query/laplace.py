@@ -37,6 +37,7 @@ from ..exceptions import (
 )
 from ..progress import progress
 from ..snapshot.snapshot import Snapshot
+from ..snapshot.weights import compare_weights
 from . import inputs
 from . import kron_eigen as ke
 
@@ -108,6 +109,14 @@ class LaplacePosterior:
             it selects must be in the snapshot), or a list of the snapshot's layer names. Track
             broadly once, query any subset (e.g. ``layers="mlp"``).
 
+    Warns:
+        UserWarning: the model's tracked weights are not those the snapshot was taken at
+            (the snapshot's ``weights`` fingerprint, `kfac_stream.snapshot.weights`: a model of
+            another run or another step; snapshots older than the fingerprint are not
+            checked). A warning, not an error: a model cast to another precision, or one
+            queried on purpose with an earlier snapshot's curvature, still works; the message
+            names the snapshot, its step and run and the first layer that differs.
+
     Raises:
         QueryInputError: an argument of the wrong type or out of range.
         PartitionedModelError: a model whose weights DeepSpeed ZeRO-3 partitions (also right
@@ -137,6 +146,7 @@ class LaplacePosterior:
         self.model, self.snapshot = model, snapshot
         self.modules = _match_layers(model, snapshot, self.layer_names)
         _check_whole_weights(where, model, self.modules)
+        _warn_other_weights(where, snapshot, self.modules)
         self._vocab = inputs.input_vocab(model)
         # Eigenvalue algebra (D, log-determinants, samples) runs in float64; the per-token
         # Jacobian features run in the model's precision (float64 models: float64, else
@@ -738,6 +748,24 @@ def _warn_far_num_data(where: str, num_data: float, meta: dict) -> None:
         "num_data. The data term N*(A(x)G) of the posterior precision scales with N, so it is "
         f"{times} too {small} here (the posterior up to {times} too {wide}). Pass "
         "num_data=None for the snapshot's count.", UserWarning, stacklevel=3)
+
+
+def _warn_other_weights(where: str, snapshot: Snapshot, modules: dict[str, nn.Module]) -> None:
+    """One ``UserWarning`` when the model's tracked weights are not those the snapshot was
+    taken at (its ``weights`` fingerprint, `snapshot.weights`; snapshots written before it
+    existed are not checked): a model of another run, or of another step of the same run."""
+    recorded = snapshot.meta.get("weights")
+    if not recorded:
+        return
+    differ = compare_weights(recorded, modules)
+    if differ:
+        run = snapshot.meta.get("run_id")
+        warnings.warn(
+            f"{where}: the model's weights are not those snapshot {snapshot.path} was taken at "
+            f"(step {snapshot.step}{f', run {run}' if run else ''}): {len(differ)} of "
+            f"{len(modules)} layers differ, e.g. {differ[0]}. The posterior pairs this model "
+            "with another model's curvature: load the model saved at that step (or the "
+            "snapshot of this model's run and step)", UserWarning, stacklevel=3)
 
 
 def _check_whole_weights(where: str, model: nn.Module, modules: dict[str, nn.Module]) -> None:

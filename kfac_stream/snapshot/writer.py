@@ -81,7 +81,8 @@ def set_aside_other_runs(root: str, run_id: str) -> list[str]:
 
     A ``step-*`` directory whose manifest names another ``run_id``, names none (written before
     run ids existed) or does not load moves to ``<root>/earlier-runs/<its run id>/step-*``
-    (``unknown-<time>`` without a readable id); nothing is deleted. A resumed run keeps its id
+    (``unknown-<time>`` without a readable id), with the files beside it (its spectra PNG);
+    nothing is deleted. A resumed run keeps its id
     (checkpoints carry it), so its own snapshots stay.
 
     Returns:
@@ -108,6 +109,9 @@ def set_aside_other_runs(root: str, run_id: str) -> list[str]:
             target += f".{stamp}"
         os.replace(path, target)
         moved.append(target)
+        for extra in os.listdir(root):  # files beside it (the spectra PNG, step-S.spectra.png)
+            if extra.startswith(entry + ".") and os.path.isfile(os.path.join(root, extra)):
+                os.replace(os.path.join(root, extra), os.path.join(target_dir, extra))
     if moved:
         fsync_path(root)
     return moved
