@@ -23,7 +23,7 @@ import math
 import pytest
 import torch
 
-from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
+from kfac_stream import KFACStreamCallback, LaplacePosterior, Snapshot
 from kfac_stream.query.sampled import sampled_predictive
 
 from models import ListDataset, text_examples

@@ -116,9 +116,10 @@ class PassRecord:
             same row tensors (gathered once per call), which the tracker takes once per
             shared A key (`Tracker._collect`).
         g_rows: ``{layer: [g_rows [m, d_out], ...]}``, still scaled by ``c``.
-        a_sums, g_sums: The same (keyed by layer) for diagonal factors (side > ``max_dense_dim``), reduced at
-            once to ``Σ_s w_s x_s⊙x_s`` (``[d]``; no bias entry; ``g`` still scaled by
-            ``c``): a diagonal factor never needs its rows, and they are the widest.
+        a_sums, g_sums: The same (keyed by layer) for diagonal factors (side >
+            ``max_dense_dim``), reduced at once to ``Σ_s w_s x_s⊙x_s`` (``[d]``; no bias
+            entry; ``g`` still scaled by ``c``): a diagonal factor never needs its rows, and
+            they are the widest.
         outputs: Tracked layer outputs that require grad (used by the MC pass).
         inputs: The pass's tensor kwargs (``record_inputs``: the MC Fisher needs them).
         closed: No more rows are taken (set once the in-forward MC gradient has been taken,

@@ -166,10 +166,11 @@ def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Te
     kwargs = {k: v for k, v in inputs.items() if k not in _DROP}
     seq2seq = is_encoder_decoder(model)
     labels = inputs.get("labels")
+    make = getattr(model, "prepare_decoder_input_ids_from_labels", None)
     if seq2seq and "decoder_input_ids" not in kwargs and "decoder_inputs_embeds" not in kwargs \
-            and isinstance(labels, Tensor) and hasattr(model, "prepare_decoder_input_ids_from_labels"):
+            and isinstance(labels, Tensor) and make is not None:
         # the training forward made them from the labels; without labels the model cannot
-        kwargs["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels=labels)
+        kwargs["decoder_input_ids"] = make(labels=labels)
     rec = None
     with capture.using(mode), torch.enable_grad():
         try:

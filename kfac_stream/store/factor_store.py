@@ -45,7 +45,6 @@ cheap to read) so that the largest stored magnitude is at most
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
