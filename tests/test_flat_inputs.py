@@ -91,3 +91,19 @@ def test_layout_that_cannot_be_split_by_example_is_refused(shape):
         _per_example("LaplacePosterior", "h.0.fc", torch.zeros(shape), 2)
     rows = torch.arange(2 * 5 * 4.0).reshape(10, 4)  # [B*T, d] batch-major
     assert torch.equal(_per_example("q", "x", rows, 2)[1], rows[5:])
+
+
+def test_answers_and_presets_on_flattened_layers(opt_post):
+    """`answer_distribution` (linearised samples: the Jacobian of every layer, fc1/fc2 too)
+    and a preset posterior over the MLP layers alone (fc1/fc2, the flattened ones)."""
+    from kfac_stream import answer_distribution
+
+    batch = _batch(2, 8)
+    dist = answer_distribution(opt_post, batch, options=[5, 32, 101], n_samples=8,
+                               linearized=True)
+    assert dist.probs.shape == (2, 3) and torch.allclose(dist.probs.sum(-1),
+                                                          torch.ones(2, dtype=dist.probs.dtype))
+    mlp = LaplacePosterior(opt_post.model, opt_post.snapshot, layers="mlp")
+    assert mlp.layer_names and all(n.endswith(("fc1", "fc2")) for n in mlp.layer_names)
+    mean, cov = mlp.predictive(batch, positions=-1, token_ids=[5, 32])
+    assert cov.shape == (2, 2, 2) and bool((cov.diagonal(dim1=1, dim2=2) > 0).all())
