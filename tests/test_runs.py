@@ -133,3 +133,19 @@ def test_resumed_run_keeps_its_id_and_its_snapshots(tmp_path):
     assert not (tmp_path / "kfac" / "earlier-runs").exists()
     snap = Snapshot.latest(tmp_path / "kfac")
     assert snap.step == 4 and snap.meta["run_id"] == first
+
+
+def test_earlier_runs_keep_leaves_them_and_bad_values_are_refused(tmp_path):
+    from kfac_stream import KFACConfigError, KFACStreamCallback
+
+    kw = {"callback_kwargs": {"earlier_runs": "keep"}}
+    _train(tmp_path, 4, **kw)
+    model, _ = _train(tmp_path, 2, seed=1, **kw)
+    root = tmp_path / "kfac"
+    assert not (root / "earlier-runs").exists()
+    assert sorted(e for e in os.listdir(root) if not e.endswith(".png")) == [
+        "step-00000002", "step-00000004"]
+    with pytest.warns(UserWarning, match="weights are not those"):  # the first run's step 4
+        LaplacePosterior(model, Snapshot.latest(root))
+    with pytest.raises(KFACConfigError, match="earlier_runs='drop' is not allowed"):
+        KFACStreamCallback(earlier_runs="drop")

@@ -62,6 +62,14 @@ class KFACStreamCallback(TrainerCallback):
             the Trainer's own logs (``logging_steps``); 0: never.
         report_media: With ``report_spectra``, also log the ``spectra_media`` (histograms,
             PNG) to an active W&B run; False: scalars only (the PNG is still written).
+        earlier_runs: What a run does with snapshots of another training run (another
+            ``run_id``, or none) it finds in its snapshot directory when it starts:
+            ``"set_aside"`` (default: move them to ``<dir>/earlier-runs/<run id>/``, with a
+            warning, so that ``Snapshot.latest`` and the CLI read this run's only) or
+            ``"keep"`` (leave them: this run's snapshots replace those of the same steps and
+            sit beside the others, as before issue 28; queries still warn when the model's
+            weights are not a snapshot's). A run resumed from a checkpoint keeps its run id,
+            so its own snapshots are never set aside.
 
     Attributes:
         tracker: The live `Tracker` during training (None before ``on_train_begin``).
@@ -71,14 +79,19 @@ class KFACStreamCallback(TrainerCallback):
     def __init__(self, config: KFACConfig | None = None, background_snapshots: bool = True,
                  resume_from: str | None = None, spectra_media: bool = True,
                  missing_state: str = "error", report_spectra: bool = True,
-                 log_every: int | None = None, report_media: bool = True) -> None:
+                 log_every: int | None = None, report_media: bool = True,
+                 earlier_runs: str = "set_aside") -> None:
         if missing_state not in ("error", "fresh"):
             raise KFACConfigError(f"KFACStreamCallback(missing_state={missing_state!r}) is not "
                                   "allowed: must be 'error' or 'fresh'")
         if log_every is not None and int(log_every) < 0:
             raise KFACConfigError(f"KFACStreamCallback(log_every={log_every!r}) is not allowed: "
                                   "must be None (with the Trainer's logs), 0 (never) or > 0")
+        if earlier_runs not in ("set_aside", "keep"):
+            raise KFACConfigError(f"KFACStreamCallback(earlier_runs={earlier_runs!r}) is not "
+                                  "allowed: must be 'set_aside' or 'keep'")
         self.missing_state = missing_state
+        self.earlier_runs = earlier_runs
         self.config = config or KFACConfig()
         self.tracker: Tracker | None = None
         self.output_dir: str | None = None
@@ -123,7 +136,8 @@ class KFACStreamCallback(TrainerCallback):
         restart = self.tracker.set_final_window(int(getattr(state, "max_steps", 0) or 0))
         if self.tracker.rank == 0:
             clean_stale_tmp(self.output_dir)
-            moved = set_aside_other_runs(self.output_dir, self.tracker.run_id)
+            moved = set_aside_other_runs(self.output_dir, self.tracker.run_id) \
+                if self.earlier_runs == "set_aside" else []
             if moved:
                 logger.warning("kfac_stream: %s held %d snapshot(s) of another training run; "
                                "moved to %s (this run's snapshots go to %s, and "

@@ -61,7 +61,8 @@ def weights_fingerprint(layers: Mapping[str, nn.Module]) -> dict[str, dict[str, 
         with _gathered(w):
             numels.append(int(getattr(w, "ds_numel", w.numel())))
             sums.append(_sums(w))
-    values = torch.stack([s.cpu() for s in sums]).tolist() if sums else []  # one read
+    values = torch.stack([s.to(sums[0].device) for s in sums]).cpu().tolist() if sums \
+        else []  # one host read for all layers
     return {name: {"numel": n, "sum": v[0], "sumsq": v[1]}
             for name, n, v in zip(layers, numels, values)}
 
