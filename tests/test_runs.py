@@ -147,5 +147,6 @@ def test_earlier_runs_keep_leaves_them_and_bad_values_are_refused(tmp_path):
         "step-00000002", "step-00000004"]
     with pytest.warns(UserWarning, match="weights are not those"):  # the first run's step 4
         LaplacePosterior(model, Snapshot.latest(root))
-    with pytest.raises(KFACConfigError, match="earlier_runs='drop' is not allowed"):
+    with pytest.raises(KFACConfigError,
+                       match=r"earlier_runs='drop'\) is not allowed: must be 'set_aside' or"):
         KFACStreamCallback(earlier_runs="drop")
