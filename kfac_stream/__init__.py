@@ -13,6 +13,7 @@ from .exceptions import (
     SnapshotError,
     SnapshotMismatchError,
     TrackerStateError,
+    UnsupportedLayoutError,
     UnsupportedModuleError,
 )
 
@@ -79,6 +80,7 @@ __all__ = [
     # errors
     "KFACStreamError",
     "KFACConfigError",
+    "UnsupportedLayoutError",
     "UnsupportedModuleError",
     "SnapshotError",
     "SnapshotMismatchError",

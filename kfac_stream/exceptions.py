@@ -40,6 +40,11 @@ class SnapshotMismatchError(KFACStreamError, ValueError):
     """The model's tracked layers do not match the snapshot's (names or shapes)."""
 
 
+class UnsupportedLayoutError(KFACStreamError, ValueError):
+    """A tracked layer receives its input in a layout a query cannot split into the batch's
+    examples (neither ``[B, ..., d]`` nor batch-major rows ``[B*T, d]``)."""
+
+
 class TrackerStateError(KFACStreamError):
     """A checkpoint's kfac_stream state cannot be restored into this tracker."""
 

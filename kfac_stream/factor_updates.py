@@ -347,11 +347,15 @@ class FactorUpdater:
         if self._worker_error is not None:
             raise RuntimeError("kfac_stream background update failed") from self._worker_error
 
-    def flush(self) -> None:
-        """Wait until every submitted update is in the store, folded."""
+    def wait(self) -> None:
+        """Wait until every submitted update is in the store (pending folds stay pending)."""
         if self._queue is not None:
             self._queue.join()
         self._raise_worker_error()
+
+    def flush(self) -> None:
+        """Wait until every submitted update is in the store, folded."""
+        self.wait()
         t0 = time.perf_counter()
         self.store.flush()
         self.counters.fold_seconds += time.perf_counter() - t0

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -31,6 +32,7 @@ from torch import Tensor, nn
 
 from .capture.hooks import IDLE, CaptureHooks, CaptureMode, CaptureState
 from .capture.mc_fisher import (
+    is_encoder_decoder,
     mc_fisher_pass,
     mc_grad_in_forward,
     mc_subbatch_pass,
@@ -67,6 +69,7 @@ class TrackerRecord:
         traces: ``{key: trace}`` of this rank's factors as folded so far (no flush).
         capture: The token sampler's state and ``tokens_seen``.
         mc_sampler: The MC label sampler's generator state.
+        run_id: The training run's id (`Tracker.run_id`).
     """
 
     step: int | None
@@ -81,6 +84,7 @@ class TrackerRecord:
     traces: Mapping[str, float]
     capture: CaptureState
     mc_sampler: Tensor
+    run_id: str = ""
 
     @property
     def dims(self) -> dict[str, tuple[int, bool]]:
@@ -121,8 +125,12 @@ class Tracker:
         self.plan = plan or plan_factors(specs, config.max_dense_dim)
         self.dist = dist_ctx
         self.rank, self.world_size = (dist_ctx.rank, dist_ctx.world_size) if dist_ctx else (0, 1)
+        # the run's id (32 hex digits): in every snapshot's manifest, restored from checkpoints
+        # (`tracker_state`), so a resumed run keeps it; rank 0's on every rank
+        self.run_id = uuid.uuid4().hex
         if dist_ctx is not None:  # before any hook goes on the model
             _check_same_plan(dist_ctx, self.plan)
+            self.run_id = dist_ctx.snapshot_comm.all_gather(self.run_id)[0]
         self.device = _model_device(model)
         on_gpu = self.device.type == "cuda"
         self.fold_on = config.fold_on if config.fold_on != "auto" else (
@@ -148,10 +156,16 @@ class Tracker:
         self._step_seconds = 0.0  # EMA of the wall time between end_step calls
         self.dims: dict[str, tuple[int, bool]] = self.plan.dims  # {key: (side, diagonal)}
         self._a_has_bias = {self.plan.a_key[n]: s.has_bias for n, s in specs.items()}
+        self._a_members = _a_members(self.plan)
         self.ownership: Ownership = assign_owners(self.dims, self.world_size, storage.itemsize)
         self.updater = FactorUpdater(config, self.dims, self.ownership, dist_ctx, self.device,
                                      self.fold_on, wide, self.counters)
         self.store = self.updater.store  # this rank's factors
+
+    @property
+    def layers(self) -> dict[str, nn.Module]:
+        """``{name: module}`` of the tracked layers."""
+        return dict(self._layers)
 
     def _make_capture(self) -> CaptureHooks:
         plan, fraction, seed, row_dtype, device, sum_dtype = self._capture_args
@@ -189,7 +203,8 @@ class Tracker:
         return True
 
     def _mc_in_forward(self, rec, output) -> None:
-        mc_grad_in_forward(rec, output, self.mc_generator)
+        mc_grad_in_forward(rec, output, self.mc_generator,
+                           shift=not is_encoder_decoder(self._model))
 
     def end_step(self, model: nn.Module) -> bool:
         """Finish the step; returns True if an update was handed to the worker.
@@ -223,6 +238,7 @@ class Tracker:
                 for kwargs in inputs:
                     mc_fisher_pass(model, self.capture, kwargs, self.mc_generator)
                 passes += self.capture.take()[0]
+            self.dissolve_groups(self.capture.dissolved)
             job = self._collect(passes)
             if job is None:
                 return False
@@ -270,11 +286,12 @@ class Tracker:
                     bad.append(fitted & ~((c > 0) & torch.isfinite(c)) | (~fitted & g_live))
                     c = torch.where(fitted, c, torch.ones_like(c))
                     residuals.append(torch.where(fitted, rec.residual(), 0.0))
+            a_rows, a_sums = self._by_a_key(rec.a_rows), self._by_a_key(rec.a_sums)
             keep = (rec.weight > 0)[:, None]  # [m, 1]
             root = rec.weight.sqrt()[:, None]  # [m, 1]
             w_sum, n_pos = rec.weight.sum(), keep.sum()  # Σ w (a diagonal A's bias entry)
             n_w = w_sum if rec.total is None else rec.total  # the EMA's n (usable positions)
-            for key, parts in rec.a_rows.items():
+            for key, parts in a_rows.items():
                 for a in parts:
                     a = a.to(self.row_dtype)
                     if self._a_has_bias[key]:
@@ -282,7 +299,7 @@ class Tracker:
                     rows.setdefault(key, []).append(
                         torch.where(keep, a * root.to(a.dtype), 0.0))
                     count(key, n_w, n_pos)
-            for key, parts in rec.a_sums.items():
+            for key, parts in a_sums.items():
                 for a in parts:  # Σ w a⊙a [d_in]; the bias entry is Σ w·1²
                     if self._a_has_bias[key]:
                         a = torch.cat([a, w_sum.reshape(1).to(a.dtype)])
@@ -308,6 +325,59 @@ class Tracker:
             ok = ok & ~torch.stack(bad).any().to(ok.device)
         residual = torch.stack(residuals).max() if residuals else None
         return UpdateJob(int(self.step or 0), cat, weights, positions, ok, residual, sums=sums)
+
+    def _by_a_key(self, by_layer: dict[str, list[Tensor]]) -> dict[str, list[Tensor]]:
+        """``{A key: rows}`` from a pass's ``{layer: rows}``: a shared A takes its rows once,
+        from the member with the most calls that received a gradient (every member of a group
+        holds the same row tensors, `capture.hooks`)."""
+        out = {}
+        for key, members in self._a_members.items():
+            parts = max((by_layer.get(n, []) for n in members), key=len)
+            if parts:
+                out[key] = parts
+        return out
+
+    def dissolve_groups(self, groups: list[tuple[str, ...]] | tuple = (),
+                        copy_state: bool = True) -> None:
+        """Stop sharing the A factor of each of ``groups`` (shared-input groups of the plan
+        whose members received different inputs in training, `capture.hooks`): every member
+        gets its own A key, starting as a copy of the shared factor (``copy_state``; exact:
+        the members' A factors were equal until now), and the plan, the factor dimensions and
+        the ownership follow. Consumes ``capture.dissolved``.
+
+        Raises:
+            RuntimeError: with several ranks (the exchange needs the same plan on every rank at
+                every update, and ranks see their inputs independently): set
+                ``KFACConfig(share_inputs=False)`` for such a model.
+        """
+        groups = [tuple(g) for g in groups if tuple(g) in self.plan.groups]
+        self.capture.dissolved = []
+        if not groups:
+            return
+        if self.world_size > 1:
+            raise RuntimeError(
+                f"kfac_stream: layers {list(groups[0])} were planned to share one A factor "
+                "(same input in the probe forward) but received different inputs in training; "
+                "with several ranks the plan cannot change during the run: set "
+                "KFACConfig(share_inputs=False)")
+        self.updater.wait()  # no fold here: the copies fold as they would have apart
+        old = self.plan
+        plan = plan_factors(self.specs, self.config.max_dense_dim,
+                            [g for g in old.groups if g not in groups])
+        for key in plan.dims:
+            if key not in old.dims and copy_state:
+                layer = next(n for n, k in plan.a_key.items() if k == key)
+                self.store.copy_factor(old.a_key[layer], key)
+            elif key not in old.dims:
+                self.store.add(key, *plan.dims[key])
+        self.capture.forget_groups(groups)
+        self.plan, self.dims = plan, plan.dims
+        self._a_has_bias = {plan.a_key[n]: s.has_bias for n, s in self.specs.items()}
+        self._a_members = _a_members(plan)
+        self.ownership = assign_owners(self.dims, self.world_size,
+                                       StorageDtype(self.config.storage_dtype).itemsize)
+        self.updater.dims, self.updater.ownership = self.dims, self.ownership
+        self._capture_args = (plan, *self._capture_args[1:])
 
     def _fold_dtype(self, passes) -> torch.dtype:
         """bf16 for rows that came from 16-bit activations on a GPU (tensor-core folds with
@@ -362,7 +432,8 @@ class Tracker:
             specs=dict(self.specs), plan=self.plan, ownership=self.ownership,
             counters=replace(counters, skipped_steps=list(counters.skipped_steps)),
             factors=self.store.state_dict() if factors else {}, traces=self.store.traces(),
-            capture=self.capture.state_dict(), mc_sampler=self.mc_generator.get_state())
+            capture=self.capture.state_dict(), mc_sampler=self.mc_generator.get_state(),
+            run_id=self.run_id)
 
     def load_state(self, factors: Mapping[str, FactorState], counters: Mapping[str, Any],
                    capture: CaptureState | None = None, mc_sampler: Tensor | None = None,
@@ -430,6 +501,14 @@ class Tracker:
             if a_key in vals and g_key in vals:
                 out[n] = (vals[a_key], vals[g_key])
         return out
+
+def _a_members(plan: FactorPlan) -> dict[str, list[str]]:
+    """``{A key: the layers using it}`` (in plan order)."""
+    out: dict[str, list[str]] = {}
+    for name, key in plan.a_key.items():
+        out.setdefault(key, []).append(name)
+    return out
+
 
 def _zero3_enabled() -> bool:
     try:

@@ -92,6 +92,7 @@ def save_tracker_state(record, directory: str, comm: JsonComm = LOCAL,
     counters = vars(record.counters)
     meta = {"rank": record.rank, "world_size": record.world_size,
             "dims": {k: list(v) for k, v in record.dims.items()},
+            "shared_inputs": record.plan.describe(), "run_id": record.run_id,
             "storage_dtype": record.config.storage_dtype, "config": record.config.to_dict(),
             "counters": dict(counters), "tokens_seen": record.capture.tokens_seen,
             "factors": factors, "step": record.step}
@@ -208,6 +209,13 @@ def load_tracker_state(tracker, directory: str) -> str:
                                 f"{sorted(os.path.basename(p) for p, _ in files.values())}")
     metas = {r: _read(p) for r, (p, _) in files.items()}
     first = metas[0][0]
+    if "shared_inputs" in first:  # groups dissolved in training before the checkpoint
+        kept = {tuple(g) for g in first["shared_inputs"]}
+        gone = [g for g in tracker.plan.groups if g not in kept]
+        if gone and all(n in tracker.specs for g in gone for n in g):
+            tracker.dissolve_groups(gone, copy_state=False)
+    if first.get("run_id"):
+        tracker.run_id = str(first["run_id"])
     want = {k: list(v) for k, v in tracker.plan.dims.items()}
     if first["dims"] != want:
         diff = [k for k in sorted(set(first["dims"]) | set(want))

@@ -197,7 +197,9 @@ def main(argv=None) -> None:
     model = tiny_gpt2(torch.float32, attn_implementation="eager")
     cfg = KFACConfig(snapshot_every=1, update_every=1, token_fraction=0.5,
                      storage_dtype="float32", seed=0, fisher="empirical")
-    cb = KFACStreamCallback(cfg)
+    # earlier_runs="keep": the chains reuse one directory across killed runs on purpose (a run
+    # re-snapshotting a step an earlier one wrote is one of the moments killed at)
+    cb = KFACStreamCallback(cfg, earlier_runs="keep")
     root = os.path.join(opts.out, "kfac")
 
     class Ready(TrainerCallback):  # runs after cb.on_train_begin (callbacks run in order)

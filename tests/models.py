@@ -8,6 +8,8 @@ Public API
 ----------
 * ``tiny_gpt2(dtype=torch.float64, seed=0, **overrides) -> GPT2LMHeadModel``
 * ``tiny_llama(dtype=torch.float64, seed=0, **overrides) -> LlamaForCausalLM``
+* ``tiny_opt(dtype=torch.float64, seed=0, **overrides) -> OPTForCausalLM``
+* ``tiny_biogpt(dtype=torch.float64, seed=0, **overrides) -> BioGptForCausalLM``
 * ``lora_gpt2(dtype=torch.float64, seed=0) -> peft.PeftModelForCausalLM``
 * ``real_text() -> bytes``
 * ``text_examples(n_seq, seq_len, seed=0, pad_to=None, lengths=None) -> list[dict]``
@@ -27,6 +29,8 @@ from torch.utils.data import Dataset
 __all__ = [
     "tiny_gpt2",
     "tiny_llama",
+    "tiny_opt",
+    "tiny_biogpt",
     "lora_gpt2",
     "LORA_TARGETS",
     "real_text",
@@ -135,6 +139,41 @@ def tiny_llama(dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
     )
     kw.update(overrides)
     return _build(LlamaForCausalLM, LlamaConfig(**kw), dtype, seed)
+
+
+def tiny_opt(dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
+    """A 2-layer byte-level OPT (all ``nn.Linear`` with bias, dropout 0).
+
+    Defaults: hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+    vocab_size=256, max_position_embeddings=64. Its attention registers ``k_proj, v_proj,
+    q_proj`` but calls ``q_proj`` first (the shared-input group's call order differs from its
+    registration order), and ``fc1``/``fc2`` receive ``[B*T, d]`` rows, not ``[B, T, d]``.
+
+    Tracked-layer names: ``model.decoder.layers.{i}.self_attn.{k,v,q,out}_proj`` (32->32),
+    ``model.decoder.layers.{i}.fc1`` (32->64), ``model.decoder.layers.{i}.fc2`` (64->32).
+    """
+    from transformers import OPTConfig, OPTForCausalLM
+
+    kw = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, ffn_dim=64,
+              num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
+              dropout=0.0, attention_dropout=0.0, layerdrop=0.0, pad_token_id=1,
+              bos_token_id=0, eos_token_id=0)
+    kw.update(overrides)
+    return _build(OPTForCausalLM, OPTConfig(**kw), dtype, seed)
+
+
+def tiny_biogpt(dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
+    """A 2-layer byte-level BioGPT (``k_proj, v_proj, q_proj`` registered, ``q_proj`` called
+    first, as in OPT). Defaults: hidden_size=32, intermediate_size=64, num_attention_heads=4,
+    vocab_size=256, max_position_embeddings=64, dropout 0."""
+    from transformers import BioGptConfig, BioGptForCausalLM
+
+    kw = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, intermediate_size=64,
+              num_attention_heads=4, max_position_embeddings=64, hidden_dropout_prob=0.0,
+              attention_probs_dropout_prob=0.0, activation_dropout=0.0, layerdrop=0.0,
+              pad_token_id=1, bos_token_id=0, eos_token_id=2)
+    kw.update(overrides)
+    return _build(BioGptForCausalLM, BioGptConfig(**kw), dtype, seed)
 
 
 def lora_gpt2(dtype: torch.dtype = torch.float64, seed: int = 0, lora_b_std: float = 0.1):

@@ -21,7 +21,7 @@ from kfac_stream.capture.selection import select_layers
 from kfac_stream.enums import LayerPreset
 
 from harness import run, sum_nll_loss
-from models import lora_gpt2, text_examples, tiny_gpt2, tiny_llama
+from models import lora_gpt2, text_examples, tiny_gpt2, tiny_llama, tiny_opt
 from reference import reference_factors, rel_err
 
 GPT2_ATTN = [f"transformer.h.{i}.attn.{m}" for i in range(2) for m in ("c_attn", "c_proj")]
@@ -34,6 +34,10 @@ LLAMA_MLP = [f"model.layers.{i}.mlp.{p}_proj" for i in range(2)
 LLAMA_ALL = [f"model.layers.{i}.{m}" for i in range(2)
              for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                        "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+OPT_ATTN = [f"model.decoder.layers.{i}.self_attn.{p}_proj" for i in range(2)
+            for p in ("k", "v", "q", "out")]
+OPT_MLP = [f"model.decoder.layers.{i}.fc{j}" for i in range(2) for j in (1, 2)]  # in the block
+OPT_ALL = [n for i in range(2) for n in OPT_ATTN[4 * i:4 * i + 4] + OPT_MLP[2 * i:2 * i + 2]]
 LORA = "base_model.model.transformer.h.{}.{}.lora_{}.default"
 LORA_ATTN = [LORA.format(i, "attn.c_attn", x) for i in range(2) for x in "AB"]
 LORA_MLP = [LORA.format(i, "mlp.c_fc", x) for i in range(2) for x in "AB"]
@@ -66,6 +70,8 @@ EXPECTED = {
                          "all_linear": GPT2_ALL, "lora": NO_LORA}),
     "llama": (tiny_llama, {"last_layer": ["lm_head"], "attention": LLAMA_ATTN,
                            "mlp": LLAMA_MLP, "all_linear": LLAMA_ALL, "lora": NO_LORA}),
+    "opt": (tiny_opt, {"last_layer": ["lm_head"], "attention": OPT_ATTN, "mlp": OPT_MLP,
+                       "all_linear": OPT_ALL, "lora": NO_LORA}),
     "gpt2-cls": (gpt2_classifier, {"last_layer": ["score"], "attention": GPT2_ATTN,
                                    "mlp": GPT2_MLP, "all_linear": GPT2_ALL, "lora": NO_LORA}),
     "llama-cls": (llama_classifier, {"last_layer": ["score"], "attention": LLAMA_ATTN,

@@ -10,6 +10,7 @@
 import pytest
 import torch
 from safetensors import safe_open
+from transformers import TrainerCallback
 
 from kfac_stream import LaplacePosterior, Snapshot
 from kfac_stream.capture.selection import select_layers
@@ -18,7 +19,7 @@ from kfac_stream.config import KFACConfig
 from kfac_stream.tracker import Tracker, plan_tracking
 
 from harness import factor_errors, run, sum_nll_loss
-from models import lora_gpt2, text_examples, tiny_gpt2, tiny_llama
+from models import lora_gpt2, text_examples, tiny_biogpt, tiny_gpt2, tiny_llama, tiny_opt
 from reference import reference_factors
 
 ORACLE_TOL = 1e-10  # float64 end to end, as in test_oracle.py
@@ -76,20 +77,100 @@ def test_shared_A_equals_per_layer_A_bit_for_bit(tmp_path):
     assert torch.equal(m1, m2) and torch.allclose(v1, v2, rtol=1e-10, atol=0)
 
 
-def test_wrong_sharing_is_caught_at_run_time():
-    model = tiny_llama()
-    specs = select_layers(model)
+@pytest.mark.parametrize("build", [tiny_opt, tiny_biogpt], ids=["opt", "biogpt"])
+def test_call_order_groups_share_A_bit_for_bit(tmp_path, build, caplog):
+    """OPT and BioGPT register k, v, q but call q first: the group is kept (the member called
+    first gathers the rows) and the shared A is the per-layer A bit for bit."""
+    ex = text_examples(8, 12, lengths=[12, 9, 12, 7, 12, 12, 10, 12])
+    cfg = {"token_fraction": 0.3, "ema_decay": 0.9, "storage_dtype": "float16",
+           "snapshot_every": 2}
+    with caplog.at_level("WARNING", logger="kfac_stream"):
+        shared, _, _ = run(build(), ex, cfg, tmp_path=tmp_path / "s", record=False)
+    assert not [r for r in caplog.records if "share one A" in r.getMessage()]
+    alone, _, _ = run(build(), ex, {**cfg, "share_inputs": False}, tmp_path=tmp_path / "a",
+                      record=False)
+    a, b = Snapshot.latest(tmp_path / "s" / "kfac"), Snapshot.latest(tmp_path / "a" / "kfac")
+    groups = shared.tracker.plan.groups
+    assert len(groups) == 2 and all(g[-1].endswith("q_proj") for g in groups)  # k, v, q
+    assert a.meta["shared_inputs"] == [list(g) for g in groups]
+    for n in a.layer_names:
+        assert torch.equal(a[n].A, b[n].A), n
+        assert torch.equal(a[n].G, b[n].G), n
+
+
+def test_wrong_sharing_dissolves_and_stays_exact(tmp_path, caplog):
+    """A group whose members receive different inputs stops sharing at once (one warning
+    naming its layers) and every factor equals the unshared run's bit for bit."""
     q, o = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj"
-    plan = plan_factors(specs, 8192, [(q, o)])  # same width, different inputs
-    tracker = Tracker(model, {n: model.get_submodule(n) for n in specs}, specs,
-                      KFACConfig(token_fraction=1.0, fisher="empirical"), plan=plan)
-    try:
-        tracker.begin_step(0)
-        ids = text_examples(1, 8)[0]["input_ids"][None]
-        with pytest.raises(RuntimeError, match="share_inputs=False"):
-            model(input_ids=ids, labels=ids).loss.backward()
-    finally:
-        tracker.close()
+
+    def tracked(share: bool):
+        model = tiny_llama()
+        specs = select_layers(model)
+        plan = plan_factors(specs, 8192, [(q, o)] if share else [])  # same width, other inputs
+        return model, Tracker(model, {n: model.get_submodule(n) for n in specs}, specs,
+                              KFACConfig(token_fraction=1.0, fisher="empirical",
+                                         storage_dtype="float64"), plan=plan)
+
+    ids = text_examples(1, 8)[0]["input_ids"][None]
+    out = {}
+    for share in (True, False):
+        model, tracker = tracked(share)
+        try:
+            with caplog.at_level("WARNING", logger="kfac_stream"):
+                for step in range(2):
+                    tracker.begin_step(step)
+                    model(input_ids=ids, labels=ids).loss.backward()
+                    tracker.end_step(model)
+            out[share] = (tracker.factors(), tracker.plan)
+        finally:
+            tracker.close()
+    warned = [r for r in caplog.records if "share one A" in r.getMessage()]
+    assert len(warned) == 1 and q in warned[0].getMessage() and o in warned[0].getMessage()
+    assert out[True][1].groups == () and out[True][1].a_key[o] == o + ".A"
+    for n, (a, g) in out[False][0].items():
+        assert torch.equal(out[True][0][n][0], a), n
+        assert torch.equal(out[True][0][n][1], g), n
+
+
+class _CloneInputAt(TrainerCallback):
+    """From optimizer step ``step`` on, ``layer`` receives a copy of its input (same values,
+    another tensor): a shared-input group that was right so far breaks in training."""
+
+    def __init__(self, model, layer: str, step: int):
+        self.module, self.step, self.handle = model.get_submodule(layer), step, None
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.step and self.handle is None:
+            self.handle = self.module.register_forward_pre_hook(
+                lambda m, a: (a[0].clone(), *a[1:]))
+        return control
+
+
+def test_group_dissolved_mid_run_keeps_its_history(tmp_path, caplog):
+    """Dissolved after 3 update steps: the members start from the shared A (their common
+    history) and go on with their own rows; every factor equals the unshared run's, bit for
+    bit, and the snapshot stores the members' own A."""
+    ex = text_examples(8, 12, lengths=[12, 9, 12, 7, 12, 12, 10, 12])
+    cfg = {"token_fraction": 0.5, "ema_decay": 0.9, "storage_dtype": "float16",
+           "snapshot_every": 10_000}
+    k = "model.layers.1.self_attn.k_proj"
+    runs = {}
+    for share in (True, False):
+        model = tiny_llama()
+        with caplog.at_level("WARNING", logger="kfac_stream"):
+            cb, _, _ = run(model, ex, {**cfg, "share_inputs": share}, batch=1, steps=6,
+                           tmp_path=tmp_path / str(share), record=False,
+                           callbacks=[_CloneInputAt(model, k, 3)])
+        runs[share] = cb
+    warned = [r for r in caplog.records if "share one A" in r.getMessage()]
+    assert len(warned) == 1 and k in warned[0].getMessage()
+    a, b = (Snapshot.latest(tmp_path / str(s) / "kfac") for s in (True, False))
+    assert len(a.meta["shared_inputs"]) == 3  # layer 1's q/k/v group dissolved; 3 left
+    assert a.meta["layers"][k]["A"]["key"] == k + ".A"
+    assert a[k].A.abs().sum() > 0
+    for n in a.layer_names:
+        assert torch.equal(a[n].A, b[n].A), n
+        assert torch.equal(a[n].G, b[n].G), n
 
 
 @pytest.mark.parametrize("budget", [4 * 2**30, 0], ids=["pending-on-device", "every-update"])

@@ -10,8 +10,14 @@ One ``PassRecord`` per training forward pass of the model (one micro-batch):
   (input rows, output-gradient rows) pair is appended only when that hook fires, so a forward
   that is recomputed by gradient checkpointing (hooks fire twice, only one output receives a
   gradient) counts each position once;
-* layers that share their input (`capture.sharing`) gather the A rows once, in the group's
-  leader; the followers only check that they really received the leader's input tensor;
+* layers that share their input (`capture.sharing`) gather the A rows once per call, in
+  whichever member of the group is called first (the order of calls is the model's, not the
+  order of registration: OPT and BART call ``q_proj`` before ``k_proj``); the others only check
+  that they received the same tensor and reference the same rows. A group whose members
+  receive different inputs, or not one each per call, is *dissolved* on the spot: its members
+  keep their own A from then on (one warning naming them; `dissolved` tells the tracker, which
+  splits the shared factor, see `Tracker.dissolve_groups`), so a wrong guess of the probe
+  never stops training and never changes a factor;
 * in empirical mode the logits' gradient gives the loss scale ``c`` of the pass
   (``stats.loss_scale``), as device tensors. Two places are hooked: the logits the model
   returns (the loss input when the user computes the loss, after e.g. soft-capping) and the
@@ -105,12 +111,15 @@ class PassRecord:
             ``fits`` decide.
         fits: ``[(c, residual, rows_used)]`` 0-dim device tensors, one per logits hook that
             fired in the backward, in firing order (see ``stats.loss_scale``).
-        a_rows: ``{A key: [a_rows [m, d_in], ...]}``, one per forward call of the layer (the
-            group leader for a shared A) whose output received a gradient.
+        a_rows: ``{layer: [a_rows [m, d_in], ...]}``, one per forward call of the layer
+            whose output received a gradient; the members of a shared-input group hold the
+            same row tensors (gathered once per call), which the tracker takes once per
+            shared A key (`Tracker._collect`).
         g_rows: ``{layer: [g_rows [m, d_out], ...]}``, still scaled by ``c``.
-        a_sums, g_sums: The same for diagonal factors (side > ``max_dense_dim``), reduced at
-            once to ``Σ_s w_s x_s⊙x_s`` (``[d]``; no bias entry; ``g`` still scaled by
-            ``c``): a diagonal factor never needs its rows, and they are the widest.
+        a_sums, g_sums: The same (keyed by layer) for diagonal factors (side >
+            ``max_dense_dim``), reduced at once to ``Σ_s w_s x_s⊙x_s`` (``[d]``; no bias
+            entry; ``g`` still scaled by ``c``): a diagonal factor never needs its rows, and
+            they are the widest.
         outputs: Tracked layer outputs that require grad (used by the MC pass).
         inputs: The pass's tensor kwargs (``record_inputs``: the MC Fisher needs them).
         closed: No more rows are taken (set once the in-forward MC gradient has been taken,
@@ -209,12 +218,13 @@ class CaptureHooks:
         self.inputs: list[dict[str, Tensor]] = []
         self._tokens_host = 0
         self._tokens_device: Tensor | None = None  # usable positions since the last read
-        self._leader = {f: g[0] for g in plan.groups for f in g}  # layer -> its group's leader
-        self._group_size = {g[0]: len(g) for g in plan.groups}
-        # leader -> [its input of this call, followers still to check]; dropped when the last
-        # follower has checked, so no activation outlives its block
-        self._shared_input: dict[str, list] = {}
-        self._a_key = dict(plan.a_key)
+        self._a_diagonal = {n: plan.dims[k][1] for n, k in plan.a_key.items()}
+        self._group = {n: g for g in plan.groups for n in g}  # layer -> its shared-input group
+        # group -> [its input of this call, its rows, members still to be called]; dropped when
+        # the last member has been called, so no activation outlives its block
+        self._shared_input: dict[tuple[str, ...], list] = {}
+        self.dissolved: list[tuple[str, ...]] = []  # groups dissolved, not yet taken
+        self._warned_dissolve = False
         stale = getattr(model, _HANDLE_ATTR, None)
         if stale:  # a previous tracker that never reached on_train_end (e.g. crashed run)
             logging.getLogger("kfac_stream").warning(
@@ -289,7 +299,9 @@ class CaptureHooks:
         self.handles = []
 
     def take(self) -> tuple[list[PassRecord], list[dict[str, Tensor]]]:
-        """Hand over and forget the records and inputs collected so far."""
+        """Hand over and forget the records and inputs collected so far (a shared-input
+        group left with a member that was not called is dissolved first)."""
+        self.close_calls()
         passes, inputs = self.passes, self.inputs
         self.passes, self.inputs, self.current = [], [], None
         return passes, inputs
@@ -297,6 +309,7 @@ class CaptureHooks:
     # -- hooks -------------------------------------------------------------------------------
 
     def _on_model_pre(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
+        self.close_calls()
         self.current = None
         if not (module.training and torch.is_grad_enabled()):
             return
@@ -354,42 +367,85 @@ class CaptureHooks:
 
         logits.register_hook(on_logits_grad)
 
-    def _check_shared(self, name: str, leader: str, x: Tensor) -> None:
-        """A follower must see its leader's input of the same call (host attributes only)."""
-        if leader == name:
-            self._shared_input[leader] = [x, self._group_size[leader] - 1]
+    def close_calls(self) -> None:
+        """End the shared-input calls in progress: a group with a member that was not called
+        with the others is dissolved (its A rows would otherwise count for that member)."""
+        for group, held in list(self._shared_input.items()):
+            self._dissolve(group, f"{held[2][0]!r} was not called with the others")
+        self._shared_input.clear()
+
+    def _dissolve(self, group: tuple[str, ...], why: str) -> None:
+        """Stop sharing ``group``'s A (from this call on every member gathers its own rows)."""
+        if self._group.get(group[0]) != group:
             return
-        held = self._shared_input.get(leader)
-        if held is None or not same_data(held[0], x):
-            raise RuntimeError(
-                f"kfac_stream: {name!r} was planned to share the A factor of {leader!r} (same "
-                "input tensor in the probe forward) but received another input in training; "
-                "set KFACConfig(share_inputs=False)")
-        held[1] -= 1
-        if held[1] == 0:
-            del self._shared_input[leader]
+        for name in group:
+            del self._group[name]
+        self._shared_input.pop(group, None)
+        self.dissolved.append(group)
+        log = logging.getLogger("kfac_stream")
+        (log.warning if not self._warned_dissolve else log.info)(
+            "kfac_stream: layers %s were planned to share one A factor (same input tensor in "
+            "the probe forward) but %s in training; they keep their own A factors from now on "
+            "(exact: each starts from the shared one, equal until then)%s", list(group), why,
+            "" if self._warned_dissolve else "; further dissolved groups are logged at INFO")
+        self._warned_dissolve = True
+
+    def forget_groups(self, groups: list[tuple[str, ...]]) -> None:
+        """Treat ``groups`` as dissolved without a warning (a checkpoint's plan had them so)."""
+        for group in groups:
+            for name in group:
+                if self._group.get(name) == group:
+                    del self._group[name]
+            self._shared_input.pop(group, None)
+
+    def _shared_rows(self, name: str, group: tuple[str, ...], x: Tensor,
+                     gather: Callable[[], Tensor]) -> tuple[bool, Tensor | None]:
+        """Rows of ``name``'s input in a shared-input group: ``(shared, rows)``. The first
+        member called gathers them (``gather``), the others get the same tensor if they
+        received the same input (host attributes only); a member called twice before the
+        others, or with another input, dissolves the group (``shared`` False: gather your
+        own)."""
+        held = self._shared_input.get(group)
+        if held is None:
+            rows = gather()
+            self._shared_input[group] = [x, rows, [n for n in group if n != name]]
+            return True, rows
+        if name not in held[2]:
+            self._dissolve(group, f"{name!r} was called twice before {held[2][0]!r}")
+            return False, None
+        if not same_data(held[0], x):
+            self._dissolve(group, f"{name!r} received another input than {group[0]!r}"
+                           if name != group[0] else f"{name!r} received another input")
+            return False, None
+        held[2].remove(name)
+        if not held[2]:
+            del self._shared_input[group]
+        return True, held[1]
 
     def _layer_hook(self, name: str):
-        leader = self._leader.get(name)
-        a_key = self._a_key[name]
-        gathers_a = leader is None or leader == name
-        a_diag, g_diag = a_key in self._diagonal, FactorPlan.g_key(name) in self._diagonal
+        a_diag = self._a_diagonal[name]  # a shared A has its members' side: the same choice
+        g_diag = FactorPlan.g_key(name) in self._diagonal
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             rec = self.current
             if rec is None or not isinstance(output, Tensor) or not output.requires_grad:
                 return
             x = args[0]
-            if leader is not None:
-                self._check_shared(name, leader, x)
-            a = gather_rows(x, rec.index, rec.n_positions, self.row_dtype) if gathers_a \
-                else None  # [m, d_in]
-            if a is not None and a_diag:
-                a = weighted_squares(a, rec.weight, self.sum_dtype)  # [d_in]
+
+            def gather() -> Tensor:
+                a = gather_rows(x, rec.index, rec.n_positions, self.row_dtype)  # [m, d_in]
+                if a_diag:
+                    a = weighted_squares(a, rec.weight, self.sum_dtype)  # [d_in]
+                return a
+
+            group = self._group.get(name)
+            shared, a = self._shared_rows(name, group, x, gather) if group else (False, None)
+            if not shared:
+                a = gather()
             if self.mode.keep_outputs:  # MC pass only: the driver differentiates w.r.t. them
                 rec.outputs.append(output)
 
-            def on_grad(grad: Tensor, rec: PassRecord = rec, a: Tensor | None = a) -> None:
+            def on_grad(grad: Tensor, rec: PassRecord = rec, a: Tensor = a) -> None:
                 if grad is None or rec.closed:
                     return
                 g = gather_rows(grad, rec.index, rec.n_positions, self.row_dtype)  # [m, d_out]
@@ -398,8 +454,7 @@ class CaptureHooks:
                         weighted_squares(g, rec.weight, self.sum_dtype))  # [d_out]
                 else:
                     rec.g_rows.setdefault(name, []).append(g)
-                if a is not None:
-                    (rec.a_sums if a_diag else rec.a_rows).setdefault(a_key, []).append(a)
+                (rec.a_sums if a_diag else rec.a_rows).setdefault(name, []).append(a)
 
             output.register_hook(on_grad)
 

@@ -56,19 +56,34 @@ from .hooks import MC_REPLAY, CaptureHooks, CaptureMode, PassRecord, logits_of
 _DROP = ("labels", "num_items_in_batch", "return_loss")
 
 
-def loss_bearing_mask(logits: Tensor, inputs: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+def is_encoder_decoder(model: nn.Module) -> bool:
+    """The model's config says it is an encoder-decoder (T5, BART, ...): its logits ``[B, T,
+    V]`` are aligned with its ``labels`` (the decoder's inputs are the labels shifted right),
+    not shifted by one as a causal LM's."""
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+def loss_bearing_mask(logits: Tensor, inputs: dict[str, Tensor], shift: bool = True
+                      ) -> tuple[Tensor, Tensor]:
     """Logit rows and which of them carry a loss term, without boolean-mask indexing (which
     reads the mask on the host).
 
-    Causal LM (``logits [B, T, V]``): position ``t`` predicts token ``t+1``; it bears a loss if
-    ``labels[:, t+1] != -100`` (without labels: if ``attention_mask[:, t+1] == 1``).
-    Classification (``logits [B, C]``): every row.
+    Causal LM (``logits [B, T, V]``, ``shift``): position ``t`` predicts token ``t+1``; it
+    bears a loss if ``labels[:, t+1] != -100`` (without labels: if ``attention_mask[:, t+1] ==
+    1``). Encoder-decoder (``shift=False``): position ``t`` predicts ``labels[:, t]`` (every
+    position without labels). Classification (``logits [B, C]``): every row.
 
     Returns:
-        ``(rows [M, V], keep [M] bool)`` with ``M = B·(T-1)`` (``B`` for classification).
+        ``(rows [M, V], keep [M] bool)`` with ``M = B·(T-1)`` (``B·T`` unshifted, ``B`` for
+        classification).
     """
     if logits.dim() == 2:
         return logits, torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+    if not shift:
+        labels = inputs.get("labels")
+        keep = (labels != -100) if labels is not None and labels.shape == logits.shape[:2] \
+            else torch.ones_like(logits[:, :, 0], dtype=torch.bool)  # [B, T]
+        return logits.reshape(-1, logits.shape[-1]), keep.reshape(-1).to(logits.device)
     labels = inputs.get("labels")
     if labels is not None:
         keep = labels[:, 1:] != -100  # [B, T-1]
@@ -100,9 +115,10 @@ def sample_labels(logits: Tensor, generator: torch.Generator | None) -> Tensor:
 
 
 def sampled_label_loss(logits: Tensor, inputs: dict[str, Tensor],
-                       generator: torch.Generator) -> Tensor:
-    """``Σ_t −log p(ŷ_t)`` over the loss-bearing rows, ``ŷ_t`` drawn from the model (0-dim)."""
-    rows, keep = loss_bearing_mask(logits, inputs)  # [M, V], [M]
+                       generator: torch.Generator, shift: bool = True) -> Tensor:
+    """``Σ_t −log p(ŷ_t)`` over the loss-bearing rows, ``ŷ_t`` drawn from the model (0-dim);
+    ``shift`` as in `loss_bearing_mask`."""
+    rows, keep = loss_bearing_mask(logits, inputs, shift)  # [M, V], [M]
     rows = rows.float()
     gen = generator if generator.device == rows.device else None
     y = sample_labels(rows.detach(), gen)  # [M]
@@ -110,7 +126,8 @@ def sampled_label_loss(logits: Tensor, inputs: dict[str, Tensor],
     return torch.where(keep, nll, 0.0).sum()
 
 
-def mc_grad_in_forward(rec: PassRecord, output: Any, generator: torch.Generator) -> bool:
+def mc_grad_in_forward(rec: PassRecord, output: Any, generator: torch.Generator,
+                       shift: bool = True) -> bool:
     """Take the MC Fisher gradient of one training pass inside its forward.
 
     Returns False (nothing done, the record is closed and marked for replay) when it is not
@@ -129,7 +146,7 @@ def mc_grad_in_forward(rec: PassRecord, output: Any, generator: torch.Generator)
         rec.closed = rec.replay = True
         return False
     rec.scale = 1.0
-    loss = sampled_label_loss(logits, rec.inputs, generator)
+    loss = sampled_label_loss(logits, rec.inputs, generator, shift)
     torch.autograd.grad(loss, outputs, retain_graph=True, allow_unused=True)
     rec.closed = True
     return True
@@ -147,6 +164,13 @@ def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Te
         The pass's record (None if the forward was not captured).
     """
     kwargs = {k: v for k, v in inputs.items() if k not in _DROP}
+    seq2seq = is_encoder_decoder(model)
+    labels = inputs.get("labels")
+    make = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if seq2seq and "decoder_input_ids" not in kwargs and "decoder_inputs_embeds" not in kwargs \
+            and isinstance(labels, Tensor) and make is not None:
+        # the training forward made them from the labels; without labels the model cannot
+        kwargs["decoder_input_ids"] = make(labels=labels)
     rec = None
     with capture.using(mode), torch.enable_grad():
         try:
@@ -163,7 +187,7 @@ def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Te
                     "(the transformers default) or fisher='empirical'")
             # an all-padding micro-batch gives a zero loss: the backward still runs, so every
             # rank of a ZeRO-3 run takes part in the same parameter gathers
-            loss = sampled_label_loss(logits_of(out), inputs, generator)
+            loss = sampled_label_loss(logits_of(out), inputs, generator, shift=not seq2seq)
             outputs = rec.outputs
             if any(o.grad_fn is None for o in outputs):
                 raise RuntimeError("kfac_stream MC Fisher: a tracked output has no graph")

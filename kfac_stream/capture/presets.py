@@ -20,7 +20,8 @@ attention      candidates inside the blocks with a parent in `ATTENTION_PARENTS`
                ``attn.c_attn``, ``attn.c_proj``; Llama ``self_attn.{q,k,v,o}_proj``; BERT
                ``attention.*``)
 mlp            candidates inside the blocks with a parent in `MLP_PARENTS` (GPT-2 ``mlp.c_fc``,
-               ``mlp.c_proj``; Llama ``mlp.{gate,up,down}_proj``)
+               ``mlp.c_proj``; Llama ``mlp.{gate,up,down}_proj``), or directly in a block and
+               named in `MLP_NAMES` (OPT, BioGPT, BART, Whisper ``fc1``, ``fc2``)
 last_layer     the output head: ``model.get_output_embeddings()`` when it is a supported module
                (``lm_head`` of GPT-2 / Llama LMs; GPT-2's is tied to ``wte``, which the tracker
                supports); else, outside the blocks, the last candidate named or under a module
@@ -65,6 +66,9 @@ ATTENTION_PARENTS = frozenset({
 })
 #: parent name components (lower case) that mark a feed-forward block
 MLP_PARENTS = frozenset({"mlp", "feed_forward", "feedforward", "ffn", "ff"})
+#: names (the last component) of feed-forward layers that sit directly in a block (OPT, BioGPT,
+#: BART, mBART, Marian, Pegasus, M2M100, Whisper: ``layers.3.fc1``)
+MLP_NAMES = frozenset({"fc1", "fc2"})
 #: names of a classification head (the last name component), for models without an LM head
 HEAD_NAMES = ("score", "classifier", "qa_outputs")
 #: name components of PEFT LoRA adapter containers
@@ -164,8 +168,10 @@ def preset_layers(model: nn.Module, preset: str) -> list[str]:
             names = [n for n, parents in inside if ATTENTION_PARENTS.intersection(parents)]
             what = f"under a parent named one of {sorted(ATTENTION_PARENTS)}"
         elif preset is LayerPreset.MLP:
-            names = [n for n, parents in inside if MLP_PARENTS.intersection(parents)]
-            what = f"under a parent named one of {sorted(MLP_PARENTS)}"
+            names = [n for n, parents in inside if MLP_PARENTS.intersection(parents) or (
+                not parents and n.rsplit(".", 1)[-1] in MLP_NAMES)]
+            what = (f"under a parent named one of {sorted(MLP_PARENTS)} or named one of "
+                    f"{sorted(MLP_NAMES)}")
         else:
             names = [n for n, _ in inside]
             what = ""

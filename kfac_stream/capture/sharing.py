@@ -4,7 +4,10 @@ Layers whose forward sees the *same input tensor object* in a pass (q/k/v projec
 attention block, gate/up of a gated MLP, the ``lora_A`` adapters of several projections when
 LoRA dropout is off) have the same rows :math:`\bar a_s` at every sampled position, hence the
 same A factor. They share one: captured, sent, stored and eigendecomposed once, under the key
-of the group's first layer (its *leader*, in ``named_modules`` order).
+of the group's first layer in ``named_modules`` order (its *leader*: only a name). Which
+member captures the rows is decided by the model's own call order, per call: whichever is
+called first (OPT, BioGPT, BART, Whisper register ``k_proj, v_proj, q_proj`` but call
+``q_proj`` first), see `capture.hooks`.
 
 Sharing is found by running the model once on a 2-token input with temporary forward
 pre-hooks that note which tensor each layer receives (`probe_shared_inputs`): the truth of
@@ -14,7 +17,12 @@ version (DeepSpeed ZeRO-3 hands every module its own autograd wrapper of its inp
 shares the storage). The probe runs in the model's
 current mode (training: a dropout in front of an adapter makes a new tensor, so such adapters
 are correctly *not* shared) under ``torch.no_grad``. At run time the capture hooks check the
-identity again for every pass and raise if it does not hold.
+identity again for every call; a group whose members receive different inputs (or are not
+called once each per call) is dissolved there and then: its members keep their own A factors
+from that step on, each starting from the shared one (equal until then, so every factor stays
+exact), with one warning naming the layers (`Tracker.dissolve_groups`; one process only:
+with several ranks the plan must change on every rank at once, which the tracker refuses with a
+clear error, see there).
 """
 
 from __future__ import annotations

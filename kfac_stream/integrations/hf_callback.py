@@ -24,7 +24,8 @@ from ..snapshot.contents import add_eigendecompositions, merge_manifests, snapsh
 from ..snapshot.layout import step_dir_name
 from ..snapshot.media import make_media
 from ..snapshot.snapshot import read_manifest
-from ..snapshot.writer import clean_stale_tmp, write_snapshot
+from ..snapshot.weights import weights_fingerprint
+from ..snapshot.writer import clean_stale_tmp, set_aside_other_runs, write_snapshot
 from ..tracker import Tracker, plan_tracking
 from ..tracker_state import (
     STATE_DIR,
@@ -64,6 +65,14 @@ class KFACStreamCallback(TrainerCallback):
             the Trainer's own logs (``logging_steps``); 0: never.
         report_media: With ``report_spectra``, also log the ``spectra_media`` (histograms,
             PNG) to an active W&B run; False: scalars only (the PNG is still written).
+        earlier_runs: What a run does with snapshots of another training run (another
+            ``run_id``, or none) it finds in its snapshot directory when it starts:
+            ``"set_aside"`` (default: move them to ``<dir>/earlier-runs/<run id>/``, with a
+            warning, so that ``Snapshot.latest`` and the CLI read this run's only) or
+            ``"keep"`` (leave them: this run's snapshots replace those of the same steps and
+            sit beside the others, as before issue 28; queries still warn when the model's
+            weights are not a snapshot's). A run resumed from a checkpoint keeps its run id,
+            so its own snapshots are never set aside.
 
     Attributes:
         tracker: The live `Tracker` during training (None before ``on_train_begin``).
@@ -73,14 +82,19 @@ class KFACStreamCallback(TrainerCallback):
     def __init__(self, config: KFACConfig | None = None, background_snapshots: bool = True,
                  resume_from: str | None = None, spectra_media: bool = True,
                  missing_state: str = "error", report_spectra: bool = True,
-                 log_every: int | None = None, report_media: bool = True) -> None:
+                 log_every: int | None = None, report_media: bool = True,
+                 earlier_runs: str = "set_aside") -> None:
         if missing_state not in ("error", "fresh"):
             raise KFACConfigError(f"KFACStreamCallback(missing_state={missing_state!r}) is not "
                                   "allowed: must be 'error' or 'fresh'")
         if log_every is not None and int(log_every) < 0:
             raise KFACConfigError(f"KFACStreamCallback(log_every={log_every!r}) is not allowed: "
                                   "must be None (with the Trainer's logs), 0 (never) or > 0")
+        if earlier_runs not in ("set_aside", "keep"):
+            raise KFACConfigError(f"KFACStreamCallback(earlier_runs={earlier_runs!r}) is not "
+                                  "allowed: must be 'set_aside' or 'keep'")
         self.missing_state = missing_state
+        self.earlier_runs = earlier_runs
         self.config = config or KFACConfig()
         self.tracker: Tracker | None = None
         self.output_dir: str | None = None
@@ -131,6 +145,14 @@ class KFACStreamCallback(TrainerCallback):
         self._final_step = int(getattr(state, "max_steps", 0) or 0)
         if self.tracker.rank == 0:
             clean_stale_tmp(self.output_dir)
+            moved = set_aside_other_runs(self.output_dir, self.tracker.run_id) \
+                if self.earlier_runs == "set_aside" else []
+            if moved:
+                logger.warning("kfac_stream: %s held %d snapshot(s) of another training run; "
+                               "moved to %s (this run's snapshots go to %s, and "
+                               "Snapshot.latest / kfac-stream inspect / query read this "
+                               "run's)", self.output_dir, len(moved),
+                               os.path.dirname(moved[0]), self.output_dir)
             logger.info("kfac_stream: tracking %d layers (%s Fisher, token_fraction=%g, "
                         "ema_decay=%g, update_every=%d) on %d rank(s); snapshots in %s",
                         len(specs), cfg.fisher, cfg.token_fraction, cfg.ema_decay,
@@ -250,6 +272,8 @@ class KFACStreamCallback(TrainerCallback):
         if self.tracker is None or self.output_dir is None:
             raise RuntimeError("KFACStreamCallback.save_snapshot: training has not started")
         tensors, manifest = snapshot_contents(self.tracker.export(), step, epoch)
+        # the weights at this step (collective under ZeRO-3): queries check their model by it
+        manifest["weights"] = weights_fingerprint(self.tracker.layers)
         root, comm = self.output_dir, self._comm
         cfg = self.tracker.config
         eigh_device = self.tracker.device if cfg.eigh_device == "auto" else None

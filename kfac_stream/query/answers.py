@@ -188,6 +188,7 @@ def answer_distribution(post: LaplacePosterior, batch: Mapping[str, Tensor],
         raise inputs.error(where, "options", options, "K >= 2 answer ids (one sequence of K "
                            "ints for every example, or a [B, K] row per example)",
                            problem="has 1 option")
+    length, _ = inputs.output_positions(batch, length)  # an encoder-decoder's: decoder's
     pos = inputs.check_positions(where, "positions", positions, size, length)
     n_samples = inputs.check_int(where, "n_samples", n_samples, 2)
     seed = inputs.check_seed(where, "seed", seed)
@@ -379,7 +380,8 @@ class _Selector:
                                    problem="is not allowed for a language-model head (logits "
                                            "[B, T, V])")
             self.index = torch.tensor(inputs.position_index(
-                where, "positions", positions_given, batch, size, logits.shape[1], pos),
+                where, "positions", positions_given,
+                inputs.output_positions(batch, logits.shape[1])[1], size, logits.shape[1], pos),
                 dtype=torch.long, device=dev)
         inputs.check_id_range(where, "options", options_given, ids, vocab, what)
         if ids.dim() == 1:

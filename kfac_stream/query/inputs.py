@@ -233,6 +233,18 @@ def check_batch(where: str, arg: str, batch: Any, vocab: int | None = None) -> t
     return int(shape[0]), int(shape[1])
 
 
+def output_positions(batch: Mapping[str, Any], length: int) -> tuple[int, Mapping[str, Any]]:
+    """What a query's ``positions`` index: ``(T, the batch whose attention_mask says which of
+    them are tokens)``. A causal LM or encoder: the input's ``T`` and ``batch`` itself. An
+    encoder-decoder (the batch holds ``decoder_input_ids [B, T']``): the decoder's ``T'``, with
+    ``decoder_attention_mask`` (if given) as their mask."""
+    dec = batch.get("decoder_input_ids")
+    if isinstance(dec, Tensor) and dec.dim() == 2 and dec.shape[1] > 0:
+        mask = batch.get("decoder_attention_mask")
+        return int(dec.shape[1]), ({} if mask is None else {"attention_mask": mask})
+    return length, batch
+
+
 def check_positions(where: str, arg: str, positions: Any, batch_size: int, length: int
                     ) -> int | list[int]:
     """One position for every example or one per example, each in ``[-T, T)``; returns an int

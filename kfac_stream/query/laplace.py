@@ -33,10 +33,12 @@ from ..exceptions import (
     PartitionedModelError,
     QueryInputError,
     SnapshotMismatchError,
+    UnsupportedLayoutError,
 )
 from ..progress import progress
 from ..snapshot.adequacy import sampling_warning
 from ..snapshot.snapshot import Snapshot
+from ..snapshot.weights import compare_weights
 from . import inputs
 from . import kron_eigen as ke
 
@@ -108,6 +110,14 @@ class LaplacePosterior:
             it selects must be in the snapshot), or a list of the snapshot's layer names. Track
             broadly once, query any subset (e.g. ``layers="mlp"``).
 
+    Warns:
+        UserWarning: the model's tracked weights are not those the snapshot was taken at
+            (the snapshot's ``weights`` fingerprint, `kfac_stream.snapshot.weights`: a model of
+            another run or another step; snapshots older than the fingerprint are not
+            checked). A warning, not an error: a model cast to another precision, or one
+            queried on purpose with an earlier snapshot's curvature, still works; the message
+            names the snapshot, its step and run and the first layer that differs.
+
     Raises:
         QueryInputError: an argument of the wrong type or out of range.
         PartitionedModelError: a model whose weights DeepSpeed ZeRO-3 partitions (also right
@@ -140,6 +150,7 @@ class LaplacePosterior:
         self.model, self.snapshot = model, snapshot
         self.modules = _match_layers(model, snapshot, self.layer_names)
         _check_whole_weights(where, model, self.modules)
+        _warn_other_weights(where, snapshot, self.modules)
         self._vocab = inputs.input_vocab(model)
         # Eigenvalue algebra (D, log-determinants, samples) runs in float64; the per-token
         # Jacobian features run in the model's precision (float64 models: float64, else
@@ -236,6 +247,7 @@ class LaplacePosterior:
                names: tuple[str, str, str] = ("batch", "positions", "token_ids")) -> _Query:
         """Check the arguments of a predictive query (before any model call)."""
         size, length = inputs.check_batch(where, names[0], batch, self._vocab)
+        length, _ = inputs.output_positions(batch, length)  # an encoder-decoder's: decoder's
         pos = inputs.check_positions(where, names[1], positions, size, length)
         ids = inputs.check_token_ids(where, names[2], token_ids, size)
         return _Query(where, names, batch, size, pos, positions, ids, token_ids)
@@ -298,18 +310,23 @@ class LaplacePosterior:
             for h in handles:
                 h.remove()
         outs.clear()
+        size = f.shape[0]
+        for n in names:  # every layout checked before the first feature is made
+            _per_example(q.where, n, acts[n], size)
         return f.detach().double(), (
-            (n, self._features(n, acts.pop(n), grads.pop(n))) for n in names)
+            (n, self._features(n, acts.pop(n), grads.pop(n), size)) for n in names)
 
-    def _features(self, name: str, a: Tensor, g: Tensor) -> Tensor:
-        """``M[b, k] = Σ_t (Q_Gᵀ g_{k,b,t}) (Q_Aᵀ ā_{b,t})ᵀ`` from ``a [B, T, d_in]`` and
-        ``g [K, B, T, d_out]``; the input side is rotated once for all K logits."""
+    def _features(self, name: str, a: Tensor, g: Tensor, size: int) -> Tensor:
+        """``M[b, k] = Σ_t (Q_Gᵀ g_{k,b,t}) (Q_Aᵀ ā_{b,t})ᵀ`` from the layer's input ``a``
+        (``[B, T, d_in]``, ``[B, ..., d_in]`` or batch-major rows ``[B*T, d_in]``, as OPT's
+        fc1/fc2 see them) and the output gradients ``g`` (``[K, *output shape]``) of a batch of
+        ``size`` = B examples; the input side is rotated once for all K logits."""
         qa, qg = self._qf[name]
         fd = self.feature_dtype
-        a = a.to(fd).reshape(a.shape[0], -1, a.shape[-1])  # [B, T, d_in]
+        a = _per_example("LaplacePosterior", name, a.to(fd), size)  # [B, T, d_in]
         if self.snapshot[name].has_bias:
             a = torch.cat([a, a.new_ones(a.shape[0], a.shape[1], 1)], dim=-1)  # [B, T, d_A]
-        g = g.to(fd).reshape(g.shape[0], g.shape[1], -1, g.shape[-1])  # [K, B, T, d_out]
+        g = g.to(fd).reshape(g.shape[0], size, a.shape[1], g.shape[-1])  # [K, B, T, d_out]
         return torch.einsum("kbti,btj->bkij", ke.rotate(g, qg), ke.rotate(a, qa))
 
     def predictive(self, batch: dict[str, Tensor], positions: int | Sequence[int] = -1,
@@ -737,6 +754,24 @@ def _warn_far_num_data(where: str, num_data: float, meta: dict) -> None:
         "num_data=None for the snapshot's count.", UserWarning, stacklevel=3)
 
 
+def _warn_other_weights(where: str, snapshot: Snapshot, modules: dict[str, nn.Module]) -> None:
+    """One ``UserWarning`` when the model's tracked weights are not those the snapshot was
+    taken at (its ``weights`` fingerprint, `snapshot.weights`; snapshots written before it
+    existed are not checked): a model of another run, or of another step of the same run."""
+    recorded = snapshot.meta.get("weights")
+    if not recorded:
+        return
+    differ = compare_weights(recorded, modules)
+    if differ:
+        run = snapshot.meta.get("run_id")
+        warnings.warn(
+            f"{where}: the model's weights are not those snapshot {snapshot.path} was taken at "
+            f"(step {snapshot.step}{f', run {run}' if run else ''}): {len(differ)} of "
+            f"{len(modules)} layers differ, e.g. {differ[0]}. The posterior pairs this model "
+            "with another model's curvature: load the model saved at that step (or the "
+            "snapshot of this model's run and step)", UserWarning, stacklevel=3)
+
+
 def _check_whole_weights(where: str, model: nn.Module, modules: dict[str, nn.Module]) -> None:
     """The model holds its whole weights in this process and keeps them: not managed by
     DeepSpeed ZeRO-3 (whose parameters carry ``ds_numel``; even when gathered right after
@@ -762,6 +797,25 @@ def _check_whole_weights(where: str, model: nn.Module, modules: dict[str, nn.Mod
                 f"{w.numel()} of its {full} weights in this process): query a model with whole "
                 "weights: save it (trainer.save_model(dir)) and load it again with "
                 "from_pretrained(dir) in one process")
+
+
+def _per_example(where: str, name: str, x: Tensor, size: int) -> Tensor:
+    """A tracked layer's input ``x`` as ``[B, T, d]`` for a batch of ``size`` = B examples:
+    ``[B, ..., d]`` (the positions of each example flattened) or batch-major rows ``[B*T, d]``
+    (a 2-D input whose rows are the examples' positions, example by example: OPT's fc1/fc2,
+    a pooled ``[B, d]`` head with T = 1).
+
+    Raises:
+        UnsupportedLayoutError: any other layout (e.g. sequence-first ``[T, B, d]``), whose
+            rows cannot be told apart by example.
+    """
+    if x.dim() >= 2 and x.numel() > 0 and (
+            (x.dim() >= 3 and x.shape[0] == size) or (x.dim() == 2 and x.shape[0] % size == 0)):
+        return x.reshape(size, -1, x.shape[-1])
+    raise UnsupportedLayoutError(
+        f"{where}: layer {name!r} receives its input as {list(x.shape)} for a batch of {size} "
+        f"examples: queries need [B, ..., d] ([{size}, T, d]) or batch-major rows [B*T, d]; "
+        "leave this layer out of the posterior (layers=[...])")
 
 
 def _logit_gradients(f: Tensor, outs: list[Tensor]) -> list[Tensor]:
@@ -828,7 +882,8 @@ def _rows_at_positions(logits: Tensor, q: _Query) -> Tensor:
     """``[B, V]`` rows of ``logits [B, T, V]`` at one position per example (negative: counted
     back from the example's last non-padding token, with right or left padding)."""
     B, T = logits.shape[:2]
-    idx = inputs.position_index(q.where, q.names[1], q.positions_given, q.batch, B, T,
+    idx = inputs.position_index(q.where, q.names[1], q.positions_given,
+                                inputs.output_positions(q.batch, T)[1], B, T,
                                 q.positions)
     return logits[torch.arange(B, device=logits.device), torch.tensor(idx, device=logits.device)]
 

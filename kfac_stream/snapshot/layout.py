@@ -29,6 +29,9 @@ FORMAT_NAME = "kfac_stream.snapshot"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
+#: Where a new training run sets the snapshots of earlier runs aside (``<root>/earlier-runs/
+#: <run id>/step-*``, `writer.set_aside_other_runs`).
+EARLIER_RUNS_DIR = "earlier-runs"
 STEP_DIR_RE = re.compile(r"^step-(\d{8})$")
 TMP_DIR_RE = re.compile(r"^\.(step-\d{8})\.tmp-(.+)$")  # hidden name of a snapshot in writing
 SHARD_RE = re.compile(r"^shard-(\d{5,})-of-(\d{5,})\.safetensors$")  # what `shard_name` makes

@@ -502,6 +502,12 @@ OWNERSHIP = Record({
     "eigh_flops_per_rank": Field(ListOf(_NONNEG, min_len=1)),
 }, what="the factor ownership summary (an object with bytes_per_rank, eigh_flops_per_rank)")
 
+WEIGHTS = Record({
+    "numel": Field(Int(1)),
+    "sum": Field(Num(lo=-math.inf)),
+    "sumsq": Field(_NONNEG),
+}, what="a weight fingerprint (an object with numel, sum, sumsq)")
+
 #: The whole manifest, formats 1 and 2 (``since=2``: required from format 2 on).
 SCHEMA = Record({
     "format": Field(Str(choices=(FORMAT_NAME,))),
@@ -522,6 +528,12 @@ SCHEMA = Record({
     "skipped_steps": Field(ListOf(_COUNT)),
     "shared_inputs": Field(ListOf(ListOf(Str(what="a layer name"), min_len=2)), since=2),
     "fingerprint": Field(_HEX64),
+    # the training run and its weights at the step (issue 28): optional, older snapshots lack
+    # them (`kfac_stream.snapshot.weights`)
+    "run_id": Field(Str(pattern=re.compile(r"[0-9a-f]{32}"), what="32 lowercase hex digits"),
+                    since=None),
+    "weights": Field(MapOf(WEIGHTS, _layer_name_problem, "a module name (non-empty text)",
+                           what="an object of weight fingerprints"), since=None),
     "layers": Field(MapOf(LAYER, _layer_name_problem, "a module name (non-empty text)",
                           min_len=1, what="an object of layer entries")),
     "shards": Field(MapOf(SHARD, _shard_name_problem, _SHARD_NAME, min_len=1,
@@ -569,6 +581,10 @@ def _check_agreement(meta: dict[str, Any], ctx: _Ctx) -> None:
         if info.get("rank", 0) >= world:
             raise SnapshotError(f"{file}: shards[{sname!r}].rank is {info['rank']}; expected "
                                 f"a rank below world_size={world}")
+    for name in meta.get("weights", {}):
+        if name not in layers:
+            raise SnapshotError(f"{file}: weights[{name!r}] names no tracked layer; expected "
+                                "a key of layers")
     by_key: dict[str, tuple[str, dict[str, Any]]] = {}
     for name, entry in layers.items():
         lpath = _child("layers", name, named=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from collections.abc import Callable
 
 import torch
@@ -22,8 +23,16 @@ from safetensors.torch import save_file
 from ..distributed.context import LOCAL
 from ..exceptions import SnapshotError
 from ..files import fsync_path, sha256_of
-from .layout import MANIFEST, TMP_DIR_RE, shard_name, step_dir_name, tmp_dir_name
-from .snapshot import Snapshot
+from .layout import (
+    EARLIER_RUNS_DIR,
+    MANIFEST,
+    STEP_DIR_RE,
+    TMP_DIR_RE,
+    shard_name,
+    step_dir_name,
+    tmp_dir_name,
+)
+from .snapshot import Snapshot, read_manifest
 
 
 def write_shard(tmp_dir: str, tensors: dict[str, torch.Tensor], rank: int,
@@ -63,6 +72,49 @@ def clean_stale_tmp(root: str) -> None:
                 break
         for entry in entries:
             shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+
+
+def set_aside_other_runs(root: str, run_id: str) -> list[str]:
+    """Move every snapshot of another training run out of ``root`` (rank 0, when training
+    starts), so that ``root``'s ``step-*`` are this run's only: `Snapshot.latest`, ``kfac-stream
+    inspect`` and ``query`` never pair a model with an earlier run's curvature.
+
+    A ``step-*`` directory whose manifest names another ``run_id``, names none (written before
+    run ids existed) or does not load moves to ``<root>/earlier-runs/<its run id>/step-*``
+    (``unknown-<time>`` without a readable id), with the files beside it (its spectra PNG);
+    nothing is deleted. A resumed run keeps its id
+    (checkpoints carry it), so its own snapshots stay.
+
+    Returns:
+        The new paths of the snapshots moved.
+    """
+    if not os.path.isdir(root):
+        return []
+    moved = []
+    stamp = f"unknown-{int(time.time())}"
+    for entry in sorted(os.listdir(root)):
+        path = os.path.join(root, entry)
+        if not STEP_DIR_RE.match(entry) or os.path.islink(path) or not os.path.isdir(path):
+            continue
+        try:
+            other = read_manifest(path).get("run_id")
+        except SnapshotError:
+            other = None
+        if other == run_id:
+            continue
+        target_dir = os.path.join(root, EARLIER_RUNS_DIR, other or stamp)
+        os.makedirs(target_dir, exist_ok=True)
+        target = os.path.join(target_dir, entry)
+        if os.path.exists(target):  # the same run's step twice (cannot happen): keep both
+            target += f".{stamp}"
+        os.replace(path, target)
+        moved.append(target)
+        for extra in os.listdir(root):  # files beside it (the spectra PNG, step-S.spectra.png)
+            if extra.startswith(entry + ".") and os.path.isfile(os.path.join(root, extra)):
+                os.replace(os.path.join(root, extra), os.path.join(target_dir, extra))
+    if moved:
+        fsync_path(root)
+    return moved
 
 
 def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor], manifest: dict,

@@ -92,7 +92,11 @@ def gather_rows(x: Tensor, index: Tensor, n_positions: int, dtype: torch.dtype |
     if flat.shape[0] != n_positions:
         raise RuntimeError(
             f"a tracked layer saw {flat.shape[0]} positions but the forward pass has "
-            f"{n_positions}: kfac_stream needs layer inputs shaped [batch, seq, features]"
+            f"{n_positions}: kfac_stream needs layer inputs shaped [batch, seq, features] (or "
+            "their rows [batch*seq, features]) over the input's positions; an encoder-decoder "
+            "whose decoder length differs from its input length is not supported yet: pad the "
+            "labels to the input length, or exclude the decoder layers (KFACConfig(exclude="
+            "[r'decoder']))"
         )
     rows = flat.index_select(0, index)
     return rows if dtype is None else rows.to(dtype)

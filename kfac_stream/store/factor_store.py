@@ -44,6 +44,7 @@ cheap to read) so that the largest stored magnitude is at most
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
 from collections.abc import Mapping
@@ -235,6 +236,18 @@ class FactorStore:
 
     def __contains__(self, key: object) -> bool:
         return key in self._factors
+
+    def copy_factor(self, source: str, key: str) -> None:
+        """Add ``key`` as a copy of the factor ``source``: the same data, scale, EMA weight,
+        counts and pending updates (not folded here, so both fold on the schedule they would
+        have had apart, bit for bit), for a shared A split into its members' own
+        (`Tracker.dissolve_groups`)."""
+        f = self._factors[source]
+        self._factors[key] = dataclasses.replace(
+            f, data=f.data.clone(), pending=list(f.pending),
+            device_pending=None if f.device_pending is None else f.device_pending.clone())
+        self._pending_bytes += 4 * f.data.numel()
+        self._pending_bytes += 4 * f.data.numel()
 
     def keys(self) -> list[str]:
         """The owned factors' keys, in the order they were added."""

@@ -1,0 +1,194 @@
+"""Any Hugging Face model a user brings (issue 28): 15 families with the defaults.
+
+Each family is a tiny model built from its config (hidden 32, 2 layers, byte vocabulary 256,
+random init, no hub), trained for 12 steps by a real ``Trainer`` (``Seq2SeqTrainer`` for T5)
+with ``KFACStreamCallback()`` and its defaults (MC sub-batch Fisher, ``token_fraction=0.05``,
+``share_inputs=True``, ...), then queried as a new user would: ``Snapshot.latest``,
+``LaplacePosterior(prior_precision="marglik")`` (the marginal likelihood), the exact
+linearised ``predictive`` and ``sampled_predictive``. Every step must work; a query a model's
+layout cannot support must refuse with one clear error (`REFUSED` lists those, with the
+error), never crash with a shape error deep inside.
+
+What the numbers must satisfy (independent of the code under test): the snapshot covers every
+layer the callback tracked, at step 12, with finite positive factors; the chosen prior
+precision is the maximiser of the marginal likelihood over a grid (`MARGLIK_GRID_TOL`); the
+predictive mean equals the model's own logits (`MEAN_TOL`) and the covariance is symmetric
+positive semi-definite; the sampled predictive's probabilities sum to 1 (`PROB_SUM_TOL`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kfac_stream import KFACStreamCallback, LaplacePosterior, Snapshot
+from kfac_stream.query.sampled import sampled_predictive
+
+from models import ListDataset, text_examples
+
+STEPS = 12
+SEQ = 16
+HIDDEN, FFN, HEADS, VOCAB = 32, 64, 4, 256
+#: The predictive mean is the MAP logits: float32 model, same forward twice (eval mode).
+MEAN_TOL = 1e-5
+#: Symmetry and positive semi-definiteness of the predictive covariance, relative to its
+#: largest entry: the Jacobian features of a float32 model are float32 (~6e-8 relative per
+#: entry), summed over the layers' d_out·d_in products.
+COV_TOL = 1e-5
+#: A probability vector from float64 sums of float32 softmax rows.
+PROB_SUM_TOL = 1e-6
+#: `optimize_prior_precision` stops on a bracket of relative width ~1e-3 in log tau (Brent on
+#: log tau); the grid's best value may exceed its optimum only by this relative amount.
+MARGLIK_GRID_TOL = 1e-6
+
+#: Queries a family's layout cannot support, refused with this error (none so far).
+REFUSED: dict[str, str] = {}
+
+
+def _causal(cls_name: str, cfg_name: str, **kw):
+    def build():
+        import transformers
+
+        cfg = getattr(transformers, cfg_name)(**kw)
+        return getattr(transformers, cls_name)(cfg)
+    return build
+
+
+_DROP0 = {}
+FAMILIES = {
+    "opt": _causal("OPTForCausalLM", "OPTConfig", vocab_size=VOCAB, hidden_size=HIDDEN,
+                   num_hidden_layers=2, ffn_dim=FFN, num_attention_heads=HEADS,
+                   max_position_embeddings=64, word_embed_proj_dim=HIDDEN, pad_token_id=1,
+                   bos_token_id=0, eos_token_id=0),
+    "biogpt": _causal("BioGptForCausalLM", "BioGptConfig", vocab_size=VOCAB, hidden_size=HIDDEN,
+                      num_hidden_layers=2, intermediate_size=FFN, num_attention_heads=HEADS,
+                      max_position_embeddings=64, pad_token_id=1, bos_token_id=0,
+                      eos_token_id=2),
+    "bloom": _causal("BloomForCausalLM", "BloomConfig", vocab_size=VOCAB, hidden_size=HIDDEN,
+                     n_layer=2, n_head=HEADS, pad_token_id=0, bos_token_id=0, eos_token_id=0),
+    "falcon": _causal("FalconForCausalLM", "FalconConfig", vocab_size=VOCAB,
+                      hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS,
+                      pad_token_id=0, bos_token_id=0, eos_token_id=0),
+    "gptj": _causal("GPTJForCausalLM", "GPTJConfig", vocab_size=VOCAB, n_embd=HIDDEN,
+                    n_layer=2, n_head=HEADS, n_positions=64, rotary_dim=4, pad_token_id=0,
+                    bos_token_id=0, eos_token_id=0),
+    "gpt_neox": _causal("GPTNeoXForCausalLM", "GPTNeoXConfig", vocab_size=VOCAB,
+                        hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS,
+                        intermediate_size=FFN, max_position_embeddings=64, pad_token_id=0,
+                        bos_token_id=0, eos_token_id=0),
+    "gemma": _causal("GemmaForCausalLM", "GemmaConfig", vocab_size=VOCAB, hidden_size=HIDDEN,
+                     num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=2,
+                     head_dim=8, intermediate_size=FFN, max_position_embeddings=64,
+                     pad_token_id=0, bos_token_id=0, eos_token_id=0),
+    "phi": _causal("PhiForCausalLM", "PhiConfig", vocab_size=VOCAB, hidden_size=HIDDEN,
+                   num_hidden_layers=2, num_attention_heads=HEADS, intermediate_size=FFN,
+                   max_position_embeddings=64, pad_token_id=0, bos_token_id=0,
+                   eos_token_id=0),
+    "mistral": _causal("MistralForCausalLM", "MistralConfig", vocab_size=VOCAB,
+                       hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS,
+                       num_key_value_heads=2, intermediate_size=FFN,
+                       max_position_embeddings=64, pad_token_id=0, bos_token_id=0,
+                       eos_token_id=0),
+    "qwen2": _causal("Qwen2ForCausalLM", "Qwen2Config", vocab_size=VOCAB, hidden_size=HIDDEN,
+                     num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=2,
+                     intermediate_size=FFN, max_position_embeddings=64, pad_token_id=0,
+                     bos_token_id=0, eos_token_id=0),
+    "olmo": _causal("OlmoForCausalLM", "OlmoConfig", vocab_size=VOCAB, hidden_size=HIDDEN,
+                    num_hidden_layers=2, num_attention_heads=HEADS, intermediate_size=FFN,
+                    max_position_embeddings=64, pad_token_id=0, bos_token_id=0,
+                    eos_token_id=0),
+    "gpt2": _causal("GPT2LMHeadModel", "GPT2Config", vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2,
+                    n_head=HEADS, n_positions=64, bos_token_id=0, eos_token_id=0),
+    "llama": _causal("LlamaForCausalLM", "LlamaConfig", vocab_size=VOCAB, hidden_size=HIDDEN,
+                     num_hidden_layers=2, num_attention_heads=HEADS, num_key_value_heads=2,
+                     intermediate_size=FFN, max_position_embeddings=64, pad_token_id=0,
+                     bos_token_id=0, eos_token_id=0),
+    "roberta_cls": _causal("RobertaForSequenceClassification", "RobertaConfig",
+                           vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2,
+                           num_attention_heads=HEADS, intermediate_size=FFN,
+                           max_position_embeddings=SEQ + 4, num_labels=3, pad_token_id=1,
+                           bos_token_id=0, eos_token_id=2),
+    "t5_seq2seq": _causal("T5ForConditionalGeneration", "T5Config", vocab_size=VOCAB,
+                          d_model=HIDDEN, d_kv=8, d_ff=FFN, num_layers=2, num_heads=HEADS,
+                          decoder_start_token_id=0, pad_token_id=0, eos_token_id=1),
+}
+CAUSAL = [f for f in FAMILIES if f not in ("roberta_cls", "t5_seq2seq")]
+
+
+def _examples(family: str) -> list[dict[str, torch.Tensor]]:
+    ex = text_examples(2 * STEPS, SEQ, seed=3)
+    if family == "roberta_cls":
+        for i, e in enumerate(ex):
+            e["input_ids"] = e["input_ids"].clamp(min=3)  # 0-2: special ids
+            e["labels"] = torch.tensor(i % 3)
+    elif family == "t5_seq2seq":  # translate a window into the next one (bytes shifted by 1)
+        for e in ex:
+            e["labels"] = (e["input_ids"] + 1) % VOCAB
+            e["labels"][e["labels"] < 2] = 2
+    return ex
+
+
+def _train(family: str, tmp_path):
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainingArguments
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = FAMILIES[family]()
+    seq2seq = family == "t5_seq2seq"
+    args_cls, trainer_cls = ((Seq2SeqTrainingArguments, Seq2SeqTrainer) if seq2seq
+                             else (TrainingArguments, Trainer))
+    args = args_cls(str(tmp_path), per_device_train_batch_size=2, max_steps=STEPS,
+                    learning_rate=1e-3, report_to=[], logging_strategy="no",
+                    save_strategy="no", disable_tqdm=True, use_cpu=True, seed=0)
+    cb = KFACStreamCallback()  # the defaults
+    trainer = trainer_cls(model=model, args=args, train_dataset=ListDataset(_examples(family)),
+                          callbacks=[cb])
+    trainer.train()
+    return model.eval(), cb
+
+
+def _query_batch(family: str) -> dict[str, torch.Tensor]:
+    ex = _examples(family)[:2]
+    batch = {k: torch.stack([e[k] for e in ex]) for k in ("input_ids", "attention_mask")}
+    if family == "t5_seq2seq":
+        batch["decoder_input_ids"] = torch.stack([e["labels"][:8] for e in ex])
+    return batch
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_trains_snapshots_and_answers_queries(family, tmp_path):
+    model, cb = _train(family, tmp_path)
+    tracked = list(cb.tracker.specs)
+    snap = Snapshot.latest(tmp_path / "kfac")
+    assert snap.step == STEPS and sorted(snap.layer_names) == sorted(tracked)
+    assert len(tracked) >= 8
+    for n in tracked:
+        a, g = snap[n].A, snap[n].G
+        assert torch.isfinite(a).all() and torch.isfinite(g).all(), n
+        assert float(a.diagonal().sum() if a.dim() == 2 else a.sum()) > 0, n
+    post = LaplacePosterior(model, snap, prior_precision="marglik")
+    tau = post.prior_precision
+    grid = [tau * 2.0 ** e for e in (-2, -1, 1, 2)]  # the chosen tau beats its neighbours
+    best = post.log_marginal_likelihood(tau)
+    for t in grid:
+        assert post.log_marginal_likelihood(t) <= best + MARGLIK_GRID_TOL * abs(best), (t, tau)
+    batch = _query_batch(family)
+    token_ids = None if family == "roberta_cls" else [5, 32, 101]
+    if family in REFUSED:
+        with pytest.raises(Exception, match=REFUSED[family]):
+            post.predictive(batch, positions=-1, token_ids=token_ids)
+        return
+    mean, cov = post.predictive(batch, positions=-1, token_ids=token_ids)
+    with torch.no_grad():
+        logits = model(**batch).logits.double()
+    want = logits if logits.dim() == 2 else logits[:, -1]
+    want = want if token_ids is None else want[:, token_ids]
+    assert (mean - want).abs().max() <= MEAN_TOL * (1 + want.abs().max())
+    assert torch.allclose(cov, cov.transpose(1, 2), rtol=0, atol=COV_TOL * cov.abs().max())
+    assert torch.linalg.eigvalsh(cov).min() >= -COV_TOL * cov.abs().max()
+    assert cov.diagonal(dim1=1, dim2=2).min() > 0
+    pred = sampled_predictive(post, batch, n_samples=2, seed=0)
+    sums = pred.probs.sum(-1)
+    assert (sums - 1).abs().max() <= PROB_SUM_TOL and math.isfinite(float(pred.entropy.sum()))
