@@ -247,7 +247,6 @@ class FactorStore:
             f, data=f.data.clone(), pending=list(f.pending),
             device_pending=None if f.device_pending is None else f.device_pending.clone())
         self._pending_bytes += 4 * f.data.numel()
-        self._pending_bytes += 4 * f.data.numel()
 
     def keys(self) -> list[str]:
         """The owned factors' keys, in the order they were added."""
