@@ -401,8 +401,9 @@ def report(out: dict, info: dict) -> str:
              f"{out['args']['seeds']}; {out['total_seconds'] / 60:.0f} min on {info['cpu']}. "
              f"KFACConfig() at run time: {out['defaults']}.", "",
              f"Per task, the library's default (rule `{out['args']['check_rule']}` rebuilt from "
-             f"the recording run; tau by marginal likelihood, link `{LIBRARY_LINK}`) against MAP and laplace-torch KronLaplace (exact GGN, same "
-             "layers, its default predictive: GLM + probit). Score ≤ 1 ⇔ the bar holds "
+             f"the recording run; tau by marginal likelihood, link `{LIBRARY_LINK}`) against "
+             "MAP and laplace-torch KronLaplace (exact GGN, same layers, its default "
+             "predictive: GLM + probit). Score ≤ 1 ⇔ the bar holds "
              "(NLL ≤ MAP every seed, mean NLL ≤ 1.05 × laplace-torch, accuracy ≥ MAP − 1 pt).",
              "", "| task | MAP NLL | default NLL | laplace-torch NLL | acc MAP → default | "
              "mean confidence | score |", "|---|---|---|---|---|---|---|"]
