@@ -194,8 +194,20 @@ def train(task, cfg: KFACConfig, out: str, record: bool):
     return (*train_and_collect(trainer, model, cb), rec)
 
 
+def psd(cov: torch.Tensor) -> torch.Tensor:
+    """``cov [n, K, K]`` symmetrised with its negative eigenvalues set to 0 (laplace-torch's
+    GLM covariance can be indefinite by round-off, and the MC link takes a Cholesky factor),
+    plus ``1e-12·max diag`` on the diagonal; a PSD covariance moves by that jitter only."""
+    c = (cov + cov.transpose(-1, -2)).double() / 2
+    vals, vecs = torch.linalg.eigh(c)
+    c = (vecs * vals.clamp_min(0)[..., None, :]) @ vecs.transpose(-1, -2)
+    jitter = 1e-12 * c.diagonal(dim1=-2, dim2=-1).amax(-1).clamp_min(1e-300)
+    return c + jitter[..., None, None] * torch.eye(c.shape[-1], dtype=c.dtype)
+
+
 def scores(mean: torch.Tensor, cov: torch.Tensor | None, y: torch.Tensor, mc: int) -> dict:
     """``{link: {nll, accuracy, ece, confidence}}`` (``"map"`` only when ``cov`` is None)."""
+    cov = None if cov is None else psd(cov)
     probs = ({"map": torch.softmax(mean, -1)} if cov is None else
              {k: probs_from_gaussian(mean, cov, k, **({"n_samples": mc, "seed": 0}
                                                        if k == "mc" else {})) for k in LINKS})
@@ -522,6 +534,8 @@ def main(argv=None) -> None:
             if a.quick:
                 task.steps = min(task.steps, 60)
             per_seed.append({"seed": seed, **run_seed(task, a, seed in a.default_run_seeds)})
+            if not a.quick:  # every finished seed survives a later failure
+                write_json("suite_partial", {**out, "partial": {name: per_seed}})
         out["tasks"][name] = {"title": task.title, "per_seed": per_seed}
         if not a.quick:  # partial results survive a later task's failure
             out["total_seconds"] = time.perf_counter() - t0
