@@ -530,7 +530,7 @@ def main(argv=None) -> None:
         per_seed = []
         for seed in a.seeds:
             print(f"[{name}] seed {seed}", flush=True)
-            task = make_task(name, seed, a, base)
+            task = make_task(name, seed, ua, base)
             if a.quick:
                 task.steps = min(task.steps, 60)
             per_seed.append({"seed": seed, **run_seed(task, a, seed in a.default_run_seeds)})
