@@ -251,3 +251,16 @@ def test_prior_precision_fitted_on_the_eval_dataset(tmp_path):
     assert prior.nll == pytest.approx(brute[best], rel=1e-9)
     assert prior.marglik_tau in prior.grid
     assert len(set(brute.values())) > 1  # the candidates differ: the choice is not trivial
+
+
+def test_one_update_window_is_flagged_by_its_sampling_error(tmp_path):
+    """A final window of one update (``min_window_sequences=0``): no spread to measure, the
+    relative error is infinite and the snapshot is flagged for it; the same run with the EMA
+    throughout is not judged by that figure (its spread is the curvature's drift)."""
+    _, snap = _short_run(tmp_path / "one", {"min_window_sequences": 0, "final_window": 0.2})
+    s = sampling_summary(snap.meta)
+    assert s["in_window"] and s["max_rel_se"] == math.inf
+    assert any("relative sampling error of inf" in p for p in sampling_problems(snap.meta))
+    _, ema = _short_run(tmp_path / "ema", {"min_window_sequences": 0, "final_window": 0.0})
+    assert not sampling_summary(ema.meta)["in_window"]
+    assert sampling_problems(ema.meta) == []

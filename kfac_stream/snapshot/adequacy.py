@@ -5,8 +5,10 @@ Two signs, both recorded by the tracker (`kfac_stream.store.factor_store.FactorS
 * the final window held fewer sequences than ``KFACConfig.min_window_sequences`` asks for
   (``counts.window_sequences``: the run had too few updates, or too few MC sequences per
   update, to reach it even over its whole length);
-* a factor's relative sampling error ``‖SE(F)‖_F / ‖F‖_F`` (``sampling.rel_se``, from the
-  spread of the updates around their mean) above `REL_SE_WARN`.
+* in a final-window snapshot, a factor's relative sampling error ``‖SE(F)‖_F / ‖F‖_F``
+  (``sampling.rel_se``, from the spread of the updates around their mean) above
+  `REL_SE_WARN`. Before the window (the EMA) the spread measures the drift of the curvature
+  along training as much as sampling noise, so it is recorded but not judged.
 
 A factor estimated from few samples is noisy and rank-poor: the posterior precision
 ``N·(A ⊗ G) + τI`` then falls back to the prior ``τ`` in most directions, and the predictive
@@ -19,14 +21,18 @@ from __future__ import annotations
 import math
 from typing import Any
 
-#: Relative sampling error of a factor above which a snapshot is reported as resting on too few
-#: samples (`benchmarks/suite.py` prints each rule's largest value beside its predictive NLL).
-REL_SE_WARN = 0.5
+#: Relative sampling error of a factor above which a final-window snapshot is reported as
+#: resting on too few samples. Set from `benchmarks/suite.py`, which prints each rule's largest
+#: value beside its predictive NLL: windows of 4-120 updates (16-240 sequences) gave 0.7-1.5
+#: on six tasks, with predictives better than the trained model's and laplace-torch's, so the
+#: figure alone does not mark a bad posterior; a factor whose error is several times its size
+#: (one or two updates) is flagged.
+REL_SE_WARN = 3.0
 
 
 def sampling_summary(meta: dict[str, Any]) -> dict[str, Any]:
     """``{"max_rel_se", "max_rel_se_factor", "min_effective_updates", "window_sequences",
-    "min_window_sequences"}`` of a manifest (NaN / 0 / None where the snapshot did not record
+    "min_window_sequences", "in_window"}`` of a manifest (NaN / 0 / None where the snapshot did not record
     them: written by an older version, or no final window)."""
     worst, worst_key, k_min = math.nan, None, math.nan
     for name, entry in meta.get("layers", {}).items():
@@ -43,7 +49,8 @@ def sampling_summary(meta: dict[str, Any]) -> dict[str, Any]:
     window = int(counts.get("window_sequences", 0)) if cfg.get("final_window", 0) else 0
     return {"max_rel_se": worst, "max_rel_se_factor": worst_key, "min_effective_updates": k_min,
             "window_sequences": window,
-            "min_window_sequences": int(cfg.get("min_window_sequences", 0) or 0)}
+            "min_window_sequences": int(cfg.get("min_window_sequences", 0) or 0),
+            "in_window": int(counts.get("window_start_step", -1)) >= 0}
 
 
 def sampling_problems(meta: dict[str, Any]) -> list[str]:
@@ -55,7 +62,7 @@ def sampling_problems(meta: dict[str, Any]) -> list[str]:
         out.append(f"its final window holds {s['window_sequences']:,} sequences, fewer than "
                    f"min_window_sequences={s['min_window_sequences']:,} (the run has too few "
                    "factor updates to reach it; lower update_every or raise mc_sequences)")
-    if not math.isnan(s["max_rel_se"]) and s["max_rel_se"] > REL_SE_WARN:
+    if s["in_window"] and not math.isnan(s["max_rel_se"]) and s["max_rel_se"] > REL_SE_WARN:
         out.append(f"factor {s['max_rel_se_factor']} has a relative sampling error of "
                    f"{s['max_rel_se']:.2g} (> {REL_SE_WARN:g}; over "
                    f"{s['min_effective_updates']:.3g} effective updates)")
