@@ -56,11 +56,11 @@ $(BENCH_PEERS): $(PEERS)
 # One script per question (benchmarks/_common.py: what they share). In this order: the
 # classification task reuses the LM uncertainty.py saves; headline.py reads everyone's JSON.
 BENCH_SCRIPTS := overhead snapshot_query distributed scale peers uncertainty \
-	uncertainty_classification headline
+	uncertainty_classification suite headline
 # QUICK=1: every script's --quick smoke run, which writes nothing (`make bench-quick`).
 BENCH_FLAGS = $(if $(QUICK),--quick,)
 
-bench: $(STAMP) $(BENCH_PEERS)  ## run every benchmark (~35 min on 2 cores), write benchmarks/RESULTS.md; QUICK=1: smoke runs
+bench: $(STAMP) $(BENCH_PEERS)  ## run every benchmark (~75 min on 2 cores), write benchmarks/RESULTS.md; QUICK=1: smoke runs
 	set -e; for s in $(BENCH_SCRIPTS); do $(PY) benchmarks/$$s.py $(BENCH_FLAGS); done
 
 bench-quick: QUICK = 1
