@@ -160,11 +160,7 @@ class _Classifier:
     def train_batch(self):
         return self.batch(self.splits["train"])
 
-    @staticmethod
-    def example(s: bytes, c: int) -> dict[str, torch.Tensor]:
-        ids = torch.tensor(list(s))
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                "labels": torch.tensor(c)}
+    example = staticmethod(uc.ManpageTask.example)  # bytes, class -> one training example
 
     @staticmethod
     def batch(items: list[tuple[bytes, int]]):

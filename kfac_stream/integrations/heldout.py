@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import torch
@@ -14,6 +13,7 @@ from ..query.heldout_tau import fit_prior_precision
 from ..query.laplace import LaplacePosterior
 from ..snapshot.heldout_prior import write_heldout_prior
 from ..snapshot.snapshot import Snapshot
+from .spectrum_monitor import find_on_stack
 
 logger = logging.getLogger("kfac_stream")
 
@@ -21,18 +21,7 @@ logger = logging.getLogger("kfac_stream")
 def find_trainer(depth: int = 16) -> Trainer | None:
     """The `transformers.Trainer` whose callback event is running (a callback is not given
     it): the first ``self`` on the call stack that is one; None if there is none."""
-    frame = inspect.currentframe()
-    try:
-        for _ in range(depth):
-            frame = frame.f_back if frame is not None else None
-            if frame is None:
-                return None
-            owner = frame.f_locals.get("self")
-            if isinstance(owner, Trainer):
-                return owner
-        return None
-    finally:
-        del frame
+    return find_on_stack(Trainer, depth)
 
 
 def fit_heldout_prior(callback, model) -> str | None:

@@ -162,14 +162,21 @@ def find_callback_handler(depth: int = 12) -> CallbackHandler | None:
     """The Trainer's ``CallbackHandler`` on the call stack of the current callback event, or
     None: a ``TrainerCallback`` is not given the Trainer, but each event is called from the
     handler's ``call_event`` (whose callbacks include the reporters)."""
+    return find_on_stack(CallbackHandler, depth + 1)
+
+
+def find_on_stack(kind: type, depth: int) -> object | None:
+    """The first ``self`` of type ``kind`` among the ``depth`` callers of the caller, or
+    None."""
     frame = inspect.currentframe()
     try:
+        frame = frame.f_back if frame is not None else None  # the caller's frame: skipped
         for _ in range(depth):
             frame = frame.f_back if frame is not None else None
             if frame is None:
                 return None
             owner = frame.f_locals.get("self")
-            if isinstance(owner, CallbackHandler):
+            if isinstance(owner, kind):
                 return owner
         return None
     finally:
