@@ -110,24 +110,37 @@ class FactorState:
         ``F = Σ_k (c_k/w) S_k`` with independent update statistics ``S_k`` (each from its
         own random positions and MC labels): ``E‖F − E F‖² = Σ_k (c_k/w)² tr Var(S)`` when the
         updates share one variance, estimated by the weighted spread of the updates around
-        ``F``, ``Σ_k (c_k/w)‖S_k − F‖² = Q/w − ‖F‖²``, whose expectation is ``(1 − R/w²)
-        tr Var(S)``. So ``SE² = (Q/w − ‖F‖²) · (R/w²) / (1 − R/w²)`` and the relative error
-        is ``SE/‖F‖_F`` (Frobenius). Effective updates: ``w²/R`` (the number of equal-weight
-        updates with the same variance). NaN when not recorded (no update, or a state from
-        before these sums were kept); infinite with one effective update (no spread to
-        measure). Tested against replicated runs in ``tests/test_sampling_error.py``.
+        ``F``, ``Σ_k (c_k/w)‖S_k − F‖² = Q/w − ‖F‖²`` (`spread`, measured through the same
+        probes as ``Q``), whose expectation is ``(1 − R/w²) tr Var(S)``. So ``SE² = spread ·
+        (R/w²) / (1 − R/w²)`` and the relative error is ``SE/‖F‖_F`` (Frobenius). Effective
+        updates: ``w²/R`` (the number of equal-weight updates with the same variance). NaN
+        when not recorded (no update, or a state from before these sums were kept); infinite
+        with one effective update (no spread to measure). Tested against replicated runs and
+        the exact expected Fisher in ``tests/test_sampling_error.py``.
         """
-        w, q, r = float(self.weight), float(self.sq_norm_sum), float(self.weight_sq)
-        if w <= 0.0 or r <= 0.0 or q <= 0.0:
+        w, r, spread = float(self.weight), float(self.weight_sq), float(self.spread)
+        if w <= 0.0 or r <= 0.0:
             return math.nan, math.nan
         c2 = r / (w * w)  # Σ (c_k/w)² = 1 / effective updates
         if c2 >= 1.0 - 1e-9:
             return math.inf, 1.0
-        f2 = float(self.value(torch.float64).pow(2).sum())
-        if f2 <= 0.0:
+        f2 = _sq_norm(self.data, self.scale)
+        if math.isnan(spread) or f2 <= 0.0:
             return math.nan, 1.0 / c2
-        spread = max(q / w - f2, 0.0) / (1.0 - c2)
-        return math.sqrt(spread * c2 / f2), 1.0 / c2
+        var = max(spread, 0.0) / (1.0 - c2)
+        return math.sqrt(var * c2 / f2), 1.0 / c2
+
+
+def _sq_norm(data: Tensor, scale: float, z: Tensor | None = None) -> float:
+    """``‖F‖²_F`` of ``F = scale · data`` (``[d, d]`` or ``[d]``), or with probes ``z [d, p]``
+    ``‖F z‖²_F / p``; in row chunks of `CHUNK_ROWS` (float64 accumulation, no ``d²`` float64
+    copy: this runs when a snapshot or checkpoint exports the factors)."""
+    total = 0.0
+    for start in range(0, data.shape[0], CHUNK_ROWS):
+        rows = data[start:start + CHUNK_ROWS].double() * scale  # [c, d] or [c]
+        part = rows if z is None else rows @ z
+        total += float(part.square().sum())
+    return total if z is None else total / z.shape[1]
 
 
 @dataclass
@@ -271,9 +284,8 @@ class FactorStore:
         q = float(f.sq_norm_sum)
         if f.weight <= 0.0 or q <= 0.0:
             return math.nan
-        F = f.value(torch.float64)
-        fz = F.square().sum() if f.diagonal else _sketch(F @ probes(key, F.shape[0]))
-        return q / f.weight - float(fz)
+        z = None if f.diagonal else probes(key, f.data.shape[0])
+        return q / f.weight - _sq_norm(f.data, f.scale, z)
 
     def load_state_dict(self, states: Mapping[str, FactorState]) -> None:
         """Replace every owned factor by its state in ``states`` (which may hold more keys);
