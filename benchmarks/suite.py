@@ -451,8 +451,8 @@ def report(out: dict, info: dict) -> str:
               f" ({'holds' if d['held_out_score'] <= 1 else 'FAILS'})" for h, d in
               v["loto"].items()]
     lines += ["", "Per task, every rule (tau marglik) mean NLL by link, and the window's "
-              "sampling error; the default run also with the validation-NLL tau (the "
-              "``eval_tau`` option, mean-field link):", ""]
+              "sampling error; the default rule also with the validation-NLL tau (the "
+              "``eval_prior_precision`` option, mean-field link):", ""]
     for name, t in out["tasks"].items():
         lines.append(f"**{name}** — {t['title']}")
         lines.append("")
