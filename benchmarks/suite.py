@@ -45,7 +45,7 @@ of (mean NLL) / (1.05 × laplace-torch's mean NLL), the largest per-seed NLL / M
 The default is the candidate with the smallest worst score over the tasks; leave-one-task-out:
 the candidate chosen on five tasks is scored on the sixth. Only tau rules a user gets without
 held-out data are default candidates; the validation tau is reported beside (the
-``eval_tau`` option).
+``eval_prior_precision`` option).
 """
 
 from __future__ import annotations
@@ -424,7 +424,7 @@ LIBRARY_LINK = uc.LINK
 
 def report(out: dict, info: dict) -> str:
     v = out["verdicts"]
-    lines = [f"## Default-selection suite (`benchmarks/suite.py`, {info['date']})", "",
+    lines = [BEGIN, f"## Default-selection suite (`benchmarks/suite.py`, {info['date']})", "",
              f"Command: `{out['command']}`; {len(out['tasks'])} tasks × seeds "
              f"{out['args']['seeds']}; {out['total_seconds'] / 60:.0f} min on {info['cpu']}. "
              f"KFACConfig() at run time: {out['defaults']}.", "",
@@ -470,7 +470,7 @@ def report(out: dict, info: dict) -> str:
             lines.append(f"| {rule} | {wu:.1f} | {se:.3f} | {nl['probit']:.4f} | "
                          f"{nl['meanfield']:.4f} | {nl['mc']:.4f} | {vt:.4f} |")
         lines.append("")
-    return "\n".join(lines)
+    return "\n".join([*lines, END])
 
 
 def _mean(xs):
