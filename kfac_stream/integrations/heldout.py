@@ -48,8 +48,9 @@ def fit_heldout_prior(callback, model) -> str | None:
         batches = ({k: v.to(device) for k, v in b.items() if torch.is_tensor(v)}
                    for b in trainer.get_eval_dataloader())
         prior = fit_prior_precision(post, batches)
-    except QueryInputError as e:
-        logger.warning("kfac_stream: eval_prior_precision: %s; tau not fitted", e)
+    except Exception as e:  # an extra at the end of training never fails the run
+        kind = "" if isinstance(e, QueryInputError) else f"{type(e).__name__}: "
+        logger.warning("kfac_stream: eval_prior_precision: %s%s; tau not fitted", kind, e)
         return None
     finally:
         model.train(was_training)
