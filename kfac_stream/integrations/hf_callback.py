@@ -70,7 +70,7 @@ class KFACStreamCallback(TrainerCallback):
             ``"set_aside"`` (default: move them to ``<dir>/earlier-runs/<run id>/``, with a
             warning, so that ``Snapshot.latest`` and the CLI read this run's only) or
             ``"keep"`` (leave them: this run's snapshots replace those of the same steps and
-            sit beside the others, as before issue 28; queries still warn when the model's
+            sit beside the others, as earlier versions did; queries still warn when the model's
             weights are not a snapshot's). A run resumed from a checkpoint keeps its run id,
             so its own snapshots are never set aside.
 

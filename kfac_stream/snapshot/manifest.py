@@ -528,7 +528,7 @@ SCHEMA = Record({
     "skipped_steps": Field(ListOf(_COUNT)),
     "shared_inputs": Field(ListOf(ListOf(Str(what="a layer name"), min_len=2)), since=2),
     "fingerprint": Field(_HEX64),
-    # the training run and its weights at the step (issue 28): optional, older snapshots lack
+    # the training run and its weights at the step: optional, older snapshots lack
     # them (`kfac_stream.snapshot.weights`)
     "run_id": Field(Str(pattern=re.compile(r"[0-9a-f]{32}"), what="32 lowercase hex digits"),
                     since=None),
