@@ -50,8 +50,6 @@ from transformers import GPT2Config, GPT2ForSequenceClassification
 from kfac_stream.app import data as app_data
 from kfac_stream.app.models import tiny_gpt2
 
-from _common import conv1d_to_linear
-
 
 def _windows(text: bytes, n: int) -> list[bytes]:
     """Non-overlapping ``n``-byte windows of ``text`` that are not mostly whitespace and hold no
@@ -229,18 +227,9 @@ class GlyphDigits(_Classifier):
         super().__init__(seed, glyph_pools(40 + 12 + 24, seed), (40, 12, 24))
 
 
-class LastTokenHead(nn.Module):
+class LastTokenHead(uc.SeqClassifierHead):
     """laplace-torch view of the LM: ``input_ids [B, T]`` -> next-token logits at the last
-    position ``[B, V]`` (a copy whose tracked Conv1D s are equal Linear s, the only weights
-    with gradients)."""
-
-    def __init__(self, model, layers: list[str]):
-        super().__init__()
-        self.m = conv1d_to_linear(model, layers).eval()
-        keep = {f"{name}.{p}" for name in layers for p in ("weight", "bias")}
-        for n, p in self.m.named_parameters():
-            p.requires_grad_(n in keep)
-        self.answers_only = False  # uc.kron_covs toggles it; the head has V outputs already
+    position ``[B, V]`` (the classifier head's copy and frozen weights, another output)."""
 
     def forward(self, input_ids):
         return self.m(input_ids=input_ids).logits[:, -1]

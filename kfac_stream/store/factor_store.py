@@ -437,6 +437,8 @@ class FactorStore:
             stat, alpha = f.device_pending, f.device_alpha
             f.device_pending, f.device_alpha, f.device_updates = None, 1.0, 0
             self._fold(f, alpha, stat=self._host_copy(stat))
+            if isinstance(f.sq_norm_sum, Tensor):  # ‖S Z‖² sums of push_stat: read here, after
+                f.sq_norm_sum = float(f.sq_norm_sum)  # the copy's sync on the same stream
         if not f.pending:
             return
         m = f.pending_rows
