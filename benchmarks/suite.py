@@ -510,8 +510,14 @@ def main(argv=None) -> None:
                    help="keep the other tasks of the last written results")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--from-json", action="store_true")
+    p.add_argument("--lm-eval", type=int, default=st.LMHeldout.n_eval,
+                   help="lm-heldout's validation and test windows (each scored at its last "
+                   "position); a value other than the default is a probe: it writes "
+                   "results/suite_lm<N>.json and leaves suite.json and RESULTS.md alone")
     a = p.parse_args(argv)
     path = HERE / "results" / "suite.json"
+    probe = a.lm_eval != st.LMHeldout.n_eval
+    st.LMHeldout.n_eval = a.lm_eval
     if a.from_json:
         out = json.loads(path.read_text())
         out["verdicts"] = verdicts(out["tasks"])
@@ -553,10 +559,12 @@ def main(argv=None) -> None:
             if a.quick:
                 task.steps = min(task.steps, 60)
             per_seed.append({"seed": seed, **run_seed(task, a, seed in a.default_run_seeds)})
-            if not a.quick:  # every finished seed survives a later failure
+            if probe:
+                write_json(f"suite_lm{a.lm_eval}", {**out, "partial": {name: per_seed}})
+            elif not a.quick:  # every finished seed survives a later failure
                 write_json("suite_partial", {**out, "partial": {name: per_seed}})
         out["tasks"][name] = {"title": task.title, "per_seed": per_seed}
-        if not a.quick:  # partial results survive a later task's failure
+        if not a.quick and not probe:  # partial results survive a later task's failure
             out["total_seconds"] = time.perf_counter() - t0
             out["machine"] = dict(machine({"laplace_torch": "laplace-torch"}),
                                   date=datetime.datetime.now(datetime.timezone.utc)
@@ -569,7 +577,10 @@ def main(argv=None) -> None:
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     section = report(out, info)
     print(section)
-    if not a.quick:
+    if probe:
+        out["machine"] = info
+        write_json(f"suite_lm{a.lm_eval}", out)
+    elif not a.quick:
         out["machine"] = info
         write_json("suite", out)
         write_section(BEGIN, END, section)
