@@ -119,6 +119,7 @@ def main() -> None:
         def _get_train_sampler(self, *a, **k):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
+    fsdp_on_cpu()
     trainer = SequentialTrainer(model=model, args=args, train_dataset=ListDataset(examples),
                                 callbacks=[cb])
     watch = Watch(model) if opts.watch else None
@@ -140,6 +141,31 @@ def main() -> None:
         with open(os.path.join(opts.out, f"second-{cb2.tracker.rank}.json"), "w") as f:
             json.dump({"counters": dict(vars(cb2.tracker.counters)),
                        "hooks": Watch.hook_count(model)}, f)
+
+
+def fsdp_on_cpu() -> None:
+    """Under ``accelerate launch`` with an FSDP config on CPU, let accelerate shard the model.
+
+    accelerate (1.15) switches its FSDP plugin on only for GPU-like distributed types: on CPU
+    (``use_cpu: true``, ``MULTI_CPU`` over gloo) the launcher exports ``ACCELERATE_USE_FSDP``
+    and the FSDP settings, and the state silently drops them, so the Trainer wraps the model in
+    DDP. torch's FSDP2 (``fully_shard``) itself runs on CPU over gloo; this sets the two fields
+    accelerate would have set (the distributed type and the plugin, read from the launcher's
+    environment), so that accelerate's own FSDP2 preparation (``fsdp2_prepare_model``) and the
+    Trainer's FSDP paths run. Nothing else is changed; without an FSDP launch it does nothing.
+    """
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = Accelerator(cpu=True).state  # the shared state the Trainer's Accelerator reuses
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        # both singletons: AcceleratorState copies PartialState's fields at every construction
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        state.distributed_type = DistributedType.FSDP
+        state.fsdp_plugin = FullyShardedDataParallelPlugin()
 
 
 class Watch:

@@ -272,7 +272,7 @@ class KFACStreamCallback(TrainerCallback):
         if self.tracker is None or self.output_dir is None:
             raise RuntimeError("KFACStreamCallback.save_snapshot: training has not started")
         tensors, manifest = snapshot_contents(self.tracker.export(), step, epoch)
-        # the weights at this step (collective under ZeRO-3): queries check their model by it
+        # the weights at this step (collective under ZeRO-3, FSDP2): queries check their model by it
         manifest["weights"] = weights_fingerprint(self.tracker.layers)
         root, comm = self.output_dir, self._comm
         cfg = self.tracker.config
