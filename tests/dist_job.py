@@ -61,6 +61,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--model", default="gpt2", help="gpt2, or llama (q/k/v, gate/up share A)")
     p.add_argument("--fold-on", default="auto", help="KFACConfig.fold_on")
     p.add_argument("--max-dense-dim", type=int, default=8192, help="KFACConfig.max_dense_dim")
+    p.add_argument("--query", action="store_true",
+                   help="after training: whole_model on every rank, then on the main process a "
+                   "predictive query of the last snapshot into DIR/query.safetensors")
     p.add_argument("--checkpointing", action="store_true",
                    help="gradient checkpointing (the MC Fisher pass is then replayed)")
     return p.parse_args()
@@ -131,6 +134,8 @@ def main() -> None:
     except RuntimeError as e:  # the injected shard failure surfaces here
         failed = str(e) + (f" <- {e.__cause__}" if e.__cause__ else "")
     dump(cb, opts.out, failed, watch.summary() if watch else None)
+    if opts.query:
+        query(trainer, opts.out)
     if watch:  # a second training of the same model with a new callback must not double count
         cb2 = KFACStreamCallback(KFACConfig(**{**cfg.to_dict(), "token_fraction": 1.0,
                                                "output_dir": opts.out + "/kfac2"}))
@@ -166,6 +171,36 @@ def fsdp_on_cpu() -> None:
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         state.distributed_type = DistributedType.FSDP
         state.fsdp_plugin = FullyShardedDataParallelPlugin()
+
+
+def query(trainer, out: str) -> None:
+    """What a user's script does after (FSDP2, ZeRO-3 or plain) training: the partitioned
+    model is refused by `LaplacePosterior`, `whole_model` (every rank) gives a whole copy on
+    the main process, and that copy answers a predictive query of the newest snapshot."""
+    from safetensors.torch import save_file
+
+    from kfac_stream import LaplacePosterior, Snapshot, whole_model
+    from kfac_stream.exceptions import PartitionedModelError
+
+    snap = Snapshot.latest(os.path.join(out, "kfac"))
+    refused = ""
+    if trainer.is_world_process_zero():
+        try:  # local checks only (no collective): safe on one rank
+            LaplacePosterior(trainer.model, snap, prior_precision=1.0)
+        except PartitionedModelError as e:
+            refused = str(e)
+    model = whole_model(trainer, os.path.join(out, "model"))
+    if model is None:
+        return
+    batch = {k: torch.stack([e[k] for e in text_examples(3, 16, seed=7)])
+             for k in ("input_ids", "attention_mask")}
+    mean, cov = LaplacePosterior(model, snap, prior_precision=1.0).predictive(
+        batch, token_ids=[32, 101])
+    save_file({"mean": mean.contiguous(), "cov": cov.contiguous()},
+              os.path.join(out, "query.safetensors"))
+    with open(os.path.join(out, "query.json"), "w") as f:
+        json.dump({"refused": refused, "model_class": type(model).__name__,
+                   "step": snap.step}, f)
 
 
 class Watch:
