@@ -61,6 +61,11 @@ def parse() -> argparse.Namespace:
     p.add_argument("--model", default="gpt2", help="gpt2, or llama (q/k/v, gate/up share A)")
     p.add_argument("--fold-on", default="auto", help="KFACConfig.fold_on")
     p.add_argument("--max-dense-dim", type=int, default=8192, help="KFACConfig.max_dense_dim")
+    p.add_argument("--kill-in-snapshot", default="",
+                   help="RANK:STEP: that rank SIGKILLs itself right after writing its shard of "
+                   "the snapshot of STEP (before rank 0 verifies and renames it)")
+    p.add_argument("--sync-snapshots", action="store_true",
+                   help="snapshots on the training thread (background_snapshots=False)")
     p.add_argument("--query", action="store_true",
                    help="after training: whole_model on every rank, then on the main process a "
                    "predictive query of the last snapshot into DIR/query.safetensors")
@@ -107,9 +112,12 @@ def main() -> None:
                      max_dense_dim=opts.max_dense_dim,
                      fail_on_snapshot_error=opts.fail_fatal)
     cb = KFACStreamCallback(cfg, resume_from=opts.resume,
-                            spectra_media=os.environ.get("KFAC_TEST_MEDIA", "1") == "1")
+                            spectra_media=os.environ.get("KFAC_TEST_MEDIA", "1") == "1",
+                            background_snapshots=not opts.sync_snapshots)
     if opts.fail_rank >= 0:
         _fail_second_shard(opts.fail_rank)
+    if opts.kill_in_snapshot:
+        _kill_in_snapshot(*(int(x) for x in opts.kill_in_snapshot.split(":")))
     args = TrainingArguments(
         opts.out, per_device_train_batch_size=opts.batch, gradient_accumulation_steps=opts.accum,
         max_steps=opts.steps, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant",
@@ -254,6 +262,23 @@ def _fail_second_shard(rank: int) -> None:
         return real(tmp_dir, tensors, r, world_size)
 
     writer.write_shard = flaky
+
+
+def _kill_in_snapshot(rank: int, step: int) -> None:
+    import signal
+
+    import kfac_stream.snapshot.writer as writer
+
+    real = writer.write_shard
+
+    def write_then_die(tmp_dir, tensors, r, world_size):
+        out = real(tmp_dir, tensors, r, world_size)
+        if r == rank and os.path.basename(tmp_dir).startswith(f".step-{step:08d}.tmp"):
+            print(f"KILL rank {r}: SIGKILL after writing its shard into {tmp_dir}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    writer.write_shard = write_then_die
 
 
 def dump(cb, out: str, failed: str | None, watch: dict | None = None) -> None:
