@@ -179,6 +179,7 @@ def fsdp_on_cpu() -> None:
         PartialState._shared_state["distributed_type"] = DistributedType.FSDP
         state.distributed_type = DistributedType.FSDP
         state.fsdp_plugin = FullyShardedDataParallelPlugin()
+        print("dist_job: FSDP2 on CPU: accelerate's distributed type set to FSDP", flush=True)
 
 
 def query(trainer, out: str) -> None:
@@ -281,6 +282,17 @@ def _kill_in_snapshot(rank: int, step: int) -> None:
     writer.write_shard = write_then_die
 
 
+def _weight_shards(layers) -> dict[str, list[int]]:
+    """``{layer: [values of its weight held here, whole numel]}``: the first is smaller under
+    FSDP2 (a DTensor's local shard) and ZeRO-3."""
+    out = {}
+    for name, m in layers.items():
+        w = m.weight
+        local = w.to_local() if hasattr(w, "to_local") else getattr(w, "ds_tensor", w)
+        out[name] = [int(local.numel()), int(getattr(w, "ds_numel", w.numel()))]
+    return out
+
+
 def dump(cb, out: str, failed: str | None, watch: dict | None = None) -> None:
     from safetensors.torch import save_file
 
@@ -296,7 +308,10 @@ def dump(cb, out: str, failed: str | None, watch: dict | None = None) -> None:
             "stored_bytes": sum(f.data.numel() * f.data.element_size()
                                 for f in tracker.export().factors.values()),
             "counters": dict(vars(tracker.counters)),
-            "snapshots": cb.snapshots, "failed": failed, "watch": watch}
+            "snapshots": cb.snapshots, "failed": failed, "watch": watch,
+            # where this process ran: torchrun's node-local rank and node (GROUP_RANK)
+            "local_rank": os.environ.get("LOCAL_RANK"), "node": os.environ.get("GROUP_RANK"),
+            "weights": _weight_shards(tracker.layers)}
     with open(os.path.join(out, f"rank-{r}.json"), "w") as f:
         json.dump(info, f, indent=1)
 

@@ -96,7 +96,7 @@ class Runs:
     """Launch each configuration once per session; ``get(name)`` → output directory."""
 
     SPECS = {  # name: (launch config or None for one plain process, job arguments)
-        "ref": (None, ["--batch", "4", *PAD]),
+        "ref": (None, ["--batch", "4", "--query", *PAD]),
         "ref_mc": (None, ["--batch", "4", "--fisher", "mc", *PAD]),
         # the MC pass replayed after the step (as ZeRO-3 must), in one process
         "ref_mc_replay": (None, ["--batch", "4", "--fisher", "mc", "--checkpointing", *PAD]),
@@ -104,6 +104,9 @@ class Runs:
         "ddp_mc": ("cpu_ddp", ["--fisher", "mc", *PAD]),
         "ref_bf16": (None, ["--batch", "4", "--bf16", *PAD]),
         "ddp": ("cpu_ddp", PAD),
+        # issue 31: FSDP2 (fully_shard) through accelerate on CPU/gloo; then whole_model + query
+        "fsdp2": ("cpu_fsdp2", ["--query", *PAD]),
+        "fsdp2_mc": ("cpu_fsdp2", ["--fisher", "mc", *PAD]),
         "zero1": ("cpu_zero1", PAD),
         "zero2": ("cpu_zero2", PAD),
         "zero3": ("cpu_zero3", PAD),
@@ -416,3 +419,74 @@ def test_long_zero3_run_memory_hooks_and_no_double_count(runs):
     steps = [Snapshot.load(os.path.join(out, "kfac", e)).step
              for e in sorted(os.listdir(os.path.join(out, "kfac"))) if not e.endswith(".png")]
     assert steps == [50, 100, 150, 200, 250, 300]
+
+
+def test_fsdp2_two_ranks_equal_one_process(runs):
+    """FSDP2 (``fully_shard`` by accelerate's own FSDP2 preparation, 2 processes on gloo): the
+    tracked weights really are DTensor shards (half of each weight per rank), the hooks see
+    whole activations and output gradients, and the factors equal one process's."""
+    out = runs.get("fsdp2")
+    log = open(os.path.join(out, "log.txt")).read()
+    assert "DistributedDataParallel" not in log and "FSDP2 on CPU" in log
+    errs = errors("fsdp2", "ref", runs)
+    got, want = factors(out), factors(runs.get("ref"))
+    abs_err = max(float((got[k].double() - want[k].double()).abs().max()) for k in want)
+    print(f"fsdp2: max relative error vs 1 process {max(errs.values()):.2e} "
+          f"(max abs {abs_err:.2e})")
+    assert max(errs.values()) <= EXACT_TOL, errs
+    a, b, ref = info(out, 0), info(out, 1), info(runs.get("ref"), 0)
+    for rank in (a, b):
+        for name, (local, whole) in rank["weights"].items():
+            assert 2 * local == whole, (name, local, whole)  # Shard(0) over 2 ranks
+    assert a["counters"]["positions_sampled"] == ref["counters"]["positions_sampled"]
+    assert a["counters"]["tokens_seen"] + b["counters"]["tokens_seen"] == \
+        ref["counters"]["tokens_seen"]
+    assert a["counters"]["skipped_updates"] == 0
+
+
+def test_fsdp2_whole_model_and_query_after_training(runs):
+    """After FSDP2 training: `LaplacePosterior` refuses the sharded model, `whole_model`
+    gathers a plain copy on the main process (saved, loadable), and its predictive equals
+    the one-process run's; the snapshot's weight fingerprint was read from whole weights."""
+    out, ref = runs.get("fsdp2"), runs.get("ref")
+    with open(os.path.join(out, "query.json")) as f:
+        q = json.load(f)
+    assert "sharded across ranks by FSDP2" in q["refused"]
+    assert q["model_class"] == "GPT2LMHeadModel" and q["step"] == 3
+    got, want = load_file(os.path.join(out, "query.safetensors")), \
+        load_file(os.path.join(ref, "query.safetensors"))
+    print(f"fsdp2 predictive vs 1 process: mean {rel(got['mean'], want['mean']):.1e}, "
+          f"cov {rel(got['cov'], want['cov']):.1e}")
+    assert rel(got["mean"], want["mean"]) <= 10 * EXACT_TOL  # weights: training round-off
+    assert rel(got["cov"], want["cov"]) <= 10 * EXACT_TOL  # the factors' 1e-6, through eigh
+    from transformers import GPT2LMHeadModel
+
+    saved = GPT2LMHeadModel.from_pretrained(os.path.join(out, "model"))
+    assert saved.lm_head.weight.data_ptr() == saved.transformer.wte.weight.data_ptr()
+    one = Snapshot.load(os.path.join(ref, "kfac", "step-00000003"))
+    two = Snapshot.load(os.path.join(out, "kfac", "step-00000003"))
+    assert two.meta["world_size"] == 2 and two.meta["fingerprint"] == one.meta["fingerprint"]
+    for name, rec in one.meta["weights"].items():
+        got_w = two.meta["weights"][name]
+        assert got_w["numel"] == rec["numel"], name
+        assert abs(got_w["sumsq"] - rec["sumsq"]) <= WEIGHTS_TRAIN_TOL * rec["sumsq"], name
+
+
+@pytest.mark.slow
+def test_fsdp2_mc_fisher(runs):
+    """MC Fisher under FSDP2: the sampled-label gradient is taken inside the training forward
+    (as under DDP); A equals the one-process run's (the extra backward left training intact)
+    and G matches by trace per layer (independent label draws per rank, MC_TRACE_TOL)."""
+    got, want = factors(runs.get("fsdp2_mc")), factors(runs.get("ref_mc"))
+    emp = factors(runs.get("ref"))
+    worst_a, worst_trace = 0.0, 0.0
+    for key in want:
+        if key.endswith(".A"):
+            worst_a = max(worst_a, rel(got[key], want[key]))
+        else:
+            ratio = float(got[key].trace() / want[key].trace())
+            worst_trace = max(worst_trace, abs(ratio - 1))
+            assert min(rel(emp[key], want[key]), rel(emp[key], got[key])) > 0.5, key
+    print(f"fsdp2 mc: A max relative error {worst_a:.2e}, G trace ratio within {worst_trace:.3f}")
+    assert worst_a <= EXACT_TOL and worst_trace <= MC_TRACE_TOL
+    assert info(runs.get("fsdp2_mc"), 0)["counters"]["skipped_updates"] == 0

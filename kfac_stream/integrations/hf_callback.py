@@ -17,6 +17,7 @@ from transformers import TrainerCallback
 
 from ..config import KFACConfig, sequences_per_update
 from ..distributed.context import LOCAL, DistContext
+from ..distributed.fsdp import is_fsdp_sharded
 from ..exceptions import KFACConfigError, TrackerStateError
 from ..snapshot.adequacy import sampling_warning
 from ..snapshot.background import SnapshotWorker
@@ -39,6 +40,20 @@ from .heldout import fit_heldout_prior
 from .spectrum_monitor import SpectraReporter, find_callback_handler
 
 logger = logging.getLogger("kfac_stream")
+
+
+def _warn_fsdp_not_applied(model) -> None:
+    """accelerate launched with an FSDP config, yet no parameter is an FSDP2 shard: accelerate
+    1.x drops its FSDP plugin on CPU (``use_cpu``: the Trainer then wraps the model in DDP),
+    and FSDP1 (``fsdp_version: 1``) wraps parameters into flat ones kfac_stream does not
+    support. Say so once instead of letting a user believe the run was sharded."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or \
+            is_fsdp_sharded(model):
+        return
+    logger.warning("kfac_stream: accelerate was launched with an FSDP config, but no parameter "
+                   "of the model is an FSDP2 (fully_shard) shard: on CPU accelerate ignores "
+                   "FSDP and trains with DDP, and FSDP1 (fsdp_version: 1) is not supported; "
+                   "use fsdp_version: 2 (docs/multinode.md)")
 
 
 class KFACStreamCallback(TrainerCallback):
@@ -123,6 +138,7 @@ class KFACStreamCallback(TrainerCallback):
         cfg = KFACConfig(**self.config.to_dict())  # re-validate (the config may be a copy)
         self.close()
         self._reporter.start(handler, len(self.snapshots))  # earlier runs' are not reported
+        _warn_fsdp_not_applied(model)
         specs, plan = plan_tracking(model, cfg)  # collective under ZeRO-3 (probe forward)
         modules = dict(model.named_modules())
         async_updates = cfg.async_updates
