@@ -64,6 +64,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--kill-in-snapshot", default="",
                    help="RANK:STEP: that rank SIGKILLs itself right after writing its shard of "
                    "the snapshot of STEP (before rank 0 verifies and renames it)")
+    p.add_argument("--gather-shards", action="store_true",
+                   help="KFACStreamCallback(gather_shards=True): rank 0 writes every shard")
     p.add_argument("--sync-snapshots", action="store_true",
                    help="snapshots on the training thread (background_snapshots=False)")
     p.add_argument("--query", action="store_true",
@@ -113,7 +115,8 @@ def main() -> None:
                      fail_on_snapshot_error=opts.fail_fatal)
     cb = KFACStreamCallback(cfg, resume_from=opts.resume,
                             spectra_media=os.environ.get("KFAC_TEST_MEDIA", "1") == "1",
-                            background_snapshots=not opts.sync_snapshots)
+                            background_snapshots=not opts.sync_snapshots,
+                            gather_shards=opts.gather_shards)
     if opts.fail_rank >= 0:
         _fail_second_shard(opts.fail_rank)
     if opts.kill_in_snapshot:

@@ -68,13 +68,41 @@ def node_command(machine_rank: int, port: int, out: str, extra: list[str]) -> li
             JOB, "--out", out, *extra]
 
 
-def launch_two_nodes(out: str, tag: str, extra: list[str]) -> list[int]:
-    """Start both nodes, wait; returns their launchers' exit codes ([node 0, node 1])."""
+def node_local(directory: str, cmd: list[str]) -> list[str]:
+    """``cmd`` in a private mount namespace where ``directory`` is an empty tmpfs: that
+    machine's own disk, which no other process sees. Afterwards what it holds is listed into
+    ``<directory>.node-local-listing`` (beside it, on the shared filesystem)."""
+    script = ('mount --make-rprivate / && mkdir -p "$0" && mount -t tmpfs node-local "$0" '
+              '&& "$@"; rc=$?; ls -A "$0" > "$0.node-local-listing"; exit $rc')
+    return ["unshare", "--mount", "sh", "-c", script, directory, *cmd]
+
+
+def node_local_unavailable(base: str) -> str | None:
+    """Why `node_local` cannot run here (None if it can): it needs ``unshare --mount`` and
+    ``mount`` rights (root, or a user namespace)."""
+    probe = os.path.join(base, "probe")
+    try:
+        proc = subprocess.run(node_local(probe, ["true"]), capture_output=True, text=True,
+                              timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unshare --mount failed: {e}"
+    if proc.returncode != 0:
+        return f"unshare --mount / mount -t tmpfs failed: {proc.stderr.strip()[-300:]}"
+    return None
+
+
+def launch_two_nodes(out: str, tag: str, extra: list[str],
+                     node1_local: str | None = None) -> list[int]:
+    """Start both nodes, wait; returns their launchers' exit codes ([node 0, node 1]).
+    ``node1_local``: a directory that node 1 sees as its own empty disk (`node_local`)."""
     port = _free_port()
     procs, logs = [], []
     for r in (0, 1):
         logs.append(open(os.path.join(out, f"{tag}-node-{r}.log"), "wb"))
-        procs.append(subprocess.Popen(node_command(r, port, out, extra), cwd=ROOT, env=_env(),
+        cmd = node_command(r, port, out, extra)
+        if r == 1 and node1_local:
+            cmd = node_local(node1_local, cmd)
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=_env(),
                                       stdout=logs[-1], stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True))
     deadline = time.monotonic() + RUN_TIMEOUT
@@ -115,15 +143,20 @@ def chain(tmp_path_factory):
                   for e in os.listdir(root) if e.startswith("step-") and not e.endswith(".png")},
     }
     t1 = time.monotonic()
+    # the resumed run writes its snapshots with gather_shards, node 1's snapshot directory
+    # on a disk of its own (the checkpoints stay shared: each rank restores its state there)
+    no_local = node_local_unavailable(str(base))
     rcs_resumed = launch_two_nodes(
-        out, "resumed", [*NODE_ARGS, "--resume", os.path.join(out, "checkpoint-2")])
+        out, "resumed", [*NODE_ARGS, "--resume", os.path.join(out, "checkpoint-2"),
+                         "--gather-shards"], node1_local=None if no_local else root)
     t2 = time.monotonic()
     proc = subprocess.run([sys.executable, JOB, "--out", ref, "--batch", "4", *ARGS], cwd=ROOT,
                           env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     print(f"\ntwo nodes: killed run {t1 - t0:.0f} s, resumed run {t2 - t1:.0f} s, "
           f"one process {time.monotonic() - t2:.0f} s")
-    return {"out": out, "ref": ref, "after_kill": after_kill, "rcs_resumed": rcs_resumed}
+    return {"out": out, "ref": ref, "after_kill": after_kill, "rcs_resumed": rcs_resumed,
+            "no_local": no_local}
 
 
 def test_kill_during_snapshot_leaves_no_corrupt_snapshot(chain):
@@ -211,3 +244,42 @@ def test_each_node_holds_only_its_ranks_shards(chain):
         assert abs(rank["stored_bytes"] - total / 2) <= largest
     with open(os.path.join(out, "kfac", "step-00000004", "manifest.json")) as f:
         assert json.load(f)["world_size"] == 2
+
+
+def test_node_local_snapshot_directory_with_gathered_shards(chain):
+    """The resumed run: node 1's snapshot directory is a private tmpfs (its own disk) and
+    ``gather_shards=True``: rank 0 received rank 1's shard bytes and wrote both shards of
+    snapshots 3 and 4 on its own disk (verified against the sender's sha256 by
+    Snapshot.load above), and node 1's disk stayed empty."""
+    if chain["no_local"]:
+        pytest.skip(f"no private mount namespace here to give node 1 a disk of its own: "
+                    f"{chain['no_local']}")
+    out = chain["out"]
+    with open(os.path.join(out, "kfac.node-local-listing")) as f:
+        listing = f.read().split()
+    print(f"node 1's own snapshot directory after the run: {listing}")
+    assert listing == []  # while the shared directory holds steps 1-4: node 1 saw its own
+    for step in (3, 4):
+        snap = Snapshot.load(os.path.join(out, "kfac", f"step-{step:08d}"))
+        assert sorted(v["rank"] for v in snap.meta["shards"].values()) == [0, 1]
+
+
+def test_node_local_snapshot_directory_without_gather_fails_clearly(tmp_path):
+    """Without ``gather_shards`` a node-local snapshot directory cannot work (rank 0 creates
+    the temporary directory on its own disk): every snapshot is abandoned on all ranks with
+    an error that says what to set, nothing appears under a final name, training goes on."""
+    why = node_local_unavailable(str(tmp_path))
+    if why:
+        pytest.skip(f"no private mount namespace here to give node 1 a disk of its own: {why}")
+    out = str(tmp_path / "nodes")
+    os.makedirs(out)
+    rcs = launch_two_nodes(out, "local", ["--pad-rows", "2,3", "--steps", "2",
+                                          "--snapshot-every", "1", "--sync-snapshots"],
+                           node1_local=os.path.join(out, "kfac"))
+    assert rcs == [0, 0]
+    logs = _log(out, "local-node-0.log") + _log(out, "local-node-1.log")
+    for r in (0, 1):
+        assert info(out, r)["counters"]["snapshot_failures"] == 2  # steps 1 and 2
+    hint = "does not exist on this rank's machine"
+    assert logs.count(hint) == 4 and "gather_shards=True" in logs, logs[-3000:]
+    assert sorted(os.listdir(os.path.join(out, "kfac"))) == []

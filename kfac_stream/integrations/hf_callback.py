@@ -88,6 +88,12 @@ class KFACStreamCallback(TrainerCallback):
             sit beside the others, as earlier versions did; queries still warn when the model's
             weights are not a snapshot's). A run resumed from a checkpoint keeps its run id,
             so its own snapshots are never set aside.
+        gather_shards: Several processes on machines that do not share the snapshot
+            directory (node-local disks): every rank sends its shard's bytes to rank 0, which
+            writes the whole snapshot on its machine; the other ranks never touch the
+            directory. Rank 0 holds every shard at once while writing. Default False: each
+            rank writes its own shard into one directory all ranks share
+            (docs/multinode.md).
 
     Attributes:
         tracker: The live `Tracker` during training (None before ``on_train_begin``).
@@ -98,7 +104,7 @@ class KFACStreamCallback(TrainerCallback):
                  resume_from: str | None = None, spectra_media: bool = True,
                  missing_state: str = "error", report_spectra: bool = True,
                  log_every: int | None = None, report_media: bool = True,
-                 earlier_runs: str = "set_aside") -> None:
+                 earlier_runs: str = "set_aside", gather_shards: bool = False) -> None:
         if missing_state not in ("error", "fresh"):
             raise KFACConfigError(f"KFACStreamCallback(missing_state={missing_state!r}) is not "
                                   "allowed: must be 'error' or 'fresh'")
@@ -110,6 +116,7 @@ class KFACStreamCallback(TrainerCallback):
                                   "allowed: must be 'set_aside' or 'keep'")
         self.missing_state = missing_state
         self.earlier_runs = earlier_runs
+        self.gather_shards = bool(gather_shards)
         self.config = config or KFACConfig()
         self.tracker: Tracker | None = None
         self.output_dir: str | None = None
@@ -302,7 +309,7 @@ class KFACStreamCallback(TrainerCallback):
                 except Exception as e:  # still take part in the protocol: all ranks abandon
                     local_error = f"eigendecomposition failed: {type(e).__name__}: {e}"
                 path = write_snapshot(root, step, tensors, manifest, comm, merge_manifests,
-                                      local_error=local_error)
+                                      local_error=local_error, gather=self.gather_shards)
             except Exception as e:
                 failures = self.tracker.count_snapshot_failure()
                 if self.config.fail_on_snapshot_error:
