@@ -50,7 +50,6 @@ class JsonComm:
         return [json.loads(bytes(b[: int(s.item())].tolist()).decode())
                 for b, s in zip(bucket, sizes)]
 
-
     def gather_bytes(self, data: bytes) -> list[bytes] | None:
         """Every rank's ``data`` on rank 0, in rank order; None on the other ranks
         (collective). Raw bytes (a safetensors shard), never unpickled."""
