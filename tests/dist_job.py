@@ -1,8 +1,10 @@
 """A training job that the distributed tests start through the real launchers.
 
 ``accelerate launch --config_file launch/cpu_<engine>.yaml tests/dist_job.py --out DIR ...``
-(2 processes) or ``python tests/dist_job.py --batch 4 ...`` (the 1-process reference over the
-same global batches). Each rank writes ``DIR/rank-<r>.safetensors`` (its owned factors,
+(2 processes; ``cpu_fsdp2``: FSDP2, see `fsdp_on_cpu`; two machines: one launch per machine
+with ``--num_machines 2 --machine_rank R``, tests/test_multinode.py) or
+``python tests/dist_job.py --batch 4 ...`` (the 1-process reference over the same global
+batches). Each rank writes ``DIR/rank-<r>.safetensors`` (its owned factors,
 dequantised) and ``DIR/rank-<r>.json`` (ownership, counters, world size); snapshots go to
 ``DIR/kfac``.
 
@@ -61,6 +63,16 @@ def parse() -> argparse.Namespace:
     p.add_argument("--model", default="gpt2", help="gpt2, or llama (q/k/v, gate/up share A)")
     p.add_argument("--fold-on", default="auto", help="KFACConfig.fold_on")
     p.add_argument("--max-dense-dim", type=int, default=8192, help="KFACConfig.max_dense_dim")
+    p.add_argument("--kill-in-snapshot", default="",
+                   help="RANK:STEP: that rank SIGKILLs itself right after writing its shard of "
+                   "the snapshot of STEP (before rank 0 verifies and renames it)")
+    p.add_argument("--gather-shards", action="store_true",
+                   help="KFACStreamCallback(gather_shards=True): rank 0 writes every shard")
+    p.add_argument("--sync-snapshots", action="store_true",
+                   help="snapshots on the training thread (background_snapshots=False)")
+    p.add_argument("--query", action="store_true",
+                   help="after training: whole_model on every rank, then on the main process a "
+                   "predictive query of the last snapshot into DIR/query.safetensors")
     p.add_argument("--checkpointing", action="store_true",
                    help="gradient checkpointing (the MC Fisher pass is then replayed)")
     return p.parse_args()
@@ -104,9 +116,13 @@ def main() -> None:
                      max_dense_dim=opts.max_dense_dim,
                      fail_on_snapshot_error=opts.fail_fatal)
     cb = KFACStreamCallback(cfg, resume_from=opts.resume,
-                            spectra_media=os.environ.get("KFAC_TEST_MEDIA", "1") == "1")
+                            spectra_media=os.environ.get("KFAC_TEST_MEDIA", "1") == "1",
+                            background_snapshots=not opts.sync_snapshots,
+                            gather_shards=opts.gather_shards)
     if opts.fail_rank >= 0:
         _fail_second_shard(opts.fail_rank)
+    if opts.kill_in_snapshot:
+        _kill_in_snapshot(*(int(x) for x in opts.kill_in_snapshot.split(":")))
     args = TrainingArguments(
         opts.out, per_device_train_batch_size=opts.batch, gradient_accumulation_steps=opts.accum,
         max_steps=opts.steps, learning_rate=0.05, optim="sgd", lr_scheduler_type="constant",
@@ -119,6 +135,7 @@ def main() -> None:
         def _get_train_sampler(self, *a, **k):
             return torch.utils.data.SequentialSampler(self.train_dataset)
 
+    fsdp_on_cpu()
     trainer = SequentialTrainer(model=model, args=args, train_dataset=ListDataset(examples),
                                 callbacks=[cb])
     watch = Watch(model) if opts.watch else None
@@ -130,6 +147,8 @@ def main() -> None:
     except RuntimeError as e:  # the injected shard failure surfaces here
         failed = str(e) + (f" <- {e.__cause__}" if e.__cause__ else "")
     dump(cb, opts.out, failed, watch.summary() if watch else None)
+    if opts.query:
+        query(trainer, opts.out)
     if watch:  # a second training of the same model with a new callback must not double count
         cb2 = KFACStreamCallback(KFACConfig(**{**cfg.to_dict(), "token_fraction": 1.0,
                                                "output_dir": opts.out + "/kfac2"}))
@@ -140,6 +159,62 @@ def main() -> None:
         with open(os.path.join(opts.out, f"second-{cb2.tracker.rank}.json"), "w") as f:
             json.dump({"counters": dict(vars(cb2.tracker.counters)),
                        "hooks": Watch.hook_count(model)}, f)
+
+
+def fsdp_on_cpu() -> None:
+    """Under ``accelerate launch`` with an FSDP config on CPU, let accelerate shard the model.
+
+    accelerate (1.15) switches its FSDP plugin on only for GPU-like distributed types: on CPU
+    (``use_cpu: true``, ``MULTI_CPU`` over gloo) the launcher exports ``ACCELERATE_USE_FSDP``
+    and the FSDP settings, and the state silently drops them, so the Trainer wraps the model in
+    DDP. torch's FSDP2 (``fully_shard``) itself runs on CPU over gloo; this sets the two fields
+    accelerate would have set (the distributed type and the plugin, read from the launcher's
+    environment), so that accelerate's own FSDP2 preparation (``fsdp2_prepare_model``) and the
+    Trainer's FSDP paths run. Nothing else is changed; without an FSDP launch it does nothing.
+    """
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return
+    from accelerate import Accelerator
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    state = Accelerator(cpu=True).state  # the shared state the Trainer's Accelerator reuses
+    if state.distributed_type == DistributedType.MULTI_CPU:
+        # both singletons: AcceleratorState copies PartialState's fields at every construction
+        PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+        state.distributed_type = DistributedType.FSDP
+        state.fsdp_plugin = FullyShardedDataParallelPlugin()
+        print("dist_job: FSDP2 on CPU: accelerate's distributed type set to FSDP", flush=True)
+
+
+def query(trainer, out: str) -> None:
+    """What a user's script does after (FSDP2, ZeRO-3 or plain) training: the partitioned
+    model is refused by `LaplacePosterior`, `whole_model` (every rank) gives a whole copy on
+    the main process, and that copy answers a predictive query of the newest snapshot."""
+    from safetensors.torch import save_file
+
+    from kfac_stream import LaplacePosterior, Snapshot, whole_model
+    from kfac_stream.exceptions import PartitionedModelError
+
+    snap = Snapshot.latest(os.path.join(out, "kfac"))
+    refused = ""
+    if trainer.is_world_process_zero():
+        try:  # local checks only (no collective): safe on one rank
+            LaplacePosterior(trainer.model, snap, prior_precision=1.0)
+        except PartitionedModelError as e:
+            refused = str(e)
+    model = whole_model(trainer, os.path.join(out, "model"))
+    if model is None:
+        return
+    batch = {k: torch.stack([e[k] for e in text_examples(3, 16, seed=7)])
+             for k in ("input_ids", "attention_mask")}
+    mean, cov = LaplacePosterior(model, snap, prior_precision=1.0).predictive(
+        batch, token_ids=[32, 101])
+    save_file({"mean": mean.contiguous(), "cov": cov.contiguous()},
+              os.path.join(out, "query.safetensors"))
+    with open(os.path.join(out, "query.json"), "w") as f:
+        json.dump({"refused": refused, "model_class": type(model).__name__,
+                   "step": snap.step}, f)
 
 
 class Watch:
@@ -195,6 +270,34 @@ def _fail_second_shard(rank: int) -> None:
     writer.write_shard = flaky
 
 
+def _kill_in_snapshot(rank: int, step: int) -> None:
+    import signal
+
+    import kfac_stream.snapshot.writer as writer
+
+    real = writer.write_shard
+
+    def write_then_die(tmp_dir, tensors, r, world_size):
+        out = real(tmp_dir, tensors, r, world_size)
+        if r == rank and os.path.basename(tmp_dir).startswith(f".step-{step:08d}.tmp"):
+            print(f"KILL rank {r}: SIGKILL after writing its shard into {tmp_dir}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+    writer.write_shard = write_then_die
+
+
+def _weight_shards(layers) -> dict[str, list[int]]:
+    """``{layer: [values of its weight held here, whole numel]}``: the first is smaller under
+    FSDP2 (a DTensor's local shard) and ZeRO-3."""
+    out = {}
+    for name, m in layers.items():
+        w = m.weight
+        local = w.to_local() if hasattr(w, "to_local") else getattr(w, "ds_tensor", w)
+        out[name] = [int(local.numel()), int(getattr(w, "ds_numel", w.numel()))]
+    return out
+
+
 def dump(cb, out: str, failed: str | None, watch: dict | None = None) -> None:
     from safetensors.torch import save_file
 
@@ -210,7 +313,10 @@ def dump(cb, out: str, failed: str | None, watch: dict | None = None) -> None:
             "stored_bytes": sum(f.data.numel() * f.data.element_size()
                                 for f in tracker.export().factors.values()),
             "counters": dict(vars(tracker.counters)),
-            "snapshots": cb.snapshots, "failed": failed, "watch": watch}
+            "snapshots": cb.snapshots, "failed": failed, "watch": watch,
+            # where this process ran: torchrun's node-local rank and node (GROUP_RANK)
+            "local_rank": os.environ.get("LOCAL_RANK"), "node": os.environ.get("GROUP_RANK"),
+            "weights": _weight_shards(tracker.layers)}
     with open(os.path.join(out, f"rank-{r}.json"), "w") as f:
         json.dump(info, f, indent=1)
 

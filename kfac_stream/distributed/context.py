@@ -50,6 +50,26 @@ class JsonComm:
         return [json.loads(bytes(b[: int(s.item())].tolist()).decode())
                 for b, s in zip(bucket, sizes)]
 
+    def gather_bytes(self, data: bytes) -> list[bytes] | None:
+        """Every rank's ``data`` on rank 0, in rank order; None on the other ranks
+        (collective). Raw bytes (a safetensors shard), never unpickled."""
+        if self.world_size == 1:
+            return [data]
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.group)
+        width = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(max(width, 1), dtype=torch.uint8)
+        if data:
+            padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        root = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        bucket = [torch.zeros_like(padded) for _ in range(self.world_size)] \
+            if self.rank == 0 else None
+        dist.gather(padded, bucket, dst=root, group=self.group)
+        if self.rank != 0:
+            return None
+        return [b[: int(s.item())].numpy().tobytes() for b, s in zip(bucket, sizes)]
+
 
 LOCAL = JsonComm(0, 1)
 

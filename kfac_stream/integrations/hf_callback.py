@@ -17,6 +17,7 @@ from transformers import TrainerCallback
 
 from ..config import KFACConfig, sequences_per_update
 from ..distributed.context import LOCAL, DistContext
+from ..distributed.fsdp import is_fsdp_sharded
 from ..exceptions import KFACConfigError, TrackerStateError
 from ..snapshot.adequacy import sampling_warning
 from ..snapshot.background import SnapshotWorker
@@ -39,6 +40,20 @@ from .heldout import fit_heldout_prior
 from .spectrum_monitor import SpectraReporter, find_callback_handler
 
 logger = logging.getLogger("kfac_stream")
+
+
+def _warn_fsdp_not_applied(model) -> None:
+    """accelerate launched with an FSDP config, yet no parameter is an FSDP2 shard: accelerate
+    1.x drops its FSDP plugin on CPU (``use_cpu``: the Trainer then wraps the model in DDP),
+    and FSDP1 (``fsdp_version: 1``) wraps parameters into flat ones kfac_stream does not
+    support. Say so once instead of letting a user believe the run was sharded."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or \
+            is_fsdp_sharded(model):
+        return
+    logger.warning("kfac_stream: accelerate was launched with an FSDP config, but no parameter "
+                   "of the model is an FSDP2 (fully_shard) shard: on CPU accelerate ignores "
+                   "FSDP and trains with DDP, and FSDP1 (fsdp_version: 1) is not supported; "
+                   "use fsdp_version: 2 (docs/multinode.md)")
 
 
 class KFACStreamCallback(TrainerCallback):
@@ -73,6 +88,12 @@ class KFACStreamCallback(TrainerCallback):
             sit beside the others, as earlier versions did; queries still warn when the model's
             weights are not a snapshot's). A run resumed from a checkpoint keeps its run id,
             so its own snapshots are never set aside.
+        gather_shards: Several processes on machines that do not share the snapshot
+            directory (node-local disks): every rank sends its shard's bytes to rank 0, which
+            writes the whole snapshot on its machine; the other ranks never touch the
+            directory. Rank 0 holds every shard at once while writing. Default False: each
+            rank writes its own shard into one directory all ranks share
+            (docs/multinode.md).
 
     Attributes:
         tracker: The live `Tracker` during training (None before ``on_train_begin``).
@@ -83,7 +104,7 @@ class KFACStreamCallback(TrainerCallback):
                  resume_from: str | None = None, spectra_media: bool = True,
                  missing_state: str = "error", report_spectra: bool = True,
                  log_every: int | None = None, report_media: bool = True,
-                 earlier_runs: str = "set_aside") -> None:
+                 earlier_runs: str = "set_aside", gather_shards: bool = False) -> None:
         if missing_state not in ("error", "fresh"):
             raise KFACConfigError(f"KFACStreamCallback(missing_state={missing_state!r}) is not "
                                   "allowed: must be 'error' or 'fresh'")
@@ -95,6 +116,7 @@ class KFACStreamCallback(TrainerCallback):
                                   "allowed: must be 'set_aside' or 'keep'")
         self.missing_state = missing_state
         self.earlier_runs = earlier_runs
+        self.gather_shards = bool(gather_shards)
         self.config = config or KFACConfig()
         self.tracker: Tracker | None = None
         self.output_dir: str | None = None
@@ -123,6 +145,7 @@ class KFACStreamCallback(TrainerCallback):
         cfg = KFACConfig(**self.config.to_dict())  # re-validate (the config may be a copy)
         self.close()
         self._reporter.start(handler, len(self.snapshots))  # earlier runs' are not reported
+        _warn_fsdp_not_applied(model)
         specs, plan = plan_tracking(model, cfg)  # collective under ZeRO-3 (probe forward)
         modules = dict(model.named_modules())
         async_updates = cfg.async_updates
@@ -272,7 +295,7 @@ class KFACStreamCallback(TrainerCallback):
         if self.tracker is None or self.output_dir is None:
             raise RuntimeError("KFACStreamCallback.save_snapshot: training has not started")
         tensors, manifest = snapshot_contents(self.tracker.export(), step, epoch)
-        # the weights at this step (collective under ZeRO-3): queries check their model by it
+        # the weights at this step (collective under ZeRO-3, FSDP2): queries check their model by it
         manifest["weights"] = weights_fingerprint(self.tracker.layers)
         root, comm = self.output_dir, self._comm
         cfg = self.tracker.config
@@ -286,7 +309,7 @@ class KFACStreamCallback(TrainerCallback):
                 except Exception as e:  # still take part in the protocol: all ranks abandon
                     local_error = f"eigendecomposition failed: {type(e).__name__}: {e}"
                 path = write_snapshot(root, step, tensors, manifest, comm, merge_manifests,
-                                      local_error=local_error)
+                                      local_error=local_error, gather=self.gather_shards)
             except Exception as e:
                 failures = self.tracker.count_snapshot_failure()
                 if self.config.fail_on_snapshot_error:

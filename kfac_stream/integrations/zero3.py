@@ -1,5 +1,5 @@
 """`whole_model`: the trained model with whole weights in one process, for queries after
-DeepSpeed ZeRO-3 training in the same script.
+DeepSpeed ZeRO-3 or FSDP2 training in the same script.
 
 Under ZeRO-3 each rank holds 1/world of every parameter; the engine gathers them only inside its
 own forward and partitions them again after it. `LaplacePosterior` therefore refuses such a
@@ -12,8 +12,12 @@ model (`PartitionedModelError`). The way out, in the training script itself::
 
 It saves the model with ``trainer.save_model`` (which gathers the weights when the DeepSpeed
 config has ``stage3_gather_16bit_weights_on_model_save``; `launch/`'s ZeRO-3 configs set it)
-and loads the saved copy on the main process outside DeepSpeed. Without ZeRO-3 it returns the
-trained model itself on every rank, saving nothing.
+and loads the saved copy on the main process outside DeepSpeed. Under FSDP2 (``fully_shard``:
+parameters are ``DTensor`` shards) it gathers the whole state dict to the main process
+(``torch.distributed.checkpoint``'s ``get_model_state_dict``, whatever the accelerate
+``fsdp_state_dict_type``), loads it into a fresh model of the unsharded class and saves that
+with ``save_pretrained``. Otherwise it returns the trained model itself on every rank, saving
+nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 
 from torch import nn
 
+from ..distributed.fsdp import gather_full_state_dict, is_fsdp_sharded, unsharded_class
 from ..exceptions import PartitionedModelError
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -45,15 +50,22 @@ def whole_model(trainer, save_dir: str, device=None) -> nn.Module | None:
     memory on ``device`` of the main process (default: the Trainer's device; pass ``"cpu"``
     when one accelerator cannot hold it).
 
-    Without ZeRO-3 nothing is saved: the unwrapped trained model itself is returned on every
-    rank (``device`` is ignored).
+    Under FSDP2 it is collective too: every rank takes part in gathering the whole state dict
+    (to the main process's CPU memory); the main process loads it into a fresh model of the
+    class ``fully_shard`` replaced, saves it to ``save_dir`` (``save_pretrained``) and returns
+    it in eval mode; the other ranks return None.
+
+    Without ZeRO-3 or FSDP2 nothing is saved: the unwrapped trained model itself is returned on
+    every rank (``device`` is ignored).
 
     Raises:
-        PartitionedModelError: the model is not a transformers ``PreTrainedModel`` (ZeRO-3
-            only), or ``save_model`` wrote no whole weights (the DeepSpeed config lacks
+        PartitionedModelError: the model is not a transformers ``PreTrainedModel`` (ZeRO-3 and
+            FSDP2 only), or ``save_model`` wrote no whole weights (the DeepSpeed config lacks
             ``stage3_gather_16bit_weights_on_model_save: true``).
     """
     model = trainer.accelerator.unwrap_model(trainer.model)
+    if is_fsdp_sharded(model):
+        return _whole_fsdp2(trainer, model, save_dir, device)
     if not is_zero3_partitioned(model):
         return model
     from transformers import PreTrainedModel
@@ -87,6 +99,28 @@ def whole_model(trainer, save_dir: str, device=None) -> nn.Module | None:
 
     unset_hf_deepspeed_config()
     copy = type(model).from_pretrained(save_dir)
+    return copy.to(trainer.args.device if device is None else device).eval()
+
+
+def _whole_fsdp2(trainer, model: nn.Module, save_dir: str, device) -> nn.Module | None:
+    """`whole_model` under FSDP2: gather, load into an unsharded copy on the main process."""
+    from transformers import PreTrainedModel
+
+    cls = unsharded_class(model)
+    if not issubclass(cls, PreTrainedModel):
+        raise PartitionedModelError(
+            f"whole_model: the FSDP2 model is a {cls.__name__}, not a transformers "
+            "PreTrainedModel; gather its weights with torch.distributed.checkpoint's "
+            "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) and "
+            "load them into an unsharded instance")
+    state = gather_full_state_dict(model)  # collective: every rank, the main one receives
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.wait_for_everyone()  # see the second barrier in `whole_model`
+    if not trainer.is_world_process_zero():
+        return None
+    copy = cls(model.config)
+    copy.load_state_dict(state)
+    copy.save_pretrained(save_dir)
     return copy.to(trainer.args.device if device is None else device).eval()
 
 

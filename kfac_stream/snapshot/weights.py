@@ -6,7 +6,8 @@ transformers' ``Conv1D``): ``numel`` (of the whole weight), and the float64 ``su
 ``sumsq`` (sum of squares) of the `WINDOWS` windows of `WINDOW` entries that start at
 ``i·numel/WINDOWS`` (the whole weight when it has at most ``WINDOWS·WINDOW`` entries).
 Writing it costs one host read per snapshot; under DeepSpeed ZeRO-3 each layer's weight is
-gathered (collectively, one layer at a time, as a forward does) for the read.
+gathered (collectively, one layer at a time, as a forward does) for the read, and so is an
+FSDP2 ``DTensor`` weight (``full_tensor()``).
 
 `compare_weights` tells a model from the one a snapshot was taken at: a weight that moved by
 one optimizer step changes the sum of squares of 256 entries by far more than `WEIGHTS_RTOL`,
@@ -21,6 +22,8 @@ from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
+
+from ..distributed.fsdp import full_weight
 
 #: Windows per layer, and entries per window.
 WINDOWS, WINDOW = 4, 64
@@ -54,13 +57,13 @@ def _gathered(weight: nn.Parameter):
 
 def weights_fingerprint(layers: Mapping[str, nn.Module]) -> dict[str, dict[str, float | int]]:
     """``{layer: {"numel", "sum", "sumsq"}}`` of the tracked ``layers``' weights (module
-    docstring). Collective under ZeRO-3: every rank calls it at the same point."""
+    docstring). Collective under ZeRO-3 and FSDP2: every rank calls it at the same point."""
     sums, numels = [], []
     for module in layers.values():
         w = module.weight
         with _gathered(w):
             numels.append(int(getattr(w, "ds_numel", w.numel())))
-            sums.append(_sums(w))
+            sums.append(_sums(full_weight(w)))
     values = torch.stack([s.to(sums[0].device) for s in sums]).cpu().tolist() if sums \
         else []  # one host read for all layers
     return {name: {"numel": n, "sum": v[0], "sumsq": v[1]}

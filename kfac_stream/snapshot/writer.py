@@ -1,7 +1,9 @@
 """Write a snapshot atomically: shards and manifest into a temporary directory, then rename.
 
 One process or many: each owner rank writes its own shard, rank 0 writes the manifest once
-every shard is on disk and verified (see `write_snapshot`).
+every shard is on disk and verified (see `write_snapshot`). With ``gather`` (snapshot
+directories local to each machine) the ranks send their shards' bytes to rank 0, which writes
+them all.
 
 Every file is fsynced before the manifest (which lists each shard's sha256) is written, and the
 manifest is fsynced before the rename; the parent directory is fsynced after it. A crash at any
@@ -11,6 +13,7 @@ ignore and the next writer removes.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -18,7 +21,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 
 from ..distributed.context import LOCAL
 from ..exceptions import SnapshotError
@@ -43,6 +46,27 @@ def write_shard(tmp_dir: str, tensors: dict[str, torch.Tensor], rank: int,
     save_file({k: v.contiguous() for k, v in tensors.items()}, path)
     fsync_path(path)
     return {"file": name, "sha256": sha256_of(path), "bytes": os.path.getsize(path)}
+
+
+def shard_bytes(tensors: dict[str, torch.Tensor], rank: int,
+                world_size: int) -> tuple[bytes, dict[str, object]]:
+    """This rank's shard serialised in memory (to send to rank 0) and its record
+    ``{"file", "sha256", "bytes"}``, the same bytes `write_shard` would put on disk."""
+    data = save({k: v.contiguous() for k, v in tensors.items()})
+    return data, {"file": shard_name(rank, world_size),
+                  "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+def _write_gathered(tmp_dir: str, blobs: list[bytes], reports: list[dict]) -> None:
+    """Rank 0 with ``gather``: every rank's shard bytes into ``tmp_dir`` (fsynced); `_finish`
+    then checks each file against the sha256 its sender computed."""
+    for blob, report in zip(blobs, reports):
+        if "shard" in report:
+            path = os.path.join(tmp_dir, report["shard"]["file"])
+            with open(path, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
 
 
 def clean_stale_tmp(root: str) -> None:
@@ -119,7 +143,7 @@ def set_aside_other_runs(root: str, run_id: str) -> list[str]:
 
 def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor], manifest: dict,
                    comm=None, merge: Callable[[list[dict]], dict] | None = None,
-                   tag: str = "0", local_error: str | None = None) -> str:
+                   tag: str = "0", local_error: str | None = None, gather: bool = False) -> str:
     """Write a snapshot: every rank its shard, rank 0 the manifest, then one rename.
 
     Protocol (``comm`` is a `kfac_stream.distributed.context.JsonComm`; None = one process):
@@ -144,6 +168,10 @@ def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor], manif
         tag: Suffix of the temporary directory name.
         local_error: This rank already failed (e.g. its eigendecomposition): it writes no
             shard but still takes part, so that every rank abandons the snapshot together.
+        gather: Ranks other than 0 never touch the filesystem: each sends its shard's bytes
+            (and their sha256) to rank 0, which writes every shard, then verifies and
+            renames as above. For node-local snapshot directories; rank 0 holds every
+            shard's bytes at once while it writes them.
 
     Returns:
         The final directory path.
@@ -169,20 +197,34 @@ def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor], manif
     if errors:
         raise SnapshotError(f"snapshot of step {step} failed: {errors[0]}")
     report: dict = {"rank": rank}
+    blob = b""
+    gather = gather and world > 1
     try:
         if local_error:
             raise RuntimeError(local_error)
-        if tensors:
+        if tensors and gather:
+            blob, report["shard"] = shard_bytes(tensors, rank, world)
+        elif tensors:
+            if not os.path.isdir(tmp):
+                raise SnapshotError(
+                    f"the directory rank 0 created, {tmp}, does not exist on this rank's "
+                    "machine: the snapshot directory must be on a filesystem every node "
+                    "shares, or pass KFACStreamCallback(gather_shards=True) for node-local "
+                    "directories (docs/multinode.md)")
             report["shard"] = write_shard(tmp, tensors, rank, world)
         report["manifest"] = manifest
     except Exception as e:  # reported to rank 0, which abandons the snapshot
         report = {"rank": rank, "error": f"rank {rank}: {type(e).__name__}: {e}"}
+        blob = b""
     reports = comm.all_gather(report)
+    blobs = comm.gather_bytes(blob) if gather else None
     outcome = None
     if rank == 0:
         errors = [r["error"] for r in reports if "error" in r]
         try:
             if not errors:
+                if blobs is not None:
+                    _write_gathered(tmp, blobs, reports)
                 _finish(root, tmp, final, reports, merge)
         except Exception as e:
             errors.append(f"rank 0: {type(e).__name__}: {e}")
