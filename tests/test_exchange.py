@@ -46,6 +46,16 @@ def _worker(rank, world, init_file, q):
         for key, (_, rows) in ex.owned.items():
             union = [local_rows(r)[key] for r in range(world) if r != 1 and key in local_rows(r)]
             assert torch.equal(rows, torch.cat(union)), key
+        # the same without telling the empty rank the dtype: the others hold bf16 rows (a GPU
+        # with 16-bit activations), the empty rank's own would be float32 (its row_dtype);
+        # the wire dtype is agreed from the ranks holding rows (before: mismatched buffers)
+        half = {k: v.to(torch.bfloat16) for k, v in local.items()}
+        ex = exchange_to_owners(half, DIMS, own, rank, world, strategy="rows",
+                                dtype=None if rank != 1 else torch.float32)
+        for key, (_, rows) in ex.owned.items():
+            union = [local_rows(r)[key].to(torch.bfloat16) for r in range(world)
+                     if r != 1 and key in local_rows(r)]
+            assert rows.dtype == torch.bfloat16 and torch.equal(rows, torch.cat(union)), key
         # a diagonal factor reduced on each rank (the tracker's hooks do that) arrives summed
         rows = local_rows(rank)
         partial = {"l1.A": rows["l1.A"].square().sum(0)} if "l1.A" in rows else {}

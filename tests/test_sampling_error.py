@@ -55,9 +55,12 @@ def test_window_moves_back_until_it_holds_enough_sequences(max_steps, every, win
 
 
 def test_sequences_per_update():
-    mc = KFACConfig()  # fisher="mc", mc_sequences=1/8
-    assert sequences_per_update(mc, 30, 1, 1) == 4  # ceil(30/8)
-    assert sequences_per_update(mc, 1, 4, 8) == 32  # one sequence per micro-batch and rank
+    mc = KFACConfig(mc_sequences=0.125)  # a share of the step's sequences: the expected count
+    assert sequences_per_update(mc, 30, 1, 1) == 4  # round(30/8)
+    assert sequences_per_update(mc, 1, 4, 8) == 4  # 1/8 of 32 micro-batches of one sequence
+    assert sequences_per_update(KFACConfig(), 1, 4, 8) == 2  # default 0.05: round(1.6)
+    assert sequences_per_update(KFACConfig(), 1, 1, 1) == 1  # at least one
+    assert sequences_per_update(KFACConfig(mc_sequences=1), 1, 4, 8) == 32  # int: per micro-batch
     assert sequences_per_update(KFACConfig(fisher="empirical"), 30, 2, 2) == 120
     assert sequences_per_update(KFACConfig(mc_sequences="all"), 16, 1, 1) == 16
 
