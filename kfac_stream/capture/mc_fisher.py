@@ -51,6 +51,7 @@ forward gathers parameters collectively.
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
 import torch
@@ -241,7 +242,7 @@ def replay_counts(mc_sequences: int | float | str, batches: list[int | None], se
     An int ``k``: ``min(k, B)`` of every micro-batch. A share ``f`` in ``(0, 1)`` of the
     step's sequences: systematic sampling over the micro-batches' sequences laid end to end,
     ``b_j = ⌊u + f·C_{j+1}⌋ − ⌊u + f·C_j⌋`` (``C_j``: sequences before micro-batch ``j``,
-    ``u ~ U[0, 1)`` from a generator seeded by ``(seed, step)``), so every sequence is drawn
+    ``u ~ U[0, 1)`` from Python's generator seeded by ``(seed, step)``), so every sequence is drawn
     with probability exactly ``f`` and ``⌊f·C⌋`` or ``⌈f·C⌉`` of the step's ``C`` are, in
     whole micro-batches when they hold one sequence each (micro-batch 1). ``u`` is the same
     on every rank, so with equal micro-batch sizes every rank replays the same micro-batch
@@ -250,8 +251,7 @@ def replay_counts(mc_sequences: int | float | str, batches: list[int | None], se
     if isinstance(mc_sequences, int) and not isinstance(mc_sequences, bool):
         return [None if b is None else min(mc_sequences, b) for b in batches]
     f = float(mc_sequences)
-    gen = torch.Generator().manual_seed(selection_seed(seed, 0, step))
-    u = float(torch.rand((), generator=gen, dtype=torch.float64))  # host generator
+    u = random.Random(selection_seed(seed, 0, step)).random()  # a host draw: no tensor read
     out, before = [], 0
     for b in batches:
         if b is None:
