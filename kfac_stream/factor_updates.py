@@ -99,6 +99,7 @@ class UpdateJob:
             current stream (None on CPU).
         exchange: With several ranks, the exchange's collectives as issued by the training
             thread (`FactorUpdater.submit`); the worker waits for them.
+        issue_seconds: Time the training thread took to issue them.
         sums: ``{factor key: Σ_s w_s x_s⊙x_s [d]}`` of the diagonal factors (float32, float64
             for float64 storage): reduced in the hooks, they never travel as rows.
     """
@@ -112,6 +113,7 @@ class UpdateJob:
     event: object = None
     sums: dict[str, Tensor] = field(default_factory=dict)
     exchange: PendingExchange | None = None
+    issue_seconds: float = 0.0
 
 
 class FactorUpdater:
@@ -182,7 +184,7 @@ class FactorUpdater:
             self._raise_worker_error()
             t0 = time.perf_counter()
             job.exchange = self._start_exchange(job)
-            self.counters.exchange_seconds += time.perf_counter() - t0
+            job.issue_seconds = time.perf_counter() - t0  # counted by the applying thread
         if self._queue is None:
             self._apply(job)
             return
@@ -270,7 +272,7 @@ class FactorUpdater:
             self.counters.comm_bytes += ex.bytes_moved
             self.counters.exchange_bytes_rows += ex.bytes_rows
             self.counters.exchange_bytes_stats += ex.bytes_stats
-            self.counters.exchange_seconds += time.perf_counter() - t0
+            self.counters.exchange_seconds += time.perf_counter() - t0 + job.issue_seconds
         if not any(w > 0 for w in weights.values()):  # every sampled slot was padding
             return
         self.counters.updates += 1
