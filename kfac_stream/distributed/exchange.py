@@ -105,12 +105,11 @@ class _Plan:
     summed: bool = False
 
 
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
 
 def _dtype_code(dtype: torch.dtype | None) -> int:
     return 0 if dtype is None else _DTYPES.index(dtype) + 1
-
-
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
 
 def _agreed_dtype(codes: Sequence[int]) -> torch.dtype:
@@ -148,6 +147,7 @@ class PendingExchange:
         reduced: ``[(owner, plans, shapes, flat buffer)]`` of the statistics reductions.
         dtype: The rows' dtype agreed by all ranks; ``scaled``: fp16 transport.
         rank, world: This process's place.
+        wide: The partial statistics' dtype agreed by all ranks.
     """
 
     result: Exchanged
@@ -162,6 +162,7 @@ class PendingExchange:
     scaled: bool
     rank: int
     world: int
+    wide: torch.dtype = torch.float32  # the partial statistics' dtype, agreed by all ranks
     keep: list = field(default_factory=list)  # send buffers, alive until the works finish
 
 
@@ -225,7 +226,7 @@ def start_exchange(local: dict[str, Tensor], dims: dict[str, tuple[int, bool]],
         transport: ``torch.float16`` sends float32/float64 rows as fp16 scaled by a power of
             two per rank and factor (relative rounding 2^-11 per entry, the storage's own);
             16-bit rows, and None, travel in their dtype. Partial statistics always travel in
-            float32 (float64 rows: float64).
+            float32 (float64 when any rank's rows or sums are float64: agreed over ranks).
         dtype: This rank's rows' dtype (default: that of ``local``). The wire dtype is agreed
             over ranks from those holding rows, so a rank with none sends buffers of the
             others' dtype whatever it passes here.
@@ -246,18 +247,22 @@ def start_exchange(local: dict[str, Tensor], dims: dict[str, tuple[int, bool]],
     gram_fn = gram_fn or _default_gram
     weights, positions, sums = weights or {}, positions or {}, sums or {}
     k = len(keys)
-    counts = [0] * (2 * k + 1)  # host table: slots | summed | dtype code
+    counts = [0] * (2 * k + 2)  # host table: slots | summed | rows' dtype | float64 sums
     for j, key in enumerate(keys):
         counts[j] = 1 if key in sums else (local[key].shape[0] if key in local else 0)
         counts[k + j] = int(key in sums)
     mine_dtype = dtype or next((t.dtype for t in local.values()), None)
     counts[2 * k] = _dtype_code(mine_dtype) if any(key in local for key in keys) else 0
+    counts[2 * k + 1] = int(any(t.dtype == torch.float64 for t in sums.values()))
     host = torch.tensor(counts, dtype=torch.int64)
     every = [torch.zeros_like(host) for _ in range(world_size)]
     dist.all_gather(every, host, group=plan_group if plan_group is not None else group)
-    slots = torch.stack(every)  # [W, 2K + 1]
+    slots = torch.stack(every)  # [W, 2K + 2]
     summed_any = slots[:, k:2 * k].amax(0) > 0  # [K]: some rank sent a reduced sum
     wire_rows = _agreed_dtype(slots[:, 2 * k].tolist())
+    # partial statistics: float32 (bf16/fp16/fp32 rows), float64 if any rank's are
+    wide = torch.float64 if wire_rows == torch.float64 or bool(slots[:, 2 * k + 1].max()) \
+        else torch.float32
     scaled = transport is not None and wire_rows in (torch.float32, torch.float64)
     wire = transport if scaled else wire_rows
     esize = torch.tensor([], dtype=wire).element_size()
@@ -289,8 +294,7 @@ def start_exchange(local: dict[str, Tensor], dims: dict[str, tuple[int, bool]],
         if total == 0:
             continue
         if bool(summed_any[j]):  # already reduced: only the statistics strategy makes sense
-            zero = torch.zeros(d if diagonal else (d, d), dtype=torch.float64
-                               if wire_rows == torch.float64 else torch.float32, device=device)
+            zero = torch.zeros(d if diagonal else (d, d), dtype=wide, device=device)
             plans.append(_Plan(key, j, d, diagonal, owner, per_rank, "stats",
                                sums.get(key, zero), summed=True))
             result.bytes_stats += stats_bytes(world_size, d, diagonal, 4)
@@ -302,7 +306,7 @@ def start_exchange(local: dict[str, Tensor], dims: dict[str, tuple[int, bool]],
         plans.append(_Plan(key, j, d, diagonal, owner, per_rank, how, rows))
     pending = PendingExchange(result, works, table, keys, [p for p in plans if p.how == "rows"],
                               [p for p in plans if p.how == "stats"], None, [], wire_rows,
-                              scaled, rank, world_size)
+                              scaled, rank, world_size, wide)
     if pending.rows_plans:
         _issue_rows(pending, exps, wire, group, esize, device)
     if pending.stats_plans:
@@ -387,8 +391,8 @@ def _finish_rows(pending: PendingExchange, exps: Tensor) -> None:
 def _issue_stats(pending: PendingExchange, group,
                  gram_fn: Callable[[Tensor, bool], Tensor]) -> None:
     """Per owner, one asynchronous ``reduce`` of all its statistics-strategy factors' partial
-    sums (one flat buffer, float32; float64 rows: float64)."""
-    wide = torch.float64 if pending.dtype == torch.float64 else torch.float32
+    sums (one flat buffer in the agreed ``pending.wide``)."""
+    wide = pending.wide
     for owner in range(pending.world):
         mine = [p for p in pending.stats_plans if p.owner == owner]
         if not mine:
