@@ -15,7 +15,9 @@ Parts (each prints its figures; all go into ``benchmarks/results/gpu_check.json`
    shapes, random weights and tokens: nothing downloaded), bf16, micro-batch 1 x 2048 tokens,
    plain / KFACConfig defaults / ``update_every=1``: seconds per step and its ratio to
    plain, the tracker's waits, peak GPU memory, and host syncs counted on the training thread
-   by a thread-local counter (``tests/syncs.py``: kfac_stream's own must be 0).
+   in the warm-up steps (an update step of each setting; the counting mode slows every op, so
+   the timed steps run without it) by a thread-local counter (``tests/syncs.py``:
+   kfac_stream's own must be 0).
 5. ``exchange``: a one-rank NCCL exchange (`start_exchange` from a side stream, the way the
    tracker issues it, then `finish_exchange`): the owner must get its rows back exactly.
 
@@ -75,10 +77,14 @@ def cuda_tests() -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-m", "not slow", "-p",
            "no:cacheprovider", *CUDA_TEST_FILES]
     t = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        rc, text = proc.returncode, proc.stdout + proc.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, text = -1, f"{e.stdout or ''}\ntimed out after 300 s"
+    tail = str(text).strip().splitlines()[-15:]
     no_cuda = [line for line in tail if "needs a CUDA GPU" in line]
-    return {"command": " ".join(cmd[1:]), "rc": proc.returncode, "tail": tail,
+    return {"command": " ".join(cmd[1:]), "rc": rc, "tail": tail,
             "skipped_for_cuda": len(no_cuda), "seconds": time.perf_counter() - t}
 
 
@@ -87,15 +93,16 @@ def eigh_part(sizes, device: torch.device) -> dict:
     from kfac_stream.stats.spectrum import eigh_factors
 
     out = {}
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device=device).manual_seed(0)
     for i, d in enumerate(sizes):
-        x = torch.randn(d + 64, d, generator=gen, dtype=torch.float64)
-        f = x.T @ x / d  # [d, d] SPD
+        x = torch.randn(d + 64, d, generator=gen, device=device)  # built where it is fast
+        f_dev = x.T @ x / d  # [d, d] SPD
+        f = f_dev.double().cpu()  # factors reach eigh_factors as float64 on the CPU
         if i == 0:
             eigh_factors({"warm": f[:64, :64]}, device=device)  # stream, handles, kernels
         secs, res = _timed(lambda f=f: eigh_factors({"f": f}, device=device), device)
-        w, q = res["f"]
-        err = float((q @ torch.diag(w) @ q.T - f).abs().max() / w.max())
+        w, q = (t.to(device, f_dev.dtype) for t in res["f"])
+        err = float(((q * w) @ q.T - f_dev).abs().max() / w.max())
         row = {"seconds": secs, "max_err_rel_to_top": err}
         if i == 0 and device.type == "cuda":
             row["cpu_float64_seconds"] = _timed(lambda f=f: eigh_factors({"f": f}),
@@ -150,7 +157,8 @@ def fold_part(rows: int, d: int, device: torch.device) -> dict:
 
 def steps_callback(warmup: int, device: torch.device):
     """A Trainer callback: wall time from the end of warm-up to the last step, and host syncs
-    on the training thread inside every step (`syncs.CudaSyncCounter`; CPU: `SyncCounter`)."""
+    on the training thread inside each warm-up step (`syncs.CudaSyncCounter`; CPU:
+    `SyncCounter`), which holds an update step of every setting (step 0)."""
     from transformers import TrainerCallback
 
     from syncs import CudaSyncCounter, SyncCounter
@@ -164,14 +172,17 @@ def steps_callback(warmup: int, device: torch.device):
             if state.global_step == warmup:
                 _sync(device)
                 self.t0 = time.perf_counter()
-            self.mode = CudaSyncCounter() if device.type == "cuda" else SyncCounter()
-            self.mode.__enter__()
+            if state.global_step < warmup:  # counted in warm-up only: the mode slows ops
+                self.mode = CudaSyncCounter() if device.type == "cuda" else SyncCounter()
+                self.mode.__enter__()
 
         def on_step_end(self, args, state, control, **kwargs):
-            self.mode.__exit__(None, None, None)
-            self.count += self.mode.count
-            for k, v in self.mode.ours.items():
-                self.ours[k] = self.ours.get(k, 0) + v
+            if self.mode is not None:
+                self.mode.__exit__(None, None, None)
+                self.count += self.mode.count
+                for k, v in self.mode.ours.items():
+                    self.ours[k] = self.ours.get(k, 0) + v
+                self.mode = None
             if state.global_step == state.max_steps:
                 _sync(device)
                 self.t1 = time.perf_counter()
@@ -194,8 +205,9 @@ def train_part(sizes: dict, device: torch.device, tmp: Path) -> dict:
     out = {}
     for name, cfg in SETTINGS.items():
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**sizes["llama"], max_position_embeddings=seq))
-        model = model.to(device, torch.bfloat16 if cuda else torch.float32)
+        with torch.device(device):  # initialised where it will train
+            model = LlamaForCausalLM(LlamaConfig(**sizes["llama"], max_position_embeddings=seq))
+        model = model.to(torch.bfloat16 if cuda else torch.float32)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         timer = steps_callback(warmup, device)
@@ -229,7 +241,7 @@ def train_part(sizes: dict, device: torch.device, tmp: Path) -> dict:
         row["ratio_to_plain"] = row["seconds_per_step"] / plain
         print(f"  {name}: {row['seconds_per_step'] * 1e3:.1f} ms/step ({row['ratio_to_plain']:.3f}"
               f"x plain), waits {row.get('waits', 0)} ({row.get('wait_seconds', 0.0):.3f} s), "
-              f"host syncs on the training thread {row['host_syncs']} (kfac_stream's: "
+              f"host syncs on the training thread in warm-up {row['host_syncs']} (kfac_stream's: "
               f"{sum(row['kfac_host_syncs'].values())})"
               + (f", peak {row['peak_memory_gb']:.2f} GB" if "peak_memory_gb" in row else ""))
     return out
