@@ -77,9 +77,11 @@ class KFACConfig:
             step's micro-batches is drawn with probability exactly ``f`` by systematic
             sampling over them (`kfac_stream.capture.mc_fisher.replay_counts`; the same draw
             on every rank), a micro-batch with no sequence drawn is not replayed, so at
-            micro-batch 1 a share of the MICRO-BATCHES is replayed, and at ``B·f < 1`` an
-            update may replay nothing on any rank (it then moves no factor); the drawn rows
-            weigh ``1/f``. An int ``k ≥ 1``: ``min(k, B)`` sequences of EVERY micro-batch of
+            micro-batch 1 a share of the MICRO-BATCHES is replayed, and an update whose
+            draw is empty moves no factor (except the run's first replay, which takes one
+            sequence, uniform over the step's, so that no run ends with empty factors); the
+            drawn rows weigh ``1/f`` (``C`` for that one sequence of ``C``). An int ``k ≥ 1``:
+            ``min(k, B)`` sequences of EVERY micro-batch of
             ``B`` (weights ``B/k``). ``"all"`` / ``1.0``: the whole micro-batch, its gradient
             taken inside the training forward (replayed under DeepSpeed ZeRO-3, gradient
             checkpointing or fp16 autocast). Within a replayed micro-batch the sequences are

@@ -263,22 +263,31 @@ def test_replay_counts_draw_each_sequence_with_the_share():
     draws ``⌊fC⌋`` or ``⌈fC⌉`` of the step's ``C`` sequences, every sequence with probability
     ``f`` (frequency over 4000 steps within `MC_Z` binomial standard errors), the same on
     every rank (no rank in the draw: ZeRO-3 replays are collective); an int is per
-    micro-batch; a batch that is not ``[B, T]`` (None) is replayed whole."""
+    micro-batch; a batch that is not ``[B, T]`` (None) is replayed whole; a run's first replay
+    takes one sequence when the draw is empty, uniform over the step's (probability ``1/C``,
+    which the rows' weight then uses)."""
     from kfac_stream.capture.mc_fisher import replay_counts
 
-    assert replay_counts(2, [1, 4, None], 0, 7) == [1, 2, None]
+    assert replay_counts(2, [1, 4, None], 0, 7) == ([1, 2, None], None)
     steps, f = 4000, 0.05
-    hits = torch.zeros(4)
+    hits, forced = torch.zeros(4), torch.zeros(4)
     for step in range(steps):
-        c = replay_counts(f, [1, 1, 1, 1], 0, step)  # micro-batch 1, 4 accumulation steps
-        assert sum(c) in (0, 1) and all(x in (0, 1) for x in c)
+        c, share = replay_counts(f, [1, 1, 1, 1], 0, step)  # micro-batch 1, 4 accumulation
+        assert share == f and sum(c) in (0, 1) and all(x in (0, 1) for x in c)
         hits += torch.tensor(c, dtype=torch.float32)
-        assert replay_counts(f, [1, 1, 1, 1], 0, step) == c  # a fixed function of (seed, step)
+        assert replay_counts(f, [1, 1, 1, 1], 0, step) == (c, f)  # fixed by (seed, step)
+        # the run's first replay: exactly one sequence, uniform over the step's 4 (1/C each)
+        c1, share1 = replay_counts(f, [1, 1, 1, 1], 0, step, at_least_one=True)
+        assert sum(c1) == 1 and (c1 == c if sum(c) else share1 == 0.25)
+        forced += torch.tensor(c1, dtype=torch.float32)
     se = math.sqrt(f * (1 - f) / steps)
     assert float((hits / steps - f).abs().max()) <= MC_Z * se, hits / steps
+    se1 = math.sqrt(0.25 * 0.75 / steps)
+    assert float((forced / steps - 0.25).abs().max()) <= MC_Z * se1, forced / steps
     for step in range(50):
-        c = replay_counts(0.3, [3, None, 5, 2], 1, step)
-        assert c[1] is None and all(0 <= x <= b for x, b in zip([c[0], c[2], c[3]], [3, 5, 2]))
+        c, share = replay_counts(0.3, [3, None, 5, 2], 1, step, at_least_one=True)
+        assert share == 0.3 and c[1] is None  # f·C ≥ 1: never forced
+        assert all(0 <= x <= b for x, b in zip([c[0], c[2], c[3]], [3, 5, 2]))
         assert c[0] + c[2] + c[3] in (3, 4)  # 0.3 · 10
 
 
