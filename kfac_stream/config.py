@@ -78,7 +78,7 @@ class KFACConfig:
             sampling over them (`kfac_stream.capture.mc_fisher.replay_counts`; the same draw
             on every rank), a micro-batch with no sequence drawn is not replayed, so at
             micro-batch 1 a share of the MICRO-BATCHES is replayed, and an update whose
-            draw is empty moves no factor (except the run's first replay, which takes one
+            draw is empty moves no factor (except at step 0, which replays at least one
             sequence, uniform over the step's, so that no run ends with empty factors); the
             drawn rows weigh ``1/f`` (``C`` for that one sequence of ``C``). An int ``k ≥ 1``:
             ``min(k, B)`` sequences of EVERY micro-batch of

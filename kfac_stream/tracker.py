@@ -154,9 +154,6 @@ class Tracker:
         self.step: int | None = None
         self.is_update_step = False
         self._last_end: float | None = None
-        # a replay has run in this process (a share's first update replays at least one
-        # sequence: `replay_counts`); the same on every rank, whose draws are the same
-        self._mc_replayed = False
         self._step_seconds = 0.0  # EMA of the wall time between end_step calls
         self.dims: dict[str, tuple[int, bool]] = self.plan.dims  # {key: (side, diagonal)}
         self._a_has_bias = {self.plan.a_key[n]: s.has_bias for n, s in specs.items()}
@@ -234,8 +231,7 @@ class Tracker:
                 step = int(self.step or 0)
                 counts, share = replay_counts(cfg.mc_sequences,
                                               [_batch_size(k) for k in inputs], cfg.seed, step,
-                                              at_least_one=not self._mc_replayed)
-                self._mc_replayed |= any(c != 0 for c in counts)
+                                              at_least_one=step == 0)
                 for kwargs, count in zip(inputs, counts):
                     if count != 0:  # micro-batches the share did not draw are not replayed
                         mc_subbatch_pass(model, self.capture, kwargs, self.mc_generator,

@@ -263,9 +263,9 @@ def test_replay_counts_draw_each_sequence_with_the_share():
     draws ``⌊fC⌋`` or ``⌈fC⌉`` of the step's ``C`` sequences, every sequence with probability
     ``f`` (frequency over 4000 steps within `MC_Z` binomial standard errors), the same on
     every rank (no rank in the draw: ZeRO-3 replays are collective); an int is per
-    micro-batch; a batch that is not ``[B, T]`` (None) is replayed whole; a run's first replay
-    takes one sequence when the draw is empty, uniform over the step's (probability ``1/C``,
-    which the rows' weight then uses)."""
+    micro-batch; a batch that is not ``[B, T]`` (None) is replayed whole; step 0 (the tracker's
+    ``at_least_one``) takes one sequence when the draw is empty, uniform over the step's
+    (probability ``1/C``, which the rows' weight then uses)."""
     from kfac_stream.capture.mc_fisher import replay_counts
 
     assert replay_counts(2, [1, 4, None], 0, 7) == ([1, 2, None], None)
@@ -276,7 +276,7 @@ def test_replay_counts_draw_each_sequence_with_the_share():
         assert share == f and sum(c) in (0, 1) and all(x in (0, 1) for x in c)
         hits += torch.tensor(c, dtype=torch.float32)
         assert replay_counts(f, [1, 1, 1, 1], 0, step) == (c, f)  # fixed by (seed, step)
-        # the run's first replay: exactly one sequence, uniform over the step's 4 (1/C each)
+        # at_least_one (step 0): exactly one sequence, uniform over the step's 4 (1/C each)
         c1, share1 = replay_counts(f, [1, 1, 1, 1], 0, step, at_least_one=True)
         assert sum(c1) == 1 and (c1 == c if sum(c) else share1 == 0.25)
         forced += torch.tensor(c1, dtype=torch.float32)

@@ -247,7 +247,8 @@ def replay_counts(mc_sequences: int | float | str, batches: list[int | None], se
     ``u ~ U[0, 1)`` from Python's generator seeded by ``(seed, step)``), so every sequence is
     drawn with probability exactly ``f`` and ``⌊f·C⌋`` or ``⌈f·C⌉`` of the step's ``C`` are, in
     whole micro-batches when they hold one sequence each (micro-batch 1). ``at_least_one``
-    (the tracker's first replay of a run, so that no run ends with empty factors): when the
+    (the tracker sets it at step 0, so that no run ends with empty factors; a step, not a
+    state, so a resumed run draws what the whole run drew): when the
     draw is empty, one sequence, uniform over the ``C`` (a second draw of the same generator);
     with ``f·C < 1`` the combined draw is then exactly one uniform sequence, drawn with
     probability ``1/C``. ``u`` is the same on every rank, so with equal micro-batch sizes every
