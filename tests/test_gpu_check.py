@@ -12,6 +12,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 # fp32 accumulation of 64 bf16 products per entry: relative error ~2^-24·8; 1e-5 is loose
 FP32_ACCUMULATION_TOL = 1e-5
+# the script checks Q diag(w) Qᵀ against the factor in float32 (where it built the factor):
+# rounding of ~d·2^-24 of the top eigenvalue for d ≤ 96, 1e-5 with room
+EIGH_CHECK_TOL = 1e-5
 
 
 def test_gpu_check_dry_run(tmp_path):
@@ -31,4 +34,4 @@ def test_gpu_check_dry_run(tmp_path):
     assert {"updates", "waits"} <= set(r["train"]["update_every=1"])  # the tracker ran
     assert r["exchange"] == {**r["exchange"], "backend": "gloo", "exact": True}
     assert r["fold"]["fold_rel_err"] <= FP32_ACCUMULATION_TOL
-    assert all(e["max_err_rel_to_top"] <= 1e-12 for e in r["eigh"].values())  # float64 CPU
+    assert all(e["max_err_rel_to_top"] <= EIGH_CHECK_TOL for e in r["eigh"].values())
