@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 DEEPSPEED_VERSION ?= 0.19.8
 STAMP  := $(VENV)/.installed
 
-.PHONY: help venv lint test test-slow demo bench bench-quick clean
+.PHONY: help venv lint test test-slow gpu-check demo bench bench-quick clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -44,6 +44,9 @@ test: $(STAMP) $(PEERS)  ## run the test suite (CPU)
 
 test-slow: $(STAMP) $(PEERS)  ## run only the slow tests (long runs, kill -9 campaigns)
 	$(PY) -m pytest -q -rs -m slow tests
+
+gpu-check: $(STAMP)  ## CUDA tests, syncs, eigh/fold timings, 1B Llama steps, NCCL exchange (≤10 min on one H100; without CUDA: a CPU dry run)
+	$(PY) benchmarks/gpu_check.py
 
 demo: $(STAMP)  ## the main job on its offline defaults (tiny GPT-2, Python docs) → out/demo
 	$(VENV)/bin/kfac-stream demo

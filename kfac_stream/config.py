@@ -72,18 +72,29 @@ class KFACConfig:
             taken from the training backward itself (no extra pass); it shrinks with the
             training loss on a model that fits its data, so the posterior it gives is too wide
             (Kunstner et al. 2019). (Default: "mc")
-        mc_sequences: Sequences per micro-batch that the MC replay runs on (``fisher="mc"``):
-            an int ``k ≥ 1`` (``min(k, B)`` of the ``B`` sequences), a fraction in ``(0, 1)``
-            (``ceil(fraction·B)``, at least one), or ``"all"`` / ``1.0``: the whole micro-batch,
-            its gradient taken inside the training forward (replayed under DeepSpeed ZeRO-3,
-            gradient checkpointing or fp16 autocast; ~3x the cost of a sub-batch of 1/8 at
-            the defaults). The sequences are drawn uniformly without replacement from a
-            generator seeded by ``(seed, rank, step)``; inside them ``ceil(token_fraction·B·T)``
-            slots (as many as the empirical path takes from the whole micro-batch) with
-            Horvitz–Thompson weights ``(B/b)·max(1, U_b/m)``, and the update's EMA weight
-            ``n`` is the micro-batch's usable positions ``U``: A and G are unbiased for the
-            micro-batch's per-token means and ``n``, the EMA and ``N`` mean what they mean
-            with the empirical path. (Default: 0.125)
+        mc_sequences: What the MC replay runs on (``fisher="mc"``). A share ``f`` in
+            ``(0, 1)`` of each update step's sequences on a rank: every sequence of the
+            step's micro-batches is drawn with probability exactly ``f`` by systematic
+            sampling over them (`kfac_stream.capture.mc_fisher.replay_counts`; the same draw
+            on every rank), a micro-batch with no sequence drawn is not replayed, so at
+            micro-batch 1 a share of the MICRO-BATCHES is replayed, and an update whose
+            draw is empty moves no factor (except at step 0, which replays at least one
+            sequence, uniform over the step's, so that no run ends with empty factors); the
+            drawn rows weigh ``1/f`` (``C`` for that one sequence of ``C``). An int ``k ≥ 1``:
+            ``min(k, B)`` sequences of EVERY micro-batch of
+            ``B`` (weights ``B/k``). ``"all"`` / ``1.0``: the whole micro-batch, its gradient
+            taken inside the training forward (replayed under DeepSpeed ZeRO-3, gradient
+            checkpointing or fp16 autocast). Within a replayed micro-batch the sequences are
+            drawn uniformly without replacement from a generator seeded by ``(seed, rank,
+            step)``, and inside them ``ceil(token_fraction·B·T)`` slots (as many as the
+            empirical path takes from the whole micro-batch) with Horvitz–Thompson weights.
+            A replay (forward + backward to the tracked layers' outputs, no weight
+            gradients) costs ~2/3 of a training step's work on what it replays, so the
+            default costs ~3.3% of an update step, ~0.33% per step at ``update_every=10``,
+            whatever the micro-batch size (`benchmarks/scale.py`: ≤ 1% of a step at
+            Llama-2-7B × 8 H100, micro-batch 1). Before issue 29 the default was ``0.125`` of
+            EACH micro-batch, at least one sequence: every sequence at micro-batch 1, ~67%
+            extra on update steps. (Default: 0.05)
         include: Regexes (``re.search``) over module names from ``model.named_modules()``;
             a supported layer is tracked if one matches. ``None``: every trainable
             Linear/Conv1D inside the transformer blocks (not the LM head or embeddings).
@@ -128,7 +139,7 @@ class KFACConfig:
             ``"stats"`` (each rank's folded statistic, reduced at the owner) or ``"auto"``
             (per factor, whichever moves fewer bytes). (Default: "auto")
         eigh_device: Where snapshots eigendecompose the factors: ``"auto"`` (the owner's GPU
-            when training on one, batched by size, float32 with a float64 CPU fallback for a
+            when training on one, one factor at a time, float32 with a float64 CPU fallback for a
             factor that fails; else the CPU in float64) or ``"cpu"``. (Default: "auto")
         eigh_threads: CPU threads for snapshot eigendecompositions. ``None``: the cores this
             process may use divided by the processes on the node (``LOCAL_WORLD_SIZE``),
@@ -154,7 +165,7 @@ class KFACConfig:
     update_every: int = 10
     snapshot_every: int = 500
     fisher: str = "mc"
-    mc_sequences: int | float | str = 0.125
+    mc_sequences: int | float | str = 0.05
     include: list[str] | None = None
     exclude: list[str] | None = None
     preset: str | None = None
@@ -281,8 +292,10 @@ def mc_full_batch(spec: int | float | str) -> bool:
 
 
 def mc_sequences_of(spec: int | float | str, batch: int) -> int:
-    """Sequences ``b`` of a micro-batch of ``batch`` that the MC pass runs on (``1 ≤ b ≤ B``
-    for ``batch ≥ 1``)."""
+    """The most sequences of one micro-batch of ``batch`` that the MC pass runs on (``1 ≤ b ≤
+    B`` for ``batch ≥ 1``): all of them for ``"all"``, ``min(k, B)`` for an int, and for a
+    share ``f`` the most systematic sampling can draw from it, ``ceil(f·B)`` (it draws
+    ``f·B`` on average; a micro-batch may also get none)."""
     if mc_full_batch(spec):
         return batch
     if isinstance(spec, float):
@@ -292,11 +305,18 @@ def mc_sequences_of(spec: int | float | str, batch: int) -> int:
 
 def sequences_per_update(config: KFACConfig, batch: int, accumulation: int, world: int
                          ) -> int:
-    """Sequences one factor update's statistics come from: per micro-batch of ``batch``
-    sequences the MC replay's (`mc_sequences_of`) with ``fisher="mc"``, all ``batch`` with the
-    empirical Fisher; times ``accumulation`` micro-batches and ``world`` ranks."""
-    per = batch if config.fisher == "empirical" else mc_sequences_of(config.mc_sequences, batch)
-    return max(int(per), 0) * max(int(accumulation), 1) * max(int(world), 1)
+    """Sequences one factor update's statistics come from, over ``accumulation`` micro-batches
+    of ``batch`` sequences and ``world`` ranks: all of them with the empirical Fisher or
+    ``mc_sequences="all"``, ``min(k, batch)`` per micro-batch for an int ``k``, and for a
+    share ``f`` the expected ``f·batch·accumulation·world`` rounded (at least 1 when
+    ``batch ≥ 1``)."""
+    spec, acc, world = config.mc_sequences, max(int(accumulation), 1), max(int(world), 1)
+    if config.fisher == "empirical" or mc_full_batch(spec) or isinstance(spec, int):
+        per = batch if config.fisher == "empirical" else mc_sequences_of(spec, batch)
+        return max(int(per), 0) * acc * world
+    if batch <= 0:
+        return 0
+    return max(1, round(float(spec) * batch * acc * world))
 
 
 def _check_mc_sequences(value: Any) -> None:

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from .config import KFACConfig
 from .distributed.context import DistContext
-from .distributed.exchange import exchange_to_owners
+from .distributed.exchange import PendingExchange, finish_exchange, start_exchange
 from .distributed.ownership import Ownership
 from .stats.covariance import gram
 from .store.factor_store import FactorStore
@@ -95,7 +95,11 @@ class UpdateJob:
         positions: ``{factor key: 0-dim count of sampled non-padding positions}``.
         ok: 0-dim bool: finite statistics and every pass's loss scale known.
         residual: 0-dim largest loss-scale fit residual (empirical Fisher), or None.
-        event: CUDA event recorded after the job's tensors were queued (None on CPU).
+        event: CUDA event recorded after the job's tensors were queued, on the model device's
+            current stream (None on CPU).
+        exchange: With several ranks, the exchange's collectives as issued by the training
+            thread (`FactorUpdater.submit`); the worker waits for them.
+        issue_seconds: Time the training thread took to issue them.
         sums: ``{factor key: Σ_s w_s x_s⊙x_s [d]}`` of the diagonal factors (float32, float64
             for float64 storage): reduced in the hooks, they never travel as rows.
     """
@@ -108,6 +112,8 @@ class UpdateJob:
     residual: Tensor | None = None
     event: object = None
     sums: dict[str, Tensor] = field(default_factory=dict)
+    exchange: PendingExchange | None = None
+    issue_seconds: float = 0.0
 
 
 class FactorUpdater:
@@ -167,7 +173,18 @@ class FactorUpdater:
     def submit(self, job: UpdateJob, step_seconds: float) -> None:
         """Apply ``job`` (at once without ``async_updates``; else hand it to the worker, waiting
         only while the previous update is still being applied). A wait longer than 2% of a
-        step (``step_seconds``, 0: unknown) is counted, and logged the first time."""
+        step (``step_seconds``, 0: unknown) is counted, and logged the first time.
+
+        With several ranks, call it on the training thread at the same point of every update
+        step on every rank: it issues the exchange's collectives here (`start_exchange`,
+        asynchronous, on the side stream after ``job.event``), so they are ordered the same
+        way relative to the training's own collectives on every rank; the worker only waits
+        for them."""
+        if self.dist is not None:
+            self._raise_worker_error()
+            t0 = time.perf_counter()
+            job.exchange = self._start_exchange(job)
+            job.issue_seconds = time.perf_counter() - t0  # counted by the applying thread
         if self._queue is None:
             self._apply(job)
             return
@@ -193,6 +210,20 @@ class FactorUpdater:
             "counts.waits / counts.wait_seconds; logged once.", step, waited, per_update,
             c.exchange_seconds / max(c.updates, 1), c.fold_seconds / max(c.updates, 1), every,
             step_seconds, every, self.config.token_fraction, self.config.max_dense_dim)
+
+    def _start_exchange(self, job: UpdateJob) -> PendingExchange:
+        """Issue ``job``'s exchange (training thread; no host read of a device value): on CUDA
+        under the updater's side stream, which first waits for ``job.event``."""
+        ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+        with ctx:
+            if job.event is not None:
+                self._stream.wait_event(job.event)
+            transport = torch.float16 if self.config.storage_dtype == "float16" else None
+            return start_exchange(
+                job.rows, self.dims, self.ownership, self.rank, self.world_size,
+                self.dist.exchange_group, None if self.config.exchange == "auto"
+                else self.config.exchange, job.ok, transport, None, job.weights,
+                job.positions, self.device, gram_fp32, job.sums, self.dist.plan_group)
 
     def _apply(self, job: UpdateJob) -> None:
         """Read the job's flags (the one host read of an update), exchange (several ranks),
@@ -229,15 +260,9 @@ class FactorUpdater:
                               if k in self.store})
             total_pos = max(positions.values(), default=0)
         else:
-            rows = job.rows if ok else {}
-            transport = torch.float16 if (self.config.storage_dtype == "float16"
-                                          and self._wire_dtype(rows) == torch.float32) else None
-            ex = exchange_to_owners(rows, self.dims, self.ownership, self.rank,
-                                    self.world_size, self.dist.exchange_group,
-                                    None if self.config.exchange == "auto"
-                                    else self.config.exchange, ok, transport,
-                                    self._wire_dtype(rows), weights, positions, self.device,
-                                    gram_fp32, job.sums if ok else {})
+            assert job.exchange is not None, "submit issues the exchange"
+            ex = finish_exchange(job.exchange)
+            job.exchange = None
             if not ex.ok:
                 self._skip(job.step)
                 return
@@ -247,7 +272,7 @@ class FactorUpdater:
             self.counters.comm_bytes += ex.bytes_moved
             self.counters.exchange_bytes_rows += ex.bytes_rows
             self.counters.exchange_bytes_stats += ex.bytes_stats
-            self.counters.exchange_seconds += time.perf_counter() - t0
+            self.counters.exchange_seconds += time.perf_counter() - t0 + job.issue_seconds
         if not any(w > 0 for w in weights.values()):  # every sampled slot was padding
             return
         self.counters.updates += 1
@@ -314,10 +339,6 @@ class FactorUpdater:
         if r is None or step < r:
             return None
         return 0.0 if self.counters.window_start_step < 0 else 1.0
-
-    def _wire_dtype(self, rows: dict[str, Tensor]) -> torch.dtype:
-        """The rows' dtype on every rank (bf16 on a GPU with 16-bit activations)."""
-        return next((t.dtype for t in rows.values()), self.row_dtype)
 
     def _skip(self, step: int) -> None:
         self.counters.skipped_updates += 1

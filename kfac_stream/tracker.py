@@ -36,6 +36,7 @@ from .capture.mc_fisher import (
     mc_fisher_pass,
     mc_grad_in_forward,
     mc_subbatch_pass,
+    replay_counts,
     selection_seed,
 )
 from .capture.selection import LayerSpec, select_layers
@@ -227,10 +228,15 @@ class Tracker:
             if cfg.fisher == "mc" and not cfg.mc_full_batch:  # replays on sub-batches
                 self.select_generator.manual_seed(
                     selection_seed(cfg.seed, self.rank, int(self.step or 0)))
-                for kwargs in inputs:
-                    mc_subbatch_pass(model, self.capture, kwargs, self.mc_generator,
-                                     self.select_generator, cfg.mc_sequences,
-                                     cfg.token_fraction)
+                step = int(self.step or 0)
+                counts, share = replay_counts(cfg.mc_sequences,
+                                              [_batch_size(k) for k in inputs], cfg.seed, step,
+                                              at_least_one=step == 0)
+                for kwargs, count in zip(inputs, counts):
+                    if count != 0:  # micro-batches the share did not draw are not replayed
+                        mc_subbatch_pass(model, self.capture, kwargs, self.mc_generator,
+                                         self.select_generator, count, cfg.token_fraction,
+                                         share)
                 passes = self.capture.take()[0]
             elif cfg.fisher == "mc":  # replay what the forward could not take
                 inputs += [rec.inputs for rec in passes if rec.replay]
@@ -242,9 +248,9 @@ class Tracker:
             job = self._collect(passes)
             if job is None:
                 return False
-            if self.updater.stream is not None:
-                job.event = torch.cuda.Event()
-                job.event.record()  # on the training stream; the worker's stream waits on it
+            if self.updater.stream is not None:  # on the model device's training stream
+                job.event = torch.cuda.Event()  # (not the current device's, which may differ)
+                job.event.record(torch.cuda.current_stream(self.device))
             self.updater.submit(job, self._step_seconds)
             return True
         finally:
@@ -254,7 +260,10 @@ class Tracker:
 
     def _collect(self, passes) -> UpdateJob | None:
         """Weighted, scaled rows (dense factors) and sums (diagonal factors) per factor key;
-        device ops only (no host read)."""
+        device ops only (no host read). Each part is scaled in the wide dtype and cast to the
+        fold dtype (`_fold_dtype`) at once, so at most one part is held wide at a time (a
+        16-bit fold never holds every key's rows in fp32)."""
+        fold = self._fold_dtype(passes)
         rows: dict[str, list[Tensor]] = {}
         sums: dict[str, Tensor] = {}
         weights: dict[str, Tensor] = {}
@@ -297,7 +306,7 @@ class Tracker:
                     if self._a_has_bias[key]:
                         a = with_bias_column(a)
                     rows.setdefault(key, []).append(
-                        torch.where(keep, a * root.to(a.dtype), 0.0))
+                        torch.where(keep, a * root.to(a.dtype), 0.0).to(fold))
                     count(key, n_w, n_pos)
             for key, parts in a_sums.items():
                 for a in parts:  # Σ w a⊙a [d_in]; the bias entry is Σ w·1²
@@ -310,7 +319,7 @@ class Tracker:
                 for g in parts:
                     g = g.to(self.row_dtype)
                     rows.setdefault(self.plan.g_key(name), []).append(
-                        torch.where(keep, g * g_root.to(g.dtype), 0.0))
+                        torch.where(keep, g * g_root.to(g.dtype), 0.0).to(fold))
                     count(self.plan.g_key(name), n_w, n_pos)
             for name, parts in rec.g_sums.items():
                 for g in parts:  # Σ w (c·g)⊙(c·g) / c²
@@ -318,8 +327,7 @@ class Tracker:
                     count(self.plan.g_key(name), n_w, n_pos)
         if not rows and not sums and self.world_size == 1:
             return None
-        fold = self._fold_dtype(passes)
-        cat = {k: _cat(v).to(fold) for k, v in rows.items()}
+        cat = {k: _cat(v) for k, v in rows.items()}
         ok = all_finite(list(cat.values()) + list(sums.values()))
         if bad:
             ok = ok & ~torch.stack(bad).any().to(ok.device)
@@ -541,6 +549,15 @@ def _set_rng(generator: torch.Generator, state: Tensor, fallback_seed: int) -> N
         logger.warning("kfac_stream: the checkpoint's sampler state is from another device "
                        "type; the sampler is reseeded (factors and counters are restored)")
         generator.manual_seed(fallback_seed)
+
+
+def _batch_size(inputs: dict[str, Tensor]) -> int | None:
+    """Sequences of a recorded ``[B, T]`` micro-batch (None: not such a batch)."""
+    for key in ("input_ids", "inputs_embeds", "attention_mask"):
+        x = inputs.get(key)
+        if isinstance(x, Tensor) and x.dim() >= 2:
+            return int(x.shape[0])
+    return None
 
 
 def _cat(parts: list[Tensor]) -> Tensor:

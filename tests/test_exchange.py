@@ -46,6 +46,16 @@ def _worker(rank, world, init_file, q):
         for key, (_, rows) in ex.owned.items():
             union = [local_rows(r)[key] for r in range(world) if r != 1 and key in local_rows(r)]
             assert torch.equal(rows, torch.cat(union)), key
+        # the same without telling the empty rank the dtype: the others hold bf16 rows (a GPU
+        # with 16-bit activations), the empty rank's own would be float32 (its row_dtype);
+        # the wire dtype is agreed from the ranks holding rows (before: mismatched buffers)
+        half = {k: v.to(torch.bfloat16) for k, v in local.items()}
+        ex = exchange_to_owners(half, DIMS, own, rank, world, strategy="rows",
+                                dtype=None if rank != 1 else torch.float32)
+        for key, (_, rows) in ex.owned.items():
+            union = [local_rows(r)[key].to(torch.bfloat16) for r in range(world)
+                     if r != 1 and key in local_rows(r)]
+            assert rows.dtype == torch.bfloat16 and torch.equal(rows, torch.cat(union)), key
         # a diagonal factor reduced on each rank (the tracker's hooks do that) arrives summed
         rows = local_rows(rank)
         partial = {"l1.A": rows["l1.A"].square().sum(0)} if "l1.A" in rows else {}
@@ -98,6 +108,75 @@ def _check(rank, world, strategy, transport=None):
         tol = 1e-13 if transport is None else 2.0**-10 * float(want.abs().max())
         assert torch.allclose(stat, want, rtol=0, atol=tol), (key, float((stat - want).abs().max()))
     return got
+
+
+def _issue_worker(rank, world, init_file, q):
+    """The factor updater with its worker thread (``async_updates``, the CUDA default): every
+    collective of the exchange is issued by the thread that calls ``submit`` (the training
+    thread), none by the worker, and the owner's factor is the union's statistic."""
+    import threading
+
+    import kfac_stream.distributed.exchange as exchange
+    from kfac_stream.config import KFACConfig
+    from kfac_stream.distributed.context import DistContext
+    from kfac_stream.factor_updates import Counters, FactorUpdater, UpdateJob
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world)
+    callers = []
+    for name in ("all_gather", "all_to_all_single", "reduce"):
+        real = getattr(exchange.dist, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            callers.append((_name, threading.current_thread().name))
+            return _real(*args, **kwargs)
+
+        setattr(exchange.dist, name, spy)
+    try:
+        cfg = KFACConfig(storage_dtype="float64", async_updates=True, ema_decay=1.0)
+        own = assign_owners(DIMS, world, 8)
+        up = FactorUpdater(cfg, DIMS, own, DistContext(rank, world, None, None), torch.device(
+            "cpu"), "host", torch.float64, Counters())
+        rows = {k: v for k, v in local_rows(rank).items() if not DIMS[k][1]}
+        sums = {k: v.square().sum(0) for k, v in local_rows(rank).items() if DIMS[k][1]}
+        job = UpdateJob(0, rows, {k: torch.tensor(float(COUNTS[rank][k])) for k in DIMS
+                                  if COUNTS[rank][k]},
+                        {k: torch.tensor(COUNTS[rank][k]) for k in DIMS if COUNTS[rank][k]},
+                        torch.tensor(True), sums=sums)
+        up.submit(job, 0.0)
+        up.close()
+        assert callers and all(t == "MainThread" for _, t in callers), callers
+        assert {n for n, _ in callers} >= {"all_gather", "all_to_all_single"}, callers
+        values = up.store.values()
+        for key in own.owned_by(rank):
+            union = torch.cat([local_rows(r)[key] for r in range(world) if key in local_rows(r)])
+            want = union.square().sum(0) if DIMS[key][1] else union.T @ union
+            got = values[key]
+            # float64 folds in another order: rounding of the largest entry only
+            tol = 1e-13 * float(want.abs().max()) / union.shape[0]
+            assert torch.allclose(got, want / union.shape[0], rtol=0, atol=tol), (
+                key, float((got - want / union.shape[0]).abs().max()), float(got.abs().max()))
+        q.put(rank)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_exchange_is_issued_by_the_submitting_thread():
+    _spawn(_issue_worker, 2)
+
+
+def _spawn(target, world):
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=target, args=(r, world, os.path.join(tmp, "init"), q))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return [q.get() for _ in range(world)]
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -23,57 +23,15 @@ counted window: they may read, once per snapshot.
 
 from __future__ import annotations
 
-import collections
-import traceback
-
 import pytest
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback
 
 from models import ListDataset, text_examples, tiny_llama
+from syncs import SyncCounter
 
-aten = torch.ops.aten
-_ALWAYS = {aten._local_scalar_dense, aten.is_nonzero, aten.equal, aten.nonzero,
-           aten.masked_select, aten._unique2, aten.unique_dim, aten.unique_consecutive,
-           aten.nonzero_static}
 STEPS = 20
-
-
-def _bool_index(indices) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.dtype in (torch.bool, torch.uint8)
-               for t in indices if t is not None)
-
-
-class SyncCounter(TorchDispatchMode):
-    """Counts host-synchronising ops; remembers where kfac_stream issued them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-        self.ours: collections.Counter = collections.Counter()
-        self.replayed = 0  # the model's own syncs inside kfac_stream's MC replay forward
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        packet = func.overloadpacket
-        sync = packet in _ALWAYS
-        if packet in (aten.index, aten.index_put, aten.index_put_, aten._index_put_impl_):
-            sync = _bool_index(args[1])
-        if packet is aten.repeat_interleave and kwargs.get("output_size") is None:
-            sync = True
-        if sync:
-            self.count += 1
-            stack = traceback.extract_stack()
-            outside = [f for f in stack if "/torch/" not in f.filename
-                       and not f.filename.endswith("test_host_syncs.py")]
-            if outside and "kfac_stream" in outside[-1].filename:
-                self.ours[f"{func} at {outside[-1].filename}:{outside[-1].lineno}"] += 1
-            elif any(f.filename.endswith("kfac_stream/capture/mc_fisher.py") for f in stack):
-                self.replayed += 1
-        return func(*args, **kwargs)
 
 
 class StartCounting(TrainerCallback):
@@ -136,11 +94,15 @@ def test_callback_adds_no_host_sync_per_step(tmp_path, extra):
     assert tracked.count == plain.count
 
 
-@pytest.mark.parametrize("extra,ckpt", [({"mc_sequences": "all"}, True), ({}, False)],
-                         ids=["whole-batch-checkpointing", "default-sub-batch"])
+@pytest.mark.parametrize("extra,ckpt", [({"mc_sequences": "all"}, True),
+                                        ({"mc_sequences": 1}, False),
+                                        ({"mc_sequences": 0.5}, False)],
+                         ids=["whole-batch-checkpointing", "sub-batch", "share-of-the-step"])
 def test_replayed_mc_pass_adds_only_the_models_own_forward_syncs(tmp_path, extra, ckpt):
-    # the MC pass replayed after the step: the whole batch under gradient checkpointing, or
-    # (the default) a sub-batch of sequences (see kfac_stream/capture/mc_fisher.py)
+    # the MC pass replayed after the step: the whole batch under gradient checkpointing, a
+    # sub-batch of every micro-batch (an int), or a share of the step's sequences (a float,
+    # the default's kind; 0.5 here so that both update steps replay: the default 0.05 of
+    # 2 x 2 sequences would replay in about one update of five) (kfac_stream/capture/mc_fisher.py)
     cfg = {"async_updates": True, "snapshot_every": 10_000, "fisher": "mc", **extra}
     plain = _count(tmp_path / "plain", None, gradient_checkpointing=ckpt)
     tracked = _count(tmp_path / "tracked", cfg, gradient_checkpointing=ckpt)

@@ -256,3 +256,64 @@ def test_whole_batch_setting_reproduces_the_full_batch_path(tmp_path, checkpoint
             assert rel_err(f[v][n][1], f["all"][n][1]) <= 1e-12, (v, n)
         assert got[v].tracker.counters.positions_sampled == \
             got["all"].tracker.counters.positions_sampled
+
+
+def test_replay_counts_draw_each_sequence_with_the_share():
+    """A float ``mc_sequences`` is a share ``f`` of the step's sequences: systematic sampling
+    draws ``⌊fC⌋`` or ``⌈fC⌉`` of the step's ``C`` sequences, every sequence with probability
+    ``f`` (frequency over 4000 steps within `MC_Z` binomial standard errors), the same on
+    every rank (no rank in the draw: ZeRO-3 replays are collective); an int is per
+    micro-batch; a batch that is not ``[B, T]`` (None) is replayed whole; step 0 (the tracker's
+    ``at_least_one``) takes one sequence when the draw is empty, uniform over the step's
+    (probability ``1/C``, which the rows' weight then uses)."""
+    from kfac_stream.capture.mc_fisher import replay_counts
+
+    assert replay_counts(2, [1, 4, None], 0, 7) == ([1, 2, None], None)
+    steps, f = 4000, 0.05
+    hits, forced = torch.zeros(4), torch.zeros(4)
+    for step in range(steps):
+        c, share = replay_counts(f, [1, 1, 1, 1], 0, step)  # micro-batch 1, 4 accumulation
+        assert share == f and sum(c) in (0, 1) and all(x in (0, 1) for x in c)
+        hits += torch.tensor(c, dtype=torch.float32)
+        assert replay_counts(f, [1, 1, 1, 1], 0, step) == (c, f)  # fixed by (seed, step)
+        # at_least_one (step 0): exactly one sequence, uniform over the step's 4 (1/C each)
+        c1, share1 = replay_counts(f, [1, 1, 1, 1], 0, step, at_least_one=True)
+        assert sum(c1) == 1 and (c1 == c if sum(c) else share1 == 0.25)
+        forced += torch.tensor(c1, dtype=torch.float32)
+    se = math.sqrt(f * (1 - f) / steps)
+    assert float((hits / steps - f).abs().max()) <= MC_Z * se, hits / steps
+    se1 = math.sqrt(0.25 * 0.75 / steps)
+    assert float((forced / steps - 0.25).abs().max()) <= MC_Z * se1, forced / steps
+    for step in range(50):
+        c, share = replay_counts(0.3, [3, None, 5, 2], 1, step, at_least_one=True)
+        assert share == 0.3 and c[1] is None  # f·C ≥ 1: never forced
+        assert all(0 <= x <= b for x, b in zip([c[0], c[2], c[3]], [3, 5, 2]))
+        assert c[0] + c[2] + c[3] in (3, 4)  # 0.3 · 10
+
+
+def test_share_weights_rows_by_one_over_the_share(monkeypatch):
+    """With a share ``f`` a drawn sequence weighs ``1/f`` (its inclusion probability, by the
+    test above) instead of ``B/b``, and the pass's EMA weight is ``Σ w``: the int path's
+    estimator (unbiased: the 2000-update tests above) with the sequence stage's weight
+    replaced by the inverse of its inclusion probability, hence unbiased too."""
+    from types import SimpleNamespace
+
+    from kfac_stream.capture import mc_fisher
+
+    recs = []
+
+    def fake_pass(*args, **kwargs):
+        recs.append(SimpleNamespace(weight=torch.ones(6, dtype=torch.float64), total=None))
+        return recs[-1]
+
+    monkeypatch.setattr(mc_fisher, "mc_fisher_pass", fake_pass)
+    inputs = {"input_ids": torch.zeros(4, 6, dtype=torch.long),
+              "attention_mask": torch.ones(4, 6, dtype=torch.long)}
+    for share in (None, 0.25):
+        mc_fisher.mc_subbatch_pass(None, None, inputs, torch.Generator(),
+                                   torch.Generator().manual_seed(0), 2, 0.5, share)
+    per_b, per_share = recs
+    assert torch.equal(per_b.weight, torch.full((6,), 2.0, dtype=torch.float64))  # B/b = 4/2
+    assert float(per_b.total) == 24.0  # U of the whole micro-batch
+    assert torch.equal(per_share.weight, torch.full((6,), 4.0, dtype=torch.float64))  # 1/f
+    assert per_share.total is None  # n = Σ w

@@ -48,7 +48,9 @@ def run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         for key, value in env.items():
             mp.setenv(key, value)
-        kfac = KFACStreamCallback(KFACConfig(token_fraction=1.0, update_every=1,
+        # one MC sequence of every micro-batch: every step updates (the default share 0.05 of
+        # 2 sequences would replay on step 0 and about one step in ten)
+        kfac = KFACStreamCallback(KFACConfig(token_fraction=1.0, update_every=1, mc_sequences=1,
                                              snapshot_every=3, ema_decay=0.95))
         monitor = SpectrumMonitor(kfac, log_every=LOG_EVERY)
         args = TrainingArguments(

@@ -55,9 +55,12 @@ def test_window_moves_back_until_it_holds_enough_sequences(max_steps, every, win
 
 
 def test_sequences_per_update():
-    mc = KFACConfig()  # fisher="mc", mc_sequences=1/8
-    assert sequences_per_update(mc, 30, 1, 1) == 4  # ceil(30/8)
-    assert sequences_per_update(mc, 1, 4, 8) == 32  # one sequence per micro-batch and rank
+    mc = KFACConfig(mc_sequences=0.125)  # a share of the step's sequences: the expected count
+    assert sequences_per_update(mc, 30, 1, 1) == 4  # round(30/8)
+    assert sequences_per_update(mc, 1, 4, 8) == 4  # 1/8 of 32 micro-batches of one sequence
+    assert sequences_per_update(KFACConfig(), 1, 4, 8) == 2  # default 0.05: round(1.6)
+    assert sequences_per_update(KFACConfig(), 1, 1, 1) == 1  # at least one
+    assert sequences_per_update(KFACConfig(mc_sequences=1), 1, 4, 8) == 32  # int: per micro-batch
     assert sequences_per_update(KFACConfig(fisher="empirical"), 30, 2, 2) == 120
     assert sequences_per_update(KFACConfig(mc_sequences="all"), 16, 1, 1) == 16
 
@@ -173,7 +176,10 @@ def test_window_mean_against_the_exact_expected_fisher(tmp_path):
 def _short_run(tmp_path, cfg, steps=4, batch=2):
     model = tiny_gpt2()
     examples = text_examples(8, 12)
-    cb, _, _ = run(model, examples, {"fisher": "mc", "final_window": 0.5, **cfg}, batch=batch,
+    # one sequence of every micro-batch (the default before issue 29 at these batch sizes; the
+    # default share 0.05 of 2 sequences would replay on about one update in ten)
+    cb, _, _ = run(model, examples, {"fisher": "mc", "mc_sequences": 1, "final_window": 0.5,
+                                     **cfg}, batch=batch,
                    steps=steps, tmp_path=tmp_path, record=False, lr=1e-3)
     return model.eval(), Snapshot.load(cb.snapshots[-1])
 
@@ -183,7 +189,7 @@ def test_short_run_warns_at_query_time_and_in_the_report(tmp_path, capsys):
 
     model, snap = _short_run(tmp_path / "short", {"min_window_sequences": 256})
     s = sampling_summary(snap.meta)
-    assert s["window_sequences"] == 4 * 1  # 4 updates (the whole run) × ceil(2/8) sequences
+    assert s["window_sequences"] == 4 * 1  # 4 updates (the whole run) × 1 sequence
     problems = sampling_problems(snap.meta)
     assert any("fewer than min_window_sequences=256" in p for p in problems), problems
     with pytest.warns(UserWarning, match="rests on few samples"):

@@ -55,7 +55,23 @@ def test_flush_interval_and_overhead_per_update(llama7b):
     assert a["fold_s"] == pytest.approx(a["fold"] / (989e12 * 0.6))
     # no worker excess and no snapshot excess: the GPU time per update spread over k steps
     assert a["excess_s"] == 0 and a["snapshot"] == 0
-    assert a["overhead"] == pytest.approx(a["gpu_s"] / r1["step_s"])
+    assert a["overhead"] == pytest.approx((a["gpu_s"] + a["mc_s"]) / r1["step_s"])
     assert a["overhead"] == pytest.approx(10 * r10["after"]["overhead"])
+    # the MC replay of 0.05 of 4 micro-batches of one 4096-token sequence: 0.2 sequences at
+    # 4P FLOPs per token against the step's 6P per token of 4 sequences: 0.2·4 / (6·4)
+    assert a["mc_sequences"] == pytest.approx(0.2)
+    assert a["mc_s"] / r1["step_s"] == pytest.approx(0.2 * 4 / (6 * 4))
+    assert r10["after"]["mc_share"] == pytest.approx(0.2 * 4 / (6 * 4) / 10)  # ≤ 1% per step
+    # before issue 29 every sequence was replayed at micro-batch 1: 4·4 / (6·4) per update
+    assert a["old_mc_overhead"] == pytest.approx((a["gpu_s"] + 4 * 4 / (6 * 4) * r1["step_s"])
+                                                 / r1["step_s"])
+
     # 70B on 8 ranks: 16 GB of owned sums exceed the budget -> every update is shipped
     assert scale.predict(scale.layout("Llama-2-70B"), 8, 1, rates)["after"]["K"] == 1
+
+
+def test_replayed_sequences_per_setting():
+    assert scale.replayed_sequences(0.05) == pytest.approx(0.2)  # share of 1 x 4 sequences
+    assert scale.replayed_sequences(1) == scale.replayed_sequences("all") == 4.0
+    assert scale.replayed_sequences(2, micro_batch=8, accum=2) == 4.0  # int: per micro-batch
+    assert scale.MC_DEFAULT == 0.05

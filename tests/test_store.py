@@ -138,3 +138,29 @@ def test_outlier_activations_end_to_end_fp16(tmp_path):
     assert rel(A16, A64) <= FP16_BUDGET
     for A, G in fp16.factors().values():
         assert torch.isfinite(A).all() and torch.isfinite(G).all()
+
+
+def test_live_trace_read_mid_fold_is_the_last_completed_one(monkeypatch):
+    """``traces()`` is read on the training thread while the worker folds: a read between two
+    chunks of a fold (the first chunk written, the scale not yet updated) must give the trace
+    of the last completed fold, not a mix of new entries and the old scale."""
+    gen = torch.Generator().manual_seed(0)
+    store = FactorStore("float16", 0.5, flush_every=1)
+    store.add("f", 300, diagonal=False)  # 3 chunks of CHUNK_ROWS = 128 rows
+    x = torch.randn(400, 300, generator=gen)
+    store.push_rows("f", x)  # first fold
+    f = store._factors["f"]
+    done = float(f.data.diagonal().double().sum()) * f.scale
+    assert store.traces()["f"] == done
+    seen, real = [], torch.addmm
+
+    def addmm(*args, **kwargs):  # called once per chunk, after the previous chunk's write
+        seen.append(store.traces()["f"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "addmm", addmm)
+    store.push_rows("f", 1e3 * x)  # the scale changes by ~2^20 in this fold
+    monkeypatch.setattr(torch, "addmm", real)
+    assert len(seen) == 3 and seen == [done] * 3, (seen, done)
+    after = float(f.data.diagonal().double().sum()) * f.scale
+    assert store.traces()["f"] == after and after > 1e5 * done

@@ -47,6 +47,7 @@ from torch import Tensor, nn
 from ..stats.covariance import weighted_squares
 from ..stats.loss_scale import cross_entropy_scale
 from ..stats.rows import gather_rows, sample_positions, usable_positions
+from . import graphs
 from .sharing import FactorPlan, same_data
 
 _HANDLE_ATTR = "_kfac_stream_handles"
@@ -316,6 +317,7 @@ class CaptureHooks:
         x = _batch_input(args, kwargs)
         if x is None:
             return
+        graphs.check_not_capturing(x)
         shape = (int(x.shape[0]), int(x.shape[1]))
         mask = kwargs.get("attention_mask")
         usable = usable_positions(mask if isinstance(mask, Tensor) else None, shape, x.device)

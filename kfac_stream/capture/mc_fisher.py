@@ -11,7 +11,12 @@ Three ways:
 * **on a sub-batch** (`mc_subbatch_pass`, the default, ``KFACConfig.mc_sequences`` < all):
   after the optimizer step, a fresh forward + backward of ``b`` of the micro-batch's ``B``
   sequences, drawn uniformly without replacement (`select_sequences`, seeded by
-  ``(seed, rank, step)``). A forward/backward costs what its sequences cost, so the pass
+  ``(seed, rank, step)``). How many of each micro-batch (`replay_counts`): ``min(k, B)`` for
+  an int ``k``; for a share ``f`` of the step's sequences (the default) a systematic draw
+  over the step's micro-batches, each sequence with probability ``f``, weight ``1/f`` in
+  place of ``B/b`` below and EMA weight ``Σ w`` in place of ``U``; a micro-batch with
+  ``b = 0`` is not replayed at all (at micro-batch 1: a share ``f`` of the micro-batches).
+  A forward/backward costs what its sequences cost, so the pass
   costs ``b/B`` of the full one, while token subsampling alone shrinks only the factor GEMMs.
   The ``m = ceil(token_fraction·B·T)`` slots the empirical path would take from the whole
   micro-batch are drawn among the sub-batch's ``U_b`` usable positions; a usable slot carries
@@ -36,20 +41,23 @@ Three ways:
   would be fp16 without a loss scale); that forward makes whatever host syncs the model's
   forward makes.
 
-Replays run on every rank on every update step, one per recorded micro-batch, whatever was
-drawn (a padding-only sequence gives a zero loss and still runs its backward): under ZeRO-3
-the forward gathers parameters collectively.
+Replays run on every rank for the same micro-batch indices of an update step (an int
+``mc_sequences``: every one; a share: those `replay_counts` draws, the same on every rank with
+equal micro-batch sizes, as the HF Trainer's samplers give), whatever was drawn (a
+padding-only sequence gives a zero loss and still runs its backward): under ZeRO-3 the
+forward gathers parameters collectively.
 """
 
 from __future__ import annotations
 
+import math
+import random
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import mc_sequences_of
 from ..stats.rows import slots_per_pass, usable_positions
 from .hooks import MC_REPLAY, CaptureHooks, CaptureMode, PassRecord, logits_of
 
@@ -226,9 +234,53 @@ def _batch_shape(inputs: dict[str, Tensor]) -> tuple[int, int] | None:
     return None
 
 
+def replay_counts(mc_sequences: int | float | str, batches: list[int | None], seed: int,
+                  step: int, at_least_one: bool = False
+                  ) -> tuple[list[int | None], float | None]:
+    """Sequences of each of an update step's micro-batches (sizes ``batches``; None: not a
+    ``[B, T]`` batch, replayed whole) that the MC replay runs on (0: not replayed), and the
+    probability with which each of the step's sequences was drawn (None for an int).
+
+    An int ``k``: ``min(k, B)`` of every micro-batch. A share ``f`` in ``(0, 1)`` of the
+    step's sequences: systematic sampling over the micro-batches' sequences laid end to end,
+    ``b_j = ⌊u + f·C_{j+1}⌋ − ⌊u + f·C_j⌋`` (``C_j``: sequences before micro-batch ``j``,
+    ``u ~ U[0, 1)`` from Python's generator seeded by ``(seed, step)``), so every sequence is
+    drawn with probability exactly ``f`` and ``⌊f·C⌋`` or ``⌈f·C⌉`` of the step's ``C`` are, in
+    whole micro-batches when they hold one sequence each (micro-batch 1). ``at_least_one``
+    (the tracker sets it at step 0, so that no run ends with empty factors; a step, not a
+    state, so a resumed run draws what the whole run drew): when the
+    draw is empty, one sequence, uniform over the ``C`` (a second draw of the same generator);
+    with ``f·C < 1`` the combined draw is then exactly one uniform sequence, drawn with
+    probability ``1/C``. ``u`` is the same on every rank, so with equal micro-batch sizes every
+    rank replays the same micro-batch indices: under ZeRO-3 a replay's forward gathers
+    parameters collectively.
+    """
+    if isinstance(mc_sequences, int) and not isinstance(mc_sequences, bool):
+        return [None if b is None else min(mc_sequences, b) for b in batches], None
+    f = float(mc_sequences)
+    rng = random.Random(selection_seed(seed, 0, step))  # host draws: no tensor read
+    u = rng.random()
+    out, before = [], 0
+    for b in batches:
+        if b is None:
+            out.append(None)
+            continue
+        out.append(min(b, math.floor(u + f * (before + b)) - math.floor(u + f * before)))
+        before += b
+    if at_least_one and before > 0 and not any(out) and f * before < 1.0:
+        target, at = math.floor(rng.random() * before), 0  # a uniform sequence, independent of u
+        for j, b in enumerate(batches):
+            if b is not None and at <= target < at + b:
+                out[j] = 1
+                return out, 1.0 / before
+            at += b or 0
+    return out, f
+
+
 def mc_subbatch_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Tensor],
                      label_generator: torch.Generator, select_generator: torch.Generator,
-                     mc_sequences: int | float | str, token_fraction: float) -> None:
+                     count: int | None, token_fraction: float,
+                     share: float | None = None) -> None:
     """The MC Fisher replay of one stored micro-batch on a random sub-batch of its sequences
     (adds one PassRecord; the estimator and its weights: module docstring).
 
@@ -237,15 +289,20 @@ def mc_subbatch_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, 
             are cut to the sub-batch; others pass unchanged).
         label_generator: The MC label sampler.
         select_generator: The sequence sampler (seeded per step by the tracker).
-        mc_sequences: ``KFACConfig.mc_sequences``.
+        count: Sequences to replay (`replay_counts`, ``≥ 1``; None: the whole micro-batch).
         token_fraction: ``KFACConfig.token_fraction`` (slots of the WHOLE micro-batch).
+        share: The probability ``f`` with which `replay_counts` drew every sequence of the
+            step (a float ``mc_sequences``): the rows are weighted ``1/f`` (times the token
+            stage's weight) and the pass's EMA weight is ``Σ w`` (``U_b/f``, unbiased for
+            the step's usable positions). None (an int ``mc_sequences``): the micro-batch is
+            always replayed, weights ``B/b`` and EMA weight ``U``.
     """
     shape = _batch_shape(inputs)
-    if shape is None:  # not a [B, T] batch: the whole micro-batch, as before
+    if shape is None or count is None:  # not a [B, T] batch: the whole micro-batch
         mc_fisher_pass(model, capture, inputs, label_generator)
         return
     B, T = shape
-    b = mc_sequences_of(mc_sequences, B)
+    b = min(int(count), B)
     ref = next(v for v in inputs.values() if isinstance(v, Tensor) and v.dim() >= 2)
     mask = inputs.get("attention_mask")
     usable = usable_positions(mask if isinstance(mask, Tensor) else None, shape, ref.device)
@@ -261,6 +318,8 @@ def mc_subbatch_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, 
     rec = mc_fisher_pass(model, capture, sub, label_generator,
                          CaptureMode(rows=True, estimate_scale=False, count_tokens=False,
                                      keep_outputs=True, token_fraction=fraction))
-    if rec is not None and b < B:  # b = B: the full replay's record, untouched
+    if rec is not None and share is not None:  # × 1/P(sequence drawn) = 1/f; n = Σ w
+        rec.weight = rec.weight / share
+    elif rec is not None and b < B:  # b = B: the full replay's record, untouched
         rec.weight = rec.weight * (B / b)  # × 1/P(sequence drawn)
         rec.total = total.to(rec.weight.device)

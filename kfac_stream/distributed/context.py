@@ -1,18 +1,22 @@
 """Where this process stands in a multi-process run, and the two process groups kfac_stream
 talks on.
 
-Two private groups, created collectively when training starts:
+Private groups, created collectively when training starts:
 
-* ``exchange_group`` — used only by whichever thread applies factor updates (the training
-  thread, or the tracker's background worker): the per-update exchange of rows/statistics.
-  On the training backend: NCCL when the model is on a CUDA device (rows and statistics
-  stay on the GPU and move over NVLink/InfiniBand, on the worker's own CUDA stream), gloo
-  for CPU training;
+* ``exchange_group`` — the per-update exchange of rows/statistics, ISSUED ONLY BY THE
+  TRAINING THREAD at the end of an update step (asynchronous collectives; the factor worker
+  only waits for them). On the training backend: NCCL when the model is on a CUDA device
+  (rows and statistics stay on the GPU and move over NVLink/InfiniBand, after the updater's
+  side stream), gloo for CPU training. Issued from one thread at a fixed point of the step,
+  its NCCL kernels are launched in the same order relative to DDP's all-reduce and
+  DeepSpeed's gathers on every rank: two communicators driven from two threads could launch
+  them in different orders on different ranks, which NCCL documents as able to deadlock.
+  The NCCL communicator is created and warmed up in `DistContext.from_torch` (train begin),
+  not inside the first update;
+* ``plan_group`` — gloo, the exchange's small host table (row counts, dtypes), also from the
+  training thread (the ``exchange_group`` itself when that is gloo);
 * ``snapshot_group`` — used only by the snapshot thread: shard records and the outcome
   (always gloo: small JSON records in CPU tensors).
-
-Separate groups keep the two streams of collectives independent of each other and of the
-training's own (DDP's all-reduce, DeepSpeed's gathers), whatever thread issues them.
 
 Objects are exchanged as JSON in byte tensors (`JsonComm`): no Python object
 serialisation, nothing a peer sends can run code here.
@@ -82,6 +86,7 @@ class DistContext:
     world_size: int
     exchange_group: Any
     snapshot_group: Any
+    plan_group: Any = None
 
     @classmethod
     def from_torch(cls, device: torch.device | None = None) -> DistContext | None:
@@ -100,16 +105,25 @@ class DistContext:
         if world == 1:
             return None
         on_gpu = device is not None and device.type == "cuda" and dist.is_nccl_available()
-        return cls(dist.get_rank(), world, dist.new_group(backend="nccl" if on_gpu else "gloo"),
-                   dist.new_group(backend="gloo"))
+        exchange = dist.new_group(backend="nccl" if on_gpu else "gloo")
+        snapshot = dist.new_group(backend="gloo")
+        plan = dist.new_group(backend="gloo") if on_gpu else exchange
+        if on_gpu:  # NCCL creates its communicator at the first collective: do it now
+            warm = torch.zeros(1, device=device)
+            dist.all_reduce(warm, group=exchange)
+            torch.cuda.synchronize(device)
+        return cls(dist.get_rank(), world, exchange, snapshot, plan)
 
     def destroy(self) -> None:
-        """Release the two private groups (idempotent; at the end of training, on every rank,
+        """Release the private groups (idempotent; at the end of training, on every rank,
         so no gloo thread outlives the run)."""
-        for name in ("exchange_group", "snapshot_group"):
+        done = []
+        for name in ("exchange_group", "snapshot_group", "plan_group"):
             group = getattr(self, name)
-            if group is not None and dist.is_initialized():
+            if group is not None and dist.is_initialized() and \
+                    not any(group is g for g in done):
                 dist.destroy_process_group(group)
+                done.append(group)
             setattr(self, name, None)
 
     @property

@@ -21,6 +21,7 @@ This module (with ``ownership``) is the only place that calls ``torch.distribute
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..stats.covariance import gram
-from ..stats.fp16 import fp16_exponent
+from ..stats.fp16 import FP16_TARGET
 from .ownership import Ownership
 
 
@@ -89,123 +90,6 @@ def _default_gram(rows: Tensor, diagonal: bool) -> Tensor:
     return gram(rows.double(), diagonal).to(rows.dtype)
 
 
-def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool]],
-                       ownership: Ownership, rank: int, world_size: int, group=None,
-                       strategy: str | None = None, ok: bool = True,
-                       transport: torch.dtype | None = None,
-                       dtype: torch.dtype | None = None,
-                       weights: dict[str, float] | None = None,
-                       positions: dict[str, int] | None = None,
-                       device: torch.device | None = None,
-                       gram_fn: Callable[[Tensor, bool], Tensor] | None = None,
-                       sums: dict[str, Tensor] | None = None) -> Exchanged:
-    """Bring every factor's rows (or partial sums) to its owner.
-
-    Collective: every rank calls it with the same keys (``dims``), in the same order. One
-    ``all_gather`` of a small float64 table (row counts, weights, positions, transport
-    exponents, ``ok``) comes first, so all ranks agree on the strategy, the padding and
-    whether to skip; then **one** ``all_to_all`` moves every rows-strategy factor to its owner
-    (each rank's piece for an owner is that owner's factors' rows, padded to the largest
-    ``m_r``, flattened), and one asynchronous ``reduce`` per owner, all in flight together,
-    sums the statistics-strategy factors. The same code runs on gloo with CPU tensors and on
-    NCCL with device tensors (``device``).
-
-    Args:
-        local: ``{key: rows [m_r, d]}`` on this rank (a missing key means ``m_r = 0``); A rows
-            already carry their bias column and every row its sampling weight; one float
-            dtype, on ``device``.
-        dims: ``{key: (d, diagonal)}`` for every factor.
-        ownership: Who owns which key.
-        rank, world_size: This process's place.
-        strategy: Force ``"rows"`` or ``"stats"`` (tests, benchmarks); default per factor.
-        ok: This rank's statistics are usable (finite, loss scale known); if any rank says
-            False, every rank skips the update and nothing else is sent.
-        transport: ``torch.float16`` sends rows as fp16 scaled by a power of two per rank and
-            factor (relative rounding 2^-11 per entry, the storage's own); None sends them in
-            their dtype. Partial statistics always travel in the rows' dtype (sums of
-            squares need its range and precision).
-        dtype: The rows' dtype on every rank (default: that of ``local``, else float32). Pass
-            it: a rank with no rows at all must still send buffers of the others' dtype.
-        weights: ``{key: Σ weights}`` of this rank's rows (default ``m_r``: unweighted).
-        positions: ``{key: sampled positions}`` (default ``m_r``).
-        device: Where the buffers live (the group's backend must serve it; default CPU).
-        gram_fn: ``(rows, diagonal) -> Σ rowsᵀrows`` for the partial statistics (default:
-            summed in float64, returned in the rows' dtype).
-        sums: ``{key: partial statistic}`` already reduced on this rank (diagonal factors:
-            ``Σ w x⊙x``, ``[d]``); such keys always take the statistics strategy, and their
-            table count is 1 per contributing rank instead of rows.
-    """
-    keys = list(dims)
-    device = device or torch.device("cpu")
-    dtype = dtype or next((t.dtype for t in local.values()), torch.float32)
-    gram_fn = gram_fn or _default_gram
-    weights, positions, sums = weights or {}, positions or {}, sums or {}
-    k = len(keys)
-    mine = [0.0] * (5 * k + 1)  # slots | weights | positions | exponents | summed | ok
-    amax = {}
-    if transport is not None and ok and local:
-        present = [key for key in keys if key in local and local[key].numel()]
-        if present:  # one host read for all keys
-            maxima = torch.stack([local[key].abs().max() for key in present]).tolist()
-            amax = dict(zip(present, maxima))
-    for j, key in enumerate(keys):
-        if key in sums and ok:
-            mine[j] = 1
-            mine[k + j] = float(weights[key])
-            mine[2 * k + j] = positions[key]
-            mine[4 * k + j] = 1.0
-        elif key in local and ok:
-            m = local[key].shape[0]
-            mine[j] = m
-            mine[k + j] = float(weights.get(key, m))
-            mine[2 * k + j] = positions.get(key, m)
-            mine[3 * k + j] = fp16_exponent(amax.get(key, 0.0))
-    mine[5 * k] = float(ok)
-    row = torch.tensor(mine, dtype=torch.float64, device=device)
-    every = [torch.zeros_like(row) for _ in range(world_size)]
-    dist.all_gather(every, row, group=group)
-    table = torch.stack(every).cpu()  # [W, 5K+1]
-    slots = table[:, :k].long()
-    exps = table[:, 3 * k:4 * k].long()
-    summed = table[:, 4 * k:5 * k].amax(0) > 0  # [K]: some rank sent a reduced sum
-    result = Exchanged(ok=bool(table[:, 5 * k].min() > 0))
-    if not result.ok:
-        return result
-    wire = transport or dtype
-    esize = torch.tensor([], dtype=wire).element_size()
-    plans: list[_Plan] = []
-    for j, key in enumerate(keys):
-        d, diagonal = dims[key]
-        owner = ownership.owner[key]
-        per_rank = slots[:, j].tolist()
-        total = sum(per_rank)
-        result.totals[key] = total
-        if total == 0:
-            continue
-        result.weights[key] = float(table[:, k + j].sum())
-        result.positions[key] = int(table[:, 2 * k + j].sum())
-        if bool(summed[j]):  # already reduced: only the statistics strategy makes sense
-            zero = torch.zeros(d if diagonal else (d, d), dtype=torch.float64
-                               if dtype == torch.float64 else torch.float32, device=device)
-            plans.append(_Plan(key, j, d, diagonal, owner, per_rank, "stats",
-                               sums.get(key, zero), summed=True))
-            result.bytes_stats += stats_bytes(world_size, d, diagonal, 4)
-            continue
-        rows = local.get(key, torch.zeros(0, d, dtype=dtype, device=device))
-        result.bytes_rows += rows_bytes(per_rank, owner, d, esize)
-        result.bytes_stats += stats_bytes(world_size, d, diagonal, max(4, rows.element_size()))
-        how = strategy or choose_strategy(per_rank, owner, d, diagonal, esize)
-        plans.append(_Plan(key, j, d, diagonal, owner, per_rank, how, rows))
-    rows_plans = [p for p in plans if p.how == "rows"]
-    if rows_plans:
-        _all_to_all_rows(rows_plans, exps, rank, world_size, wire, dtype,
-                         transport is not None, group, result, esize, device)
-    stats_plans = [p for p in plans if p.how == "stats"]
-    if stats_plans:
-        _reduce_stats(stats_plans, rank, world_size, dtype, group, result, gram_fn)
-    return result
-
-
 @dataclass
 class _Plan:
     """One factor's part of an exchange (the same on every rank but ``rows``)."""
@@ -221,13 +105,247 @@ class _Plan:
     summed: bool = False
 
 
-def _all_to_all_rows(plans: list[_Plan], exps: Tensor, rank: int, world: int,
-                     wire: torch.dtype, dtype: torch.dtype, scaled: bool, group,
-                     result: Exchanged, esize: int, device: torch.device) -> None:
-    """One ``all_to_all`` of every rows-strategy factor: the piece for owner ``o`` holds o's
-    factors' rows, each padded to the largest ``m_r`` (so every source sends o the same
-    number of entries); the owner cuts each source's piece back apart."""
-    by_owner = [[p for p in plans if p.owner == o] for o in range(world)]
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def _dtype_code(dtype: torch.dtype | None) -> int:
+    return 0 if dtype is None else _DTYPES.index(dtype) + 1
+
+
+def _agreed_dtype(codes: Sequence[int]) -> torch.dtype:
+    """The rows' dtype every rank uses on the wire: that of the ranks holding rows (promoted if
+    they differ), float32 when none does. A rank without rows never decides it."""
+    out = None
+    for c in codes:
+        if c:
+            dt = _DTYPES[c - 1]
+            out = dt if out is None else torch.promote_types(out, dt)
+    return out or torch.float32
+
+
+def _as_device(value, device: torch.device) -> Tensor:
+    """A 0-dim float64 tensor on ``device`` from a number or a tensor (no host read: a device
+    tensor is converted on the device)."""
+    if isinstance(value, Tensor):
+        return value.detach().to(device=device, dtype=torch.float64).reshape(())
+    return torch.full((), float(value), dtype=torch.float64, device=device)
+
+
+@dataclass
+class PendingExchange:
+    """An exchange whose collectives are all issued (`start_exchange`) but maybe not finished;
+    `finish_exchange` waits for them and cuts out what this rank owns.
+
+    Attributes:
+        result: Byte counts and totals, known when the exchange was issued.
+        works: The asynchronous collectives' handles.
+        table: Every rank's ``[3K + 1]`` float64 device table (weights | positions | transport
+            exponents | ok), filled when ``works`` are done.
+        keys: The factor keys, in table order.
+        rows_plans, stats_plans: The factors moved as rows / as partial statistics.
+        recv: The rows ``all_to_all``'s receive buffer (None: no rows factor).
+        reduced: ``[(owner, plans, shapes, flat buffer)]`` of the statistics reductions.
+        dtype: The rows' dtype agreed by all ranks; ``scaled``: fp16 transport.
+        rank, world: This process's place.
+        wide: The partial statistics' dtype agreed by all ranks.
+    """
+
+    result: Exchanged
+    works: list
+    table: list[Tensor]
+    keys: list[str]
+    rows_plans: list
+    stats_plans: list
+    recv: Tensor | None
+    reduced: list
+    dtype: torch.dtype
+    scaled: bool
+    rank: int
+    world: int
+    wide: torch.dtype = torch.float32  # the partial statistics' dtype, agreed by all ranks
+    keep: list = field(default_factory=list)  # send buffers, alive until the works finish
+
+
+def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool]],
+                       ownership: Ownership, rank: int, world_size: int, group=None,
+                       strategy: str | None = None, ok: bool | Tensor = True,
+                       transport: torch.dtype | None = None,
+                       dtype: torch.dtype | None = None,
+                       weights: dict[str, float | Tensor] | None = None,
+                       positions: dict[str, int | Tensor] | None = None,
+                       device: torch.device | None = None,
+                       gram_fn: Callable[[Tensor, bool], Tensor] | None = None,
+                       sums: dict[str, Tensor] | None = None,
+                       plan_group=None) -> Exchanged:
+    """Bring every factor's rows (or partial sums) to its owner: `start_exchange` then
+    `finish_exchange` on the calling thread (arguments: `start_exchange`)."""
+    return finish_exchange(start_exchange(
+        local, dims, ownership, rank, world_size, group, strategy, ok, transport, dtype,
+        weights, positions, device, gram_fn, sums, plan_group))
+
+
+def start_exchange(local: dict[str, Tensor], dims: dict[str, tuple[int, bool]],
+                   ownership: Ownership, rank: int, world_size: int, group=None,
+                   strategy: str | None = None, ok: bool | Tensor = True,
+                   transport: torch.dtype | None = None,
+                   dtype: torch.dtype | None = None,
+                   weights: dict[str, float | Tensor] | None = None,
+                   positions: dict[str, int | Tensor] | None = None,
+                   device: torch.device | None = None,
+                   gram_fn: Callable[[Tensor, bool], Tensor] | None = None,
+                   sums: dict[str, Tensor] | None = None,
+                   plan_group=None) -> PendingExchange:
+    """Issue every collective of one exchange, reading no device value on the host.
+
+    Collective: every rank calls it with the same keys (``dims``), in the same order, from
+    the same thread relative to the training's own collectives (the tracker issues it from the
+    training thread at the end of an update step, so NCCL kernels of this group and of
+    DDP/ZeRO are launched in the same order on every rank). First one blocking ``all_gather``
+    of a small host table over ``plan_group`` (gloo: row counts and dtypes, which the host
+    knows from the tensors' shapes), so all ranks agree on the strategy, the padding and the
+    wire dtype; then, all asynchronous on ``group``: an ``all_gather`` of a ``[3K + 1]``
+    device table (weights, positions, fp16 transport exponents, ``ok``), **one**
+    ``all_to_all`` of every rows-strategy factor (each rank's piece for an owner is that
+    owner's factors' rows, padded to the largest ``m_r``, flattened) and one ``reduce`` per
+    owner of the statistics-strategy factors' partial sums. The same code runs on gloo with
+    CPU tensors and on NCCL with device tensors (``device``); on CUDA the collectives run
+    after the current stream's work (issue it under the stream that may wait for them).
+
+    Args:
+        local: ``{key: rows [m_r, d]}`` on this rank (a missing key means ``m_r = 0``); A rows
+            already carry their bias column and every row its sampling weight; one float
+            dtype, on ``device``.
+        dims: ``{key: (d, diagonal)}`` for every factor.
+        ownership: Who owns which key.
+        rank, world_size: This process's place.
+        group: The process group of the payload (default: the default group).
+        strategy: Force ``"rows"`` or ``"stats"`` (tests, benchmarks); default per factor.
+        ok: This rank's statistics are usable (a bool or a 0-dim device tensor); if any rank
+            says False, every rank skips the update (the payload still moves: deciding first
+            would need a host read).
+        transport: ``torch.float16`` sends float32/float64 rows as fp16 scaled by a power of
+            two per rank and factor (relative rounding 2^-11 per entry, the storage's own);
+            16-bit rows, and None, travel in their dtype. Partial statistics always travel in
+            float32 (float64 when any rank's rows or sums are float64: agreed over ranks).
+        dtype: This rank's rows' dtype (default: that of ``local``). The wire dtype is agreed
+            over ranks from those holding rows, so a rank with none sends buffers of the
+            others' dtype whatever it passes here.
+        weights: ``{key: Σ weights}`` of this rank's rows, numbers or 0-dim device tensors
+            (default ``m_r``: unweighted).
+        positions: ``{key: sampled positions}`` (default ``m_r``).
+        device: Where the buffers live (the group's backend must serve it; default CPU).
+        gram_fn: ``(rows, diagonal) -> Σ rowsᵀrows`` for the partial statistics (default:
+            summed in float64, returned in the rows' dtype).
+        sums: ``{key: partial statistic}`` already reduced on this rank (diagonal factors:
+            ``Σ w x⊙x``, ``[d]``); such keys always take the statistics strategy, and their
+            table count is 1 per contributing rank instead of rows.
+        plan_group: A gloo group for the host table (default: ``group``, which must then be
+            gloo; the tracker passes its own for an NCCL ``group``).
+    """
+    keys = list(dims)
+    device = device or torch.device("cpu")
+    gram_fn = gram_fn or _default_gram
+    weights, positions, sums = weights or {}, positions or {}, sums or {}
+    k = len(keys)
+    counts = [0] * (2 * k + 2)  # host table: slots | summed | rows' dtype | float64 sums
+    for j, key in enumerate(keys):
+        counts[j] = 1 if key in sums else (local[key].shape[0] if key in local else 0)
+        counts[k + j] = int(key in sums)
+    mine_dtype = dtype or next((t.dtype for t in local.values()), None)
+    counts[2 * k] = _dtype_code(mine_dtype) if any(key in local for key in keys) else 0
+    counts[2 * k + 1] = int(any(t.dtype == torch.float64 for t in sums.values()))
+    host = torch.tensor(counts, dtype=torch.int64)
+    every = [torch.zeros_like(host) for _ in range(world_size)]
+    dist.all_gather(every, host, group=plan_group if plan_group is not None else group)
+    slots = torch.stack(every)  # [W, 2K + 2]
+    summed_any = slots[:, k:2 * k].amax(0) > 0  # [K]: some rank sent a reduced sum
+    wire_rows = _agreed_dtype(slots[:, 2 * k].tolist())
+    # partial statistics: float32 (bf16/fp16/fp32 rows), float64 if any rank's are
+    wide = torch.float64 if wire_rows == torch.float64 or bool(slots[:, 2 * k + 1].max()) \
+        else torch.float32
+    scaled = transport is not None and wire_rows in (torch.float32, torch.float64)
+    wire = transport if scaled else wire_rows
+    esize = torch.tensor([], dtype=wire).element_size()
+    # the device table: weights | positions | exponents | ok, filled with device ops only
+    row = torch.zeros(3 * k + 1, dtype=torch.float64, device=device)
+    exps: dict[str, Tensor] = {}
+    for j, key in enumerate(keys):
+        if key in sums or key in local:
+            m = 1 if key in sums else local[key].shape[0]
+            row[j] = _as_device(weights.get(key, m), device)
+            row[k + j] = _as_device(positions.get(key, m), device)
+        if scaled and key in local and key not in sums and local[key].numel():
+            amax = local[key].detach().abs().max().to(torch.float64)
+            e = torch.where(amax > 0, torch.ceil(torch.log2(amax / FP16_TARGET)),
+                            torch.zeros_like(amax))
+            exps[key] = e
+            row[2 * k + j] = e
+    row[3 * k] = _as_device(ok, device)
+    table = [torch.zeros_like(row) for _ in range(world_size)]
+    works = [dist.all_gather(table, row, group=group, async_op=True)]
+    result = Exchanged(ok=True)
+    plans: list[_Plan] = []
+    for j, key in enumerate(keys):
+        d, diagonal = dims[key]
+        owner = ownership.owner[key]
+        per_rank = slots[:, j].tolist()
+        total = sum(per_rank)
+        result.totals[key] = total
+        if total == 0:
+            continue
+        if bool(summed_any[j]):  # already reduced: only the statistics strategy makes sense
+            zero = torch.zeros(d if diagonal else (d, d), dtype=wide, device=device)
+            plans.append(_Plan(key, j, d, diagonal, owner, per_rank, "stats",
+                               sums.get(key, zero), summed=True))
+            result.bytes_stats += stats_bytes(world_size, d, diagonal, 4)
+            continue
+        rows = local.get(key, torch.zeros(0, d, dtype=wire_rows, device=device))
+        result.bytes_rows += rows_bytes(per_rank, owner, d, esize)
+        result.bytes_stats += stats_bytes(world_size, d, diagonal, max(4, rows.element_size()))
+        how = strategy or choose_strategy(per_rank, owner, d, diagonal, esize)
+        plans.append(_Plan(key, j, d, diagonal, owner, per_rank, how, rows))
+    pending = PendingExchange(result, works, table, keys, [p for p in plans if p.how == "rows"],
+                              [p for p in plans if p.how == "stats"], None, [], wire_rows,
+                              scaled, rank, world_size, wide)
+    if pending.rows_plans:
+        _issue_rows(pending, exps, wire, group, esize, device)
+    if pending.stats_plans:
+        _issue_stats(pending, group, gram_fn)
+    return pending
+
+
+def finish_exchange(pending: PendingExchange) -> Exchanged:
+    """Wait for an exchange's collectives (on CUDA: the current stream waits, then one host
+    read of the gathered table) and return what this rank owns (`Exchanged`)."""
+    for work in pending.works:
+        work.wait()
+    k, result = len(pending.keys), pending.result
+    table = torch.stack(pending.table).cpu()  # [W, 3K + 1]: the one host read
+    result.ok = bool(table[:, 3 * k].min() > 0)
+    if not result.ok:
+        result.owned.clear()
+        return result
+    for j, key in enumerate(pending.keys):
+        if result.totals.get(key, 0):
+            result.weights[key] = float(table[:, j].sum())
+            result.positions[key] = int(table[:, k + j].sum())
+    if pending.rows_plans:
+        _finish_rows(pending, table[:, 2 * k:3 * k].long())
+    for owner, mine, shapes, flat in pending.reduced:
+        if pending.rank != owner:
+            continue
+        for p, shape, piece in zip(mine, shapes, flat.split([math.prod(s) for s in shapes])):
+            result.owned[p.key] = ("stats", (piece.view(shape), result.weights[p.key]))
+    return result
+
+
+def _issue_rows(pending: PendingExchange, exps: dict[str, Tensor], wire: torch.dtype, group,
+                esize: int, device: torch.device) -> None:
+    """One asynchronous ``all_to_all`` of every rows-strategy factor: the piece for owner ``o``
+    holds o's factors' rows, each padded to the largest ``m_r`` (so every source sends o the
+    same number of entries); `_finish_rows` cuts each source's piece back apart."""
+    world, rank = pending.world, pending.rank
+    by_owner = [[p for p in pending.rows_plans if p.owner == o] for o in range(world)]
     size = [sum(max(p.per_rank) * p.d for p in ps) for ps in by_owner]  # entries per piece
     send = torch.zeros(sum(size), dtype=wire, device=device)
     at = 0
@@ -235,50 +353,55 @@ def _all_to_all_rows(plans: list[_Plan], exps: Tensor, rank: int, world: int,
         for p in ps:
             width, n = max(p.per_rank), p.rows.shape[0]
             view = send[at:at + width * p.d].view(width, p.d)
-            if scaled:
-                view[:n] = p.rows * 2.0 ** -int(exps[rank, p.index])
-            else:
+            if n and p.key in exps:  # fp16 transport: scaled by 2^-e on the device
+                view[:n] = p.rows * torch.exp2(-exps[p.key]).to(p.rows.dtype)
+            elif n:
                 view[:n] = p.rows
             at += width * p.d
     recv = torch.empty(world * size[rank], dtype=wire, device=device)
-    dist.all_to_all_single(recv, send, output_split_sizes=[size[rank]] * world,
-                           input_split_sizes=size, group=group)
-    result.bytes_moved += (sum(size) - size[rank]) * esize
-    pieces = recv.split(size[rank]) if size[rank] else []
-    offsets, at = {}, 0
-    for p in by_owner[rank]:
-        offsets[p.key] = at
-        at += max(p.per_rank) * p.d
-    for p in by_owner[rank]:
-        width, lo = max(p.per_rank), offsets[p.key]
+    pending.works.append(dist.all_to_all_single(
+        recv, send, output_split_sizes=[size[rank]] * world, input_split_sizes=size,
+        group=group, async_op=True))
+    pending.keep.append(send)
+    pending.recv = recv
+    pending.result.bytes_moved += (sum(size) - size[rank]) * esize
+
+
+def _finish_rows(pending: PendingExchange, exps: Tensor) -> None:
+    """This rank's owned rows-strategy factors from the received buffer (``exps``: ``[W, K]``
+    transport exponents)."""
+    mine = [p for p in pending.rows_plans if p.owner == pending.rank]
+    if not mine:
+        return
+    width_of = {p.key: max(p.per_rank) * p.d for p in mine}
+    pieces = pending.recv.split(sum(width_of.values()))
+    at = 0
+    for p in mine:
+        width, lo = max(p.per_rank), at
+        at += width * p.d
         parts = []
         for r, n in enumerate(p.per_rank):
-            part = pieces[r][lo:lo + width * p.d].view(width, p.d)[:n].to(dtype)
-            if scaled:
+            part = pieces[r][lo:lo + width * p.d].view(width, p.d)[:n].to(pending.dtype)
+            if pending.scaled:
                 part = part.mul_(2.0 ** int(exps[r, p.index]))
             parts.append(part)
-        result.owned[p.key] = ("rows", torch.cat(parts))
+        pending.result.owned[p.key] = ("rows", torch.cat(parts))
 
 
-def _reduce_stats(plans: list[_Plan], rank: int, world: int, dtype: torch.dtype, group,
-                  result: Exchanged, gram_fn: Callable[[Tensor, bool], Tensor]) -> None:
-    """Per owner, one ``reduce`` of all its statistics-strategy factors' partial sums (one
-    flat buffer); the reductions to all owners are issued together and then awaited."""
-    pending = []
-    for owner in range(world):
-        mine = [p for p in plans if p.owner == owner]
+def _issue_stats(pending: PendingExchange, group,
+                 gram_fn: Callable[[Tensor, bool], Tensor]) -> None:
+    """Per owner, one asynchronous ``reduce`` of all its statistics-strategy factors' partial
+    sums (one flat buffer in the agreed ``pending.wide``)."""
+    wide = pending.wide
+    for owner in range(pending.world):
+        mine = [p for p in pending.stats_plans if p.owner == owner]
         if not mine:
             continue
-        wide = torch.float64 if dtype == torch.float64 else torch.float32  # bf16 rows: fp32 sums
         parts = [(p.rows if p.summed else gram_fn(p.rows, p.diagonal)).to(wide)
                  for p in mine]  # [d, d] or [d]
         flat = torch.cat([x.reshape(-1) for x in parts])
-        work = dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        pending.append((owner, mine, parts, flat, work))
-    for owner, mine, parts, flat, work in pending:
-        work.wait()
-        if rank != owner:
-            result.bytes_moved += flat.numel() * flat.element_size()
-            continue
-        for p, x, piece in zip(mine, parts, flat.split([x.numel() for x in parts])):
-            result.owned[p.key] = ("stats", (piece.view(x.shape), result.weights[p.key]))
+        pending.works.append(dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM, group=group,
+                                         async_op=True))
+        pending.reduced.append((owner, mine, [tuple(x.shape) for x in parts], flat))
+        if pending.rank != owner:
+            pending.result.bytes_moved += flat.numel() * flat.element_size()

@@ -15,6 +15,7 @@ import os
 
 from transformers import TrainerCallback
 
+from ..capture.graphs import compile_mode_error
 from ..config import KFACConfig, sequences_per_update
 from ..distributed.context import LOCAL, DistContext
 from ..distributed.fsdp import is_fsdp_sharded
@@ -143,6 +144,9 @@ class KFACStreamCallback(TrainerCallback):
             logger.info("kfac_stream: not called by a Trainer's callback handler: spectra "
                         "go only to an active W&B run")
         cfg = KFACConfig(**self.config.to_dict())  # re-validate (the config may be a copy)
+        error = compile_mode_error(args)  # CUDA graphs would replay stale hooks
+        if error is not None:
+            raise error
         self.close()
         self._reporter.start(handler, len(self.snapshots))  # earlier runs' are not reported
         _warn_fsdp_not_applied(model)

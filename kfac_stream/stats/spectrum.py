@@ -9,11 +9,10 @@ eigenvalues rounding produces to zero (the factors are PSD by construction).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
-
-GPU_BATCH_BYTES = 1 << 30  # float32 bytes of one batched GPU eigh call
 
 
 def default_eigh_threads() -> int:
@@ -35,10 +34,14 @@ def eigh_factors(factors: dict[str, Tensor], device: torch.device | None = None,
 
     Args:
         factors: ``{key: [d, d] or [d]}`` (float64 on the CPU).
-        device: A CUDA device: dense factors are decomposed there in float32, batched by
-            size (``[b, d, d]`` up to `GPU_BATCH_BYTES`), on a stream of their own (the
-            training stream never waits); a factor whose result is not finite is redone on
-            the CPU in float64. None (or a CPU device): `safe_psd_eigh` in float64 on the CPU.
+        device: A CUDA device: dense factors are decomposed there in float32, one at a time
+            (torch runs a batch of more than 32 matrices one by one anyway), on one stream per
+            device made once and reused by every snapshot (the training stream never waits;
+            a new stream per snapshot would strand cached blocks and wrap the 32-stream pool
+            into other components' streams); the results are copied to the host in float32
+            and widened there. A factor whose decomposition fails (``LinAlgError``, out of
+            memory) or is not finite is redone on the CPU in float64; the others keep their
+            GPU result. None (or a CPU device): `safe_psd_eigh` in float64 on the CPU.
         threads: CPU threads while decomposing on the CPU (default `default_eigh_threads`).
             ``torch.set_num_threads`` is process-wide: it holds for the duration of the call
             and is restored afterwards.
@@ -64,29 +67,53 @@ def eigh_factors(factors: dict[str, Tensor], device: torch.device | None = None,
     return {k: out[k] for k in factors}
 
 
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}  # one eigh stream per device
+
+
+def eigh_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream snapshot eigendecompositions run on for ``device``, made on first use and
+    reused for the life of the process."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = torch.device("cuda", index)
+    stream = _STREAMS.get(key)
+    if stream is None:
+        stream = _STREAMS[key] = torch.cuda.Stream(key)
+    return stream
+
+
 def _eigh_on_gpu(dense: dict[str, Tensor], device: torch.device,
                  out: dict[str, tuple[Tensor, Tensor | None]]) -> dict[str, Tensor]:
-    """Batched float32 ``eigh`` on ``device`` into ``out``; returns the factors left over
-    (non-finite results) for the CPU."""
-    by_size: dict[int, list[str]] = {}
-    for k, f in dense.items():
-        by_size.setdefault(f.shape[0], []).append(k)
-    left = {}
-    stream = torch.cuda.Stream(device)
+    """float32 ``eigh`` of each factor on ``device`` into ``out``, on `eigh_stream`; returns the
+    factors left over for the CPU."""
+    def on_gpu(f: Tensor) -> tuple[Tensor, Tensor]:
+        m = f.to(device, torch.float32)  # [d, d]
+        w, q = torch.linalg.eigh((m + m.T) * 0.5)  # [d], [d, d]
+        return w.cpu(), q.cpu()  # float32 copies (the stream's sync); widened on the host
+
+    stream = eigh_stream(device)
     with torch.cuda.stream(stream):
-        for d, keys in sorted(by_size.items()):
-            per_batch = max(1, GPU_BATCH_BYTES // (4 * d * d))
-            for i in range(0, len(keys), per_batch):
-                chunk = keys[i:i + per_batch]
-                mats = torch.stack([dense[k] for k in chunk]).to(device, torch.float32)
-                mats = (mats + mats.transpose(1, 2)) * 0.5
-                w, q = torch.linalg.eigh(mats)  # [b, d], [b, d, d]
-                w, q = w.double().cpu(), q.double().cpu()
-                for j, k in enumerate(chunk):
-                    if torch.isfinite(w[j]).all() and torch.isfinite(q[j]).all():
-                        out[k] = (w[j].clamp(min=0.0), q[j])
-                    else:
-                        left[k] = dense[k]
+        return eigh_each(dense, out, on_gpu)
+
+
+def eigh_each(dense: dict[str, Tensor], out: dict[str, tuple[Tensor, Tensor | None]],
+              run: Callable[[Tensor], tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+    """``run`` (``[d, d] -> (eigvals [d], eigvecs [d, d])``, on the host) on each factor of
+    ``dense``; finite results go into ``out`` in float64 with the eigenvalues clipped at 0. A
+    factor whose ``run`` raises (``torch.linalg.LinAlgError``, out of memory: any
+    ``RuntimeError``) or returns a non-finite value is returned for the CPU fallback; the
+    others keep their result."""
+    left = {}
+    for k, f in dense.items():
+        try:
+            w, q = run(f)
+        except RuntimeError:
+            left[k] = f
+            continue
+        w, q = w.double(), q.double()
+        if bool(torch.isfinite(w).all()) and bool(torch.isfinite(q).all()):
+            out[k] = (w.clamp(min=0.0), q)
+        else:
+            left[k] = f
     return left
 
 

@@ -162,6 +162,9 @@ class StoredFactor:
         device_pending: ``Σ`` of pending device statistics (fp32, ``[d, d]`` or ``[d]``, on the
             rows' device) with ``device_alpha`` = ``Π (1-η)`` over them; None when empty.
         device_updates: Updates in ``device_pending``.
+        folded_trace: ``scale · Σ diag(data)`` as of the last completed fold: set in one
+            assignment when a fold has written every entry and the scale, so a reader on
+            another thread (monitoring between snapshots) never sees a half-written factor.
     """
 
     data: Tensor
@@ -177,6 +180,7 @@ class StoredFactor:
     device_pending: Tensor | None = None
     device_alpha: float = 1.0
     device_updates: int = 0
+    folded_trace: float = 0.0
 
     @property
     def pending_rows(self) -> int:
@@ -188,9 +192,14 @@ class StoredFactor:
         return _dequantise(self.data, self.scale, dtype)
 
     def trace(self) -> float:
-        """``scale · Σ diag(data)``: the trace as folded so far (pending updates not in it)."""
+        """``scale · Σ diag(data)``: the trace as of the last completed fold (pending updates
+        not in it); safe to call while another thread folds (`folded_trace`)."""
+        return self.folded_trace
+
+    def recompute_trace(self) -> None:
+        """Set `folded_trace` from ``data`` and ``scale`` (after a fold or a load)."""
         diag = self.data if self.diagonal else self.data.diagonal()
-        return float(diag.double().sum()) * self.scale
+        self.folded_trace = float(diag.double().sum()) * self.scale
 
 
 #: Gaussian probes per dense factor for its spread (`FactorState.spread`): the sketch's
@@ -310,10 +319,12 @@ class FactorStore:
             f.updates, f.positions = int(st.updates), int(st.positions)
             f.sq_norm_sum, f.weight_sq = float(st.sq_norm_sum), float(st.weight_sq)
             f.pending, f.device_pending, f.device_alpha, f.device_updates = [], None, 1.0, 0
+            f.recompute_trace()
 
     def traces(self) -> dict[str, float]:
-        """``{key: trace}`` of every owned factor as folded so far, without flushing (cheap:
-        for monitoring between snapshots)."""
+        """``{key: trace}`` of every owned factor as of its last completed fold, without
+        flushing (cheap: for monitoring between snapshots; consistent while the worker
+        folds)."""
         return {key: f.trace() for key, f in self._factors.items()}
 
     def _record(self, f: StoredFactor, n: float, positions: int, decay: float | None,
@@ -490,6 +501,7 @@ class FactorStore:
                 f.data[rows].copy_(f.data[rows].to(cd) * beta + stat[rows] * gamma)
         diag = f.data if f.diagonal else f.data.diagonal()
         f.scale, f.amax = new_scale, float(diag.to(cd).abs().max()) * new_scale
+        f.recompute_trace()  # one float assignment: readers see the old or the new trace
 
     def values(self) -> dict[str, Tensor]:
         """All factors, flushed and dequantised (float32, or float64 for float64 storage)."""
