@@ -69,7 +69,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, metrics
 from kfac_stream.app.data import ExampleDataset
-from kfac_stream.config import mc_sequences_of
+from kfac_stream.config import sequences_per_update, window_mc_share
 from kfac_stream.query.laplace import probs_from_gaussian
 from kfac_stream.snapshot.contents import add_eigendecompositions, snapshot_contents
 from kfac_stream.snapshot.writer import write_snapshot
@@ -248,11 +248,14 @@ def run_seed(task, a, real_default: bool) -> dict:
     library's defaults, whose weights must equal the recording run's and whose posterior is
     scored beside the rebuilt default rule (`--check-rule`)."""
     defaults = KFACConfig()
+    # the MC share the default run replays at (raised on a run too short for its final window,
+    # `window_mc_share`); the recording run replays the same
+    share = window_mc_share(defaults, task.batch_size, 1, 1, task.steps) or defaults.mc_sequences
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         rec_cfg = KFACConfig(output_dir=os.path.join(tmp, "rec", "kfac"),
                              snapshot_every=10 * task.steps, seed=task.seed, ema_decay=1.0,
-                             final_window=0.0, storage_dtype="float64")
+                             final_window=0.0, storage_dtype="float64", mc_sequences=share)
         model, _, t_rec, losses, rec = train(task, rec_cfg, os.path.join(tmp, "rec"), True)
         t_def, snap_def = 0.0, None
         if real_default:
@@ -268,8 +271,7 @@ def run_seed(task, a, real_default: bool) -> dict:
             snap_def = Snapshot.load(snap_dir)
         steps = [u["step"] for u in rec.updates]
         b = task.batch_size
-        seqs = (b if defaults.fisher == "empirical" else
-                mc_sequences_of(defaults.mc_sequences, b))
+        seqs = sequences_per_update(dataclasses.replace(defaults, mc_sequences=share), b, 1, 1)
         print(f"  trained {t_rec:.1f} s (recording) + {t_def:.1f} s (defaults); loss "
               f"{losses[0]:.3f} -> {losses[-1]:.3f}; {len(steps)} updates × {seqs} "
               "sequences", flush=True)

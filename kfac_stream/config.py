@@ -51,10 +51,14 @@ class KFACConfig:
             predictive's NLL was up to 1.3x the trained model's). In `benchmarks/suite.py` (six
             tasks) this rule ties the best worst case of the window rules tried (all within
             0.001), and the plain 10% window is the worst on the sample-starved next-token
-            task. A run too short to reach it uses all its updates, and the
-            tracker warns at train begin; snapshots record the window's sequences and each
+            task. With a share ``mc_sequences`` (the default), a run whose update steps hold
+            too few sequences at that share even over the whole run replays a larger share
+            (`window_mc_share`, logged at train begin and recorded as the snapshot's
+            ``config.mc_sequences``): the window then reaches this minimum where the run's
+            sequences allow. A run too short to reach it even so uses all its updates, and
+            the tracker warns at train begin; snapshots record the window's sequences and each
             factor's sampling error (``sampling`` in the manifest). ``0``: the window is
-            ``final_window`` alone. (Default: 256)
+            ``final_window`` alone, and the share is never raised. (Default: 256)
         update_every: Update the factors on every ``update_every``-th optimizer step (steps
             0, k, 2k, ... counted from 0); other steps cost one Python branch per hook. At
             ``token_fraction=0.05`` the factor GEMMs (``n·d(d+1)`` FLOPs per factor and update)
@@ -317,6 +321,31 @@ def sequences_per_update(config: KFACConfig, batch: int, accumulation: int, worl
     if batch <= 0:
         return 0
     return max(1, round(float(spec) * batch * acc * world))
+
+
+def window_mc_share(config: KFACConfig, batch: int, accumulation: int, world: int,
+                    max_steps: int) -> float | None:
+    """The MC share a short run needs for its final window to reach
+    ``min_window_sequences``, or None when ``config.mc_sequences`` already gets there.
+
+    Only for ``fisher="mc"`` with a share ``f`` in ``(0, 1)``, a final window and
+    ``min_window_sequences > 0``: the run's ``U = ⌊(max_steps − 1)/update_every⌋ + 1`` update
+    steps offer ``C = U·batch·accumulation·world`` sequences, of which the share replays
+    ``f·C`` on average. Extending the window (`FactorUpdater.set_final_window`) costs nothing
+    and comes first; when even the whole run holds fewer than ``min_window_sequences`` at
+    ``f``, the share is raised to ``min(1, min_window_sequences / C)`` (1: every sequence of
+    an update step, ``mc_sequences="all"``). This trades replay cost for samples only on runs
+    too short to reach the minimum otherwise; a long run keeps ``f`` and its cost.
+    """
+    spec, need = config.mc_sequences, int(config.min_window_sequences)
+    if (config.fisher != "mc" or not isinstance(spec, float) or mc_full_batch(spec)
+            or config.final_window <= 0 or need <= 0 or max_steps <= 0 or batch <= 0):
+        return None
+    updates = (int(max_steps) - 1) // int(config.update_every) + 1
+    offered = updates * int(batch) * max(int(accumulation), 1) * max(int(world), 1)
+    if spec * offered >= need:
+        return None
+    return min(1.0, need / offered)
 
 
 def _check_mc_sequences(value: Any) -> None:

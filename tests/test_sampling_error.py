@@ -21,7 +21,7 @@ import torch
 from test_mc_subbatch import _updates
 
 from kfac_stream import KFACConfig, KFACConfigError, LaplacePosterior, Snapshot
-from kfac_stream.config import sequences_per_update
+from kfac_stream.config import sequences_per_update, window_mc_share
 from kfac_stream.factor_updates import Counters, FactorUpdater
 from kfac_stream.snapshot.adequacy import REL_SE_WARN, sampling_problems, sampling_summary
 from kfac_stream.store.factor_store import FactorStore
@@ -63,6 +63,43 @@ def test_sequences_per_update():
     assert sequences_per_update(KFACConfig(mc_sequences=1), 1, 4, 8) == 32  # int: per micro-batch
     assert sequences_per_update(KFACConfig(fisher="empirical"), 30, 2, 2) == 120
     assert sequences_per_update(KFACConfig(mc_sequences="all"), 16, 1, 1) == 16
+
+
+def test_window_mc_share_raises_the_share_only_for_short_runs():
+    d = KFACConfig()  # share 0.05, update_every 10, min_window_sequences 256
+    # 400 steps at batch 30: 40 update steps offer 1,200 sequences, 60 at 0.05 → 256/1200
+    assert window_mc_share(d, 30, 1, 1, 400) == pytest.approx(256 / 1200)
+    # 600 steps at batch 8: 60 update steps offer 480 → 256/480
+    assert window_mc_share(d, 8, 1, 1, 600) == pytest.approx(256 / 480)
+    # fewer sequences than the minimum in all: every sequence of an update step ("all")
+    assert window_mc_share(d, 2, 1, 1, 40) == 1.0
+    # enough at 0.05: 7B-like run, 8 ranks × micro-batch 1 × 4 accumulation, 2,000 steps:
+    # 200 update steps × 32 = 6,400 sequences, 320 at 0.05
+    assert window_mc_share(d, 1, 4, 8, 2000) is None
+    assert window_mc_share(d, 1, 4, 8, 1500) == pytest.approx(256 / (150 * 32))  # 240 < 256
+    # nothing to raise: an int or "all", the empirical Fisher, no final window, no minimum
+    for cfg in (KFACConfig(mc_sequences=1), KFACConfig(mc_sequences="all"),
+                KFACConfig(fisher="empirical"), KFACConfig(final_window=0.0),
+                KFACConfig(min_window_sequences=0)):
+        assert window_mc_share(cfg, 30, 1, 1, 400) is None
+    assert window_mc_share(d, 30, 1, 1, 0) is None  # max_steps unknown
+
+
+def test_short_run_raises_the_mc_share_to_fill_its_window(tmp_path):
+    """A real Trainer run too short for its final window at the default share: the share is
+    raised (recorded in the snapshot's config) and the window holds min_window_sequences."""
+    model = tiny_gpt2()
+    # 40 steps at batch 4, update_every 2: 20 update steps offer 80 sequences; 0.05 gives 4
+    cb, _, _ = run(model, text_examples(16, 12), {"fisher": "mc", "update_every": 2,
+                                                   "final_window": 0.1,
+                                                   "min_window_sequences": 40},
+                   batch=4, steps=40, tmp_path=tmp_path, record=False, lr=1e-3)
+    snap = Snapshot.load(cb.snapshots[-1])
+    assert snap.meta["config"]["mc_sequences"] == pytest.approx(0.5)  # 40 / 80
+    counts = snap.meta["counts"]
+    assert counts["sequences_per_update"] == 2  # 0.5 of 4
+    assert counts["window_sequences"] >= 40
+    assert not any("fewer than min_window_sequences" in p for p in sampling_problems(snap.meta))
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "256"])

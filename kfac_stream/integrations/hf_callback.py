@@ -16,7 +16,7 @@ import os
 from transformers import TrainerCallback
 
 from ..capture.graphs import compile_mode_error
-from ..config import KFACConfig, sequences_per_update
+from ..config import KFACConfig, sequences_per_update, window_mc_share
 from ..distributed.context import LOCAL, DistContext
 from ..distributed.fsdp import is_fsdp_sharded
 from ..exceptions import KFACConfigError, TrackerStateError
@@ -158,6 +158,7 @@ class KFACStreamCallback(TrainerCallback):
         cfg = KFACConfig(**{**cfg.to_dict(), "async_updates": async_updates})
         device = next((p.device for p in model.parameters()), None)
         dist_ctx = DistContext.from_torch(device)  # collective with several processes
+        cfg = self._adequate_share(cfg, args, state, dist_ctx)
         self.tracker = Tracker(model, {n: modules[n] for n in specs}, specs, cfg, dist_ctx, plan)
         self._comm = dist_ctx.snapshot_comm if dist_ctx else LOCAL
         self.output_dir = cfg.output_dir or os.path.join(args.output_dir, "kfac")
@@ -200,6 +201,27 @@ class KFACStreamCallback(TrainerCallback):
             logger.info("kfac_stream: factor owners (bytes of the stored factors, eigh cost)"
                         "\n%s", self.tracker.ownership)
         return control
+
+    @staticmethod
+    def _adequate_share(cfg: KFACConfig, args, state, dist_ctx: DistContext | None
+                        ) -> KFACConfig:
+        """``cfg`` with the MC share raised where the run is too short for its final window to
+        reach ``min_window_sequences`` at the configured share (`window_mc_share`; the same
+        on every rank: it depends only on the run's arguments, and on resume as well)."""
+        share = window_mc_share(cfg, int(getattr(args, "per_device_train_batch_size", 0) or 0),
+                                int(getattr(args, "gradient_accumulation_steps", 1) or 1),
+                                dist_ctx.world_size if dist_ctx else 1,
+                                int(getattr(state, "max_steps", 0) or 0))
+        if share is None:
+            return cfg
+        if dist_ctx is None or dist_ctx.rank == 0:
+            logger.info("kfac_stream: mc_sequences %g -> %g for this run: its %d steps at "
+                        "update_every=%d offer too few sequences for the final window to hold "
+                        "min_window_sequences=%d at %g (the replay costs more per update step "
+                        "on this short run; set min_window_sequences=0 to keep %g)",
+                        cfg.mc_sequences, share, state.max_steps, cfg.update_every,
+                        cfg.min_window_sequences, cfg.mc_sequences, cfg.mc_sequences)
+        return KFACConfig(**{**cfg.to_dict(), "mc_sequences": share})
 
     def _checkpoint(self, args, step: int) -> str:
         return os.path.join(args.output_dir, f"checkpoint-{step}")
