@@ -106,6 +106,10 @@ SOURCES = [
     "MC replay: 4 P FLOPs per token replayed (forward 2P + backward to the layer outputs 2P, no "
     "weight gradients) at the plain step's MFU, on the compute stream of the update step "
     "(ASSUMED: ZeRO-3's parameter gathers of the replay overlap as the training step's do)",
+    "MC share: the default's, which holds for runs long enough that the final window reaches "
+    "min_window_sequences at it (kfac_stream.config.window_mc_share; with 8 ranks x "
+    f"micro-batch {MICRO_BATCH} x {ACCUM} accumulation: >= 1,600 steps at update_every=10, "
+    ">= 160 at update_every=1); a shorter run replays a larger share, costing more per step",
     "host syncs before issue 12: 3.3 per step (update_every=10), 15.15 (update_every=1), "
     "counted on CPU with the counter of tests/test_host_syncs.py run against commit ee37e4a "
     "(tiny Llama, async_updates=True as on CUDA; the issue's 22 at update_every=1 had the "
