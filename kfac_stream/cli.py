@@ -58,11 +58,23 @@ def _inspect(args) -> int:
     return 0
 
 
+class _RawByte(str):
+    """A byte-level token that is no UTF-8 character by itself (``0x80``-``0xff``): its text is
+    ``\\xNN`` and its ``repr`` (what the tables print) ``'\\xNN'``, one backslash, as Python
+    writes that byte, not the doubled backslash that ``repr`` gives that text."""
+
+    def __repr__(self) -> str:
+        return f"'{self}'"
+
+
 def _decode(tokenizer, token_id: int) -> str:
     if tokenizer is None:  # byte-level ids
         if token_id >= 256:
             return f"<{token_id}>"
-        return bytes([token_id]).decode("utf-8", "backslashreplace")
+        try:
+            return bytes([token_id]).decode("utf-8")
+        except UnicodeDecodeError:  # a lead or continuation byte alone
+            return _RawByte(f"\\x{token_id:02x}")
     return tokenizer.decode([token_id])
 
 

@@ -285,3 +285,20 @@ def test_token_table_text():
     assert len({tt.width(line) for line in lines[1:]}) == 1  # aligned (no cell ends short)
     doc = json.loads(tt.document({"mode": "tokens"}, records))
     assert doc["positions"][1]["next_prob"] is None
+
+
+def test_bytes_over_127_print_with_one_backslash(trained, capsys):
+    """A byte-level token that is no character by itself (here the two UTF-8 bytes of "é")
+    prints as Python writes that byte, ``'\\xc3'``, in the table: one backslash, not the
+    doubled one of ``repr("\\\\xc3")``; ``--json`` holds the same text."""
+    tmp, _, _ = trained
+    args = argv(tmp, "--samples", "2")
+    args[args.index("--text") + 1] = "é!"
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    rows = parse_table(out)
+    assert [r[1] for r in rows] == ["'\\xc3'", "'\\xa9'", "'!'"]  # the printed cells
+    assert "\\\\x" not in out
+    assert cli_main([*args, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [p["token"] for p in doc["positions"]] == ["\\xc3", "\\xa9", "!"]
