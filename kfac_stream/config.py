@@ -26,8 +26,8 @@ class KFACConfig:
             (`stats.rows.sample_positions`); the same positions serve every layer of that
             pass. ``1.0`` gives the exact full-batch factors. (Default: 0.05)
         ema_decay: Per-update decay ``λ`` of the token-weighted, bias-free EMA
-            ``w ← λ·w + n;  F ← F + (n/w)·(S − F)``; ``1.0`` is the exact running mean.
-            (Default: 0.95)
+            ``w ← λ·w + n;  F ← F + (n/w)·(S − F)``; ``1.0`` is the exact running mean
+            over every update of the run: ``final_window`` is then off. (Default: 0.95)
         final_window: Share of the training steps at the end (``state.max_steps``, known to
             the Trainer) over which the factors are the exact token-weighted mean of the
             updates instead of the EMA: the first update step at or after ``(1 −
@@ -40,7 +40,8 @@ class KFACConfig:
             0.032 from a pass at the trained weights, 0.019 with the final mean; the
             posterior too narrow by that much). Snapshots before the window hold the EMA.
             ``0``: the EMA throughout. The window starts earlier when it would hold fewer than
-            ``min_window_sequences`` sequences. (Default: 0.1)
+            ``min_window_sequences`` sequences. Off with ``ema_decay=1.0``, which asks for the
+            mean over the whole run (the tracker says so at train begin). (Default: 0.1)
         min_window_sequences: The fewest sequences the final window's mean may rest on: the
             window's first update is moved back until its updates hold at least this many
             (``sequences_per_update``: the MC replay's sequences, or every sequence with the

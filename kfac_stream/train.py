@@ -42,7 +42,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from .app.schema import TrainerConf, kfac_config, register
+from .app.schema import _AppTrainerDefaults, check_keys, check_override_keys, kfac_config, register
 from .distributed.context import agree_with_rank0
 from .exceptions import AppConfigError, KFACConfigError
 
@@ -137,14 +137,20 @@ def _check_choices(cfg: DictConfig) -> None:
 
 
 def training_arguments(cfg: DictConfig, out: str):
-    """``TrainingArguments`` from the ``trainer`` group (``extra`` passed through)."""
+    """``TrainingArguments`` from the ``trainer`` group: the app's defaults
+    (`schema._AppTrainerDefaults`), every field set away from transformers' default, and
+    ``extra`` passed through."""
     from transformers import TrainingArguments
 
-    tc = cfg.trainer
-    kwargs = {f.name: getattr(tc, f.name) for f in fields(TrainerConf) if f.name != "extra"}
+    tc = OmegaConf.to_container(cfg.trainer, resolve=True)
+    check_keys("trainer", tc)  # `+trainer.<typo>=...` adds a key Hydra does not check
+    ta_defaults = {f.name: f.default for f in fields(TrainingArguments) if f.init}
+    app = {f.name for f in fields(_AppTrainerDefaults)}
+    kwargs = {k: v for k, v in tc.items()
+              if k != "extra" and (k in app or v != _default_value(ta_defaults[k]))}
     kwargs["report_to"] = list(kwargs["report_to"]) or "none"
-    extra = OmegaConf.to_container(tc.extra, resolve=True)
-    clash = set(extra) & set(kwargs)
+    extra = tc["extra"]
+    clash = set(extra) & (set(tc) - {"extra"})
     if clash:
         raise AppConfigError(f"trainer.extra.{sorted(clash)[0]}: set trainer."
                              f"{sorted(clash)[0]} instead")
@@ -156,6 +162,14 @@ def training_arguments(cfg: DictConfig, out: str):
         return TrainingArguments(output_dir=out, **kwargs, **extra)
     except (ValueError, TypeError) as e:
         raise AppConfigError(f"trainer: {e}") from e
+
+
+def _default_value(default: Any) -> Any:
+    """A ``TrainingArguments`` field default as the schema holds it (an enum by its value; a
+    list or dict factory's field compares unequal, so it is passed)."""
+    from enum import Enum
+
+    return default.value if isinstance(default, Enum) else default
 
 
 def _setup_reporting(cfg: DictConfig, args, out: str) -> None:
@@ -224,6 +238,11 @@ def _strip_local_rank_arg() -> None:
 def cli_main() -> None:
     """Entry point of ``python -m kfac_stream.train`` and ``kfac-stream train``."""
     _strip_local_rank_arg()
+    try:
+        check_override_keys(sys.argv[1:])  # "did you mean", before Hydra composes
+    except AppConfigError as e:
+        print(f"kfac-stream train: error: {e}", file=sys.stderr)
+        sys.exit(2)
     main()
 
 

@@ -154,6 +154,10 @@ def test_app_under_accelerate_deepspeed_zero3(tmp_path):
     ("trainer.max_steps=abc", "trainer.max_steps"),
     ("kfac.token_fraction=2", "token_fraction=2.0"),
     ("+trainer.extra.bogus_field=1", "trainer.extra.bogus_field"),
+    # Hydra's own hint for a typo is `+kfac.token_fracton`: a "did you mean", not a TypeError
+    ("+kfac.token_fracton=0.1", "error: kfac.token_fracton is not a key of the kfac config: "
+     "did you mean kfac.token_fraction?"),
+    ("trainer.max_grad_nrom=0.5", "did you mean trainer.max_grad_norm?"),
     ("model=hf model.name_or_path=null", "model.name_or_path"),
     ("report.top_k=0", "report.top_k=0: must be a positive integer"),
     ("report.prior_precision=-1", "report.prior_precision=-1.0: must be a positive finite float"),
@@ -162,6 +166,7 @@ def test_bad_override_fails_before_training(tmp_path, override, needle):
     run_dir = tmp_path / "run"
     rc, out = _app(tmp_path, run_dir, *override.split(), check=False)
     assert rc != 0 and needle in out, out[-3000:]
+    assert "Traceback" not in out and "TypeError" not in out, out[-3000:]
     assert "train_runtime" not in out and not (run_dir / "kfac").exists()
 
 

@@ -3,6 +3,7 @@
 import dataclasses
 import pathlib
 
+import pytest
 import torch
 import yaml
 
@@ -144,3 +145,67 @@ def test_hydra_schema_mirrors_kfac_config():
 
     assert [f.name for f in fields(KFACConf)] == [f.name for f in fields(KFACConfig)]
     assert kfac_config(KFACConf()) == KFACConfig()
+
+
+def _compose(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from kfac_stream.app.schema import register
+
+    register()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_trainer_takes_any_training_arguments_field(tmp_path):
+    """``trainer.<field>=value`` for every ``TrainingArguments`` field, no ``+`` (the README
+    promises it): the schema declares them all; the value reaches ``TrainingArguments``; the
+    default config builds the same arguments as before (transformers' defaults but the app's)."""
+    from transformers import TrainingArguments
+
+    from kfac_stream.app.schema import TrainerConf, _AppTrainerDefaults
+    from kfac_stream.train import training_arguments
+
+    declared = {f.name for f in dataclasses.fields(TrainerConf)}
+    every = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    assert every - {"output_dir"} <= declared
+    cfg = _compose("trainer.max_grad_norm=0.5", "trainer.optim=adafactor",
+                   "trainer.adam_beta2=0.99", "trainer.lr_scheduler_kwargs={min_lr: 1e-5}",
+                   "trainer.save_total_limit=2", "trainer.report_to=[]")
+    args = training_arguments(cfg, str(tmp_path))
+    assert args.max_grad_norm == 0.5 and args.adam_beta2 == 0.99
+    assert args.optim == "adafactor" and args.save_total_limit == 2
+    assert args.lr_scheduler_kwargs == {"min_lr": 1e-5}
+    default = training_arguments(_compose("trainer.report_to=[]"), str(tmp_path)).to_dict()
+    app = {f.name: f.default for f in dataclasses.fields(_AppTrainerDefaults)
+           if f.default is not dataclasses.MISSING}
+    plain = TrainingArguments(str(tmp_path), **{**app, "report_to": "none"}).to_dict()
+    assert default == plain
+
+
+def test_unknown_keys_say_did_you_mean():
+    """A typo under a group, with or without Hydra's ``+``, is one line with the nearest
+    names; group choices, Hydra's keys and flags and ``trainer.extra.*`` pass through."""
+    from kfac_stream import AppConfigError
+    from kfac_stream.app.schema import check_keys, check_override_keys, kfac_config
+
+    for arg, needle in [
+        ("+kfac.token_fracton=0.1", "kfac.token_fracton is not a key of the kfac config: "
+                                    "did you mean kfac.token_fraction?"),
+        ("trainer.max_grad_nrom=1", "did you mean trainer.max_grad_norm?"),
+        ("++model.n_layers=3", "did you mean model.n_layer?"),
+        ("~report.enabeld", "did you mean report.enabled?"),
+        ("logging.zzz=1", "logging.zzz is not a key of the logging config: the logging keys "
+                          "are listed by `kfac-stream train --cfg job`"),
+    ]:
+        with pytest.raises(AppConfigError) as e:
+            check_override_keys(["-cd", "my_conf", arg])
+        assert needle in str(e.value) and "\n" not in str(e.value)
+    check_override_keys(["model=hf", "hydra.run.dir=x", "--config-name=demo", "-m",
+                         "trainer.extra.optim=adafactor", "kfac.token_fraction=0.1,0.2",
+                         "output_dir=out/x", "+trainer.max_grad_norm=0.5"])
+    cfg = _compose("+kfac.token_fracton=0.1")  # Hydra adds it to the typed node ...
+    with pytest.raises(AppConfigError, match="did you mean kfac.token_fraction"):
+        kfac_config(cfg.kfac)  # ... the app refuses it, not KFACConfig's TypeError
+    with pytest.raises(AppConfigError, match="did you mean trainer.max_steps"):
+        check_keys("trainer", {"max_step": 1})

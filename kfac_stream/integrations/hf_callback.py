@@ -18,6 +18,7 @@ from transformers import TrainerCallback
 from ..config import KFACConfig, sequences_per_update
 from ..distributed.context import LOCAL, DistContext
 from ..exceptions import KFACConfigError, TrackerStateError
+from ..log_setup import show_info_by_default
 from ..snapshot.adequacy import sampling_warning
 from ..snapshot.background import SnapshotWorker
 from ..snapshot.contents import add_eigendecompositions, merge_manifests, snapshot_contents
@@ -120,6 +121,7 @@ class KFACStreamCallback(TrainerCallback):
         if handler is None and self.report_spectra:
             logger.info("kfac_stream: not called by a Trainer's callback handler: spectra "
                         "go only to an active W&B run")
+        show_info_by_default()  # the summary below reaches a script that set up no logging
         cfg = KFACConfig(**self.config.to_dict())  # re-validate (the config may be a copy)
         self.close()
         self._reporter.start(handler, len(self.snapshots))  # earlier runs' are not reported
@@ -153,10 +155,10 @@ class KFACStreamCallback(TrainerCallback):
                                "Snapshot.latest / kfac-stream inspect / query read this "
                                "run's)", self.output_dir, len(moved),
                                os.path.dirname(moved[0]), self.output_dir)
-            logger.info("kfac_stream: tracking %d layers (%s Fisher, token_fraction=%g, "
-                        "ema_decay=%g, update_every=%d) on %d rank(s); snapshots in %s",
-                        len(specs), cfg.fisher, cfg.token_fraction, cfg.ema_decay,
-                        cfg.update_every, self.tracker.world_size, self.output_dir)
+            logger.info("%s", tracking_summary(self.tracker, self.output_dir))
+            if cfg.ema_decay == 1.0 and cfg.final_window > 0:
+                logger.info("kfac_stream: ema_decay=1 is the mean over every update of the run: "
+                            "final_window=%g is off", cfg.final_window)
             if restart is not None:
                 logger.info("kfac_stream: final window (final_window=%g, min_window_sequences="
                             "%d): from step %d of %d the factors are the mean of the updates "
@@ -170,7 +172,7 @@ class KFACStreamCallback(TrainerCallback):
                         "factors will rest on few samples and its posterior may be too wide; "
                         "lower update_every or raise mc_sequences for more", plan.updates,
                         plan.sequences, plan.sequences_per_update, cfg.min_window_sequences)
-            logger.info("kfac_stream: factor owners (bytes of the stored factors, eigh cost)"
+            logger.debug("kfac_stream: factor owners (bytes of the stored factors, eigh cost)"
                         "\n%s", self.tracker.ownership)
         return control
 
@@ -338,3 +340,24 @@ class KFACStreamCallback(TrainerCallback):
                     if self.tracker.dist is not None:
                         self.tracker.dist.destroy()
         # keep the tracker object for inspection (factors(), counters); its hooks are gone
+
+
+def tracking_summary(tracker: Tracker, output_dir: str) -> str:
+    """The one line the callback logs at train begin: layers, factors (dense, diagonal), the
+    Fisher and sampling settings, stored factor memory per rank and the snapshot directory."""
+    cfg, own = tracker.config, tracker.ownership
+    diagonal = sum(diag for _, diag in tracker.dims.values())
+    per_rank = max(own.bytes_per_rank)
+    ranks = tracker.world_size
+    memory = (f"{_mib(per_rank)} of {cfg.storage_dtype} factors"
+              + (f" on the fullest of {ranks} ranks ({_mib(sum(own.bytes_per_rank))} in all)"
+                 if ranks > 1 else " on 1 rank"))
+    return (f"kfac_stream: tracking {len(tracker.specs)} layers, {len(tracker.dims)} factors "
+            f"({len(tracker.dims) - diagonal} dense, {diagonal} diagonal), {cfg.fisher} Fisher, "
+            f"token_fraction={cfg.token_fraction:g}, ema_decay={cfg.ema_decay:g}, update_every="
+            f"{cfg.update_every}; {memory}; snapshots every {cfg.snapshot_every} steps and at "
+            f"the end into {output_dir}")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3g} MiB" if n >= 2**20 else f"{n / 2**10:.3g} KiB"
