@@ -15,6 +15,23 @@ from .exceptions import KFACStreamError, QueryInputError
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
+def local_path_problem(name: str) -> str | None:
+    """Why ``name`` (a ``--model`` or ``--tokenizer``) can only be a local path that does not
+    exist, or None (it exists, or it may be a hub name). Decided here, at once, because
+    ``from_pretrained`` would ask the hub for it first (49 s of retries without a network):
+    a name that starts like a path (``./``, ``../``, ``/``, ``~``), or ``org/name`` whose
+    ``org`` is a directory here (``out/nomodel`` beside ``out/``)."""
+    if os.path.exists(name):
+        return None
+    if name.startswith(("./", "../", "/", "~")) or name in (".", ".."):
+        return "is a local path that does not exist"
+    head = name.split("/", 1)[0]
+    if "/" in name and os.path.isdir(head):
+        return (f"does not exist ({head}/ is a directory here, so it is a local path, not a hub "
+                "name)")
+    return None
+
+
 def _load_snapshot(arg: str, path: str):
     """The snapshot at ``path`` (a snapshot directory, or the newest in a directory of them)."""
     from .snapshot.snapshot import Snapshot
@@ -110,6 +127,12 @@ DEFAULT_SAMPLES = {"tokens": 32, "topk": 2000}
 def _check_query_args(args) -> float | str:
     """The cheap checks of ``query``'s arguments, before anything loads (filling in the
     defaults that depend on ``--mode``); returns ``τ``."""
+    for arg, name in (("--model", args.model), ("--tokenizer", args.tokenizer)):
+        problem = None if name is None else local_path_problem(name)
+        if problem is not None:  # before the snapshot loads, and before any hub request
+            raise QueryInputError(f"{arg}={name!r} {problem}: must be a model directory "
+                                  "written by save_pretrained (e.g. out/demo/model) or a hub "
+                                  "model name")
     if args.mode is None:  # --top-k asks for the top-k table; else the per-token table
         args.mode = "topk" if args.top_k is not None else "tokens"
     if not args.text:
@@ -157,8 +180,11 @@ def _load_model(name: str):
         raise QueryInputError(f"--model={name!r} is not allowed: must be {allowed}")
     if os.path.isfile(name):
         raise QueryInputError(f"--model={name!r} is a file: must be {allowed}")
-    if not os.path.isdir(name) and not HUB_NAME.match(name):
-        raise QueryInputError(f"--model={name!r} does not exist: must be {allowed}")
+    problem = local_path_problem(name)
+    if problem is None and not os.path.isdir(name) and not HUB_NAME.match(name):
+        problem = "does not exist"
+    if problem is not None:
+        raise QueryInputError(f"--model={name!r} {problem}: must be {allowed}")
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
     except (OSError, ValueError, ImportError) as e:  # no config / weights, not a causal LM
@@ -179,6 +205,9 @@ def _encode(args, model) -> tuple[object | None, list[int]]:
     else:
         from transformers import AutoTokenizer
 
+        problem = local_path_problem(source)
+        if problem is not None:
+            raise QueryInputError(f"{arg}={source!r} {problem}: {hint}")
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
         except Exception as e:  # each tokenizer class fails in its own way (a missing file,

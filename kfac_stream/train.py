@@ -45,6 +45,7 @@ from omegaconf import DictConfig, OmegaConf
 from .app.schema import _AppTrainerDefaults, check_keys, check_override_keys, kfac_config, register
 from .distributed.context import agree_with_rank0
 from .exceptions import AppConfigError, KFACConfigError
+from .integrations.zero3 import check_deepspeed_device
 
 logger = logging.getLogger("kfac_stream")
 register()
@@ -61,7 +62,8 @@ def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except (AppConfigError, KFACConfigError) as e:  # a bad override: say which, no traceback
-        print(f"kfac-stream train: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # the same line on every rank: print it once
+            print(f"kfac-stream train: error: {e}", file=sys.stderr)
         sys.exit(2)
 
 
@@ -73,6 +75,7 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
     _check_choices(cfg)
     out = output_dir or cfg.output_dir or HydraConfig.get().runtime.output_dir
     args = training_arguments(cfg, out)
+    check_deepspeed_device(args)  # before the model loads, not in DeepSpeed's engine
     out = agree_with_rank0(os.path.abspath(out))  # ranks may have started a second apart
     if out != args.output_dir:
         args = training_arguments(cfg, out)
@@ -84,6 +87,9 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
     from .app import data as appdata
     from .integrations.hf_callback import KFACStreamCallback
 
+    if args.process_index == 0:
+        logger.info("kfac_stream: run directory %s; building the model and the data (%d "
+                    "process%s)", out, args.world_size, "es" * (args.world_size != 1))
     model, tokenizer, seq_len = _model(cfg)
     train_docs, heldout_docs, ood_docs = _documents(cfg)
     train = appdata.lm_examples(appdata.encode_documents(train_docs, tokenizer), seq_len)
@@ -122,6 +128,12 @@ def _check_choices(cfg: DictConfig) -> None:
             raise AppConfigError(f"{key}={value!r}: must be one of {allowed}")
     if cfg.model.kind == "hf" and not cfg.model.name_or_path:
         raise AppConfigError("model.name_or_path is required with model=hf")
+    if cfg.model.kind == "hf":
+        from .cli import local_path_problem
+
+        problem = local_path_problem(cfg.model.name_or_path)
+        if problem is not None:  # at once: from_pretrained would retry the hub first
+            raise AppConfigError(f"model.name_or_path={cfg.model.name_or_path!r} {problem}")
     if cfg.data.kind == "hf" and not cfg.data.path:
         raise AppConfigError("data.path is required with data=hf")
     if not 0.0 <= cfg.data.heldout_fraction < 1.0:

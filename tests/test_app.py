@@ -20,6 +20,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -147,6 +148,27 @@ def test_app_under_accelerate_deepspeed_zero3(tmp_path):
     for key, value in want.items():
         assert row[f"train/{key}"] == pytest.approx(value, rel=RTOL), key
     assert out.count("kfac_stream report") == 1
+    # progress before the engine's silent start, and the overhead of the training loop only
+    assert out.count("kfac_stream: DeepSpeed starts its engine inside trainer.train()") == 1
+    m = re.search(r"; ([\d.]+) s on the training thread of ([\d.]+) s training \(([\d.]+)%\)"
+                  r"(; engine start-up before training ([\d.]+) s, not counted)?", out)
+    assert m, out[-3000:]
+    assert float(m[3]) == pytest.approx(100 * float(m[1]) / float(m[2]), abs=0.06)
+
+
+@pytest.mark.slow
+def test_deepspeed_on_cpu_without_use_cpu_is_one_line(tmp_path):
+    """The CPU ZeRO-3 launch config without ``trainer.use_cpu=true``: one error line (printed
+    by rank 0), before the model loads; not DeepSpeed's batch-size assertion on every rank."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (`make test` installs it)")
+    rc, out = _app(tmp_path, tmp_path / "run", *[o for o in TINY if "use_cpu" not in o],
+                   launch="cpu_zero3.yaml", check=False)
+    assert rc != 0
+    line = ("kfac-stream train: error: kfac_stream: DeepSpeed on CPU (DS_ACCELERATOR=cpu) needs "
+            "TrainingArguments(use_cpu=True) (the app: trainer.use_cpu=true)")
+    assert out.count(line) == 1, out[-3000:]
+    assert "AssertionError" not in out and "Traceback" not in out.split(line)[0], out[-3000:]
 
 
 @pytest.mark.parametrize("override,needle", [

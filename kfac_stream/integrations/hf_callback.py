@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from transformers import TrainerCallback
 
@@ -38,6 +39,7 @@ from ..tracker_state import (
 )
 from .heldout import fit_heldout_prior
 from .spectrum_monitor import SpectraReporter, find_callback_handler
+from .zero3 import check_deepspeed_device, deepspeed_requested
 
 logger = logging.getLogger("kfac_stream")
 
@@ -78,6 +80,9 @@ class KFACStreamCallback(TrainerCallback):
     Attributes:
         tracker: The live `Tracker` during training (None before ``on_train_begin``).
         snapshots: Paths of the snapshots written by this callback.
+        train_seconds: Wall time from ``on_train_begin`` to ``on_train_end``: the training
+            loop, without the engine's start-up before it (DeepSpeed init, ZeRO-3
+            partitioning), which ``Trainer.train()``'s own time includes (None before the end).
     """
 
     def __init__(self, config: KFACConfig | None = None, background_snapshots: bool = True,
@@ -111,10 +116,25 @@ class KFACStreamCallback(TrainerCallback):
         self._final_step = 0  # the run's last step: its snapshot is checked for sample size
         self._last_snapshot_step: int | None = None
         self._pending_step: int | None = None  # step whose state waits beside its checkpoint
+        self.train_started: float | None = None  # perf_counter() at on_train_begin
+        self.train_seconds: float | None = None
 
     # -- Trainer events --------------------------------------------------------------------------
 
+    def on_init_end(self, args, state, control, **kwargs):
+        """At the end of ``Trainer.__init__``: refuse DeepSpeed on CPU without ``use_cpu``
+        (`zero3.check_deepspeed_device`) before its engine fails on every rank."""
+        check_deepspeed_device(args)
+        if deepspeed_requested(args) and getattr(args, "process_index", 0) == 0:
+            show_info_by_default()
+            logger.info("kfac_stream: DeepSpeed starts its engine inside trainer.train() before "
+                        "the first step (ZeRO-3: partitioning the model over the processes), "
+                        "often tens of seconds without output; tracking begins after it")
+        return control
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.train_started = time.perf_counter()  # after the engine's start (accelerate's
+        # prepare: DeepSpeed init, ZeRO-3 partitioning), which is not training time
         if model is None:
             raise ValueError("KFACStreamCallback needs the model (Trainer passes it)")
         handler = find_callback_handler()  # the Trainer's reporters (not given to callbacks)
@@ -250,6 +270,8 @@ class KFACStreamCallback(TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
+        if self.train_started is not None:
+            self.train_seconds = time.perf_counter() - self.train_started
         if self.tracker is not None:
             if self._last_snapshot_step != state.global_step:
                 self.save_snapshot(state.global_step, state.epoch)

@@ -12,8 +12,11 @@ model (`PartitionedModelError`). The way out, in the training script itself::
 
 It saves the model with ``trainer.save_model`` (which gathers the weights when the DeepSpeed
 config has ``stage3_gather_16bit_weights_on_model_save``; `launch/`'s ZeRO-3 configs set it)
-and loads the saved copy on the main process outside DeepSpeed. Without ZeRO-3 it returns the
-trained model itself on every rank, saving nothing.
+and loads the saved copy on the main process outside DeepSpeed. Without ZeRO-3 it saves the
+model the same way and returns the trained model itself on every rank.
+
+`check_deepspeed_device`: DeepSpeed on CPU (``DS_ACCELERATOR=cpu``, `launch/cpu_zero*.yaml`)
+needs ``TrainingArguments(use_cpu=True)``; the callback checks it when the Trainer is built.
 """
 
 from __future__ import annotations
@@ -23,10 +26,38 @@ import os
 
 from torch import nn
 
-from ..exceptions import PartitionedModelError
+from ..exceptions import KFACConfigError, PartitionedModelError
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
+
+
+def deepspeed_requested(args) -> bool:
+    """True if the Trainer will start a DeepSpeed engine: ``args.deepspeed`` (a JSON, the
+    ``deepspeed`` launcher) or ``accelerate launch`` with a DeepSpeed config (it sets
+    ``ACCELERATE_USE_DEEPSPEED``)."""
+    env = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true", "yes")
+    return bool(getattr(args, "deepspeed", None)) or env
+
+
+def check_deepspeed_device(args) -> None:
+    """Refuse DeepSpeed on CPU without ``use_cpu=True`` in one line (`KFACConfigError`).
+
+    With ``DS_ACCELERATOR=cpu`` (or no CUDA device) and ``use_cpu`` unset, the Trainer counts
+    one process where DeepSpeed counts all of them, and every rank fails in DeepSpeed's own
+    batch-size assertion (``train_batch_size is not equal to micro_batch_per_gpu *
+    gradient_acc_step * world_size``) after the engine starts."""
+    if not deepspeed_requested(args) or getattr(args, "use_cpu", False):
+        return
+    import torch
+
+    accel = os.environ.get("DS_ACCELERATOR", "")
+    if accel == "cpu" or (not accel and not torch.cuda.is_available()):
+        why = "DS_ACCELERATOR=cpu" if accel == "cpu" else "no CUDA device"
+        raise KFACConfigError(
+            f"kfac_stream: DeepSpeed on CPU ({why}) needs TrainingArguments(use_cpu=True) "
+            "(the app: trainer.use_cpu=true); without it DeepSpeed's batch-size assertion "
+            "fails on every rank")
 
 
 def is_zero3_partitioned(model: nn.Module) -> bool:
@@ -45,8 +76,9 @@ def whole_model(trainer, save_dir: str, device=None) -> nn.Module | None:
     memory on ``device`` of the main process (default: the Trainer's device; pass ``"cpu"``
     when one accelerator cannot hold it).
 
-    Without ZeRO-3 nothing is saved: the unwrapped trained model itself is returned on every
-    rank (``device`` is ignored).
+    Without ZeRO-3 the model is saved the same way (``trainer.save_model(save_dir)``: the main
+    process writes it, for ``kfac-stream query --model save_dir``) and the unwrapped trained
+    model itself is returned on every rank (``device`` is ignored).
 
     Raises:
         PartitionedModelError: the model is not a transformers ``PreTrainedModel`` (ZeRO-3
@@ -55,6 +87,7 @@ def whole_model(trainer, save_dir: str, device=None) -> nn.Module | None:
     """
     model = trainer.accelerator.unwrap_model(trainer.model)
     if not is_zero3_partitioned(model):
+        trainer.save_model(save_dir)  # the main process writes; DDP ranks return at once
         return model
     from transformers import PreTrainedModel
 
