@@ -375,12 +375,12 @@ def main(argv: list[str] | None = None) -> int:
                    "(= kfac-stream train --config-name demo)", add_help=False)
     sub.add_parser("train", help="the Hydra training app (kfac_stream.train): "
                    "kfac-stream train [-cd DIR] [-cn NAME] key=value ... (configs shipped in "
-                   "kfac_stream/conf; --help: Hydra's help)", add_help=False)
+                   "conf/; --help: Hydra's help)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("train", "demo"):  # Hydra parses its own command line
         from .train import cli_main as train_main
 
-        # demo: the packaged kfac_stream/conf/demo.yaml (config.yaml into out/demo), as a
+        # demo: the shipped conf/demo.yaml (config.yaml into out/demo), as a
         # leading flag, so the user's own flags and overrides follow in any order Hydra accepts
         demo = ["--config-name", "demo"] if argv[0] == "demo" else []
         sys.argv = [f"kfac-stream {argv[0]}", *demo, *argv[1:]]

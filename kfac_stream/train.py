@@ -12,8 +12,9 @@ several processes the run directory is rank 0's (all ranks write their snapshot 
 Defaults need no network and finish in a few minutes on 2 CPU cores: a 2 x 128 GPT-2 built
 from a config, byte-level tokens, Python's reference documentation.
 
-Configs: ``kfac_stream/conf/`` inside the package (``config.yaml`` and the groups ``model``,
-``data``, ``kfac``, ``trainer``, ``logging``, ``report``), found from any working directory.
+Configs: ``conf/`` (``config.yaml`` and the groups ``model``, ``data``, ``kfac``, ``trainer``,
+``logging``, ``report``; the wheel ships them as ``kfac_stream/conf/``), found from any working
+directory.
 Override any key on the command line (``kfac-stream train trainer.max_steps=200
 model.n_layer=4``), or add configs of your own with Hydra's flags (before the overrides):
 ``--config-dir DIR`` (``-cd``) adds ``DIR`` to the search path, after the shipped directory
@@ -51,10 +52,18 @@ logger = logging.getLogger("kfac_stream")
 register()
 
 
-#: The app's configs, shipped inside the package (package data). An absolute path, so
-#: Hydra reads them as files from any working directory, whether the package is installed or
-#: run from a checkout (``--config-dir``/``-cd`` adds a directory searched after this one).
-CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
+def conf_dir() -> str:
+    """The app's configs: ``conf/`` at the top of a checkout (beside the package, also for an
+    editable install), which the wheel ships as ``kfac_stream/conf/`` (package data). An
+    absolute path, so Hydra reads them as files from any working directory
+    (``--config-dir``/``-cd`` adds a directory searched after this one)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    installed = os.path.join(package, "conf")
+    return installed if os.path.isdir(installed) else os.path.join(os.path.dirname(package),
+                                                                   "conf")
+
+
+CONF_DIR = conf_dir()
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")

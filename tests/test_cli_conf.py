@@ -1,4 +1,4 @@
-"""kfac_stream/conf/ mirrors KFACConfig; the CLI reads real snapshots."""
+"""conf/ mirrors KFACConfig; the CLI reads real snapshots."""
 
 import dataclasses
 import pathlib
@@ -14,11 +14,11 @@ from kfac_stream.stats.spectrum import spectrum_stats
 from harness import run
 from models import text_examples, tiny_gpt2
 
-CONF = pathlib.Path(__file__).resolve().parents[1] / "kfac_stream" / "conf"
+CONF = pathlib.Path(__file__).resolve().parents[1] / "conf"
 
 
 def test_conf_defaults_match_kfacconfig():
-    """The app's composed ``kfac`` node is KFACConfig's defaults; kfac_stream/conf/kfac/
+    """The app's composed ``kfac`` node is KFACConfig's defaults; conf/kfac/
     default.yaml repeats none of them (the dataclass is the one source)."""
     from hydra import compose, initialize_config_dir
 
@@ -209,3 +209,23 @@ def test_unknown_keys_say_did_you_mean():
         kfac_config(cfg.kfac)  # ... the app refuses it, not KFACConfig's TypeError
     with pytest.raises(AppConfigError, match="did you mean trainer.max_steps"):
         check_keys("trainer", {"max_step": 1})
+
+
+def test_checkout_reads_top_level_conf_from_any_directory(tmp_path):
+    """In a checkout the app reads ``conf/`` at the top of the repository (the design card's
+    layout; the wheel ships it as kfac_stream/conf), from an unrelated working directory."""
+    import os
+    import subprocess
+    import sys
+
+    from kfac_stream.train import CONF_DIR
+
+    root = CONF.parent
+    assert CONF_DIR == str(CONF) and (CONF / "config.yaml").is_file()
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-m", "kfac_stream.train", "--cfg", "job",
+                           "trainer.max_grad_norm=0.5"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job = yaml.safe_load(proc.stdout)
+    assert job["trainer"]["max_grad_norm"] == 0.5 and job["model"]["kind"] == "tiny"

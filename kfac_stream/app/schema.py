@@ -1,6 +1,6 @@
 """Typed (structured) Hydra configs of the `kfac-stream train` app.
 
-Every group in ``kfac_stream/conf/`` merges into these dataclasses, so an unknown key or a value
+Every group in ``conf/`` merges into these dataclasses, so an unknown key or a value
 of the wrong type fails at composition, before anything loads, with the key in Hydra's message
 (``Key 'tokn_fraction' not in 'KFACConf'``, ``Value 'x' of type 'str' could not be converted
 to Float ... full_key: kfac.token_fraction``). Range checks (``token_fraction=2``) are
@@ -184,7 +184,7 @@ class AppConf:
 
 
 def register() -> None:
-    """Store the schema as ``app_schema`` (kfac_stream/conf/config.yaml lists it first in its
+    """Store the schema as ``app_schema`` (conf/config.yaml lists it first in its
     defaults)."""
     ConfigStore.instance().store(name="app_schema", node=AppConf)
 
