@@ -153,7 +153,8 @@ def test_app_under_accelerate_deepspeed_zero3(tmp_path):
     m = re.search(r"; ([\d.]+) s on the training thread of ([\d.]+) s training \(([\d.]+)%\)"
                   r"(; engine start-up before training ([\d.]+) s, not counted)?", out)
     assert m, out[-3000:]
-    assert float(m[3]) == pytest.approx(100 * float(m[1]) / float(m[2]), abs=0.06)
+    # the share is of the training loop's seconds (both printed rounded: 2 and 1 decimals)
+    assert float(m[3]) == pytest.approx(100 * float(m[1]) / float(m[2]), rel=0.05, abs=0.1)
 
 
 @pytest.mark.slow
