@@ -195,6 +195,8 @@ def test_hub_and_gpu_lines_compose(tmp_path):
         job = yaml.safe_load(out)
         for a in argv[i:]:
             key, value = a.split("=", 1)
+            if "." not in key:  # a group's option: model=hf is the model group's kind
+                key = f"{key}.kind"
             node = job
             for k in key.split("."):
                 node = node[k]
