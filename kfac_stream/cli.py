@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--weight-samples", action="store_true", help="--mode tokens: evaluate "
                    "the network at the posterior samples theta_s instead of the linearised "
                    "model f* + J(theta_s - theta*) (the default; the network at theta_s is "
-                   "often far flatter than the trained model: README)")
+                   "often far flatter than the trained model: docs/queries.md)")
     q.add_argument("--options", nargs="+", metavar="OPTION", help="answer options, one token "
                    "each (e.g. ' A' ' B' ' C' ' D'): also print which one each posterior sample "
                    "picks at the last position, and their agreement")
