@@ -128,7 +128,8 @@ def _trainer_schema() -> type:
     """`TrainerConf`: every ``TrainingArguments`` field (but ``output_dir``, the run
     directory), so ``trainer.max_grad_norm=0.5`` works like ``trainer.max_steps=200`` and a
     typo fails at composition; the app's own defaults first (`_AppTrainerDefaults`), then
-    transformers' in its order; ``extra`` passes a field through as before."""
+    transformers' in its order; ``extra`` (``+trainer.extra.<field>=value``, from before every
+    field was declared) still passes a field through, and names the declared key instead."""
     from transformers import TrainingArguments
 
     app = {f.name: f for f in fields(_AppTrainerDefaults)}
@@ -146,8 +147,8 @@ def _trainer_schema() -> type:
     spec.append(("extra", dict[str, Any], field(default_factory=dict)))
     schema = make_dataclass("TrainerConf", spec)
     schema.__module__ = __name__
-    schema.__doc__ = ("Every ``TrainingArguments`` field (``trainer.<field>=value``); ``extra`` "
-                      "passes fields through unchecked (``+trainer.extra.<field>=value``).")
+    schema.__doc__ = ("Every ``TrainingArguments`` field (``trainer.<field>=value``); ``extra``, "
+                      "kept for older configs, passes a field that is not declared.")
     return schema
 
 
