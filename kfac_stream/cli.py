@@ -10,26 +10,10 @@ import sys
 import time
 
 from .exceptions import KFACStreamError, QueryInputError
+from .files import local_path_problem
 
 #: A hub model name (``gpt2``, ``org/name``); anything else that is not a directory is an error.
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-def local_path_problem(name: str) -> str | None:
-    """Why ``name`` (a ``--model`` or ``--tokenizer``) can only be a local path that does not
-    exist, or None (it exists, or it may be a hub name). Decided here, at once, because
-    ``from_pretrained`` would ask the hub for it first (49 s of retries without a network):
-    a name that starts like a path (``./``, ``../``, ``/``, ``~``), or ``org/name`` whose
-    ``org`` is a directory here (``out/nomodel`` beside ``out/``)."""
-    if os.path.exists(name):
-        return None
-    if name.startswith(("./", "../", "/", "~")) or name in (".", ".."):
-        return "is a local path that does not exist"
-    head = name.split("/", 1)[0]
-    if "/" in name and os.path.isdir(head):
-        return (f"does not exist ({head}/ is a directory here, so it is a local path, not a hub "
-                "name)")
-    return None
 
 
 def _load_snapshot(arg: str, path: str):

@@ -96,8 +96,8 @@ class KFACConfig:
             ``lora_A``/``lora_B`` adapters), ``"attention"`` / ``"mlp"`` (the attention /
             feed-forward layers inside the transformer blocks) or ``"all_linear"`` (every
             trainable Linear/Conv1D in the blocks, the same as ``include=None``); rules and
-            memory cost in `kfac_stream.capture.presets` and the docs (docs/configuration.md). Only trainable
-            layers count; ``exclude`` applies on top; setting ``include`` too is an error.
+            memory cost in `kfac_stream.capture.presets` and docs/configuration.md. Only
+            trainable layers count; ``exclude`` applies on top; setting ``include`` too is an error.
             (Default: None)
         output_dir: Where snapshots go. ``None``: ``<TrainingArguments.output_dir>/kfac``.
             (Default: None)

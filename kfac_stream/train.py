@@ -43,7 +43,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from .app.schema import _AppTrainerDefaults, check_keys, check_override_keys, kfac_config, register
+from .app.schema import AppTrainerDefaults, check_keys, check_override_keys, kfac_config, register
 from .distributed.context import agree_with_rank0
 from .exceptions import AppConfigError, KFACConfigError
 from .integrations.zero3 import check_deepspeed_device
@@ -138,7 +138,7 @@ def _check_choices(cfg: DictConfig) -> None:
     if cfg.model.kind == "hf" and not cfg.model.name_or_path:
         raise AppConfigError("model.name_or_path is required with model=hf")
     if cfg.model.kind == "hf":
-        from .cli import local_path_problem
+        from .files import local_path_problem
 
         problem = local_path_problem(cfg.model.name_or_path)
         if problem is not None:  # at once: from_pretrained would retry the hub first
@@ -159,14 +159,14 @@ def _check_choices(cfg: DictConfig) -> None:
 
 def training_arguments(cfg: DictConfig, out: str):
     """``TrainingArguments`` from the ``trainer`` group: the app's defaults
-    (`schema._AppTrainerDefaults`), every field set away from transformers' default, and
+    (`schema.AppTrainerDefaults`), every field set away from transformers' default, and
     ``extra`` passed through."""
     from transformers import TrainingArguments
 
     tc = OmegaConf.to_container(cfg.trainer, resolve=True)
     check_keys("trainer", tc)  # `+trainer.<typo>=...` adds a key Hydra does not check
     ta_defaults = {f.name: f.default for f in fields(TrainingArguments) if f.init}
-    app = {f.name for f in fields(_AppTrainerDefaults)}
+    app = {f.name for f in fields(AppTrainerDefaults)}
     kwargs = {k: v for k, v in tc.items()
               if k != "extra" and (k in app or v != _default_value(ta_defaults[k]))}
     kwargs["report_to"] = list(kwargs["report_to"]) or "none"

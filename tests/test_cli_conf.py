@@ -163,7 +163,7 @@ def test_trainer_takes_any_training_arguments_field(tmp_path):
     default config builds the same arguments as before (transformers' defaults but the app's)."""
     from transformers import TrainingArguments
 
-    from kfac_stream.app.schema import TrainerConf, _AppTrainerDefaults
+    from kfac_stream.app.schema import AppTrainerDefaults, TrainerConf
     from kfac_stream.train import training_arguments
 
     declared = {f.name for f in dataclasses.fields(TrainerConf)}
@@ -177,7 +177,7 @@ def test_trainer_takes_any_training_arguments_field(tmp_path):
     assert args.optim == "adafactor" and args.save_total_limit == 2
     assert args.lr_scheduler_kwargs == {"min_lr": 1e-5}
     default = training_arguments(_compose("trainer.report_to=[]"), str(tmp_path)).to_dict()
-    app = {f.name: f.default for f in dataclasses.fields(_AppTrainerDefaults)
+    app = {f.name: f.default for f in dataclasses.fields(AppTrainerDefaults)
            if f.default is not dataclasses.MISSING}
     plain = TrainingArguments(str(tmp_path), **{**app, "report_to": "none"}).to_dict()
     assert default == plain

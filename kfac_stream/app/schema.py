@@ -81,7 +81,7 @@ KFACConf = _mutable_schema(KFACConfig)
 
 
 @dataclass
-class _AppTrainerDefaults:
+class AppTrainerDefaults:
     """The ``TrainingArguments`` fields whose app default differs from transformers' (or whose
     type the app narrows); `TrainerConf` adds every other field with transformers' default."""
 
@@ -127,12 +127,12 @@ def _schema_type(hint: Any) -> Any:
 def _trainer_schema() -> type:
     """`TrainerConf`: every ``TrainingArguments`` field (but ``output_dir``, the run
     directory), so ``trainer.max_grad_norm=0.5`` works like ``trainer.max_steps=200`` and a
-    typo fails at composition; the app's own defaults first (`_AppTrainerDefaults`), then
+    typo fails at composition; the app's own defaults first (`AppTrainerDefaults`), then
     transformers' in its order; ``extra`` (``+trainer.extra.<field>=value``, from before every
     field was declared) still passes a field through, and names the declared key instead."""
     from transformers import TrainingArguments
 
-    app = {f.name: f for f in fields(_AppTrainerDefaults)}
+    app = {f.name: f for f in fields(AppTrainerDefaults)}
     hints = get_type_hints(TrainingArguments)
     spec: list[tuple[str, Any, Any]] = [(f.name, f.type, f) for f in app.values()]
     for f in fields(TrainingArguments):
