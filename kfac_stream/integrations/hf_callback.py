@@ -192,8 +192,10 @@ class KFACStreamCallback(TrainerCallback):
                         "factors will rest on few samples and its posterior may be too wide; "
                         "lower update_every or raise mc_sequences for more", plan.updates,
                         plan.sequences, plan.sequences_per_update, cfg.min_window_sequences)
-            logger.debug("kfac_stream: factor owners (bytes of the stored factors, eigh cost)"
-                        "\n%s", self.tracker.ownership)
+            # with several ranks the ownership table follows the summary (one rank: DEBUG)
+            logger.log(logging.INFO if self.tracker.world_size > 1 else logging.DEBUG,
+                       "kfac_stream: factor owners (bytes of the stored factors, eigh cost)"
+                       "\n%s", self.tracker.ownership)
         return control
 
     def _checkpoint(self, args, step: int) -> str:
