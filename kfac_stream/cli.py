@@ -111,12 +111,14 @@ DEFAULT_SAMPLES = {"tokens": 32, "topk": 2000}
 def _check_query_args(args) -> float | str:
     """The cheap checks of ``query``'s arguments, before anything loads (filling in the
     defaults that depend on ``--mode``); returns ``τ``."""
-    for arg, name in (("--model", args.model), ("--tokenizer", args.tokenizer)):
+    for arg, name, allowed in (
+            ("--model", args.model, "must be a model directory written by save_pretrained "
+             "(e.g. out/demo/model) or a hub model name"),
+            ("--tokenizer", args.tokenizer, "must be a tokenizer directory or a hub name; "
+             "pass --byte-level for a byte-level model such as the demo's")):
         problem = None if name is None else local_path_problem(name)
         if problem is not None:  # before the snapshot loads, and before any hub request
-            raise QueryInputError(f"{arg}={name!r} {problem}: must be a model directory "
-                                  "written by save_pretrained (e.g. out/demo/model) or a hub "
-                                  "model name")
+            raise QueryInputError(f"{arg}={name!r} {problem}: {allowed}")
     if args.mode is None:  # --top-k asks for the top-k table; else the per-token table
         args.mode = "topk" if args.top_k is not None else "tokens"
     if not args.text:
