@@ -2,6 +2,7 @@
 
 import dataclasses
 import pathlib
+import re
 
 import pytest
 import torch
@@ -229,3 +230,20 @@ def test_checkout_reads_top_level_conf_from_any_directory(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     job = yaml.safe_load(proc.stdout)
     assert job["trainer"]["max_grad_norm"] == 0.5 and job["model"]["kind"] == "tiny"
+
+
+def test_app_refuses_a_missing_local_model_path_at_once(tmp_path, monkeypatch):
+    """``model=hf model.name_or_path=./nomodel`` (or ``out/x`` beside ``out/``) is refused by
+    the app's checks, before ``from_pretrained`` would ask the hub for it."""
+    from kfac_stream import AppConfigError
+    from kfac_stream.train import _check_choices
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    for name, needle in [("./nomodel", "is a local path that does not exist"),
+                         ("out/nomodel", "does not exist (out/ is a directory here")]:
+        cfg = _compose("model=hf", f"model.name_or_path={name}")
+        with pytest.raises(AppConfigError, match=re.escape(
+                f"model.name_or_path={name!r} {needle}")):
+            _check_choices(cfg)
+    _check_choices(_compose("model=hf", "model.name_or_path=gpt2"))  # may be a hub name
