@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 DEEPSPEED_VERSION ?= 0.19.8
 STAMP  := $(VENV)/.installed
 
-.PHONY: help venv lint test test-slow gpu-check demo bench bench-quick clean
+.PHONY: help venv lint docs test test-slow gpu-check demo bench bench-quick clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==$(TORCH_VERSION)
-	$(PY) -m pip install -q -e ".[test,lint]"
+	$(PY) -m pip install -q -e ".[test,lint,docs]"
 	# DeepSpeed ships as an sdist whose build imports torch: build it against the pinned torch
 	# above (--no-build-isolation), without compiling CUDA ops (DS_BUILD_OPS=0; CPU uses gloo).
 	$(PY) -m pip install -q setuptools wheel
@@ -34,10 +34,13 @@ PEER_PKGS := laplace-torch==0.3 asdfghjkl==0.1a4 backpack-for-pytorch==1.7.1 \
 $(PEERS): $(STAMP)
 	-$(PY) -m pip install -q --no-deps $(PEER_PKGS) && touch $(PEERS)
 
-venv: $(STAMP)  ## create or reuse .venv and install the project with its test extra
+venv: $(STAMP)  ## create or reuse .venv and install the project with its test, lint and docs extras
 
-lint: $(STAMP)  ## ruff (rules in pyproject.toml: pyflakes, isort, bugbear, pycodestyle, ...)
+lint: $(STAMP) docs  ## ruff (rules in pyproject.toml: pyflakes, isort, bugbear, pycodestyle, ...) and the docs build
 	$(VENV)/bin/ruff check .
+
+docs: $(STAMP)  ## build the documentation site (docs/, mkdocs.yml) with --strict into build/site
+	$(VENV)/bin/mkdocs build --strict --quiet
 
 test: $(STAMP) $(PEERS)  ## run the test suite (CPU)
 	$(PY) -m pytest -q -rs -m "not slow" tests
@@ -48,8 +51,9 @@ test-slow: $(STAMP) $(PEERS)  ## run only the slow tests (long runs, kill -9 cam
 gpu-check: $(STAMP)  ## CUDA tests, syncs, eigh/fold timings, 1B Llama steps, NCCL exchange (≤10 min on one H100; without CUDA: a CPU dry run)
 	$(PY) benchmarks/gpu_check.py
 
+# DEMO_ARGS: overrides appended to the demo's command line (tests/test_readme.py shrinks it)
 demo: $(STAMP)  ## the main job on its offline defaults (tiny GPT-2, Python docs) → out/demo
-	$(VENV)/bin/kfac-stream demo
+	$(VENV)/bin/kfac-stream demo $(DEMO_ARGS)
 
 # Benchmark-only peers (never runtime dependencies): the test peers plus kronfluence.
 BENCH_PEERS := $(VENV)/.bench-peers

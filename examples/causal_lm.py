@@ -42,8 +42,9 @@ name = snap.layer_names[0]
 print(name, "A", tuple(snap[name].A.shape), "G", tuple(snap[name].G.shape))
 
 # 4. Laplace posterior over the tracked weights; the prior precision by marginal likelihood.
-# whole_model returns the trained model; after DeepSpeed ZeRO-3 (weights partitioned across
-# ranks) it saves it and returns a whole copy on the main process, None on the other ranks.
+# whole_model saves the trained model (for `kfac-stream query --model`) and returns it; after
+# DeepSpeed ZeRO-3 (weights partitioned across ranks) a whole copy on the main process, None
+# on the other ranks.
 model = whole_model(trainer, f"{args.out}/model")
 if model is None:
     raise SystemExit

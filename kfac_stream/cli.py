@@ -10,6 +10,7 @@ import sys
 import time
 
 from .exceptions import KFACStreamError, QueryInputError
+from .files import local_path_problem
 
 #: A hub model name (``gpt2``, ``org/name``); anything else that is not a directory is an error.
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -58,11 +59,23 @@ def _inspect(args) -> int:
     return 0
 
 
+class _RawByte(str):
+    """A byte-level token that is no UTF-8 character by itself (``0x80``-``0xff``): its text is
+    ``\\xNN`` and its ``repr`` (what the tables print) ``'\\xNN'``, one backslash, as Python
+    writes that byte, not the doubled backslash that ``repr`` gives that text."""
+
+    def __repr__(self) -> str:
+        return f"'{self}'"
+
+
 def _decode(tokenizer, token_id: int) -> str:
     if tokenizer is None:  # byte-level ids
         if token_id >= 256:
             return f"<{token_id}>"
-        return bytes([token_id]).decode("utf-8", "backslashreplace")
+        try:
+            return bytes([token_id]).decode("utf-8")
+        except UnicodeDecodeError:  # a lead or continuation byte alone
+            return _RawByte(f"\\x{token_id:02x}")
     return tokenizer.decode([token_id])
 
 
@@ -98,6 +111,14 @@ DEFAULT_SAMPLES = {"tokens": 32, "topk": 2000}
 def _check_query_args(args) -> float | str:
     """The cheap checks of ``query``'s arguments, before anything loads (filling in the
     defaults that depend on ``--mode``); returns ``τ``."""
+    for arg, name, allowed in (
+            ("--model", args.model, "must be a model directory written by save_pretrained "
+             "(e.g. out/demo/model) or a hub model name"),
+            ("--tokenizer", args.tokenizer, "must be a tokenizer directory or a hub name; "
+             "pass --byte-level for a byte-level model such as the demo's")):
+        problem = None if name is None else local_path_problem(name)
+        if problem is not None:  # before the snapshot loads, and before any hub request
+            raise QueryInputError(f"{arg}={name!r} {problem}: {allowed}")
     if args.mode is None:  # --top-k asks for the top-k table; else the per-token table
         args.mode = "topk" if args.top_k is not None else "tokens"
     if not args.text:
@@ -145,8 +166,11 @@ def _load_model(name: str):
         raise QueryInputError(f"--model={name!r} is not allowed: must be {allowed}")
     if os.path.isfile(name):
         raise QueryInputError(f"--model={name!r} is a file: must be {allowed}")
-    if not os.path.isdir(name) and not HUB_NAME.match(name):
-        raise QueryInputError(f"--model={name!r} does not exist: must be {allowed}")
+    problem = local_path_problem(name)
+    if problem is None and not os.path.isdir(name) and not HUB_NAME.match(name):
+        problem = "does not exist"
+    if problem is not None:
+        raise QueryInputError(f"--model={name!r} {problem}: must be {allowed}")
     try:
         model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
     except (OSError, ValueError, ImportError) as e:  # no config / weights, not a causal LM
@@ -167,6 +191,9 @@ def _encode(args, model) -> tuple[object | None, list[int]]:
     else:
         from transformers import AutoTokenizer
 
+        problem = local_path_problem(source)
+        if problem is not None:
+            raise QueryInputError(f"{arg}={source!r} {problem}: {hint}")
         try:
             tokenizer = AutoTokenizer.from_pretrained(source)
         except Exception as e:  # each tokenizer class fails in its own way (a missing file,
@@ -324,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--weight-samples", action="store_true", help="--mode tokens: evaluate "
                    "the network at the posterior samples theta_s instead of the linearised "
                    "model f* + J(theta_s - theta*) (the default; the network at theta_s is "
-                   "often far flatter than the trained model: README)")
+                   "often far flatter than the trained model: docs/queries.md)")
     q.add_argument("--options", nargs="+", metavar="OPTION", help="answer options, one token "
                    "each (e.g. ' A' ' B' ' C' ' D'): also print which one each posterior sample "
                    "picks at the last position, and their agreement")
@@ -334,12 +361,12 @@ def main(argv: list[str] | None = None) -> int:
                    "(= kfac-stream train --config-name demo)", add_help=False)
     sub.add_parser("train", help="the Hydra training app (kfac_stream.train): "
                    "kfac-stream train [-cd DIR] [-cn NAME] key=value ... (configs shipped in "
-                   "kfac_stream/conf; --help: Hydra's help)", add_help=False)
+                   "conf/; --help: Hydra's help)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in ("train", "demo"):  # Hydra parses its own command line
         from .train import cli_main as train_main
 
-        # demo: the packaged kfac_stream/conf/demo.yaml (config.yaml into out/demo), as a
+        # demo: the shipped conf/demo.yaml (config.yaml into out/demo), as a
         # leading flag, so the user's own flags and overrides follow in any order Hydra accepts
         demo = ["--config-name", "demo"] if argv[0] == "demo" else []
         sys.argv = [f"kfac-stream {argv[0]}", *demo, *argv[1:]]

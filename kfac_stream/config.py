@@ -26,8 +26,8 @@ class KFACConfig:
             (`stats.rows.sample_positions`); the same positions serve every layer of that
             pass. ``1.0`` gives the exact full-batch factors. (Default: 0.05)
         ema_decay: Per-update decay ``λ`` of the token-weighted, bias-free EMA
-            ``w ← λ·w + n;  F ← F + (n/w)·(S − F)``; ``1.0`` is the exact running mean.
-            (Default: 0.95)
+            ``w ← λ·w + n;  F ← F + (n/w)·(S − F)``; ``1.0`` is the exact running mean
+            over every update of the run: ``final_window`` is then off. (Default: 0.95)
         final_window: Share of the training steps at the end (``state.max_steps``, known to
             the Trainer) over which the factors are the exact token-weighted mean of the
             updates instead of the EMA: the first update step at or after ``(1 −
@@ -40,7 +40,8 @@ class KFACConfig:
             0.032 from a pass at the trained weights, 0.019 with the final mean; the
             posterior too narrow by that much). Snapshots before the window hold the EMA.
             ``0``: the EMA throughout. The window starts earlier when it would hold fewer than
-            ``min_window_sequences`` sequences. (Default: 0.1)
+            ``min_window_sequences`` sequences. Off with ``ema_decay=1.0``, which asks for the
+            mean over the whole run (the tracker says so at train begin). (Default: 0.1)
         min_window_sequences: The fewest sequences the final window's mean may rest on: the
             window's first update is moved back until its updates hold at least this many
             (``sequences_per_update``: the MC replay's sequences, or every sequence with the
@@ -110,8 +111,8 @@ class KFACConfig:
             ``lora_A``/``lora_B`` adapters), ``"attention"`` / ``"mlp"`` (the attention /
             feed-forward layers inside the transformer blocks) or ``"all_linear"`` (every
             trainable Linear/Conv1D in the blocks, the same as ``include=None``); rules and
-            memory cost in `kfac_stream.capture.presets` and the README. Only trainable
-            layers count; ``exclude`` applies on top; setting ``include`` too is an error.
+            memory cost in `kfac_stream.capture.presets` and docs/configuration.md. Only
+            trainable layers count; ``exclude`` applies on top; setting ``include`` too is an error.
             (Default: None)
         output_dir: Where snapshots go. ``None``: ``<TrainingArguments.output_dir>/kfac``.
             (Default: None)
@@ -328,8 +329,8 @@ def window_mc_share(config: KFACConfig, batch: int, accumulation: int, world: in
     """The MC share a short run needs for its final window to reach
     ``min_window_sequences``, or None when ``config.mc_sequences`` already gets there.
 
-    Only for ``fisher="mc"`` with a share ``f`` in ``(0, 1)``, a final window and
-    ``min_window_sequences > 0``: the run's ``U = ⌊(max_steps − 1)/update_every⌋ + 1`` update
+    Only for ``fisher="mc"`` with a share ``f`` in ``(0, 1)``, a final window (``final_window >
+    0`` and ``ema_decay < 1``) and ``min_window_sequences > 0``: the run's ``U = ⌊(max_steps − 1)/update_every⌋ + 1`` update
     steps offer ``C = U·batch·accumulation·world`` sequences, of which the share replays
     ``f·C`` on average. Extending the window (`FactorUpdater.set_final_window`) costs nothing
     and comes first; when even the whole run holds fewer than ``min_window_sequences`` at
@@ -339,7 +340,8 @@ def window_mc_share(config: KFACConfig, batch: int, accumulation: int, world: in
     """
     spec, need = config.mc_sequences, int(config.min_window_sequences)
     if (config.fisher != "mc" or not isinstance(spec, float) or mc_full_batch(spec)
-            or config.final_window <= 0 or need <= 0 or max_steps <= 0 or batch <= 0):
+            or config.final_window <= 0 or config.ema_decay == 1.0  # no window: see
+            or need <= 0 or max_steps <= 0 or batch <= 0):  # FactorUpdater.set_final_window
         return None
     updates = (int(max_steps) - 1) // int(config.update_every) + 1
     offered = updates * int(batch) * max(int(accumulation), 1) * max(int(world), 1)

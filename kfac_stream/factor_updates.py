@@ -301,14 +301,15 @@ class FactorUpdater:
         ``ceil((1 − final_window)·max_steps)``, or the last update step when none is (a short
         run), moved back by whole updates until the window's updates hold at least
         ``min_window_sequences`` sequences at ``sequences_per_update`` each (0: unknown, no
-        move), at most to step 0; None (the EMA throughout) when ``final_window`` is 0 or
-        ``max_steps`` unknown (``≤ 0``). Call it after restoring a checkpoint's counters: a
+        move), at most to step 0; None (the EMA throughout) when ``final_window`` is 0,
+        ``max_steps`` unknown (``≤ 0``) or ``ema_decay`` is 1 (the exact running mean over every
+        update, which a restart would cut short). Call it after restoring a checkpoint's counters: a
         window start restored from a run planned with another ``max_steps`` before this plan's
         restart step is dropped. Returns the restart step; `window_plan` says what it holds."""
         fw, every = self.config.final_window, self.config.update_every
         self.restart_step = None
         self.window_plan = None
-        if fw > 0 and max_steps > 0:
+        if fw > 0 and max_steps > 0 and self.config.ema_decay < 1.0:
             start = math.ceil((1.0 - fw) * max_steps - 1e-9)
             restart = -(-start // every) * every
             if restart >= max_steps:

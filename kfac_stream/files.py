@@ -1,4 +1,5 @@
-"""Durable file writes: what survives a crash is either the old file or the whole new one."""
+"""File helpers. Durable writes: what survives a crash is either the old file or the whole new
+one. `local_path_problem`: a model path that can only be local, checked before any hub request."""
 
 from __future__ import annotations
 
@@ -36,3 +37,20 @@ def write_json_atomic(path: str, obj: Any) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_path(os.path.dirname(os.path.abspath(path)))
+
+
+def local_path_problem(name: str) -> str | None:
+    """Why ``name`` (a ``--model`` or ``--tokenizer``) can only be a local path that does not
+    exist, or None (it exists, or it may be a hub name). Decided here, at once, because
+    ``from_pretrained`` would ask the hub for it first (49 s of retries without a network):
+    a name that starts like a path (``./``, ``../``, ``/``, ``~``), or ``org/name`` whose
+    ``org`` is a directory here (``out/nomodel`` beside ``out/``)."""
+    if os.path.exists(name):
+        return None
+    if name.startswith(("./", "../", "/", "~")) or name in (".", ".."):
+        return "is a local path that does not exist"
+    head = name.split("/", 1)[0]
+    if "/" in name and os.path.isdir(head):
+        return (f"does not exist ({head}/ is a directory here, so it is a local path, not a hub "
+                "name)")
+    return None

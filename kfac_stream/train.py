@@ -12,8 +12,9 @@ several processes the run directory is rank 0's (all ranks write their snapshot 
 Defaults need no network and finish in a few minutes on 2 CPU cores: a 2 x 128 GPT-2 built
 from a config, byte-level tokens, Python's reference documentation.
 
-Configs: ``kfac_stream/conf/`` inside the package (``config.yaml`` and the groups ``model``,
-``data``, ``kfac``, ``trainer``, ``logging``, ``report``), found from any working directory.
+Configs: ``conf/`` (``config.yaml`` and the groups ``model``, ``data``, ``kfac``, ``trainer``,
+``logging``, ``report``; the wheel ships them as ``kfac_stream/conf/``), found from any working
+directory.
 Override any key on the command line (``kfac-stream train trainer.max_steps=200
 model.n_layer=4``), or add configs of your own with Hydra's flags (before the overrides):
 ``--config-dir DIR`` (``-cd``) adds ``DIR`` to the search path, after the shipped directory
@@ -42,18 +43,27 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from .app.schema import TrainerConf, kfac_config, register
+from .app.schema import AppTrainerDefaults, check_keys, check_override_keys, kfac_config, register
 from .distributed.context import agree_with_rank0
 from .exceptions import AppConfigError, KFACConfigError
+from .integrations.zero3 import check_deepspeed_device
 
 logger = logging.getLogger("kfac_stream")
 register()
 
 
-#: The app's configs, shipped inside the package (package data). An absolute path, so
-#: Hydra reads them as files from any working directory, whether the package is installed or
-#: run from a checkout (``--config-dir``/``-cd`` adds a directory searched after this one).
-CONF_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
+def conf_dir() -> str:
+    """The app's configs: ``conf/`` at the top of a checkout (beside the package, also for an
+    editable install), which the wheel ships as ``kfac_stream/conf/`` (package data). An
+    absolute path, so Hydra reads them as files from any working directory
+    (``--config-dir``/``-cd`` adds a directory searched after this one)."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    installed = os.path.join(package, "conf")
+    return installed if os.path.isdir(installed) else os.path.join(os.path.dirname(package),
+                                                                   "conf")
+
+
+CONF_DIR = conf_dir()
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -61,7 +71,8 @@ def main(cfg: DictConfig) -> None:
     try:
         run(cfg)
     except (AppConfigError, KFACConfigError) as e:  # a bad override: say which, no traceback
-        print(f"kfac-stream train: error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # the same line on every rank: print it once
+            print(f"kfac-stream train: error: {e}", file=sys.stderr)
         sys.exit(2)
 
 
@@ -73,6 +84,7 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
     _check_choices(cfg)
     out = output_dir or cfg.output_dir or HydraConfig.get().runtime.output_dir
     args = training_arguments(cfg, out)
+    check_deepspeed_device(args)  # before the model loads, not in DeepSpeed's engine
     out = agree_with_rank0(os.path.abspath(out))  # ranks may have started a second apart
     if out != args.output_dir:
         args = training_arguments(cfg, out)
@@ -84,6 +96,9 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
     from .app import data as appdata
     from .integrations.hf_callback import KFACStreamCallback
 
+    if args.process_index == 0:
+        logger.info("kfac_stream: run directory %s; building the model and the data (%d "
+                    "process%s)", out, args.world_size, "es" * (args.world_size != 1))
     model, tokenizer, seq_len = _model(cfg)
     train_docs, heldout_docs, ood_docs = _documents(cfg)
     train = appdata.lm_examples(appdata.encode_documents(train_docs, tokenizer), seq_len)
@@ -122,6 +137,12 @@ def _check_choices(cfg: DictConfig) -> None:
             raise AppConfigError(f"{key}={value!r}: must be one of {allowed}")
     if cfg.model.kind == "hf" and not cfg.model.name_or_path:
         raise AppConfigError("model.name_or_path is required with model=hf")
+    if cfg.model.kind == "hf":
+        from .files import local_path_problem
+
+        problem = local_path_problem(cfg.model.name_or_path)
+        if problem is not None:  # at once: from_pretrained would retry the hub first
+            raise AppConfigError(f"model.name_or_path={cfg.model.name_or_path!r} {problem}")
     if cfg.data.kind == "hf" and not cfg.data.path:
         raise AppConfigError("data.path is required with data=hf")
     if not 0.0 <= cfg.data.heldout_fraction < 1.0:
@@ -137,14 +158,20 @@ def _check_choices(cfg: DictConfig) -> None:
 
 
 def training_arguments(cfg: DictConfig, out: str):
-    """``TrainingArguments`` from the ``trainer`` group (``extra`` passed through)."""
+    """``TrainingArguments`` from the ``trainer`` group: the app's defaults
+    (`schema.AppTrainerDefaults`), every field set away from transformers' default, and
+    ``extra`` passed through."""
     from transformers import TrainingArguments
 
-    tc = cfg.trainer
-    kwargs = {f.name: getattr(tc, f.name) for f in fields(TrainerConf) if f.name != "extra"}
+    tc = OmegaConf.to_container(cfg.trainer, resolve=True)
+    check_keys("trainer", tc)  # `+trainer.<typo>=...` adds a key Hydra does not check
+    ta_defaults = {f.name: f.default for f in fields(TrainingArguments) if f.init}
+    app = {f.name for f in fields(AppTrainerDefaults)}
+    kwargs = {k: v for k, v in tc.items()
+              if k != "extra" and (k in app or v != _default_value(ta_defaults[k]))}
     kwargs["report_to"] = list(kwargs["report_to"]) or "none"
-    extra = OmegaConf.to_container(tc.extra, resolve=True)
-    clash = set(extra) & set(kwargs)
+    extra = tc["extra"]
+    clash = set(extra) & (set(tc) - {"extra"})
     if clash:
         raise AppConfigError(f"trainer.extra.{sorted(clash)[0]}: set trainer."
                              f"{sorted(clash)[0]} instead")
@@ -156,6 +183,14 @@ def training_arguments(cfg: DictConfig, out: str):
         return TrainingArguments(output_dir=out, **kwargs, **extra)
     except (ValueError, TypeError) as e:
         raise AppConfigError(f"trainer: {e}") from e
+
+
+def _default_value(default: Any) -> Any:
+    """A ``TrainingArguments`` field default as the schema holds it (an enum by its value; a
+    list or dict factory's field compares unequal, so it is passed)."""
+    from enum import Enum
+
+    return default.value if isinstance(default, Enum) else default
 
 
 def _setup_reporting(cfg: DictConfig, args, out: str) -> None:
@@ -224,6 +259,11 @@ def _strip_local_rank_arg() -> None:
 def cli_main() -> None:
     """Entry point of ``python -m kfac_stream.train`` and ``kfac-stream train``."""
     _strip_local_rank_arg()
+    try:
+        check_override_keys(sys.argv[1:])  # "did you mean", before Hydra composes
+    except AppConfigError as e:
+        print(f"kfac-stream train: error: {e}", file=sys.stderr)
+        sys.exit(2)
     main()
 
 

@@ -20,6 +20,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -147,6 +148,28 @@ def test_app_under_accelerate_deepspeed_zero3(tmp_path):
     for key, value in want.items():
         assert row[f"train/{key}"] == pytest.approx(value, rel=RTOL), key
     assert out.count("kfac_stream report") == 1
+    # progress before the engine's silent start, and the overhead of the training loop only
+    assert out.count("kfac_stream: DeepSpeed starts its engine inside trainer.train()") == 1
+    m = re.search(r"; ([\d.]+) s on the training thread of ([\d.]+) s training \(([\d.]+)%\)"
+                  r"(; engine start-up before training ([\d.]+) s, not counted)?", out)
+    assert m, out[-3000:]
+    # the share is of the training loop's seconds (both printed rounded: 2 and 1 decimals)
+    assert float(m[3]) == pytest.approx(100 * float(m[1]) / float(m[2]), rel=0.05, abs=0.1)
+
+
+@pytest.mark.slow
+def test_deepspeed_on_cpu_without_use_cpu_is_one_line(tmp_path):
+    """The CPU ZeRO-3 launch config without ``trainer.use_cpu=true``: one error line (printed
+    by rank 0), before the model loads; not DeepSpeed's batch-size assertion on every rank."""
+    if importlib.util.find_spec("deepspeed") is None:
+        pytest.skip("deepspeed is not installed (`make test` installs it)")
+    rc, out = _app(tmp_path, tmp_path / "run", *[o for o in TINY if "use_cpu" not in o],
+                   launch="cpu_zero3.yaml", check=False)
+    assert rc != 0
+    line = ("kfac-stream train: error: kfac_stream: DeepSpeed on CPU (DS_ACCELERATOR=cpu) needs "
+            "TrainingArguments(use_cpu=True) (the app: trainer.use_cpu=true)")
+    assert out.count(line) == 1, out[-3000:]
+    assert "AssertionError" not in out and "Traceback" not in out.split(line)[0], out[-3000:]
 
 
 @pytest.mark.parametrize("override,needle", [
@@ -154,6 +177,10 @@ def test_app_under_accelerate_deepspeed_zero3(tmp_path):
     ("trainer.max_steps=abc", "trainer.max_steps"),
     ("kfac.token_fraction=2", "token_fraction=2.0"),
     ("+trainer.extra.bogus_field=1", "trainer.extra.bogus_field"),
+    # Hydra's own hint for a typo is `+kfac.token_fracton`: a "did you mean", not a TypeError
+    ("+kfac.token_fracton=0.1", "error: kfac.token_fracton is not a key of the kfac config: "
+     "did you mean kfac.token_fraction?"),
+
     ("model=hf model.name_or_path=null", "model.name_or_path"),
     ("report.top_k=0", "report.top_k=0: must be a positive integer"),
     ("report.prior_precision=-1", "report.prior_precision=-1.0: must be a positive finite float"),
@@ -162,6 +189,7 @@ def test_bad_override_fails_before_training(tmp_path, override, needle):
     run_dir = tmp_path / "run"
     rc, out = _app(tmp_path, run_dir, *override.split(), check=False)
     assert rc != 0 and needle in out, out[-3000:]
+    assert "Traceback" not in out and "TypeError" not in out, out[-3000:]
     assert "train_runtime" not in out and not (run_dir / "kfac").exists()
 
 

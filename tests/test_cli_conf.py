@@ -1,8 +1,10 @@
-"""kfac_stream/conf/ mirrors KFACConfig; the CLI reads real snapshots."""
+"""conf/ mirrors KFACConfig; the CLI reads real snapshots."""
 
 import dataclasses
 import pathlib
+import re
 
+import pytest
 import torch
 import yaml
 
@@ -13,11 +15,11 @@ from kfac_stream.stats.spectrum import spectrum_stats
 from harness import run
 from models import text_examples, tiny_gpt2
 
-CONF = pathlib.Path(__file__).resolve().parents[1] / "kfac_stream" / "conf"
+CONF = pathlib.Path(__file__).resolve().parents[1] / "conf"
 
 
 def test_conf_defaults_match_kfacconfig():
-    """The app's composed ``kfac`` node is KFACConfig's defaults; kfac_stream/conf/kfac/
+    """The app's composed ``kfac`` node is KFACConfig's defaults; conf/kfac/
     default.yaml repeats none of them (the dataclass is the one source)."""
     from hydra import compose, initialize_config_dir
 
@@ -144,3 +146,104 @@ def test_hydra_schema_mirrors_kfac_config():
 
     assert [f.name for f in fields(KFACConf)] == [f.name for f in fields(KFACConfig)]
     assert kfac_config(KFACConf()) == KFACConfig()
+
+
+def _compose(*overrides):
+    from hydra import compose, initialize_config_dir
+
+    from kfac_stream.app.schema import register
+
+    register()
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_trainer_takes_any_training_arguments_field(tmp_path):
+    """``trainer.<field>=value`` for every ``TrainingArguments`` field, no ``+`` (the README
+    promises it): the schema declares them all; the value reaches ``TrainingArguments``; the
+    default config builds the same arguments as before (transformers' defaults but the app's)."""
+    from transformers import TrainingArguments
+
+    from kfac_stream.app.schema import AppTrainerDefaults, TrainerConf
+    from kfac_stream.train import training_arguments
+
+    declared = {f.name for f in dataclasses.fields(TrainerConf)}
+    every = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+    assert every - {"output_dir"} <= declared
+    cfg = _compose("trainer.max_grad_norm=0.5", "trainer.optim=adafactor",
+                   "trainer.adam_beta2=0.99", "trainer.lr_scheduler_kwargs={min_lr: 1e-5}",
+                   "trainer.save_total_limit=2", "trainer.report_to=[]")
+    args = training_arguments(cfg, str(tmp_path))
+    assert args.max_grad_norm == 0.5 and args.adam_beta2 == 0.99
+    assert args.optim == "adafactor" and args.save_total_limit == 2
+    assert args.lr_scheduler_kwargs == {"min_lr": 1e-5}
+    default = training_arguments(_compose("trainer.report_to=[]"), str(tmp_path)).to_dict()
+    app = {f.name: f.default for f in dataclasses.fields(AppTrainerDefaults)
+           if f.default is not dataclasses.MISSING}
+    plain = TrainingArguments(str(tmp_path), **{**app, "report_to": "none"}).to_dict()
+    assert default == plain
+
+
+def test_unknown_keys_say_did_you_mean():
+    """A typo under a group, with or without Hydra's ``+``, is one line with the nearest
+    names; group choices, Hydra's keys and flags and ``trainer.extra.*`` pass through."""
+    from kfac_stream import AppConfigError
+    from kfac_stream.app.schema import check_keys, check_override_keys, kfac_config
+
+    for arg, needle in [
+        ("+kfac.token_fracton=0.1", "kfac.token_fracton is not a key of the kfac config: "
+                                    "did you mean kfac.token_fraction?"),
+        ("trainer.max_grad_nrom=1", "did you mean trainer.max_grad_norm?"),
+        ("++model.n_layers=3", "did you mean model.n_layer?"),
+        ("~report.enabeld", "did you mean report.enabled?"),
+        ("logging.zzz=1", "logging.zzz is not a key of the logging config: the logging keys "
+                          "are listed by `kfac-stream train --cfg job`"),
+    ]:
+        with pytest.raises(AppConfigError) as e:
+            check_override_keys(["-cd", "my_conf", arg])
+        assert needle in str(e.value) and "\n" not in str(e.value)
+    check_override_keys(["model=hf", "hydra.run.dir=x", "--config-name=demo", "-m",
+                         "trainer.extra.optim=adafactor", "kfac.token_fraction=0.1,0.2",
+                         "output_dir=out/x", "+trainer.max_grad_norm=0.5"])
+    cfg = _compose("+kfac.token_fracton=0.1")  # Hydra adds it to the typed node ...
+    with pytest.raises(AppConfigError, match="did you mean kfac.token_fraction"):
+        kfac_config(cfg.kfac)  # ... the app refuses it, not KFACConfig's TypeError
+    with pytest.raises(AppConfigError, match="did you mean trainer.max_steps"):
+        check_keys("trainer", {"max_step": 1})
+
+
+def test_checkout_reads_top_level_conf_from_any_directory(tmp_path):
+    """In a checkout the app reads ``conf/`` at the top of the repository (the design card's
+    layout; the wheel ships it as kfac_stream/conf), from an unrelated working directory."""
+    import os
+    import subprocess
+    import sys
+
+    from kfac_stream.train import CONF_DIR
+
+    root = CONF.parent
+    assert CONF_DIR == str(CONF) and (CONF / "config.yaml").is_file()
+    env = dict(os.environ, PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-m", "kfac_stream.train", "--cfg", "job",
+                           "trainer.max_grad_norm=0.5"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    job = yaml.safe_load(proc.stdout)
+    assert job["trainer"]["max_grad_norm"] == 0.5 and job["model"]["kind"] == "tiny"
+
+
+def test_app_refuses_a_missing_local_model_path_at_once(tmp_path, monkeypatch):
+    """``model=hf model.name_or_path=./nomodel`` (or ``out/x`` beside ``out/``) is refused by
+    the app's checks, before ``from_pretrained`` would ask the hub for it."""
+    from kfac_stream import AppConfigError
+    from kfac_stream.train import _check_choices
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    for name, needle in [("./nomodel", "is a local path that does not exist"),
+                         ("out/nomodel", "does not exist (out/ is a directory here")]:
+        cfg = _compose("model=hf", f"model.name_or_path={name}")
+        with pytest.raises(AppConfigError, match=re.escape(
+                f"model.name_or_path={name!r} {needle}")):
+            _check_choices(cfg)
+    _check_choices(_compose("model=hf", "model.name_or_path=gpt2"))  # may be a hub name

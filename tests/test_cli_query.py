@@ -8,6 +8,7 @@ import ast
 import json
 import math
 import re
+import time
 
 import pytest
 import torch
@@ -285,3 +286,44 @@ def test_token_table_text():
     assert len({tt.width(line) for line in lines[1:]}) == 1  # aligned (no cell ends short)
     doc = json.loads(tt.document({"mode": "tokens"}, records))
     assert doc["positions"][1]["next_prob"] is None
+
+
+def test_bytes_over_127_print_with_one_backslash(trained, capsys):
+    """A byte-level token that is no character by itself (here the two UTF-8 bytes of "é")
+    prints as Python writes that byte, ``'\\xc3'``, in the table: one backslash, not the
+    doubled one of ``repr("\\\\xc3")``; ``--json`` holds the same text."""
+    tmp, _, _ = trained
+    args = argv(tmp, "--samples", "2")
+    args[args.index("--text") + 1] = "é!"
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    rows = parse_table(out)
+    assert [r[1] for r in rows] == ["'\\xc3'", "'\\xa9'", "'!'"]  # the printed cells
+    assert "\\\\x" not in out
+    assert cli_main([*args, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [p["token"] for p in doc["positions"]] == ["\\xc3", "\\xa9", "!"]
+
+
+def test_missing_local_model_fails_at_once(trained, capsys, monkeypatch):
+    """``--model out/nomodel`` beside a directory ``out/`` is a local path, not a hub name: one
+    line at once, before the snapshot loads and before any hub request (``from_pretrained``
+    spent 49 s on hub retries offline). A name that may be a hub id is not refused here."""
+    from kfac_stream.files import local_path_problem
+
+    tmp, _, _ = trained
+    monkeypatch.chdir(tmp)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)  # the check must not rely on it
+    for model, needle in [("kfac/nomodel", "does not exist (kfac/ is a directory here, so it "
+                                           "is a local path, not a hub name)"),
+                          ("./nomodel", "is a local path that does not exist"),
+                          (str(tmp / "nomodel"), "is a local path that does not exist")]:
+        args = argv(tmp, "--samples", "2")
+        args[args.index("--model") + 1] = model
+        t0 = time.perf_counter()
+        cli_error(capsys, args, f"--model={model!r} {needle}: must be a model directory")
+        assert time.perf_counter() - t0 < 2.0
+    cli_error(capsys, [*argv(tmp), "--tokenizer", "kfac/notok"], "--tokenizer='kfac/notok' "
+              "does not exist (kfac/ is a directory here")
+    assert local_path_problem("gpt2") is None and local_path_problem("org/name") is None
+    assert local_path_problem("model") is None  # exists here: from_pretrained reads it

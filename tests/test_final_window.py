@@ -88,3 +88,28 @@ def test_window_restored_from_another_plan_is_dropped(restored, max_steps, kept)
     up.counters.window_start_step = restored
     up.set_final_window(max_steps)
     assert up.counters.window_start_step == kept
+
+
+def test_ema_decay_one_is_the_mean_over_the_whole_run(tmp_path, caplog):
+    """``ema_decay=1.0`` asks for the exact running mean over every update. With the default
+    ``final_window`` (0.1) a 4-step run would restart the average at its last update (step 3)
+    and hold that step alone; instead the window is off, the factors are the brute-force mean
+    of all four steps, and the tracker says so at train begin."""
+    cfg = KFACConfig(ema_decay=1.0)
+    assert cfg.final_window == 0.1  # the default, not set by the user
+    up = FactorUpdater.__new__(FactorUpdater)
+    up.config, up.counters = cfg, Counters()
+    assert up.set_final_window(100) is None and up.window_plan is None
+    examples = text_examples(8, 12, lengths=[12, 9, 12, 7, 12, 12, 10, 12])
+    model = tiny_gpt2(torch.float64)
+    with caplog.at_level("INFO", logger="kfac_stream"):
+        cb, records, _ = run(model, examples, {"ema_decay": 1.0, "final_window": 0.1},
+                             batch=2, loss=sum_nll_loss, tmp_path=tmp_path)
+    assert len(records) == 4 and cb.tracker.counters.window_start_step == -1
+    ref, _ = reference_factors(model, records, LAYERS)
+    errs = factor_errors(cb, ref)
+    assert max(errs.values()) <= ORACLE_TOL, errs
+    last, _ = reference_factors(model, records[3:], LAYERS)  # what the window would hold
+    assert max(factor_errors(cb, last).values()) > 1e-3
+    assert "ema_decay=1 is the mean over every update of the run: final_window=0.1 is off" \
+        in caplog.text

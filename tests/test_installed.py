@@ -48,8 +48,9 @@ def installed(tmp_path_factory):
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy2(ROOT / name, src / name)
-    shutil.copytree(ROOT / "kfac_stream", src / "kfac_stream",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for name in ("kfac_stream", "conf"):  # conf/: the top-level configs, shipped in the wheel
+        shutil.copytree(ROOT / name, src / name,
+                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     wheels = tmp / "wheels"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                     "--no-index", "-q", "-w", str(wheels), str(src)], check=True, cwd=tmp,
@@ -95,6 +96,21 @@ def _check_run(installed, run_dir: pathlib.Path) -> None:
     main = [(s["schema"], s["path"]) for s in hydra["runtime"]["config_sources"]
             if s["provider"] == "main"]
     assert main == [("file", str(site / "kfac_stream" / "conf"))], main
+
+
+def test_packages_listed_in_pyproject_are_the_package_directories():
+    """pyproject.toml lists the packages (conf/ maps into the wheel as kfac_stream/conf): a new
+    subpackage must be added there, or the wheel would lack it."""
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join(p.parent.relative_to(ROOT).parts)
+             for p in (ROOT / "kfac_stream").rglob("__init__.py")}
+    conf = {"kfac_stream.conf"} | {f"kfac_stream.conf.{d.name}" for d in (ROOT / "conf").iterdir()
+                                   if d.is_dir()}
+    assert set(setup["packages"]) == found | conf
+    assert setup["package-dir"] == {"kfac_stream.conf": "conf"}
+    assert not (ROOT / "kfac_stream" / "conf").exists()  # one copy of the configs: conf/
 
 
 def test_installed_copy_is_the_one_imported(installed, tmp_path):

@@ -4,6 +4,7 @@ training, and the warning when ``num_data`` is far from the snapshot's own count
 import logging
 import math
 import os
+import re
 import struct
 import warnings
 
@@ -107,13 +108,13 @@ def test_spectra_png_is_readable_at_2_14_and_200_layers(n, tmp_path):
                 assert all(y[i] >= y[i + 1] for i in range(len(y) - 1))
             colors = {tuple(ln.get_color()) for ln in lines}
             assert len(colors) == n, "one colour per depth"
-        # colour follows depth: the colours are the colormap's in model order
+        # colour follows depth: the colours are the colormap's in natural name order
         by_label = {ln.get_label(): ln.get_color() for ln in panels[0].get_lines()}
         want = media.depth_colors(n)
-        for i, name in enumerate(names):
+        for i, name in enumerate(media.depth_order(names)):
             if media.short_name(name, 40) in by_label:
                 assert tuple(by_label[media.short_name(name, 40)]) == want[i]
-        bars = [ax for ax in fig.axes if ax.get_ylabel() == "layer index (model order)"]
+        bars = [ax for ax in fig.axes if ax.get_ylabel() == media.DEPTH_LABEL]
         if n <= media.LEGEND_MAX_LAYERS:  # few layers: a legend on every panel, no bar
             assert len(rows) == 1 and not bars
             assert all(ax.get_legend() is not None for ax in panels)
@@ -130,6 +131,31 @@ def test_spectra_png_is_readable_at_2_14_and_200_layers(n, tmp_path):
             assert [len(i) for _, i in rows] == [29, 29, 29, 28, 28, 28, 28, 1]
     finally:
         plt.close(fig)
+
+
+def test_colour_bar_index_is_the_depth_not_the_alphabet():
+    """A snapshot lists its layers sorted by name (``h.10`` before ``h.2``); the colour bar's
+    index follows depth (block 2 before block 10), and its label says what it counts."""
+    import matplotlib.pyplot as plt
+
+    names = sorted(gpt2_names(12))  # as Snapshot.load gives them
+    assert names[8].startswith("transformer.h.10.")
+    fig = media.spectra_figure(synthetic_snapshot(names))
+    try:
+        (bar,) = [ax for ax in fig.axes if ax.get_ylabel() == media.DEPTH_LABEL]
+        assert "natural order" in media.DEPTH_LABEL and "model order" not in media.DEPTH_LABEL
+        ticks = [t.get_text() for t in bar.get_yticklabels()]
+        blocks = [int(re.search(r"h\.(\d+)\.", t).group(1)) for t in ticks]
+        assert blocks == sorted(blocks) and blocks[0] == 0 and blocks[-1] == 11, ticks
+        colour = {ln.get_label(): tuple(ln.get_color()) for ax in fig.axes
+                  for ln in ax.get_lines()}
+        want = media.depth_colors(len(names))
+        assert colour["transformer.h.2.attn.c_attn"] == want[8]  # blocks 0, 1 before it
+        assert colour["transformer.h.10.attn.c_attn"] == want[40]
+    finally:
+        plt.close(fig)
+    assert media.depth_order(["b.10.x", "b.2.y", "b.2.x", "a"]) == ["a", "b.2.x", "b.2.y",
+                                                                   "b.10.x"]
 
 
 def test_layer_types_and_the_one_row_fallback():

@@ -225,11 +225,11 @@ def test_last_layer_end_to_end_with_a_diagonal_vocabulary_G(fisher, tmp_path):
 def test_hydra_override_sets_the_preset():
     from hydra import compose, initialize_config_dir
 
-    import kfac_stream
     from kfac_stream.app.schema import kfac_config, register
+    from kfac_stream.train import CONF_DIR
 
     register()
-    conf_dir = pathlib.Path(kfac_stream.__file__).resolve().parent / "conf"
+    conf_dir = pathlib.Path(CONF_DIR)
     with initialize_config_dir(config_dir=str(conf_dir), version_base="1.3"):
         conf = compose("config", overrides=["kfac.preset=last_layer"]).kfac
     assert kfac_config(conf).preset == "last_layer"

@@ -553,7 +553,8 @@ def test_cli_query_bad_paths_and_models(trained, tmp_path, capsys):
                "hub model name")
     nowhere = str(tmp / "no" / "model")
     cli_error(capsys, query_argv(tmp, **{"--model": nowhere}),
-              f"kfac-stream query: error: --model={nowhere!r} does not exist: {allowed}")
+              f"kfac-stream query: error: --model={nowhere!r} is a local path that does not "
+              f"exist: {allowed}")
     empty = tmp_path / "empty"
     empty.mkdir()
     cli_error(capsys, query_argv(tmp, **{"--model": str(empty)}),

@@ -80,7 +80,7 @@ def test_window_mc_share_raises_the_share_only_for_short_runs():
     # nothing to raise: an int or "all", the empirical Fisher, no final window, no minimum
     for cfg in (KFACConfig(mc_sequences=1), KFACConfig(mc_sequences="all"),
                 KFACConfig(fisher="empirical"), KFACConfig(final_window=0.0),
-                KFACConfig(min_window_sequences=0)):
+                KFACConfig(min_window_sequences=0), KFACConfig(ema_decay=1.0)):
         assert window_mc_share(cfg, 30, 1, 1, 400) is None
     assert window_mc_share(d, 30, 1, 1, 0) is None  # max_steps unknown
 
@@ -91,7 +91,7 @@ def test_short_run_raises_the_mc_share_to_fill_its_window(tmp_path):
     model = tiny_gpt2()
     # 40 steps at batch 4, update_every 2: 20 update steps offer 80 sequences; 0.05 gives 4
     cb, _, _ = run(model, text_examples(16, 12), {"fisher": "mc", "update_every": 2,
-                                                   "final_window": 0.1,
+                                                   "final_window": 0.1, "ema_decay": 0.95,
                                                    "min_window_sequences": 40},
                    batch=4, steps=40, tmp_path=tmp_path, record=False, lr=1e-3)
     snap = Snapshot.load(cb.snapshots[-1])
@@ -214,8 +214,10 @@ def _short_run(tmp_path, cfg, steps=4, batch=2):
     model = tiny_gpt2()
     examples = text_examples(8, 12)
     # one sequence of every micro-batch (the default before issue 29 at these batch sizes; the
-    # default share 0.05 of 2 sequences would replay on about one update in ten)
+    # default share 0.05 of 2 sequences would replay on about one update in ten); ema_decay < 1:
+    # the harness's exact running mean (ema_decay=1) turns the window off
     cb, _, _ = run(model, examples, {"fisher": "mc", "mc_sequences": 1, "final_window": 0.5,
+                                     "ema_decay": 0.95,
                                      **cfg}, batch=batch,
                    steps=steps, tmp_path=tmp_path, record=False, lr=1e-3)
     return model.eval(), Snapshot.load(cb.snapshots[-1])

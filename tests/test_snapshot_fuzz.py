@@ -217,6 +217,10 @@ def _set(path, value):
 DELETE = object()
 
 VARIANTS = [
+    # the whole document not an object: a JSON scalar or list (null raised a TypeError)
+    *[(f"manifest is {text}", lambda w, text=text: w.save(text),
+       [MANIFEST, "not a kfac_stream snapshot manifest", "expected an object"])
+      for text in ("null", "5", "true", '"x"', "[]", "[null]")],
     # the shapes issue 14 names
     ("shards as a list", lambda w: _set(["shards"], list(w.m["shards"].values()))(w),
      ["shards is a list", MANIFEST]),

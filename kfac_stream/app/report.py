@@ -14,6 +14,21 @@ from . import data as appdata
 from .contrast import uncertainty_contrasts
 
 
+def overhead_text(tracker_seconds: float, wall: float, train_seconds: float | None) -> str:
+    """The tracker's time on the training thread as a share of the training loop: from the
+    callback's ``on_train_begin`` to its ``on_train_end`` (``train_seconds``), not
+    ``Trainer.train()``'s ``wall``, which also holds the engine's start-up (DeepSpeed init,
+    ZeRO-3 partitioning: tens of seconds at start, no training); that start-up is shown
+    apart when it is over a second."""
+    train = wall if train_seconds is None else train_seconds
+    text = (f"{tracker_seconds:.2f} s on the training thread of {train:.1f} s training "
+            f"({100 * tracker_seconds / max(train, 1e-9):.1f}%)")
+    start = wall - train
+    if start >= 1.0:
+        text += f"; engine start-up before training {start:.1f} s, not counted"
+    return text
+
+
 def end_of_run_report(cfg, model, tokenizer, seq_len: int, kfac, wall: float,
                       heldout_docs: list[str], ood_docs: dict[str, list[str]],
                       world_size: int, model_dir: str) -> dict[str, Any]:
@@ -37,8 +52,7 @@ def end_of_run_report(cfg, model, tokenizer, seq_len: int, kfac, wall: float,
     lines = ["", "=" * 78, f"kfac_stream report — snapshot {snap.path}", "", layer_table(snap),
              "", f"tracker: {c['updates']} updates, {c['positions_sampled']} positions sampled "
              f"of {c['tokens_seen']} seen, {c['skipped_updates']} skipped; "
-             f"{c['tracker_seconds']:.2f} s on the training thread of {wall:.1f} s training "
-             f"({100 * c['tracker_seconds'] / max(wall, 1e-9):.1f}%)"]
+             + overhead_text(c["tracker_seconds"], wall, kfac.train_seconds)]
     png = f"{snap.path}.spectra.png"
     result: dict[str, Any] = {"snapshot": snap.path, "spectra_png": png if os.path.exists(png)
                               else None}

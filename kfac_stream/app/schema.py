@@ -1,6 +1,6 @@
 """Typed (structured) Hydra configs of the `kfac-stream train` app.
 
-Every group in ``kfac_stream/conf/`` merges into these dataclasses, so an unknown key or a value
+Every group in ``conf/`` merges into these dataclasses, so an unknown key or a value
 of the wrong type fails at composition, before anything loads, with the key in Hydra's message
 (``Key 'tokn_fraction' not in 'KFACConf'``, ``Value 'x' of type 'str' could not be converted
 to Float ... full_key: kfac.token_fraction``). Range checks (``token_fraction=2``) are
@@ -12,7 +12,7 @@ group      what it holds
 model      ``tiny`` (GPT-2 built from a config, byte vocabulary) or ``hf`` (from_pretrained)
 data       ``pydoc`` (Python's reference docs, on every machine) or ``hf`` (load_dataset)
 kfac       `KFACConfig` itself: its fields, types and defaults are the schema
-trainer    ``TrainingArguments`` fields; ``extra`` passes any other field through
+trainer    every ``TrainingArguments`` field (``trainer.max_grad_norm=0.5``), app defaults
 logging    W&B project/mode, cheap scalars every ``log_every`` steps
 report     the end-of-run report: uncertainty contrast sizes
 =========  ==================================================================================
@@ -20,13 +20,19 @@ report     the end-of-run report: uncertainty contrast sizes
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, make_dataclass
-from typing import Any, get_type_hints
+import difflib
+import functools
+import operator
+import types
+from dataclasses import MISSING, dataclass, field, fields, make_dataclass
+from enum import Enum
+from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from ..config import KFACConfig
+from ..exceptions import AppConfigError
 
 
 @dataclass
@@ -75,8 +81,9 @@ KFACConf = _mutable_schema(KFACConfig)
 
 
 @dataclass
-class TrainerConf:
-    """``TrainingArguments`` fields the app sets; ``extra`` holds any other field."""
+class AppTrainerDefaults:
+    """The ``TrainingArguments`` fields whose app default differs from transformers' (or whose
+    type the app narrows); `TrainerConf` adds every other field with transformers' default."""
 
     max_steps: int = 1000
     per_device_train_batch_size: int = 8
@@ -98,7 +105,54 @@ class TrainerConf:
     disable_tqdm: bool = False
     dataloader_num_workers: int = 0
     deepspeed: str | None = None  # path to a DeepSpeed JSON (the `deepspeed` launcher)
-    extra: dict[str, Any] = field(default_factory=dict)
+
+
+#: Types the schema keeps from ``TrainingArguments``' annotations; a field of any other type
+#: (an enum or a dict beside a string, a list) is ``Any``: ``TrainingArguments`` checks it.
+_PLAIN = (bool, int, float, str)
+
+
+def _schema_type(hint: Any) -> Any:
+    """``hint`` if it is a plain type or an Optional/Union of plain types, else ``Any``."""
+    if get_origin(hint) not in (Union, types.UnionType):
+        return hint if hint in _PLAIN else Any
+    args = [a for a in get_args(hint) if a is not type(None)]
+    if not all(a in _PLAIN for a in args):
+        return Any
+    if len(args) < len(get_args(hint)):  # Optional
+        args.append(type(None))
+    return functools.reduce(operator.or_, args)
+
+
+def _trainer_schema() -> type:
+    """`TrainerConf`: every ``TrainingArguments`` field (but ``output_dir``, the run
+    directory), so ``trainer.max_grad_norm=0.5`` works like ``trainer.max_steps=200`` and a
+    typo fails at composition; the app's own defaults first (`AppTrainerDefaults`), then
+    transformers' in its order; ``extra`` (``+trainer.extra.<field>=value``, from before every
+    field was declared) still passes a field through, and names the declared key instead."""
+    from transformers import TrainingArguments
+
+    app = {f.name: f for f in fields(AppTrainerDefaults)}
+    hints = get_type_hints(TrainingArguments)
+    spec: list[tuple[str, Any, Any]] = [(f.name, f.type, f) for f in app.values()]
+    for f in fields(TrainingArguments):
+        if not f.init or f.name in app or f.name == "output_dir" or f.name.startswith("_"):
+            continue
+        if f.default_factory is not MISSING:  # a list or dict default
+            default = field(default_factory=f.default_factory)
+        else:
+            default = field(default=f.default.value if isinstance(f.default, Enum)
+                            else f.default)
+        spec.append((f.name, _schema_type(hints[f.name]), default))
+    spec.append(("extra", dict[str, Any], field(default_factory=dict)))
+    schema = make_dataclass("TrainerConf", spec)
+    schema.__module__ = __name__
+    schema.__doc__ = ("Every ``TrainingArguments`` field (``trainer.<field>=value``); ``extra``, "
+                      "kept for older configs, passes a field that is not declared.")
+    return schema
+
+
+TrainerConf = _trainer_schema()
 
 
 @dataclass
@@ -131,12 +185,55 @@ class AppConf:
 
 
 def register() -> None:
-    """Store the schema as ``app_schema`` (kfac_stream/conf/config.yaml lists it first in its
+    """Store the schema as ``app_schema`` (conf/config.yaml lists it first in its
     defaults)."""
     ConfigStore.instance().store(name="app_schema", node=AppConf)
 
 
 def kfac_config(conf) -> KFACConfig:
-    """The validated `KFACConfig` of a composed ``kfac`` node (raises `KFACConfigError`)."""
+    """The validated `KFACConfig` of a composed ``kfac`` node (raises `KFACConfigError`; an
+    unknown key, which only ``+kfac.<key>`` can add, is an `AppConfigError` naming it)."""
     values = OmegaConf.to_container(OmegaConf.create(conf), resolve=True)
+    check_keys("kfac", values)
     return KFACConfig(**values)
+
+
+#: The app's config groups and their schema.
+GROUPS: dict[str, type] = {"model": ModelConf, "data": DataConf, "kfac": KFACConf,
+                           "trainer": TrainerConf, "logging": LoggingConf,
+                           "report": ReportConf}
+
+
+def unknown_key_error(group: str, key: str) -> AppConfigError:
+    """``group.key`` is no field of the group's schema: the error, with the closest names."""
+    known = [f.name for f in fields(GROUPS[group])]
+    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    hint = (f"did you mean {' or '.join(f'{group}.{c}' for c in close)}?" if close else
+            f"the {group} keys are listed by `kfac-stream train --cfg job`")
+    return AppConfigError(f"{group}.{key} is not a key of the {group} config: {hint}")
+
+
+def check_keys(group: str, values) -> None:
+    """Every key of a composed group node is a schema field (Hydra's ``+group.key=value`` adds
+    keys even to a typed node); else `unknown_key_error` for the first unknown one."""
+    known = {f.name for f in fields(GROUPS[group])}
+    for key in values:
+        if key not in known:
+            raise unknown_key_error(group, str(key))
+
+
+def check_override_keys(argv: list[str]) -> None:
+    """The command line's ``group.key=value`` overrides (with or without ``+``/``++``/``~``)
+    name fields of the group's schema; raises `AppConfigError` with "did you mean" before
+    Hydra composes (whose own message for a typo suggests ``+group.key``, which for the ``kfac``
+    group ended in a ``TypeError``). Hydra's flags, group choices (``model=hf``), Hydra's own
+    keys and ``trainer.extra.*`` are left to Hydra."""
+    for arg in argv:
+        if arg.startswith("-") or ("=" not in arg and not arg.startswith("~")):
+            continue
+        key = arg.split("=", 1)[0].lstrip("+~")
+        parts = key.split(".")
+        if len(parts) < 2 or parts[0] not in GROUPS or "@" in key:
+            continue
+        if parts[1] not in {f.name for f in fields(GROUPS[parts[0]])}:
+            raise unknown_key_error(parts[0], parts[1])

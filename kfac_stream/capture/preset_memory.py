@@ -9,9 +9,9 @@ tracker's own 2-token probe forward. This is the per-model total: with several r
 factor has one owner, so a rank holds about ``1/world_size`` of it. A snapshot on disk adds the
 eigenvectors of every dense factor (float32, ``4·d²`` bytes).
 
-``python -m kfac_stream.capture.preset_memory`` prints the README's table for GPT-2 small and
-Llama-2-7B, both built on the ``meta`` device from their configs (nothing is downloaded or
-allocated).
+``python -m kfac_stream.capture.preset_memory`` prints the table of docs/configuration.md for
+GPT-2 small and Llama-2-7B, both built on the ``meta`` device from their configs (nothing is
+downloaded or allocated).
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def memory_table(max_dense_dim: int = 8192, storage_bytes: int = 2) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:  # pragma: no cover - prints the README table
+def main() -> None:  # pragma: no cover - prints the docs' table
     print(memory_table())
 
 

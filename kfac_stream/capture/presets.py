@@ -41,7 +41,7 @@ applies on top.
 Memory. The LM head's G factor has side = vocabulary (50257 for GPT-2, 32000 for Llama-2), over
 the default ``max_dense_dim`` (8192): it is kept diagonal (``d`` entries, `plan_factors`) while
 its A (``d_model`` or ``d_model + 1``) stays dense. FP16 factor bytes per preset on real configs:
-`kfac_stream.capture.preset_memory` and the README ("Layer presets").
+`kfac_stream.capture.preset_memory` and docs/configuration.md ("Layer presets").
 """
 
 from __future__ import annotations

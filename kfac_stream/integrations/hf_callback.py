@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 from transformers import TrainerCallback
 
@@ -20,6 +21,7 @@ from ..config import KFACConfig, sequences_per_update, window_mc_share
 from ..distributed.context import LOCAL, DistContext
 from ..distributed.fsdp import is_fsdp_sharded
 from ..exceptions import KFACConfigError, TrackerStateError
+from ..log_setup import show_info_by_default
 from ..snapshot.adequacy import sampling_warning
 from ..snapshot.background import SnapshotWorker
 from ..snapshot.contents import add_eigendecompositions, merge_manifests, snapshot_contents
@@ -39,6 +41,7 @@ from ..tracker_state import (
 )
 from .heldout import fit_heldout_prior
 from .spectrum_monitor import SpectraReporter, find_callback_handler
+from .zero3 import check_deepspeed_device, deepspeed_requested
 
 logger = logging.getLogger("kfac_stream")
 
@@ -99,6 +102,9 @@ class KFACStreamCallback(TrainerCallback):
     Attributes:
         tracker: The live `Tracker` during training (None before ``on_train_begin``).
         snapshots: Paths of the snapshots written by this callback.
+        train_seconds: Wall time from ``on_train_begin`` to ``on_train_end``: the training
+            loop, without the engine's start-up before it (DeepSpeed init, ZeRO-3
+            partitioning), which ``Trainer.train()``'s own time includes (None before the end).
     """
 
     def __init__(self, config: KFACConfig | None = None, background_snapshots: bool = True,
@@ -133,16 +139,32 @@ class KFACStreamCallback(TrainerCallback):
         self._final_step = 0  # the run's last step: its snapshot is checked for sample size
         self._last_snapshot_step: int | None = None
         self._pending_step: int | None = None  # step whose state waits beside its checkpoint
+        self.train_started: float | None = None  # perf_counter() at on_train_begin
+        self.train_seconds: float | None = None
 
     # -- Trainer events --------------------------------------------------------------------------
 
+    def on_init_end(self, args, state, control, **kwargs):
+        """At the end of ``Trainer.__init__``: refuse DeepSpeed on CPU without ``use_cpu``
+        (`zero3.check_deepspeed_device`) before its engine fails on every rank."""
+        check_deepspeed_device(args)
+        if deepspeed_requested(args) and getattr(args, "process_index", 0) == 0:
+            show_info_by_default()
+            logger.info("kfac_stream: DeepSpeed starts its engine inside trainer.train() before "
+                        "the first step (ZeRO-3: partitioning the model over the processes), "
+                        "often tens of seconds without output; tracking begins after it")
+        return control
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.train_started = time.perf_counter()  # after the engine's start (accelerate's
+        # prepare: DeepSpeed init, ZeRO-3 partitioning), which is not training time
         if model is None:
             raise ValueError("KFACStreamCallback needs the model (Trainer passes it)")
         handler = find_callback_handler()  # the Trainer's reporters (not given to callbacks)
         if handler is None and self.report_spectra:
             logger.info("kfac_stream: not called by a Trainer's callback handler: spectra "
                         "go only to an active W&B run")
+        show_info_by_default()  # the summary below reaches a script that set up no logging
         cfg = KFACConfig(**self.config.to_dict())  # re-validate (the config may be a copy)
         error = compile_mode_error(args)  # CUDA graphs would replay stale hooks
         if error is not None:
@@ -181,10 +203,10 @@ class KFACStreamCallback(TrainerCallback):
                                "Snapshot.latest / kfac-stream inspect / query read this "
                                "run's)", self.output_dir, len(moved),
                                os.path.dirname(moved[0]), self.output_dir)
-            logger.info("kfac_stream: tracking %d layers (%s Fisher, token_fraction=%g, "
-                        "ema_decay=%g, update_every=%d) on %d rank(s); snapshots in %s",
-                        len(specs), cfg.fisher, cfg.token_fraction, cfg.ema_decay,
-                        cfg.update_every, self.tracker.world_size, self.output_dir)
+            logger.info("%s", tracking_summary(self.tracker, self.output_dir))
+            if cfg.ema_decay == 1.0 and cfg.final_window > 0:
+                logger.info("kfac_stream: ema_decay=1 is the mean over every update of the run: "
+                            "final_window=%g is off", cfg.final_window)
             if restart is not None:
                 logger.info("kfac_stream: final window (final_window=%g, min_window_sequences="
                             "%d): from step %d of %d the factors are the mean of the updates "
@@ -198,8 +220,10 @@ class KFACStreamCallback(TrainerCallback):
                         "factors will rest on few samples and its posterior may be too wide; "
                         "lower update_every or raise mc_sequences for more", plan.updates,
                         plan.sequences, plan.sequences_per_update, cfg.min_window_sequences)
-            logger.info("kfac_stream: factor owners (bytes of the stored factors, eigh cost)"
-                        "\n%s", self.tracker.ownership)
+            # with several ranks the ownership table follows the summary (one rank: DEBUG)
+            logger.log(logging.INFO if self.tracker.world_size > 1 else logging.DEBUG,
+                       "kfac_stream: factor owners (bytes of the stored factors, eigh cost)"
+                       "\n%s", self.tracker.ownership)
         return control
 
     @staticmethod
@@ -297,6 +321,8 @@ class KFACStreamCallback(TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
+        if self.train_started is not None:
+            self.train_seconds = time.perf_counter() - self.train_started
         if self.tracker is not None:
             if self._last_snapshot_step != state.global_step:
                 self.save_snapshot(state.global_step, state.epoch)
@@ -387,3 +413,24 @@ class KFACStreamCallback(TrainerCallback):
                     if self.tracker.dist is not None:
                         self.tracker.dist.destroy()
         # keep the tracker object for inspection (factors(), counters); its hooks are gone
+
+
+def tracking_summary(tracker: Tracker, output_dir: str) -> str:
+    """The one line the callback logs at train begin: layers, factors (dense, diagonal), the
+    Fisher and sampling settings, stored factor memory per rank and the snapshot directory."""
+    cfg, own = tracker.config, tracker.ownership
+    diagonal = sum(diag for _, diag in tracker.dims.values())
+    per_rank = max(own.bytes_per_rank)
+    ranks = tracker.world_size
+    memory = (f"{_mib(per_rank)} of {cfg.storage_dtype} factors"
+              + (f" on the fullest of {ranks} ranks ({_mib(sum(own.bytes_per_rank))} in all)"
+                 if ranks > 1 else " on 1 rank"))
+    return (f"kfac_stream: tracking {len(tracker.specs)} layers, {len(tracker.dims)} factors "
+            f"({len(tracker.dims) - diagonal} dense, {diagonal} diagonal), {cfg.fisher} Fisher, "
+            f"token_fraction={cfg.token_fraction:g}, ema_decay={cfg.ema_decay:g}, update_every="
+            f"{cfg.update_every}; {memory}; snapshots every {cfg.snapshot_every} steps and at "
+            f"the end into {output_dir}")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3g} MiB" if n >= 2**20 else f"{n / 2**10:.3g} KiB"

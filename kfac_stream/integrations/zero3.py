@@ -16,8 +16,11 @@ and loads the saved copy on the main process outside DeepSpeed. Under FSDP2 (``f
 parameters are ``DTensor`` shards) it gathers the whole state dict to the main process
 (``torch.distributed.checkpoint``'s ``get_model_state_dict``, whatever the accelerate
 ``fsdp_state_dict_type``), loads it into a fresh model of the unsharded class and saves that
-with ``save_pretrained``. Otherwise it returns the trained model itself on every rank, saving
-nothing.
+with ``save_pretrained``. Otherwise it saves the model with ``trainer.save_model`` too and
+returns the trained model itself on every rank.
+
+`check_deepspeed_device`: DeepSpeed on CPU (``DS_ACCELERATOR=cpu``, `launch/cpu_zero*.yaml`)
+needs ``TrainingArguments(use_cpu=True)``; the callback checks it when the Trainer is built.
 """
 
 from __future__ import annotations
@@ -28,10 +31,38 @@ import os
 from torch import nn
 
 from ..distributed.fsdp import gather_full_state_dict, is_fsdp_sharded, unsharded_class
-from ..exceptions import PartitionedModelError
+from ..exceptions import KFACConfigError, PartitionedModelError
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
+
+
+def deepspeed_requested(args) -> bool:
+    """True if the Trainer will start a DeepSpeed engine: ``args.deepspeed`` (a JSON, the
+    ``deepspeed`` launcher) or ``accelerate launch`` with a DeepSpeed config (it sets
+    ``ACCELERATE_USE_DEEPSPEED``)."""
+    env = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() in ("1", "true", "yes")
+    return bool(getattr(args, "deepspeed", None)) or env
+
+
+def check_deepspeed_device(args) -> None:
+    """Refuse DeepSpeed on CPU without ``use_cpu=True`` in one line (`KFACConfigError`).
+
+    With ``DS_ACCELERATOR=cpu`` (or no CUDA device) and ``use_cpu`` unset, the Trainer counts
+    one process where DeepSpeed counts all of them, and every rank fails in DeepSpeed's own
+    batch-size assertion (``train_batch_size is not equal to micro_batch_per_gpu *
+    gradient_acc_step * world_size``) after the engine starts."""
+    if not deepspeed_requested(args) or getattr(args, "use_cpu", False):
+        return
+    import torch
+
+    accel = os.environ.get("DS_ACCELERATOR", "")
+    if accel == "cpu" or (not accel and not torch.cuda.is_available()):
+        why = "DS_ACCELERATOR=cpu" if accel == "cpu" else "no CUDA device"
+        raise KFACConfigError(
+            f"kfac_stream: DeepSpeed on CPU ({why}) needs TrainingArguments(use_cpu=True) "
+            "(the app: trainer.use_cpu=true); without it DeepSpeed's batch-size assertion "
+            "fails on every rank")
 
 
 def is_zero3_partitioned(model: nn.Module) -> bool:
@@ -55,8 +86,10 @@ def whole_model(trainer, save_dir: str, device=None) -> nn.Module | None:
     class ``fully_shard`` replaced, saves it to ``save_dir`` (``save_pretrained``) and returns
     it in eval mode; the other ranks return None.
 
-    Without ZeRO-3 or FSDP2 nothing is saved: the unwrapped trained model itself is returned on
-    every rank (``device`` is ignored).
+    Without ZeRO-3 or FSDP2 the model is saved the same way as under ZeRO-3
+    (``trainer.save_model(save_dir)``: the main process writes it, for ``kfac-stream query
+    --model save_dir``) and the unwrapped trained model itself is returned on every rank
+    (``device`` is ignored).
 
     Raises:
         PartitionedModelError: the model is not a transformers ``PreTrainedModel`` (ZeRO-3 and
@@ -67,6 +100,7 @@ def whole_model(trainer, save_dir: str, device=None) -> nn.Module | None:
     if is_fsdp_sharded(model):
         return _whole_fsdp2(trainer, model, save_dir, device)
     if not is_zero3_partitioned(model):
+        trainer.save_model(save_dir)  # the main process writes; DDP ranks return at once
         return model
     from transformers import PreTrainedModel
 

@@ -357,7 +357,9 @@ class LaplacePosterior:
         same float64 operations in the same order).
 
         Args:
-            batch, positions, token_ids: As in `jacobian_features`.
+            batch: As in `jacobian_features`.
+            positions: As in `jacobian_features`.
+            token_ids: As in `jacobian_features`.
             prior_precisions: ``P ≥ 1`` candidates (a list or tuple), each a positive finite
                 float ``τ`` or ``{layer: positive finite float}`` over every tracked layer.
 
@@ -389,7 +391,9 @@ class LaplacePosterior:
         """Predictive probabilities over the ``K`` chosen logits (a K-way softmax).
 
         Args:
-            batch, positions, token_ids: As in `jacobian_features`.
+            batch: As in `jacobian_features`.
+            positions: As in `jacobian_features`.
+            token_ids: As in `jacobian_features`.
             method: ``"meanfield"`` (default): the pairwise mean-field link, which uses the
                 variances of the logit *differences* (the covariances between the K logits;
                 see `probs_from_gaussian`); ``"probit"``: ``softmax(μ / sqrt(1 + π/8 ·
@@ -552,7 +556,8 @@ class LaplacePosterior:
         (logger ``kfac_stream``, INFO) with its time.
 
         Args:
-            lower, upper: The range of ``τ``, finite with ``0 < lower < upper``.
+            lower: The lower end of the range of ``τ``, finite with ``0 < lower < upper``.
+            upper: The upper end of that range.
             grid: Grid points, an int ≥ 1.
             iters: Golden-section steps, an int ≥ 1.
             show_progress: None (a bar when stderr is a terminal), True or False.

@@ -135,7 +135,8 @@ def _check_tree(value: Any, file: str) -> None:
         if depth > MAX_JSON_DEPTH:
             raise SnapshotError(f"{file}: {_where(path)} is nested {depth} levels deep; "
                                 f"expected at most {MAX_JSON_DEPTH} levels")
-        items = v.items() if isinstance(v, dict) else enumerate(v)
+        # a scalar document (``null``, ``5``) has no children: validate_manifest refuses it
+        items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
         named = isinstance(v, dict) and _named(path)
         for k, x in items:
             if isinstance(x, (dict, list, _HugeInt)):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 from typing import Any
 
 from ..factor_keys import FACTOR_KINDS
@@ -50,16 +51,32 @@ def make_media(path: str, bins: int = 32) -> dict[str, Any]:
 
 
 #: Up to this many layers each line gets a legend entry (on every panel); above it the colour
-#: bar (layer index in model order, a few names) says which line is which.
+#: bar (layer index in `depth_order`, a few names) says which line is which.
 LEGEND_MAX_LAYERS = 8
 #: With more layers than the legend shows, one row of panels per layer type when the model has
 #: between 2 and this many types (repeated blocks); else every layer on one row.
 MAX_TYPE_ROWS = 8
-#: The colour map of depth (layer index in model order); its last tenth (pale yellow) is
+#: The colour map of depth (layer index in `depth_order`); its last tenth (pale yellow) is
 #: left out so that every line shows on white.
 DEPTH_CMAP = "viridis"
 PANEL_SIZE = (5.5, 3.2)  # inches per panel (width, height)
 DPI = 120
+
+
+#: The colour bar's label: what the layer index counts.
+DEPTH_LABEL = "layer index (names in natural order: block 2 before block 10)"
+
+
+def depth_order(layer_names: list[str]) -> list[str]:
+    """``layer_names`` in natural order: sorted by name with every run of digits compared as a
+    number, so block 2 comes before block 10 (``transformer.h.2.mlp`` < ``transformer.h.10.attn``)
+    and the index grows with depth. A snapshot stores no module order (its manifest lists the
+    layers sorted by name, where ``h.10`` sorts before ``h.2``); within a block the layers keep
+    name order (``attn`` before ``mlp``), which need not be the order of the forward pass."""
+    def key(name: str) -> list[tuple[int, int | str]]:
+        return [(1, int(p)) if p.isdigit() else (0, p) for p in re.split(r"(\d+)", name)]
+
+    return sorted(layer_names, key=key)
 
 
 def layer_type(name: str) -> str:
@@ -72,7 +89,7 @@ def layer_type(name: str) -> str:
 
 
 def spectra_layout(layer_names: list[str]) -> list[tuple[str, list[int]]]:
-    """Rows of panels: ``[(row title, indices of its layers in model order)]``.
+    """Rows of panels: ``[(row title, indices of its layers in ``layer_names``)]``.
 
     One row ("all layers") when the legend still names every line, or when the layers do not
     fall into 2..`MAX_TYPE_ROWS` rows; else one row per layer type (`layer_type`) in order of
@@ -94,7 +111,7 @@ def spectra_layout(layer_names: list[str]) -> list[tuple[str, list[int]]]:
 
 
 def depth_colors(n: int) -> list[tuple[float, float, float, float]]:
-    """``n`` distinct RGBA colours of a sequential map, in model order (first layer darkest):
+    """``n`` distinct RGBA colours of a sequential map, first layer darkest:
     `DEPTH_CMAP` from 0 to 0.9, interpolated (its 256 entries would repeat at 200 layers)."""
     import numpy as np
     from matplotlib import colormaps
@@ -111,7 +128,7 @@ def spectra_figure(snap: Snapshot):
 
     Columns: the A and the G factors. Rows: `spectra_layout`. Each line is one layer's sorted
     eigenvalues (a diagonal factor: its sorted diagonal) against their rank, log-log, coloured
-    by depth (layer index in model order, `depth_colors`); a legend names the lines when there
+    by depth (layer index in `depth_order`, `depth_colors`); a legend names the lines when there
     are at most `LEGEND_MAX_LAYERS` layers, else a colour bar maps colour to layer index (ticks
     labelled with a few layer names), and every panel of at most that many lines has a legend
     too."""
@@ -125,7 +142,7 @@ def spectra_figure(snap: Snapshot):
         from matplotlib.ticker import NullFormatter
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError("plotting needs matplotlib: pip install 'kfac_stream[plot]'") from e
-    names = snap.layer_names
+    names = depth_order(snap.layer_names)  # a snapshot lists its layers sorted by name
     n = len(names)
     rows = spectra_layout(names)
     colors = depth_colors(n)
@@ -164,7 +181,7 @@ def spectra_figure(snap: Snapshot):
         ticks = sorted({round(k * (n - 1) / 5) for k in range(6)})
         bar.set_ticks(ticks)
         bar.set_ticklabels([f"{i}: {short_name(names[i])}" for i in ticks], fontsize=6)
-        bar.set_label("layer index (model order)", fontsize=8)
+        bar.set_label(DEPTH_LABEL, fontsize=8)
     return fig
 
 

@@ -92,7 +92,7 @@ class Snapshot:
 
     @property
     def layer_names(self) -> list[str]:
-        """Tracked module names, in model order."""
+        """Tracked module names, sorted by name (as the manifest lists them)."""
         return list(self._layers)
 
     @property
