@@ -331,7 +331,8 @@ def window_mc_share(config: KFACConfig, batch: int, accumulation: int, world: in
 
     Only for ``fisher="mc"`` with a share ``f`` in ``(0, 1)``, a final window (``final_window >
     0`` and ``ema_decay < 1``) and ``min_window_sequences > 0``: the run's
-    ``U = ⌊(max_steps − 1)/update_every⌋ + 1`` update steps offer ``C = U·batch·accumulation·world`` sequences, of which the share replays
+    ``U = ⌊(max_steps − 1)/update_every⌋ + 1`` update steps offer
+    ``C = U·batch·accumulation·world`` sequences, of which the share replays
     ``f·C`` on average. Extending the window (`FactorUpdater.set_final_window`) costs nothing
     and comes first; when even the whole run holds fewer than ``min_window_sequences`` at
     ``f``, the share is raised to ``min(1, min_window_sequences / C)`` (1: every sequence of
