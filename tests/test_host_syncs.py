@@ -96,13 +96,16 @@ def test_callback_adds_no_host_sync_per_step(tmp_path, extra):
 
 @pytest.mark.parametrize("extra,ckpt", [({"mc_sequences": "all"}, True),
                                         ({"mc_sequences": 1}, False),
-                                        ({"mc_sequences": 0.5}, False)],
+                                        ({"mc_sequences": 0.5, "min_window_sequences": 0},
+                                         False)],
                          ids=["whole-batch-checkpointing", "sub-batch", "share-of-the-step"])
 def test_replayed_mc_pass_adds_only_the_models_own_forward_syncs(tmp_path, extra, ckpt):
     # the MC pass replayed after the step: the whole batch under gradient checkpointing, a
     # sub-batch of every micro-batch (an int), or a share of the step's sequences (a float,
     # the default's kind; 0.5 here so that both update steps replay: the default 0.05 of
-    # 2 x 2 sequences would replay in about one update of five) (kfac_stream/capture/mc_fisher.py)
+    # 2 x 2 sequences would replay in about one update of five; min_window_sequences=0 keeps
+    # the share: this 20-step run would otherwise raise it to every sequence, "all", whose
+    # gradient is taken inside the training forward) (kfac_stream/capture/mc_fisher.py)
     cfg = {"async_updates": True, "snapshot_every": 10_000, "fisher": "mc", **extra}
     plain = _count(tmp_path / "plain", None, gradient_checkpointing=ckpt)
     tracked = _count(tmp_path / "tracked", cfg, gradient_checkpointing=ckpt)
