@@ -166,22 +166,10 @@ class PendingExchange:
     keep: list = field(default_factory=list)  # send buffers, alive until the works finish
 
 
-def exchange_to_owners(local: dict[str, Tensor], dims: dict[str, tuple[int, bool]],
-                       ownership: Ownership, rank: int, world_size: int, group=None,
-                       strategy: str | None = None, ok: bool | Tensor = True,
-                       transport: torch.dtype | None = None,
-                       dtype: torch.dtype | None = None,
-                       weights: dict[str, float | Tensor] | None = None,
-                       positions: dict[str, int | Tensor] | None = None,
-                       device: torch.device | None = None,
-                       gram_fn: Callable[[Tensor, bool], Tensor] | None = None,
-                       sums: dict[str, Tensor] | None = None,
-                       plan_group=None) -> Exchanged:
+def exchange_to_owners(*args, **kwargs) -> Exchanged:
     """Bring every factor's rows (or partial sums) to its owner: `start_exchange` then
-    `finish_exchange` on the calling thread (arguments: `start_exchange`)."""
-    return finish_exchange(start_exchange(
-        local, dims, ownership, rank, world_size, group, strategy, ok, transport, dtype,
-        weights, positions, device, gram_fn, sums, plan_group))
+    `finish_exchange` on the calling thread (the arguments are `start_exchange`'s)."""
+    return finish_exchange(start_exchange(*args, **kwargs))
 
 
 def start_exchange(local: dict[str, Tensor], dims: dict[str, tuple[int, bool]],
