@@ -97,7 +97,7 @@ class KFACConfig:
             gradients) costs ~2/3 of a training step's work on what it replays, so the
             default costs ~3.3% of an update step, ~0.33% per step at ``update_every=10``,
             whatever the micro-batch size (`benchmarks/scale.py`: ≤ 1% of a step at
-            Llama-2-7B × 8 H100, micro-batch 1). Before issue 29 the default was ``0.125`` of
+            Llama-2-7B × 8 H100, micro-batch 1). Earlier versions defaulted to ``0.125`` of
             EACH micro-batch, at least one sequence: every sequence at micro-batch 1, ~67%
             extra on update steps. (Default: 0.05)
         include: Regexes (``re.search``) over module names from ``model.named_modules()``;
