@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from .capture.hooks import IDLE, CaptureHooks, CaptureMode, CaptureState
 from .capture.mc_fisher import (
+    batch_size,
     is_encoder_decoder,
     mc_fisher_pass,
     mc_grad_in_forward,
@@ -230,7 +231,7 @@ class Tracker:
                     selection_seed(cfg.seed, self.rank, int(self.step or 0)))
                 step = int(self.step or 0)
                 counts, share = replay_counts(cfg.mc_sequences,
-                                              [_batch_size(k) for k in inputs], cfg.seed, step,
+                                              [batch_size(k) for k in inputs], cfg.seed, step,
                                               at_least_one=step == 0)
                 for kwargs, count in zip(inputs, counts):
                     if count != 0:  # micro-batches the share did not draw are not replayed
@@ -549,15 +550,6 @@ def _set_rng(generator: torch.Generator, state: Tensor, fallback_seed: int) -> N
         logger.warning("kfac_stream: the checkpoint's sampler state is from another device "
                        "type; the sampler is reseeded (factors and counters are restored)")
         generator.manual_seed(fallback_seed)
-
-
-def _batch_size(inputs: dict[str, Tensor]) -> int | None:
-    """Sequences of a recorded ``[B, T]`` micro-batch (None: not such a batch)."""
-    for key in ("input_ids", "inputs_embeds", "attention_mask"):
-        x = inputs.get(key)
-        if isinstance(x, Tensor) and x.dim() >= 2:
-            return int(x.shape[0])
-    return None
 
 
 def _cat(parts: list[Tensor]) -> Tensor:

@@ -181,17 +181,7 @@ def _spawn(target, world):
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_owner_receives_the_union_of_all_ranks(world):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(r, world, os.path.join(tmp, "init"), q))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    owned = dict(q.get() for _ in range(world))
+    owned = dict(_spawn(_worker, world))
     got_keys = sorted(k for keys in owned.values() for k in keys)
     assert got_keys == sorted(k for k in DIMS if any(COUNTS[r][k] for r in range(world)))
 

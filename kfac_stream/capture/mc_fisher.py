@@ -227,11 +227,18 @@ def select_sequences(batch: int, count: int, generator: torch.Generator,
 
 
 def _batch_shape(inputs: dict[str, Tensor]) -> tuple[int, int] | None:
+    """``(B, T)`` of a recorded ``[B, T]`` micro-batch (None: not such a batch)."""
     for key in ("input_ids", "inputs_embeds", "attention_mask"):
         x = inputs.get(key)
         if isinstance(x, Tensor) and x.dim() >= 2:
             return int(x.shape[0]), int(x.shape[1])
     return None
+
+
+def batch_size(inputs: dict[str, Tensor]) -> int | None:
+    """Sequences ``B`` of a recorded ``[B, T]`` micro-batch (None: not such a batch)."""
+    shape = _batch_shape(inputs)
+    return None if shape is None else shape[0]
 
 
 def replay_counts(mc_sequences: int | float | str, batches: list[int | None], seed: int,

@@ -56,7 +56,8 @@ class JsonComm:
 
     def gather_bytes(self, data: bytes) -> list[bytes] | None:
         """Every rank's ``data`` on rank 0, in rank order; None on the other ranks
-        (collective). Raw bytes (a safetensors shard), never unpickled."""
+        (collective). The bytes (a safetensors shard) travel as a uint8 tensor and come back
+        as ``bytes``: no object serialisation on either side."""
         if self.world_size == 1:
             return [data]
         size = torch.tensor([len(data)], dtype=torch.int64)

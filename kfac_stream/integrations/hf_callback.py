@@ -187,9 +187,7 @@ class KFACStreamCallback(TrainerCallback):
         self._last_snapshot_step = None
         if state.global_step > 0:  # resuming from a checkpoint
             self._resume(args, state)
-        seqs = sequences_per_update(cfg, int(getattr(args, "per_device_train_batch_size", 0) or 0),
-                                    int(getattr(args, "gradient_accumulation_steps", 1) or 1),
-                                    self.tracker.world_size)
+        seqs = sequences_per_update(cfg, *_micro_batches(args), self.tracker.world_size)
         restart = self.tracker.set_final_window(int(getattr(state, "max_steps", 0) or 0), seqs)
         plan = self.tracker.updater.window_plan
         self._final_step = int(getattr(state, "max_steps", 0) or 0)
@@ -232,10 +230,8 @@ class KFACStreamCallback(TrainerCallback):
         """``cfg`` with the MC share raised where the run is too short for its final window to
         reach ``min_window_sequences`` at the configured share (`window_mc_share`; the same
         on every rank: it depends only on the run's arguments, and on resume as well)."""
-        share = window_mc_share(cfg, int(getattr(args, "per_device_train_batch_size", 0) or 0),
-                                int(getattr(args, "gradient_accumulation_steps", 1) or 1),
-                                dist_ctx.world_size if dist_ctx else 1,
-                                int(getattr(state, "max_steps", 0) or 0))
+        share = window_mc_share(cfg, *_micro_batches(args), dist_ctx.world_size if dist_ctx
+                                else 1, int(getattr(state, "max_steps", 0) or 0))
         if share is None:
             return cfg
         if dist_ctx is None or dist_ctx.rank == 0:
@@ -434,3 +430,10 @@ def tracking_summary(tracker: Tracker, output_dir: str) -> str:
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.3g} MiB" if n >= 2**20 else f"{n / 2**10:.3g} KiB"
+
+
+def _micro_batches(args) -> tuple[int, int]:
+    """``(sequences per micro-batch, micro-batches per optimizer step)`` on one rank, from the
+    Trainer's arguments (0 sequences: unknown)."""
+    return (int(getattr(args, "per_device_train_batch_size", 0) or 0),
+            int(getattr(args, "gradient_accumulation_steps", 1) or 1))
