@@ -131,14 +131,21 @@ class KFACConfig:
             factor: captured, exchanged, stored and eigendecomposed once (found by a 2-token
             probe forward when training starts; the manifest records it; ``snap[name].A``
             works for every layer). ``False``: one A per layer. (Default: True)
-        fold_on: Where the second moments ``XᵀX`` are computed. ``"device"``: on the rows'
-            device (GPU: tensor cores, fp32 accumulation), only the folded fp32 statistics
-            cross to the host, combined over up to 8 updates on the device within
-            ``device_memory_budget``; ``"host"``: rows are copied to the CPU store, which folds
-            them. ``"auto"``: ``"device"`` on CUDA, ``"host"`` on CPU. (Default: "auto")
-        device_memory_budget: Bytes of accelerator memory the pending device statistics of
-            this rank's factors may take (fp32, ``4·d²`` per dense factor); beyond it every
-            update is copied to the host at once. (Default: 4 GiB)
+        fold_on: Where the second moments ``XᵀX`` are formed and the EMA runs
+            (`kfac_stream.folding`). ``"device"``: on the rows' device (GPU: tensor cores,
+            fp32 accumulation) into pending statistics that stay there until a snapshot,
+            checkpoint or export reads the factors, then stream through the device into the
+            FP16 CPU store (no per-entry host arithmetic); ``"host"``: rows are copied to the
+            CPU store, which folds them. ``"auto"``: ``"device"`` on CUDA, ``"host"`` on CPU.
+            (Default: "auto")
+        device_memory_budget: Bytes of accelerator memory for the resident pending
+            statistics (fp32, ``4·d²`` per dense factor, planned largest first) plus the
+            accumulation's work space; a factor that does not fit is folded into the host
+            store at every update (streamed through the device). ``"auto"``: decided at the
+            first update, after the first optimizer step, as ``min(25% of the device,
+            50% of what training left free)`` (`kfac_stream.settings.device_budget_from_memory`;
+            on an out-of-memory error the store moves its statistics to the host and halves
+            the budget). (Default: "auto")
         exchange: How each update's contributions reach a factor's owner with several ranks
             (`distributed.exchange`): ``"rows"`` (the sampled rows, folded by the owner),
             ``"stats"`` (each rank's folded statistic, reduced at the owner) or ``"auto"``
@@ -181,7 +188,7 @@ class KFACConfig:
     async_updates: bool | None = None
     share_inputs: bool = True
     fold_on: str = "auto"
-    device_memory_budget: int = 4 * 2**30
+    device_memory_budget: int | str = "auto"
     exchange: str = "auto"
     eigh_device: str = "auto"
     eigh_threads: int | None = None
@@ -215,9 +222,10 @@ class KFACConfig:
             raise KFACConfigError(f"KFACConfig.min_window_sequences={mws!r} is not allowed: "
                                   "must be a non-negative integer (sequences)")
         budget = self.device_memory_budget
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+        if budget != "auto" and (isinstance(budget, bool) or not isinstance(budget, int)
+                                 or budget < 0):
             raise KFACConfigError(f"KFACConfig.device_memory_budget={budget!r} is not allowed: "
-                                  "must be a non-negative integer (bytes)")
+                                  "must be 'auto' or a non-negative integer (bytes)")
         threads = self.eigh_threads
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                     or threads < 1):

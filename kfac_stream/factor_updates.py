@@ -7,9 +7,9 @@ flags once (is it finite, how much weight per factor), on its own thread and CUD
 ``async_updates`` is on (the default on CUDA), after the event recorded at the end of the step.
 With several ranks it exchanges rows or partial statistics with the owners
 (`distributed.exchange`; a non-finite statistic on any rank skips the update on all of them),
-then folds the second moments where the rows are (``fold_on``: on the GPU, only the folded
-fp32 statistics cross to the host, combined over a few updates on the device; on CPU the store
-folds rows itself) into the FP16 EMA `FactorStore`.
+then folds the second moments where `kfac_stream.folding.Folding` says (on the GPU into
+pending statistics resident on the device, which reach the FP16 CPU `FactorStore` only when a
+reader flushes or the device budget forces it; on CPU the store folds rows itself).
 """
 
 from __future__ import annotations
@@ -25,19 +25,20 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .config import KFACConfig
 from .distributed.context import DistContext
 from .distributed.exchange import PendingExchange, finish_exchange, start_exchange
 from .distributed.ownership import Ownership
-from .stats.covariance import gram
+from .folding import Folding, gram_fp32  # noqa: F401 (gram_fp32: re-exported)
+from .settings import Settings
 from .store.factor_store import FactorStore
+from .store.traffic import Traffic
 
 logger = logging.getLogger("kfac_stream")
 
 
 @dataclass
-class Counters:
-    """Running totals, written into every snapshot manifest."""
+class Counters(Traffic):
+    """Running totals, written into every snapshot manifest (with the store's `Traffic`)."""
 
     tokens_seen: int = 0  # usable positions of every training forward pass (read lazily)
     positions_sampled: int = 0  # positions folded into the factors
@@ -47,6 +48,7 @@ class Counters:
     comm_bytes: int = 0  # bytes this rank sent to factor owners (multi-process only)
     exchange_seconds: float = 0.0  # time in the exchange collectives (multi-process only)
     fold_seconds: float = 0.0  # time folding rows/statistics into the owned factors
+    flush_seconds: float = 0.0  # time in flushes that readers asked for (snapshots, exports)
     wait_seconds: float = 0.0  # time the training thread waited for the factor worker
     waits: int = 0  # update steps that waited for the factor worker
     snapshot_failures: int = 0  # snapshots abandoned (non-fatal unless fail_on_snapshot_error)
@@ -120,14 +122,14 @@ class FactorUpdater:
     """Applies `UpdateJob` s to this rank's owned factors, on a worker thread or inline.
 
     Args:
-        config: The tracker's configuration (``storage_dtype``, ``ema_decay``, ``exchange``,
-            ``async_updates``, and the knobs named in the slow-worker warning).
+        settings: The tracker's resolved settings (`kfac_stream.settings`; its config's
+            ``storage_dtype``, ``ema_decay``, ``exchange`` and the knobs named in the
+            slow-worker warning, ``async_updates`` and the device budget).
         dims: ``{key: (side, diagonal)}`` of every factor (all ranks').
         ownership: Which rank owns each factor.
         dist: Rank and process groups (None: one process).
         device: The rows' device.
-        fold_on: ``"device"`` or ``"host"`` (resolved from ``config.fold_on``).
-        row_dtype: The rows' dtype when they are not 16-bit (float32 or float64).
+        folding: Where second moments are formed and the EMA runs.
         counters: The tracker's running totals, updated here (updates, skips, exchange and
             fold time, bytes, waits).
 
@@ -135,17 +137,20 @@ class FactorUpdater:
         store: The `FactorStore` of the factors this rank owns.
     """
 
-    def __init__(self, config: KFACConfig, dims: dict[str, tuple[int, bool]],
+    def __init__(self, settings: Settings, dims: dict[str, tuple[int, bool]],
                  ownership: Ownership, dist: DistContext | None, device: torch.device,
-                 fold_on: str, row_dtype: torch.dtype, counters: Counters) -> None:
+                 folding: Folding, counters: Counters) -> None:
+        config = settings.config
         self.config, self.dims, self.ownership, self.dist = config, dims, ownership, dist
         self.rank, self.world_size = (dist.rank, dist.world_size) if dist else (0, 1)
-        self.device, self.fold_on, self.row_dtype = device, fold_on, row_dtype
+        self.device, self.folding = device, folding
         self.counters = counters
         self.restart_step: int | None = None  # the final window's first step (set_final_window)
         self.window_plan: WindowPlan | None = None
-        budget = config.device_memory_budget if fold_on == "device" else 0
-        self.store = FactorStore(config.storage_dtype, config.ema_decay, device_budget=budget)
+        on_device = folding.on == "device"
+        self.store = FactorStore(config.storage_dtype, config.ema_decay,
+                                 device=device if on_device else None,
+                                 device_budget=settings.device_budget, traffic=counters)
         for key in ownership.owned_by(self.rank):
             self.store.add(key, *dims[key])
         self._warned_scale = False
@@ -154,7 +159,7 @@ class FactorUpdater:
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         self._worker_error: BaseException | None = None
-        if config.async_updates:
+        if settings.async_updates:
             self._queue = queue.Queue(maxsize=1)
             self._worker = threading.Thread(target=self._work, name="kfac-stream-ema",
                                             daemon=True)
@@ -223,7 +228,8 @@ class FactorUpdater:
                 job.rows, self.dims, self.ownership, self.rank, self.world_size,
                 self.dist.exchange_group, None if self.config.exchange == "auto"
                 else self.config.exchange, job.ok, transport, None, job.weights,
-                job.positions, self.device, gram_fp32, job.sums, self.dist.plan_group)
+                job.positions, self.device, self.folding.partial_gram, job.sums,
+                self.dist.plan_group)
 
     def _apply(self, job: UpdateJob) -> None:
         """Read the job's flags (the one host read of an update), exchange (several ranks),
@@ -285,14 +291,9 @@ class FactorUpdater:
             n, pos = weights[key], positions[key]
             if n <= 0:
                 continue
-            if how == "rows" and self.fold_on == "host":
-                self.store.push_rows(key, payload.cpu(), n, pos, decay)  # [m, d]
-            elif how == "rows":
-                self.store.push_stat(key, gram_fp32(payload, self.dims[key][1]), n, pos, decay)
-            elif self.fold_on == "host":
-                self.store.update(key, payload[0].cpu().div_(n), n, pos, decay)
-            else:
-                self.store.push_stat(key, payload[0], n, pos, decay)
+            self.folding.deliver(self.store, key, how, payload if how == "rows" else payload[0],
+                                 n, pos, decay)
+        self.folding.end_update(self.store)
         self.counters.fold_seconds += time.perf_counter() - t1
 
     def set_final_window(self, max_steps: int, sequences_per_update: int = 0) -> int | None:
@@ -379,8 +380,10 @@ class FactorUpdater:
         """Wait until every submitted update is in the store, folded."""
         self.wait()
         t0 = time.perf_counter()
-        self.store.flush()
-        self.counters.fold_seconds += time.perf_counter() - t0
+        ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+        with ctx:  # the pending statistics were accumulated on the updater's stream
+            self.store.flush()
+        self.counters.flush_seconds += time.perf_counter() - t0
 
     def close(self) -> None:
         """Flush, then stop the worker thread."""
@@ -399,16 +402,3 @@ class FactorUpdater:
                 "kfac_stream: the logits' gradient is not a scaled cross-entropy gradient "
                 "(relative residual %.2e): label smoothing or per-token loss weights make the "
                 "empirical-Fisher G scale approximate", residual)
-
-
-def gram_fp32(rows: Tensor, diagonal: bool) -> Tensor:
-    """``Σ rowsᵀrows`` (``[d, d]``) or its diagonal (``[d]``) where the rows are, accumulated
-    and returned in float32 (float64 rows: float64). bf16 rows on CUDA use the tensor cores
-    with fp32 accumulation and fp32 output (``torch.mm(..., out_dtype=float32)``)."""
-    if rows.dtype in (torch.float32, torch.float64):
-        return gram(rows, diagonal)
-    if diagonal:
-        return rows.float().square().sum(0)
-    if rows.is_cuda:
-        return torch.mm(rows.T, rows, out_dtype=torch.float32)
-    return gram(rows.float(), diagonal)

@@ -47,6 +47,8 @@ from .distributed.context import DistContext
 from .distributed.ownership import Ownership, assign_owners
 from .enums import StorageDtype
 from .factor_updates import Counters, FactorUpdater, UpdateJob
+from .folding import Folding
+from .settings import Settings, resolve_settings
 from .stats.covariance import all_finite, with_bias_column
 from .store.factor_store import FactorState
 
@@ -117,12 +119,17 @@ class Tracker:
         config: The configuration.
         dist_ctx: Rank and process groups (None: one process).
         plan: The factor plan (default: no shared A; `plan_tracking` finds the sharing).
+        settings: ``config`` with every ``"auto"`` resolved (default: `resolve_settings` for
+            the model's device, without the run's shape; the callback passes the run's).
     """
 
     def __init__(self, model: nn.Module, layers: dict[str, nn.Module],
                  specs: dict[str, LayerSpec], config: KFACConfig,
-                 dist_ctx: DistContext | None = None, plan: FactorPlan | None = None) -> None:
-        self.config = config
+                 dist_ctx: DistContext | None = None, plan: FactorPlan | None = None,
+                 settings: Settings | None = None) -> None:
+        self.device = _model_device(model)
+        self.settings = settings or resolve_settings(config, self.device)
+        config = self.config = self.settings.config
         self.specs = specs
         self.plan = plan or plan_factors(specs, config.max_dense_dim)
         self.dist = dist_ctx
@@ -133,13 +140,12 @@ class Tracker:
         if dist_ctx is not None:  # before any hook goes on the model
             _check_same_plan(dist_ctx, self.plan)
             self.run_id = dist_ctx.snapshot_comm.all_gather(self.run_id)[0]
-        self.device = _model_device(model)
         on_gpu = self.device.type == "cuda"
-        self.fold_on = config.fold_on if config.fold_on != "auto" else (
-            "device" if on_gpu else "host")
+        self.fold_on = self.settings.fold_on
         storage = StorageDtype(config.storage_dtype)
         wide = storage.wide_dtype
-        self.row_dtype = wide  # rows as handed to the worker (bf16: see `_fold_dtype`)
+        self.row_dtype = wide  # rows scaled in this dtype, handed over in `folding.row_dtype`
+        self.folding = Folding(self.fold_on, self.device, wide)
         self._model, self._layers = model, layers
         seed = config.seed + 1_000_003 * self.rank  # independent streams per rank
         # on a GPU the rows stay in the activations' dtype until `_collect` scales them
@@ -160,8 +166,8 @@ class Tracker:
         self._a_has_bias = {self.plan.a_key[n]: s.has_bias for n, s in specs.items()}
         self._a_members = _a_members(self.plan)
         self.ownership: Ownership = assign_owners(self.dims, self.world_size, storage.itemsize)
-        self.updater = FactorUpdater(config, self.dims, self.ownership, dist_ctx, self.device,
-                                     self.fold_on, wide, self.counters)
+        self.updater = FactorUpdater(self.settings, self.dims, self.ownership, dist_ctx,
+                                     self.device, self.folding, self.counters)
         self.store = self.updater.store  # this rank's factors
 
     @property
@@ -262,9 +268,9 @@ class Tracker:
     def _collect(self, passes) -> UpdateJob | None:
         """Weighted, scaled rows (dense factors) and sums (diagonal factors) per factor key;
         device ops only (no host read). Each part is scaled in the wide dtype and cast to the
-        fold dtype (`_fold_dtype`) at once, so at most one part is held wide at a time (a
+        fold dtype (`Folding.row_dtype`) at once, so at most one part is held wide at a time (a
         16-bit fold never holds every key's rows in fp32)."""
-        fold = self._fold_dtype(passes)
+        fold = self.folding.row_dtype(_captured_dtype(passes))
         rows: dict[str, list[Tensor]] = {}
         sums: dict[str, Tensor] = {}
         weights: dict[str, Tensor] = {}
@@ -387,16 +393,6 @@ class Tracker:
                                        StorageDtype(self.config.storage_dtype).itemsize)
         self.updater.dims, self.updater.ownership = self.dims, self.ownership
         self._capture_args = (plan, *self._capture_args[1:])
-
-    def _fold_dtype(self, passes) -> torch.dtype:
-        """bf16 for rows that came from 16-bit activations on a GPU (tensor-core folds with
-        fp32 accumulation, `gram_fp32`), else the wide dtype (float32 / float64)."""
-        if self.device.type != "cuda" or self.row_dtype == torch.float64:
-            return self.row_dtype
-        for rec in passes:
-            for parts in list(rec.g_rows.values()) + list(rec.a_rows.values()):
-                return torch.bfloat16 if parts[0].element_size() == 2 else self.row_dtype
-        return self.row_dtype
 
     # -- factor arithmetic (worker thread, or the training thread without async_updates) -------
 
@@ -550,6 +546,14 @@ def _set_rng(generator: torch.Generator, state: Tensor, fallback_seed: int) -> N
         logger.warning("kfac_stream: the checkpoint's sampler state is from another device "
                        "type; the sampler is reseeded (factors and counters are restored)")
         generator.manual_seed(fallback_seed)
+
+
+def _captured_dtype(passes) -> torch.dtype | None:
+    """The dtype of the first captured rows of ``passes`` (None: no rows)."""
+    for rec in passes:
+        for parts in list(rec.g_rows.values()) + list(rec.a_rows.values()):
+            return parts[0].dtype
+    return None
 
 
 def _cat(parts: list[Tensor]) -> Tensor:

@@ -14,14 +14,16 @@ import logging
 import os
 import time
 
+import torch
 from transformers import TrainerCallback
 
 from ..capture.graphs import compile_mode_error
-from ..config import KFACConfig, sequences_per_update, window_mc_share
+from ..config import KFACConfig, sequences_per_update
 from ..distributed.context import LOCAL, DistContext
 from ..distributed.fsdp import is_fsdp_sharded
 from ..exceptions import KFACConfigError, TrackerStateError
 from ..log_setup import show_info_by_default
+from ..settings import Settings, resolve_settings
 from ..snapshot.adequacy import sampling_warning
 from ..snapshot.background import SnapshotWorker
 from ..snapshot.contents import add_eigendecompositions, merge_manifests, snapshot_contents
@@ -174,14 +176,17 @@ class KFACStreamCallback(TrainerCallback):
         _warn_fsdp_not_applied(model)
         specs, plan = plan_tracking(model, cfg)  # collective under ZeRO-3 (probe forward)
         modules = dict(model.named_modules())
-        async_updates = cfg.async_updates
-        if async_updates is None:
-            async_updates = str(getattr(args, "device", "cpu")).startswith("cuda")
-        cfg = KFACConfig(**{**cfg.to_dict(), "async_updates": async_updates})
-        device = next((p.device for p in model.parameters()), None)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
         dist_ctx = DistContext.from_torch(device)  # collective with several processes
-        cfg = self._adequate_share(cfg, args, state, dist_ctx)
-        self.tracker = Tracker(model, {n: modules[n] for n in specs}, specs, cfg, dist_ctx, plan)
+        settings = resolve_settings(
+            cfg, device, batch=_micro_batches(args)[0], accumulation=_micro_batches(args)[1],
+            world=dist_ctx.world_size if dist_ctx else 1,
+            max_steps=int(getattr(state, "max_steps", 0) or 0))
+        if settings.mc_share_raised is not None and (dist_ctx is None or dist_ctx.rank == 0):
+            _log_raised_share(cfg, settings, state)
+        cfg = settings.config
+        self.tracker = Tracker(model, {n: modules[n] for n in specs}, specs, cfg, dist_ctx, plan,
+                               settings)
         self._comm = dist_ctx.snapshot_comm if dist_ctx else LOCAL
         self.output_dir = cfg.output_dir or os.path.join(args.output_dir, "kfac")
         self._last_snapshot_step = None
@@ -223,25 +228,6 @@ class KFACStreamCallback(TrainerCallback):
                        "kfac_stream: factor owners (bytes of the stored factors, eigh cost)"
                        "\n%s", self.tracker.ownership)
         return control
-
-    @staticmethod
-    def _adequate_share(cfg: KFACConfig, args, state, dist_ctx: DistContext | None
-                        ) -> KFACConfig:
-        """``cfg`` with the MC share raised where the run is too short for its final window to
-        reach ``min_window_sequences`` at the configured share (`window_mc_share`; the same
-        on every rank: it depends only on the run's arguments, and on resume as well)."""
-        share = window_mc_share(cfg, *_micro_batches(args), dist_ctx.world_size if dist_ctx
-                                else 1, int(getattr(state, "max_steps", 0) or 0))
-        if share is None:
-            return cfg
-        if dist_ctx is None or dist_ctx.rank == 0:
-            logger.info("kfac_stream: mc_sequences %g -> %g for this run: its %d steps at "
-                        "update_every=%d offer too few sequences for the final window to hold "
-                        "min_window_sequences=%d at %g (the replay costs more per update step "
-                        "on this short run; set min_window_sequences=0 to keep %g)",
-                        cfg.mc_sequences, share, state.max_steps, cfg.update_every,
-                        cfg.min_window_sequences, cfg.mc_sequences, cfg.mc_sequences)
-        return KFACConfig(**{**cfg.to_dict(), "mc_sequences": share})
 
     def _checkpoint(self, args, step: int) -> str:
         return os.path.join(args.output_dir, f"checkpoint-{step}")
@@ -347,7 +333,7 @@ class KFACStreamCallback(TrainerCallback):
         manifest["weights"] = weights_fingerprint(self.tracker.layers)
         root, comm = self.output_dir, self._comm
         cfg = self.tracker.config
-        eigh_device = self.tracker.device if cfg.eigh_device == "auto" else None
+        eigh_device = self.tracker.settings.eigh_device
 
         def finish() -> None:  # every rank: its own factors, in parallel; then the protocol
             try:
@@ -437,3 +423,15 @@ def _micro_batches(args) -> tuple[int, int]:
     Trainer's arguments (0 sequences: unknown)."""
     return (int(getattr(args, "per_device_train_batch_size", 0) or 0),
             int(getattr(args, "gradient_accumulation_steps", 1) or 1))
+
+
+def _log_raised_share(cfg: KFACConfig, settings: Settings, state) -> None:
+    """Say that this run raised the MC share (`kfac_stream.config.window_mc_share`; the same
+    on every rank: it depends only on the run's arguments, and on resume as well)."""
+    logger.info("kfac_stream: mc_sequences %g -> %g for this run: its %d steps at "
+                "update_every=%d offer too few sequences for the final window to hold "
+                "min_window_sequences=%d at %g (the replay costs more per update step "
+                "on this short run; set min_window_sequences=0 to keep %g)",
+                cfg.mc_sequences, settings.config.mc_sequences, state.max_steps,
+                cfg.update_every, cfg.min_window_sequences, cfg.mc_sequences,
+                cfg.mc_sequences)

@@ -495,6 +495,13 @@ COUNTS = Record({
     "window_start_step": Field(Int(-1), since=None),
     "sequences_per_update": Field(_COUNT, since=None),
     "window_sequences": Field(_COUNT, since=None),
+    # the store's work (`kfac_stream.store.traffic.Traffic`) and the flushes' time
+    "flush_seconds": Field(_NONNEG, since=None),
+    **{name: Field(_COUNT, since=None) for name in (
+        "device_folds", "fold_flops", "fold_device_bytes", "bytes_to_host", "bytes_to_device",
+        "host_entries", "flushes", "factor_flushes", "budget_flushes", "flush_chunks",
+        "flush_copies", "flush_syncs", "resident_bytes", "peak_resident_bytes")},
+    "device_budget": Field(Int(-1), since=None),
 }, what="the tracker's counters (an object with tokens_seen, positions_sampled, updates, "
         "skipped_updates, tracker_seconds)")
 

@@ -15,17 +15,17 @@ stored factor       float16 ``q`` with ``F = scale · q`` (scale a power of two,
                     float32 / float64 as is
 ==================  ======================================================================
 
-Two ways in, by where the statistics were folded (``KFACConfig.fold_on``):
+Two ways in, by where the statistics are folded (`kfac_stream.settings.Settings.fold_on`):
 
-* **rows** (`push_rows`, CPU training): the weighted rows of an update, folded here with the
-  deferred fold below;
-* **device statistics** (`push_stat`, the rows' accelerator): the summed statistic
-  ``Σ w xxᵀ`` of an update, already folded on the device. Up to ``flush_every`` updates are
-  combined *on the device* into one pending fp32 sum (the EMA is linear:
-  ``P ← (1-η)P + η S``, ``α ← α(1-η)``) while the pending sums of all owned factors fit
-  ``device_budget`` bytes; then one device→host copy through a pinned staging buffer
-  (allocated once, reused for every factor) and one ``F ← α·F + P`` pass over the stored
-  entries. Without the budget every update is shipped at once.
+* **host** (`push_rows`, CPU training): the weighted rows of an update, folded here on the
+  CPU with the deferred fold below;
+* **device** (`push_device`, the rows' accelerator): each update is accumulated into a
+  pending statistic *resident on the device* (`device_fold`: fp32, device kernels only,
+  nothing read on the host), for as many updates as come until a reader (snapshot,
+  checkpoint, export) flushes, or at once for a factor the device budget leaves off the
+  device. A flush streams the stored FP16 factors through the device in chunks
+  (`device_fold.stream_fold`): no per-entry arithmetic on the host, one host read per flush.
+  Residency is planned once per factor, largest first, within ``device_budget``.
 
 Deferred folding of rows: rows pushed for an update are kept (``[n, d]`` each, a few percent of the
 tokens) and folded into the stored factor together, every ``flush_every`` updates or when the
@@ -45,6 +45,7 @@ cheap to read) so that the largest stored magnitude is at most
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import zlib
 from collections.abc import Mapping
@@ -54,9 +55,16 @@ import torch
 from torch import Tensor
 
 from ..enums import StorageDtype
+from ..settings import cuda_budget
 from ..stats.ema import ema_step
 from ..stats.fp16 import fp16_exponent
+from .device_fold import DevicePending, FoldResult, _Lanes, accumulate, make_lanes, stream_fold
+from .fold_cost import CHUNK_ENTRIES, PROBES, host_fold_entries, probe_columns
+from .traffic import Traffic
 
+logger = logging.getLogger("kfac_stream")
+
+#: Rows per chunk of the host fold.
 CHUNK_ROWS = 128
 
 
@@ -148,7 +156,8 @@ class StoredFactor:
     """One EMA factor on CPU.
 
     Attributes:
-        data: ``[d, d]`` (dense) or ``[d]`` (diagonal) in the storage dtype.
+        data: ``[d, d]`` (dense) or ``[d]`` (diagonal) in the storage dtype (pinned when the
+            store's device is CUDA, so flushes copy it asynchronously).
         scale: ``F = scale · data`` (1.0 unless float16).
         amax: Bound on the largest ``|F|`` entry, used to choose the next scale.
         weight: EMA weight ``w`` (includes pending updates).
@@ -156,15 +165,18 @@ class StoredFactor:
         positions: Number of positions (rows) over all updates.
         diagonal: Whether only the diagonal is kept.
         pending: ``[(rows [m, d], eta, n)]`` not yet folded into ``data`` (weighted rows:
-            ``S = rowsᵀrows / n``).
+            ``S = rowsᵀrows / n``; the host path).
         sq_norm_sum, weight_sq: See `FactorState`; ``sq_norm_sum`` is a 0-dim device tensor
-            while device statistics add to it (read when the factor is exported).
-        device_pending: ``Σ`` of pending device statistics (fp32, ``[d, d]`` or ``[d]``, on the
-            rows' device) with ``device_alpha`` = ``Π (1-η)`` over them; None when empty.
-        device_updates: Updates in ``device_pending``.
+            while device statistics add to it (read when the factor is flushed).
+        device: The pending statistic on the device (`device_fold.DevicePending`; None: none
+            allocated).
+        resident: Its pending statistic stays on the device between updates (the budget's
+            residency plan); a factor that is not folds every update at once.
         folded_trace: ``scale · Σ diag(data)`` as of the last completed fold: set in one
             assignment when a fold has written every entry and the scale, so a reader on
             another thread (monitoring between snapshots) never sees a half-written factor.
+        live_trace: The trace with the device's pending statistic folded in, as of the last
+            update applied (`FactorStore.end_update`); None: the same as ``folded_trace``.
     """
 
     data: Tensor
@@ -177,42 +189,46 @@ class StoredFactor:
     sq_norm_sum: float | Tensor = 0.0
     weight_sq: float = 0.0
     pending: list[tuple[Tensor, float, float]] = field(default_factory=list)
-    device_pending: Tensor | None = None
-    device_alpha: float = 1.0
-    device_updates: int = 0
+    device: DevicePending | None = None
+    resident: bool = True
     folded_trace: float = 0.0
+    live_trace: float | None = None
 
     @property
     def pending_rows(self) -> int:
         """Rows waiting to be folded in."""
         return sum(r.shape[0] for r, _, _ in self.pending)
 
+    @property
+    def device_updates(self) -> int:
+        """Updates waiting in the device's pending statistic."""
+        return 0 if self.device is None or self.device.empty else self.device.updates
+
     def value(self, dtype: torch.dtype | None = None) -> Tensor:
         """Dequantised folded factor, ``[d, d]`` or ``[d]``, float32 (float64 if stored so)."""
         return _dequantise(self.data, self.scale, dtype)
 
     def trace(self) -> float:
-        """``scale · Σ diag(data)``: the trace as of the last completed fold (pending updates
-        not in it); safe to call while another thread folds (`folded_trace`)."""
-        return self.folded_trace
+        """The trace with every update applied so far (the device's pending statistic
+        included, as of the last `FactorStore.end_update`; host rows still pending not);
+        safe to call while another thread folds."""
+        live = self.live_trace
+        return self.folded_trace if live is None else live
 
     def recompute_trace(self) -> None:
         """Set `folded_trace` from ``data`` and ``scale`` (after a fold or a load)."""
         diag = self.data if self.diagonal else self.data.diagonal()
         self.folded_trace = float(diag.double().sum()) * self.scale
-
-
-#: Gaussian probes per dense factor for its spread (`FactorState.spread`): the sketch's
-#: relative error is about ``sqrt(2 / (p · effective rank))``
-PROBES = 8
+        self.live_trace = None
 
 
 def probes(key: str, d: int, device=None) -> Tensor:
     """The factor's fixed probes ``Z [d, p]`` (float64), the same on every rank and after a
     resume: ``p = PROBES`` Gaussian columns from a generator seeded by the key's CRC32, or the
-    identity (``p = d``: exact) when ``d ≤ 4·PROBES``. Fixed probes make the spread of one
-    factor a sketch whose relative error is about ``sqrt(2 / (p · effective rank))``."""
-    if d <= 4 * PROBES:
+    identity (``p = d``: exact) when ``d ≤ 4·PROBES`` (`fold_cost.probe_columns`). Fixed
+    probes make the spread of one factor a sketch whose relative error is about
+    ``sqrt(2 / (p · effective rank))``."""
+    if probe_columns(d) == d:
         z = torch.eye(d, dtype=torch.float64) * math.sqrt(d)  # ‖S Z‖²/p = ‖S‖²
     else:
         gen = torch.Generator().manual_seed(zlib.crc32(key.encode()))
@@ -231,30 +247,45 @@ class FactorStore:
     Args:
         storage_dtype: ``"float16"``, ``"float32"`` or ``"float64"``.
         ema_decay: ``λ``.
-        flush_every: Fold pending updates after this many (default 8).
-        device_budget: Bytes of device memory the pending device statistics may take (all
-            owned factors together, fp32); 0 ships every device statistic at once.
+        flush_every: Host path: fold pending rows after this many updates (default 8).
+        device: The device of the device path (`push_device`; None: host path only). On CUDA
+            the stored factors are pinned.
+        device_budget: Bytes of device memory the resident pending statistics (and the
+            accumulation's work space) may take; None: decided from the CUDA device's memory
+            at the first `push_device` (`kfac_stream.settings.cuda_budget`).
+        traffic: Where the store counts its work (`Traffic`; the tracker passes its
+            `Counters`).
     """
 
     def __init__(self, storage_dtype: str, ema_decay: float, flush_every: int = 8,
-                 device_budget: int = 0) -> None:
+                 device: torch.device | None = None, device_budget: int | None = 0,
+                 traffic: Traffic | None = None) -> None:
         dtype = StorageDtype(storage_dtype)
         self.storage_dtype = dtype.torch_dtype
         self.compute_dtype = dtype.compute_dtype
         self.ema_decay = float(ema_decay)
         self.flush_every = int(flush_every)
-        self.device_budget = int(device_budget)
+        self.device = None if device is None else torch.device(device)
+        self.device_budget = device_budget
+        self.traffic = traffic if traffic is not None else Traffic()
         self._factors: dict[str, StoredFactor] = {}
-        self._staging: Tensor | None = None  # pinned host buffer for device statistics
-        self._pending_bytes = 0  # fp32 bytes of a pending device sum for every owned factor
-        self._probe_cache: dict[str, Tensor] = {}  # device probes of push_stat
+        self._probe_cache: dict[str, Tensor] = {}  # device probes of push_device
+        self._planned = False  # residency planned (`_plan_residency`)
+        self._queued: list[tuple[StoredFactor, FoldResult]] = []  # folds issued, not read
+        self._lanes: _Lanes | None = None
+
+    @property
+    def _pinned(self) -> bool:
+        return self.device is not None and self.device.type == "cuda"
+
+    def _alloc(self, shape: tuple[int, ...]) -> Tensor:
+        return torch.zeros(shape, dtype=self.storage_dtype, pin_memory=self._pinned)
 
     def add(self, key: str, dim: int, diagonal: bool) -> None:
         """Allocate a zero factor ``[dim, dim]`` (or ``[dim]`` if diagonal)."""
         shape = (dim,) if diagonal else (dim, dim)
-        self._factors[key] = StoredFactor(torch.zeros(shape, dtype=self.storage_dtype),
-                                          diagonal=diagonal)
-        self._pending_bytes += 4 * math.prod(shape)
+        self._factors[key] = StoredFactor(self._alloc(shape), diagonal=diagonal)
+        self._planned = False
 
     def __contains__(self, key: object) -> bool:
         return key in self._factors
@@ -265,10 +296,13 @@ class FactorStore:
         have had apart, bit for bit), for a shared A split into its members' own
         (`Tracker.dissolve_groups`)."""
         f = self._factors[source]
+        data = self._alloc(tuple(f.data.shape))
+        data.copy_(f.data)
         self._factors[key] = dataclasses.replace(
-            f, data=f.data.clone(), pending=list(f.pending),
-            device_pending=None if f.device_pending is None else f.device_pending.clone())
-        self._pending_bytes += 4 * f.data.numel()
+            f, data=data, pending=list(f.pending),
+            device=None if f.device is None else f.device.clone())
+        self._planned = False
+        self._count_resident()
 
     def keys(self) -> list[str]:
         """The owned factors' keys, in the order they were added."""
@@ -278,6 +312,11 @@ class FactorStore:
         """Updates of ``key`` recorded but not yet folded into its stored entries."""
         f = self._factors[key]
         return len(f.pending) + f.device_updates
+
+    def is_resident(self, key: str) -> bool:
+        """``key``'s pending statistic stays on the device between updates."""
+        self._plan_residency()
+        return self._factors[key].resident
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -312,19 +351,23 @@ class FactorStore:
                 raise ValueError(f"factor {key!r}: state of shape {tuple(st.data.shape)} "
                                  f"(diagonal={st.diagonal}), stored {tuple(f.data.shape)} "
                                  f"(diagonal={f.diagonal})")
+        self._settle()
         for key, f in self._factors.items():
             st = states[key]
             f.data.copy_(st.data)
             f.scale, f.amax, f.weight = float(st.scale), float(st.amax), float(st.weight)
             f.updates, f.positions = int(st.updates), int(st.positions)
             f.sq_norm_sum, f.weight_sq = float(st.sq_norm_sum), float(st.weight_sq)
-            f.pending, f.device_pending, f.device_alpha, f.device_updates = [], None, 1.0, 0
+            f.pending = []
+            if f.device is not None:
+                f.device.empty = True
             f.recompute_trace()
 
     def traces(self) -> dict[str, float]:
-        """``{key: trace}`` of every owned factor as of its last completed fold, without
-        flushing (cheap: for monitoring between snapshots; consistent while the worker
-        folds)."""
+        """``{key: trace}`` of every owned factor without flushing (cheap: for monitoring
+        between snapshots; consistent while the worker folds): the device path's pending
+        statistics included as of the last update applied (`end_update`); the host path's
+        pending rows are not (a host fold every ``flush_every`` updates)."""
         return {key: f.trace() for key, f in self._factors.items()}
 
     def _record(self, f: StoredFactor, n: float, positions: int, decay: float | None,
@@ -340,9 +383,11 @@ class FactorStore:
         f.positions += int(positions)
         return eta
 
+    # -- host path -------------------------------------------------------------------------------
+
     def push_rows(self, key: str, rows: Tensor, n: float | None = None,
                   positions: int | None = None, decay: float | None = None) -> None:
-        """Record one update whose statistic is ``S = rowsᵀ rows / n``.
+        """Record one update whose statistic is ``S = rowsᵀ rows / n`` (host path).
 
         Args:
             key: Factor key.
@@ -368,7 +413,7 @@ class FactorStore:
 
     def update(self, key: str, stat: Tensor, n: float, positions: int | None = None,
                decay: float | None = None) -> None:
-        """Fold one step statistic given as a matrix.
+        """Fold one step statistic given as a matrix (host path).
 
         Args:
             key: Factor key.
@@ -385,37 +430,165 @@ class FactorStore:
         stat = stat.to(device="cpu", dtype=self.compute_dtype) * eta
         self._fold(f, 1.0 - eta, stat=stat)
 
-    def push_stat(self, key: str, stat_sum: Tensor, n: float, positions: int,
-                  decay: float | None = None) -> None:
-        """Record one update given as a summed statistic on the rows' device.
+    # -- device path -----------------------------------------------------------------------------
+
+    def push_device(self, key: str, payload: Tensor, how: str, n: float, positions: int,
+                    decay: float | None = None) -> None:
+        """Record one update on the device path: device kernels only, nothing read on the
+        host (`device_fold.accumulate`).
 
         Args:
             key: Factor key.
-            stat_sum: ``Σ_s w_s x_s x_sᵀ`` (``[d, d]``) or its diagonal (``[d]``), float32 (or
-                float64 for float64 storage), on any device; ``S = stat_sum / n``.
+            payload: ``how="rows"``: weighted rows ``[m, d]`` (``S = rowsᵀrows / n``);
+                ``how="stats"``: the summed statistic ``Σ_s w_s x_s x_sᵀ`` ``[d, d]`` (or its
+                diagonal ``[d]``), ``S = payload / n``; on the store's device.
             n: Total weight (``> 0``).
             positions: Sampled positions behind it, for the counts.
             decay: This update's ``λ`` (None: ``ema_decay``; ``0`` restarts the average).
 
-        Kept on the device and combined with the following ones (see the module docstring)
-        while the budget allows; the caller must not modify ``stat_sum`` afterwards.
+        A resident factor's statistic stays on the device until a reader flushes; a factor
+        the budget left off the device is folded into the host store at once (its flush is
+        read at `end_update`).
         """
         f = self._factors[key]
-        self._flush(f)  # rows and device statistics never pend together
-        # ‖S Z‖²/p stays a device scalar (no host read here); read when the factor is exported
-        st = stat_sum.double()
-        sq = (st.square().sum() if f.diagonal else
-              _sketch(st @ self._probes_on(key, st))) / (float(n) ** 2)
+        self._plan_residency()
+        if f.pending:
+            self._flush(f)  # rows and device statistics never pend together
+        sq = self._sq_norm_of(key, payload, how, f.diagonal) / (float(n) ** 2)
         eta = self._record(f, n, positions, decay, sq)
-        term = stat_sum.to(self.compute_dtype).mul_(eta / float(n))
-        if f.device_pending is None:
-            f.device_pending, f.device_alpha = term, 1.0 - eta
-        else:
-            f.device_pending.mul_(1.0 - eta).add_(term)
-            f.device_alpha *= 1.0 - eta
-        f.device_updates += 1
-        if f.device_updates >= self.flush_every or self._pending_bytes > self.device_budget:
-            self._flush(f)
+        try:
+            p = self._pending_of(f, payload.device)
+            accumulate(p, payload, how, eta, float(n), f.diagonal, self.traffic)
+        except torch.OutOfMemoryError:
+            self._shrink_budget(key)
+            p = self._pending_of(f, payload.device)
+            accumulate(p, payload, how, eta, float(n), f.diagonal, self.traffic)
+        if not f.resident:
+            self.traffic.budget_flushes += 1
+            self._queue_fold(f)
+            f.device = None  # a temporary: freed once its chunks are queued
+            self._count_resident()
+
+    def _sq_norm_of(self, key: str, payload: Tensor, how: str, diagonal: bool) -> Tensor:
+        """``‖S Z‖²/p`` (a device scalar) of the summed statistic, from the rows when there are
+        rows (``Xᵀ(XZ)``, never a ``d²`` copy)."""
+        wide = torch.float64 if payload.dtype == torch.float64 else torch.float32
+        if diagonal:
+            s = payload.to(wide).square().sum(0) if how == "rows" else payload
+            return s.double().square().sum()
+        z = self._probes_on(key, payload).to(wide)
+        if how == "rows":
+            x = payload.to(wide)
+            return _sketch(x.T @ (x @ z))
+        return _sketch(payload.to(wide) @ z)
+
+    def _pending_of(self, f: StoredFactor, device: torch.device) -> DevicePending:
+        if f.device is None:
+            f.device = DevicePending(torch.empty(tuple(f.data.shape), dtype=self.compute_dtype,
+                                                 device=device))
+            self._count_resident()
+        return f.device
+
+    def _plan_residency(self) -> None:
+        """Decide once (and again after factors are added) which factors keep their pending
+        statistic on the device: largest first, while their bytes and the accumulation's
+        work space (`_work_space`) fit the budget."""
+        if self._planned or self.device is None:
+            return
+        if self.device_budget is None:
+            self.device_budget = cuda_budget(self.device) if self.device.type == "cuda" \
+                else 0
+        budget = int(self.device_budget) - self._work_space()
+        esize = torch.tensor([], dtype=self.compute_dtype).element_size()
+        used = 0
+        for f in sorted(self._factors.values(), key=lambda f: -f.data.numel()):
+            need = f.data.numel() * esize
+            f.resident = used + need <= budget
+            used += need if f.resident else 0
+        self.traffic.device_budget = int(self.device_budget)
+        self._planned = True
+
+    def _work_space(self) -> int:
+        """Device bytes the accumulation and flush use beyond the resident statistics: the
+        largest factor's float32 Gram (16-bit rows) and the flush's buffer slots."""
+        largest = max((f.data.numel() for f in self._factors.values()), default=0)
+        return 4 * largest + 4 * CHUNK_ENTRIES * 4
+
+    def _count_resident(self) -> None:
+        esize = torch.tensor([], dtype=self.compute_dtype).element_size()
+        now = sum(f.device.data.numel() * esize for f in self._factors.values()
+                  if f.device is not None)
+        self.traffic.resident_bytes = now
+        self.traffic.peak_resident_bytes = max(self.traffic.peak_resident_bytes, now)
+
+    def _shrink_budget(self, key: str) -> None:
+        """The device ran out of memory while accumulating: fold every pending statistic into
+        the host store, free them, halve the budget and plan again (logged)."""
+        self.flush()
+        for f in self._factors.values():
+            f.device = None
+        self._count_resident()
+        if self.device is not None and self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        old = int(self.device_budget or 0)
+        self.device_budget = old // 2
+        self._planned = False
+        self._plan_residency()
+        logger.warning("kfac_stream: the device ran out of memory while accumulating %s; its "
+                       "pending statistics were folded into the host store and the device "
+                       "budget halved (%d -> %d bytes); set KFACConfig.device_memory_budget "
+                       "to fix it", key, old, self.device_budget)
+
+    def _queue_fold(self, f: StoredFactor) -> None:
+        """Issue ``f``'s device flush (copies and kernels; read at `_settle`)."""
+        p = f.device
+        if p is None or p.empty:
+            return
+        if self._lanes is None:
+            self._lanes = make_lanes(p.data.device, self.storage_dtype,
+                                     [(g.data.shape[0], g.diagonal)
+                                      for g in self._factors.values()])
+        result = stream_fold(f.data, f.scale, f.amax, p, f.diagonal, self._lanes, self.traffic)
+        self._queued.append((f, result))
+        p.empty, p.updates, p.s, p.alpha = True, 0, 1.0, 1.0
+        self.traffic.factor_flushes += 1
+
+    def _settle(self) -> None:
+        """Read every queued fold's scale, diagonal maximum and trace (one host read, after
+        the last copy back), and the factors' ``‖S Z‖²`` sums."""
+        if not self._queued:
+            return
+        queued, self._queued = self._queued, []
+        lanes, self._lanes = self._lanes, None
+        lanes.finish()
+        sq = [f.sq_norm_sum for f, _ in queued if isinstance(f.sq_norm_sum, Tensor)]
+        vals = torch.stack([v.to(torch.float64) for _, r in queued
+                            for v in (r.exponent, r.diag_max, r.trace)]
+                           + [s.to(torch.float64) for s in sq]).tolist()
+        self.traffic.flushes += 1
+        self.traffic.flush_syncs += 1
+        it = iter(vals[3 * len(queued):])
+        for i, (f, _) in enumerate(queued):
+            e, top, tr = vals[3 * i:3 * i + 3]
+            scale = 2.0 ** e if f.data.dtype == torch.float16 else 1.0
+            f.scale, f.amax = scale, top * scale
+            if isinstance(f.sq_norm_sum, Tensor):
+                f.sq_norm_sum = next(it)
+            f.folded_trace = tr * scale
+            f.live_trace = None
+
+    def end_update(self) -> None:
+        """After an update's `push_device` calls: read the folds the budget forced (one read)
+        and refresh the live traces of the resident factors (one read of their pending
+        traces), so `traces` sees the update. On the updater's worker (CUDA: its stream)."""
+        self._settle()
+        live = [f for f in self._factors.values() if f.device_updates]
+        if not live:
+            return
+        vals = torch.stack([(f.device.data if f.diagonal else f.device.data.diagonal())
+                            .sum().to(torch.float64) for f in live]).tolist()
+        for f, v in zip(live, vals):
+            f.live_trace = f.device.alpha * f.folded_trace + f.device.s * v
 
     def _probes_on(self, key: str, like: Tensor) -> Tensor:
         """`probes` of ``key`` on ``like``'s device, made once per factor and device."""
@@ -424,32 +597,18 @@ class FactorStore:
             z = self._probe_cache[key] = probes(key, like.shape[-1], like.device)
         return z
 
+    # -- folding into the store ------------------------------------------------------------------
+
     def flush(self) -> None:
-        """Fold every pending update into the stored factors."""
+        """Fold every pending update into the stored factors (device path: one flush, one
+        host read, for all of them)."""
         for f in self._factors.values():
             self._flush(f)
-
-    def _host_copy(self, t: Tensor) -> Tensor:
-        """``t`` on the CPU: through one pinned staging buffer (grown to the largest factor,
-        then reused) for device tensors; ``t`` itself on the CPU."""
-        if t.device.type == "cpu":
-            return t
-        need = t.numel()
-        if self._staging is None or self._staging.numel() < need or \
-                self._staging.dtype != t.dtype:
-            self._staging = torch.empty(need, dtype=t.dtype, pin_memory=True)
-        buf = self._staging[:need].view(t.shape)
-        buf.copy_(t, non_blocking=True)
-        torch.cuda.current_stream(t.device).synchronize()  # the worker's stream, not training's
-        return buf
+            self._queue_fold(f)
+        self._settle()
 
     def _flush(self, f: StoredFactor) -> None:
-        if f.device_pending is not None:
-            stat, alpha = f.device_pending, f.device_alpha
-            f.device_pending, f.device_alpha, f.device_updates = None, 1.0, 0
-            self._fold(f, alpha, stat=self._host_copy(stat))
-            if isinstance(f.sq_norm_sum, Tensor):  # ‖S Z‖² sums of push_stat: read here, after
-                f.sq_norm_sum = float(f.sq_norm_sum)  # the copy's sync on the same stream
+        """Fold ``f``'s pending host rows (host path)."""
         if not f.pending:
             return
         m = f.pending_rows
@@ -465,7 +624,7 @@ class FactorStore:
 
     def _fold(self, f: StoredFactor, alpha: float, *, y: Tensor | None = None,
               stat: Tensor | None = None) -> None:
-        """``F ← alpha·F + YᵀY`` (``y``: ``[m, d]``) or ``F ← alpha·F + stat``.
+        """``F ← alpha·F + YᵀY`` (``y``: ``[m, d]``) or ``F ← alpha·F + stat`` on the host.
 
         Both terms and ``F`` are PSD, so ``max|F_ij| = max_i F_ii``: the FP16 scale is chosen
         from the diagonals alone. The dense update is one fused ``addmm`` per chunk of rows
@@ -480,6 +639,7 @@ class FactorStore:
         fp16 = self.storage_dtype == torch.float16
         new_scale = 2.0 ** fp16_exponent(bound) if fp16 and bound > 0 else 1.0
         beta, gamma = f.scale * alpha / new_scale, 1.0 / new_scale
+        self.traffic.host_entries += host_fold_entries(f.data.shape[0], f.diagonal)
         if f.diagonal:
             new = f.data.to(cd).mul_(beta).add_(term_diag, alpha=gamma)  # [d]
             f.data.copy_(new)
