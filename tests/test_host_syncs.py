@@ -78,8 +78,11 @@ def _count(tmp_path, cfg: dict | None, **train_kwargs) -> SyncCounter:
 @pytest.mark.parametrize("extra", [{"fisher": "empirical"},
                                    {"fisher": "empirical", "update_every": 1},
                                    {"fisher": "mc", "mc_sequences": "all"},
-                                   {"fisher": "mc", "mc_sequences": "all", "update_every": 1}],
-                         ids=["empirical", "update_every=1", "mc-all", "mc-all-update_every=1"])
+                                   {"fisher": "mc", "mc_sequences": "all", "update_every": 1},
+                                   {"fisher": "empirical", "update_every": 1,
+                                    "fold_on": "device"}],
+                         ids=["empirical", "update_every=1", "mc-all", "mc-all-update_every=1",
+                              "device-path-update_every=1"])
 def test_callback_adds_no_host_sync_per_step(tmp_path, extra):
     # async_updates=True is the CUDA default (None → on when the model is on CUDA); on CPU
     # the default applies updates on the training thread, where reading CPU tensors is free.

@@ -119,7 +119,7 @@ def accumulate(p: DevicePending, payload: Tensor, how: str, eta: float, n: float
     d = acc.shape[0]
     p.s = s_new
     p.alpha = beta if p.empty else p.alpha * beta  # F_new = α·F + P
-    p.updates = 1 if overwrite else p.updates + 1
+    p.updates = 1 if p.empty else p.updates + 1
     p.empty = False
     traffic.device_folds += 1
     traffic.fold_flops += accumulate_flops(how, d, diagonal, m)
