@@ -21,9 +21,9 @@ BATCH, SEQ, ACCUM, STEPS, EVERY = 2, 12, 2, 6, 2
 def _predicted(cb, resident: bool) -> Traffic:
     tr = cb.tracker
     owned = {k: tr.dims[k] for k in tr.store.keys()}
-    rows = {k: BATCH * SEQ * ACCUM for k in owned}  # every position of the update, no padding
+    rows = dict.fromkeys(owned, BATCH * SEQ * ACCUM)  # every position of the update, no padding
     updates = -(-STEPS // EVERY)
-    per_update = update_cost(owned, rows, resident={k: resident for k in owned},
+    per_update = update_cost(owned, rows, resident=dict.fromkeys(owned, resident),
                              itemsize=2, in_bytes=4, acc_bytes=4, fused=True)
     total = add(Traffic(), per_update, updates)
     if resident:  # the end-of-training snapshot flushes every factor once

@@ -134,7 +134,7 @@ def _add(acc: Tensor, term: Tensor, coef: float, overwrite: bool) -> None:
         acc.add_(term, alpha=coef)
 
 
-class _Lanes:
+class FlushLanes:
     """A flush's streams: host→device copies, the caller's compute stream, device→host copies,
     with two buffer slots and the events that order them; on a CPU stand-in every wait and
     record is a no-op and the copies are plain."""
@@ -200,7 +200,7 @@ class FoldResult:
 
 
 def stream_fold(data: Tensor, scale: float, amax: float, p: DevicePending, diagonal: bool,
-                lanes: _Lanes, traffic: Traffic) -> FoldResult:
+                lanes: FlushLanes, traffic: Traffic) -> FoldResult:
     """Queue ``F ← α·F + s·sym(P')`` of one stored factor through the device.
 
     Args:
@@ -257,8 +257,8 @@ def stream_fold(data: Tensor, scale: float, amax: float, p: DevicePending, diago
 
 
 def make_lanes(device: torch.device, storage: torch.dtype, dims: list[tuple[int, bool]]
-               ) -> _Lanes:
+               ) -> FlushLanes:
     """The streams and two buffer slots of a flush of factors of ``dims`` (``(d, diagonal)``;
     the slots fit the largest chunk)."""
     most = max((chunk_rows(d, g) * (d if not g else 1) for d, g in dims), default=1)
-    return _Lanes(device, storage, most)
+    return FlushLanes(device, storage, most)

@@ -58,7 +58,7 @@ from ..enums import StorageDtype
 from ..settings import cuda_budget
 from ..stats.ema import ema_step
 from ..stats.fp16 import fp16_exponent
-from .device_fold import DevicePending, FoldResult, _Lanes, accumulate, make_lanes, stream_fold
+from .device_fold import DevicePending, FlushLanes, FoldResult, accumulate, make_lanes, stream_fold
 from .fold_cost import CHUNK_ENTRIES, PROBES, host_fold_entries, probe_columns
 from .traffic import Traffic
 
@@ -272,7 +272,7 @@ class FactorStore:
         self._probe_cache: dict[str, Tensor] = {}  # device probes of push_device
         self._planned = False  # residency planned (`_plan_residency`)
         self._queued: list[tuple[StoredFactor, FoldResult]] = []  # folds issued, not read
-        self._lanes: _Lanes | None = None
+        self._lanes: FlushLanes | None = None
 
     @property
     def _pinned(self) -> bool:
