@@ -37,8 +37,12 @@ def _run(tmp_path, storage, *, interrupt=None, resume=None, fisher="empirical",
          callback_kwargs=None, window=0.0):
     # "mc": one MC sequence of every micro-batch; "mc-share": the default's kind, a share of
     # 0.1 of the step's 4 sequences (replays on some steps only, at least one at step 0)
+    # "empirical-device": the device path (pending statistics on the "device", flushed by the
+    # checkpoint's export in both runs), CPU tensors standing in
     mc = {"mc": {"fisher": "mc", "mc_sequences": 1},
-          "mc-share": {"fisher": "mc", "mc_sequences": 0.1}}.get(fisher, {"fisher": fisher})
+          "mc-share": {"fisher": "mc", "mc_sequences": 0.1},
+          "empirical-device": {"fisher": "empirical", "fold_on": "device"}}.get(
+              fisher, {"fisher": fisher})
     cfg = dict(token_fraction=0.5, ema_decay=0.95, update_every=1, storage_dtype=storage,
                snapshot_every=10_000, final_window=window, min_window_sequences=0, **mc)
     model = tiny_gpt2(torch.float32)
@@ -53,7 +57,7 @@ def _run(tmp_path, storage, *, interrupt=None, resume=None, fisher="empirical",
 
 @pytest.mark.parametrize("storage,fisher,window", [
     ("float32", "empirical", 0.0), ("float16", "empirical", 0.0), ("float32", "mc", 0.0),
-    ("float32", "mc-share", 0.0),
+    ("float32", "mc-share", 0.0), ("float16", "empirical-device", 0.0),
     # final_window 0.75 of 8 steps: the average restarts at step 2, before the checkpoint at
     # step 4; the resumed run must go on with that window (its start rides with the state)
     ("float32", "empirical", 0.75)])
