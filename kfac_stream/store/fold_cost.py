@@ -65,12 +65,18 @@ def accumulate_bytes(how: str, d: int, diagonal: bool, m: int, in_bytes: int,
                      acc_bytes: int, fused: bool) -> int:
     """Device memory traffic of one accumulation: the pending sum read and written once
     (``2·acc_bytes·entries``), the payload read (rows ``m·d``, twice for ``XᵀX``; a summed
-    statistic once) and, unless the Gram is fused into the pending sum (``fused``: a float32
-    ``addmm_``), its float32 result written and read back (``8·entries``)."""
+    statistic once), unless the Gram is fused into the pending sum (``fused``: a float32
+    ``addmm_``) its float32 result written and read back (``8·entries``), and the sketch:
+    16-bit rows copied to float32 (``m·d·(in_bytes + 4)``) and read twice (``8·m·d``) for
+    ``Xᵀ(XZ)``, or a summed statistic read once more for ``S Z``."""
     n = entries(d, diagonal)
     payload = 2 * m * d * in_bytes if how == "rows" else n * in_bytes
     temp = 0 if (fused or how != "rows") else 8 * n
-    return 2 * acc_bytes * n + payload + temp
+    if how == "rows":
+        sketch = (0 if in_bytes >= 4 else m * d * (in_bytes + 4)) + 8 * m * d
+    else:
+        sketch = n * in_bytes
+    return 2 * acc_bytes * n + payload + temp + sketch
 
 
 def host_fold_entries(d: int, diagonal: bool) -> int:
