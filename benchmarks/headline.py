@@ -149,9 +149,9 @@ def scale_rows(d: dict) -> list[str]:
     rows = []
     for every, r in d["results"]["Llama-2-7B"]["8"].items():
         rows.append(f"| predicted per-step overhead at scale, update_every={every} (goal ≤ "
-                    f"{2 if every == '10' else 5}%; a cost model, not a GPU measurement) | "
-                    f"{100 * r['after']['overhead']:.3g}% (before issue 12: "
-                    f"{100 * r['before']['overhead']:,.0f}%) | Llama-2-7B, ZeRO-3 on 8 H100 | "
+                    f"{1 if every == '10' else 5}%; a cost model, not a GPU measurement) | "
+                    f"{100 * r['after']['overhead']:.3g}% (old code, 6a379e5: "
+                    f"{100 * r['before']['overhead']:,.3g}%) | Llama-2-7B, ZeRO-3 on 8 H100 | "
                     "[scale](#predicted-overhead-at-scale-benchmarksscalepy) |")
     return rows
 
