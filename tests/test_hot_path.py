@@ -145,6 +145,64 @@ def test_bf16_tensor_core_fold_matches_float64():
 
 
 @CUDA
+def test_cuda_device_store_equals_the_float64_ema_and_the_host_path(monkeypatch):
+    """The store's device path on a real GPU: bf16 rows (tensor-core Gram, fp32 pending sum,
+    not fused), an exchanged fp32 statistic, a diagonal factor; flushes streamed through the
+    pinned FP16 factors in several chunks per factor (two copy streams, two buffer slots
+    reused many times). Against the float64 EMA of the bf16-rounded rows: within the brief's
+    FP16 budget; against the host path on the same rounded rows: two fp16 roundings."""
+    from kfac_stream.stats.ema import ema_closed_form
+    from kfac_stream.store import fold_cost
+    from kfac_stream.store.factor_store import FactorStore
+
+    monkeypatch.setattr(fold_cost, "CHUNK_ENTRIES", 96 * 11)  # d = 96: 9 chunks per flush
+    dev, cuda = torch.device("cuda"), torch.device("cuda")
+    d, decay = 96, 0.95
+    store = FactorStore("float16", decay, device=dev, device_budget=1 << 30)
+    host = FactorStore("float16", decay)
+    for s in (store, host):
+        s.add("f", d, False)
+        s.add("g", 300, True)
+    assert store._factors["f"].data.is_pinned()
+    gen = torch.Generator().manual_seed(0)
+    stats, diag_stats, counts = [], [], []
+    for i in range(40):
+        m = 5 + i % 7
+        x = torch.randn(m, d, generator=gen, dtype=torch.float64)
+        x[:, 3] *= 1e4  # an outlier feature, as real LLM activations have
+        xb = x.to(torch.bfloat16)
+        xr = xb.double()
+        gsum = torch.rand(300, generator=gen, dtype=torch.float64) * m
+        stats.append(xr.T @ xr / m)
+        diag_stats.append(gsum / m)
+        counts.append(m)
+        if i % 5 == 4:  # an exchanged summed statistic
+            store.push_device("f", (xr.T @ xr).float().to(cuda), "stats", m, m)
+        else:
+            store.push_device("f", xb.to(cuda), "rows", m, m)
+        store.push_device("g", gsum.float().to(cuda), "stats", m, m)
+        store.end_update()
+        host.push_rows("f", xr.float(), m)
+        host.update("g", (gsum / m).float(), m)
+        if i % 13 == 12:
+            store.flush()
+    ref = ema_closed_form(stats, counts, decay)
+    ref_g = ema_closed_form(diag_stats, counts, decay)
+    got, got_host = store.values(), host.values()
+
+    def rel(a, b):
+        return float(torch.linalg.norm(a.double() - b.double())
+                     / torch.linalg.norm(b.double()))
+
+    assert rel(got["f"], ref) <= 1e-3 and rel(got["g"], ref_g) <= 1e-3
+    assert rel(got["f"], got_host["f"]) <= 2 * 2.0**-11
+    t = store.traffic
+    assert t.host_entries == 0 and t.budget_flushes == 0
+    assert t.flushes == 4 and t.flush_syncs == 4  # 3 in the loop, 1 by values()
+    assert t.flush_chunks == 4 * (9 + 1) and t.flush_copies == 2 * t.flush_chunks
+
+
+@CUDA
 def test_trainer_on_cuda_has_no_sync_in_tracked_steps(tmp_path):
     """The batches live on the GPU already and the Trainer's own per-step syncs are switched
     off (NaN filter, gradient clipping). A thread-local counter (`syncs.CudaSyncCounter`:
@@ -187,6 +245,9 @@ def test_trainer_on_cuda_has_no_sync_in_tracked_steps(tmp_path):
                        max_grad_norm=0.0)
         assert cb.tracker.device.type == "cuda" and cb.tracker.fold_on == "device"
         assert cb.tracker.counters.updates == 8
+        c = cb.tracker.read_counters()  # resident on the GPU: only the final snapshot flushed
+        assert c.host_entries == 0 and c.budget_flushes == 0 and c.flushes == 1, c
+        assert c.device_budget > 0 and c.peak_resident_bytes > 0
     report = (f"host syncs on the training thread in tracked steps: {counter.total}; "
               f"kfac_stream's: {sum(ours.values())} {dict(ours)}; the model's: "
               f"{sum(theirs.values())}, {counter.replayed} of them in the MC replay's forward "
