@@ -48,7 +48,7 @@ test: $(STAMP) $(PEERS)  ## run the test suite (CPU)
 test-slow: $(STAMP) $(PEERS)  ## run only the slow tests (long runs, kill -9 campaigns)
 	$(PY) -m pytest -q -rs -m slow tests
 
-gpu-check: $(STAMP)  ## CUDA tests, syncs, eigh/fold timings, 1B Llama steps, NCCL exchange (≤10 min on one H100; without CUDA: a CPU dry run)
+gpu-check: $(STAMP)  ## CUDA tests, eigh/fold/store timings, 1.1B Llama steps with the tracker, NCCL exchange, each part under a time limit (≤ 6 min on one H100; without CUDA: a CPU dry run; on the GPU machine without a registry run the script directly: docs/gpu.md)
 	$(PY) benchmarks/gpu_check.py
 
 # DEMO_ARGS: overrides appended to the demo's command line (tests/test_readme.py shrinks it)

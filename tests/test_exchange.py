@@ -1,5 +1,6 @@
 """Rows/partial statistics reach their owners exactly (2 and 3 gloo processes, uneven counts)."""
 
+import functools
 import os
 import tempfile
 
@@ -110,16 +111,19 @@ def _check(rank, world, strategy, transport=None):
     return got
 
 
-def _issue_worker(rank, world, init_file, q):
+def _issue_worker(rank, world, init_file, q, fold_on="host"):
     """The factor updater with its worker thread (``async_updates``, the CUDA default): every
     collective of the exchange is issued by the thread that calls ``submit`` (the training
-    thread), none by the worker, and the owner's factor is the union's statistic."""
+    thread), none by the worker, and the owner's factor is the union's statistic (folded on the
+    host, or on the device path with CPU tensors standing in)."""
     import threading
 
     import kfac_stream.distributed.exchange as exchange
     from kfac_stream.config import KFACConfig
     from kfac_stream.distributed.context import DistContext
     from kfac_stream.factor_updates import Counters, FactorUpdater, UpdateJob
+    from kfac_stream.folding import Folding
+    from kfac_stream.settings import resolve_settings
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
@@ -133,10 +137,13 @@ def _issue_worker(rank, world, init_file, q):
 
         setattr(exchange.dist, name, spy)
     try:
-        cfg = KFACConfig(storage_dtype="float64", async_updates=True, ema_decay=1.0)
+        cfg = KFACConfig(storage_dtype="float64", async_updates=True, ema_decay=1.0,
+                         fold_on=fold_on)
         own = assign_owners(DIMS, world, 8)
-        up = FactorUpdater(cfg, DIMS, own, DistContext(rank, world, None, None), torch.device(
-            "cpu"), "host", torch.float64, Counters())
+        cpu = torch.device("cpu")
+        settings = resolve_settings(cfg, cpu)
+        up = FactorUpdater(settings, DIMS, own, DistContext(rank, world, None, None), cpu,
+                           Folding(settings.fold_on, cpu, torch.float64), Counters())
         rows = {k: v for k, v in local_rows(rank).items() if not DIMS[k][1]}
         sums = {k: v.square().sum(0) for k, v in local_rows(rank).items() if DIMS[k][1]}
         job = UpdateJob(0, rows, {k: torch.tensor(float(COUNTS[rank][k])) for k in DIMS
@@ -161,8 +168,9 @@ def _issue_worker(rank, world, init_file, q):
         dist.destroy_process_group()
 
 
-def test_exchange_is_issued_by_the_submitting_thread():
-    _spawn(_issue_worker, 2)
+@pytest.mark.parametrize("fold_on", ["host", "device"])
+def test_exchange_is_issued_by_the_submitting_thread(fold_on):
+    _spawn(functools.partial(_issue_worker, fold_on=fold_on), 2)
 
 
 def _spawn(target, world):
