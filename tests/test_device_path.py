@@ -229,3 +229,13 @@ def test_auto_budget_rule():
     assert device_budget_from_memory(80 * gib, 70 * gib) == 5 * gib
     assert device_budget_from_memory(80 * gib, 90 * gib) == 0
     assert math.isclose(device_budget_from_memory(0, 0), 0)
+
+
+def test_fused_16bit_probe_says_no_where_the_kernel_is_missing():
+    """The tensor-core ``addmm`` with float32 output exists on CUDA only: the probe catches
+    the CPU build's NotImplementedError and the mm + add fold is used (`is_fused`)."""
+    from kfac_stream.store import device_fold
+
+    assert device_fold.fused_16bit(CPU) is False
+    rows = torch.zeros(3, 4, dtype=torch.bfloat16)
+    assert device_fold.is_fused(rows, torch.zeros(4, 4))  # not CUDA: cast and addmm_

@@ -203,6 +203,32 @@ def test_cuda_device_store_equals_the_float64_ema_and_the_host_path(monkeypatch)
 
 
 @CUDA
+def test_fused_bf16_accumulate_equals_the_unfused_one():
+    """Where torch has the tensor-core ``addmm`` with float32 output into the pending sum
+    (`device_fold.fused_16bit`, probed once), it is used, and equals the ``mm`` + add fold to
+    float32 accumulation (the two differ only in where the fp32 sum is rounded)."""
+    from kfac_stream.store import device_fold
+    from kfac_stream.store.device_fold import DevicePending, accumulate
+    from kfac_stream.store.traffic import Traffic
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(300, 256, generator=gen).to("cuda", torch.bfloat16)
+    print(f"fused bf16 accumulate available: {device_fold.fused_16bit(x.device)}")
+    out = []
+    for fused in (True, False):
+        if not fused:
+            device_fold._FUSED_16BIT[str(x.device)] = False
+        p = DevicePending(torch.empty(256, 256, device="cuda"))
+        t = Traffic()
+        for eta in (1.0, 0.5, 0.25):
+            accumulate(p, x, "rows", eta, 300.0, False, t)
+        out.append((p.data * p.s).double().cpu())
+    device_fold._FUSED_16BIT.pop(str(x.device))
+    rel = float(torch.linalg.norm(out[0] - out[1]) / torch.linalg.norm(out[1]))
+    assert rel <= FP32_ACCUMULATION_TOL, rel
+
+
+@CUDA
 def test_trainer_on_cuda_has_no_sync_in_tracked_steps(tmp_path):
     """The batches live on the GPU already and the Trainer's own per-step syncs are switched
     off (NaN filter, gradient clipping). A thread-local counter (`syncs.CudaSyncCounter`:

@@ -5,9 +5,10 @@ Accumulation (every update, device kernels only). The EMA is linear, so any numb
 updates since the last flush combine into one pending sum ``P`` with ``F_new = α·F + P``:
 ``P ← (1-η)·P + (η/n)·S`` and ``α ← α(1-η)``. ``P`` is kept as ``s·P'`` with a host scalar
 ``s`` (``s ← s(1-η)``), so an update only *adds* into ``P'``:
-``P' ← P' + η/(n·s)·S`` — for float32 rows one fused ``addmm_`` (``XᵀX`` accumulated into
-``P'`` by the GEMM itself), for 16-bit rows on CUDA one tensor-core ``mm`` with float32
-output and one add. Nothing is read on the host. When ``s`` falls below `RENORM` (after
+``P' ← P' + η/(n·s)·S`` — one fused ``addmm`` (``XᵀX`` accumulated into ``P'`` by the GEMM
+itself; 16-bit rows on CUDA on the tensor cores with float32 output where torch has that
+kernel, `fused_16bit`, else a tensor-core ``mm`` with float32 output and one add). Nothing
+is read on the host. When ``s`` falls below `RENORM` (after
 hundreds of updates at ``λ = 0.95``) ``P'`` is multiplied by ``s`` once and ``s`` reset to 1,
 so ``P'`` never leaves the float32 range.
 
@@ -69,9 +70,41 @@ class DevicePending:
 
 
 def is_fused(rows: Tensor, acc: Tensor) -> bool:
-    """The Gram of ``rows`` goes straight into ``acc`` by ``addmm_`` (no float32 temporary):
-    every case but 16-bit rows on CUDA (tensor cores, `gram_mm`)."""
-    return not (rows.is_cuda and rows.element_size() == 2)
+    """The Gram of ``rows`` goes straight into ``acc`` (no float32 temporary): float32/float64
+    rows by ``addmm_``; 16-bit rows on CUDA by a tensor-core ``addmm`` with float32 output
+    into ``acc`` itself where this torch has it and it is right on this device
+    (`fused_16bit`); else a tensor-core ``mm`` and an add (`gram_mm`)."""
+    if not (rows.is_cuda and rows.element_size() == 2):
+        return True
+    return acc.dtype == torch.float32 and fused_16bit(rows.device)
+
+
+#: `fused_16bit` per device, probed once.
+_FUSED_16BIT: dict[str, bool] = {}
+
+
+def fused_16bit(device: torch.device) -> bool:
+    """Whether ``torch.addmm(acc, Xᵀ, X, out_dtype=float32, out=acc)`` with 16-bit ``X`` runs
+    on ``device`` and equals the unfused fold (probed once per device on small matrices: one
+    host read; the CPU build has no such kernel)."""
+    key = str(device)
+    if key not in _FUSED_16BIT:
+        _FUSED_16BIT[key] = _probe_fused_16bit(device)
+    return _FUSED_16BIT[key]
+
+
+def _probe_fused_16bit(device: torch.device) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    try:
+        x = torch.randn(64, 48, generator=gen).to(device=device, dtype=torch.bfloat16)
+        acc = torch.randn(48, 48, generator=gen).to(device)
+        xf = x.float()
+        want = acc * 0.5 + 2.0 * (xf.T @ xf)
+        torch.addmm(acc, x.T, x, beta=0.5, alpha=2.0, out_dtype=torch.float32, out=acc)
+        # fp32 accumulation of 64 exact products: far inside 1e-4 of entries of order 10
+        return bool(torch.allclose(acc, want, rtol=1e-5, atol=1e-4))
+    except (RuntimeError, TypeError):  # NotImplementedError is a RuntimeError
+        return False
 
 
 def gram_mm(rows: Tensor) -> Tensor:
@@ -109,7 +142,10 @@ def accumulate(p: DevicePending, payload: Tensor, how: str, eta: float, n: float
         _add(acc, payload.to(acc.dtype).square().sum(0), coef, overwrite)
     elif how == "rows":
         fused = is_fused(payload, acc)
-        if fused:
+        if fused and payload.dtype != acc.dtype and payload.is_cuda:  # 16-bit, tensor cores
+            torch.addmm(acc, payload.T, payload, beta=0.0 if overwrite else 1.0, alpha=coef,
+                        out_dtype=torch.float32, out=acc)
+        elif fused:
             x = payload.to(acc.dtype)
             acc.addmm_(x.T, x, beta=0.0 if overwrite else 1.0, alpha=coef)
         else:
