@@ -50,7 +50,7 @@ INDEX_FILE = "index.json"
 INDEX_FORMAT = "kfac_stream.tracker_state"
 _FILE_RE = re.compile(r"^state-rank-(\d{5})-of-(\d{5})\.safetensors$")
 _FIELDS = ("scale", "amax", "weight", "updates", "positions", "diagonal", "sq_norm_sum",
-           "weight_sq")
+           "weight_sq", "sq_frob")  # sq_frob (and the sketch tensors): states of 0.x and later
 
 
 def state_file(rank: int, world_size: int) -> str:
@@ -88,6 +88,8 @@ def save_tracker_state(record, directory: str, comm: JsonComm = LOCAL,
     for key, f in record.factors.items():
         split_factor_key(key)  # every stored name is a factor key
         tensors[f"factor.{key}"] = f.data.contiguous()
+        if f.sketch is not None:  # F Z [d, p] float64: the sampling error's sketch
+            tensors[f"sketch.{key}"] = f.sketch.contiguous()
         factors[key] = {name: getattr(f, name) for name in _FIELDS}
     counters = vars(record.counters)
     meta = {"rank": record.rank, "world_size": record.world_size,
@@ -234,8 +236,10 @@ def load_tracker_state(tracker, directory: str) -> str:
         if key not in where:
             raise TrackerStateError(f"{directory}: factor {key!r} is in no state file")
         meta, handle = metas[where[key]]
-        factors[key] = FactorState(handle.get_tensor(f"factor.{key}"),
-                                   **meta["factors"][key])
+        sketch = f"sketch.{key}"  # absent in states of older versions (recomputed then)
+        factors[key] = FactorState(
+            handle.get_tensor(f"factor.{key}"), **meta["factors"][key],
+            sketch=handle.get_tensor(sketch) if sketch in handle.keys() else None)
     same_world = old_world == tracker.world_size
     if same_world:
         own, handle = metas[tracker.rank]

@@ -228,11 +228,13 @@ class FoldResult:
         exponent: ``e`` of the new scale ``2^e`` (0-dim; 0 for non-float16 storage).
         diag_max: Largest stored diagonal entry (before the scale).
         trace: Sum of the stored diagonal (before the scale), float64.
+        sq_frob: Sum of the squares of every stored entry (before the scale), float64.
     """
 
     exponent: Tensor
     diag_max: Tensor
     trace: Tensor
+    sq_frob: Tensor
 
 
 def stream_fold(data: Tensor, scale: float, amax: float, p: DevicePending, diagonal: bool,
@@ -249,7 +251,8 @@ def stream_fold(data: Tensor, scale: float, amax: float, p: DevicePending, diago
         traffic: Counts chunks, copies and bytes.
 
     Returns:
-        The new scale's exponent, the stored diagonal's maximum and sum, as device scalars.
+        The new scale's exponent, the stored diagonal's maximum and sum and the sum of squares
+        of every stored entry, as device scalars.
     """
     acc, d = p.data, data.shape[0]
     cd = acc.dtype
@@ -267,12 +270,13 @@ def stream_fold(data: Tensor, scale: float, amax: float, p: DevicePending, diago
         c_old, c_new = p.alpha * scale, p.s
     diag_max = torch.zeros((), dtype=cd, device=acc.device)
     trace = torch.zeros((), dtype=torch.float64, device=acc.device)
+    frob = torch.zeros((), dtype=torch.float64, device=acc.device)
     step = chunk_rows(d, diagonal)
     for r0 in range(0, d, step):
         r1 = min(r0 + step, d)
 
         def compute(rows: Tensor, r0=r0, r1=r1) -> Tensor:
-            nonlocal diag_max, trace
+            nonlocal diag_max, trace, frob
             new = acc[r0:r1] if diagonal else (acc[r0:r1] + acc[:, r0:r1].T) * 0.5
             if fp16:
                 out = rows.to(cd).mul_(c_old).addcmul_(new, c_new).to(data.dtype)
@@ -281,6 +285,7 @@ def stream_fold(data: Tensor, scale: float, amax: float, p: DevicePending, diago
             dg = (out if diagonal else out[:, r0:r1].diagonal()).to(cd)
             diag_max = torch.maximum(diag_max, dg.max())
             trace = trace + dg.to(torch.float64).sum()
+            frob = frob + out.to(cd).square().sum(dtype=torch.float64)  # full rows: all of F
             return out
 
         lanes.chunk(data[r0:r1], compute)
@@ -289,7 +294,7 @@ def stream_fold(data: Tensor, scale: float, amax: float, p: DevicePending, diago
     moved = flush_bytes(d, diagonal, data.element_size())
     traffic.bytes_to_device += moved
     traffic.bytes_to_host += moved
-    return FoldResult(e, diag_max, trace)
+    return FoldResult(e, diag_max, trace, frob)
 
 
 def make_lanes(device: torch.device, storage: torch.dtype, dims: list[tuple[int, bool]]

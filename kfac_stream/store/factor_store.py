@@ -93,7 +93,13 @@ class FactorState:
         weight_sq: ``R = Σ_k c_k²``.
         spread: ``Σ_k (c_k/w) ‖S_k − F‖²_F`` as estimated with the same probes,
             ``Q/w − ‖F Z‖²/p`` (NaN: not recorded): the updates' spread around their mean,
-            from which `sampling_error` follows.
+            from which `sampling_error` follows. ``F Z`` is the `sketch`, kept as the updates
+            arrive: no pass over the factor's entries.
+        sq_frob: ``‖F‖²_F`` of the stored factor, computed by the fold that wrote it (NaN:
+            not recorded, a state from an older version: computed from ``data`` when needed).
+        sketch: ``F Z`` (``[d, p]`` float64) of the EMA, updated with every update as
+            ``(1-η)·FZ + η·S Z`` from the update's own sketch ``S Z`` (the EMA is linear);
+            None for a diagonal factor or a state from an older version.
     """
 
     data: Tensor
@@ -106,6 +112,8 @@ class FactorState:
     sq_norm_sum: float = 0.0
     weight_sq: float = 0.0
     spread: float = math.nan
+    sq_frob: float = math.nan
+    sketch: Tensor | None = None
 
     def value(self, dtype: torch.dtype | None = None) -> Tensor:
         """Dequantised factor, ``[d, d]`` or ``[d]``, float32 (float64 if stored so)."""
@@ -132,7 +140,7 @@ class FactorState:
         c2 = r / (w * w)  # Σ (c_k/w)² = 1 / effective updates
         if c2 >= 1.0 - 1e-9:
             return math.inf, 1.0
-        f2 = _sq_norm(self.data, self.scale)
+        f2 = self.sq_frob if math.isfinite(self.sq_frob) else _sq_norm(self.data, self.scale)
         if math.isnan(spread) or f2 <= 0.0:
             return math.nan, 1.0 / c2
         var = max(spread, 0.0) / (1.0 - c2)
@@ -177,6 +185,10 @@ class StoredFactor:
             another thread (monitoring between snapshots) never sees a half-written factor.
         live_trace: The trace with the device's pending statistic folded in, as of the last
             update applied (`FactorStore.end_update`); None: the same as ``folded_trace``.
+        sq_frob: ``‖scale·data‖²_F`` as of the last completed fold (computed by the fold from
+            the values it wrote; NaN until then).
+        fz: ``F Z`` of the EMA (``[d, p]`` float64, on the device of the updates), see
+            `FactorState.sketch`; None for a diagonal factor or before the first update.
     """
 
     data: Tensor
@@ -193,6 +205,8 @@ class StoredFactor:
     resident: bool = True
     folded_trace: float = 0.0
     live_trace: float | None = None
+    sq_frob: float = math.nan
+    fz: Tensor | None = None
 
     @property
     def pending_rows(self) -> int:
@@ -300,7 +314,8 @@ class FactorStore:
         data.copy_(f.data)
         self._factors[key] = dataclasses.replace(
             f, data=data, pending=list(f.pending),
-            device=None if f.device is None else f.device.clone())
+            device=None if f.device is None else f.device.clone(),
+            fz=None if f.fz is None else f.fz.clone())
         self._planned = False
         self._count_resident()
 
@@ -325,15 +340,29 @@ class FactorStore:
         self.flush()
         return {key: FactorState(f.data.clone(), f.scale, f.amax, f.weight, f.updates,
                                  f.positions, f.diagonal, float(f.sq_norm_sum), f.weight_sq,
-                                 self._spread(key, f)) for key, f in self._factors.items()}
+                                 self._spread(key, f), self._sq_frob(f),
+                                 None if f.fz is None else f.fz.to("cpu", torch.float64))
+                for key, f in self._factors.items()}
 
     def _spread(self, key: str, f: StoredFactor) -> float:
-        """``Q/w − ‖F Z‖²/p`` (diagonal: ``Q/w − ‖F‖²``), NaN before any recorded update."""
+        """``Q/w − ‖F Z‖²/p`` (diagonal: ``Q/w − ‖F‖²``), NaN before any recorded update;
+        ``F Z`` is the kept sketch (``[d, p]``): no pass over the factor's entries."""
         q = float(f.sq_norm_sum)
         if f.weight <= 0.0 or q <= 0.0:
             return math.nan
-        z = None if f.diagonal else probes(key, f.data.shape[0])
-        return q / f.weight - _sq_norm(f.data, f.scale, z)
+        if f.diagonal:
+            return q / f.weight - self._sq_frob(f)
+        if f.fz is None:  # a state restored from an older version: from the stored entries
+            return q / f.weight - _sq_norm(f.data, f.scale, probes(key, f.data.shape[0]))
+        return q / f.weight - float(f.fz.double().square().sum()) / f.fz.shape[1]
+
+    @staticmethod
+    def _sq_frob(f: StoredFactor) -> float:
+        """``‖F‖²_F`` of the stored factor (from its last fold; computed for a factor never
+        folded here, e.g. restored from an older state)."""
+        if math.isnan(f.sq_frob):
+            f.sq_frob = _sq_norm(f.data, f.scale)
+        return f.sq_frob
 
     def load_state_dict(self, states: Mapping[str, FactorState]) -> None:
         """Replace every owned factor by its state in ``states`` (which may hold more keys);
@@ -358,6 +387,12 @@ class FactorStore:
             f.scale, f.amax, f.weight = float(st.scale), float(st.amax), float(st.weight)
             f.updates, f.positions = int(st.updates), int(st.positions)
             f.sq_norm_sum, f.weight_sq = float(st.sq_norm_sum), float(st.weight_sq)
+            f.sq_frob = float(st.sq_frob)
+            f.fz = None if st.sketch is None else st.sketch.to(torch.float64).clone()
+            if f.fz is None and not f.diagonal and f.weight > 0:  # an older state: F_stored Z
+                z = probes(key, f.data.shape[0])
+                f.fz = torch.cat([f.data[i:i + CHUNK_ROWS].double() * f.scale @ z
+                                  for i in range(0, f.data.shape[0], CHUNK_ROWS)])
             f.pending = []
             if f.device is not None:
                 f.device.empty = True
@@ -371,12 +406,19 @@ class FactorStore:
         return {key: f.trace() for key, f in self._factors.items()}
 
     def _record(self, f: StoredFactor, n: float, positions: int, decay: float | None,
-                sq_norm: float | Tensor) -> float:
+                sq_norm: float | Tensor, sz: Tensor | None = None) -> float:
         """Advance ``f``'s EMA weight and counts by one update of weight ``n`` whose statistic
-        has squared Frobenius norm ``sq_norm`` (with this update's ``λ``: ``decay``, or the
-        store's ``ema_decay`` when None); returns ``η``."""
+        ``S`` has squared Frobenius norm ``sq_norm`` (with this update's ``λ``: ``decay``, or
+        the store's ``ema_decay`` when None), and the sketch ``F Z`` by ``S Z`` (``sz``,
+        ``[d, p]``, dense factors); returns ``η``."""
         lam = self.ema_decay if decay is None else decay
         f.weight, eta = ema_step(f.weight, n, lam)
+        if sz is not None:  # F Z ← (1-η)·F Z + η·S Z, on the device of the update
+            sz = sz.to(torch.float64)
+            if f.fz is None or eta >= 1.0:
+                f.fz = sz * eta
+            else:
+                f.fz = f.fz.to(sz.device).mul_(1.0 - eta).add_(sz, alpha=eta)
         f.sq_norm_sum = f.sq_norm_sum * lam + sq_norm * n  # sq_norm: ‖S Z‖²/p (or ‖S‖²)
         f.weight_sq = f.weight_sq * lam * lam + n * n
         f.updates += 1
@@ -399,13 +441,15 @@ class FactorStore:
         """
         f = self._factors[key]
         n = float(rows.shape[0]) if n is None else float(n)
+        sz = None
         if f.diagonal:
             sq = rows.double().square().sum(0).square().sum() / (n * n)
         else:  # S Z = rowsᵀ (rows Z) / n: 2·m·d·p flops, in the rows' dtype
             z = self._probes_on(key, rows).to(rows.dtype)  # [d, p]
-            sq = _sketch(rows.T @ (rows @ z)) / (n * n)
+            sz = rows.T @ (rows @ z) / n
+            sq = _sketch(sz)
         eta = self._record(f, n, rows.shape[0] if positions is None else positions, decay,
-                           float(sq))
+                           float(sq), sz)
         f.pending.append((rows.to(device="cpu", dtype=self.compute_dtype), eta, n))
         limit = 256 if f.diagonal else f.data.shape[0]
         if len(f.pending) >= self.flush_every or f.pending_rows >= limit:
@@ -425,8 +469,9 @@ class FactorStore:
         f = self._factors[key]
         self._flush(f)
         st = stat.double()
-        sq = st.square().sum() if f.diagonal else _sketch(st @ self._probes_on(key, st))
-        eta = self._record(f, n, n if positions is None else positions, decay, float(sq))
+        sz = None if f.diagonal else st @ self._probes_on(key, st)
+        sq = st.square().sum() if f.diagonal else _sketch(sz)
+        eta = self._record(f, n, n if positions is None else positions, decay, float(sq), sz)
         stat = stat.to(device="cpu", dtype=self.compute_dtype) * eta
         self._fold(f, 1.0 - eta, stat=stat)
 
@@ -454,8 +499,9 @@ class FactorStore:
         self._plan_residency()
         if f.pending:
             self._flush(f)  # rows and device statistics never pend together
-        sq = self._sq_norm_of(key, payload, how, f.diagonal) / (float(n) ** 2)
-        eta = self._record(f, n, positions, decay, sq)
+        sq, sz = self._sq_norm_of(key, payload, how, f.diagonal)
+        eta = self._record(f, n, positions, decay, sq / (float(n) ** 2),
+                           None if sz is None else sz / float(n))
         try:
             p = self._pending_of(f, payload.device)
             accumulate(p, payload, how, eta, float(n), f.diagonal, self.traffic)
@@ -469,18 +515,22 @@ class FactorStore:
             f.device = None  # a temporary: freed once its chunks are queued
             self._count_resident()
 
-    def _sq_norm_of(self, key: str, payload: Tensor, how: str, diagonal: bool) -> Tensor:
-        """``‖S Z‖²/p`` (a device scalar) of the summed statistic, from the rows when there are
-        rows (``Xᵀ(XZ)``, never a ``d²`` copy)."""
+    def _sq_norm_of(self, key: str, payload: Tensor, how: str, diagonal: bool
+                    ) -> tuple[Tensor, Tensor | None]:
+        """``(‖S Z‖²/p, S Z)`` of the summed statistic ``S`` (a device scalar and ``[d, p]``;
+        a diagonal factor: ``(‖S‖², None)``), from the rows when there are rows
+        (``Xᵀ(XZ)``, never a ``d²`` copy)."""
         wide = torch.float64 if payload.dtype == torch.float64 else torch.float32
         if diagonal:
             s = payload.to(wide).square().sum(0) if how == "rows" else payload
-            return s.double().square().sum()
+            return s.double().square().sum(), None
         z = self._probes_on(key, payload).to(wide)
         if how == "rows":
             x = payload.to(wide)
-            return _sketch(x.T @ (x @ z))
-        return _sketch(payload.to(wide) @ z)
+            sz = x.T @ (x @ z)
+        else:
+            sz = payload.to(wide) @ z
+        return _sketch(sz), sz
 
     def _pending_of(self, f: StoredFactor, device: torch.device) -> DevicePending:
         if f.device is None:
@@ -563,15 +613,15 @@ class FactorStore:
         lanes.finish()
         sq = [f.sq_norm_sum for f, _ in queued if isinstance(f.sq_norm_sum, Tensor)]
         vals = torch.stack([v.to(torch.float64) for _, r in queued
-                            for v in (r.exponent, r.diag_max, r.trace)]
+                            for v in (r.exponent, r.diag_max, r.trace, r.sq_frob)]
                            + [s.to(torch.float64) for s in sq]).tolist()
         self.traffic.flushes += 1
         self.traffic.flush_syncs += 1
-        it = iter(vals[3 * len(queued):])
+        it = iter(vals[4 * len(queued):])
         for i, (f, _) in enumerate(queued):
-            e, top, tr = vals[3 * i:3 * i + 3]
+            e, top, tr, frob = vals[4 * i:4 * i + 4]
             scale = 2.0 ** e if f.data.dtype == torch.float16 else 1.0
-            f.scale, f.amax = scale, top * scale
+            f.scale, f.amax, f.sq_frob = scale, top * scale, frob * scale * scale
             if isinstance(f.sq_norm_sum, Tensor):
                 f.sq_norm_sum = next(it)
             f.folded_trace = tr * scale
@@ -640,9 +690,11 @@ class FactorStore:
         new_scale = 2.0 ** fp16_exponent(bound) if fp16 and bound > 0 else 1.0
         beta, gamma = f.scale * alpha / new_scale, 1.0 / new_scale
         self.traffic.host_entries += host_fold_entries(f.data.shape[0], f.diagonal)
+        sq = torch.zeros((), dtype=torch.float64)  # Σ data² of what this fold writes
         if f.diagonal:
             new = f.data.to(cd).mul_(beta).add_(term_diag, alpha=gamma)  # [d]
             f.data.copy_(new)
+            sq += f.data.to(cd).square().sum(dtype=torch.float64)
         elif y is not None:
             d = f.data.shape[0]
             for start in range(0, d, CHUNK_ROWS):
@@ -653,12 +705,17 @@ class FactorStore:
                 blk = cur[:, :stop - start]  # diagonal block: made exactly symmetric
                 cur[:, :stop - start] = blk.triu() + blk.triu(1).T
                 f.data[start:stop, start:].copy_(cur)  # rounds to the storage dtype
+                wrote = f.data[start:stop, start:].to(cd)  # each entry above the diagonal
+                sq += 2 * wrote.square().sum(dtype=torch.float64) - wrote[  # block counts
+                    :, :stop - start].square().sum(dtype=torch.float64)  # twice, inside once
                 if stop < d:
                     f.data[stop:, start:stop].copy_(f.data[start:stop, stop:].T)
         else:
             for start in range(0, f.data.shape[0], CHUNK_ROWS):
                 rows = slice(start, min(start + CHUNK_ROWS, f.data.shape[0]))
                 f.data[rows].copy_(f.data[rows].to(cd) * beta + stat[rows] * gamma)
+                sq += f.data[rows].to(cd).square().sum(dtype=torch.float64)
+        f.sq_frob = float(sq) * new_scale * new_scale
         diag = f.data if f.diagonal else f.data.diagonal()
         f.scale, f.amax = new_scale, float(diag.to(cd).abs().max()) * new_scale
         f.recompute_trace()  # one float assignment: readers see the old or the new trace
