@@ -421,13 +421,16 @@ class Tracker:
 
     # -- state -----------------------------------------------------------------------------------
 
-    def export(self, factors: bool = True) -> TrackerRecord:
+    def export(self, factors: bool = True, into: Mapping[str, Tensor] | None = None
+               ) -> TrackerRecord:
         """A frozen `TrackerRecord` of the tracker now.
 
         Args:
             factors: Flush (wait for the worker, fold every pending update) and copy this
                 rank's factors into the record; False: only the cheap parts (counters, live
                 traces as folded so far), for monitoring between snapshots.
+            into: ``{key: tensor}`` buffers the factors are copied into where they fit (a
+                previous record's, no longer read: `FactorStore.state_dict`).
         """
         if factors:
             self.flush()
@@ -436,7 +439,8 @@ class Tracker:
             step=self.step, rank=self.rank, world_size=self.world_size, config=self.config,
             specs=dict(self.specs), plan=self.plan, ownership=self.ownership,
             counters=replace(counters, skipped_steps=list(counters.skipped_steps)),
-            factors=self.store.state_dict() if factors else {}, traces=self.store.traces(),
+            factors=self.store.state_dict(into) if factors else {},
+            traces=self.store.traces(),
             capture=self.capture.state_dict(), mc_sampler=self.mc_generator.get_state(),
             run_id=self.run_id)
 

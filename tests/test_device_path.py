@@ -239,3 +239,28 @@ def test_fused_16bit_probe_says_no_where_the_kernel_is_missing():
     assert device_fold.fused_16bit(CPU) is False
     rows = torch.zeros(3, 4, dtype=torch.bfloat16)
     assert device_fold.is_fused(rows, torch.zeros(4, 4))  # not CUDA: cast and addmm_
+
+
+def test_state_dict_copies_into_reused_buffers():
+    """A snapshot's copy of the factors goes into the previous snapshot's tensors where they
+    fit (memory already mapped), with the same values as a fresh copy; a buffer of another
+    shape is not used, and the store's own data never is."""
+    store = FactorStore("float16", 0.9, device=CPU, device_budget=1 << 30)
+    store.add("a", 12, False)
+    store.add("b", 30, True)
+    for x, n in _updates(3, 12, seed=11, dtype=torch.float32):
+        store.push_device("a", x, "rows", n, x.shape[0])
+        store.push_device("b", torch.rand(30) * n, "stats", n, x.shape[0])
+    first = store.state_dict()
+    bufs = {"a": first["a"].data, "b": torch.zeros(7, dtype=torch.float16)}
+    for x, n in _updates(2, 12, seed=12, dtype=torch.float32):
+        store.push_device("a", x, "rows", n, x.shape[0])
+    second = store.state_dict(into=bufs)
+    fresh = store.state_dict()
+    assert second["a"].data.data_ptr() == bufs["a"].data_ptr()
+    assert second["b"].data.data_ptr() != bufs["b"].data_ptr()
+    for k in ("a", "b"):
+        assert torch.equal(second[k].data, fresh[k].data)
+    own = {k: f.data for k, f in store._factors.items()}
+    third = store.state_dict(into=own)
+    assert all(third[k].data.data_ptr() != own[k].data_ptr() for k in own)

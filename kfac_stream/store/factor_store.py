@@ -335,14 +335,30 @@ class FactorStore:
 
     # -- state -----------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, FactorState]:
-        """Every owned factor, flushed, as a `FactorState` holding a copy of its data."""
+    def state_dict(self, into: Mapping[str, Tensor] | None = None
+                   ) -> dict[str, FactorState]:
+        """Every owned factor, flushed, as a `FactorState` holding a copy of its data.
+
+        Args:
+            into: ``{key: tensor}`` buffers to copy the data into where their shape and dtype
+                match (a previous state's data, no longer read by anyone: snapshots reuse
+                theirs, so a copy writes into memory already mapped); new tensors elsewhere.
+        """
         self.flush()
-        return {key: FactorState(f.data.clone(), f.scale, f.amax, f.weight, f.updates,
-                                 f.positions, f.diagonal, float(f.sq_norm_sum), f.weight_sq,
-                                 self._spread(key, f), self._sq_frob(f),
-                                 None if f.fz is None else f.fz.to("cpu", torch.float64))
-                for key, f in self._factors.items()}
+        into = into or {}
+        out = {}
+        for key, f in self._factors.items():
+            buf = into.get(key)
+            if buf is not None and buf.shape == f.data.shape and buf.dtype == f.data.dtype \
+                    and buf.data_ptr() != f.data.data_ptr():
+                data = buf.copy_(f.data)
+            else:
+                data = f.data.clone()
+            out[key] = FactorState(data, f.scale, f.amax, f.weight, f.updates, f.positions,
+                                   f.diagonal, float(f.sq_norm_sum), f.weight_sq,
+                                   self._spread(key, f), self._sq_frob(f),
+                                   None if f.fz is None else f.fz.to("cpu", torch.float64))
+        return out
 
     def _spread(self, key: str, f: StoredFactor) -> float:
         """``Q/w − ‖F Z‖²/p`` (diagonal: ``Q/w − ‖F‖²``), NaN before any recorded update;
