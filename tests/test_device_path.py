@@ -243,8 +243,9 @@ def test_fused_16bit_probe_says_no_where_the_kernel_is_missing():
 
 def test_state_dict_copies_into_reused_buffers():
     """A snapshot's copy of the factors goes into the previous snapshot's tensors where they
-    fit (memory already mapped), with the same values as a fresh copy; a buffer of another
-    shape is not used, and the store's own data never is."""
+    fit (memory already mapped), with the same values as a fresh copy: a factor with pending
+    statistics is written there by the flush's own device→host stream (no host copy), the
+    others copied; a buffer of another shape is not used, and the store's own data never is."""
     store = FactorStore("float16", 0.9, device=CPU, device_budget=1 << 30)
     store.add("a", 12, False)
     store.add("b", 30, True)
@@ -255,7 +256,10 @@ def test_state_dict_copies_into_reused_buffers():
     bufs = {"a": first["a"].data, "b": torch.zeros(7, dtype=torch.float16)}
     for x, n in _updates(2, 12, seed=12, dtype=torch.float32):
         store.push_device("a", x, "rows", n, x.shape[0])
-    second = store.state_dict(into=bufs)
+    copies, to_host = store.traffic.flush_copies, store.traffic.bytes_to_host
+    second = store.state_dict(into=bufs)  # "a" has pending statistics: flushed into its buffer
+    assert store.traffic.flush_copies - copies == 3  # one chunk: H2D, D2H, D2H to the buffer
+    assert store.traffic.bytes_to_host - to_host == 2 * 2 * 12 * 12
     fresh = store.state_dict()
     assert second["a"].data.data_ptr() == bufs["a"].data_ptr()
     assert second["b"].data.data_ptr() != bufs["b"].data_ptr()

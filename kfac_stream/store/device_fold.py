@@ -187,9 +187,10 @@ class FlushLanes:
             self.loaded, self.consumed, self.computed, self.drained = (
                 [torch.cuda.Event() for _ in range(2)] for _ in range(4))
 
-    def chunk(self, host_rows: Tensor, compute) -> None:
+    def chunk(self, host_rows: Tensor, compute, mirror_rows: Tensor | None = None) -> None:
         """Stream ``host_rows`` (a contiguous row block of a pinned stored factor) through
-        ``compute(device_rows) -> new rows`` (in the storage dtype) and back into place."""
+        ``compute(device_rows) -> new rows`` (in the storage dtype) and back into place, and
+        into ``mirror_rows`` too when given (the same rows of a snapshot's buffer)."""
         k, n = self.i % 2, host_rows.numel()
         self.i += 1
         into = self.slots_in[k][:n].view(host_rows.shape)
@@ -198,6 +199,8 @@ class FlushLanes:
             into.copy_(host_rows)
             out.copy_(compute(into))
             host_rows.copy_(out)
+            if mirror_rows is not None:
+                mirror_rows.copy_(out)
             return
         with torch.cuda.stream(self.h2d):
             self.h2d.wait_event(self.consumed[k])  # chunk i-2 has read this slot
@@ -211,6 +214,8 @@ class FlushLanes:
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(self.computed[k])
             host_rows.copy_(out, non_blocking=True)
+            if mirror_rows is not None:
+                mirror_rows.copy_(out, non_blocking=True)
             self.drained[k].record(self.d2h)
 
     def finish(self) -> None:
@@ -238,7 +243,8 @@ class FoldResult:
 
 
 def stream_fold(data: Tensor, scale: float, amax: float, p: DevicePending, diagonal: bool,
-                lanes: FlushLanes, traffic: Traffic) -> FoldResult:
+                lanes: FlushLanes, traffic: Traffic, mirror: Tensor | None = None
+                ) -> FoldResult:
     """Queue ``F ← α·F + s·sym(P')`` of one stored factor through the device.
 
     Args:
@@ -249,6 +255,9 @@ def stream_fold(data: Tensor, scale: float, amax: float, p: DevicePending, diago
         diagonal: Only the diagonal is kept.
         lanes: The flush's streams and buffers.
         traffic: Counts chunks, copies and bytes.
+        mirror: A tensor like ``data`` (pinned on CUDA) that receives the new stored values
+            too (a snapshot's copy of the factor, written by the same device→host stream:
+            no host copy of the factor afterwards).
 
     Returns:
         The new scale's exponent, the stored diagonal's maximum and sum and the sum of squares
@@ -288,12 +297,13 @@ def stream_fold(data: Tensor, scale: float, amax: float, p: DevicePending, diago
             frob = frob + out.to(cd).square().sum(dtype=torch.float64)  # full rows: all of F
             return out
 
-        lanes.chunk(data[r0:r1], compute)
+        lanes.chunk(data[r0:r1], compute, None if mirror is None else mirror[r0:r1])
+    copies = 2 if mirror is None else 3
     traffic.flush_chunks += flush_chunks(d, diagonal)
-    traffic.flush_copies += 2 * flush_chunks(d, diagonal)
+    traffic.flush_copies += copies * flush_chunks(d, diagonal)
     moved = flush_bytes(d, diagonal, data.element_size())
     traffic.bytes_to_device += moved
-    traffic.bytes_to_host += moved
+    traffic.bytes_to_host += moved * (copies - 1)
     return FoldResult(e, diag_max, trace, frob)
 
 

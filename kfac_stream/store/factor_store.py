@@ -344,16 +344,20 @@ class FactorStore:
                 match (a previous state's data, no longer read by anyone: snapshots reuse
                 theirs, so a copy writes into memory already mapped); new tensors elsewhere.
         """
-        self.flush()
-        into = into or {}
+        into = {k: b for k, b in (into or {}).items() if k in self._factors and
+                b.shape == self._factors[k].data.shape and
+                b.dtype == self.storage_dtype and
+                b.data_ptr() != self._factors[k].data.data_ptr()}
+        mirrored = self._flush_into(into)
         out = {}
         for key, f in self._factors.items():
-            buf = into.get(key)
-            if buf is not None and buf.shape == f.data.shape and buf.dtype == f.data.dtype \
-                    and buf.data_ptr() != f.data.data_ptr():
-                data = buf.copy_(f.data)
+            if key in mirrored:  # written by the flush's device→host stream
+                data = into[key]
+            elif key in into:
+                data = into[key].copy_(f.data)
             else:
-                data = f.data.clone()
+                data = self._alloc(tuple(f.data.shape))
+                data.copy_(f.data)
             out[key] = FactorState(data, f.scale, f.amax, f.weight, f.updates, f.positions,
                                    f.diagonal, float(f.sq_norm_sum), f.weight_sq,
                                    self._spread(key, f), self._sq_frob(f),
@@ -605,8 +609,9 @@ class FactorStore:
                        "budget halved (%d -> %d bytes); set KFACConfig.device_memory_budget "
                        "to fix it", key, old, self.device_budget)
 
-    def _queue_fold(self, f: StoredFactor) -> None:
-        """Issue ``f``'s device flush (copies and kernels; read at `_settle`)."""
+    def _queue_fold(self, f: StoredFactor, mirror: Tensor | None = None) -> None:
+        """Issue ``f``'s device flush (copies and kernels; read at `_settle`), into
+        ``mirror`` too when given."""
         p = f.device
         if p is None or p.empty:
             return
@@ -614,7 +619,8 @@ class FactorStore:
             self._lanes = make_lanes(p.data.device, self.storage_dtype,
                                      [(g.data.shape[0], g.diagonal)
                                       for g in self._factors.values()])
-        result = stream_fold(f.data, f.scale, f.amax, p, f.diagonal, self._lanes, self.traffic)
+        result = stream_fold(f.data, f.scale, f.amax, p, f.diagonal, self._lanes, self.traffic,
+                             mirror)
         self._queued.append((f, result))
         p.empty, p.updates, p.s, p.alpha = True, 0, 1.0, 1.0
         self.traffic.factor_flushes += 1
@@ -668,10 +674,19 @@ class FactorStore:
     def flush(self) -> None:
         """Fold every pending update into the stored factors (device path: one flush, one
         host read, for all of them)."""
-        for f in self._factors.values():
+        self._flush_into({})
+
+    def _flush_into(self, into: Mapping[str, Tensor]) -> set[str]:
+        """`flush`, streaming each device-path factor with pending statistics into
+        ``into[key]`` as well (a snapshot's buffer); returns those keys."""
+        mirrored = set()
+        for key, f in self._factors.items():
             self._flush(f)
-            self._queue_fold(f)
+            if f.device is not None and not f.device.empty and key in into:
+                mirrored.add(key)
+            self._queue_fold(f, into.get(key) if key in mirrored else None)
         self._settle()
+        return mirrored
 
     def _flush(self, f: StoredFactor) -> None:
         """Fold ``f``'s pending host rows (host path)."""
