@@ -6,7 +6,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, BinaryIO
 
 
 def fsync_path(path: str) -> None:
@@ -25,6 +28,35 @@ def sha256_of(path: str, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def write_hashed(f: BinaryIO, chunks: Iterable[bytes | memoryview],
+                 ahead: int = 2) -> tuple[str, int]:
+    """Write ``chunks`` to the binary file ``f`` in order and return ``(hex sha256, bytes)``
+    of exactly the bytes written: each chunk is fed to the hash as it goes to the file (no
+    re-read, no copy). The hash runs on a helper thread while the next chunk is written
+    (``hashlib`` and file writes release the GIL on large buffers), at most ``ahead`` chunks
+    behind; the chunks must stay unchanged until this returns."""
+    h = hashlib.sha256()
+    total = 0
+    pending: deque[Future] = deque()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kfac-sha256") as pool:
+        try:
+            for chunk in chunks:
+                n = len(chunk) if isinstance(chunk, bytes) else chunk.nbytes
+                if not n:
+                    continue
+                pending.append(pool.submit(h.update, chunk))  # one worker: hashed in order
+                f.write(chunk)
+                total += n
+                while len(pending) > ahead:
+                    pending.popleft().result()
+            while pending:
+                pending.popleft().result()
+        finally:  # on an error, let the queued updates finish before the chunks go away
+            for fut in pending:
+                fut.cancel()
+    return h.hexdigest(), total
 
 
 def write_json_atomic(path: str, obj: Any) -> None:

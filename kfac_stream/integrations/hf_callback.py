@@ -360,7 +360,11 @@ class KFACStreamCallback(TrainerCallback):
                     logger.warning(few)
                 if self.spectra_media:
                     try:
-                        self.media[path] = make_media(path)
+                        # the eigenvalues just written (rank 0's factors; with others'
+                        # missing, make_media loads the snapshot instead)
+                        eigvals = {k[:-len(".eigvals")]: v for k, v in tensors.items()
+                                   if k.endswith(".eigvals")}
+                        self.media[path] = make_media(path, eigvals=eigvals)
                     except Exception as e:  # monitoring extras never fail a run
                         logger.warning("kfac_stream: spectra media of %s failed: %s", path, e)
             self.snapshots.append(path)  # last: the monitor sees the path with its media

@@ -1,9 +1,11 @@
 """Spectra media of a finished snapshot: log10-eigenvalue histograms and the PNG plot (the
 plot needs matplotlib: ``pip install kfac_stream[plot]``).
 
-Made on the snapshot thread of rank 0 right after the snapshot is written (it reads the whole
-snapshot back), so that monitoring (`kfac_stream.integrations.spectrum_monitor`) only reads
-the manifest on the training thread.
+Made on the snapshot thread of rank 0 right after the snapshot is written, so that monitoring
+(`kfac_stream.integrations.spectrum_monitor`) only reads the manifest on the training thread.
+They need only the eigenvalues: the writer passes those it holds in memory (`make_media`'s
+``eigvals``) and only the manifest is read back; without them (another process's factors,
+``kfac-stream inspect``) the whole snapshot is loaded.
 """
 
 from __future__ import annotations
@@ -12,16 +14,71 @@ import contextlib
 import logging
 import os
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from ..factor_keys import FACTOR_KINDS
 from ..stats.spectrum import log10_histogram
-from .snapshot import Snapshot
+from .manifest import stored_key
+from .snapshot import Snapshot, read_manifest
 
 logger = logging.getLogger("kfac_stream")
 
 
-def log10_histograms(snap: Snapshot, bins: int = 32
+@dataclass(frozen=True)
+class LayerSpectra:
+    """One layer's eigenvalues (what the media read of a `LayerFactors`)."""
+
+    A_eigvals: torch.Tensor | None
+    G_eigvals: torch.Tensor | None
+
+
+class Spectra:
+    """The eigenvalues of a snapshot's factors without the factors: ``layer_names``, ``step``
+    and ``spectra[name].A_eigvals`` / ``.G_eigvals``, as a `Snapshot` has them (the media
+    take either)."""
+
+    def __init__(self, path: str, meta: dict[str, Any], layers: dict[str, LayerSpectra]):
+        self.path = path
+        self.meta = meta
+        self._layers = layers
+
+    @property
+    def layer_names(self) -> list[str]:
+        """Tracked module names, in the manifest's order (sorted by name)."""
+        return list(self._layers)
+
+    @property
+    def step(self) -> int:
+        """Optimizer step of the snapshot."""
+        return int(self.meta["step"])
+
+    def __getitem__(self, name: str) -> LayerSpectra:
+        return self._layers[name]
+
+    @classmethod
+    def from_memory(cls, path: str, eigvals: Mapping[str, torch.Tensor]) -> Spectra | None:
+        """The spectra of the snapshot at ``path`` from its manifest (read and checked, no
+        shard) and ``eigvals`` (``{stored key: [d] eigenvalues}``, the ``<key>.eigvals``
+        tensors just written, by key without the suffix); None when ``eigvals`` lacks a
+        factor of the snapshot (another rank's)."""
+        meta = read_manifest(path)
+        layers = {}
+        for name in meta["layers"]:
+            found = {}
+            for f in FACTOR_KINDS:
+                ev = eigvals.get(stored_key(meta, name, f))
+                if ev is None:
+                    return None
+                found[f"{f}_eigvals"] = ev.detach().cpu()
+            layers[name] = LayerSpectra(**found)
+        return cls(path, meta, layers)
+
+
+def log10_histograms(snap: Snapshot | Spectra, bins: int = 32
                      ) -> dict[str, tuple[list[int], list[float]]]:
     """``{"<layer>/<A|G>": (counts [bins], edges [bins + 1])}`` of log10 of the positive
     eigenvalues; factors without a positive eigenvalue are left out."""
@@ -39,9 +96,17 @@ def spectra_png_path(snapshot_path: str) -> str:
     return snapshot_path.rstrip("/" + os.sep) + ".spectra.png"
 
 
-def make_media(path: str, bins: int = 32) -> dict[str, Any]:
-    """``{"histograms": ..., "png": path or None}`` for the snapshot at ``path``."""
-    snap = Snapshot.load(path)
+def make_media(path: str, bins: int = 32,
+               eigvals: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """``{"histograms": ..., "png": path or None}`` for the snapshot at ``path``.
+
+    ``eigvals``: ``{stored key: eigenvalues}`` of the snapshot's factors held in memory (the
+    writer's ``<key>.eigvals`` tensors, keys without the suffix); then only the manifest is
+    read. When it lacks a factor of the snapshot, or is None, the snapshot is loaded (and
+    verified) from disk. Either way the same media."""
+    snap = Spectra.from_memory(path, eigvals) if eigvals is not None else None
+    if snap is None:
+        snap = Snapshot.load(path)
     png = None
     try:
         png = plot_spectra(snap, spectra_png_path(path))
@@ -122,7 +187,7 @@ def depth_colors(n: int) -> list[tuple[float, float, float, float]]:
     return [tuple(float(v) for v in ramp(i / max(n - 1, 1))) for i in range(n)]
 
 
-def spectra_figure(snap: Snapshot):
+def spectra_figure(snap: Snapshot | Spectra):
     """The matplotlib ``Figure`` of `plot_spectra` (not saved; close it with
     ``matplotlib.pyplot.close(fig)``).
 
@@ -190,7 +255,7 @@ def short_name(name: str, width: int = 28) -> str:
     return name if len(name) <= width else "…" + name[-(width - 1):]
 
 
-def plot_spectra(snap: Snapshot, path: str) -> str:
+def plot_spectra(snap: Snapshot | Spectra, path: str) -> str:
     """Draw `spectra_figure` of ``snap`` into the image ``path`` (written whole, then renamed:
     never a torn file); returns ``path``."""
     fig = spectra_figure(snap)

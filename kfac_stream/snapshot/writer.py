@@ -5,10 +5,12 @@ every shard is on disk and verified (see `write_snapshot`). With ``gather`` (sna
 directories local to each machine) the ranks send their shards' bytes to rank 0, which writes
 them all.
 
-Every file is fsynced before the manifest (which lists each shard's sha256) is written, and the
-manifest is fsynced before the rename; the parent directory is fsynced after it. A crash at any
-point leaves either the previous snapshots or a hidden ``.step-*.tmp-*`` directory that readers
-ignore and the next writer removes.
+A shard is written in one pass (`write_safetensors`: the safetensors format, streamed tensor by
+tensor, hashed as the bytes go to the file; never the whole shard in memory, never re-read by
+the process that wrote it). Every file is fsynced before the manifest (which lists each
+shard's sha256) is written, and the manifest is fsynced before the rename; the parent
+directory is fsynced after it. A crash at any point leaves either the previous snapshots or a
+hidden ``.step-*.tmp-*`` directory that readers ignore and the next writer removes.
 """
 
 from __future__ import annotations
@@ -17,15 +19,17 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import BinaryIO
 
 import torch
-from safetensors.torch import save, save_file
+from safetensors.torch import save
 
 from ..distributed.context import LOCAL
 from ..exceptions import SnapshotError
-from ..files import fsync_path, sha256_of
+from ..files import fsync_path, sha256_of, write_hashed
 from .layout import (
     EARLIER_RUNS_DIR,
     MANIFEST,
@@ -37,15 +41,94 @@ from .layout import (
 )
 from .snapshot import Snapshot, read_manifest
 
+#: safetensors' dtype names in the order of its ``Dtype`` enum (safetensors 0.4-0.8): the file
+#: lists the tensors by this rank descending, then by name, and lays their data out in that
+#: order (checked byte for byte against ``safetensors.torch.save`` in
+#: tests/test_snapshot_write.py). Packed float4 is left out.
+_ST_DTYPES: dict[torch.dtype, str] = {
+    dt: name for dt, name in (
+        (torch.bool, "BOOL"), (torch.uint8, "U8"), (torch.int8, "I8"),
+        (getattr(torch, "float8_e5m2", None), "F8_E5M2"),
+        (getattr(torch, "float8_e4m3fn", None), "F8_E4M3"),
+        (getattr(torch, "float8_e8m0fnu", None), "F8_E8M0"),
+        (getattr(torch, "float8_e4m3fnuz", None), "F8_E4M3FNUZ"),
+        (getattr(torch, "float8_e5m2fnuz", None), "F8_E5M2FNUZ"),
+        (torch.int16, "I16"), (getattr(torch, "uint16", None), "U16"),
+        (torch.float16, "F16"), (torch.bfloat16, "BF16"),
+        (torch.int32, "I32"), (getattr(torch, "uint32", None), "U32"),
+        (torch.float32, "F32"), (torch.complex64, "C64"), (torch.float64, "F64"),
+        (torch.int64, "I64"), (getattr(torch, "uint64", None), "U64"))
+    if dt is not None}
+_ST_RANK = {dt: i for i, dt in enumerate(_ST_DTYPES)}
+#: Bytes per write (and per sha256 update) of a tensor's data.
+WRITE_CHUNK = 16 << 20
+
+
+def safetensors_chunks(tensors: dict[str, torch.Tensor],
+                       metadata: dict[str, str] | None = None,
+                       chunk: int | None = None) -> Iterator[bytes | memoryview]:
+    """The safetensors file of ``tensors`` as a sequence of buffers, without building it whole:
+    the 8-byte little-endian header length, the JSON header (padded with spaces to a multiple
+    of 8 bytes), then each tensor's raw bytes in header order, ``chunk`` bytes at a time as
+    views of the tensor's memory (a tensor off the CPU or not contiguous is copied, one at a
+    time; default `WRITE_CHUNK`). The same bytes as ``safetensors.torch.save(tensors)``
+    (``metadata``: its keys are written sorted, where safetensors' order varies between
+    calls)."""
+    chunk = chunk or WRITE_CHUNK
+    if sys.byteorder != "little":  # pragma: no cover - no big-endian machine to test on
+        raise NotImplementedError("writing safetensors on a big-endian machine")
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            raise ValueError(f"tensor {name!r}: expected a dense torch.Tensor, got "
+                             f"{type(t).__name__}")
+        if t.dtype not in _ST_DTYPES:
+            raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot be written")
+    order = sorted(tensors, key=lambda k: (-_ST_RANK[tensors[k].dtype], k))
+    entries = []
+    if metadata is not None:
+        entries.append('"__metadata__":' + json.dumps(dict(sorted(metadata.items())),
+                                                      ensure_ascii=False, separators=(",", ":")))
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        size = t.numel() * t.element_size()
+        entries.append(f'{json.dumps(name, ensure_ascii=False)}:{{"dtype":"{_ST_DTYPES[t.dtype]}",'
+                       f'"shape":[{",".join(str(int(n)) for n in t.shape)}],'
+                       f'"data_offsets":[{offset},{offset + size}]}}')
+        offset += size
+    header = ("{" + ",".join(entries) + "}").encode()
+    header += b" " * (-len(header) % 8)
+    yield len(header).to_bytes(8, "little") + header
+    for name in order:
+        t = tensors[name].detach()
+        if not t.numel():
+            continue
+        t = t.to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        data = memoryview(t.numpy())
+        for start in range(0, len(data), chunk):
+            yield data[start:start + chunk]
+        del data, t
+
+
+def write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor],
+                      metadata: dict[str, str] | None = None) -> tuple[str, int]:
+    """Write ``tensors`` in the safetensors format to the binary file ``f`` in one pass,
+    hashing the bytes as they are written; returns ``(hex sha256, bytes written)``."""
+    return write_hashed(f, safetensors_chunks(tensors, metadata))
+
 
 def write_shard(tmp_dir: str, tensors: dict[str, torch.Tensor], rank: int,
                 world_size: int) -> dict[str, object]:
-    """Write this rank's shard into ``tmp_dir``; returns ``{"file", "sha256", "bytes"}``."""
+    """Write this rank's shard into ``tmp_dir`` and fsync it; returns ``{"file", "sha256",
+    "bytes"}``, the sha256 of the bytes as they were written (one pass, no re-read; the
+    file is the one ``safetensors.torch.save_file`` would write)."""
     name = shard_name(rank, world_size)
     path = os.path.join(tmp_dir, name)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, path)
-    fsync_path(path)
-    return {"file": name, "sha256": sha256_of(path), "bytes": os.path.getsize(path)}
+    with open(path, "wb") as f:
+        digest, size = write_safetensors(f, tensors)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"file": name, "sha256": digest, "bytes": size}
 
 
 def shard_bytes(tensors: dict[str, torch.Tensor], rank: int,
@@ -57,16 +140,31 @@ def shard_bytes(tensors: dict[str, torch.Tensor], rank: int,
                   "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
-def _write_gathered(tmp_dir: str, blobs: list[bytes], reports: list[dict]) -> None:
-    """Rank 0 with ``gather``: every rank's shard bytes into ``tmp_dir`` (fsynced); `_finish`
-    then checks each file against the sha256 its sender computed."""
+def _write_gathered(tmp_dir: str, blobs: list[bytes], reports: list[dict]) -> set[str]:
+    """Rank 0 with ``gather``: every rank's shard bytes into ``tmp_dir`` (fsynced), each
+    hashed as it is written and checked against the sha256 its sender computed. Returns the
+    files so verified (`_finish` does not read them again)."""
+    verified = set()
     for blob, report in zip(blobs, reports):
         if "shard" in report:
-            path = os.path.join(tmp_dir, report["shard"]["file"])
+            info = report["shard"]
+            path = os.path.join(tmp_dir, info["file"])
             with open(path, "wb") as f:
-                f.write(blob)
+                digest, size = write_hashed(f, _slices(memoryview(blob), WRITE_CHUNK))
                 f.flush()
                 os.fsync(f.fileno())
+            if digest != info["sha256"] or size != info["bytes"]:
+                raise SnapshotError(f"shard {info['file']} of rank {report['rank']} arrived "
+                                    f"altered: sha256 {digest} ({size} bytes), rank "
+                                    f"{report['rank']} sent {info['sha256']} "
+                                    f"({info['bytes']} bytes)")
+            verified.add(info["file"])
+    return verified
+
+
+def _slices(data: memoryview, chunk: int) -> Iterator[memoryview]:
+    for start in range(0, len(data), chunk):
+        yield data[start:start + chunk]
 
 
 def clean_stale_tmp(root: str) -> None:
@@ -151,7 +249,11 @@ def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor], manif
     1. rank 0 creates the temporary directory ``.step-XXXXXXXX.tmp-<tag>``; all ranks wait;
     2. each rank writes and fsyncs its shard (if it owns any factor) and reports
        ``{shard file, sha256, bytes, manifest part}`` or the error it hit;
-    3. rank 0, if every rank succeeded, re-hashes every shard on disk against the reports,
+    3. rank 0, if every rank succeeded, checks every shard against the reports: a shard
+       another rank wrote is re-hashed on disk (what rank 0 sees of the shared filesystem);
+       rank 0's own shard and, with ``gather``, the shards it wrote from the bytes received
+       were hashed as they were written (`write_shard`, `_write_gathered`) and are only
+       checked for presence and size;
        merges the manifest parts (``merge``), writes and fsyncs ``manifest.json``, and renames
        the directory to ``step-XXXXXXXX``; on any failure it removes the temporary directory;
     4. all ranks learn the outcome; on failure every rank raises `SnapshotError` naming the
@@ -223,9 +325,11 @@ def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor], manif
         errors = [r["error"] for r in reports if "error" in r]
         try:
             if not errors:
+                # hashed here as they were written: rank 0's own shard, the gathered ones
+                written_here = {report["shard"]["file"]} if "shard" in report else set()
                 if blobs is not None:
-                    _write_gathered(tmp, blobs, reports)
-                _finish(root, tmp, final, reports, merge)
+                    written_here |= _write_gathered(tmp, blobs, reports)
+                _finish(root, tmp, final, reports, merge, written_here)
         except Exception as e:
             errors.append(f"rank 0: {type(e).__name__}: {e}")
         if errors:
@@ -239,15 +343,20 @@ def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor], manif
 
 
 def _finish(root: str, tmp: str, final: str, reports: list[dict],
-            merge: Callable[[list[dict]], dict] | None) -> None:
-    """Rank 0: verify every shard on disk, write the manifest last, rename."""
+            merge: Callable[[list[dict]], dict] | None,
+            written_here: set[str] | frozenset[str] = frozenset()) -> None:
+    """Rank 0: verify every shard on disk, write the manifest last, rename. A shard in
+    ``written_here`` (this process wrote it and hashed the bytes as they went to disk) is
+    checked for presence and size only; every other shard is re-hashed on disk."""
     shards = {}
     for r in reports:
         if "shard" not in r:
             continue
         info = r["shard"]
         path = os.path.join(tmp, info["file"])
-        if not os.path.isfile(path) or sha256_of(path) != info["sha256"]:
+        if not os.path.isfile(path) or (
+                os.path.getsize(path) != info["bytes"] if info["file"] in written_here
+                else sha256_of(path) != info["sha256"]):
             raise SnapshotError(f"shard {info['file']} of rank {r['rank']} is missing or "
                                 f"differs from what rank {r['rank']} wrote")
         shards[info["file"]] = {"sha256": info["sha256"], "bytes": info["bytes"],
