@@ -143,6 +143,10 @@ class KFACStreamCallback(TrainerCallback):
         self._pending_step: int | None = None  # step whose state waits beside its checkpoint
         self.train_started: float | None = None  # perf_counter() at on_train_begin
         self.train_seconds: float | None = None
+        # the last snapshot's factor copies, reused by the next one (pinned on CUDA)
+        self._snapshot_buffers: dict = {}
+        #: seconds each snapshot held the training thread (flush, copy, contents, weights)
+        self.snapshot_hold_seconds: list[float] = []
 
     # -- Trainer events --------------------------------------------------------------------------
 
@@ -321,16 +325,25 @@ class KFACStreamCallback(TrainerCallback):
     def save_snapshot(self, step: int, epoch: float | None = None, wait: bool = False) -> str:
         """Snapshot the factors now as ``<output_dir>/step-<step>/`` and return that path.
 
-        The training thread only copies the stored factors; their eigendecomposition and the
-        atomic write run on a background thread (``background_snapshots``) unless ``wait``.
+        The training thread only flushes the factors into buffers reused between snapshots
+        (the device path streams them there) and reads the weights' fingerprint
+        (`snapshot_hold_seconds`); their eigendecomposition and the atomic write run on a
+        background thread (``background_snapshots``) unless ``wait``. A snapshot due while
+        the previous one is still being written waits for it first (one in flight at a time).
         With several processes every rank must call it for the same step (the Trainer events
         do): each writes the shard of the factors it owns, rank 0 the manifest.
         """
         if self.tracker is None or self.output_dir is None:
             raise RuntimeError("KFACStreamCallback.save_snapshot: training has not started")
-        tensors, manifest = snapshot_contents(self.tracker.export(), step, epoch)
+        # one snapshot in flight at a time: the one before reads the buffers reused here
+        self._worker.wait()
+        held = time.perf_counter()
+        record = self.tracker.export(into=self._snapshot_buffers)
+        tensors, manifest = snapshot_contents(record, step, epoch)
+        self._snapshot_buffers = {k: f.data for k, f in record.factors.items()}
         # the weights at this step (collective under ZeRO-3, FSDP2): queries check their model by it
         manifest["weights"] = weights_fingerprint(self.tracker.layers)
+        self.snapshot_hold_seconds.append(time.perf_counter() - held)
         root, comm = self.output_dir, self._comm
         cfg = self.tracker.config
         eigh_device = self.tracker.settings.eigh_device
