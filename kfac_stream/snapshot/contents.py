@@ -12,7 +12,7 @@ import torch
 
 from ..enums import StorageDtype
 from ..factor_keys import FACTOR_KINDS, factor_key
-from ..stats.spectrum import eigh_factors, spectrum_stats
+from ..stats.spectrum import eigh_stored
 from .layout import FORMAT_NAME, FORMAT_VERSION, layer_fingerprint, shard_name
 
 
@@ -114,25 +114,27 @@ def add_eigendecompositions(tensors: dict[str, torch.Tensor], manifest: dict[str
     """Add ``<key>.eigvals`` / ``<key>.eigvecs`` and per-factor spectrum statistics, in place.
 
     Each factor is decomposed as stored (dequantised, so the eigenbasis is that of exactly the
-    matrix in the shard) with `stats.spectrum.eigh_factors` (float64 on the CPU with
-    ``threads`` threads, or batched on ``device``), and kept in float32 (float64 for float64
-    storage); diagonal factors get eigenvalues only. A shared A is decomposed once and its
-    spectrum written into every layer entry that uses it.
+    matrix in the shard), one factor at a time, by `stats.spectrum.eigh_stored`: float64 on the
+    CPU with ``threads`` threads, or float32 on ``device`` (dequantised and checked there,
+    results copied back into pinned buffers; a factor that fails there is redone on the CPU),
+    so at most one factor's working copies exist at a time. The results are kept in float32
+    (float64 for float64 storage); diagonal factors get eigenvalues only. A shared A is
+    decomposed once and its spectrum written into every layer entry that uses it.
     """
     eig_dtype = StorageDtype(manifest["storage_dtype"]).wide_dtype
-    values = {}
+    keys: dict[str, None] = {}  # ordered
     for name, entry in manifest["layers"].items():
         for factor in FACTOR_KINDS:
             key = entry[factor].get("key", factor_key(name, factor))
-            if key in tensors and key not in values:  # else owned by another rank, or done
-                values[key] = tensors[key].double() * float(tensors[f"{key}.scale"])
-    decomposed = eigh_factors(values, device=device, threads=threads)
+            if key in tensors and key not in keys:  # else owned by another rank, or done
+                keys[key] = None
+    stored = ((k, tensors[k], float(tensors[f"{k}.scale"])) for k in keys)
     stats = {}
-    for key, (eigvals, eigvecs) in decomposed.items():
-        tensors[f"{key}.eigvals"] = eigvals.to(eig_dtype)
+    for key, eigvals, eigvecs, spectrum in eigh_stored(stored, eig_dtype, device, threads):
+        tensors[f"{key}.eigvals"] = eigvals
         if eigvecs is not None:
-            tensors[f"{key}.eigvecs"] = eigvecs.to(eig_dtype)
-        stats[key] = spectrum_stats(eigvals)
+            tensors[f"{key}.eigvecs"] = eigvecs
+        stats[key] = spectrum
     for name, entry in manifest["layers"].items():
         for factor in FACTOR_KINDS:
             key = entry[factor].get("key", factor_key(name, factor))

@@ -9,7 +9,7 @@ eigenvalues rounding produces to zero (the factors are PSD by construction).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
@@ -30,7 +30,8 @@ def default_eigh_threads() -> int:
 
 def eigh_factors(factors: dict[str, Tensor], device: torch.device | None = None,
                  threads: int | None = None) -> dict[str, tuple[Tensor, Tensor | None]]:
-    """Eigendecompose many PSD factors where it is fast.
+    """Eigendecompose many PSD factors where it is fast (float64 in, float64 out; snapshots
+    use `eigh_stored`, which takes the stored factors one at a time).
 
     Args:
         factors: ``{key: [d, d] or [d]}`` (float64 on the CPU).
@@ -115,6 +116,123 @@ def eigh_each(dense: dict[str, Tensor], out: dict[str, tuple[Tensor, Tensor | No
         else:
             left[k] = f
     return left
+
+
+def eigh_stored(stored: Iterable[tuple[str, Tensor, float]], out_dtype: torch.dtype,
+                device: torch.device | str | None = None, threads: int | None = None
+                ) -> Iterator[tuple[str, Tensor, Tensor | None, dict[str, float]]]:
+    """Eigendecompose stored (quantised) factors one at a time, with bounded memory.
+
+    What a snapshot runs (`kfac_stream.snapshot.contents.add_eigendecompositions`): each
+    factor is dequantised, decomposed and reduced to its results before the next is touched,
+    so at most one factor's working copies are alive at a time (never all factors widened at
+    once, nothing held twice); the results are yielded as they come.
+
+    * On the CPU (``device`` None or a CPU device): the factor is dequantised to float64
+      (``data.double() * scale``, as it always was) and decomposed by `safe_psd_eigh` with
+      ``threads`` threads (default `default_eigh_threads`; process-wide, restored when the
+      generator finishes or is closed); the spectrum statistics come from the float64
+      eigenvalues; the float64 copies are dropped before the next factor.
+    * On a CUDA ``device`` (dense factors; a diagonal one is a ``[d]`` vector and stays on the
+      CPU as above): on `eigh_stream`, the stored factor (fp16) is copied to the device,
+      dequantised there in float32 (the same value as rounding the float64 dequantisation:
+      fp16 x fp32 products are exact in float64), symmetrised and decomposed in float32; the
+      eigenvalues are clipped at 0, their finiteness and that of the eigenvectors is checked
+      and the spectrum statistics are computed there (`spectrum_stats`' formulas, in float64
+      from the float32 eigenvalues); eigenvalues, eigenvectors (float32: never widened unless
+      ``out_dtype`` is float64) and the statistics are copied non-blocking into pinned host
+      buffers, and the stream is synchronised once per factor. A factor whose decomposition
+      raises (``torch.linalg.LinAlgError``, out of memory: any ``RuntimeError``) or is not
+      finite is redone on the CPU in float64 as above; the others keep their GPU result.
+
+    Args:
+        stored: ``(key, data, scale)`` per factor: ``data`` ``[d, d]`` (dense) or ``[d]``
+            (diagonal) in its storage dtype, the factor being ``data * scale``.
+        out_dtype: The dtype of the yielded eigenvalues and eigenvectors (the snapshot
+            format's: float32, float64 for float64 storage).
+        device: Where to decompose the dense factors (see above).
+        threads: CPU threads for the CPU decompositions.
+
+    Yields:
+        ``(key, eigvals [d] out_dtype ascending ≥ 0, eigvecs [d, d] out_dtype | None,
+        spectrum_stats dict)`` in the order of ``stored``.
+    """
+    dev = torch.device(device) if device is not None else None
+    cuda = dev is not None and dev.type == "cuda"
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads or default_eigh_threads())
+    try:
+        for key, data, scale in stored:
+            done = _eigh_stored_cuda(data, scale, out_dtype, dev) \
+                if cuda and data.dim() == 2 else None
+            yield (key, *(done if done is not None else _eigh_stored_cpu(data, scale, out_dtype)))
+    finally:
+        torch.set_num_threads(prev)
+
+
+def _eigh_stored_cpu(data: Tensor, scale: float, out_dtype: torch.dtype
+                     ) -> tuple[Tensor, Tensor | None, dict[str, float]]:
+    """float64 `safe_psd_eigh` of ``data * scale`` on the CPU; only the results survive."""
+    f = data.detach().to("cpu").double() * scale  # [d, d] or [d] float64
+    w, q = safe_psd_eigh(f)  # looked up at call time (tests patch it)
+    del f
+    stats = spectrum_stats(w)
+    if q is not None:  # row-major, as the shard stores it (LAPACK returns column-major)
+        q = q.to(out_dtype, memory_format=torch.contiguous_format)
+    return w.to(out_dtype), q, stats
+
+
+def _eigh_stored_cuda(data: Tensor, scale: float, out_dtype: torch.dtype, device: torch.device
+                      ) -> tuple[Tensor, Tensor, dict[str, float]] | None:
+    """float32 eigh of ``data * scale`` on ``device`` into pinned host buffers; None if it
+    failed or is not finite (then the caller decomposes it on the CPU)."""
+    stream = eigh_stream(device)
+    if data.is_cuda:  # made on the caller's stream
+        stream.wait_stream(torch.cuda.current_stream(data.device))
+    try:
+        with torch.cuda.stream(stream):
+            x = data.detach().to(device, non_blocking=True)  # [d, d] as stored (fp16)
+            m = (x.double() * scale).float() if x.dtype == torch.float64 else x.float() * scale
+            del x
+            m = (m + m.T) * 0.5
+            w, q = torch.linalg.eigh(m)  # [d], [d, d] float32
+            del m
+            finite = torch.isfinite(w).all() & torch.isfinite(q).all()
+            w = w.clamp(min=0.0)
+            head = torch.cat([finite.double().reshape(1), _stats_vector(w.double())])  # [5]
+            # row-major on the device (cuSOLVER returns column-major): the shard's layout,
+            # so the copy is one contiguous transfer and the writer copies nothing
+            results = (w.to(out_dtype), q.to(out_dtype, memory_format=torch.contiguous_format),
+                       head)
+            del w, q
+            host = tuple(torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in results)
+            for h, t in zip(host, results):
+                h.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        done.synchronize()  # once per factor
+    except RuntimeError:  # LinAlgError, out of memory
+        return None
+    flags = host[2].tolist()
+    if flags[0] != 1.0:
+        return None
+    return host[0], host[1], _stats_dict(flags[1:])
+
+
+def _stats_vector(ev: Tensor) -> Tensor:
+    """`spectrum_stats` as a tensor ``[max, trace, cond, eff_rank]`` where ``ev`` (``[d]``,
+    float64, ≥ 0) lives: no host sync."""
+    top, total = ev.max(), ev.sum()
+    smallest = torch.where(ev > top * 1e-12, ev, torch.full_like(ev, float("inf"))).min()
+    p = torch.where(ev > 0, ev / total, torch.ones_like(ev))  # p log p = 0 where ev = 0
+    return torch.stack([top, total, top / smallest, torch.exp(-(p * p.log()).sum())])
+
+
+def _stats_dict(values: list[float]) -> dict[str, float]:
+    top, total, cond, eff_rank = values
+    if top <= 0.0:
+        return {"max": 0.0, "trace": 0.0, "cond": float("inf"), "eff_rank": 0.0}
+    return {"max": top, "trace": total, "cond": cond, "eff_rank": eff_rank}
 
 
 def safe_psd_eigh(factor: Tensor, retries: int = 3) -> tuple[Tensor, Tensor | None]:
