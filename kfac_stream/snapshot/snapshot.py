@@ -11,12 +11,16 @@ check it).
 2. reads ``manifest.json`` (at most `layout.MAX_MANIFEST_BYTES`) and checks it against the
    schema, `manifest.validate_manifest`, before any shard is opened;
 3. for each shard listed: checks its size against the manifest's ``bytes`` and against the
-   size of the tensors the manifest places in it before reading, reads it once, checks the
-   sha256 of exactly the bytes read, parses the safetensors header from the same bytes and
-   checks every tensor's dtype and shape against `manifest.implied_tensors` (no other tensor
-   may be there), then takes the tensors from those bytes (no second open; raw tensor data
-   only, never a Python object);
-4. checks the values: every tensor finite, scales and eigenvalues ≥ 0.
+   size of the tensors the manifest places in it before reading, reads it once, hashing each
+   chunk as it is read, checks the sha256 of exactly the bytes read, parses the safetensors
+   header from the same bytes and checks every tensor's dtype and shape against
+   `manifest.implied_tensors` (no other tensor may be there), then takes the tensors from
+   those bytes (no second open; raw tensor data only, never a Python object);
+4. checks the values: every tensor finite, scales and eigenvalues ≥ 0 (on the stored
+   values, in chunks).
+
+The tensors are views of the bytes read (no copy); the float32 factors ``A``/``G`` are
+dequantised at their first access (`LayerFactors`).
 
 Anything else raises `SnapshotError` naming the file, the key and what was expected (see
 `manifest` for the message format).
@@ -30,7 +34,7 @@ import math
 import os
 import stat
 import sys
-from dataclasses import dataclass
+import threading
 from typing import Any
 
 import torch
@@ -42,35 +46,72 @@ from .layout import MANIFEST, MAX_MANIFEST_BYTES, MAX_SAFETENSORS_HEADER_BYTES, 
 from .manifest import TensorSpec, implied_tensors, parse_json, stored_key, validate_manifest
 
 
-@dataclass(frozen=True)
 class LayerFactors:
     """Factors of one tracked layer.
 
     Attributes:
         name: Module name.
         A: ``[d_in(+1), d_in(+1)]`` dense or ``[d_in(+1)]`` diagonal; float32 (float64 if
-            stored so). The trailing row/column is the bias when ``has_bias``.
-        G: ``[d_out, d_out]`` dense or ``[d_out]`` diagonal.
+            stored so). The trailing row/column is the bias when ``has_bias``. Dequantised
+            from the stored tensor at its first access and kept (an A several layers share:
+            once for all of them); `Snapshot.load` makes no float copy.
+        G: ``[d_out, d_out]`` dense or ``[d_out]`` diagonal (as ``A``).
         meta: The layer's manifest entry.
         A_eigvals: ``[d_A]`` eigenvalues of A (ascending, ≥ 0).
         A_eigvecs: ``[d_A, d_A]`` orthonormal eigenvectors (columns), None if A is diagonal.
         G_eigvals: ``[d_out]``.
         G_eigvecs: ``[d_out, d_out]`` or None.
+
+    ``A`` and ``G`` may be given as tensors or as zero-argument callables returning one (called
+    once, at the first access).
     """
 
-    name: str
-    A: torch.Tensor
-    G: torch.Tensor
-    meta: dict[str, Any]
-    A_eigvals: torch.Tensor | None = None
-    A_eigvecs: torch.Tensor | None = None
-    G_eigvals: torch.Tensor | None = None
-    G_eigvecs: torch.Tensor | None = None
+    __slots__ = ("name", "_A", "_G", "meta", "A_eigvals", "A_eigvecs", "G_eigvals",
+                 "G_eigvecs")
+
+    def __init__(self, name: str, A: Any, G: Any, meta: dict[str, Any],
+                 A_eigvals: torch.Tensor | None = None, A_eigvecs: torch.Tensor | None = None,
+                 G_eigvals: torch.Tensor | None = None,
+                 G_eigvecs: torch.Tensor | None = None) -> None:
+        self.name, self._A, self._G, self.meta = name, A, G, meta
+        self.A_eigvals, self.A_eigvecs = A_eigvals, A_eigvecs
+        self.G_eigvals, self.G_eigvecs = G_eigvals, G_eigvecs
+
+    @property
+    def A(self) -> torch.Tensor:
+        """The input-side factor (class docstring)."""
+        return self._A if isinstance(self._A, torch.Tensor) else self._A()
+
+    @property
+    def G(self) -> torch.Tensor:
+        """The output-side factor (class docstring)."""
+        return self._G if isinstance(self._G, torch.Tensor) else self._G()
 
     @property
     def has_bias(self) -> bool:
         """Whether ``A`` includes the bias row/column."""
         return bool(self.meta["has_bias"])
+
+    def __repr__(self) -> str:
+        return f"LayerFactors({self.name!r})"
+
+
+class _Dequantised:
+    """``data · scale`` in float32 (float64 if stored so), computed at the first call and kept;
+    one per stored key, so an A several layers share is dequantised once."""
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor) -> None:
+        self._data, self._scale = data, scale
+        self._value: torch.Tensor | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self) -> torch.Tensor:
+        if self._value is None:
+            with self._lock:
+                if self._value is None:
+                    out = torch.float64 if self._data.dtype == torch.float64 else torch.float32
+                    self._value = self._data.to(out) * self._scale.to(out)
+        return self._value
 
 
 class Snapshot:
@@ -148,15 +189,13 @@ class Snapshot:
                                     f"expected it, as the manifest says ({spec.source})")
         _check_values(tensors, origin)
         layers = {}
-        values: dict[str, torch.Tensor] = {}  # dequantised once per stored key (a shared A)
+        values: dict[str, _Dequantised] = {}  # one per stored key (a shared A: once)
         for name, info in meta["layers"].items():
-            parts: dict[str, torch.Tensor | None] = {}
+            parts: dict[str, Any] = {}
             for factor in FACTOR_KINDS:
                 key = stored_key(meta, name, factor)  # format 2: a shared A's leader key
-                data = tensors[key]
-                out = torch.float64 if data.dtype == torch.float64 else torch.float32
                 if key not in values:
-                    values[key] = data.to(out) * tensors[f"{key}.scale"].to(out)
+                    values[key] = _Dequantised(tensors[key], tensors[f"{key}.scale"])
                 parts[factor] = values[key]
                 parts[f"{factor}_eigvals"] = tensors[f"{key}.eigvals"]
                 parts[f"{factor}_eigvecs"] = tensors.get(f"{key}.eigvecs")
@@ -242,10 +281,12 @@ class _SnapshotDir:
     def __exit__(self, *exc: object) -> None:
         os.close(self.fd)
 
-    def read(self, name: str, missing: str, check_size) -> bytearray:
+    def read(self, name: str, missing: str, check_size, digest: Any = None) -> bytearray:
         """The bytes of the regular file ``name`` in this directory, read once through one
         descriptor opened without following symlinks. ``check_size(size)`` runs before the
-        file is opened (it raises to refuse); ``missing``: the message if there is no file."""
+        file is opened (it raises to refuse); ``missing``: the message if there is no file;
+        ``digest`` (a hashlib object), when given, is updated with each chunk as it arrives
+        (the hash streams with the read: no second pass over the bytes)."""
         fpath = os.path.join(self.path, name)
         try:
             st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
@@ -274,7 +315,9 @@ class _SnapshotDir:
             buf = bytearray(now.st_size)
             with memoryview(buf) as view:
                 n = 0
-                while n < len(buf) and (got := f.readinto(view[n:])):
+                while n < len(buf) and (got := f.readinto(view[n:n + _READ_CHUNK])):
+                    if digest is not None:
+                        digest.update(view[n:n + got])
                     n += got
             if n != len(buf) or f.read(1):
                 raise SnapshotError(f"{fpath}: changed size while being read; expected a "
@@ -295,6 +338,9 @@ def _read_manifest_in(d: _SnapshotDir) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- shards ---------------------
+
+_READ_CHUNK = 16 << 20  # bytes per read (and hash update) of a shard
+_CHECK_CHUNK = 1 << 22  # elements per finiteness check (bounds its temporary)
 
 _ST_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 
@@ -323,9 +369,10 @@ def _read_shard(d: _SnapshotDir, fname: str, info: dict[str, Any],
                                 f"it has {size} bytes; expected {ipath}.bytes = "
                                 f"{info['bytes']}")
 
+    hasher = hashlib.sha256()
     buf = d.read(fname, f"{d.path}: shard {fname!r} listed in the manifest is missing",
-                 check_size)
-    digest = hashlib.sha256(buf).hexdigest()
+                 check_size, hasher)
+    digest = hasher.hexdigest()
     if digest != info["sha256"]:
         raise SnapshotError(f"{fpath}: sha256 mismatch (file altered or truncated): it is "
                             f"{digest}; expected {ipath}.sha256 = {info['sha256']}")
@@ -405,9 +452,12 @@ def _is_int(x: Any) -> bool:
 
 
 def _check_values(tensors: dict[str, torch.Tensor], origin: dict[str, str]) -> None:
-    """Every tensor finite; every scale and eigenvalue ≥ 0."""
+    """Every tensor finite (checked in chunks of the stored values: no float copy, a bounded
+    temporary); every scale and eigenvalue ≥ 0."""
     for name, t in tensors.items():
-        if not bool(torch.isfinite(t).all()):
+        flat = t.reshape(-1)
+        if not all(bool(torch.isfinite(flat[i:i + _CHECK_CHUNK]).all())
+                   for i in range(0, flat.numel(), _CHECK_CHUNK)):
             raise SnapshotError(f"{origin[name]}: tensor {name!r} has non-finite values; "
                                 "expected finite numbers")
         if name.endswith((".scale", ".eigvals")) and bool((t < 0).any()):
