@@ -10,7 +10,8 @@ snapshot is then, in this one process with the machine's default threads:
 (a) loaded: ``Snapshot.load`` (read, streamed sha256, finiteness; median of ``--reps``);
 (b) ``LaplacePosterior(model, snap, prior_precision="marglik")`` on a freshly loaded snapshot
     (median of ``--reps``; target <= 2 s);
-(c) unless ``--no-old``: the same with the code of ``git show HEAD:`` (``--old-rev``) of
+(c) unless ``--no-old``: the same with the code of ``git show OLD_REV:`` (``--old-rev``;
+    default the main the issue measured, before its changes) of
     ``kfac_stream/query/laplace.py`` and ``kfac_stream/snapshot/snapshot.py`` imported as
     temporary modules (once: the old posterior takes about a minute here), with the old and
     new tuned ``τ`` and the exact log evidence at both.
@@ -44,6 +45,9 @@ from torch.utils.data import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
+
+#: The code the issue measured (main before its changes): the "old code" figures.
+OLD_REV = "e9313ca"
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -165,7 +169,7 @@ def main(argv=None) -> None:
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--no-old", action="store_true", help="skip the old code's figures")
-    p.add_argument("--old-rev", default="HEAD", help="git revision of the old code")
+    p.add_argument("--old-rev", default=OLD_REV, help="git revision of the old code")
     p.add_argument("--quick", action="store_true", help="tiny smoke run")
     p.add_argument("--out", default=None,
                    help="JSON path (default benchmarks/results/posterior_scale.json; "
