@@ -46,17 +46,15 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
 
+from _common import MID_LLAMA, QUICK_LLAMA
+
 #: The code the issue measured (main before its changes): the "old code" figures.
 OLD_REV = "e9313ca"
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-MID = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
-           num_attention_heads=16, num_key_value_heads=16, vocab_size=256,
-           max_position_embeddings=256)
-QUICK = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=4, vocab_size=256,
-             max_position_embeddings=64)
+MID = dict(MID_LLAMA, vocab_size=256)
+QUICK = dict(QUICK_LLAMA, vocab_size=256)
 TARGET_S = 2.0
 
 
