@@ -27,6 +27,7 @@ code runs with plain copies.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -101,8 +102,12 @@ def _probe_fused_16bit(device: torch.device) -> bool:
         xf = x.float()
         want = acc * 0.5 + 2.0 * (xf.T @ xf)
         torch.addmm(acc, x.T, x, beta=0.5, alpha=2.0, out_dtype=torch.float32, out=acc)
+        # beta=0 must ignore what the output held (a pending sum's stale entries), NaN too
+        fresh = torch.full_like(acc, math.nan)
+        torch.addmm(fresh, x.T, x, beta=0.0, alpha=2.0, out_dtype=torch.float32, out=fresh)
         # fp32 accumulation of 64 exact products: far inside 1e-4 of entries of order 10
-        return bool(torch.allclose(acc, want, rtol=1e-5, atol=1e-4))
+        return bool(torch.allclose(acc, want, rtol=1e-5, atol=1e-4)
+                    and torch.allclose(fresh, 2.0 * (xf.T @ xf), rtol=1e-5, atol=1e-4))
     except (RuntimeError, TypeError):  # NotImplementedError is a RuntimeError
         return False
 

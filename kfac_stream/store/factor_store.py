@@ -554,7 +554,8 @@ class FactorStore:
 
     def _pending_of(self, f: StoredFactor, device: torch.device) -> DevicePending:
         if f.device is None:
-            f.device = DevicePending(torch.empty(tuple(f.data.shape), dtype=self.compute_dtype,
+            # zeros, not empty: the first accumulation (beta=0) never meets a non-finite entry
+            f.device = DevicePending(torch.zeros(tuple(f.data.shape), dtype=self.compute_dtype,
                                                  device=device))
             self._count_resident()
         return f.device
