@@ -61,7 +61,7 @@ class Folding:
         dtype."""
         if self.device.type != "cuda" or self.wide == torch.float64 or captured is None:
             return self.wide
-        return torch.bfloat16 if torch.tensor([], dtype=captured).element_size() == 2 \
+        return torch.bfloat16 if captured.itemsize == 2 \
             else self.wide
 
     def partial_gram(self, rows: Tensor, diagonal: bool) -> Tensor:

@@ -182,8 +182,9 @@ class KFACStreamCallback(TrainerCallback):
         modules = dict(model.named_modules())
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         dist_ctx = DistContext.from_torch(device)  # collective with several processes
+        batch, accumulation = _micro_batches(args)
         settings = resolve_settings(
-            cfg, device, batch=_micro_batches(args)[0], accumulation=_micro_batches(args)[1],
+            cfg, device, batch=batch, accumulation=accumulation,
             world=dist_ctx.world_size if dist_ctx else 1,
             max_steps=int(getattr(state, "max_steps", 0) or 0))
         if settings.mc_share_raised is not None and (dist_ctx is None or dist_ctx.rank == 0):

@@ -276,13 +276,7 @@ def spectrum_stats(eigvals: Tensor) -> dict[str, float]:
         to sum 1.
     """
     ev = eigvals.detach().double().clamp(min=0.0)
-    top, total = float(ev.max()), float(ev.sum())
-    if top <= 0.0:
-        return {"max": 0.0, "trace": 0.0, "cond": float("inf"), "eff_rank": 0.0}
-    significant = ev[ev > top * 1e-12]
-    p = ev[ev > 0] / total
-    return {"max": top, "trace": total, "cond": top / float(significant.min()),
-            "eff_rank": float(torch.exp(-(p * p.log()).sum()))}
+    return _stats_dict(_stats_vector(ev).tolist())  # the device path's formulas, one read
 
 
 def log10_histogram(eigvals: Tensor, bins: int = 32) -> tuple[list[int], list[float]] | None:

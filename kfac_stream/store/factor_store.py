@@ -570,7 +570,7 @@ class FactorStore:
             self.device_budget = cuda_budget(self.device) if self.device.type == "cuda" \
                 else 0
         budget = int(self.device_budget) - self._work_space()
-        esize = torch.tensor([], dtype=self.compute_dtype).element_size()
+        esize = self.compute_dtype.itemsize
         used = 0
         for f in sorted(self._factors.values(), key=lambda f: -f.data.numel()):
             need = f.data.numel() * esize
@@ -586,7 +586,7 @@ class FactorStore:
         return 4 * largest + 4 * CHUNK_ENTRIES * 4
 
     def _count_resident(self) -> None:
-        esize = torch.tensor([], dtype=self.compute_dtype).element_size()
+        esize = self.compute_dtype.itemsize
         now = sum(f.device.data.numel() * esize for f in self._factors.values()
                   if f.device is not None)
         self.traffic.resident_bytes = now
