@@ -276,7 +276,7 @@ def spectrum_stats(eigvals: Tensor) -> dict[str, float]:
         to sum 1.
     """
     ev = eigvals.detach().double().clamp(min=0.0)
-    return _stats_dict(_stats_vector(ev).tolist())  # the device path's formulas, one read
+    return _stats_dict([float(v) for v in _stats_vector(ev)])  # the device path's formulas
 
 
 def log10_histogram(eigvals: Tensor, bins: int = 32) -> tuple[list[int], list[float]] | None:
