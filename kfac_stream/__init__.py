@@ -6,6 +6,7 @@ from .config import KFACConfig
 from .enums import FisherType, StorageDtype
 from .exceptions import (
     AppConfigError,
+    EigendecompositionError,
     KFACConfigError,
     KFACStreamError,
     PartitionedModelError,
@@ -83,6 +84,7 @@ __all__ = [
     "UnsupportedLayoutError",
     "UnsupportedModuleError",
     "SnapshotError",
+    "EigendecompositionError",
     "SnapshotMismatchError",
     "TrackerStateError",
     "QueryInputError",

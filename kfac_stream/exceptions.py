@@ -36,6 +36,11 @@ class SnapshotError(KFACStreamError):
     """A snapshot directory is incomplete, altered, or of an unknown format."""
 
 
+class EigendecompositionError(SnapshotError):
+    """A factor's eigendecomposition failed while its snapshot was written (the snapshot is
+    abandoned on every rank; earlier ones stay)."""
+
+
 class SnapshotMismatchError(KFACStreamError, ValueError):
     """The model's tracked layers do not match the snapshot's (names or shapes)."""
 

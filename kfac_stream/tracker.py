@@ -444,6 +444,11 @@ class Tracker:
             capture=self.capture.state_dict(), mc_sampler=self.mc_generator.get_state(),
             run_id=self.run_id)
 
+    def snapshot_buffers(self) -> dict[str, Tensor]:
+        """Buffers for ``export(into=...)``, one per owned factor
+        (`FactorStore.snapshot_buffers`)."""
+        return self.store.snapshot_buffers()
+
     def load_state(self, factors: Mapping[str, FactorState], counters: Mapping[str, Any],
                    capture: CaptureState | None = None, mc_sampler: Tensor | None = None,
                    reseed_step: int = 0) -> None:

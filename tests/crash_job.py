@@ -104,10 +104,10 @@ class Killer:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def install(self) -> None:
-        import kfac_stream.integrations.hf_callback as hf_callback
+        import kfac_stream.snapshot.sequence as sequence
         import kfac_stream.snapshot.writer as writer
 
-        real_write_snapshot = hf_callback.write_snapshot
+        real_write_snapshot = sequence.write_snapshot  # the callback's, via finish_snapshot
 
         def write_snapshot(root, step, *args, **kwargs):
             with self.lock:
@@ -118,7 +118,7 @@ class Killer:
             say("snapshot-done", n=self.n, step=step)
             return path
 
-        hf_callback.write_snapshot = write_snapshot
+        sequence.write_snapshot = write_snapshot
 
         real_write_shard = writer.write_shard
 

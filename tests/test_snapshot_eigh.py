@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_hot_path import EIGH_BACKWARD_C, FP32_UNIT_ROUNDOFF, _eigh_excess
 
-from kfac_stream.snapshot.contents import add_eigendecompositions
+from kfac_stream.snapshot.eigen_stream import EigendecompositionError, add_eigendecompositions
 from kfac_stream.stats import spectrum
 from kfac_stream.stats.spectrum import safe_psd_eigh, spectrum_stats
 
@@ -136,8 +136,9 @@ def test_a_failed_decomposition_still_raises(monkeypatch):
 
     monkeypatch.setattr(spectrum, "safe_psd_eigh", broken)
     tensors, manifest = _shard()
-    with pytest.raises(torch.linalg.LinAlgError):
+    with pytest.raises(EigendecompositionError, match="eigendecomposition failed") as info:
         add_eigendecompositions(tensors, manifest)
+    assert isinstance(info.value.__cause__, torch.linalg.LinAlgError)
 
 
 def test_device_spectrum_statistics_match_spectrum_stats():

@@ -26,12 +26,11 @@ from ..log_setup import show_info_by_default
 from ..settings import Settings, resolve_settings
 from ..snapshot.adequacy import sampling_warning
 from ..snapshot.background import SnapshotWorker
-from ..snapshot.contents import add_eigendecompositions, merge_manifests, snapshot_contents
 from ..snapshot.layout import step_dir_name
 from ..snapshot.media import make_media
+from ..snapshot.sequence import capture_snapshot, finish_snapshot
 from ..snapshot.snapshot import read_manifest
-from ..snapshot.weights import weights_fingerprint
-from ..snapshot.writer import clean_stale_tmp, set_aside_other_runs, write_snapshot
+from ..snapshot.writer import clean_stale_tmp, set_aside_other_runs
 from ..tracker import Tracker, plan_tracking
 from ..tracker_state import (
     STATE_DIR,
@@ -232,7 +231,19 @@ class KFACStreamCallback(TrainerCallback):
             logger.log(logging.INFO if self.tracker.world_size > 1 else logging.DEBUG,
                        "kfac_stream: factor owners (bytes of the stored factors, eigh cost)"
                        "\n%s", self.tracker.ownership)
+        # the first snapshot's buffers, pinned in the background (seconds for gigabytes),
+        # not on the training thread at the first snapshot (save_snapshot waits for it)
+        self._worker.submit(self._allocate_snapshot_buffers)
         return control
+
+    def _allocate_snapshot_buffers(self) -> None:
+        if self._snapshot_buffers:
+            return
+        try:
+            self._snapshot_buffers = self.tracker.snapshot_buffers()
+        except Exception as e:  # e.g. pinned memory refused: the first snapshot allocates
+            logger.warning("kfac_stream: could not allocate the snapshot buffers ahead (%s); "
+                           "the first snapshot allocates them", e)
 
     def _checkpoint(self, args, step: int) -> str:
         return os.path.join(args.output_dir, f"checkpoint-{step}")
@@ -339,25 +350,17 @@ class KFACStreamCallback(TrainerCallback):
         # one snapshot in flight at a time: the one before reads the buffers reused here
         self._worker.wait()
         held = time.perf_counter()
-        record = self.tracker.export(into=self._snapshot_buffers)
-        tensors, manifest = snapshot_contents(record, step, epoch)
-        self._snapshot_buffers = {k: f.data for k, f in record.factors.items()}
-        # the weights at this step (collective under ZeRO-3, FSDP2): queries check their model by it
-        manifest["weights"] = weights_fingerprint(self.tracker.layers)
+        captured = capture_snapshot(self.tracker, step, epoch, self._snapshot_buffers)
+        self._snapshot_buffers = captured.buffers
         self.snapshot_hold_seconds.append(time.perf_counter() - held)
         root, comm = self.output_dir, self._comm
-        cfg = self.tracker.config
         eigh_device = self.tracker.settings.eigh_device
+        threads = self.tracker.config.eigh_threads
 
         def finish() -> None:  # every rank: its own factors, in parallel; then the protocol
             try:
-                local_error = None
-                try:
-                    add_eigendecompositions(tensors, manifest, eigh_device, cfg.eigh_threads)
-                except Exception as e:  # still take part in the protocol: all ranks abandon
-                    local_error = f"eigendecomposition failed: {type(e).__name__}: {e}"
-                path = write_snapshot(root, step, tensors, manifest, comm, merge_manifests,
-                                      local_error=local_error, gather=self.gather_shards)
+                path, eigvals = finish_snapshot(captured, root, comm, eigh_device, threads,
+                                                gather=self.gather_shards)
             except Exception as e:
                 failures = self.tracker.count_snapshot_failure()
                 if self.config.fail_on_snapshot_error:
@@ -376,8 +379,6 @@ class KFACStreamCallback(TrainerCallback):
                     try:
                         # the eigenvalues just written (rank 0's factors; with others'
                         # missing, make_media loads the snapshot instead)
-                        eigvals = {k[:-len(".eigvals")]: v for k, v in tensors.items()
-                                   if k.endswith(".eigvals")}
                         self.media[path] = make_media(path, eigvals=eigvals)
                     except Exception as e:  # monitoring extras never fail a run
                         logger.warning("kfac_stream: spectra media of %s failed: %s", path, e)
@@ -391,6 +392,12 @@ class KFACStreamCallback(TrainerCallback):
         else:
             finish()
         return os.path.join(root, step_dir_name(step))
+
+    @property
+    def snapshot_in_flight(self) -> bool:
+        """Whether a snapshot is still being eigendecomposed or written in the background
+        (never blocks; `save_snapshot` waits for it before the next one)."""
+        return self._worker.busy
 
     def factors(self):
         """``{layer: (A, G)}`` of the live tracker (dequantised); with several ranks only the

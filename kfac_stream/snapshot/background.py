@@ -31,6 +31,11 @@ class SnapshotWorker:
         self._thread = threading.Thread(target=run, name="kfac-stream-snapshot", daemon=True)
         self._thread.start()
 
+    @property
+    def busy(self) -> bool:
+        """Whether a job is still running (never blocks)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait(self) -> None:
         """Block until the job in flight (if any) is done; re-raise its error."""
         if self._thread is not None:

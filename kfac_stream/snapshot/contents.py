@@ -10,9 +10,7 @@ from typing import Any
 
 import torch
 
-from ..enums import StorageDtype
-from ..factor_keys import FACTOR_KINDS, factor_key
-from ..stats.spectrum import eigh_stored
+from ..factor_keys import FACTOR_KINDS
 from .layout import FORMAT_NAME, FORMAT_VERSION, layer_fingerprint, shard_name
 
 
@@ -23,7 +21,8 @@ def snapshot_contents(record, step: int, epoch: float | None = None
     With several ranks each rank makes its part; `merge_manifests` combines them.
 
     Cheap (copies of the stored factors), so it runs on the training thread; the expensive
-    part, `add_eigendecompositions`, works on these copies only and can run anywhere.
+    part, the eigendecompositions (`kfac_stream.snapshot.eigen_stream`), works on these
+    copies only and can run anywhere.
 
     Args:
         record: A `kfac_stream.tracker.TrackerRecord` with factors (``Tracker.export()``); its
@@ -106,37 +105,3 @@ def merge_manifests(parts: list[dict[str, Any]]) -> dict[str, Any]:
     counts["comm_bytes"] = [b for p in parts for b in p["counts"]["comm_bytes"]]
     out.pop("rank", None)
     return out
-
-
-def add_eigendecompositions(tensors: dict[str, torch.Tensor], manifest: dict[str, Any],
-                            device: torch.device | None = None, threads: int | None = None
-                            ) -> None:
-    """Add ``<key>.eigvals`` / ``<key>.eigvecs`` and per-factor spectrum statistics, in place.
-
-    Each factor is decomposed as stored (dequantised, so the eigenbasis is that of exactly the
-    matrix in the shard), one factor at a time, by `stats.spectrum.eigh_stored`: float64 on the
-    CPU with ``threads`` threads, or float32 on ``device`` (dequantised and checked there,
-    results copied back into pinned buffers; a factor that fails there is redone on the CPU),
-    so at most one factor's working copies exist at a time. The results are kept in float32
-    (float64 for float64 storage); diagonal factors get eigenvalues only. A shared A is
-    decomposed once and its spectrum written into every layer entry that uses it.
-    """
-    eig_dtype = StorageDtype(manifest["storage_dtype"]).wide_dtype
-    keys: dict[str, None] = {}  # ordered
-    for name, entry in manifest["layers"].items():
-        for factor in FACTOR_KINDS:
-            key = entry[factor].get("key", factor_key(name, factor))
-            if key in tensors and key not in keys:  # else owned by another rank, or done
-                keys[key] = None
-    stored = ((k, tensors[k], float(tensors[f"{k}.scale"])) for k in keys)
-    stats = {}
-    for key, eigvals, eigvecs, spectrum in eigh_stored(stored, eig_dtype, device, threads):
-        tensors[f"{key}.eigvals"] = eigvals
-        if eigvecs is not None:
-            tensors[f"{key}.eigvecs"] = eigvecs
-        stats[key] = spectrum
-    for name, entry in manifest["layers"].items():
-        for factor in FACTOR_KINDS:
-            key = entry[factor].get("key", factor_key(name, factor))
-            if key in stats:
-                entry[factor]["spectrum"] = stats[key]

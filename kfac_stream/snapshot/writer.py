@@ -15,8 +15,10 @@ hidden ``.step-*.tmp-*`` directory that readers ignore and the next writer remov
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -64,26 +66,59 @@ _ST_RANK = {dt: i for i, dt in enumerate(_ST_DTYPES)}
 WRITE_CHUNK = 16 << 20
 
 
-def safetensors_chunks(tensors: dict[str, torch.Tensor],
+@dataclasses.dataclass(frozen=True)
+class Deferred:
+    """A tensor the writer asks for only when its bytes are due: the header is laid out from
+    ``dtype`` and ``shape``, then ``get()`` is called once, in the file's order (so a
+    producer can compute the tensors while the ones before them are written, and nothing is
+    held longer than its write: `kfac_stream.snapshot.eigen_stream`)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    get: Callable[[], torch.Tensor]
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def resolved(t: torch.Tensor | Deferred) -> torch.Tensor:
+    """``t``'s tensor (a `Deferred` is computed now), checked against the dtype and shape the
+    header promised."""
+    if not isinstance(t, Deferred):
+        return t
+    out = t.get()
+    if out.dtype != t.dtype or tuple(out.shape) != tuple(t.shape):
+        raise ValueError(f"a deferred tensor promised {t.dtype} {list(t.shape)} and gave "
+                         f"{out.dtype} {list(out.shape)}")
+    return out
+
+
+def write_order(tensors: dict[str, torch.Tensor | Deferred]) -> list[str]:
+    """The order safetensors lays the tensors' data out: dtype rank descending, then name."""
+    return sorted(tensors, key=lambda k: (-_ST_RANK[tensors[k].dtype], k))
+
+
+def safetensors_chunks(tensors: dict[str, torch.Tensor | Deferred],
                        metadata: dict[str, str] | None = None,
                        chunk: int | None = None) -> Iterator[bytes | memoryview]:
     """The safetensors file of ``tensors`` as a sequence of buffers, without building it whole:
     the 8-byte little-endian header length, the JSON header (padded with spaces to a multiple
     of 8 bytes), then each tensor's raw bytes in header order, ``chunk`` bytes at a time as
     views of the tensor's memory (a tensor off the CPU or not contiguous is copied, one at a
-    time; default `WRITE_CHUNK`). The same bytes as ``safetensors.torch.save(tensors)``
-    (``metadata``: its keys are written sorted, where safetensors' order varies between
-    calls)."""
+    time; a `Deferred` is computed when its turn comes; default `WRITE_CHUNK`). The same
+    bytes as ``safetensors.torch.save(tensors)`` (``metadata``: its keys are written sorted,
+    where safetensors' order varies between calls)."""
     chunk = chunk or WRITE_CHUNK
     if sys.byteorder != "little":  # pragma: no cover - no big-endian machine to test on
         raise NotImplementedError("writing safetensors on a big-endian machine")
     for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+        if not isinstance(t, Deferred) and (not isinstance(t, torch.Tensor)
+                                            or t.layout != torch.strided):
             raise ValueError(f"tensor {name!r}: expected a dense torch.Tensor, got "
                              f"{type(t).__name__}")
         if t.dtype not in _ST_DTYPES:
             raise ValueError(f"tensor {name!r}: dtype {t.dtype} cannot be written")
-    order = sorted(tensors, key=lambda k: (-_ST_RANK[tensors[k].dtype], k))
+    order = write_order(tensors)
     entries = []
     if metadata is not None:
         entries.append('"__metadata__":' + json.dumps(dict(sorted(metadata.items())),
@@ -91,7 +126,7 @@ def safetensors_chunks(tensors: dict[str, torch.Tensor],
     offset = 0
     for name in order:
         t = tensors[name]
-        size = t.numel() * t.element_size()
+        size = t.numel() * t.dtype.itemsize
         entries.append(f'{json.dumps(name, ensure_ascii=False)}:{{"dtype":"{_ST_DTYPES[t.dtype]}",'
                        f'"shape":[{",".join(str(int(n)) for n in t.shape)}],'
                        f'"data_offsets":[{offset},{offset + size}]}}')
@@ -100,9 +135,9 @@ def safetensors_chunks(tensors: dict[str, torch.Tensor],
     header += b" " * (-len(header) % 8)
     yield len(header).to_bytes(8, "little") + header
     for name in order:
-        t = tensors[name].detach()
-        if not t.numel():
+        if not tensors[name].numel():
             continue
+        t = resolved(tensors[name]).detach()
         t = t.to("cpu").contiguous().reshape(-1).view(torch.uint8)
         data = memoryview(t.numpy())
         for start in range(0, len(data), chunk):
@@ -110,14 +145,14 @@ def safetensors_chunks(tensors: dict[str, torch.Tensor],
         del data, t
 
 
-def write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor],
+def write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor | Deferred],
                       metadata: dict[str, str] | None = None) -> tuple[str, int]:
     """Write ``tensors`` in the safetensors format to the binary file ``f`` in one pass,
     hashing the bytes as they are written; returns ``(hex sha256, bytes written)``."""
     return write_hashed(f, safetensors_chunks(tensors, metadata))
 
 
-def write_shard(tmp_dir: str, tensors: dict[str, torch.Tensor], rank: int,
+def write_shard(tmp_dir: str, tensors: dict[str, torch.Tensor | Deferred], rank: int,
                 world_size: int) -> dict[str, object]:
     """Write this rank's shard into ``tmp_dir`` and fsync it; returns ``{"file", "sha256",
     "bytes"}``, the sha256 of the bytes as they were written (one pass, no re-read; the
@@ -131,11 +166,11 @@ def write_shard(tmp_dir: str, tensors: dict[str, torch.Tensor], rank: int,
     return {"file": name, "sha256": digest, "bytes": size}
 
 
-def shard_bytes(tensors: dict[str, torch.Tensor], rank: int,
+def shard_bytes(tensors: dict[str, torch.Tensor | Deferred], rank: int,
                 world_size: int) -> tuple[bytes, dict[str, object]]:
     """This rank's shard serialised in memory (to send to rank 0) and its record
     ``{"file", "sha256", "bytes"}``, the same bytes `write_shard` would put on disk."""
-    data = save({k: v.contiguous() for k, v in tensors.items()})
+    data = save({k: resolved(v).contiguous() for k, v in tensors.items()})
     return data, {"file": shard_name(rank, world_size),
                   "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
@@ -239,8 +274,8 @@ def set_aside_other_runs(root: str, run_id: str) -> list[str]:
     return moved
 
 
-def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor], manifest: dict,
-                   comm=None, merge: Callable[[list[dict]], dict] | None = None,
+def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor | Deferred],
+                   manifest: dict, comm=None, merge: Callable[[list[dict]], dict] | None = None,
                    tag: str = "0", local_error: str | None = None, gather: bool = False) -> str:
     """Write a snapshot: every rank its shard, rank 0 the manifest, then one rename.
 
@@ -263,7 +298,9 @@ def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor], manif
     Args:
         root: Snapshot root (``<output_dir>/kfac``), the same path on every rank.
         step: Optimizer step; the directory is ``step-<8 digits>``.
-        tensors: This rank's shard contents (see ``layout``); empty: no shard.
+        tensors: This rank's shard contents (see ``layout``); empty: no shard. A `Deferred`
+            entry is computed when the shard's writer reaches it (it may fill in
+            ``manifest``: the part is sent to rank 0 only after the shard is written).
         manifest: This rank's manifest part; ``shards`` is filled in here.
         comm: Collective helper; None for one process.
         merge: Combines the ranks' manifest parts (rank order) into one; default: rank 0's.

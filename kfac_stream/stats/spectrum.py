@@ -123,7 +123,7 @@ def eigh_stored(stored: Iterable[tuple[str, Tensor, float]], out_dtype: torch.dt
                 ) -> Iterator[tuple[str, Tensor, Tensor | None, dict[str, float]]]:
     """Eigendecompose stored (quantised) factors one at a time, with bounded memory.
 
-    What a snapshot runs (`kfac_stream.snapshot.contents.add_eigendecompositions`): each
+    What a snapshot runs (`kfac_stream.snapshot.eigen_stream`): each
     factor is dequantised, decomposed and reduced to its results before the next is touched,
     so at most one factor's working copies are alive at a time (never all factors widened at
     once, nothing held twice); the results are yielded as they come.

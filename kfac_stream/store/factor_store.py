@@ -295,6 +295,14 @@ class FactorStore:
     def _alloc(self, shape: tuple[int, ...]) -> Tensor:
         return torch.zeros(shape, dtype=self.storage_dtype, pin_memory=self._pinned)
 
+    def snapshot_buffers(self) -> dict[str, Tensor]:
+        """``{key: uninitialised tensor}`` shaped as each owned factor's data ``[d, d]`` or
+        ``[d]`` (storage dtype, pinned where the store is): buffers for ``state_dict(into=)``
+        allocated ahead of the first snapshot (pinning gigabytes takes seconds)."""
+        return {key: torch.empty(f.data.shape, dtype=self.storage_dtype,
+                                 pin_memory=self._pinned)
+                for key, f in self._factors.items()}
+
     def add(self, key: str, dim: int, diagonal: bool) -> None:
         """Allocate a zero factor ``[dim, dim]`` (or ``[dim]`` if diagonal)."""
         shape = (dim,) if diagonal else (dim, dim)

@@ -1,0 +1,81 @@
+"""A snapshot from start to finish, in one place (the callback and the benchmarks call it).
+
+1. `capture_snapshot`, on the training thread: the tracker flushes its factors into
+   ``buffers`` reused between snapshots (`kfac_stream.tracker.Tracker.export`; on a GPU the
+   flush streams them there), the shard's tensors and manifest part are made from them
+   (`kfac_stream.snapshot.contents.snapshot_contents`) and the weights' fingerprint is read
+   (`kfac_stream.snapshot.weights`). Nothing else touches a factor entry on this thread.
+2. `finish_snapshot`, anywhere (the callback's background thread): the eigendecompositions
+   stream into the shard as it is written and hashed (`kfac_stream.snapshot.eigen_stream`,
+   `kfac_stream.snapshot.writer.write_snapshot`: atomic, every rank its shard, rank 0 the
+   manifest); returns the directory and the eigenvalues (for the spectra media).
+
+`take_snapshot` runs both in a row.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .contents import merge_manifests, snapshot_contents
+from .eigen_stream import EigenStream
+from .weights import weights_fingerprint
+from .writer import write_snapshot
+
+
+@dataclasses.dataclass
+class CapturedSnapshot:
+    """What the training thread hands to the background: ``tensors`` (the shard's: stored
+    factors ``[d, d]``/``[d]`` and their scales, sketches), ``manifest`` (this rank's part,
+    with ``weights``), ``step``, and ``buffers`` (``{key: factor data}``, to pass to the next
+    `capture_snapshot` once this snapshot is written)."""
+
+    step: int
+    tensors: dict[str, Any]
+    manifest: dict[str, Any]
+    buffers: dict[str, torch.Tensor]
+
+
+def capture_snapshot(tracker, step: int, epoch: float | None = None,
+                     buffers: Mapping[str, torch.Tensor] | None = None) -> CapturedSnapshot:
+    """The training thread's part: flush into ``buffers``, contents, weights fingerprint
+    (collective under ZeRO-3 and FSDP2: every rank calls it for the same step)."""
+    record = tracker.export(into=buffers)
+    tensors, manifest = snapshot_contents(record, step, epoch)
+    manifest["weights"] = weights_fingerprint(tracker.layers)
+    return CapturedSnapshot(int(step), tensors, manifest,
+                            {k: f.data for k, f in record.factors.items()})
+
+
+def finish_snapshot(captured: CapturedSnapshot, root: str, comm=None,
+                    eigh_device: torch.device | str | None = None, threads: int | None = None,
+                    gather: bool = False) -> tuple[str, dict[str, torch.Tensor]]:
+    """Eigendecompose and write ``captured`` under ``root`` (every rank of ``comm`` calls
+    it); returns ``(snapshot directory, {key: eigenvalues [d]} of this rank's factors)``.
+    A failed eigendecomposition or write raises `kfac_stream.exceptions.SnapshotError` on
+    every rank, and nothing is left under the snapshot's name."""
+    stream = EigenStream(captured.tensors, captured.manifest, eigh_device, threads)
+    try:
+        path = write_snapshot(root, captured.step, captured.tensors, captured.manifest, comm,
+                              merge_manifests, gather=gather)
+    finally:
+        stream.close()
+    return path, stream.eigvals
+
+
+def take_snapshot(tracker, root: str, step: int, epoch: float | None = None,
+                  eigh_device: torch.device | str | None = None,
+                  threads: int | None = None) -> str:
+    """`capture_snapshot` then `finish_snapshot` (one process), as the callback's
+    ``save_snapshot(step, wait=True)`` does; returns the snapshot directory.
+    ``eigh_device`` None: the tracker's (``settings.eigh_device``); ``threads`` None: its
+    config's ``eigh_threads``."""
+    if eigh_device is None:
+        eigh_device = tracker.settings.eigh_device
+    return finish_snapshot(capture_snapshot(tracker, step, epoch), root,
+                           eigh_device=eigh_device,
+                           threads=tracker.config.eigh_threads if threads is None else threads)[0]
