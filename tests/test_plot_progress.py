@@ -158,6 +158,33 @@ def test_colour_bar_index_is_the_depth_not_the_alphabet():
                                                                    "b.10.x"]
 
 
+def test_detached_plot_is_the_same_image(tmp_path):
+    """The callback draws the PNG in a child process (the snapshot thread only waits, without
+    the GIL the training thread needs): the same pixels as drawing it here, diagonal factors
+    and a layer without an A spectrum included; nothing left beside it."""
+    from matplotlib.image import imread
+
+    names = CASES[14]
+    snap = synthetic_snapshot(names, diagonal={names[0]})
+    here, child = tmp_path / "here.png", tmp_path / "child.png"
+    media.plot_spectra(snap, str(here))
+    assert media.plot_spectra_detached(snap, str(child)) == str(child)
+    a, b = imread(here), imread(child)
+    assert a.shape == b.shape and (a == b).all()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["child.png", "here.png"]
+
+
+def test_detached_plot_failure_names_the_child_error(tmp_path, monkeypatch):
+    snap = synthetic_snapshot(["fc1", "fc2"])
+    monkeypatch.setattr(media, "DETACHED_PLOT_TIMEOUT", 120)
+    taken = tmp_path / "taken.png"
+    taken.mkdir()  # the child cannot put its image there
+    with pytest.raises(RuntimeError, match="spectra plot's process exited with 1: .*Error"):
+        media.plot_spectra_detached(snap, str(taken))
+    # the eigenvalues' temporary file and the child's partial image are gone
+    assert [p.name for p in tmp_path.iterdir()] == ["taken.png"]
+
+
 def test_layer_types_and_the_one_row_fallback():
     assert media.layer_type("model.layers.3.self_attn.q_proj") == "self_attn.q_proj"
     assert media.layer_type("transformer.h.0.mlp.c_proj") == "mlp.c_proj"

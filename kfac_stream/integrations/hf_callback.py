@@ -379,7 +379,7 @@ class KFACStreamCallback(TrainerCallback):
                     try:
                         # the eigenvalues just written (rank 0's factors; with others'
                         # missing, make_media loads the snapshot instead)
-                        self.media[path] = make_media(path, eigvals=eigvals)
+                        self.media[path] = make_media(path, eigvals=eigvals, detached=True)
                     except Exception as e:  # monitoring extras never fail a run
                         logger.warning("kfac_stream: spectra media of %s failed: %s", path, e)
             self.snapshots.append(path)  # last: the monitor sees the path with its media

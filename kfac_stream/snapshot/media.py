@@ -11,9 +11,12 @@ They need only the eigenvalues: the writer passes those it holds in memory (`mak
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -97,22 +100,85 @@ def spectra_png_path(snapshot_path: str) -> str:
 
 
 def make_media(path: str, bins: int = 32,
-               eigvals: Mapping[str, torch.Tensor] | None = None) -> dict[str, Any]:
+               eigvals: Mapping[str, torch.Tensor] | None = None,
+               detached: bool = False) -> dict[str, Any]:
     """``{"histograms": ..., "png": path or None}`` for the snapshot at ``path``.
 
     ``eigvals``: ``{stored key: eigenvalues}`` of the snapshot's factors held in memory (the
     writer's ``<key>.eigvals`` tensors, keys without the suffix); then only the manifest is
     read. When it lacks a factor of the snapshot, or is None, the snapshot is loaded (and
-    verified) from disk. Either way the same media."""
+    verified) from disk. Either way the same media.
+
+    ``detached``: draw the PNG in a child process (`plot_spectra_detached`), as the callback's
+    snapshot thread does: drawing a 1.1B model's figure is ~4-6 s of Python holding the GIL,
+    which the training thread needs to launch its kernels (it stalled steps by as much on a
+    GPU: docs/performance.md)."""
     snap = Spectra.from_memory(path, eigvals) if eigvals is not None else None
     if snap is None:
         snap = Snapshot.load(path)
     png = None
     try:
-        png = plot_spectra(snap, spectra_png_path(path))
+        png = (plot_spectra_detached if detached else plot_spectra)(
+            snap, spectra_png_path(path))
     except ImportError as e:  # matplotlib is an optional extra
         logger.info("kfac_stream: no spectra PNG (%s)", e)
     return {"histograms": log10_histograms(snap, bins), "png": png}
+
+
+#: The longest a detached plot may take (seconds).
+DETACHED_PLOT_TIMEOUT = 300
+
+
+def plot_spectra_detached(snap: Snapshot | Spectra, path: str) -> str:
+    """`plot_spectra` in a child Python process (``python -m kfac_stream.snapshot.media``):
+    the eigenvalues go to it in a temporary safetensors file beside ``path``; this thread only
+    waits (without the GIL). Raises ImportError where the child lacks matplotlib, RuntimeError
+    if it fails otherwise."""
+    from safetensors.torch import save_file
+
+    tensors, names = {}, depth_order(snap.layer_names)
+    for name in names:
+        for f in FACTOR_KINDS:
+            ev = getattr(snap[name], f"{f}_eigvals")
+            if ev is not None:
+                tensors[f"{name}/{f}"] = ev.detach().to("cpu", torch.float32).contiguous()
+    root, _ = os.path.splitext(path)
+    tmp = f"{root}.eigvals-{os.getpid()}.safetensors"
+    save_file(tensors, tmp, metadata={"step": str(snap.step), "layers": json.dumps(names)})
+    try:
+        proc = subprocess.run([sys.executable, "-m", __name__, tmp, path],
+                              capture_output=True, text=True, timeout=DETACHED_PLOT_TIMEOUT)
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+    if proc.returncode == _NO_MATPLOTLIB:
+        raise ImportError(proc.stderr.strip().splitlines()[-1] if proc.stderr else "matplotlib")
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        raise RuntimeError(f"the spectra plot's process exited with {proc.returncode}: "
+                           + " | ".join(tail))
+    return path
+
+
+_NO_MATPLOTLIB = 3  # the child's exit status without matplotlib
+
+
+def _plot_from_file(eigvals_file: str, png: str) -> int:
+    """The child of `plot_spectra_detached`."""
+    from safetensors import safe_open
+
+    with safe_open(eigvals_file, "pt") as fh:
+        meta = fh.metadata()
+        names = json.loads(meta["layers"])
+        keys = set(fh.keys())
+        layers = {n: LayerSpectra(*(fh.get_tensor(f"{n}/{f}") if f"{n}/{f}" in keys else None
+                                    for f in FACTOR_KINDS)) for n in names}
+    try:
+        plot_spectra(Spectra(eigvals_file, {"step": int(meta["step"])}, layers), png)
+    except ImportError as e:
+        print(e, file=sys.stderr)
+        return _NO_MATPLOTLIB
+    return 0
 
 
 #: Up to this many layers each line gets a legend entry (on every panel); above it the colour
@@ -273,3 +339,7 @@ def plot_spectra(snap: Snapshot | Spectra, path: str) -> str:
     finally:
         plt.close(fig)
     return path
+
+
+if __name__ == "__main__":  # the child of plot_spectra_detached
+    sys.exit(_plot_from_file(sys.argv[1], sys.argv[2]))
