@@ -33,20 +33,18 @@ def add(total: Traffic, part: Traffic, times: int = 1) -> Traffic:
     return total
 
 
-def flush_cost(dims: Mapping[str, tuple[int, bool]], itemsize: int,
-               mirror: bool = False) -> Traffic:
+def flush_cost(dims: Mapping[str, tuple[int, bool]], itemsize: int) -> Traffic:
     """One flush of every factor in ``dims`` (``{key: (d, diagonal)}``, each with pending
     statistics) through the device: chunks, two copies per chunk, the stored bytes each way,
-    one host read, no host arithmetic; ``mirror``: a snapshot's flush into its reused
-    buffers too (a third copy per chunk, the stored bytes twice to the host)."""
+    one host read, no host arithmetic (a snapshot's flush too: it lends the stored tensors
+    instead of copying them, `FactorStore.state_dict`)."""
     out = Traffic()
-    copies = 3 if mirror else 2
     for d, diagonal in dims.values():
         chunks = flush_chunks(d, diagonal)
         out.flush_chunks += chunks
-        out.flush_copies += copies * chunks
+        out.flush_copies += 2 * chunks
         out.bytes_to_device += flush_bytes(d, diagonal, itemsize)
-        out.bytes_to_host += (copies - 1) * flush_bytes(d, diagonal, itemsize)
+        out.bytes_to_host += flush_bytes(d, diagonal, itemsize)
         out.factor_flushes += 1
     if dims:
         out.flushes, out.flush_syncs = 1, 1

@@ -421,33 +421,33 @@ class Tracker:
 
     # -- state -----------------------------------------------------------------------------------
 
-    def export(self, factors: bool = True, into: Mapping[str, Tensor] | None = None
-               ) -> TrackerRecord:
+    def export(self, factors: bool = True, lend: bool = False,
+               release: Mapping[str, Tensor] | None = None) -> TrackerRecord:
         """A frozen `TrackerRecord` of the tracker now.
 
         Args:
             factors: Flush (wait for the worker, fold every pending update) and copy this
                 rank's factors into the record; False: only the cheap parts (counters, live
                 traces as folded so far), for monitoring between snapshots.
-            into: ``{key: tensor}`` buffers the factors are copied into where they fit (a
-                previous record's, no longer read: `FactorStore.state_dict`).
+            lend: The record holds the stored factor tensors themselves instead of copies
+                (a snapshot's: `FactorStore.state_dict`); they stay unchanged until passed
+                back as ``release`` (the store writes elsewhere meanwhile).
+            release: ``{key: tensor}`` a previous lending record held, no longer read (its
+                snapshot is written); released once the worker is idle.
         """
-        if factors:
-            self.flush()
+        if factors or release:
+            self.flush()  # the worker is idle from here: nothing writes the store
+        if release:
+            self.store.release(release)
         counters = self.read_counters()
         return TrackerRecord(
             step=self.step, rank=self.rank, world_size=self.world_size, config=self.config,
             specs=dict(self.specs), plan=self.plan, ownership=self.ownership,
             counters=replace(counters, skipped_steps=list(counters.skipped_steps)),
-            factors=self.store.state_dict(into) if factors else {},
+            factors=self.store.state_dict(lend) if factors else {},
             traces=self.store.traces(),
             capture=self.capture.state_dict(), mc_sampler=self.mc_generator.get_state(),
             run_id=self.run_id)
-
-    def snapshot_buffers(self) -> dict[str, Tensor]:
-        """Buffers for ``export(into=...)``, one per owned factor
-        (`FactorStore.snapshot_buffers`)."""
-        return self.store.snapshot_buffers()
 
     def load_state(self, factors: Mapping[str, FactorState], counters: Mapping[str, Any],
                    capture: CaptureState | None = None, mc_sampler: Tensor | None = None,

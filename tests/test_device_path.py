@@ -241,30 +241,69 @@ def test_fused_16bit_probe_says_no_where_the_kernel_is_missing():
     assert device_fold.is_fused(rows, torch.zeros(4, 4))  # not CUDA: cast and addmm_
 
 
-def test_state_dict_copies_into_reused_buffers():
-    """A snapshot's copy of the factors goes into the previous snapshot's tensors where they
-    fit (memory already mapped), with the same values as a fresh copy: a factor with pending
-    statistics is written there by the flush's own device→host stream (no host copy), the
-    others copied; a buffer of another shape is not used, and the store's own data never is."""
-    store = FactorStore("float16", 0.9, device=CPU, device_budget=1 << 30)
-    store.add("a", 12, False)
-    store.add("b", 30, True)
-    for x, n in _updates(3, 12, seed=11, dtype=torch.float32):
-        store.push_device("a", x, "rows", n, x.shape[0])
-        store.push_device("b", torch.rand(30) * n, "stats", n, x.shape[0])
-    first = store.state_dict()
-    bufs = {"a": first["a"].data, "b": torch.zeros(7, dtype=torch.float16)}
-    for x, n in _updates(2, 12, seed=12, dtype=torch.float32):
-        store.push_device("a", x, "rows", n, x.shape[0])
+def test_a_lent_state_is_the_store_itself_and_stays_unchanged_until_released():
+    """A snapshot's state (``lend``) holds the stored tensors, no copy: the flush writes each
+    entry once (two copies per chunk, the stored bytes once each way). Until released, every
+    write to a lent factor goes elsewhere: a device flush streams from the lent tensor into a
+    new one (no host copy), a host fold copies first; the lent values never change. Released,
+    a factor still stored there is written in place again, and a tensor the store moved off
+    becomes its spare (reused: no new allocation). Values equal a store that never lent."""
+    def fill(store, seed, n_updates=3):
+        for x, n in _updates(n_updates, 12, seed=seed, dtype=torch.float32):
+            store.push_device("a", x, "rows", n, x.shape[0])
+            store.push_device("b", torch.rand(30, generator=torch.Generator().manual_seed(
+                seed)) * n, "stats", n, x.shape[0])
+
+    def make():
+        s = FactorStore("float16", 0.9, device=CPU, device_budget=1 << 30)
+        s.add("a", 12, False)
+        s.add("b", 30, True)
+        s.add("c", 5, False)  # never updated: lent as it is
+        return s
+
+    store, plain = make(), make()  # plain: the same flushes, copies instead of lending
+    fill(store, 11)
+    fill(plain, 11)
+    plain.state_dict()
     copies, to_host = store.traffic.flush_copies, store.traffic.bytes_to_host
-    second = store.state_dict(into=bufs)  # "a" has pending statistics: flushed into its buffer
-    assert store.traffic.flush_copies - copies == 3  # one chunk: H2D, D2H, D2H to the buffer
-    assert store.traffic.bytes_to_host - to_host == 2 * 2 * 12 * 12
-    fresh = store.state_dict()
-    assert second["a"].data.data_ptr() == bufs["a"].data_ptr()
-    assert second["b"].data.data_ptr() != bufs["b"].data_ptr()
-    for k in ("a", "b"):
-        assert torch.equal(second[k].data, fresh[k].data)
-    own = {k: f.data for k, f in store._factors.items()}
-    third = store.state_dict(into=own)
-    assert all(third[k].data.data_ptr() != own[k].data_ptr() for k in own)
+    lent = store.state_dict(lend=True)
+    assert store.traffic.flush_copies - copies == 2 * 2  # a and b: one chunk each, H2D + D2H
+    assert store.traffic.bytes_to_host - to_host == 2 * 12 * 12 + 2 * 30
+    held = {k: st.data for k, st in lent.items()}
+    before = {k: t.clone() for k, t in held.items()}
+    assert all(held[k] is store._factors[k].data for k in held)  # no copy
+    assert all(store._factors[k].lent for k in held)
+
+    fill(store, 12, 2)  # a checkpoint's flush while the snapshot is in flight
+    fill(plain, 12, 2)
+    mid = store.state_dict()
+    assert all(torch.equal(held[k], before[k]) for k in held)  # the snapshot's values
+    assert store._factors["a"].data is not held["a"] and store._factors["b"].data is not held["b"]
+    assert store._factors["c"].data is held["c"] and store._factors["c"].lent  # not written
+    expect = plain.state_dict()
+    for k in held:
+        assert torch.equal(mid[k].data, expect[k].data) and mid[k].scale == expect[k].scale
+
+    store.release(held)
+    assert store._factors["a"].spare is held["a"] and not store._factors["c"].lent
+    second = store.state_dict(lend=True)
+    plain.state_dict()
+    fill(store, 13, 1)
+    fill(plain, 13, 1)
+    store.flush()  # a is lent again: written into its spare, the first snapshot's tensor
+    assert store._factors["a"].data is held["a"]
+    assert all(torch.equal(second[k].data, mid[k].data) for k in held)
+    final, ref = store.state_dict(), plain.state_dict()
+    for k in held:
+        assert torch.equal(final[k].data, ref[k].data)
+
+    # a host fold (in place) of a lent factor copies it first
+    host = FactorStore("float16", 0.9)
+    host.add("h", 6, False)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
+    host.push_rows("h", x, 4)
+    kept = host.state_dict(lend=True)["h"].data
+    snapshot_values = kept.clone()
+    host.push_rows("h", x, 4)
+    host.flush()
+    assert torch.equal(kept, snapshot_values) and host._factors["h"].data is not kept

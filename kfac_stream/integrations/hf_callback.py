@@ -143,7 +143,7 @@ class KFACStreamCallback(TrainerCallback):
         self.train_started: float | None = None  # perf_counter() at on_train_begin
         self.train_seconds: float | None = None
         # the last snapshot's factor copies, reused by the next one (pinned on CUDA)
-        self._snapshot_buffers: dict = {}
+        self._lent: dict = {}  # the stored factors the last snapshot held (released next)
         #: seconds each snapshot held the training thread (flush, copy, contents, weights)
         self.snapshot_hold_seconds: list[float] = []
 
@@ -231,19 +231,7 @@ class KFACStreamCallback(TrainerCallback):
             logger.log(logging.INFO if self.tracker.world_size > 1 else logging.DEBUG,
                        "kfac_stream: factor owners (bytes of the stored factors, eigh cost)"
                        "\n%s", self.tracker.ownership)
-        # the first snapshot's buffers, pinned in the background (seconds for gigabytes),
-        # not on the training thread at the first snapshot (save_snapshot waits for it)
-        self._worker.submit(self._allocate_snapshot_buffers)
         return control
-
-    def _allocate_snapshot_buffers(self) -> None:
-        if self._snapshot_buffers:
-            return
-        try:
-            self._snapshot_buffers = self.tracker.snapshot_buffers()
-        except Exception as e:  # e.g. pinned memory refused: the first snapshot allocates
-            logger.warning("kfac_stream: could not allocate the snapshot buffers ahead (%s); "
-                           "the first snapshot allocates them", e)
 
     def _checkpoint(self, args, step: int) -> str:
         return os.path.join(args.output_dir, f"checkpoint-{step}")
@@ -337,21 +325,24 @@ class KFACStreamCallback(TrainerCallback):
     def save_snapshot(self, step: int, epoch: float | None = None, wait: bool = False) -> str:
         """Snapshot the factors now as ``<output_dir>/step-<step>/`` and return that path.
 
-        The training thread only flushes the factors into buffers reused between snapshots
-        (the device path streams them there) and reads the weights' fingerprint
-        (`snapshot_hold_seconds`); their eigendecomposition and the atomic write run on a
-        background thread (``background_snapshots``) unless ``wait``. A snapshot due while
-        the previous one is still being written waits for it first (one in flight at a time).
+        The training thread only flushes the factors (the device path streams them through
+        the GPU), lends the stored tensors to the snapshot (no copy) and reads the weights'
+        fingerprint (`snapshot_hold_seconds`); their eigendecomposition and the atomic write
+        run on a background thread (``background_snapshots``) unless ``wait``, and the lent
+        tensors are released at the next snapshot (a flush in between writes elsewhere). A
+        snapshot due while the previous one is still being written waits for it first (one in
+        flight at a time).
         With several processes every rank must call it for the same step (the Trainer events
         do): each writes the shard of the factors it owns, rank 0 the manifest.
         """
         if self.tracker is None or self.output_dir is None:
             raise RuntimeError("KFACStreamCallback.save_snapshot: training has not started")
-        # one snapshot in flight at a time: the one before reads the buffers reused here
+        # one snapshot in flight at a time: the one before holds the stored factors it was
+        # lent until it is written, then they are released here
         self._worker.wait()
         held = time.perf_counter()
-        captured = capture_snapshot(self.tracker, step, epoch, self._snapshot_buffers)
-        self._snapshot_buffers = captured.buffers
+        captured = capture_snapshot(self.tracker, step, epoch, release=self._lent)
+        self._lent = captured.lent
         self.snapshot_hold_seconds.append(time.perf_counter() - held)
         root, comm = self.output_dir, self._comm
         eigh_device = self.tracker.settings.eigh_device

@@ -1,8 +1,10 @@
 """A snapshot from start to finish, in one place (the callback and the benchmarks call it).
 
-1. `capture_snapshot`, on the training thread: the tracker flushes its factors into
-   ``buffers`` reused between snapshots (`kfac_stream.tracker.Tracker.export`; on a GPU the
-   flush streams them there), the shard's tensors and manifest part are made from them
+1. `capture_snapshot`, on the training thread: the tracker flushes its factors (on a GPU
+   the flush streams them through the device, each entry written once) and lends the stored
+   tensors themselves (`kfac_stream.tracker.Tracker.export` with ``lend``: no copy; a write
+   before they are released goes into a spare tensor, `kfac_stream.store.factor_store`), the
+   shard's tensors and manifest part are made from them
    (`kfac_stream.snapshot.contents.snapshot_contents`) and the weights' fingerprint is read
    (`kfac_stream.snapshot.weights`). Nothing else touches a factor entry on this thread.
 2. `finish_snapshot`, anywhere (the callback's background thread): the eigendecompositions
@@ -31,20 +33,22 @@ from .writer import write_snapshot
 class CapturedSnapshot:
     """What the training thread hands to the background: ``tensors`` (the shard's: stored
     factors ``[d, d]``/``[d]`` and their scales, sketches), ``manifest`` (this rank's part,
-    with ``weights``), ``step``, and ``buffers`` (``{key: factor data}``, to pass to the next
-    `capture_snapshot` once this snapshot is written)."""
+    with ``weights``), ``step``, and ``lent`` (``{key: stored factor}``: the tracker's own
+    tensors, unchanged until passed back with the next `capture_snapshot`'s ``release``,
+    once this snapshot is written)."""
 
     step: int
     tensors: dict[str, Any]
     manifest: dict[str, Any]
-    buffers: dict[str, torch.Tensor]
+    lent: dict[str, torch.Tensor]
 
 
 def capture_snapshot(tracker, step: int, epoch: float | None = None,
-                     buffers: Mapping[str, torch.Tensor] | None = None) -> CapturedSnapshot:
-    """The training thread's part: flush into ``buffers``, contents, weights fingerprint
-    (collective under ZeRO-3 and FSDP2: every rank calls it for the same step)."""
-    record = tracker.export(into=buffers)
+                     release: Mapping[str, torch.Tensor] | None = None) -> CapturedSnapshot:
+    """The training thread's part: flush, lend the stored factors (no copy), contents,
+    weights fingerprint (collective under ZeRO-3 and FSDP2: every rank calls it for the same
+    step). ``release``: the previous capture's ``lent``, its snapshot written."""
+    record = tracker.export(lend=True, release=release)
     tensors, manifest = snapshot_contents(record, step, epoch)
     manifest["weights"] = weights_fingerprint(tracker.layers)
     return CapturedSnapshot(int(step), tensors, manifest,
@@ -76,6 +80,10 @@ def take_snapshot(tracker, root: str, step: int, epoch: float | None = None,
     config's ``eigh_threads``."""
     if eigh_device is None:
         eigh_device = tracker.settings.eigh_device
-    return finish_snapshot(capture_snapshot(tracker, step, epoch), root,
-                           eigh_device=eigh_device,
-                           threads=tracker.config.eigh_threads if threads is None else threads)[0]
+    captured = capture_snapshot(tracker, step, epoch)
+    try:
+        return finish_snapshot(captured, root, eigh_device=eigh_device,
+                               threads=tracker.config.eigh_threads if threads is None
+                               else threads)[0]
+    finally:
+        tracker.export(factors=False, release=captured.lent)

@@ -192,10 +192,12 @@ class FlushLanes:
             self.loaded, self.consumed, self.computed, self.drained = (
                 [torch.cuda.Event() for _ in range(2)] for _ in range(4))
 
-    def chunk(self, host_rows: Tensor, compute, mirror_rows: Tensor | None = None) -> None:
+    def chunk(self, host_rows: Tensor, compute, out_rows: Tensor | None = None) -> None:
         """Stream ``host_rows`` (a contiguous row block of a pinned stored factor) through
-        ``compute(device_rows) -> new rows`` (in the storage dtype) and back into place, and
-        into ``mirror_rows`` too when given (the same rows of a snapshot's buffer)."""
+        ``compute(device_rows) -> new rows`` (in the storage dtype) and back into place, or
+        into ``out_rows`` instead when given (the same rows of the tensor that replaces a
+        factor a snapshot holds)."""
+        dst = host_rows if out_rows is None else out_rows
         k, n = self.i % 2, host_rows.numel()
         self.i += 1
         into = self.slots_in[k][:n].view(host_rows.shape)
@@ -203,9 +205,7 @@ class FlushLanes:
         if not self.cuda:
             into.copy_(host_rows)
             out.copy_(compute(into))
-            host_rows.copy_(out)
-            if mirror_rows is not None:
-                mirror_rows.copy_(out)
+            dst.copy_(out)
             return
         with torch.cuda.stream(self.h2d):
             self.h2d.wait_event(self.consumed[k])  # chunk i-2 has read this slot
@@ -218,9 +218,7 @@ class FlushLanes:
         self.computed[k].record(self.compute)
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(self.computed[k])
-            host_rows.copy_(out, non_blocking=True)
-            if mirror_rows is not None:
-                mirror_rows.copy_(out, non_blocking=True)
+            dst.copy_(out, non_blocking=True)
             self.drained[k].record(self.d2h)
 
     def finish(self) -> None:
@@ -248,7 +246,7 @@ class FoldResult:
 
 
 def stream_fold(data: Tensor, scale: float, amax: float, p: DevicePending, diagonal: bool,
-                lanes: FlushLanes, traffic: Traffic, mirror: Tensor | None = None
+                lanes: FlushLanes, traffic: Traffic, out: Tensor | None = None
                 ) -> FoldResult:
     """Queue ``F ← α·F + s·sym(P')`` of one stored factor through the device.
 
@@ -260,9 +258,8 @@ def stream_fold(data: Tensor, scale: float, amax: float, p: DevicePending, diago
         diagonal: Only the diagonal is kept.
         lanes: The flush's streams and buffers.
         traffic: Counts chunks, copies and bytes.
-        mirror: A tensor like ``data`` (pinned on CUDA) that receives the new stored values
-            too (a snapshot's copy of the factor, written by the same device→host stream:
-            no host copy of the factor afterwards).
+        out: A tensor like ``data`` (pinned on CUDA) that receives the new stored values
+            instead of ``data``, which is only read (a snapshot in flight holds it).
 
     Returns:
         The new scale's exponent, the stored diagonal's maximum and sum and the sum of squares
@@ -302,13 +299,12 @@ def stream_fold(data: Tensor, scale: float, amax: float, p: DevicePending, diago
             frob = frob + out.to(cd).square().sum(dtype=torch.float64)  # full rows: all of F
             return out
 
-        lanes.chunk(data[r0:r1], compute, None if mirror is None else mirror[r0:r1])
-    copies = 2 if mirror is None else 3
+        lanes.chunk(data[r0:r1], compute, None if out is None else out[r0:r1])
     traffic.flush_chunks += flush_chunks(d, diagonal)
-    traffic.flush_copies += copies * flush_chunks(d, diagonal)
+    traffic.flush_copies += 2 * flush_chunks(d, diagonal)
     moved = flush_bytes(d, diagonal, data.element_size())
     traffic.bytes_to_device += moved
-    traffic.bytes_to_host += moved * (copies - 1)
+    traffic.bytes_to_host += moved
     return FoldResult(e, diag_max, trace, frob)
 
 

@@ -189,6 +189,11 @@ class StoredFactor:
             the values it wrote; NaN until then).
         fz: ``F Z`` of the EMA (``[d, p]`` float64, on the device of the updates), see
             `FactorState.sketch`; None for a diagonal factor or before the first update.
+        lent: ``data`` is held by a snapshot still being written (`FactorStore.state_dict`
+            with ``lend``): the next write goes into another tensor (``spare``, or a new one)
+            and ``data`` is left to the snapshot until `FactorStore.release`.
+        spare: A tensor like ``data`` that no one holds (a released snapshot's), for the next
+            write while ``data`` is lent; None: allocated when needed.
     """
 
     data: Tensor
@@ -207,6 +212,8 @@ class StoredFactor:
     live_trace: float | None = None
     sq_frob: float = math.nan
     fz: Tensor | None = None
+    lent: bool = False
+    spare: Tensor | None = None
 
     @property
     def pending_rows(self) -> int:
@@ -295,13 +302,37 @@ class FactorStore:
     def _alloc(self, shape: tuple[int, ...]) -> Tensor:
         return torch.zeros(shape, dtype=self.storage_dtype, pin_memory=self._pinned)
 
-    def snapshot_buffers(self) -> dict[str, Tensor]:
-        """``{key: uninitialised tensor}`` shaped as each owned factor's data ``[d, d]`` or
-        ``[d]`` (storage dtype, pinned where the store is): buffers for ``state_dict(into=)``
-        allocated ahead of the first snapshot (pinning gigabytes takes seconds)."""
-        return {key: torch.empty(f.data.shape, dtype=self.storage_dtype,
-                                 pin_memory=self._pinned)
-                for key, f in self._factors.items()}
+    def _own(self, f: StoredFactor, keep: bool = True) -> Tensor:
+        """``f.data``, made writable: a lent ``data`` (a snapshot in flight reads it) is left
+        to the snapshot and replaced by ``f.spare`` (or a new tensor), into which its values
+        are copied when ``keep`` (an in-place update follows; a device flush that writes every
+        entry from the old ones passes False)."""
+        if f.lent:
+            fresh = f.spare if f.spare is not None else torch.empty(
+                f.data.shape, dtype=self.storage_dtype, pin_memory=self._pinned)
+            if keep:
+                fresh.copy_(f.data)
+            f.data, f.spare, f.lent = fresh, None, False
+        return f.data
+
+    def spare_bytes(self) -> int:
+        """Bytes of the spares held (memory beyond the stored factors, kept for the writes
+        that come while a snapshot holds the stored tensors)."""
+        return sum(f.spare.numel() * f.spare.element_size()
+                   for f in self._factors.values() if f.spare is not None)
+
+    def release(self, lent: Mapping[str, Tensor]) -> None:
+        """The snapshot that held ``lent`` (``{key: data}`` of `state_dict` with ``lend``) is
+        written: a factor still stored there is writable again, another's tensor becomes its
+        spare. Call it where no flush runs (the tracker: after waiting for its worker)."""
+        for key, t in lent.items():
+            f = self._factors.get(key)
+            if f is None:
+                continue
+            if f.data is t:
+                f.lent = False
+            elif f.spare is None and t.shape == f.data.shape:
+                f.spare = t
 
     def add(self, key: str, dim: int, diagonal: bool) -> None:
         """Allocate a zero factor ``[dim, dim]`` (or ``[dim]`` if diagonal)."""
@@ -321,7 +352,7 @@ class FactorStore:
         data = self._alloc(tuple(f.data.shape))
         data.copy_(f.data)
         self._factors[key] = dataclasses.replace(
-            f, data=data, pending=list(f.pending),
+            f, data=data, pending=list(f.pending), lent=False, spare=None,
             device=None if f.device is None else f.device.clone(),
             fz=None if f.fz is None else f.fz.clone())
         self._planned = False
@@ -343,26 +374,20 @@ class FactorStore:
 
     # -- state -----------------------------------------------------------------------------------
 
-    def state_dict(self, into: Mapping[str, Tensor] | None = None
-                   ) -> dict[str, FactorState]:
-        """Every owned factor, flushed, as a `FactorState` holding a copy of its data.
+    def state_dict(self, lend: bool = False) -> dict[str, FactorState]:
+        """Every owned factor, flushed, as a `FactorState`.
 
         Args:
-            into: ``{key: tensor}`` buffers to copy the data into where their shape and dtype
-                match (a previous state's data, no longer read by anyone: snapshots reuse
-                theirs, so a copy writes into memory already mapped); new tensors elsewhere.
+            lend: The states hold the stored tensors themselves, no copy (a snapshot's, on the
+                training thread: nothing is copied on the host, and the flush writes each
+                factor once); each stays with its holder, unchanged, until `release`: a write
+                before that goes into another tensor (`StoredFactor.lent`). False: copies.
         """
-        into = {k: b for k, b in (into or {}).items() if k in self._factors and
-                b.shape == self._factors[k].data.shape and
-                b.dtype == self.storage_dtype and
-                b.data_ptr() != self._factors[k].data.data_ptr()}
-        mirrored = self._flush_into(into)
+        self.flush()
         out = {}
         for key, f in self._factors.items():
-            if key in mirrored:  # written by the flush's device→host stream
-                data = into[key]
-            elif key in into:
-                data = into[key].copy_(f.data)
+            if lend:
+                data, f.lent = f.data, True
             else:
                 data = self._alloc(tuple(f.data.shape))
                 data.copy_(f.data)
@@ -411,7 +436,7 @@ class FactorStore:
         self._settle()
         for key, f in self._factors.items():
             st = states[key]
-            f.data.copy_(st.data)
+            self._own(f, keep=False).copy_(st.data)
             f.scale, f.amax, f.weight = float(st.scale), float(st.amax), float(st.weight)
             f.updates, f.positions = int(st.updates), int(st.positions)
             f.sq_norm_sum, f.weight_sq = float(st.sq_norm_sum), float(st.weight_sq)
@@ -618,9 +643,9 @@ class FactorStore:
                        "budget halved (%d -> %d bytes); set KFACConfig.device_memory_budget "
                        "to fix it", key, old, self.device_budget)
 
-    def _queue_fold(self, f: StoredFactor, mirror: Tensor | None = None) -> None:
-        """Issue ``f``'s device flush (copies and kernels; read at `_settle`), into
-        ``mirror`` too when given."""
+    def _queue_fold(self, f: StoredFactor) -> None:
+        """Issue ``f``'s device flush (copies and kernels; read at `_settle`): into place, or
+        from a lent ``data`` into the tensor that replaces it (`_own`)."""
         p = f.device
         if p is None or p.empty:
             return
@@ -628,8 +653,10 @@ class FactorStore:
             self._lanes = make_lanes(p.data.device, self.storage_dtype,
                                      [(g.data.shape[0], g.diagonal)
                                       for g in self._factors.values()])
-        result = stream_fold(f.data, f.scale, f.amax, p, f.diagonal, self._lanes, self.traffic,
-                             mirror)
+        src = f.data
+        dst = self._own(f, keep=False)  # src itself unless a snapshot holds it
+        result = stream_fold(src, f.scale, f.amax, p, f.diagonal, self._lanes, self.traffic,
+                             out=None if dst is src else dst)
         self._queued.append((f, result))
         p.empty, p.updates, p.s, p.alpha = True, 0, 1.0, 1.0
         self.traffic.factor_flushes += 1
@@ -683,19 +710,10 @@ class FactorStore:
     def flush(self) -> None:
         """Fold every pending update into the stored factors (device path: one flush, one
         host read, for all of them)."""
-        self._flush_into({})
-
-    def _flush_into(self, into: Mapping[str, Tensor]) -> set[str]:
-        """`flush`, streaming each device-path factor with pending statistics into
-        ``into[key]`` as well (a snapshot's buffer); returns those keys."""
-        mirrored = set()
-        for key, f in self._factors.items():
+        for f in self._factors.values():
             self._flush(f)
-            if f.device is not None and not f.device.empty and key in into:
-                mirrored.add(key)
-            self._queue_fold(f, into.get(key) if key in mirrored else None)
+            self._queue_fold(f)
         self._settle()
-        return mirrored
 
     def _flush(self, f: StoredFactor) -> None:
         """Fold ``f``'s pending host rows (host path)."""
@@ -723,6 +741,7 @@ class FactorStore:
         that is exactly symmetric.
         """
         cd = self.compute_dtype
+        self._own(f)  # in place from here: a lent data is copied first
         term_diag = y.square().sum(0) if y is not None else (
             stat if f.diagonal else stat.diagonal())  # [d]
         bound = alpha * f.amax + float(term_diag.abs().max())
