@@ -149,9 +149,12 @@ SYNC_COUNT_STEPS = 2
 
 # targets (issue 35)
 RATIO_DEFAULTS, RATIO_EVERY_STEP, TOTAL_S = 1.02, 1.10, 360
-# fp32 accumulation of ≤ 6560 bf16 products per entry (each exact in fp32): relative error
-# ~2^-24·sqrt(m) ≈ 5e-6 against the Gram of the rounded rows
-FOLD_TOL = 1e-5
+# ≤ 6560 bf16 products per entry (each exact in fp32), accumulated by the tensor cores: a
+# sequential IEEE fp32 sum would give ~2^-24·sqrt(m) ≈ 5e-6 against the Gram of the rounded
+# rows, but the tensor cores' accumulation is not that sum: 1.8e-5 measured on an H200 (both
+# runs, 2026-11-26). Loose on purpose: what matters is that the fold's error stays well under
+# the fp16 storage rounding every stored entry gets (2^-11 = 4.9e-4), 5x here.
+FOLD_TOL = 1e-4
 # the store's flushed factor against the float64 EMA of the *unrounded* rows: one fp16
 # rounding of every stored entry at the flush (unit roundoff 2^-11 = 4.9e-4) plus the rows'
 # bf16 rounding (2^-9 per entry; ≤ 1.5e-3 relative Frobenius on the Gram of one update of

@@ -203,3 +203,30 @@ def test_callback_makes_media_without_loading_the_snapshot(tmp_path, monkeypatch
     assert not any(p in loads for p in cb.snapshots)
     for p in cb.snapshots:
         assert cb.media[p]["histograms"] == log10_histograms(real_load(p))
+
+
+def test_writer_checks_its_manifest_against_the_readers_schema(written, tmp_path):
+    """Writer and reader share one definition of a manifest: a snapshot the reader would
+    refuse is never written (here a real snapshot's manifest with one field out of range and
+    one agreement broken), and one it accepts is written as is."""
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from kfac_stream.exceptions import SnapshotError
+
+    path = written.snapshots[-1]
+    meta = json.loads((Path(path) / "manifest.json").read_text())
+    meta.pop("shards")
+    tensors = {}
+    for shard in sorted(Path(path).glob("*.safetensors")):
+        tensors.update(load_file(str(shard)))
+    root = tmp_path / "kfac"
+    ok = writer.write_snapshot(str(root), 7, tensors, dict(meta, step=7))
+    assert Snapshot.load(ok).step == 7
+    for bad, what in ((dict(meta, step=-1), "step"),
+                      (dict(meta, world_size=3), "owner")):
+        with pytest.raises(SnapshotError, match=f"would not load.*{what}"):
+            writer.write_snapshot(str(root), 8, tensors, bad)
+        assert not (root / "step-00000008").exists()
+        assert [p.name for p in root.iterdir()] == ["step-00000007"]

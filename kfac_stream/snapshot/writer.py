@@ -34,6 +34,7 @@ from ..exceptions import SnapshotError
 from ..files import fsync_path, sha256_of, write_hashed
 from .layout import (
     EARLIER_RUNS_DIR,
+    FORMAT_NAME,
     MANIFEST,
     STEP_DIR_RE,
     TMP_DIR_RE,
@@ -41,6 +42,7 @@ from .layout import (
     step_dir_name,
     tmp_dir_name,
 )
+from .manifest import parse_json, validate_manifest
 from .snapshot import Snapshot, read_manifest
 
 #: safetensors' dtype names in the order of its ``Dtype`` enum (safetensors 0.4-0.8): the file
@@ -400,9 +402,16 @@ def _finish(root: str, tmp: str, final: str, reports: list[dict],
                                 "rank": r["rank"]}
     parts = [r["manifest"] for r in reports]
     manifest = dict(merge(parts) if merge else parts[0], shards=shards)
+    text = json.dumps(manifest, indent=1, sort_keys=True)
+    if manifest.get("format") == FORMAT_NAME:  # the reader's schema, checked before writing:
+        try:  # writer and reader share one definition of a manifest (snapshot/manifest.py)
+            validate_manifest(parse_json(text.encode(), MANIFEST), MANIFEST)
+        except SnapshotError as e:
+            raise SnapshotError(f"the manifest this writer made would not load (a kfac_stream "
+                                f"bug; nothing written): {e}") from e
     mpath = os.path.join(tmp, MANIFEST)
     with open(mpath, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     stale = None
