@@ -5,6 +5,8 @@ script). Contents, by the scripts that use them:
 
 * results: `write_section` (one script's section of ``benchmarks/RESULTS.md``), `machine`
   (CPU, cores, threads, versions), `dist_version`, `log`, `free_port`;
+* a snapshot's unavoidable work, eigh + one write (snapshot_scale, snapshot_gpu):
+  `snapshot_reference`;
 * the GPT-2 of the cost benchmarks (overhead, snapshot_query, distributed, peers): `MODEL`,
   `BATCH`, `SEQ`, `make_data`;
 * plain and tracked blocks interleaved in one training run (overhead, distributed):
@@ -119,6 +121,47 @@ def machine(versions: dict[str, str] | None = None) -> dict:
             "torch": torch.__version__, "transformers": transformers.__version__,
             **{key: dist_version(dist) for key, dist in (versions or {}).items()},
             "python": platform.python_version()}
+
+
+def snapshot_reference(path: str, device: str | torch.device, tmp: str) -> dict:
+    """The unavoidable work of the snapshot at ``path`` (snapshot_scale, snapshot_gpu): an eigh
+    of each dense stored factor (float32 on a GPU, as snapshots decompose there; float64 on
+    the CPU) plus one safetensors write and fsync of the same bytes (factors, scales,
+    eigenvalues, eigenvectors). Returns ``{"eigh_s", "write_s", "unavoidable_s", "factors",
+    "dense_factors", "entries"}``."""
+    from safetensors.torch import load_file, save_file
+
+    stored = {}
+    for shard in sorted(Path(path).glob("*.safetensors")):
+        stored.update({k: v for k, v in load_file(str(shard)).items()
+                       if not k.endswith((".eigvals", ".eigvecs"))})
+    keys = [k for k in stored if f"{k}.scale" in stored]  # the stored factors
+    cuda = torch.device(device).type == "cuda"
+    out = dict(stored)
+    t0 = time.perf_counter()
+    for k in keys:
+        f = stored[k].to(device, torch.float32 if cuda else torch.float64)
+        f = f * float(stored[f"{k}.scale"])
+        if f.dim() == 2:
+            w, q = torch.linalg.eigh(f)
+            out[f"{k}.eigvals"] = w.float().cpu()
+            out[f"{k}.eigvecs"] = q.float().contiguous().cpu()
+        else:
+            out[f"{k}.eigvals"] = f.float().cpu()
+        del f
+    t1 = time.perf_counter()
+    target = os.path.join(tmp, "reference.safetensors")
+    save_file(out, target)
+    fd = os.open(target, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    t2 = time.perf_counter()
+    os.remove(target)
+    return {"eigh_s": t1 - t0, "write_s": t2 - t1, "unavoidable_s": t2 - t0,
+            "factors": len(keys), "dense_factors": sum(stored[k].dim() == 2 for k in keys),
+            "entries": sum(stored[k].numel() for k in keys)}
 
 
 def log(msg: str) -> None:

@@ -64,6 +64,8 @@ import kfac_stream.integrations.hf_callback as hf_callback  # noqa: E402
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot  # noqa: E402
 from kfac_stream.snapshot.eigen_stream import EigenStream  # noqa: E402
 
+from _common import snapshot_reference  # noqa: E402
+
 HERE = Path(__file__).resolve().parent
 RESULT = HERE / "results" / "snapshot_gpu.json"
 
@@ -223,42 +225,6 @@ def _write(path: Path | None, payload: dict) -> None:
         path.write_text(json.dumps(payload, indent=1, default=str))
 
 
-def reference(path: str, device: torch.device, tmp: str) -> dict:
-    """The unavoidable work of the snapshot at ``path``: eigh of each dense factor (float32
-    on a GPU, float64 on the CPU) plus one safetensors write and fsync of the same bytes."""
-    from safetensors.torch import load_file, save_file
-
-    stored = {}
-    for p in sorted(Path(path).glob("*.safetensors")):
-        stored.update({k: v for k, v in load_file(str(p)).items()
-                       if not k.endswith((".eigvals", ".eigvecs"))})
-    keys = [k for k in stored if k.endswith(".data") or (not k.endswith(".scale")
-                                                         and f"{k}.scale" in stored)]
-    cuda = device.type == "cuda"
-    out = dict(stored)
-    t0 = time.perf_counter()
-    for k in keys:
-        scale = stored.get(f"{k}.scale", torch.ones(()))
-        f = stored[k].to(device, torch.float32 if cuda else torch.float64) * float(scale)
-        if f.dim() == 2:
-            w, q = torch.linalg.eigh(f)
-            out[f"{k}.eigvals"] = w.float().cpu()
-            out[f"{k}.eigvecs"] = q.float().contiguous().cpu()
-        del f
-    t1 = time.perf_counter()
-    target = os.path.join(tmp, "reference.safetensors")
-    save_file(out, target)
-    fd = os.open(target, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    t2 = time.perf_counter()
-    os.remove(target)
-    return {"eigh_s": t1 - t0, "write_s": t2 - t1, "unavoidable_s": t2 - t0,
-            "factors": len(keys)}
-
-
 def plain_run(model, data, sizes: dict, cuda: bool, tmp: str, name: str) -> float:
     """Mean seconds per step of ``sizes["plain"]`` steps without the callback (after
     ``sizes["warmup"]``)."""
@@ -406,7 +372,7 @@ def run(a, sizes: dict, device: torch.device, out: Path | None) -> dict:
         # 4. the unavoidable work
         left = a.deadline - (time.perf_counter() - _STARTED)
         if a.reference and left > a.reference_s:
-            report["reference"] = reference(final_path, device, tmp)
+            report["reference"] = snapshot_reference(final_path, device, tmp)
             r = report["reference"]
             r["final_vs_unavoidable"] = f["seconds"] / r["unavoidable_s"]
             print(f"unavoidable: eigh {r['eigh_s']:.1f} s + write {r['write_s']:.1f} s = "

@@ -42,14 +42,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 from torch.utils.data import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback
 from kfac_stream.snapshot.background import SnapshotWorker
 
-from _common import MID_LLAMA, QUICK_LLAMA
+from _common import MID_LLAMA, QUICK_LLAMA, snapshot_reference
 
 HERE = Path(__file__).resolve().parent
 MID = dict(MID_LLAMA, vocab_size=4096)
@@ -119,9 +118,9 @@ def run_once(a, model_cfg: dict, tmp: str, seed: int) -> dict:
     snapshot_s = t_end - clock.t_last
     waited = sum(e - max(s, clock.t_last) for s, e in waits if e > clock.t_last)
     path = kfac.snapshots[-1]
-    shards = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(path, "*")))
-    ref = in_thread(lambda: reference(shards, tmp, a.ref_device), torch.get_num_threads())
+    ref = in_thread(lambda: snapshot_reference(path, a.ref_device, tmp),
+                    torch.get_num_threads())
     return {"train_s": clock.t_last - t_train, "snapshot_s": snapshot_s,
             "training_thread_s": snapshot_s - waited, "waited_s": waited,
             "snapshot_bytes": size, **ref, "ratio": snapshot_s / ref["unavoidable_s"]}
@@ -147,44 +146,6 @@ def in_thread(fn, threads: int):
     if "error" in box:
         raise box["error"]
     return box["out"]
-
-
-def reference(shards: list[str], tmp: str, device: str) -> dict:
-    """(c): float64 eigh of the snapshot's dense factors (float32 on a GPU with
-    ``--ref-device cuda``) plus one safetensors write (and fsync) of factors and results."""
-    stored = {}
-    for p in shards:
-        stored.update({k: v for k, v in load_file(p).items()
-                       if not k.endswith((".eigvals", ".eigvecs"))})
-    keys = [k for k in stored if not k.endswith(".scale")]
-    entries = sum(stored[k].numel() for k in keys)
-    t0 = time.perf_counter()
-    out = dict(stored)
-    for k in keys:
-        if device.startswith("cuda"):
-            f = stored[k].to(device).float() * float(stored[f"{k}.scale"])
-        else:
-            f = stored[k].double() * float(stored[f"{k}.scale"])
-        if f.dim() == 2:
-            w, q = torch.linalg.eigh(f)
-            out[f"{k}.eigvals"] = w.float().cpu()
-            out[f"{k}.eigvecs"] = q.float().contiguous().cpu()
-        else:
-            out[f"{k}.eigvals"] = f.float().cpu()
-        del f
-    t1 = time.perf_counter()
-    target = os.path.join(tmp, "reference.safetensors")
-    save_file(out, target)
-    fd = os.open(target, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    t2 = time.perf_counter()
-    os.remove(target)
-    return {"eigh_s": t1 - t0, "write_s": t2 - t1, "unavoidable_s": t2 - t0,
-            "factors": len(keys), "dense_factors": sum(stored[k].dim() == 2 for k in keys),
-            "entries": entries}
 
 
 def table(rows: list[dict], med: dict) -> str:

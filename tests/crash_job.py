@@ -150,7 +150,7 @@ class Killer:
 
         killer = self
 
-        class HalfJson:  # writer.json: only ``dump`` (of the manifest) is used there
+        class HalfJson:  # writer.json: ``dump`` writes the manifest (``dumps`` only checks it)
             def __getattr__(self, name):
                 return getattr(json, name)
 

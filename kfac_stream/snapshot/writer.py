@@ -402,16 +402,15 @@ def _finish(root: str, tmp: str, final: str, reports: list[dict],
                                 "rank": r["rank"]}
     parts = [r["manifest"] for r in reports]
     manifest = dict(merge(parts) if merge else parts[0], shards=shards)
-    text = json.dumps(manifest, indent=1, sort_keys=True)
     if manifest.get("format") == FORMAT_NAME:  # the reader's schema, checked before writing:
         try:  # writer and reader share one definition of a manifest (snapshot/manifest.py)
-            validate_manifest(parse_json(text.encode(), MANIFEST), MANIFEST)
+            validate_manifest(parse_json(json.dumps(manifest).encode(), MANIFEST), MANIFEST)
         except SnapshotError as e:
             raise SnapshotError(f"the manifest this writer made would not load (a kfac_stream "
                                 f"bug; nothing written): {e}") from e
     mpath = os.path.join(tmp, MANIFEST)
     with open(mpath, "w") as f:
-        f.write(text)
+        json.dump(manifest, f, indent=1, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())
     stale = None
