@@ -8,10 +8,11 @@ snapshot_every=--every)`` (every step updates the factors: steps differ only by 
 16 tracked layers, 32 factors (sides 256..1025), FP16 store. Interleaved jobs run in a fresh
 seeded random order each repetition (`interleave`); medians are reported.
 
-1. Snapshot vs eigh, on the final factors: ``snapshot_contents(tracker.export())`` (copies of
-   the stored factors, on the training thread) + ``add_eigendecompositions`` (float64
-   ``safe_psd_eigh`` of every factor, spectrum stats; a background thread in training) +
-   ``write_snapshot`` (safetensors, fsync, sha256), all timed here in one thread, vs plain
+1. Snapshot vs eigh, on the final factors: ``capture_snapshot`` (the flush and the manifest's
+   figures, on the training thread: "contents") + ``finish_snapshot`` (float64
+   ``safe_psd_eigh`` of every factor with its spectrum stats, streamed into the safetensors
+   write with fsync and sha256: "write"; a background thread in training), both timed here
+   in one thread, vs plain
    ``torch.linalg.eigh`` of the same dequantised matrices summed over the 32 factors, in
    float64, float32, and float64 on one thread. Ratio = snapshot / eigh.
 2. Step spike: step time = ``on_step_begin`` -> ``on_step_end`` of a callback placed after the
@@ -67,12 +68,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
 from kfac_stream.capture.selection import layer_spec
-from kfac_stream.snapshot.contents import (
-    add_eigendecompositions,
-    merge_manifests,
-    snapshot_contents,
-)
-from kfac_stream.snapshot.writer import write_snapshot
+from kfac_stream.snapshot.sequence import capture_snapshot, finish_snapshot
 
 from _common import (
     BATCH,
@@ -153,16 +149,16 @@ def interleave(jobs: dict, reps: int, seed: int = 0) -> dict[str, list[float]]:
 
 
 def bench_snapshot(kfac, reps: int, tmp: str) -> dict:
-    """Part 1: snapshot_contents + write_snapshot vs plain eigh of the same matrices."""
+    """Part 1: capture_snapshot + finish_snapshot vs plain eigh of the same matrices."""
     tracker, root, split = kfac.tracker, os.path.join(tmp, "bench"), {"contents": [], "write": []}
     mats = [f.value() for f in tracker.export().factors.values()]  # dequantised, float32
 
-    def snapshot():
+    def snapshot():  # as save_snapshot does, both parts on this thread
         t0 = time.perf_counter()
-        tensors, manifest = snapshot_contents(tracker.export(), 10**6)  # as save_snapshot does
-        add_eigendecompositions(tensors, manifest)
+        captured = capture_snapshot(tracker, 10**6)
         split["contents"].append(1e3 * (time.perf_counter() - t0))
-        write_snapshot(root, 10**6, tensors, manifest, merge=merge_manifests)
+        finish_snapshot(captured, root, eigh_device="cpu")
+        tracker.export(factors=False, release=captured.lent)
         split["write"].append(1e3 * (time.perf_counter() - t0) - split["contents"][-1])
         shutil.rmtree(root)  # timed (small next to the write); every snapshot starts fresh
 
@@ -318,9 +314,10 @@ def table(r) -> str:
         rows.append(f"| snapshot: contents + write ({s['factors']} factors) | {s['snapshot']:.0f} "
                     f"| eigh {ref}, same matrices | {s[key]:.0f} | "
                     f"{s['snapshot'] / s[key]:.2f} | – |")
-    rows += [f"| · of which contents + eigendecompositions | {s['contents']:.0f} | eigh float64 | "
-             f"{s['eigh64']:.0f} | {s['contents'] / s['eigh64']:.2f} | – |",
-             f"| · of which write_snapshot ({st['snapshot_bytes'] / 2**20:.0f} MiB) | "
+    rows += [f"| · of which capture (flush, manifest figures) | {s['contents']:.0f} | eigh "
+             f"float64 | {s['eigh64']:.0f} | {s['contents'] / s['eigh64']:.2f} | – |",
+             f"| · of which eigh streamed into the write ({st['snapshot_bytes'] / 2**20:.0f} "
+             "MiB) | "
              f"{s['write']:.0f} | | | | – |",
              f"| training step writing a snapshot (every {every}; mean) | "
              f"{st['snapshot_step_ms']:.0f} | other steps (mean) | {st['other_step_ms']:.0f} | "

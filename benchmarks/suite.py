@@ -31,10 +31,11 @@ Per task and seed:
    run's (one MAP model) and prints how far its factors and its NLL are from the rebuilt
    default rule's (``--check-rule``; on license-fit: factors within 2.2e-3, NLL 1.4503 vs
    1.4498). The acceptance figures are the rebuilt default rule's, every seed.
-3. Every candidate rule (`RULES`) → a snapshot (the library's own `snapshot_contents`,
-   eigendecomposition and writer) → `LaplacePosterior`: tau by marginal likelihood, and by the
-   lowest validation NLL over a grid; the predictive covariance on ``val`` / ``test`` for every
-   tau from one Jacobian pass; probabilities by the probit, the mean-field and the MC link.
+3. Every candidate rule (`RULES`) → a snapshot (the library's own sequence,
+   `kfac_stream.snapshot.sequence.write_record`) → `LaplacePosterior`: tau by marginal
+   likelihood, and by the lowest validation NLL over a grid; the predictive covariance on
+   ``val`` / ``test`` for every tau from one Jacobian pass; probabilities by the probit, the
+   mean-field and the MC link.
 4. laplace-torch ``KronLaplace`` (default backend: the exact GGN; same layers; tau by its
    marginal likelihood), its default predictive (GLM, probit) and its covariance under the
    other links.
@@ -71,8 +72,7 @@ from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapsh
 from kfac_stream.app.data import ExampleDataset
 from kfac_stream.config import sequences_per_update, window_mc_share
 from kfac_stream.query.laplace import probs_from_gaussian
-from kfac_stream.snapshot.contents import add_eigendecompositions, snapshot_contents
-from kfac_stream.snapshot.writer import write_snapshot
+from kfac_stream.snapshot.sequence import write_record
 from kfac_stream.store.factor_store import FactorState, FactorStore
 
 from _common import machine, train_and_collect, write_json, write_section
@@ -170,9 +170,7 @@ def rule_snapshot(rec: Recorder, factors: dict[str, FactorState], root: str, ste
     epochs, as in the default run's), written by the library's own snapshot code."""
     config = dataclasses.replace(rec.record.config, storage_dtype="float16")
     record = dataclasses.replace(rec.record, factors=factors, config=config)
-    tensors, manifest = snapshot_contents(record, step, rec.epoch)
-    add_eigendecompositions(tensors, manifest)
-    return Snapshot.load(write_snapshot(root, step, tensors, manifest))
+    return Snapshot.load(write_record(record, root, step, rec.epoch))
 
 
 # -- one task and seed ----------------------------------------------------------------------------

@@ -12,7 +12,8 @@
    `kfac_stream.snapshot.writer.write_snapshot`: atomic, every rank its shard, rank 0 the
    manifest); returns the directory and the eigenvalues (for the spectra media).
 
-`take_snapshot` runs both in a row.
+`take_snapshot` runs both in a row; `write_record` writes a `TrackerRecord` made elsewhere
+(the default-selection suite's rebuilt factors).
 """
 
 from __future__ import annotations
@@ -87,3 +88,14 @@ def take_snapshot(tracker, root: str, step: int, epoch: float | None = None,
                                else threads)[0]
     finally:
         tracker.export(factors=False, release=captured.lent)
+
+
+def write_record(record, root: str, step: int, epoch: float | None = None,
+                 eigh_device: torch.device | str | None = None,
+                 threads: int | None = None) -> str:
+    """A snapshot of ``record`` (a `kfac_stream.tracker.TrackerRecord` with factors; no
+    weights fingerprint: no model here), eigendecomposed and written in one process;
+    returns the snapshot directory."""
+    tensors, manifest = snapshot_contents(record, step, epoch)
+    return finish_snapshot(CapturedSnapshot(int(step), tensors, manifest, {}), root,
+                           eigh_device=eigh_device, threads=threads)[0]
