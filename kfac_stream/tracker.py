@@ -435,10 +435,11 @@ class Tracker:
             release: ``{key: tensor}`` a previous lending record held, no longer read (its
                 snapshot is written); released once the worker is idle.
         """
-        if factors or release:
-            self.flush()  # the worker is idle from here: nothing writes the store
-        if release:
+        if release:  # before the flush, so that it writes in place, not into spares
+            self.updater.wait()  # the worker is idle from here: nothing writes the store
             self.store.release(release)
+        if factors:
+            self.flush()
         counters = self.read_counters()
         return TrackerRecord(
             step=self.step, rank=self.rank, world_size=self.world_size, config=self.config,

@@ -45,3 +45,17 @@ def test_callback_take_snapshot_and_write_record_agree(tmp_path):
     assert captured.lent[key] is tracker.store._factors[key].data  # lent, not copied
     tracker.export(factors=False, release=captured.lent)
     assert not tracker.store._factors[key].lent
+
+
+def test_checkpoints_after_a_snapshot_write_in_place(tmp_path):
+    """The callback releases what a written snapshot was lent before the next checkpoint's or
+    snapshot's flush, so that flush writes the stored factors in place: no spare is ever
+    allocated (device path, the CPU standing in for the device, the worker on)."""
+    cb, _, _ = run(tiny_gpt2(torch.float32), text_examples(16, 12),
+                   {"storage_dtype": "float16", "snapshot_every": 3, "fold_on": "device",
+                    "async_updates": True}, batch=2, tmp_path=tmp_path, record=False,
+                   save_strategy="steps", save_steps=2)
+    assert len(cb.snapshots) >= 3 and sorted(tmp_path.glob("checkpoint-*"))
+    assert cb.tracker.store.spare_bytes() == 0
+    for path in cb.snapshots:
+        Snapshot.load(path)  # every snapshot verifies: nothing wrote its tensors meanwhile

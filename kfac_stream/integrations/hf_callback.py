@@ -243,8 +243,8 @@ class KFACStreamCallback(TrainerCallback):
         if self.tracker is not None and control.should_save:
             self._worker.wait()  # the snapshot in flight uses the same process group
             checkpoint = self._checkpoint(args, state.global_step)
-            save_tracker_state(self.tracker.export(), pending_state_dir(checkpoint), self._comm,
-                               step=state.global_step)
+            save_tracker_state(self.tracker.export(release=self._released()),
+                               pending_state_dir(checkpoint), self._comm, step=state.global_step)
             self._pending_step = state.global_step
 
     def on_epoch_end(self, args, state, control, **kwargs):
@@ -264,7 +264,8 @@ class KFACStreamCallback(TrainerCallback):
                 commit_pending_state(checkpoint)
             self._comm.all_gather(None)
         else:
-            save_tracker_state(self.tracker.export(), os.path.join(checkpoint, STATE_DIR),
+            save_tracker_state(self.tracker.export(release=self._released()),
+                               os.path.join(checkpoint, STATE_DIR),
                                self._comm, step=state.global_step)
         self._pending_step = None
         return control
@@ -341,7 +342,7 @@ class KFACStreamCallback(TrainerCallback):
         # lent until it is written, then they are released here
         self._worker.wait()
         held = time.perf_counter()
-        captured = capture_snapshot(self.tracker, step, epoch, release=self._lent)
+        captured = capture_snapshot(self.tracker, step, epoch, release=self._released())
         self._lent = captured.lent
         self.snapshot_hold_seconds.append(time.perf_counter() - held)
         root, comm = self.output_dir, self._comm
@@ -383,6 +384,12 @@ class KFACStreamCallback(TrainerCallback):
         else:
             finish()
         return os.path.join(root, step_dir_name(step))
+
+    def _released(self) -> dict:
+        """The stored factors the last snapshot was lent, to release: call it only after
+        ``self._worker.wait()`` (that snapshot is written)."""
+        lent, self._lent = self._lent, {}
+        return lent
 
     @property
     def snapshot_in_flight(self) -> bool:
