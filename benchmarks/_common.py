@@ -6,7 +6,7 @@ script). Contents, by the scripts that use them:
 * results: `write_section` (one script's section of ``benchmarks/RESULTS.md``), `machine`
   (CPU, cores, threads, versions), `dist_version`, `log`, `free_port`;
 * a snapshot's unavoidable work, eigh + one write (snapshot_scale, snapshot_gpu):
-  `snapshot_reference`;
+  `snapshot_reference`; random-token data for the GPU scripts: `RandomTokens`;
 * the GPT-2 of the cost benchmarks (overhead, snapshot_query, distributed, peers): `MODEL`,
   `BATCH`, `SEQ`, `make_data`;
 * plain and tracked blocks interleaved in one training run (overhead, distributed):
@@ -121,6 +121,23 @@ def machine(versions: dict[str, str] | None = None) -> dict:
             "torch": torch.__version__, "transformers": transformers.__version__,
             **{key: dist_version(dist) for key, dist in (versions or {}).items()},
             "python": platform.python_version()}
+
+
+class RandomTokens(torch.utils.data.Dataset):
+    """``n`` causal-LM examples cycling over ``pool`` random sequences of ``seq`` tokens below
+    ``vocab`` (seeded; the GPU scripts, where the data does not matter)."""
+
+    def __init__(self, n: int, seq: int, vocab: int, pool: int = 64):
+        self.n = n
+        self.pool = torch.randint(0, vocab, (pool, seq),
+                                  generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        ids = self.pool[i % len(self.pool)]
+        return {"input_ids": ids, "labels": ids.clone()}
 
 
 def snapshot_reference(path: str, device: str | torch.device, tmp: str) -> dict:

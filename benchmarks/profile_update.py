@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-from torch.utils.data import Dataset
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
@@ -33,23 +32,12 @@ from transformers import (
 
 from kfac_stream import KFACConfig, KFACStreamCallback
 
+from _common import RandomTokens
+
 TINYLLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                  num_attention_heads=32, num_key_value_heads=4, vocab_size=32000)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256)
-
-
-class _Tokens(Dataset):
-    def __init__(self, n: int, seq: int, vocab: int):
-        self.n = n
-        self.pool = torch.randint(0, vocab, (16, seq), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i):
-        ids = self.pool[i % len(self.pool)]
-        return {"input_ids": ids, "labels": ids.clone()}
 
 
 class Profiled(TrainerCallback):
@@ -100,7 +88,7 @@ def main(argv=None) -> int:
         lr_scheduler_type="constant", report_to=[], use_cpu=not cuda, bf16=True,
         logging_strategy="no", save_strategy="no", disable_tqdm=True, seed=0,
         dataloader_pin_memory=False, max_grad_norm=0.0)
-    data = _Tokens(batch * 2 * a.steps, seq, llama["vocab_size"])
+    data = RandomTokens(batch * 2 * a.steps, seq, llama["vocab_size"], pool=16)
     Trainer(model=model, args=args, train_dataset=data,
             callbacks=[kfac, prof]).train()
     key = "self_device_time_total" if cuda else "self_cpu_time_total"

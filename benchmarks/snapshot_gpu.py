@@ -57,14 +57,13 @@ from pathlib import Path
 _STARTED = time.perf_counter()
 
 import torch  # noqa: E402
-from torch.utils.data import Dataset  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 import kfac_stream.integrations.hf_callback as hf_callback  # noqa: E402
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot  # noqa: E402
 from kfac_stream.snapshot.eigen_stream import EigenStream  # noqa: E402
 
-from _common import snapshot_reference  # noqa: E402
+from _common import RandomTokens, snapshot_reference  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULT = HERE / "results" / "snapshot_gpu.json"
@@ -82,21 +81,6 @@ TRACKED = dict(min_window_sequences=0, snapshot_every=10**6)
 DEFAULT_INTERVAL = KFACConfig().snapshot_every
 # targets (issue 36)
 HOLD_S, RISE, FINAL_S, MARGLIK_S, HOST_MEMORY = 0.5, 0.02, 60.0, 10.0, 0.5
-
-
-class _Tokens(Dataset):
-    """``n`` random sequences (a pool of 64, cycled: the data does not matter here)."""
-
-    def __init__(self, n: int, seq: int, vocab: int):
-        self.n = n
-        self.pool = torch.randint(0, vocab, (64, seq), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i):
-        ids = self.pool[i % len(self.pool)]
-        return {"input_ids": ids, "labels": ids.clone()}
 
 
 class RssSampler:
@@ -251,7 +235,7 @@ def run(a, sizes: dict, device: torch.device, out: Path | None) -> dict:
                                              use_cache=False))
     report["params"] = sum(p.numel() for p in model.parameters())
     report["build_s"] = time.perf_counter() - t0
-    data = _Tokens(sizes["batch"] * sizes["max_steps"], sizes["seq"],
+    data = RandomTokens(sizes["batch"] * sizes["max_steps"], sizes["seq"],
                    sizes["llama"]["vocab_size"])
     rss = RssSampler()
     tmp = tempfile.mkdtemp(prefix="kfac-snapshot-gpu-", dir=a.tmp)

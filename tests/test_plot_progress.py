@@ -172,6 +172,12 @@ def test_detached_plot_is_the_same_image(tmp_path):
     a, b = imread(here), imread(child)
     assert a.shape == b.shape and (a == b).all()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["child.png", "here.png"]
+    # layers that share an A factor share its eigenvalue tensor (q/k/v, gate/up)
+    shared = torch.logspace(-3, 1, 6)
+    spectra = media.Spectra("s", {"step": 3}, {
+        n: media.LayerSpectra(shared, torch.logspace(-2, 0, 4) * (i + 1))
+        for i, n in enumerate(["l.0.q_proj", "l.0.k_proj", "l.0.v_proj"])})
+    assert media.plot_spectra_detached(spectra, str(tmp_path / "shared.png"))
 
 
 def test_detached_plot_failure_names_the_child_error(tmp_path, monkeypatch):

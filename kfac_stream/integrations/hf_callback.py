@@ -348,6 +348,9 @@ class KFACStreamCallback(TrainerCallback):
         root, comm = self.output_dir, self._comm
         eigh_device = self.tracker.settings.eigh_device
         threads = self.tracker.config.eigh_threads
+        # training on a GPU: the plot in a child process, off the GIL the training thread
+        # needs to keep the GPU fed (on a CPU the child's start-up would cost more)
+        detached = getattr(self.tracker.store.device, "type", None) == "cuda"
 
         def finish() -> None:  # every rank: its own factors, in parallel; then the protocol
             try:
@@ -371,7 +374,7 @@ class KFACStreamCallback(TrainerCallback):
                     try:
                         # the eigenvalues just written (rank 0's factors; with others'
                         # missing, make_media loads the snapshot instead)
-                        self.media[path] = make_media(path, eigvals=eigvals, detached=True)
+                        self.media[path] = make_media(path, eigvals=eigvals, detached=detached)
                     except Exception as e:  # monitoring extras never fail a run
                         logger.warning("kfac_stream: spectra media of %s failed: %s", path, e)
             self.snapshots.append(path)  # last: the monitor sees the path with its media

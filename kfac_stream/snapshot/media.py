@@ -110,9 +110,10 @@ def make_media(path: str, bins: int = 32,
     verified) from disk. Either way the same media.
 
     ``detached``: draw the PNG in a child process (`plot_spectra_detached`), as the callback's
-    snapshot thread does: drawing a 1.1B model's figure is ~4-6 s of Python holding the GIL,
-    which the training thread needs to launch its kernels (it stalled steps by as much on a
-    GPU: docs/performance.md)."""
+    snapshot thread does when training on a GPU: drawing a 1.1B model's figure is ~4-6 s of
+    Python holding the GIL, which the training thread needs to launch its kernels (it stalled
+    steps by as much on an H200: docs/gpu.md). The child's start-up (importing torch and
+    kfac_stream, ~2 s) is the price; CPU training draws in-process."""
     snap = Spectra.from_memory(path, eigvals) if eigvals is not None else None
     if snap is None:
         snap = Snapshot.load(path)
@@ -140,8 +141,8 @@ def plot_spectra_detached(snap: Snapshot | Spectra, path: str) -> str:
     for name in names:
         for f in FACTOR_KINDS:
             ev = getattr(snap[name], f"{f}_eigvals")
-            if ev is not None:
-                tensors[f"{name}/{f}"] = ev.detach().to("cpu", torch.float32).contiguous()
+            if ev is not None:  # a copy each: layers that share an A share its tensor
+                tensors[f"{name}/{f}"] = ev.detach().to("cpu", torch.float32).clone()
     root, _ = os.path.splitext(path)
     tmp = f"{root}.eigvals-{os.getpid()}.safetensors"
     save_file(tensors, tmp, metadata={"step": str(snap.step), "layers": json.dumps(names)})
