@@ -122,9 +122,11 @@ def test_a_failed_decomposition_reaches_the_writer(monkeypatch):
 
 
 def test_close_stops_a_producer_the_writer_abandoned():
+    threads = torch.get_num_threads()
     tensors, manifest = _shard()
-    stream = EigenStream(tensors, manifest, threads=1, ahead=1)
+    stream = EigenStream(tensors, manifest, threads=threads + 1, ahead=1)
     next(t for t in tensors.values() if isinstance(t, Deferred)).get()
     stream.close()  # the writer failed after one tensor (e.g. a full disk)
     assert not stream._thread.is_alive()
     assert stream._ready == {}
+    assert torch.get_num_threads() == threads  # the decompositions' threads given back

@@ -126,10 +126,10 @@ class EigenStream:
         return False
 
     def _produce(self) -> None:
+        results = eigh_stored(iter(self._stored), self.dtype, self.device, self.threads)
         try:
             t0 = time.perf_counter()
-            for key, w, q, stats in eigh_stored(iter(self._stored), self.dtype, self.device,
-                                                self.threads):
+            for key, w, q, stats in results:
                 self.eigh_seconds += time.perf_counter() - t0
                 if not self._put((key, w, q, stats)):
                     return
@@ -137,6 +137,8 @@ class EigenStream:
             self._put(_DONE)
         except BaseException as e:  # re-raised on the writer's thread
             self._put(e)
+        finally:
+            results.close()  # restores the torch threads now, also when stopped early
 
     def close(self) -> None:
         """Stop the producer (if the writer gave up early) and drop what it held."""
