@@ -6,7 +6,8 @@ script). Contents, by the scripts that use them:
 * results: `write_section` (one script's section of ``benchmarks/RESULTS.md``), `machine`
   (CPU, cores, threads, versions), `dist_version`, `log`, `free_port`;
 * a snapshot's unavoidable work, eigh + one write (snapshot_scale, snapshot_gpu):
-  `snapshot_reference`; random-token data for the GPU scripts: `RandomTokens`;
+  `snapshot_reference`; the mid-size Llama's run arguments (snapshot_scale, posterior_scale):
+  `mid_llama_run_args`; random-token data for the GPU scripts: `RandomTokens`;
 * the GPT-2 of the cost benchmarks (overhead, snapshot_query, distributed, peers): `MODEL`,
   `BATCH`, `SEQ`, `make_data`;
 * plain and tracked blocks interleaved in one training run (overhead, distributed):
@@ -138,6 +139,15 @@ class RandomTokens(torch.utils.data.Dataset):
     def __getitem__(self, i):
         ids = self.pool[i % len(self.pool)]
         return {"input_ids": ids, "labels": ids.clone()}
+
+
+def mid_llama_run_args(p) -> None:
+    """``--reps/--steps/--batch/--seq`` of the mid-size Llama's training run (snapshot_scale,
+    posterior_scale): 3 repetitions of 12 steps of 4 x 128 tokens."""
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
 
 
 def snapshot_reference(path: str, device: str | torch.device, tmp: str) -> dict:

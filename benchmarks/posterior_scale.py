@@ -46,7 +46,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArgumen
 
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
 
-from _common import MID_LLAMA, QUICK_LLAMA
+from _common import MID_LLAMA, QUICK_LLAMA, mid_llama_run_args
 
 #: The code the issue measured (main before its changes): the "old code" figures.
 OLD_REV = "e9313ca"
@@ -162,10 +162,7 @@ def measure(a, model, path: str) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
+    mid_llama_run_args(p)
     p.add_argument("--no-old", action="store_true", help="skip the old code's figures")
     p.add_argument("--old-rev", default=OLD_REV, help="git revision of the old code")
     p.add_argument("--quick", action="store_true", help="tiny smoke run")

@@ -48,7 +48,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 from kfac_stream import KFACConfig, KFACStreamCallback
 from kfac_stream.snapshot.background import SnapshotWorker
 
-from _common import MID_LLAMA, QUICK_LLAMA, snapshot_reference
+from _common import MID_LLAMA, QUICK_LLAMA, mid_llama_run_args, snapshot_reference
 
 HERE = Path(__file__).resolve().parent
 MID = dict(MID_LLAMA, vocab_size=4096)
@@ -161,10 +161,7 @@ def table(rows: list[dict], med: dict) -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--steps", type=int, default=12)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
+    mid_llama_run_args(p)
     p.add_argument("--device", default="cpu", help="cpu or cuda (training and the snapshot)")
     p.add_argument("--ref-device", default="cpu", help="where (c)'s eigh runs")
     p.add_argument("--quick", action="store_true", help="tiny smoke run, writes nothing")

@@ -421,8 +421,7 @@ class Tracker:
 
     # -- state -----------------------------------------------------------------------------------
 
-    def export(self, factors: bool = True, lend: bool = False,
-               release: Mapping[str, Tensor] | None = None) -> TrackerRecord:
+    def export(self, factors: bool = True, lend: bool = False) -> TrackerRecord:
         """A frozen `TrackerRecord` of the tracker now.
 
         Args:
@@ -430,14 +429,9 @@ class Tracker:
                 rank's factors into the record; False: only the cheap parts (counters, live
                 traces as folded so far), for monitoring between snapshots.
             lend: The record holds the stored factor tensors themselves instead of copies
-                (a snapshot's: `FactorStore.state_dict`); they stay unchanged until passed
-                back as ``release`` (the store writes elsewhere meanwhile).
-            release: ``{key: tensor}`` a previous lending record held, no longer read (its
-                snapshot is written); released once the worker is idle.
+                (a snapshot's: `FactorStore.state_dict`); they stay unchanged until passed to
+                `release` (the store writes elsewhere meanwhile).
         """
-        if release:  # before the flush, so that it writes in place, not into spares
-            self.updater.wait()  # the worker is idle from here: nothing writes the store
-            self.store.release(release)
         if factors:
             self.flush()
         counters = self.read_counters()
@@ -449,6 +443,14 @@ class Tracker:
             traces=self.store.traces(),
             capture=self.capture.state_dict(), mc_sampler=self.mc_generator.get_state(),
             run_id=self.run_id)
+
+    def release(self, lent: Mapping[str, Tensor]) -> None:
+        """Give back ``{key: tensor}`` a lending `export` handed out, no longer read (its
+        snapshot is written), once the worker is idle: call it before the next flush, which
+        then writes those factors in place instead of into spares."""
+        if lent:
+            self.updater.wait()  # the worker is idle from here: nothing writes the store
+            self.store.release(lent)
 
     def load_state(self, factors: Mapping[str, FactorState], counters: Mapping[str, Any],
                    capture: CaptureState | None = None, mc_sampler: Tensor | None = None,

@@ -43,7 +43,7 @@ def test_callback_take_snapshot_and_write_record_agree(tmp_path):
     captured = capture_snapshot(tracker, 100)
     key = next(iter(captured.lent))
     assert captured.lent[key] is tracker.store._factors[key].data  # lent, not copied
-    tracker.export(factors=False, release=captured.lent)
+    tracker.release(captured.lent)
     assert not tracker.store._factors[key].lent
 
 

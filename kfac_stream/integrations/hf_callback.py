@@ -243,8 +243,9 @@ class KFACStreamCallback(TrainerCallback):
         if self.tracker is not None and control.should_save:
             self._worker.wait()  # the snapshot in flight uses the same process group
             checkpoint = self._checkpoint(args, state.global_step)
-            save_tracker_state(self.tracker.export(release=self._released()),
-                               pending_state_dir(checkpoint), self._comm, step=state.global_step)
+            self.tracker.release(self._released())  # the flush below writes in place
+            save_tracker_state(self.tracker.export(), pending_state_dir(checkpoint), self._comm,
+                               step=state.global_step)
             self._pending_step = state.global_step
 
     def on_epoch_end(self, args, state, control, **kwargs):
@@ -264,8 +265,8 @@ class KFACStreamCallback(TrainerCallback):
                 commit_pending_state(checkpoint)
             self._comm.all_gather(None)
         else:
-            save_tracker_state(self.tracker.export(release=self._released()),
-                               os.path.join(checkpoint, STATE_DIR),
+            self.tracker.release(self._released())  # the flush below writes in place
+            save_tracker_state(self.tracker.export(), os.path.join(checkpoint, STATE_DIR),
                                self._comm, step=state.global_step)
         self._pending_step = None
         return control

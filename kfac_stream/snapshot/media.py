@@ -26,7 +26,7 @@ import torch
 from ..factor_keys import FACTOR_KINDS
 from ..stats.spectrum import log10_histogram
 from .manifest import stored_key
-from .snapshot import Snapshot, read_manifest
+from .snapshot import LayerView, Snapshot, read_manifest
 
 logger = logging.getLogger("kfac_stream")
 
@@ -39,28 +39,10 @@ class LayerSpectra:
     G_eigvals: torch.Tensor | None
 
 
-class Spectra:
+class Spectra(LayerView):
     """The eigenvalues of a snapshot's factors without the factors: ``layer_names``, ``step``
     and ``spectra[name].A_eigvals`` / ``.G_eigvals``, as a `Snapshot` has them (the media
     take either)."""
-
-    def __init__(self, path: str, meta: dict[str, Any], layers: dict[str, LayerSpectra]):
-        self.path = path
-        self.meta = meta
-        self._layers = layers
-
-    @property
-    def layer_names(self) -> list[str]:
-        """Tracked module names, in the manifest's order (sorted by name)."""
-        return list(self._layers)
-
-    @property
-    def step(self) -> int:
-        """Optimizer step of the snapshot."""
-        return int(self.meta["step"])
-
-    def __getitem__(self, name: str) -> LayerSpectra:
-        return self._layers[name]
 
     @classmethod
     def from_memory(cls, path: str, eigvals: Mapping[str, torch.Tensor]) -> Spectra | None:

@@ -49,7 +49,9 @@ def capture_snapshot(tracker, step: int, epoch: float | None = None,
     """The training thread's part: flush, lend the stored factors (no copy), contents,
     weights fingerprint (collective under ZeRO-3 and FSDP2: every rank calls it for the same
     step). ``release``: the previous capture's ``lent``, its snapshot written."""
-    record = tracker.export(lend=True, release=release)
+    if release:
+        tracker.release(release)  # before the flush: it writes those factors in place
+    record = tracker.export(lend=True)
     tensors, manifest = snapshot_contents(record, step, epoch)
     manifest["weights"] = weights_fingerprint(tracker.layers)
     return CapturedSnapshot(int(step), tensors, manifest,
@@ -87,7 +89,7 @@ def take_snapshot(tracker, root: str, step: int, epoch: float | None = None,
                                threads=tracker.config.eigh_threads if threads is None
                                else threads)[0]
     finally:
-        tracker.export(factors=False, release=captured.lent)
+        tracker.release(captured.lent)
 
 
 def write_record(record, root: str, step: int, epoch: float | None = None,

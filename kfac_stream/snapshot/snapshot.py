@@ -114,22 +114,14 @@ class _Dequantised:
         return self._value
 
 
-class Snapshot:
-    """A verified, immutable snapshot: ``snap.meta``, ``snap.layer_names``, ``snap[name]``."""
+class LayerView:
+    """A snapshot's layers by name: ``meta``, ``layer_names``, ``step``, ``view[name]``
+    (`Snapshot` with the factors, `kfac_stream.snapshot.media.Spectra` with eigenvalues only)."""
 
-    def __init__(self, path: str, meta: dict[str, Any], layers: dict[str, LayerFactors]):
+    def __init__(self, path: str, meta: dict[str, Any], layers: dict[str, Any]):
         self.path = path
         self.meta = meta
         self._layers = layers
-
-    @property
-    def heldout_prior(self):
-        """The prior precision fitted on held-out data and stored beside this snapshot
-        (`kfac_stream.snapshot.heldout_prior.HeldoutPrior`: ``.tau``, ``.nll``, ...; written
-        with ``KFACConfig(eval_prior_precision=True)``), or None."""
-        from .heldout_prior import read_heldout_prior
-
-        return read_heldout_prior(self.path)
 
     @property
     def layer_names(self) -> list[str]:
@@ -141,11 +133,24 @@ class Snapshot:
         """Optimizer step of the snapshot."""
         return int(self.meta["step"])
 
-    def __getitem__(self, name: str) -> LayerFactors:
+    def __getitem__(self, name: str):
         try:
             return self._layers[name]
         except KeyError:
             raise KeyError(f"layer {name!r} is not in snapshot {self.path}") from None
+
+
+class Snapshot(LayerView):
+    """A verified, immutable snapshot: ``snap.meta``, ``snap.layer_names``, ``snap[name]``."""
+
+    @property
+    def heldout_prior(self):
+        """The prior precision fitted on held-out data and stored beside this snapshot
+        (`kfac_stream.snapshot.heldout_prior.HeldoutPrior`: ``.tau``, ``.nll``, ...; written
+        with ``KFACConfig(eval_prior_precision=True)``), or None."""
+        from .heldout_prior import read_heldout_prior
+
+        return read_heldout_prior(self.path)
 
     def __len__(self) -> int:
         return len(self._layers)
