@@ -319,7 +319,8 @@ class GatedKFAC(TrainerCallback):
 
 def conv1d_to_linear(model: nn.Module, names: list[str] | None = None) -> nn.Module:
     """A copy of ``model`` with transformers' ``Conv1D`` s (the named ones; ``None``: all) as
-    equal ``nn.Linear`` s (weight transposed: Conv1D holds ``[d_in, d_out]``)."""
+    equal ``nn.Linear`` s (weight transposed: Conv1D holds ``[d_in, d_out]``); named modules
+    that are not ``Conv1D`` (a BERT's ``nn.Linear`` s) are copied as they are."""
     from transformers.pytorch_utils import Conv1D
 
     model = copy.deepcopy(model)
@@ -327,6 +328,8 @@ def conv1d_to_linear(model: nn.Module, names: list[str] | None = None) -> nn.Mod
         names = [n for n, m in model.named_modules() if isinstance(m, Conv1D)]
     for name in names:
         old = model.get_submodule(name)
+        if not isinstance(old, Conv1D):
+            continue
         lin = nn.Linear(old.weight.shape[0], old.weight.shape[1], bias=old.bias is not None)
         with torch.no_grad():
             lin.weight.copy_(old.weight.T)
