@@ -42,11 +42,17 @@ lint: $(STAMP) docs  ## ruff (rules in pyproject.toml: pyflakes, isort, bugbear,
 docs: $(STAMP)  ## build the documentation site (docs/, mkdocs.yml) with --strict into build/site
 	$(VENV)/bin/mkdocs build --strict --quiet
 
-test: $(STAMP) $(PEERS)  ## run the test suite (CPU)
-	$(PY) -m pytest -q -rs -m "not slow" tests
+# pytest-xdist: TEST_WORKERS processes (auto: one per core), whole files per worker (module
+# fixtures train once); runs that several modules or workers read launch once
+# (tests/shared_runs.py). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= auto
+PYTEST := $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
+
+test: $(STAMP) $(PEERS)  ## run the test suite (CPU; TEST_WORKERS=auto processes)
+	$(PYTEST) -m "not slow" tests
 
 test-slow: $(STAMP) $(PEERS)  ## run only the slow tests (long runs, kill -9 campaigns)
-	$(PY) -m pytest -q -rs -m slow tests
+	$(PYTEST) -m slow tests
 
 gpu-check: $(STAMP)  ## CUDA tests, eigh/fold/store timings, 1.1B Llama steps with the tracker, NCCL exchange, each part under a time limit (≤ 6 min on one H100; without CUDA: a CPU dry run; on the GPU machine without a registry run the script directly: docs/gpu.md)
 	$(PY) benchmarks/gpu_check.py

@@ -12,8 +12,8 @@ Tasks (`suite_tasks`: data and models): ``docstring-lora`` and ``manpage-section
 ``uncertainty_classification.py``), ``source-small`` (small data, 40 factor updates: the
 regime of the report that opened this suite), ``license-fit`` (from scratch, fits its data),
 ``glyph-digits`` (an image as 64 tokens), ``lm-heldout`` (next token, tested on a held-out
-domain, 128 test windows) and ``encoder-source`` (a BERT-style encoder with a pooled head, 10
-classes, 40 factor updates). Each seed changes the data split, the initialisation, the
+domain, 128 test windows) and ``encoder-filekind`` (a BERT-style encoder with a pooled head,
+10 classes, 40 factor updates). Each seed changes the data split, the initialisation, the
 Trainer's and the tracker's seed.
 
 Per task and seed:
@@ -477,7 +477,8 @@ def report(out: dict, info: dict) -> str:
     v = out["verdicts"]
     lines = [BEGIN, f"## Default-selection suite (`benchmarks/suite.py`, {info['date']})", "",
              f"Command: `{out['command']}`; {len(out['tasks'])} tasks × seeds "
-             f"{out['args']['seeds']}; {out['total_seconds'] / 60:.0f} min on {info['cpu']}. "
+             f"{out['args']['seeds']}; {task_minutes(out):.0f} min of task runs on {info['cpu']}"
+             f"{' (tasks merged from the last results)' if out['args'].get('merge') else ''}. "
              f"KFACConfig() at run time: {out['defaults']}.", "",
              f"Per task, the library's default (rule `{out['args']['check_rule']}` rebuilt from "
              f"the recording run; tau by marginal likelihood, link `{LIBRARY_LINK}`) against "
@@ -541,6 +542,11 @@ def shipped_table(per_task: dict) -> list[str]:
     return lines
 
 
+def task_minutes(out: dict) -> float:
+    """Minutes of every task's seeds, merged ones included."""
+    return sum(r["seconds"] for t in out["tasks"].values() for r in t["per_seed"]) / 60
+
+
 def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
@@ -556,7 +562,7 @@ def make_task(name: str, seed: int, a, base):
 
 
 ALL_TASKS = ["license-fit", "manpage-section", "glyph-digits", "source-small", "docstring-lora",
-             "lm-heldout", "encoder-source"]
+             "lm-heldout", "encoder-filekind"]
 
 
 def main(argv=None) -> None:

@@ -34,10 +34,11 @@ five are new:
   source code (the held-out domain; its in-domain held-out pydoc windows are the ``val`` set):
   the whole-vocabulary (32 symbols) prediction of the last symbol of each 64-symbol window,
   128 test windows.
-* ``encoder-source`` — a BERT-style bidirectional encoder classifier with a pooled head (the
-  regime where the mean-field link over-flattened, issue 37): *which of 10 standard-library
-  packages is this 64-byte window from?*, ``[CLS]`` + 64 bytes, 300 training sequences,
-  400 steps at batch 30 (40 factor updates), 2 layers × 64 from scratch, BERT's dropout 0.1.
+* ``encoder-filekind`` — a BERT-style bidirectional encoder classifier with a pooled head
+  (the regime where the mean-field link over-flattened, issue 37): *which of 10 kinds of file
+  is this 64-byte window from?* (Python, C header, license, pydoc, Perl, sh, JSON, CSS,
+  locale, HTML), ``[CLS]`` + 64 bytes, 300 training sequences, 400 steps at batch 30 (40
+  factor updates), 2 layers × 64 from scratch, BERT's dropout 0.1.
 """
 
 from __future__ import annotations
@@ -394,24 +395,73 @@ class Docstring:
         return uc.kron_covs(la, head, batch, size=1)
 
 
-class EncoderSource(_Classifier):
+def _file_windows(files, n: int = 64, cap: int = 4000) -> list[bytes]:
+    """``n``-byte windows (whitespace collapsed per file) of ``files`` in sorted order, until
+    more than ``cap`` are gathered; unreadable files are skipped."""
+    out: list[bytes] = []
+    for f in sorted(files):
+        try:
+            text = b" ".join(Path(f).read_bytes().split())
+        except OSError:
+            continue
+        out += _windows(text, n)
+        if len(out) > cap:
+            break
+    return out
+
+
+def _sh_scripts(root: str = "/usr/bin") -> list[Path]:
+    out = []
+    for p in Path(root).iterdir():
+        try:
+            if p.is_file() and p.open("rb").read(9) == b"#!/bin/sh":
+                out.append(p)
+        except OSError:
+            continue
+    return out
+
+
+def file_kind_pools(n: int = 64) -> list[list[bytes]]:
+    """``n``-byte windows of 10 kinds of text file a Debian machine with Python holds: Python
+    source (asyncio), C headers, license texts, pydoc text, Perl modules, ``/bin/sh``
+    scripts, JSON, CSS, glibc locale definitions, HTML documentation."""
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    pydoc = b" ".join(" ".join(app_data.pydoc_documents()[:300]).encode().split())
+    return [_file_windows((lib / "asyncio").glob("*.py"), n),
+            _file_windows(Path("/usr/include").glob("*.h"), n),
+            _file_windows([Path("/usr/share/common-licenses", x)
+                           for x in ("GPL-3", "Apache-2.0", "MPL-2.0", "Artistic")], n),
+            _windows(pydoc, n)[:4000],
+            _file_windows(Path("/usr/share/perl5").rglob("*.pm"), n),
+            _file_windows(_sh_scripts(), n),
+            _file_windows(lib.rglob("*.json"), n),
+            _file_windows(Path("/usr/share").rglob("*.css"), n),
+            _file_windows(Path("/usr/share/i18n/locales").glob("*"), n),
+            _file_windows(Path("/usr/share/doc").glob("*/*.html"), n)]
+
+
+class EncoderFileKind(_Classifier):
     """The regime the suite lacked (issue 37): a BERT-style bidirectional encoder with a pooled
     head, trained from scratch on little data, 10 classes, tens of factor updates. Each
     64-byte window is preceded by a ``[CLS]`` token (id 256) whose pooled state the head
-    reads: 65 tokens a sequence, as a BERT user's tokenizer would give."""
+    reads: 65 tokens a sequence, as a BERT user's tokenizer would give.
 
-    name = "encoder-source"
-    title = ("source window → one of 10 stdlib packages, 300 sequences × 65 tokens ([CLS] + 64 "
-             "bytes), 400 steps at batch 30 (40 updates), 2-layer BERT classifier (pooled "
-             "head, dropout 0.1) from scratch")
+    Its data were chosen by the MAP model alone, before any posterior figure: the first build
+    (10 standard-library packages' source) left the encoder at chance on test (10.7%
+    accuracy, train 53%) in all three seeds, outside the regime the issue names (MAP NLL
+    1.4-1.8, accuracy ~0.6, overconfident); a probe of 10 file kinds gave test accuracy 0.51,
+    NLL 1.81, mean confidence 0.53 (seed 0, the same model and schedule)."""
+
+    name = "encoder-filekind"
+    title = ("64-byte window → one of 10 kinds of file (Python, C header, license, pydoc, Perl, "
+             "sh, JSON, CSS, locale, HTML), 300 sequences × 65 tokens ([CLS] + 64 bytes), 400 "
+             "steps at batch 30 (40 updates), 2-layer BERT classifier (pooled head, dropout "
+             "0.1) from scratch")
     layers, width, steps, batch_size, lr = 2, 64, 400, 30, 1e-3
     vocab, cls = 257, 256
-    PACKAGES = (("asyncio",), ("email",), ("json", "http"), ("logging",), ("xml",),
-                ("multiprocessing",), ("unittest",), ("importlib",), ("concurrent", "urllib"),
-                ("tkinter",))
 
     def __init__(self, seed: int):
-        super().__init__(seed, [source_pool(p, 64) for p in self.PACKAGES], (30, 12, 30))
+        super().__init__(seed, file_kind_pools(64), (30, 12, 30))
 
     @classmethod
     def example(cls, s: bytes, c: int) -> dict[str, torch.Tensor]:
@@ -435,7 +485,7 @@ class EncoderSource(_Classifier):
 
 
 NEW_TASKS = {t.name: t for t in (SourceSmall, LicenseFit, GlyphDigits, LMHeldout,
-                                 EncoderSource)}
+                                 EncoderFileKind)}
 
 
 def updates_per_run(steps: int, update_every: int) -> int:

@@ -17,7 +17,8 @@ Conventions shared by every function here:
 * a wrong argument raises `QueryInputError` (a ValueError) with one line naming the function,
   the argument and what is allowed.
 
-Functions: `nll`, `nll_per_example`, `ece`, `brier`, `auroc`, `risk_coverage`,
+Functions: `nll`, `nll_per_example`, `ece`, `brier`, `confidence_gap` (over- or
+underconfident: whether a Laplace predictive can lower the NLL), `auroc`, `risk_coverage`,
 `accuracy_at_coverage`, `aurc`, `ause`, and `classification_report` (all of them at once).
 """
 
@@ -244,6 +245,31 @@ def auroc(score_in: Tensor, score_out: Tensor) -> float:
     return u / (n * m)
 
 
+def confidence_gap(probs: Tensor, y: Tensor) -> float:
+    """Mean top-1 confidence minus accuracy: ``mean_i max_c probs[i, c] − mean_i 1[argmax = y]``.
+
+    Args:
+        probs: ``[n, C]`` predictive probabilities (usually the MAP's ``softmax(logits)``).
+        y: ``[n]`` integer labels in ``[0, C)``.
+
+    Returns:
+        A float in ``[−1, 1]``: ``> 0`` the predictions are **overconfident** on this set,
+        ``< 0`` underconfident.
+
+    What it says about a Laplace predictive, measured on the MAP's probabilities of a held-out
+    set (the docs' "Which link" section; `benchmarks/suite.py`, issue 37): every Laplace
+    predictive adds logit variance and so flattens the probabilities. Where MAP is
+    **overconfident** (gap > 0) that flattening is what lowers the NLL, and the default
+    posterior (marginal-likelihood ``τ``) is expected to reach an NLL at or below MAP's. Where
+    MAP is already **underconfident** (gap < 0) any added variance raises the NLL; only a
+    ``τ`` fitted on held-out data (``KFACConfig(eval_prior_precision=True)`` or
+    `fit_prior_precision`), which can grow until the predictive is MAP's, keeps it at MAP's
+    level, and the logit variances remain useful for ranking (OOD, selective prediction).
+    """
+    p, yy = _check_probs("confidence_gap", probs, y)
+    return float(p.max(1).values.mean() - (p.argmax(1) == yy).double().mean())
+
+
 # -- selective prediction -------------------------------------------------------------------------
 
 def risk_coverage(correct: Tensor, uncertainty: Tensor) -> tuple[Tensor, Tensor]:
@@ -375,8 +401,9 @@ def classification_report(probs: Tensor, y: Tensor, uncertainty: Tensor | None =
     Returns:
         ``{"n": n, "accuracy": mean 1[argmax = y], "nll": nll, "ece": ece(bins), "bins": bins,
         "brier": brier, "aurc": aurc, "coverage": coverage, "accuracy_at_coverage": ...,
-        "ause_01": ause(0-1 error), "ause_nll": ause(per-example NLL)}``, the AUSEs exact per
-        example and unnormalised; selective metrics use ``uncertainty``.
+        "ause_01": ause(0-1 error), "ause_nll": ause(per-example NLL), "confidence_gap":
+        confidence_gap}``, the AUSEs exact per example and unnormalised; selective metrics use
+        ``uncertainty``.
     """
     p, yy = _check_probs("classification_report", probs, y)
     correct = p.argmax(1) == yy
@@ -395,4 +422,5 @@ def classification_report(probs: Tensor, y: Tensor, uncertainty: Tensor | None =
         "accuracy_at_coverage": accuracy_at_coverage(correct, u, coverage),
         "ause_01": ause((~correct).double(), u),
         "ause_nll": ause(nll_per_example(p, yy), u),
+        "confidence_gap": confidence_gap(p, yy),
     }

@@ -45,6 +45,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from shared_runs import SharedRuns, session_dir
 
 from kfac_stream import LaplacePosterior, Snapshot
 
@@ -142,17 +143,15 @@ class Runs:
     }
 
     def __init__(self, base) -> None:
-        self.base = base
-        self.done: dict[str, str] = {}
+        self.shared = SharedRuns(base, self._launch)
 
     def get(self, name: str) -> str:
-        if name in self.done:
-            return self.done[name]
+        return self.shared.get(name)
+
+    def _launch(self, name: str, out: str) -> tuple[bool, str]:
         launch, extra = self.SPECS[name]
         extra = [self.get(a[1:].split("/")[0]) + "/" + a.split("/", 1)[1]
                  if a.startswith("@") else a for a in extra]  # "@run/path": another run's file
-        out = str(self.base / name)
-        os.makedirs(out)
         if launch is None:
             cmd = [sys.executable, JOB]
         else:
@@ -161,17 +160,13 @@ class Runs:
                    "--main_process_port", str(_free_port()), JOB]
         proc = subprocess.run(cmd + ["--out", out, *extra], cwd=ROOT, env=_env(),
                               capture_output=True, text=True, timeout=600)
-        log = proc.stdout + proc.stderr
-        with open(os.path.join(out, "log.txt"), "w") as f:
-            f.write(log)
-        assert proc.returncode == 0, f"{name} failed (rc={proc.returncode}):\n{log[-4000:]}"
-        self.done[name] = out
-        return out
+        return proc.returncode == 0, f"rc={proc.returncode}\n{proc.stdout}{proc.stderr}"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return Runs(tmp_path_factory.mktemp("dist"))
+    """One launch per run and session, shared by the tests of this module on any worker."""
+    return Runs(session_dir(tmp_path_factory, "dist"))
 
 
 def factors(out: str) -> dict[str, torch.Tensor]:

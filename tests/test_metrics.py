@@ -335,6 +335,18 @@ def test_ause_permutation_invariant_with_ties():
         assert close(M.ause(error[perm], u[perm], steps), M.ause(error, u, steps))
 
 
+# -- over- or underconfident --------------------------------------------------------------------
+
+def test_confidence_gap_hand_worked():
+    """Top-1 confidences 0.9, 0.6, 0.5, 0.8 (mean 0.7) and 2 of 4 right: gap +0.2; the same
+    predictions all right: 0.7 − 1 = −0.3 (underconfident)."""
+    p = torch.tensor([[0.9, 0.1], [0.4, 0.6], [0.5, 0.5], [0.2, 0.8]], dtype=torch.float64)
+    assert abs(M.confidence_gap(p, torch.tensor([0, 1, 1, 0])) - 0.2) < 1e-15
+    assert abs(M.confidence_gap(p, torch.tensor([0, 1, 0, 1])) - (-0.3)) < 1e-15
+    uniform = torch.full((5, 4), 0.25, dtype=torch.float64)  # argmax: class 0 (first)
+    assert abs(M.confidence_gap(uniform, torch.tensor([0, 1, 2, 3, 0])) - (0.25 - 0.4)) < 1e-15
+
+
 # -- the report -----------------------------------------------------------------------------------
 
 def test_classification_report_agrees_with_the_functions():
@@ -343,7 +355,7 @@ def test_classification_report_agrees_with_the_functions():
     correct = p.argmax(1) == y
     u = 1 - p.max(1).values
     assert set(r) == {"n", "accuracy", "nll", "ece", "bins", "brier", "aurc", "coverage",
-                      "accuracy_at_coverage", "ause_01", "ause_nll"}
+                      "accuracy_at_coverage", "ause_01", "ause_nll", "confidence_gap"}
     assert r["n"] == 100 and r["bins"] == 15 and r["coverage"] == 0.8
     assert r["accuracy"] == float(correct.double().mean())
     assert r["nll"] == M.nll(p, y) and r["ece"] == M.ece(p, y) and r["brier"] == M.brier(p, y)
@@ -351,6 +363,7 @@ def test_classification_report_agrees_with_the_functions():
     assert r["accuracy_at_coverage"] == M.accuracy_at_coverage(correct, u, 0.8)
     assert r["ause_01"] == M.ause((~correct).double(), u)
     assert r["ause_nll"] == M.ause(M.nll_per_example(p, y), u)
+    assert r["confidence_gap"] == M.confidence_gap(p, y)
     other = torch.rand(100, dtype=torch.float64)
     r2 = M.classification_report(p, y, uncertainty=other, bins=5, coverage=0.5)
     assert r2["aurc"] == M.aurc(correct, other) and r2["ece"] == M.ece(p, y, 5)
