@@ -145,7 +145,8 @@ def test_make_test_is_the_suite():
     """``make test``'s recipe is the CPU suite (CI runs it: ``.ci/run``)."""
     out = sh(["make", "-n", "-f", str(ROOT / "Makefile"), "-o", str(VENV / ".installed"), "-o",
               str(VENV / ".peers"), "test", f"VENV={VENV}"], ROOT)
-    assert f'{VENV}/bin/python -m pytest -q -rs -m "not slow" tests' in out
+    assert f'{VENV}/bin/python -m pytest -q -rs -n auto --dist loadfile -m "not slow" tests' \
+        in out
 
 
 def test_pip_install_lines(tmp_path):
