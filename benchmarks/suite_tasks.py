@@ -169,11 +169,18 @@ class _Classifier:
     def train_batch(self):
         return self.batch(self.splits["train"])
 
-    example = staticmethod(uc.ManpageTask.example)  # bytes, class -> one training example
+    prefix: tuple[int, ...] = ()  # tokens before every sequence (a BERT's [CLS])
 
-    @staticmethod
-    def batch(items: list[tuple[bytes, int]]):
-        ids = torch.tensor([list(s) for s, _ in items])
+    @classmethod
+    def example(cls, s: bytes, c: int) -> dict[str, torch.Tensor]:
+        """One training example: ``prefix`` + the bytes, all attended, labelled ``c``."""
+        ids = torch.tensor([*cls.prefix, *s])
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                "labels": torch.tensor(c)}
+
+    @classmethod
+    def batch(cls, items: list[tuple[bytes, int]]):
+        ids = torch.tensor([[*cls.prefix, *s] for s, _ in items])
         return ({"input_ids": ids, "attention_mask": torch.ones_like(ids)},
                 torch.tensor([c for _, c in items]))
 
@@ -458,22 +465,10 @@ class EncoderFileKind(_Classifier):
              "steps at batch 30 (40 updates), 2-layer BERT classifier (pooled head, dropout "
              "0.1) from scratch")
     layers, width, steps, batch_size, lr = 2, 64, 400, 30, 1e-3
-    vocab, cls = 257, 256
+    vocab, prefix = 257, (256,)
 
     def __init__(self, seed: int):
         super().__init__(seed, file_kind_pools(64), (30, 12, 30))
-
-    @classmethod
-    def example(cls, s: bytes, c: int) -> dict[str, torch.Tensor]:
-        ids = torch.tensor([cls.cls, *s])
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                "labels": torch.tensor(c)}
-
-    @classmethod
-    def batch(cls, items: list[tuple[bytes, int]]):
-        ids = torch.tensor([[cls.cls, *s] for s, _ in items])
-        return ({"input_ids": ids, "attention_mask": torch.ones_like(ids)},
-                torch.tensor([c for _, c in items]))
 
     def model(self) -> nn.Module:
         torch.manual_seed(self.seed)
