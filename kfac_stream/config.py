@@ -6,9 +6,11 @@ in `KFACStreamCallback.on_train_begin`, before the first training step.
 
 from __future__ import annotations
 
+import difflib
+import functools
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .enums import FisherType, LayerPreset, StorageDtype
@@ -291,6 +293,25 @@ class KFACConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain-JSON view (lists, not tuples), as written into snapshot manifests."""
         return asdict(self)
+
+
+def _named_arguments_only(init):
+    """``KFACConfig.__init__`` that names a misspelt argument and the closest ones, in one line
+    (a ``TypeError``, as Python's own for an unknown keyword), before the dataclass's."""
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        known = [f.name for f in fields(KFACConfig)]
+        for key in kwargs:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+                hint = (f"did you mean {' or '.join(close)}?" if close else
+                        "the arguments are listed in docs/configuration.md")
+                raise TypeError(f"KFACConfig: {key!r} is not an argument: {hint}")
+        init(self, *args, **kwargs)
+    return __init__
+
+
+KFACConfig.__init__ = _named_arguments_only(KFACConfig.__init__)
 
 
 def _check_range(name: str, value: Any, allowed: str, ok) -> None:

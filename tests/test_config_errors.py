@@ -1,5 +1,8 @@
 """Bad configurations fail before any training step, with a message naming field and value."""
 
+import dataclasses
+import inspect
+
 import pytest
 import torch
 from transformers import Trainer, TrainingArguments
@@ -35,6 +38,19 @@ def test_field_errors_name_field_value_and_range(field, value, needle):
     with pytest.raises(KFACConfigError) as e:
         KFACConfig(**{field: value})
     assert needle in str(e.value) and "\n" not in str(e.value)  # one line
+
+
+def test_misspelt_argument_names_the_closest_in_one_line():
+    """Issue 38: a typo is Python's TypeError, with the argument meant named (one line)."""
+    with pytest.raises(TypeError) as e:
+        KFACConfig(eval_prior_precison=True)
+    assert str(e.value) == ("KFACConfig: 'eval_prior_precison' is not an argument: did you mean "
+                            "eval_prior_precision?")
+    with pytest.raises(TypeError, match="'zzz' is not an argument: the arguments are listed"):
+        KFACConfig(zzz=1)
+    cfg = KFACConfig(token_fraction=0.5)  # right names pass through, replace() too
+    assert cfg.token_fraction == 0.5 and dataclasses.replace(cfg, seed=3).seed == 3
+    assert "token_fraction" in inspect.signature(KFACConfig).parameters  # docs still see them
 
 
 def _trainer(cb, tmp_path):
