@@ -298,6 +298,34 @@ def test_prior_precision_fitted_on_the_eval_dataset(tmp_path):
     assert len(set(brute.values())) > 1  # the candidates differ: the choice is not trivial
 
 
+def test_eval_prior_precision_without_an_eval_set_warns_once_at_train_begin(tmp_path, caplog):
+    """Issue 38: one warning line before the first step, none at the end; the snapshot then
+    has no held-out prior (``heldout_prior`` is None, as documented)."""
+    import logging
+
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from kfac_stream import KFACStreamCallback
+
+    class FirstStep(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            logging.getLogger("kfac_stream").info("STEP")
+
+    cb = KFACStreamCallback(KFACConfig(eval_prior_precision=True,
+                                       output_dir=str(tmp_path / "kfac")))
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=2,
+                             report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True)
+    with caplog.at_level(logging.INFO, logger="kfac_stream"):
+        Trainer(model=tiny_gpt2(torch.float32), args=args,
+                train_dataset=ListDataset(text_examples(4, 8)),
+                callbacks=[cb, FirstStep()]).train()
+    lines = [r.getMessage() for r in caplog.records]
+    warned = [i for i, m in enumerate(lines) if m.startswith("kfac_stream: eval_prior")]
+    assert len(warned) == 1 and warned[0] < lines.index("STEP"), [lines[i] for i in warned]
+    assert "has no eval_dataset" in lines[warned[0]] and "\n" not in lines[warned[0]]
+    assert Snapshot.load(cb.snapshots[-1]).heldout_prior is None
+
+
 def test_one_update_window_is_flagged_by_its_sampling_error(tmp_path):
     """A final window of one update (``min_window_sequences=0``): no spread to measure, the
     relative error is infinite and the snapshot is flagged for it; the same run with the EMA

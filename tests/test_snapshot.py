@@ -142,6 +142,22 @@ def test_temporary_directories_are_invisible(snapshots, tmp_path):
         Snapshot.latest(tmp_path / "empty")
 
 
+def test_latest_on_a_run_directory_points_at_its_kfac_folder(snapshots, tmp_path):
+    """Issue 38: ``Snapshot.latest(run_dir)`` names the folder below that holds the snapshots
+    (the app's ``<run>/kfac``); the same call there loads."""
+    root, _ = snapshots
+    run = tmp_path / "run"
+    run.mkdir()
+    kfac, _ = copy_of(root, run)
+    (run / "checkpoint-2").mkdir()  # a Trainer checkpoint beside it: not a snapshot root
+    with pytest.raises(SnapshotError) as e:
+        Snapshot.latest(run)
+    msg = str(e.value)
+    assert "no complete snapshot found" in msg and f"snapshots are in {kfac}" in msg, msg
+    assert "checkpoint-2" not in msg and "\n" not in msg
+    assert Snapshot.latest(kfac).step == 4
+
+
 def test_eigh_failure_is_retried_with_a_shift(monkeypatch):
     real = torch.linalg.eigh
     calls = []

@@ -24,20 +24,35 @@ def find_trainer(depth: int = 16) -> Trainer | None:
     return find_on_stack(Trainer, depth)
 
 
+def check_eval_set(tracker) -> None:
+    """At train begin, on rank 0: one warning line when ``eval_prior_precision`` cannot run
+    (no ``eval_dataset``), or an info line with several ranks (fitted after training by hand)."""
+    if tracker.rank != 0:
+        return
+    if tracker.world_size > 1:
+        logger.info("kfac_stream: eval_prior_precision runs in one process only; with %d ranks, "
+                    "fit tau after training with kfac_stream.fit_prior_precision",
+                    tracker.world_size)
+        return
+    trainer = find_trainer()
+    if trainer is not None and trainer.eval_dataset is None:
+        logger.warning("kfac_stream: eval_prior_precision=True but the Trainer has no "
+                       "eval_dataset: no tau will be fitted and Snapshot.heldout_prior will be "
+                       "None (pass eval_dataset=..., or call kfac_stream.fit_prior_precision "
+                       "after training)")
+
+
 def fit_heldout_prior(callback, model) -> str | None:
     """Fit ``τ`` on the running Trainer's eval set for the callback's last snapshot and write
     it beside the snapshot; returns the file, or None (logged why) when it cannot."""
-    tracker = callback.tracker
-    if tracker.world_size > 1:
-        if tracker.rank == 0:
-            logger.info("kfac_stream: eval_prior_precision runs in one process only; with %d "
-                        "ranks, fit it after training with kfac_stream.fit_prior_precision",
-                        tracker.world_size)
+    if callback.tracker.world_size > 1:  # said at train begin (`check_eval_set`)
         return None
     trainer = find_trainer()
-    if trainer is None or trainer.eval_dataset is None or not callback.snapshots:
-        logger.warning("kfac_stream: eval_prior_precision=True but the Trainer has no "
-                       "eval_dataset (or no snapshot was written): tau not fitted")
+    if trainer is None or trainer.eval_dataset is None:  # warned at train begin
+        return None
+    if not callback.snapshots:
+        logger.warning("kfac_stream: eval_prior_precision: no snapshot was written; tau not "
+                       "fitted")
         return None
     path = callback.snapshots[-1]
     device = next(model.parameters()).device

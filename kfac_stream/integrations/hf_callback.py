@@ -40,7 +40,7 @@ from ..tracker_state import (
     pending_state_dir,
     save_tracker_state,
 )
-from .heldout import fit_heldout_prior
+from .heldout import check_eval_set, fit_heldout_prior
 from .spectrum_monitor import SpectraReporter, find_callback_handler
 from .zero3 import check_deepspeed_device, deepspeed_requested
 
@@ -211,6 +211,9 @@ class KFACStreamCallback(TrainerCallback):
                                "run's)", self.output_dir, len(moved),
                                os.path.dirname(moved[0]), self.output_dir)
             logger.info("%s", tracking_summary(self.tracker, self.output_dir))
+        if cfg.eval_prior_precision:
+            check_eval_set(self.tracker)
+        if self.tracker.rank == 0:
             if cfg.ema_decay == 1.0 and cfg.final_window > 0:
                 logger.info("kfac_stream: ema_decay=1 is the mean over every update of the run: "
                             "final_window=%g is off", cfg.final_window)

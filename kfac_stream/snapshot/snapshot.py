@@ -140,6 +140,29 @@ class LayerView:
             raise KeyError(f"layer {name!r} is not in snapshot {self.path}") from None
 
 
+def _snapshot_roots_below(root: str, depth: int = 2) -> list[str]:
+    """Folders up to ``depth`` levels below ``root`` that hold ``step-*`` entries (a run
+    directory's ``kfac/``, a Trainer output's ``<run>/kfac``), in sorted order."""
+    found, level = [], [root]
+    for _ in range(depth):
+        nxt = []
+        for d in level:
+            try:
+                subs = sorted(e.path for e in os.scandir(d) if e.is_dir(follow_symlinks=False))
+            except OSError:
+                continue
+            for sub in subs:
+                try:
+                    if any(STEP_DIR_RE.match(e) for e in os.listdir(sub)):
+                        found.append(sub)
+                        continue
+                except OSError:
+                    continue
+                nxt.append(sub)
+        level = nxt
+    return found[:3]
+
+
 class Snapshot(LayerView):
     """A verified, immutable snapshot: ``snap.meta``, ``snap.layer_names``, ``snap[name]``."""
 
@@ -228,6 +251,11 @@ class Snapshot(LayerView):
             except SnapshotError as e:
                 errors.append(str(e))
         detail = f"; skipped: {'; '.join(errors)}" if errors else ""
+        if not steps:
+            inner = _snapshot_roots_below(root)
+            if inner:
+                detail += (f"; snapshots are in {' and '.join(inner)} (a run directory holds "
+                           "them in its kfac/ folder): pass that")
         raise SnapshotError(f"{root}: no complete snapshot found{detail}")
 
 
