@@ -23,6 +23,7 @@ from test_mc_subbatch import _updates
 from kfac_stream import KFACConfig, KFACConfigError, LaplacePosterior, Snapshot
 from kfac_stream.config import sequences_per_update, window_mc_share
 from kfac_stream.factor_updates import Counters, FactorUpdater
+from kfac_stream.snapshot import adequacy
 from kfac_stream.snapshot.adequacy import REL_SE_WARN, sampling_problems, sampling_summary
 from kfac_stream.store.factor_store import FactorStore
 
@@ -223,15 +224,30 @@ def _short_run(tmp_path, cfg, steps=4, batch=2):
     return model.eval(), Snapshot.load(cb.snapshots[-1])
 
 
-def test_short_run_warns_at_query_time_and_in_the_report(tmp_path, capsys):
+def test_short_run_warns_at_query_time_and_in_the_report(tmp_path, capsys, caplog):
+    import logging
+
     from kfac_stream.cli import main
 
-    model, snap = _short_run(tmp_path / "short", {"min_window_sequences": 256})
+    with caplog.at_level(logging.INFO, logger="kfac_stream"):
+        model, snap = _short_run(tmp_path / "short", {"min_window_sequences": 256})
+    few = [r.getMessage() for r in caplog.records if "few samples" in r.getMessage()]
+    assert len(few) == 1 and "said once" in few[0], few  # train begin; not at the snapshot
     s = sampling_summary(snap.meta)
     assert s["window_sequences"] == 4 * 1  # 4 updates (the whole run) × 1 sequence
     problems = sampling_problems(snap.meta)
     assert any("fewer than min_window_sequences=256" in p for p in problems), problems
-    with pytest.warns(UserWarning, match="rests on few samples"):
+    # issue 38: said once per process: the run warned at train begin (the short window), so
+    # the posterior built in the same process is silent; a later process is told once
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        LaplacePosterior(model, snap)
+    adequacy._SAID.clear()  # as in a fresh process
+    with pytest.warns(UserWarning, match="rests on few samples") as said:
+        LaplacePosterior(model, snap)
+    assert len(said) == 1 and "It matters for its posterior only" in str(said[0].message)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         LaplacePosterior(model, snap)
     assert main(["inspect", snap.path]) == 0
     out = capsys.readouterr().out

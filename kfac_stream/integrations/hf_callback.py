@@ -24,7 +24,7 @@ from ..distributed.fsdp import is_fsdp_sharded
 from ..exceptions import KFACConfigError, TrackerStateError
 from ..log_setup import show_info_by_default
 from ..settings import Settings, resolve_settings
-from ..snapshot.adequacy import sampling_warning
+from ..snapshot.adequacy import mark_said, sampling_warning
 from ..snapshot.background import SnapshotWorker
 from ..snapshot.layout import step_dir_name
 from ..snapshot.media import make_media
@@ -227,9 +227,11 @@ class KFACStreamCallback(TrainerCallback):
                     logger.warning(
                         "kfac_stream: this run's %d factor updates hold %d sequences in all "
                         "(%d each), fewer than min_window_sequences=%d: the final snapshot's "
-                        "factors will rest on few samples and its posterior may be too wide; "
-                        "lower update_every or raise mc_sequences for more", plan.updates,
-                        plan.sequences, plan.sequences_per_update, cfg.min_window_sequences)
+                        "factors will rest on few samples, which matters for its posterior "
+                        "only (it may be too wide); lower update_every or raise mc_sequences "
+                        "for more (said once)", plan.updates, plan.sequences,
+                        plan.sequences_per_update, cfg.min_window_sequences)
+                    mark_said(self.tracker.run_id, self._final_step)
             # with several ranks the ownership table follows the summary (one rank: DEBUG)
             logger.log(logging.INFO if self.tracker.world_size > 1 else logging.DEBUG,
                        "kfac_stream: factor owners (bytes of the stored factors, eigh cost)"
@@ -370,7 +372,7 @@ class KFACStreamCallback(TrainerCallback):
                 return
             if comm.rank == 0:
                 logger.info("kfac_stream: snapshot %s", path)
-                few = sampling_warning("kfac_stream", read_manifest(path)) \
+                few = sampling_warning("kfac_stream", read_manifest(path), once=True) \
                     if step == self._final_step else None
                 if few is not None:
                     logger.warning(few)

@@ -144,7 +144,7 @@ class LaplacePosterior:
         self.num_data = _check_num_data(where, num_data, snapshot.meta)
         if num_data is not None:
             _warn_far_num_data(where, self.num_data, snapshot.meta)
-        few = sampling_warning(where, snapshot.meta)
+        few = sampling_warning(where, snapshot.meta, once=True)
         if few is not None:
             warnings.warn(few, UserWarning, stacklevel=2)
         self.layer_names = _chosen_layers(where, model, snapshot, layers)

@@ -57,24 +57,47 @@ def sampling_summary(meta: dict[str, Any]) -> dict[str, Any]:
 def sampling_problems(meta: dict[str, Any]) -> list[str]:
     """One sentence per sign that the snapshot's factors rest on too few samples (empty: none
     seen)."""
+    return [text for _, text in _problems(meta)]
+
+
+def _problems(meta: dict[str, Any]) -> list[tuple[str, str]]:
+    """`sampling_problems` with each sentence's kind: ``"window"`` or ``"rel_se"``."""
     s = sampling_summary(meta)
     out = []
     if 0 < s["window_sequences"] < s["min_window_sequences"]:
-        out.append(f"its final window holds {s['window_sequences']:,} sequences, fewer than "
-                   f"min_window_sequences={s['min_window_sequences']:,} (the run has too few "
-                   "factor updates to reach it; lower update_every or raise mc_sequences)")
+        out.append(("window",
+                    f"its final window holds {s['window_sequences']:,} sequences, fewer than "
+                    f"min_window_sequences={s['min_window_sequences']:,} (the run has too few "
+                    "factor updates to reach it; lower update_every or raise mc_sequences)"))
     if s["in_window"] and not math.isnan(s["max_rel_se"]) and s["max_rel_se"] > REL_SE_WARN:
-        out.append(f"factor {s['max_rel_se_factor']} has a relative sampling error of "
-                   f"{s['max_rel_se']:.2g} (> {REL_SE_WARN:g}; over "
-                   f"{s['min_effective_updates']:.3g} effective updates)")
+        out.append(("rel_se",
+                    f"factor {s['max_rel_se_factor']} has a relative sampling error of "
+                    f"{s['max_rel_se']:.2g} (> {REL_SE_WARN:g}; over "
+                    f"{s['min_effective_updates']:.3g} effective updates)"))
     return out
 
 
-def sampling_warning(where: str, meta: dict[str, Any]) -> str | None:
-    """The warning text for `sampling_problems` (None: nothing to warn about)."""
-    problems = sampling_problems(meta)
+#: ``(run id, step, kind)`` of the few-samples problems this process has warned about (the
+#: callback's train-begin warning counts for the final snapshot's window): each said once.
+_SAID: set[tuple[str, Any, str]] = set()
+
+
+def mark_said(run_id: str, step: Any, kind: str = "window") -> None:
+    """Record that the few-samples warning of ``kind`` for ``run_id``'s snapshot ``step`` was
+    given (the callback's train-begin warning of a short final window)."""
+    _SAID.add((run_id, step, kind))
+
+
+def sampling_warning(where: str, meta: dict[str, Any], once: bool = False) -> str | None:
+    """The warning text for `sampling_problems` (None: nothing to warn about; with ``once``
+    the problems this process warned about already for the same run and step are left out)."""
+    run_id, step = meta.get("run_id", ""), meta.get("step")
+    problems = [(k, t) for k, t in _problems(meta)
+                if not (once and run_id and (run_id, step, k) in _SAID)]
     if not problems:
         return None
-    return (f"{where}: the snapshot of step {meta.get('step')} rests on few samples: "
-            + "; ".join(problems) + ". A posterior from noisy, rank-poor factors falls back to "
-            "the prior in most directions and its predictive tends to be too wide.")
+    _SAID.update((run_id, step, k) for k, _ in problems)
+    return (f"{where}: the snapshot of step {step} rests on few samples: "
+            + "; ".join(t for _, t in problems) + ". It matters for its posterior only (the "
+            "factors and training are fine): a posterior from noisy, rank-poor factors falls "
+            "back to the prior in most directions and its predictive tends to be too wide.")
