@@ -371,10 +371,10 @@ def train_accuracy(task, model) -> float | None:
 # -- selection ------------------------------------------------------------------------------------
 
 def candidates(results: dict) -> list[tuple[str, str, str]]:
-    """Every (rule, link, tau rule) a user gets without held-out data: each rule with each
-    fixed link and the by-K link rule; and the val-link rule (the link with the lower
-    validation NLL, from the Trainer's eval set) on the default rule, the only one scored on
-    ``val``."""
+    """Every (rule, link, tau rule) candidate, tau by marginal likelihood: each rule with each
+    fixed link and the by-K link rule (none needs held-out data); and the val-link rule (the
+    link with the lower validation NLL: it needs the Trainer's eval set, a default only where
+    one exists) on the default rule, the only one scored on ``val``."""
     any_seed = next(iter(results.values()))["per_seed"][0]
     rules = any_seed["rules"]
     return ([(r, k, "marglik") for r in rules for k in (*LINKS, "by-K")]
