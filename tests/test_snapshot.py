@@ -158,6 +158,31 @@ def test_latest_on_a_run_directory_points_at_its_kfac_folder(snapshots, tmp_path
     assert Snapshot.latest(kfac).step == 4
 
 
+def test_layer_table_prints_long_layer_names_whole(snapshots):
+    """Issue 38: `kfac-stream inspect`'s table no longer cuts names from the left (two LoRA
+    adapters of one module differed only in the cut part); columns stay aligned."""
+    from kfac_stream.snapshot.layer_table import layer_table
+
+    root, _ = snapshots
+    snap = Snapshot.latest(root)
+    prefix = "base_model.model.model.layers.0.mlp.down_proj.lora_A.default."
+
+    class Renamed:  # the same factors under 80-character names
+        path, step, meta = snap.path, snap.step, snap.meta
+        layer_names = [prefix + n for n in snap.layer_names]
+
+        def __getitem__(self, name):
+            return snap[name[len(prefix):]]
+
+    lines = layer_table(Renamed()).splitlines()
+    rows = lines[3:]
+    assert len(rows) == 2 * len(snap.layer_names)
+    for name, row in zip([n for n in Renamed.layer_names for _ in "AG"], rows):
+        assert row.startswith(name + " "), row
+    assert len({r.index(" A ") if " A " in r else r.index(" G ") for r in rows}) == 1
+    assert len({len(r) for r in rows}) == 1 and lines[1].startswith("layer ")
+
+
 def test_eigh_failure_is_retried_with_a_shift(monkeypatch):
     real = torch.linalg.eigh
     calls = []

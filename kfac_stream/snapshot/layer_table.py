@@ -9,8 +9,10 @@ from .snapshot import Snapshot
 
 def layer_table(snap: Snapshot) -> str:
     """One line per layer and factor: shape, positions, largest eigenvalue, trace, cond, erank
-    (from the snapshot's eigenvalues)."""
-    head = (f"{'layer':<40} {'f':1} {'shape':>11} {'positions':>9} {'λ_max':>10} "
+    (from the snapshot's eigenvalues). The layer column is as wide as the longest name: names
+    are printed whole (a LoRA adapter's differ only at their ends)."""
+    w = max([len("layer"), *map(len, snap.layer_names)])
+    head = (f"{'layer':<{w}} {'f':1} {'shape':>11} {'positions':>9} {'λ_max':>10} "
             f"{'trace':>10} {'cond':>9} {'erank':>7}")
     lines = [f"snapshot {snap.path} (step {snap.step}, {snap.meta['fisher']} Fisher, "
              f"tokens seen {snap.meta['counts']['tokens_seen']})", head, "-" * len(head)]
@@ -20,7 +22,7 @@ def layer_table(snap: Snapshot) -> str:
             t = getattr(lf, f)
             st = spectrum_stats(getattr(lf, f"{f}_eigvals"))
             shape = "x".join(map(str, t.shape)) + ("(diag)" if t.dim() == 1 else "")
-            lines.append(f"{name[-40:]:<40} {f} {shape:>11} {lf.meta[f]['positions']:>9d} "
+            lines.append(f"{name:<{w}} {f} {shape:>11} {lf.meta[f]['positions']:>9d} "
                          f"{st['max']:>10.3e} {st['trace']:>10.3e} {st['cond']:>9.2e} "
                          f"{st['eff_rank']:>7.1f}")
     return "\n".join(lines)
