@@ -171,12 +171,42 @@ def _load_model(name: str):
         problem = "does not exist"
     if problem is not None:
         raise QueryInputError(f"--model={name!r} {problem}: must be {allowed}")
+    _refuse_other_tasks(name)
     try:
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+        model, info = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32,
+                                                           output_loading_info=True)
     except (OSError, ValueError, ImportError) as e:  # no config / weights, not a causal LM
         raise QueryInputError(f"--model={name!r} could not be loaded as a causal LM "
                               f"({_first_line(e)}): must be {allowed}") from None
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:  # a head (or more) the checkpoint lacks would answer with random weights
+        raise QueryInputError(
+            f"--model={name!r}: its checkpoint has no weights for {len(missing)} parameter(s) "
+            f"of the causal LM ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+            ": they would be random; save the whole trained model with save_pretrained")
     return model.eval()
+
+
+#: Endings of ``config.architectures`` names that `kfac-stream query` answers (a causal LM's
+#: next-token head).
+CAUSAL_LM_ARCHITECTURES = ("ForCausalLM", "LMHeadModel")
+
+
+def _refuse_other_tasks(name: str) -> None:
+    """One line, before any weight loads, when the checkpoint's config names only
+    architectures of another task (a sequence classifier, a seq2seq model): loading it as a
+    causal LM would add a randomly initialised head and print plausible nonsense."""
+    from transformers import AutoConfig
+
+    try:
+        archs = list(getattr(AutoConfig.from_pretrained(name), "architectures", None) or ())
+    except (OSError, ValueError):
+        return  # from_pretrained below says what is wrong
+    if archs and not any(a.endswith(CAUSAL_LM_ARCHITECTURES) for a in archs):
+        raise QueryInputError(
+            f"--model={name!r} is a {' / '.join(archs)}, not a causal LM: kfac-stream query "
+            "answers next-token questions of causal LMs only; for a classifier use "
+            "LaplacePosterior(model, snapshot).predictive_probs in Python (docs/queries.md)")
 
 
 def _encode(args, model) -> tuple[object | None, list[int]]:

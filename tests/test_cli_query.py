@@ -305,6 +305,41 @@ def test_bytes_over_127_print_with_one_backslash(trained, capsys):
     assert [p["token"] for p in doc["positions"]] == ["\\xc3", "\\xa9", "!"]
 
 
+def test_a_classifier_or_a_headless_checkpoint_is_refused_in_one_line(trained, capsys,
+                                                                         tmp_path):
+    """Issue 38: never an LM table from a head the checkpoint lacks. A sequence classifier's
+    config names its task: refused before any weight loads; a causal LM whose checkpoint lacks
+    its (untied) head: refused naming the missing weights."""
+    from safetensors.torch import load_file, save_file
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    tmp, _, _ = trained
+    bert = tmp_path / "bert"
+    BertForSequenceClassification(BertConfig(
+        vocab_size=300, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, num_labels=3)).save_pretrained(bert)
+    args = argv(tmp, "--samples", "2")
+    args[args.index("--model") + 1] = str(bert)
+    cli_error(capsys, args, f"--model={str(bert)!r} is a BertForSequenceClassification, not a "
+              "causal LM", "LaplacePosterior(model, snapshot).predictive_probs")
+    llama = tmp_path / "llama"
+    LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32,
+                                 num_hidden_layers=1, num_attention_heads=2,
+                                 num_key_value_heads=2, tie_word_embeddings=False)
+                     ).save_pretrained(llama)
+    weights = load_file(llama / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, llama / "model.safetensors", metadata={"format": "pt"})
+    args[args.index("--model") + 1] = str(llama)
+    cli_error(capsys, args, "its checkpoint has no weights for 1 parameter(s) of the causal LM "
+              "(lm_head.weight): they would be random")
+
+
 def test_missing_local_model_fails_at_once(trained, capsys, monkeypatch):
     """``--model out/nomodel`` beside a directory ``out/`` is a local path, not a hub name: one
     line at once, before the snapshot loads and before any hub request (``from_pretrained``
