@@ -257,12 +257,14 @@ def evaluate_posterior(task, model, snap: Snapshot, mp: dict, mc: int, val: bool
                for t in (taus if val else ())}
     if val:  # every link's validation NLL at the marglik tau: the val-link rule's choice
         out["val_nll"] = val_nll[tau_ml]
+    test_at = {}  # every link's test scores at a tau, once per tau the links choose
     for link in LINKS if val else ():  # the validation tau, chosen with each link
         nll = {t: v[link] for t, v in val_nll.items()}
         t = min(nll, key=nll.get)
         out["tau"][f"val-{link}"] = t
-        out["scores"].setdefault("val", {})[link] = scores(mp["test"], covs["test"][t], y,
-                                                           mc)[link]
+        if t not in test_at:
+            test_at[t] = scores(mp["test"], covs["test"][t], y, mc)
+        out["scores"].setdefault("val", {})[link] = test_at[t][link]
     out["logit_std"] = float(torch.diagonal(covs["test"][tau_ml], dim1=-2, dim2=-1)
                              .clamp_min(0).sqrt().mean())
     return out

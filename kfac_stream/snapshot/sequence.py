@@ -49,8 +49,7 @@ def capture_snapshot(tracker, step: int, epoch: float | None = None,
     """The training thread's part: flush, lend the stored factors (no copy), contents,
     weights fingerprint (collective under ZeRO-3 and FSDP2: every rank calls it for the same
     step). ``release``: the previous capture's ``lent``, its snapshot written."""
-    if release:
-        tracker.release(release)  # before the flush: it writes those factors in place
+    tracker.release(release or {})  # before the flush: it writes those factors in place
     record = tracker.export(lend=True)
     tensors, manifest = snapshot_contents(record, step, epoch)
     manifest["weights"] = weights_fingerprint(tracker.layers)

@@ -140,29 +140,6 @@ class LayerView:
             raise KeyError(f"layer {name!r} is not in snapshot {self.path}") from None
 
 
-def _snapshot_roots_below(root: str, depth: int = 2) -> list[str]:
-    """Folders up to ``depth`` levels below ``root`` that hold ``step-*`` entries (a run
-    directory's ``kfac/``, a Trainer output's ``<run>/kfac``), in sorted order."""
-    found, level = [], [root]
-    for _ in range(depth):
-        nxt = []
-        for d in level:
-            try:
-                subs = sorted(e.path for e in os.scandir(d) if e.is_dir(follow_symlinks=False))
-            except OSError:
-                continue
-            for sub in subs:
-                try:
-                    if any(STEP_DIR_RE.match(e) for e in os.listdir(sub)):
-                        found.append(sub)
-                        continue
-                except OSError:
-                    continue
-                nxt.append(sub)
-        level = nxt
-    return found[:3]
-
-
 class Snapshot(LayerView):
     """A verified, immutable snapshot: ``snap.meta``, ``snap.layer_names``, ``snap[name]``."""
 
@@ -496,3 +473,26 @@ def _check_values(tensors: dict[str, torch.Tensor], origin: dict[str, str]) -> N
         if name.endswith((".scale", ".eigvals")) and bool((t < 0).any()):
             raise SnapshotError(f"{origin[name]}: tensor {name!r} has negative values "
                                 f"(min {float(t.min()):g}); expected ≥ 0")
+
+
+def _snapshot_roots_below(root: str, depth: int = 2) -> list[str]:
+    """Folders up to ``depth`` levels below ``root`` that hold ``step-*`` entries (a run
+    directory's ``kfac/``, a Trainer output's ``<run>/kfac``), in sorted order."""
+    found, level = [], [root]
+    for _ in range(depth):
+        nxt = []
+        for d in level:
+            try:
+                subs = sorted(e.path for e in os.scandir(d) if e.is_dir(follow_symlinks=False))
+            except OSError:
+                continue
+            for sub in subs:
+                try:
+                    if any(STEP_DIR_RE.match(e) for e in os.listdir(sub)):
+                        found.append(sub)
+                        continue
+                except OSError:
+                    continue
+                nxt.append(sub)
+        level = nxt
+    return found[:3]
