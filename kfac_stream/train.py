@@ -44,7 +44,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from .app.schema import AppTrainerDefaults, check_keys, check_override_keys, kfac_config, register
-from .distributed.context import agree_with_rank0
+from .distributed.context import agree_with_rank0, release_process_groups
 from .exceptions import AppConfigError, KFACConfigError
 from .integrations.zero3 import check_deepspeed_device
 
@@ -74,6 +74,8 @@ def main(cfg: DictConfig) -> None:
         if os.environ.get("RANK", "0") == "0":  # the same line on every rank: print it once
             print(f"kfac-stream train: error: {e}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        release_process_groups()  # before interpreter shutdown: no gloo worker outlives it
 
 
 def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:

@@ -322,4 +322,9 @@ def dump(cb, out: str, failed: str | None, watch: dict | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from kfac_stream.distributed.context import release_process_groups
+
+    try:
+        main()
+    finally:
+        release_process_groups()
