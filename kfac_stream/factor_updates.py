@@ -41,6 +41,7 @@ class Counters(Traffic):
     """Running totals, written into every snapshot manifest (with the store's `Traffic`)."""
 
     tokens_seen: int = 0  # usable positions of every training forward pass (read lazily)
+    sequences_seen: int = 0  # sequences with a usable position, of the same passes
     positions_sampled: int = 0  # positions folded into the factors
     updates: int = 0
     skipped_updates: int = 0  # steps dropped for NaN/Inf statistics or a bad loss scale

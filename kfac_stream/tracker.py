@@ -24,7 +24,7 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import torch
@@ -74,6 +74,8 @@ class TrackerRecord:
         capture: The token sampler's state and ``tokens_seen``.
         mc_sampler: The MC label sampler's generator state.
         run_id: The training run's id (`Tracker.run_id`).
+        row_space: ``{layer: "sequence"}`` for the layers whose rows are sequences (a pooler
+            or head on ``[B, d]``, `capture.hooks`); the others' rows are token positions.
     """
 
     step: int | None
@@ -89,6 +91,7 @@ class TrackerRecord:
     capture: CaptureState
     mc_sampler: Tensor
     run_id: str = ""
+    row_space: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def dims(self) -> dict[str, tuple[int, bool]]:
@@ -303,35 +306,40 @@ class Tracker:
                     c = torch.where(fitted, c, torch.ones_like(c))
                     residuals.append(torch.where(fitted, rec.residual(), 0.0))
             a_rows, a_sums = self._by_a_key(rec.a_rows), self._by_a_key(rec.a_sums)
-            keep = (rec.weight > 0)[:, None]  # [m, 1]
-            root = rec.weight.sqrt()[:, None]  # [m, 1]
-            w_sum, n_pos = rec.weight.sum(), keep.sum()  # Σ w (a diagonal A's bias entry)
-            n_w = w_sum if rec.total is None else rec.total  # the EMA's n (usable positions)
+            spaces = {"position": _RowWeights.of(rec.weight, rec.total)}
+            if rec.seq_layers:  # a pooler / head: one row per sequence (`capture.hooks`)
+                spaces["sequence"] = _RowWeights.of(rec.sequence_weight(), rec.seq_total)
+            a_space = {key: spaces["sequence" if set(members) & rec.seq_layers else "position"]
+                       for key, members in self._a_members.items()}
             for key, parts in a_rows.items():
+                w = a_space[key]
                 for a in parts:
                     a = a.to(self.row_dtype)
                     if self._a_has_bias[key]:
                         a = with_bias_column(a)
                     rows.setdefault(key, []).append(
-                        torch.where(keep, a * root.to(a.dtype), 0.0).to(fold))
-                    count(key, n_w, n_pos)
+                        torch.where(w.keep, a * w.root.to(a.dtype), 0.0).to(fold))
+                    count(key, w.n, w.n_rows)
             for key, parts in a_sums.items():
+                w = a_space[key]
                 for a in parts:  # Σ w a⊙a [d_in]; the bias entry is Σ w·1²
                     if self._a_has_bias[key]:
-                        a = torch.cat([a, w_sum.reshape(1).to(a.dtype)])
+                        a = torch.cat([a, w.w_sum.reshape(1).to(a.dtype)])
                     add_sum(key, a)
-                    count(key, n_w, n_pos)
-            g_root = root / c  # [m, 1]
+                    count(key, w.n, w.n_rows)
             for name, parts in rec.g_rows.items():
+                w = spaces["sequence" if name in rec.seq_layers else "position"]
+                g_root = w.root / c  # [m, 1]
                 for g in parts:
                     g = g.to(self.row_dtype)
                     rows.setdefault(self.plan.g_key(name), []).append(
-                        torch.where(keep, g * g_root.to(g.dtype), 0.0).to(fold))
-                    count(self.plan.g_key(name), n_w, n_pos)
+                        torch.where(w.keep, g * g_root.to(g.dtype), 0.0).to(fold))
+                    count(self.plan.g_key(name), w.n, w.n_rows)
             for name, parts in rec.g_sums.items():
+                w = spaces["sequence" if name in rec.seq_layers else "position"]
                 for g in parts:  # Σ w (c·g)⊙(c·g) / c²
                     add_sum(self.plan.g_key(name), g / (c * c))
-                    count(self.plan.g_key(name), n_w, n_pos)
+                    count(self.plan.g_key(name), w.n, w.n_rows)
         if not rows and not sums and self.world_size == 1:
             return None
         cat = {k: _cat(v) for k, v in rows.items()}
@@ -411,6 +419,7 @@ class Tracker:
     def read_counters(self) -> Counters:
         """The counters with the device-side ones read (snapshot, checkpoint, log time)."""
         self.counters.tokens_seen = self.capture.tokens_seen
+        self.counters.sequences_seen = self.capture.sequences_seen
         return self.counters
 
     def count_snapshot_failure(self) -> int:
@@ -442,7 +451,9 @@ class Tracker:
             factors=self.store.state_dict(lend) if factors else {},
             traces=self.store.traces(),
             capture=self.capture.state_dict(), mc_sampler=self.mc_generator.get_state(),
-            run_id=self.run_id)
+            run_id=self.run_id, row_space={n: space for n, space in
+                                           self.capture.row_space.items()
+                                           if space == "sequence"})
 
     def release(self, lent: Mapping[str, Tensor]) -> None:
         """Give back ``{key: tensor}`` a lending `export` handed out, no longer read (its
@@ -474,14 +485,16 @@ class Tracker:
                 setattr(self.counters, name, list(value) if name == "skipped_steps" else value)
         if capture is None:
             self.capture.tokens_seen = int(counters.get("tokens_seen", 0))
+            self.capture.sequences_seen = int(counters.get("sequences_seen", 0))
             self.capture.reseed(self.config.seed + 7919 * (reseed_step + 1) + self.rank)
             self.mc_generator.manual_seed(self.config.seed + 7927 * (reseed_step + 1)
                                           + self.rank + 1)
         else:
             self.capture.tokens_seen = capture.tokens_seen
+            self.capture.sequences_seen = capture.sequences_seen
             _set_rng(self.capture.generator, capture.sampler, self.config.seed + self.rank)
             _set_rng(self.mc_generator, mc_sampler, self.config.seed + self.rank + 1)
-        self.counters.tokens_seen = self.capture.tokens_seen
+        self.read_counters()
 
     def detach(self) -> None:
         """Take every hook off the model (training steps are then plain); `attach` puts them
@@ -492,9 +505,10 @@ class Tracker:
         """Put the hooks back on the model after `detach` (a no-op while attached)."""
         if self.capture.handles:
             return
-        state = self.capture.state_dict()
+        state, spaces = self.capture.state_dict(), self.capture.row_space
         self.capture = self._make_capture()
         self.capture.load_state_dict(state)
+        self.capture.row_space = spaces
 
     def flush(self) -> None:
         """Wait until every submitted update is in the store, folded."""
@@ -558,6 +572,33 @@ def _set_rng(generator: torch.Generator, state: Tensor, fallback_seed: int) -> N
         logger.warning("kfac_stream: the checkpoint's sampler state is from another device "
                        "type; the sampler is reseeded (factors and counters are restored)")
         generator.manual_seed(fallback_seed)
+
+
+@dataclass(frozen=True)
+class _RowWeights:
+    """How one pass's rows of one row space are weighted (`Tracker._collect`).
+
+    Attributes:
+        keep: ``[m, 1]`` bool, rows with a positive weight.
+        root: ``[m, 1]`` square roots of the weights (a row ``x`` enters as ``√w·x``).
+        w_sum: 0-dim ``Σ w`` (a diagonal A's bias entry).
+        n_rows: 0-dim count of rows kept.
+        n: 0-dim EMA weight of the pass (``Σ w``, or the record's own total).
+    """
+
+    keep: Tensor
+    root: Tensor
+    w_sum: Tensor
+    n_rows: Tensor
+    n: Tensor
+
+    @classmethod
+    def of(cls, weight: Tensor, total: Tensor | None) -> _RowWeights:
+        """From ``[m]`` row weights and the record's total (None: ``Σ w``)."""
+        keep = (weight > 0)[:, None]
+        w_sum = weight.sum()
+        return cls(keep, weight.sqrt()[:, None], w_sum, keep.sum(),
+                   w_sum if total is None else total)
 
 
 def _captured_dtype(passes) -> torch.dtype | None:

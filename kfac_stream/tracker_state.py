@@ -97,6 +97,7 @@ def save_tracker_state(record, directory: str, comm: JsonComm = LOCAL,
             "shared_inputs": record.plan.describe(), "run_id": record.run_id,
             "storage_dtype": record.config.storage_dtype, "config": record.config.to_dict(),
             "counters": dict(counters), "tokens_seen": record.capture.tokens_seen,
+            "sequences_seen": record.capture.sequences_seen,
             "factors": factors, "step": record.step}
     name = state_file(record.rank, record.world_size)
     path = os.path.join(directory, name)
@@ -243,12 +244,17 @@ def load_tracker_state(tracker, directory: str) -> str:
     same_world = old_world == tracker.world_size
     if same_world:
         own, handle = metas[tracker.rank]
-        counters = {k: v for k, v in own["counters"].items() if k != "tokens_seen"}
-        capture = CaptureState(handle.get_tensor("rng.sampler"), int(own["tokens_seen"]))
+        counters = {k: v for k, v in own["counters"].items()
+                    if k not in ("tokens_seen", "sequences_seen")}
+        capture = CaptureState(handle.get_tensor("rng.sampler"), int(own["tokens_seen"]),
+                               int(own.get("sequences_seen", 0)))
         tracker.load_state(factors, counters, capture, handle.get_tensor("rng.mc"))
     else:
-        tokens = sum(m["tokens_seen"] for m, _ in metas.values()) if tracker.rank == 0 else 0
-        counters = {**first["counters"], "tokens_seen": tokens}
+        def total(name: str) -> int:  # counted per rank: rank 0 carries the sum on
+            return sum(m.get(name, 0) for m, _ in metas.values()) if tracker.rank == 0 else 0
+
+        counters = {**first["counters"], "tokens_seen": total("tokens_seen"),
+                    "sequences_seen": total("sequences_seen")}
         tracker.load_state(factors, counters, reseed_step=int(first["step"] or 0))
     how = "same world size" if same_world else f"re-sharded from {old_world} to " \
         f"{tracker.world_size} ranks (token samplers reseeded)"

@@ -1,4 +1,6 @@
-"""Any Hugging Face model a user brings (issue 28): 15 families with the defaults.
+"""Any Hugging Face model a user brings (issue 28): 15 families with the defaults; and
+(issue 38) 10 sequence classifiers, 7 encoders with a pooled head and 3 decoders with a
+``score`` head, under ``preset="last_layer"`` and ``preset="all_linear"``.
 
 Each family is a tiny model built from its config (hidden 32, 2 layers, byte vocabulary 256,
 random init, no hub), trained for 12 steps by a real ``Trainer`` (``Seq2SeqTrainer`` for T5)
@@ -192,3 +194,81 @@ def test_family_trains_snapshots_and_answers_queries(family, tmp_path):
     pred = sampled_predictive(post, batch, n_samples=2, seed=0)
     sums = pred.probs.sum(-1)
     assert (sums - 1).abs().max() <= PROB_SUM_TOL and math.isfinite(float(pred.entropy.sum()))
+
+
+# -- sequence classifiers (issue 38): heads on [B, d] are tracked in the sequence row space ----
+
+_CLS = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS,
+            intermediate_size=FFN, max_position_embeddings=SEQ + 4, num_labels=3)
+CLASSIFIERS = {
+    "bert": _causal("BertForSequenceClassification", "BertConfig", **_CLS, pad_token_id=0),
+    "roberta": _causal("RobertaForSequenceClassification", "RobertaConfig", **_CLS,
+                       pad_token_id=1, bos_token_id=0, eos_token_id=2),
+    "deberta_v2": _causal("DebertaV2ForSequenceClassification", "DebertaV2Config", **_CLS,
+                          pad_token_id=0),
+    "electra": _causal("ElectraForSequenceClassification", "ElectraConfig", **_CLS,
+                       embedding_size=HIDDEN, pad_token_id=0),
+    "distilbert": _causal("DistilBertForSequenceClassification", "DistilBertConfig",
+                          vocab_size=VOCAB, dim=HIDDEN, n_layers=2, n_heads=HEADS,
+                          hidden_dim=FFN, max_position_embeddings=SEQ + 4, num_labels=3,
+                          pad_token_id=0),
+    "albert": _causal("AlbertForSequenceClassification", "AlbertConfig", **_CLS,
+                      embedding_size=16, pad_token_id=0),
+    "xlm_roberta": _causal("XLMRobertaForSequenceClassification", "XLMRobertaConfig", **_CLS,
+                           pad_token_id=1, bos_token_id=0, eos_token_id=2),
+    "gpt2": _causal("GPT2ForSequenceClassification", "GPT2Config", vocab_size=VOCAB,
+                    n_embd=HIDDEN, n_layer=2, n_head=HEADS, n_positions=64, num_labels=3,
+                    pad_token_id=0, bos_token_id=0, eos_token_id=0),
+    "llama": _causal("LlamaForSequenceClassification", "LlamaConfig", **_CLS,
+                     num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0),
+    "qwen2": _causal("Qwen2ForSequenceClassification", "Qwen2Config", **_CLS,
+                     num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0),
+}
+#: decoders score every position and read the last one: their head sees [B, T, d]
+DECODER_CLASSIFIERS = ("gpt2", "llama", "qwen2")
+
+
+@pytest.mark.parametrize("preset", ["last_layer", "all_linear"])
+@pytest.mark.parametrize("family", list(CLASSIFIERS))
+def test_classifier_family_preset_trains_and_answers(family, preset, tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from kfac_stream import KFACConfig
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = CLASSIFIERS[family]()
+    ex = text_examples(2 * STEPS, SEQ, seed=3)
+    ex[1]["attention_mask"][SEQ // 2:] = 0  # one padded sequence: padding is never a row
+    for i, e in enumerate(ex):
+        e["input_ids"] = e["input_ids"].clamp(min=3)  # 0-2: special ids
+        e["labels"] = torch.tensor(i % 3)
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=STEPS,
+                             learning_rate=1e-3, report_to=[], logging_strategy="no",
+                             save_strategy="no", disable_tqdm=True, use_cpu=True, seed=0)
+    cb = KFACStreamCallback(KFACConfig(preset=preset))
+    Trainer(model=model, args=args, train_dataset=ListDataset(ex), callbacks=[cb]).train()
+    model.eval()
+    snap = Snapshot.latest(tmp_path / "kfac")
+    rows = {n: snap.meta["layers"][n].get("rows", "position") for n in snap.layer_names}
+    if preset == "last_layer":  # the head: a [B, d] layer for an encoder's pooled head
+        (head,) = rows
+        assert head.rsplit(".", 1)[-1] in ("classifier", "out_proj", "score"), head
+        assert rows[head] == ("position" if family in DECODER_CLASSIFIERS else "sequence")
+    else:  # the blocks: one row per token position
+        assert len(rows) >= 6 and set(rows.values()) == {"position"}
+    counts = snap.meta["counts"]  # 24 sequences of 16 tokens, one half padded, one epoch
+    assert (counts["sequences_seen"], counts["tokens_seen"]) == (24, 24 * SEQ - SEQ // 2)
+    post = LaplacePosterior(model, snap, prior_precision="marglik")
+    for n, space in rows.items():  # N: the sequences of a head on [B, d], else the tokens
+        assert post.layer_num_data[n] == (24.0 if space == "sequence" else 24.0 * SEQ - SEQ // 2)
+    batch = {k: torch.stack([e[k] for e in ex[:2]]) for k in ("input_ids", "attention_mask")}
+    mean, cov = post.predictive(batch)
+    with torch.no_grad():
+        want = model(**batch).logits.double()
+    assert (mean - want).abs().max() <= MEAN_TOL * (1 + want.abs().max())
+    assert torch.allclose(cov, cov.transpose(1, 2), rtol=0, atol=COV_TOL * cov.abs().max())
+    assert torch.linalg.eigvalsh(cov).min() >= -COV_TOL * cov.abs().max()
+    assert cov.diagonal(dim1=1, dim2=2).min() > 0
+    probs = post.predictive_probs(batch)
+    assert (probs.sum(-1) - 1).abs().max() <= PROB_SUM_TOL

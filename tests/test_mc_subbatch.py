@@ -296,14 +296,14 @@ def test_share_weights_rows_by_one_over_the_share(monkeypatch):
     test above) instead of ``B/b``, and the pass's EMA weight is ``Σ w``: the int path's
     estimator (unbiased: the 2000-update tests above) with the sequence stage's weight
     replaced by the inverse of its inclusion probability, hence unbiased too."""
-    from types import SimpleNamespace
-
     from kfac_stream.capture import mc_fisher
+    from kfac_stream.capture.hooks import PassRecord
 
     recs = []
 
     def fake_pass(*args, **kwargs):
-        recs.append(SimpleNamespace(weight=torch.ones(6, dtype=torch.float64), total=None))
+        recs.append(PassRecord(index=torch.arange(6), weight=torch.ones(6, dtype=torch.float64),
+                               n_positions=12))
         return recs[-1]
 
     monkeypatch.setattr(mc_fisher, "mc_fisher_pass", fake_pass)

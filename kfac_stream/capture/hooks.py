@@ -5,6 +5,12 @@ One ``PassRecord`` per training forward pass of the model (one micro-batch):
 * a forward pre-hook on the model draws a fixed number of token positions once for the pass
   (same positions for every layer; padding slots weighted 0, `stats.rows.sample_positions`)
   and adds the usable tokens to a counter kept on the device;
+* a layer that sees one row per sequence (``[B, d]``: a pooler or classification head that
+  reads the first or last token) has no token positions: its rows are the pass's sequences,
+  all of them, weighted 1 (0 for an all-padding sequence), and the pre-hook counts the usable
+  sequences beside the tokens (``sequences_seen``). Which *row space* a layer has (positions or
+  sequences) is fixed by its input's shape at its first captured call (`CaptureHooks.row_space`)
+  and written into the snapshot, where it gives the layer its own ``N``;
 * a forward hook on each tracked layer gathers the input rows and registers a hook on the
   output *tensor* (not a module backward hook: robust to in-place ops, pytorch#61519). The
   (input rows, output-gradient rows) pair is appended only when that hook fires, so a forward
@@ -46,7 +52,8 @@ from torch import Tensor, nn
 
 from ..stats.covariance import weighted_squares
 from ..stats.loss_scale import cross_entropy_scale
-from ..stats.rows import gather_rows, sample_positions, usable_positions
+from ..stats.rows import (ROW_SPACES, gather_rows, row_space_of, sample_positions,
+                          sequence_usable, usable_positions)
 from . import graphs
 from .sharing import FactorPlan, same_data
 
@@ -94,10 +101,13 @@ class CaptureState:
         sampler: The token sampler's generator state (uint8 tensor; its format depends on the
             generator's device type).
         tokens_seen: Usable positions of every training forward pass so far.
+        sequences_seen: Sequences with a usable position, of the same passes (0 in states
+            written before it was counted).
     """
 
     sampler: Tensor
     tokens_seen: int
+    sequences_seen: int = 0
 
 
 @dataclass
@@ -132,6 +142,13 @@ class PassRecord:
             their inclusion probability in two stages (sequences, then positions), whose sum
             varies with the sequences drawn, while ``n`` is the micro-batch's usable positions
             (`mc_fisher.mc_subbatch_pass`). None: ``weight.sum()``.
+        batch: ``B`` of the pass (the rows of a sequence-space layer).
+        usable: ``[B*T]`` bool, the pass's usable positions (device).
+        seq_weight: ``[B]`` float32 weights of the sequence rows: 1 for a sequence with a usable
+            position, 0 for an all-padding one (times ``1/P(drawn)`` in an MC sub-batch
+            replay); made at the first sequence-space call (`sequence_weight`).
+        seq_total: Like ``total``, for the sequence rows (None: ``seq_weight.sum()``).
+        seq_layers: Layers whose rows in this pass are sequences (`CaptureHooks.row_space`).
     """
 
     index: Tensor
@@ -148,6 +165,17 @@ class PassRecord:
     closed: bool = False
     replay: bool = False
     total: Tensor | None = None
+    batch: int = 0
+    usable: Tensor | None = None
+    seq_weight: Tensor | None = None
+    seq_total: Tensor | None = None
+    seq_layers: set[str] = field(default_factory=set)
+
+    def sequence_weight(self) -> Tensor:
+        """``[B]`` float32 weights of the pass's sequence rows (made once, on the device)."""
+        if self.seq_weight is None:
+            self.seq_weight = sequence_usable(self.usable, self.batch).to(torch.float32)
+        return self.seq_weight
 
     def resolve_scale(self) -> Tensor | float | None:
         """``c`` of the pass: ``scale`` if set, else the first fit with live rows (a device
@@ -217,8 +245,10 @@ class CaptureHooks:
         self.current: PassRecord | None = None
         self.passes: list[PassRecord] = []
         self.inputs: list[dict[str, Tensor]] = []
-        self._tokens_host = 0
-        self._tokens_device: Tensor | None = None  # usable positions since the last read
+        self._counts_host = [0, 0]  # [usable positions, usable sequences]
+        self._counts_device: Tensor | None = None  # [2] int64, since the last read
+        self.row_space: dict[str, str] = {}  # layer -> "position" | "sequence" (first call)
+        self._layers = layers
         self._a_diagonal = {n: plan.dims[k][1] for n, k in plan.a_key.items()}
         self._group = {n: g for g in plan.groups for n in g}  # layer -> its shared-input group
         # group -> [its input of this call, its rows, members still to be called]; dropped when
@@ -246,18 +276,33 @@ class CaptureHooks:
         self.model = model
         setattr(model, _HANDLE_ATTR, self.handles)
 
+    def _read_counts(self) -> list[int]:
+        """``[tokens, sequences]`` so far (reads the device counter once)."""
+        if self._counts_device is not None:
+            self._counts_host = [a + int(b) for a, b in
+                                 zip(self._counts_host, self._counts_device.tolist())]
+            self._counts_device = None
+        return self._counts_host
+
     @property
     def tokens_seen(self) -> int:
         """Usable positions of every training forward pass, captured or not (reads the device
         counter: call at snapshot, checkpoint or log time, not per step)."""
-        if self._tokens_device is not None:
-            self._tokens_host += int(self._tokens_device)
-            self._tokens_device = None
-        return self._tokens_host
+        return self._read_counts()[0]
 
     @tokens_seen.setter
     def tokens_seen(self, value: int) -> None:
-        self._tokens_host, self._tokens_device = int(value), None
+        self._counts_host = [int(value), self._read_counts()[1]]
+
+    @property
+    def sequences_seen(self) -> int:
+        """Sequences with a usable position, of every training forward pass (the ``N`` of a
+        sequence-space layer; reads the device counter like `tokens_seen`)."""
+        return self._read_counts()[1]
+
+    @sequences_seen.setter
+    def sequences_seen(self, value: int) -> None:
+        self._counts_host = [self._read_counts()[0], int(value)]
 
     def set_mode(self, mode: CaptureMode) -> None:
         """Do what ``mode`` says from the next forward pass on."""
@@ -274,8 +319,9 @@ class CaptureHooks:
             self.mode, self.current = saved, None
 
     def state_dict(self) -> CaptureState:
-        """The sampler's state and ``tokens_seen`` (reads the device counter)."""
-        return CaptureState(self.generator.get_state(), self.tokens_seen)
+        """The sampler's state, ``tokens_seen`` and ``sequences_seen`` (reads the device
+        counter)."""
+        return CaptureState(self.generator.get_state(), self.tokens_seen, self.sequences_seen)
 
     def load_state_dict(self, state: CaptureState) -> None:
         """Restore the sampler and ``tokens_seen``.
@@ -285,6 +331,7 @@ class CaptureHooks:
                 formats differ); ``tokens_seen`` is restored first.
         """
         self.tokens_seen = state.tokens_seen
+        self.sequences_seen = state.sequences_seen
         self.generator.set_state(state.sampler)
 
     def reseed(self, seed: int) -> None:
@@ -323,9 +370,9 @@ class CaptureHooks:
         usable = usable_positions(mask if isinstance(mask, Tensor) else None, shape, x.device)
         mode = self.mode
         if mode.count_tokens:
-            count = usable.sum()
-            self._tokens_device = count if self._tokens_device is None else (
-                self._tokens_device + count.to(self._tokens_device.device))
+            count = torch.stack([usable.sum(), sequence_usable(usable, shape[0]).sum()])
+            self._counts_device = count if self._counts_device is None else (
+                self._counts_device + count.to(self._counts_device.device))
         inputs = {k: v.detach() for k, v in kwargs.items() if isinstance(v, Tensor)} \
             if mode.record_inputs else None
         if not mode.rows:
@@ -336,7 +383,7 @@ class CaptureHooks:
         fraction = self.token_fraction if mode.token_fraction is None else mode.token_fraction
         index, weight = sample_positions(usable, fraction, gen)
         self.current = PassRecord(index=index, weight=weight, n_positions=shape[0] * shape[1],
-                                  inputs=inputs)
+                                  inputs=inputs, batch=shape[0], usable=usable)
         self.passes.append(self.current)
 
     def _on_model_post(self, module: nn.Module, args: tuple, kwargs: dict[str, Any],
@@ -433,11 +480,17 @@ class CaptureHooks:
             if rec is None or not isinstance(output, Tensor) or not output.requires_grad:
                 return
             x = args[0]
+            space = self._space(name, x, rec)
+            if space == "sequence":
+                rec.seq_layers.add(name)
+                index, weight, n = None, rec.sequence_weight(), rec.batch
+            else:
+                index, weight, n = rec.index, rec.weight, rec.n_positions
 
             def gather() -> Tensor:
-                a = gather_rows(x, rec.index, rec.n_positions, self.row_dtype)  # [m, d_in]
+                a = gather_rows(x, index, n, self.row_dtype)  # [m, d_in]
                 if a_diag:
-                    a = weighted_squares(a, rec.weight, self.sum_dtype)  # [d_in]
+                    a = weighted_squares(a, weight, self.sum_dtype)  # [d_in]
                 return a
 
             group = self._group.get(name)
@@ -450,10 +503,10 @@ class CaptureHooks:
             def on_grad(grad: Tensor, rec: PassRecord = rec, a: Tensor = a) -> None:
                 if grad is None or rec.closed:
                     return
-                g = gather_rows(grad, rec.index, rec.n_positions, self.row_dtype)  # [m, d_out]
+                g = gather_rows(grad, index, n, self.row_dtype)  # [m, d_out]
                 if g_diag:
                     rec.g_sums.setdefault(name, []).append(
-                        weighted_squares(g, rec.weight, self.sum_dtype))  # [d_out]
+                        weighted_squares(g, weight, self.sum_dtype))  # [d_out]
                 else:
                     rec.g_rows.setdefault(name, []).append(g)
                 (rec.a_sums if a_diag else rec.a_rows).setdefault(name, []).append(a)
@@ -461,3 +514,16 @@ class CaptureHooks:
             output.register_hook(on_grad)
 
         return hook
+
+    def _space(self, name: str, x: Tensor, rec: PassRecord) -> str:
+        """``name``'s row space (`ROW_SPACES`), fixed at its first captured call; a later call
+        in another space, or rows that fit neither, raise (`stats.rows.row_space_of`)."""
+        space = row_space_of(name, x, rec.batch, rec.n_positions, self.model)
+        known = self.row_space.setdefault(name, space)
+        if known != space:
+            raise RuntimeError(
+                f"kfac_stream: tracked layer {name!r} saw one row per {space} in this forward "
+                f"pass but one per {known} before ({tuple(x.shape)} input here); a layer's "
+                "factors need one row space. Exclude it (KFACConfig(exclude=[...])).")
+        assert space in ROW_SPACES
+        return space

@@ -58,7 +58,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..stats.rows import slots_per_pass, usable_positions
+from ..stats.rows import sequence_usable, slots_per_pass, usable_positions
 from .hooks import MC_REPLAY, CaptureHooks, CaptureMode, PassRecord, logits_of
 
 _DROP = ("labels", "num_items_in_batch", "return_loss")
@@ -325,8 +325,16 @@ def mc_subbatch_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, 
     rec = mc_fisher_pass(model, capture, sub, label_generator,
                          CaptureMode(rows=True, estimate_scale=False, count_tokens=False,
                                      keep_outputs=True, token_fraction=fraction))
-    if rec is not None and share is not None:  # × 1/P(sequence drawn) = 1/f; n = Σ w
-        rec.weight = rec.weight / share
-    elif rec is not None and b < B:  # b = B: the full replay's record, untouched
-        rec.weight = rec.weight * (B / b)  # × 1/P(sequence drawn)
+    if rec is None or (share is None and b == B):  # b = B: the full replay, untouched
+        return
+    scale = 1.0 / share if share is not None else B / b  # × 1/P(sequence drawn)
+    rec.weight = rec.weight * scale
+    if rec.seq_layers:  # a head's sequence rows: the same first stage, no second
+        rec.seq_weight = rec.sequence_weight() * scale
+    for sums in (rec.a_sums, rec.g_sums):  # diagonal factors: Σ w x⊙x, taken in the pass
+        for name, parts in sums.items():
+            sums[name] = [x * scale for x in parts]
+    if share is None:  # n = U (and the usable sequences) of the whole micro-batch
         rec.total = total.to(rec.weight.device)
+        if rec.seq_layers:
+            rec.seq_total = sequence_usable(usable, B).sum().to(rec.seq_weight)

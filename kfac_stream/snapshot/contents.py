@@ -40,6 +40,8 @@ def snapshot_contents(record, step: int, epoch: float | None = None
     for name, spec in record.specs.items():
         entry: dict[str, Any] = {"kind": spec.kind, "d_in": spec.d_in, "d_out": spec.d_out,
                                  "has_bias": spec.has_bias}
+        if record.row_space.get(name) == "sequence":  # a pooler / head: N counts sequences
+            entry["rows"] = "sequence"
         for factor, key in zip(FACTOR_KINDS, record.plan.keys_of(name)):
             dim, diagonal = record.dims[key]
             owner = record.ownership.owner[key]
@@ -88,7 +90,7 @@ def merge_manifests(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One manifest from every rank's part (rank order), as rank 0 writes it.
 
     Each factor's statistics (weight, updates, positions, dtype, spectrum) come from its
-    owner's part; ``tokens_seen`` (counted per rank) is summed; ``tracker_seconds``,
+    owner's part; ``tokens_seen`` and ``sequences_seen`` (counted per rank) are summed; ``tracker_seconds``,
     ``exchange_seconds`` and ``fold_seconds`` are the slowest rank's; ``comm_bytes`` lists
     every rank's. Everything else is the same on all ranks and is taken from rank 0.
     """
@@ -100,6 +102,12 @@ def merge_manifests(parts: list[dict[str, Any]]) -> dict[str, Any]:
                     out["layers"][name][factor] = entry[factor]
     counts = out["counts"]
     counts["tokens_seen"] = sum(p["counts"]["tokens_seen"] for p in parts)
+    if all("sequences_seen" in p["counts"] for p in parts):
+        counts["sequences_seen"] = sum(p["counts"]["sequences_seen"] for p in parts)
+    for part in parts[1:]:  # a layer's row space, as the first rank that captured it saw it
+        for name, entry in part["layers"].items():
+            if "rows" in entry:
+                out["layers"][name]["rows"] = entry["rows"]
     for key in ("tracker_seconds", "exchange_seconds", "fold_seconds", "wait_seconds"):
         counts[key] = max(p["counts"][key] for p in parts)
     counts["comm_bytes"] = [b for p in parts for b in p["counts"]["comm_bytes"]]

@@ -446,6 +446,9 @@ LAYER = Record({
     "d_in": Field(Int(1, MAX_FACTOR_DIM)),
     "d_out": Field(Int(1, MAX_FACTOR_DIM)),
     "has_bias": Field(Bool()),
+    # "sequence": one row per sequence (a pooler or head on [B, d]), N counts sequences;
+    # absent: one row per token position
+    "rows": Field(Str(choices=("position", "sequence")), since=None),
     "A": Field(FACTOR),
     "G": Field(FACTOR),
 }, what="a layer entry (an object with kind, d_in, d_out, has_bias, A, G)")
@@ -480,6 +483,7 @@ CONFIG = _TrackerConfig()
 # The tracker's counters: the five every writer wrote are required, later ones optional.
 COUNTS = Record({
     "tokens_seen": Field(_COUNT),
+    "sequences_seen": Field(_COUNT, since=None),
     "positions_sampled": Field(_COUNT),
     "updates": Field(_COUNT),
     "skipped_updates": Field(_COUNT),

@@ -3,6 +3,8 @@
 A layer input or output gradient of shape ``[B, T, d]`` (or any ``[..., d]``) is flattened to
 ``[B*T, d]`` (position ``s = b*T + t``), and the rows of the sampled positions are gathered.
 Usable positions are those with ``attention_mask == 1``; padding rows are never gathered.
+A layer applied once per sequence (``[B, d]``) is in the *sequence* row space: all ``B`` rows
+are taken, a sequence without a usable position weighted 0 (`ROW_SPACES`).
 """
 
 from __future__ import annotations
@@ -74,29 +76,73 @@ def sample_positions(usable: Tensor, fraction: float, generator: torch.Generator
     return index, weight
 
 
-def gather_rows(x: Tensor, index: Tensor, n_positions: int, dtype: torch.dtype | None
-                ) -> Tensor:
-    """Rows of the sampled positions.
+#: The row spaces of a tracked layer: one row per token position of the input (``[B, T, d]``
+#: inputs, the transformer blocks) or one per sequence (``[B, d]``: a pooler or a head that
+#: reads one token per sequence, e.g. BERT's ``pooler.dense`` and ``classifier``).
+ROW_SPACES = ("position", "sequence")
+
+
+def sequence_usable(usable: Tensor, batch: int) -> Tensor:
+    """Sequences with at least one usable position.
 
     Args:
-        x: ``[..., d]`` with ``prod(...) == n_positions`` (e.g. ``[B, T, d]``).
-        index: ``[n]`` flat position indices.
-        n_positions: ``B*T`` of the forward pass, to check the layout.
+        usable: ``[B*T]`` bool.
+        batch: ``B``.
+
+    Returns:
+        ``[B]`` bool.
+    """
+    return usable.reshape(batch, -1).any(dim=1)
+
+
+def row_space_of(name: str, x: Tensor, batch: int, n_positions: int, model=None) -> str:
+    """Which row space a layer input ``x`` (``[..., d]``) is in: ``"position"`` when it has
+    ``B*T`` rows, ``"sequence"`` when it has ``B`` (a head on one token per sequence).
+
+    Raises:
+        RuntimeError: neither; the message names the layer, the shapes and, for an
+            encoder-decoder ``model`` (a decoder longer or shorter than the input), the fix.
+    """
+    rows = x.numel() // max(1, x.shape[-1])
+    if rows == n_positions:
+        return "position"
+    if rows == batch:
+        return "sequence"
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        hint = ("this encoder-decoder's decoder length differs from its input length, which is "
+                "not supported yet: pad the labels to the input length, or exclude the decoder "
+                "layers (KFACConfig(exclude=[r'decoder']))")
+    else:
+        hint = ("kfac_stream tracks layers applied at every position ([batch, seq, features]) "
+                "or once per sequence ([batch, features]); exclude this one (KFACConfig("
+                f"exclude=[{name!r}]))")
+    raise RuntimeError(
+        f"kfac_stream: tracked layer {name!r} got an input of shape {tuple(x.shape)}: "
+        f"{rows} rows, where the forward pass has {batch} sequences of "
+        f"{n_positions // max(1, batch)} positions: {n_positions} rows for a layer applied at "
+        f"every position, {batch} for one applied once per sequence; {hint}")
+
+
+def gather_rows(x: Tensor, index: Tensor | None, n_rows: int, dtype: torch.dtype | None
+                ) -> Tensor:
+    """Rows of the sampled positions (or every row).
+
+    Args:
+        x: ``[..., d]`` with ``prod(...) == n_rows`` (e.g. ``[B, T, d]``, or ``[B, d]`` for a
+            sequence-space layer).
+        index: ``[n]`` flat row indices; None: every row.
+        n_rows: Rows ``x`` must have (``B*T`` or ``B``), to check the layout.
         dtype: Dtype of the returned rows; None keeps the input's.
 
     Returns:
-        ``[n, d]`` detached rows.
+        ``[n, d]`` detached rows (``[n_rows, d]`` with ``index`` None).
     """
     d = x.shape[-1]
-    flat = x.detach().reshape(-1, d)  # [B*T, d]
-    if flat.shape[0] != n_positions:
+    flat = x.detach().reshape(-1, d)  # [n_rows, d]
+    if flat.shape[0] != n_rows:
         raise RuntimeError(
-            f"a tracked layer saw {flat.shape[0]} positions but the forward pass has "
-            f"{n_positions}: kfac_stream needs layer inputs shaped [batch, seq, features] (or "
-            "their rows [batch*seq, features]) over the input's positions; an encoder-decoder "
-            "whose decoder length differs from its input length is not supported yet: pad the "
-            "labels to the input length, or exclude the decoder layers (KFACConfig(exclude="
-            "[r'decoder']))"
-        )
-    rows = flat.index_select(0, index)
+            f"kfac_stream: a tracked layer's gradient has {flat.shape[0]} rows where its input "
+            f"had {n_rows}: kfac_stream needs a layer's output rows to match its input rows")
+    rows = flat if index is None else flat.index_select(0, index)
     return rows if dtype is None else rows.to(dtype)
