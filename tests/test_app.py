@@ -172,7 +172,7 @@ def test_deepspeed_on_cpu_without_use_cpu_is_one_line(tmp_path):
     assert "AssertionError" not in out and "Traceback" not in out.split(line)[0], out[-3000:]
 
 
-@pytest.mark.parametrize("override,needle", [
+BAD_OVERRIDES = [
     ("kfac.tokn_fraction=0.1", "kfac.tokn_fraction"),
     ("trainer.max_steps=abc", "trainer.max_steps"),
     ("kfac.token_fraction=2", "token_fraction=2.0"),
@@ -184,13 +184,26 @@ def test_deepspeed_on_cpu_without_use_cpu_is_one_line(tmp_path):
     ("model=hf model.name_or_path=null", "model.name_or_path"),
     ("report.top_k=0", "report.top_k=0: must be a positive integer"),
     ("report.prior_precision=-1", "report.prior_precision=-1.0: must be a positive finite float"),
-])
-def test_bad_override_fails_before_training(tmp_path, override, needle):
-    run_dir = tmp_path / "run"
-    rc, out = _app(tmp_path, run_dir, *override.split(), check=False)
-    assert rc != 0 and needle in out, out[-3000:]
-    assert "Traceback" not in out and "TypeError" not in out, out[-3000:]
-    assert "train_runtime" not in out and not (run_dir / "kfac").exists()
+]
+
+
+def test_bad_override_fails_before_training(tmp_path):
+    """Every case through the app's own entry point, in one process
+    (`tests/app_overrides_job.py`: a process start per case cost ~6 s on CI's 2 cores)."""
+    runs = [tmp_path / f"run{i}" for i in range(len(BAD_OVERRIDES))]
+    lines = [f"hydra.run.dir={run} {override}" for run, (override, _) in zip(runs, BAD_OVERRIDES)]
+    out_json = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "app_overrides_job.py"),
+                           str(out_json), *lines], cwd=ROOT, env=_env(tmp_path),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    with open(out_json) as f:
+        results = json.load(f)
+    for (override, needle), run_dir, res in zip(BAD_OVERRIDES, runs, results):
+        rc, out = res["rc"], res["out"]
+        assert rc != 0 and needle in out, (override, out[-3000:])
+        assert "Traceback" not in out and "TypeError" not in out, (override, out[-3000:])
+        assert "train_runtime" not in out and not (run_dir / "kfac").exists(), override
 
 
 def test_hub_code_path_on_local_files(tmp_path):
