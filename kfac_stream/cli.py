@@ -8,9 +8,14 @@ import os
 import re
 import sys
 import time
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from .exceptions import KFACStreamError, QueryInputError
 from .files import local_path_problem
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 #: A hub model name (``gpt2``, ``org/name``); anything else that is not a directory is an error.
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -108,22 +113,69 @@ MODES = ("tokens", "topk")
 DEFAULT_SAMPLES = {"tokens": 32, "topk": 2000}
 
 
-def _check_query_args(args) -> float | str:
-    """The cheap checks of ``query``'s arguments, before anything loads (filling in the
-    defaults that depend on ``--mode``); returns ``τ``."""
+def _check_paths(args) -> None:
+    """``--model`` and ``--tokenizer``: a name that can only be a local path that does not exist
+    is refused at once (before the snapshot loads, and before any hub request)."""
     for arg, name, allowed in (
             ("--model", args.model, "must be a model directory written by save_pretrained "
              "(e.g. out/demo/model) or a hub model name"),
             ("--tokenizer", args.tokenizer, "must be a tokenizer directory or a hub name; "
              "pass --byte-level for a byte-level model such as the demo's")):
         problem = None if name is None else local_path_problem(name)
-        if problem is not None:  # before the snapshot loads, and before any hub request
+        if problem is not None:
             raise QueryInputError(f"{arg}={name!r} {problem}: {allowed}")
-    if args.mode is None:  # --top-k asks for the top-k table; else the per-token table
-        args.mode = "topk" if args.top_k is not None else "tokens"
-    if not args.text:
+
+
+def _check_inputs_given(args) -> None:
+    """Exactly one of ``--text`` and ``--file``; ``--text`` non-empty."""
+    if args.text is not None and args.file is not None:
+        raise QueryInputError("--text and --file are not allowed together: pass exactly one "
+                              "(--text TEXT: one input; --file PATH: one input per line, for a "
+                              "sequence classifier)")
+    if args.text is None and args.file is None:
+        raise QueryInputError("one of --text TEXT or --file PATH is required (the input(s) to "
+                              "query)")
+    if args.file is None and not args.text:
         raise QueryInputError(f"--text={args.text!r} is not allowed: must be a non-empty text "
                               "(the positions to query)")
+
+
+def _check_query_args(args, task: str, arch: str) -> float | str:
+    """The cheap checks of ``query``'s flags for the model's ``task`` (after `_check_paths`
+    and `_check_inputs_given`), before anything loads (filling in the defaults of a causal
+    LM's flags); returns ``τ``."""
+    if task == CLASSIFIER:
+        _check_classifier_args(args, arch)
+    else:
+        _check_lm_args(args)
+    return _prior_precision(args.prior_precision)
+
+
+#: The flags of a causal LM's query, ``(flag, argparse dest)``: refused with a classifier.
+LM_ONLY_FLAGS = (("--mode", "mode"), ("--top-k", "top_k"), ("--options", "options"),
+                 ("--samples", "samples"), ("--weight-samples", "weight_samples"),
+                 ("--seed", "seed"))
+
+
+def _check_classifier_args(args, arch: str) -> None:
+    """A sequence classifier's query takes none of a causal LM's flags."""
+    for flag, dest in LM_ONLY_FLAGS:
+        if getattr(args, dest) not in (None, False):
+            raise QueryInputError(
+                f"{flag} is not allowed with a sequence classifier ({arch}): it is a flag of a "
+                "causal LM's query; a classifier's prints the MAP and Laplace class "
+                "probabilities of each input (--text TEXT or --file PATH)")
+
+
+def _check_lm_args(args) -> None:
+    """A causal LM's flags (filling in the defaults that depend on ``--mode``)."""
+    if args.file is not None:
+        raise QueryInputError(f"--file={args.file!r} is not allowed with a causal LM: it takes "
+                              "one --text (--file is for sequence classifiers)")
+    if args.mode is None:  # --top-k asks for the top-k table; else the per-token table
+        args.mode = "topk" if args.top_k is not None else "tokens"
+    if args.seed is None:
+        args.seed = 0
     if args.mode == "tokens" and args.top_k is not None:
         raise QueryInputError(f"--top-k={args.top_k} is not allowed with --mode tokens (its "
                               "table shows the top token): must come with --mode topk")
@@ -152,102 +204,204 @@ def _check_query_args(args) -> float | str:
             raise QueryInputError(f"--options={args.options!r} is not allowed: must be two or "
                                   "more distinct non-empty answer strings of one token each "
                                   "(e.g. --options ' A' ' B' ' C' ' D')")
-    return _prior_precision(args.prior_precision)
 
 
-def _load_model(name: str):
-    """``--model``: a causal LM from a local directory or the hub, in float32 and eval mode."""
-    import torch
-    from transformers import AutoModelForCausalLM
+#: ``MODEL_ALLOWED``: what ``--model`` must be.
+MODEL_ALLOWED = ("a model directory written by save_pretrained (e.g. out/demo/model) or a hub "
+                 "model name")
 
-    allowed = ("a model directory written by save_pretrained (e.g. out/demo/model) or a hub "
-               "model name")
+
+def _check_model_name(name: str) -> None:
+    """``--model``: not empty, not a file, a directory or what may be a hub name."""
     if not name:
-        raise QueryInputError(f"--model={name!r} is not allowed: must be {allowed}")
+        raise QueryInputError(f"--model={name!r} is not allowed: must be {MODEL_ALLOWED}")
     if os.path.isfile(name):
-        raise QueryInputError(f"--model={name!r} is a file: must be {allowed}")
+        raise QueryInputError(f"--model={name!r} is a file: must be {MODEL_ALLOWED}")
     problem = local_path_problem(name)
     if problem is None and not os.path.isdir(name) and not HUB_NAME.match(name):
         problem = "does not exist"
     if problem is not None:
-        raise QueryInputError(f"--model={name!r} {problem}: must be {allowed}")
-    _refuse_other_tasks(name)
+        raise QueryInputError(f"--model={name!r} {problem}: must be {MODEL_ALLOWED}")
+
+
+#: The two tasks `kfac-stream query` answers.
+CAUSAL_LM, CLASSIFIER = "causal_lm", "sequence_classification"
+
+#: What each task's model is called in messages.
+TASK_NAMES = {CAUSAL_LM: "causal LM", CLASSIFIER: "sequence classifier"}
+
+
+def _load_model(name: str, task: str = CAUSAL_LM):
+    """``--model``: a causal LM or a sequence classifier (``task``) from a local directory or
+    the hub, in float32 and eval mode; refused when its checkpoint lacks weights of the model
+    (a head that would be random)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    loader = AutoModelForSequenceClassification if task == CLASSIFIER else AutoModelForCausalLM
+    what = TASK_NAMES[task]
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32,
-                                                           output_loading_info=True)
-    except (OSError, ValueError, ImportError) as e:  # no config / weights, not a causal LM
-        raise QueryInputError(f"--model={name!r} could not be loaded as a causal LM "
-                              f"({_first_line(e)}): must be {allowed}") from None
+        model, info = loader.from_pretrained(name, dtype=torch.float32, output_loading_info=True)
+    except (OSError, ValueError, ImportError) as e:  # no config / weights, another task
+        raise QueryInputError(f"--model={name!r} could not be loaded as a {what} "
+                              f"({_first_line(e)}): must be {MODEL_ALLOWED}") from None
     missing = sorted(info.get("missing_keys") or ())
     if missing:  # a head (or more) the checkpoint lacks would answer with random weights
         raise QueryInputError(
             f"--model={name!r}: its checkpoint has no weights for {len(missing)} parameter(s) "
-            f"of the causal LM ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
+            f"of the {what} ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
             ": they would be random; save the whole trained model with save_pretrained")
     return model.eval()
 
 
-#: Endings of ``config.architectures`` names that `kfac-stream query` answers (a causal LM's
-#: next-token head).
+#: Endings of ``config.architectures`` names that `kfac-stream query` answers as a causal LM
+#: (the next-token head).
 CAUSAL_LM_ARCHITECTURES = ("ForCausalLM", "LMHeadModel")
 
+#: The ending of a sequence classifier's architecture (answered when single-label).
+CLASSIFIER_ARCHITECTURE = "ForSequenceClassification"
 
-def _refuse_other_tasks(name: str) -> None:
-    """One line, before any weight loads, when the checkpoint's config names only
-    architectures of another task (a sequence classifier, a seq2seq model): loading it as a
-    causal LM would add a randomly initialised head and print plausible nonsense."""
+SUPPORTED = ("kfac-stream query answers causal LMs (*ForCausalLM, *LMHeadModel) and "
+             "single-label sequence classifiers (*ForSequenceClassification, num_labels >= 2) "
+             "only; for other heads LaplacePosterior.predictive gives the Gaussian of chosen "
+             "logits in Python (docs/queries.md)")
+
+
+def _model_task(name: str) -> tuple[str, str]:
+    """``(task, architecture)`` of ``--model`` from its config alone, before any weight loads:
+    `CAUSAL_LM` or `CLASSIFIER`; any other task (token classification, multiple choice,
+    regression or multi-label heads, question answering, seq2seq...) is refused in one line,
+    since loading it as either would add a randomly initialised head and print plausible
+    nonsense. A config that does not load or names no architecture: `CAUSAL_LM` (the loader
+    then says what is wrong)."""
     from transformers import AutoConfig
 
+    _check_model_name(name)
     try:
-        archs = list(getattr(AutoConfig.from_pretrained(name), "architectures", None) or ())
+        config = AutoConfig.from_pretrained(name)
     except (OSError, ValueError):
-        return  # from_pretrained below says what is wrong
-    if archs and not any(a.endswith(CAUSAL_LM_ARCHITECTURES) for a in archs):
-        raise QueryInputError(
-            f"--model={name!r} is a {' / '.join(archs)}, not a causal LM: kfac-stream query "
-            "answers next-token questions of causal LMs only; for a classifier use "
-            "LaplacePosterior(model, snapshot).predictive_probs in Python (docs/queries.md)")
+        return CAUSAL_LM, ""  # from_pretrained of the model says what is wrong
+    archs = list(getattr(config, "architectures", None) or ())
+    if not archs:
+        return CAUSAL_LM, ""
+    lm = [a for a in archs if a.endswith(CAUSAL_LM_ARCHITECTURES)]
+    if lm:
+        return CAUSAL_LM, lm[0]
+    cls = [a for a in archs if a.endswith(CLASSIFIER_ARCHITECTURE)]
+    if not cls:
+        raise QueryInputError(f"--model={name!r} is a {' / '.join(archs)}: {SUPPORTED}")
+    problem_type, labels = getattr(config, "problem_type", None), config.num_labels
+    if problem_type not in (None, "single_label_classification") or labels < 2:
+        kind = problem_type or "regression"  # num_labels = 1, problem_type unset: regression
+        raise QueryInputError(f"--model={name!r} is a {cls[0]} with problem_type={kind!r} "
+                              f"(num_labels={labels}), not a single-label classifier: "
+                              f"{SUPPORTED}")
+    return CLASSIFIER, cls[0]
 
 
-def _encode(args, model) -> tuple[object | None, list[int]]:
-    """``(tokenizer or None for --byte-level, the ids of --text)``, checked against the model."""
-    hint = ("pass --byte-level for a byte-level model such as the demo's, or --tokenizer DIR "
-            "for the model's tokenizer")
+#: The files a tokenizer directory holds (at least one of them): without any, AutoTokenizer
+#: may still build a tokenizer from the model's config, with no vocabulary (every word [UNK]).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json",
+                   "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+
+TOKENIZER_HINT = ("pass --byte-level for a byte-level model such as the demo's, or --tokenizer "
+                  "DIR for the model's tokenizer")
+
+
+def _tokenizer(args):
+    """The tokenizer of ``--tokenizer`` (default ``--model``), or None with ``--byte-level``.
+    A directory without tokenizer files, a tokenizer that does not load or one that knows no
+    more than its special tokens is an error (never words silently mapped to [UNK])."""
+    if args.byte_level:
+        return None
+    from transformers import AutoTokenizer
+
     source = args.tokenizer or args.model
     arg = "--tokenizer" if args.tokenizer else "--model"
-    tokenizer = None
-    if args.byte_level:
-        ids = list(args.text.encode("utf-8"))
-    else:
-        from transformers import AutoTokenizer
+    problem = local_path_problem(source)
+    if problem is not None:
+        raise QueryInputError(f"{arg}={source!r} {problem}: {TOKENIZER_HINT}")
+    if os.path.isdir(source) and not any(os.path.isfile(os.path.join(source, f))
+                                         for f in TOKENIZER_FILES):
+        raise QueryInputError(f"{arg}={source!r} has no tokenizer files (none of "
+                              f"{', '.join(TOKENIZER_FILES[:3])}, ...): {TOKENIZER_HINT}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception as e:  # each tokenizer class fails in its own way (a missing file,
+        # sentencepiece not installed, a vocabulary it cannot read): all are the user's to fix
+        raise QueryInputError(f"{arg}={source!r} holds no tokenizer that loads "
+                              f"({_first_line(e)}): {TOKENIZER_HINT}") from None
+    special = len(set(getattr(tokenizer, "all_special_ids", ()) or ()))
+    if len(tokenizer) <= special:
+        raise QueryInputError(f"{arg}={source!r}: its tokenizer knows only its {special} "
+                              f"special token(s), no vocabulary (tokenizer files missing?): "
+                              f"{TOKENIZER_HINT}")
+    return tokenizer
 
-        problem = local_path_problem(source)
-        if problem is not None:
-            raise QueryInputError(f"{arg}={source!r} {problem}: {hint}")
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(source)
-        except Exception as e:  # each tokenizer class fails in its own way (a missing file,
-            # sentencepiece not installed, a vocabulary it cannot read): all are the user's to fix
-            raise QueryInputError(f"{arg}={source!r} holds no tokenizer that loads "
-                                  f"({_first_line(e)}): {hint}") from None
-        ids = list(tokenizer(args.text)["input_ids"])
+
+def _shown(where: str, text: str) -> str:
+    """An input in a message: ``--text='...'``, or ``--file='f' line 3 ('...')``."""
+    return f"--text={text!r}" if where == "--text" else f"{where} ({text!r})"
+
+
+def _token_ids(args, tokenizer, model, text: str, where: str = "--text") -> list[int]:
+    """The ids of one input ``text`` (``where``: ``--text`` or ``--file='f' line n``), checked
+    against the model's vocabulary and positions."""
+    source = args.tokenizer or args.model
+    if tokenizer is None:  # --byte-level
+        ids = list(text.encode("utf-8"))
+    else:
+        ids = list(tokenizer(text)["input_ids"])
         if not ids:
-            raise QueryInputError(f"{arg}={source!r}: its tokenizer turns --text={args.text!r} "
+            arg = "--tokenizer" if args.tokenizer else "--model"
+            raise QueryInputError(f"{arg}={source!r}: its tokenizer turns {_shown(where, text)} "
                                   f"into no tokens (it knows {len(tokenizer)} tokens; no "
-                                  f"tokenizer files there?): {hint}")
+                                  f"tokenizer files there?): {TOKENIZER_HINT}")
     emb = model.get_input_embeddings()
     vocab = getattr(emb, "num_embeddings", None)
     if vocab is not None and max(ids) >= vocab:
         what = "UTF-8 bytes (--byte-level)" if args.byte_level else f"the tokenizer of {source!r}"
-        raise QueryInputError(f"--text={args.text!r}: {what} give token id {max(ids)}, but the "
+        raise QueryInputError(f"{_shown(where, text)}: {what} give token id {max(ids)}, but the "
                               f"model's vocabulary has {vocab} tokens: pass the model's own "
                               "tokenizer (--tokenizer DIR, or --byte-level for the demo's model)")
     limit = getattr(model.config, "n_positions", None) or getattr(
         model.config, "max_position_embeddings", None)
     if limit is not None and len(ids) > limit:
-        raise QueryInputError(f"--text is {len(ids)} tokens long: must be at most {limit} tokens "
-                              "(the model's positions)")
-    return tokenizer, ids
+        raise QueryInputError(f"{where} is {len(ids)} tokens long: must be at most {limit} "
+                              "tokens (the model's positions)")
+    return ids
+
+
+def _encode(args, model, tokenizer=None) -> tuple[object | None, list[int]]:
+    """``(tokenizer or None for --byte-level, the ids of --text)``, checked against the model
+    (``tokenizer``: one `_tokenizer` already loaded)."""
+    if tokenizer is None:
+        tokenizer = _tokenizer(args)
+    return tokenizer, _token_ids(args, tokenizer, model, args.text)
+
+
+def _texts(args) -> list[tuple[str, str]]:
+    """The inputs ``[(text, where)]``: ``--text``, or each non-blank line of ``--file`` (UTF-8;
+    ``where`` names the file and line)."""
+    if args.file is None:
+        return [(args.text, "--text")]
+    path = args.file
+    if not os.path.exists(path) or os.path.isdir(path):
+        problem = "does not exist" if not os.path.exists(path) else "is a directory"
+        raise QueryInputError(f"--file={path!r} {problem}: must be a text file with one input "
+                              "per line")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise QueryInputError(f"--file={path!r} could not be read ({_first_line(e)}): must be a "
+                              "UTF-8 text file with one input per line") from None
+    texts = [(line, f"--file={path!r} line {n}") for n, line in enumerate(lines, 1)
+             if line.strip()]
+    if not texts:
+        raise QueryInputError(f"--file={path!r} holds no input: must be a text file with one "
+                              "input per (non-blank) line")
+    return texts
 
 
 def _status(message: str) -> None:
@@ -277,8 +431,16 @@ def _option_ids(args, tokenizer, vocab: int | None) -> list[int]:
 
 
 def _query(args) -> int:
-    tau = _check_query_args(args)
+    """``kfac-stream query``: the model's task from its config, then a causal LM's per-token
+    table (or top-k) or a sequence classifier's class probabilities."""
     t0 = time.perf_counter()
+    _check_paths(args)
+    _check_inputs_given(args)
+    task, arch = _model_task(args.model)
+    tau = _check_query_args(args, task, arch)
+    tokenizer = _tokenizer(args)
+    if task == CLASSIFIER:
+        return _classify(args, tau, arch, tokenizer, t0)
     _status(f"loading snapshot {args.snapshot} ...")
     snap = _load_snapshot("--snapshot", args.snapshot)
 
@@ -289,7 +451,7 @@ def _query(args) -> int:
 
     _status(f"snapshot {snap.path}: {len(snap)} layers; loading model {args.model} ...")
     model = _load_model(args.model)
-    tokenizer, ids = _encode(args, model)
+    tokenizer, ids = _encode(args, model, tokenizer)
     option_ids = None
     if args.options is not None:
         option_ids = _option_ids(args, tokenizer, getattr(model.get_input_embeddings(),
@@ -355,36 +517,248 @@ def _query(args) -> int:
     return 0
 
 
+# -- a sequence classifier's query: per input the MAP class probabilities, the Laplace
+# predictive's (from `LaplacePosterior.predictive`: mean [B, C], cov [B, C, C], and
+# `probs_from_gaussian`), the predicted label and its uncertainty; records are plain dicts
+# (JSON-ready) and the table is built from them, so the text and --json print the same.
+
+#: Widest input cell (the text's ``repr``; longer ones end in ``…``).
+TEXT_WIDTH = 60
+
+CLASSES_EXPLAINED = (
+    "per input: MAP p = softmax of the trained model's logits; Laplace p = the linearised Laplace "
+    "predictive (LaplacePosterior.predictive_probs, mean-field link); logit = the class logit's "
+    "posterior mean ± std; * = the predicted label (the largest Laplace p); H = entropy of "
+    "Laplace p in nats; sd = the std of the predicted label's logit")
+
+
+def _label_names(id2label: Mapping | None, num_classes: int) -> list[str]:
+    """The ``num_classes`` label names: ``config.id2label``'s when any is not transformers'
+    default ``LABEL_i``, else the class indices ``"0"``, ``"1"``, ...; keys may be ints or
+    strings (a config read back from JSON)."""
+    given = {int(k): str(v) for k, v in (id2label or {}).items()}
+    if all(given.get(i, f"LABEL_{i}") == f"LABEL_{i}" for i in range(num_classes)):
+        return [str(i) for i in range(num_classes)]
+    return [given.get(i, str(i)) for i in range(num_classes)]
+
+
+def _entropy_nats(p: Tensor) -> Tensor:
+    """``[B]`` entropy in nats of the rows of ``p [B, C]`` (``0 log 0 = 0``)."""
+    import torch
+
+    return torch.special.entr(p).sum(-1)
+
+
+def _class_records(texts: Sequence[str], lengths: Sequence[int], names: Sequence[str],
+                   mean: Tensor, cov: Tensor, probs: Tensor) -> list[dict]:
+    """One record per input.
+
+    Args:
+        texts: The ``B`` input texts.
+        lengths: Their token counts.
+        names: The ``C`` label names (`_label_names`).
+        mean: ``[B, C]`` MAP logits (the predictive mean).
+        cov: ``[B, C, C]`` the logits' posterior covariance.
+        probs: ``[B, C]`` the Laplace predictive probabilities.
+
+    Returns:
+        Dicts with ``index``, ``text``, ``tokens``, ``label_id``, ``label`` (the argmax of
+        ``probs``), ``map_label_id``, ``map_label``, ``entropy`` (of ``probs``),
+        ``map_entropy``, ``label_logit_std``, and per class ``map_probs``, ``probs``,
+        ``logit_mean``, ``logit_std``.
+    """
+    import torch
+
+    mean, cov, probs = (x.detach().double().cpu() for x in (mean, cov, probs))
+    map_probs = torch.softmax(mean, -1)  # [B, C]
+    std = torch.diagonal(cov, dim1=-2, dim2=-1).clamp(min=0).sqrt()  # [B, C]
+    label, map_label = probs.argmax(-1), map_probs.argmax(-1)  # [B]
+    entropy, map_entropy = _entropy_nats(probs), _entropy_nats(map_probs)
+    out = []
+    for b, text in enumerate(texts):
+        k, m = int(label[b]), int(map_label[b])
+        out.append({"index": b, "text": text, "tokens": int(lengths[b]), "label_id": k,
+                    "label": names[k], "map_label_id": m, "map_label": names[m],
+                    "entropy": float(entropy[b]), "map_entropy": float(map_entropy[b]),
+                    "label_logit_std": float(std[b, k]),
+                    "map_probs": map_probs[b].tolist(), "probs": probs[b].tolist(),
+                    "logit_mean": mean[b].tolist(), "logit_std": std[b].tolist()})
+    return out
+
+
+def _class_summary(r: Mapping) -> str:
+    """The line under an input's classes: its label, their probabilities, H and sd."""
+    k = r["label_id"]
+    map_note = ("" if r["map_label_id"] == k else f", MAP label {r['map_label']!r}")
+    return (f"label {r['label']!r} (Laplace p {r['probs'][k]:.4f}, MAP p {r['map_probs'][k]:.4f}"
+            f"{map_note}); H = {r['entropy']:.4f} nats; sd = {r['label_logit_std']:.4f}")
+
+
+def _class_table(records: Sequence[Mapping], names: Sequence[str]) -> str:
+    """The text of `_class_records`: the explanation line, then per input a line ``input i:
+    'text'``, its classes (one row each: name, MAP p, Laplace p, logit mean±std, ``*`` on the
+    predicted label; probabilities to 4 decimals, logits to 3) and a `_class_summary` line.
+    The class rows of every input share one set of column widths."""
+    from .query.token_table import pad, show_token, width
+
+    heads = ["class", "MAP p", "Laplace p", "logit"]
+    rows = {(r["index"], c): [name, f"{r['map_probs'][c]:.4f}", f"{r['probs'][c]:.4f}",
+                              f"{r['logit_mean'][c]:.3f}±{r['logit_std'][c]:.3f}"]
+            for r in records for c, name in enumerate(names)}
+    widths = [max(width(h), *(width(row[j]) for row in rows.values()))
+              for j, h in enumerate(heads)]
+
+    def line(cells: Sequence[str], mark: str = "") -> str:
+        return ("  " + "  ".join(pad(c, w, j == 0) for j, (c, w) in
+                                 enumerate(zip(cells, widths))) + mark).rstrip()
+
+    out = [CLASSES_EXPLAINED]
+    for r in records:
+        out += [f"input {r['index']}: {show_token(r['text'], TEXT_WIDTH)}", line(heads)]
+        out += [line(rows[r["index"], c], "  *" if c == r["label_id"] else "")
+                for c in range(len(names))]
+        out.append("  " + _class_summary(r))
+    return "\n".join(out)
+
+
+def _class_footer(meta: Mapping, inputs: int) -> str:
+    """``snapshot … (step …); Arch, C classes; N = …, prior precision τ = …, meanfield link;
+    n inputs; … s``."""
+    return (f"snapshot {meta['snapshot']} (step {meta['step']}); {meta['architecture']}, "
+            f"{len(meta['labels'])} classes; N = {meta['num_data']:.0f}, prior precision τ = "
+            f"{meta['prior_precision']:.4g}, {meta['link']} link; {inputs} "
+            f"input{'s' if inputs != 1 else ''}; {meta['seconds']:.1f} s")
+
+
+def _class_document(meta: Mapping, records: Sequence[Mapping]) -> str:
+    """One JSON document: ``meta``'s fields and ``"inputs": records``."""
+    import json
+
+    return json.dumps({**meta, "inputs": list(records)}, indent=1, allow_nan=False)
+
+
+#: Inputs per forward (and per batched backward) of a classifier's query: memory grows with
+#: it as ``B · C · d_out · d_A`` per layer.
+CLASSIFY_BATCH = 16
+
+#: A classifier's link from the logits' Gaussian to probabilities: `predictive_probs`'s default.
+CLASSIFY_LINK = "meanfield"
+
+
+def _class_batches(ids: list[list[int]], pad_id: int | None) -> list[dict]:
+    """The inputs' batches: ``{"input_ids", "attention_mask"}``, each ``[B, T]``, up to
+    `CLASSIFY_BATCH` inputs right-padded with the model's ``pad_token_id`` (mask 0); one
+    input per batch when the model has none (GPT-2's classifier finds each input's last token
+    by it and refuses a batch of several without it)."""
+    import torch
+
+    size = 1 if pad_id is None else CLASSIFY_BATCH
+    batches = []
+    for start in range(0, len(ids), size):
+        chunk = ids[start:start + size]
+        T = max(len(x) for x in chunk)
+        input_ids = torch.full((len(chunk), T), 0 if pad_id is None else pad_id,
+                               dtype=torch.long)
+        mask = torch.zeros(len(chunk), T, dtype=torch.long)
+        for b, x in enumerate(chunk):
+            input_ids[b, :len(x)] = torch.tensor(x)
+            mask[b, :len(x)] = 1
+        batches.append({"input_ids": input_ids, "attention_mask": mask})
+    return batches
+
+
+def _class_predictive(post, batches: list[dict]) -> tuple[Tensor, Tensor, Tensor]:
+    """``(mean [B, C], cov [B, C, C], probs [B, C])`` over every input: the linearised
+    predictive of all classes (`LaplacePosterior.predictive`) and its probabilities by the
+    documented default link (`probs_from_gaussian`, as `predictive_probs` gives them)."""
+    import torch
+
+    from .query.laplace import probs_from_gaussian
+
+    means, covs = zip(*(post.predictive(b) for b in batches))
+    mean, cov = torch.cat(means), torch.cat(covs)
+    return mean, cov, probs_from_gaussian(mean, cov, CLASSIFY_LINK)
+
+
+def _classify(args, tau, arch: str, tokenizer, t0: float) -> int:
+    """A sequence classifier's query: per input the MAP and Laplace class probabilities, the
+    predicted label and its uncertainty (a table, or ``--json``)."""
+    from .query.laplace import LaplacePosterior
+
+    texts = _texts(args)
+    _status(f"loading snapshot {args.snapshot} ...")
+    snap = _load_snapshot("--snapshot", args.snapshot)
+    _status(f"snapshot {snap.path}: {len(snap)} layers; loading {arch} {args.model} ...")
+    model = _load_model(args.model, CLASSIFIER)
+    ids = [_token_ids(args, tokenizer, model, text, where) for text, where in texts]
+    if tau == "marglik":
+        _status(f"choosing the prior precision by marginal likelihood over {len(snap)} layers "
+                "(--prior-precision FLOAT skips it) ...")
+    post = LaplacePosterior(model, snap, prior_precision=tau)
+    _status(f"{len(ids)} input{'s' if len(ids) != 1 else ''} x {model.config.num_labels} "
+            f"classes ({time.perf_counter() - t0:.1f} s so far) ...")
+    mean, cov, probs = _class_predictive(post, _class_batches(ids, model.config.pad_token_id))
+    names = _label_names(model.config.id2label, mean.shape[1])
+    records = _class_records([t for t, _ in texts], [len(x) for x in ids], names, mean, cov,
+                             probs)
+    meta = {"snapshot": str(snap.path), "step": snap.step, "model": args.model,
+            "task": CLASSIFIER, "architecture": arch, "file": args.file,
+            "num_data": float(post.num_data), "prior_precision": float(post.prior_precision),
+            "link": CLASSIFY_LINK, "labels": names,
+            "seconds": round(time.perf_counter() - t0, 3)}
+    if args.json:
+        print(_class_document(meta, records))
+    else:
+        print(_class_table(records, names))
+        print(_class_footer(meta, len(records)))
+    _status(f"done in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kfac-stream", description="streaming K-FAC tools")
     sub = p.add_subparsers(dest="cmd", required=True)
     ins = sub.add_parser("inspect", help="per-layer table of a snapshot (or the newest in a dir)")
     ins.add_argument("path")
     ins.add_argument("--plot", metavar="PNG", help="also draw the eigenvalue spectra")
-    q = sub.add_parser("query", help="per-token uncertainty of a text under the posterior "
-                       "(or its top-k next tokens)")
+    q = sub.add_parser(
+        "query", help="a causal LM: per-token uncertainty of a text under the posterior (or "
+        "its top-k next tokens); a sequence classifier: the MAP and Laplace class "
+        "probabilities of each input", description="Query a trained model under the Laplace "
+        "posterior of a snapshot. The task comes from the model's config (architectures, "
+        "problem_type, num_labels): a causal LM (*ForCausalLM, *LMHeadModel) gets the per-token "
+        "table of one --text (or --top-k); a single-label sequence classifier "
+        "(*ForSequenceClassification) gets, per input (--text, or --file with one input per "
+        "line), the MAP class probabilities, the Laplace predictive's (mean-field link), the "
+        "predicted label, its entropy and logit std. Other tasks are refused. Without "
+        "tokenizer files, pass --byte-level or --tokenizer DIR.")
     q.add_argument("--snapshot", required=True, help="snapshot directory (or its parent)")
-    q.add_argument("--model", required=True, help="model directory or hub name")
-    q.add_argument("--text", required=True)
-    q.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
+    q.add_argument("--model", required=True, help="model directory or hub name (a causal LM "
+                   "or a sequence classifier)")
+    q.add_argument("--text", help="the input (exactly one of --text and --file)")
+    q.add_argument("--file", metavar="PATH", help="sequence classifiers: a UTF-8 file of "
+                   "inputs, one per line (blank lines skipped), batched with padding")
+    q.add_argument("--tokenizer", help="tokenizer directory (default: --model; it must hold "
+                   "tokenizer files, else pass --byte-level)")
     q.add_argument("--byte-level", action="store_true", help="token id = UTF-8 byte (the demo)")
-    q.add_argument("--mode", choices=MODES, help="tokens: per position the next token's "
-                   "predictive probability, entropy, aleatoric and epistemic parts over the "
-                   "whole vocabulary, from posterior samples; topk: the top-k next "
+    q.add_argument("--mode", choices=MODES, help="causal LMs: tokens: per position the next "
+                   "token's predictive probability, entropy, aleatoric and epistemic parts over "
+                   "the whole vocabulary, from posterior samples; topk: the top-k next "
                    "tokens with mean p +- std (default: topk if --top-k is given, else tokens)")
-    q.add_argument("--top-k", type=int, help="next tokens per position (--mode topk; default 5)")
+    q.add_argument("--top-k", type=int, help="causal LMs: next tokens per position (--mode "
+                   "topk; default 5)")
     q.add_argument("--prior-precision", default="marglik", help="a float or 'marglik'")
-    q.add_argument("--samples", type=int, help="posterior samples (--mode tokens, default "
-                   f"{DEFAULT_SAMPLES['tokens']}) or draws per position (--mode topk, default "
-                   f"{DEFAULT_SAMPLES['topk']})")
-    q.add_argument("--seed", type=int, default=0, help="seed of the samples (default 0)")
-    q.add_argument("--weight-samples", action="store_true", help="--mode tokens: evaluate "
-                   "the network at the posterior samples theta_s instead of the linearised "
-                   "model f* + J(theta_s - theta*) (the default; the network at theta_s is "
-                   "often far flatter than the trained model: docs/queries.md)")
-    q.add_argument("--options", nargs="+", metavar="OPTION", help="answer options, one token "
-                   "each (e.g. ' A' ' B' ' C' ' D'): also print which one each posterior sample "
-                   "picks at the last position, and their agreement")
+    q.add_argument("--samples", type=int, help="causal LMs: posterior samples (--mode tokens, "
+                   f"default {DEFAULT_SAMPLES['tokens']}) or draws per position (--mode topk, "
+                   f"default {DEFAULT_SAMPLES['topk']})")
+    q.add_argument("--seed", type=int, help="causal LMs: seed of the samples (default 0)")
+    q.add_argument("--weight-samples", action="store_true", help="causal LMs, --mode tokens: "
+                   "evaluate the network at the posterior samples theta_s instead of the "
+                   "linearised model f* + J(theta_s - theta*) (the default; the network at "
+                   "theta_s is often far flatter than the trained model: docs/queries.md)")
+    q.add_argument("--options", nargs="+", metavar="OPTION", help="causal LMs: answer options, "
+                   "one token each (e.g. ' A' ' B' ' C' ' D'): also print which one each "
+                   "posterior sample picks at the last position, and their agreement")
     q.add_argument("--json", action="store_true", help="print one JSON document instead of "
                    "the table")
     sub.add_parser("demo", help="kfac-stream train with its offline defaults into out/demo "

@@ -305,28 +305,29 @@ def test_bytes_over_127_print_with_one_backslash(trained, capsys):
     assert [p["token"] for p in doc["positions"]] == ["\\xc3", "\\xa9", "!"]
 
 
-def test_a_classifier_or_a_headless_checkpoint_is_refused_in_one_line(trained, capsys,
-                                                                         tmp_path):
-    """Issue 38: never an LM table from a head the checkpoint lacks. A sequence classifier's
-    config names its task: refused before any weight loads; a causal LM whose checkpoint lacks
-    its (untied) head: refused naming the missing weights."""
+def test_another_task_or_a_headless_checkpoint_is_refused_in_one_line(trained, capsys,
+                                                                       tmp_path):
+    """Issue 38: never an LM table from a head the checkpoint lacks. A token classifier's
+    config names its task (neither a causal LM nor a sequence classifier, which
+    tests/test_cli_classifier.py answers): refused before any weight loads; a causal LM whose
+    checkpoint lacks its (untied) head: refused naming the missing weights."""
     from safetensors.torch import load_file, save_file
     from transformers import (
         BertConfig,
-        BertForSequenceClassification,
+        BertForTokenClassification,
         LlamaConfig,
         LlamaForCausalLM,
     )
 
     tmp, _, _ = trained
     bert = tmp_path / "bert"
-    BertForSequenceClassification(BertConfig(
+    BertForTokenClassification(BertConfig(
         vocab_size=300, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
         intermediate_size=32, num_labels=3)).save_pretrained(bert)
     args = argv(tmp, "--samples", "2")
     args[args.index("--model") + 1] = str(bert)
-    cli_error(capsys, args, f"--model={str(bert)!r} is a BertForSequenceClassification, not a "
-              "causal LM", "LaplacePosterior(model, snapshot).predictive_probs")
+    cli_error(capsys, args, f"--model={str(bert)!r} is a BertForTokenClassification: "
+              "kfac-stream query answers causal LMs")
     llama = tmp_path / "llama"
     LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=32,
                                  num_hidden_layers=1, num_attention_heads=2,
