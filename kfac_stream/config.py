@@ -13,7 +13,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .enums import FisherType, LayerPreset, StorageDtype
+from .enums import FactorForm, FisherType, LayerPreset, StorageDtype
 from .exceptions import KFACConfigError
 
 
@@ -79,6 +79,16 @@ class KFACConfig:
             taken from the training backward itself (no extra pass); it shrinks with the
             training loss on a model that fits its data, so the posterior it gives is too wide
             (Kunstner et al. 2019). (Default: "mc")
+        factor_form: How a layer applied at every token position makes its rows
+            (`kfac_stream.curvature`). ``"expand"``: every sampled position is a row, ``N``
+            counts token positions (the form for a loss at every position, a causal LM).
+            ``"reduce"``: one row per sequence, the mean input and the summed output
+            gradient, ``N`` counts sequences (the form for a loss taken once per sequence, a
+            classifier; every sequence of a captured micro-batch, no token sampling).
+            ``"auto"``: ``"reduce"`` for a ``*ForSequenceClassification`` /
+            ``*ForMultipleChoice`` model or a classification / regression ``problem_type``,
+            else ``"expand"``. A pooler or head on ``[batch, features]`` has one row per
+            sequence under either form. (Default: "expand")
         mc_sequences: What the MC replay runs on (``fisher="mc"``). A share ``f`` in
             ``(0, 1)`` of each update step's sequences on a rank: every sequence of the
             step's micro-batches is drawn with probability exactly ``f`` by systematic
@@ -163,9 +173,11 @@ class KFACConfig:
             precision ``τ`` on it (the lowest held-out NLL of the linearised predictive, mean-
             field link, over a log grid and the marginal-likelihood value:
             `kfac_stream.query.heldout_tau.fit_prior_precision`) and store it beside the final
-            snapshot (``snap.heldout_prior.tau``). For a classification head (``labels [B]``);
-            an answer-token LM fine-tune calls ``fit_prior_precision`` with its ``token_ids``.
-            One Jacobian pass over the eval set. (Default: False)
+            snapshot (``snap.heldout_prior.tau``). For a classification head (``labels [B]``;
+            one Jacobian pass over the eval set) and a seq2seq LM (T5, BART: the NLL per label
+            token, by Monte Carlo over draws of the linearised model, about 400 forwards per
+            eval batch); an answer-token causal-LM fine-tune calls ``fit_prior_precision``
+            with its ``token_ids``. (Default: False)
         fail_on_snapshot_error: Make a failed snapshot (unwritable directory, full disk, a
             failed eigendecomposition) stop training. By default it is logged and counted
             (``counts.snapshot_failures`` in later manifests), training goes on and earlier
@@ -179,6 +191,7 @@ class KFACConfig:
     update_every: int = 10
     snapshot_every: int = 500
     fisher: str = "mc"
+    factor_form: str = "expand"
     mc_sequences: int | float | str = 0.05
     include: list[str] | None = None
     exclude: list[str] | None = None
@@ -249,6 +262,10 @@ class KFACConfig:
                 f"KFACConfig.fisher={self.fisher!r} is not allowed: "
                 f"must be one of {tuple(f.value for f in FisherType)}"
             )
+        if self.factor_form not in FactorForm:
+            raise KFACConfigError(
+                f"KFACConfig.factor_form={self.factor_form!r} is not allowed: "
+                f"must be one of {tuple(f.value for f in FactorForm)}")
         _check_mc_sequences(self.mc_sequences)
         if self.storage_dtype not in StorageDtype:
             raise KFACConfigError(

@@ -27,6 +27,22 @@ class FisherType(str, Enum, metaclass=_MetaEnum):
     MC = "mc"
 
 
+class FactorForm(str, Enum, metaclass=_MetaEnum):
+    """How a layer applied at every token position turns positions into factor rows
+    (`kfac_stream.curvature`).
+
+    ``expand``: every sampled position is a row; ``N`` counts token positions.
+    ``reduce``: one row per sequence (mean input, summed output gradient); ``N`` counts
+    sequences.
+    ``auto``: ``reduce`` for a model with a sequence-level loss (a classifier), else
+    ``expand``.
+    """
+
+    EXPAND = "expand"
+    REDUCE = "reduce"
+    AUTO = "auto"
+
+
 class StorageDtype(str, Enum, metaclass=_MetaEnum):
     """CPU storage dtype of the factors (float16 is kept with a float32 scale per factor)."""
 

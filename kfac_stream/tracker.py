@@ -43,6 +43,7 @@ from .capture.mc_fisher import (
 from .capture.selection import LayerSpec, select_layers
 from .capture.sharing import FactorPlan, plan_factors, probe_shared_inputs
 from .config import KFACConfig
+from .curvature import Curvature
 from .distributed.context import DistContext
 from .distributed.ownership import Ownership, assign_owners
 from .enums import StorageDtype
@@ -150,6 +151,7 @@ class Tracker:
         self.row_dtype = wide  # rows scaled in this dtype, handed over in `folding.row_dtype`
         self.folding = Folding(self.fold_on, self.device, wide)
         self._model, self._layers = model, layers
+        self.curvature = Curvature.of(config, model)  # the Fisher type and the factor form
         seed = config.seed + 1_000_003 * self.rank  # independent streams per rank
         # on a GPU the rows stay in the activations' dtype until `_collect` scales them
         self._capture_args = (self.plan, config.token_fraction, seed, None if on_gpu else wide,
@@ -181,7 +183,7 @@ class Tracker:
     def _make_capture(self) -> CaptureHooks:
         plan, fraction, seed, row_dtype, device, sum_dtype = self._capture_args
         return CaptureHooks(self._model, self._layers, plan, fraction, seed, row_dtype, device,
-                            sum_dtype=sum_dtype)
+                            sum_dtype=sum_dtype, reduce=self.curvature.reduces)
 
     # -- step protocol -------------------------------------------------------------------------
 
@@ -189,7 +191,7 @@ class Tracker:
         """Arm the hooks for optimizer step ``step`` (0-based) if it is an update step."""
         self.step = step
         self.is_update_step = step % self.config.update_every == 0
-        mc = self.config.fisher == "mc"
+        mc = self.curvature.sampled_labels
         in_forward = mc and self.is_update_step and self.config.mc_full_batch and \
             self._mc_in_forward_ok()
         self.capture.take()
@@ -235,7 +237,8 @@ class Tracker:
             passes, inputs = self.capture.take()
             self.capture.set_mode(IDLE)
             cfg = self.config
-            if cfg.fisher == "mc" and not cfg.mc_full_batch:  # replays on sub-batches
+            mc = self.curvature.sampled_labels
+            if mc and not cfg.mc_full_batch:  # replays on sub-batches
                 self.select_generator.manual_seed(
                     selection_seed(cfg.seed, self.rank, int(self.step or 0)))
                 step = int(self.step or 0)
@@ -248,7 +251,7 @@ class Tracker:
                                          self.select_generator, count, cfg.token_fraction,
                                          share)
                 passes = self.capture.take()[0]
-            elif cfg.fisher == "mc":  # replay what the forward could not take
+            elif mc:  # replay what the forward could not take
                 inputs += [rec.inputs for rec in passes if rec.replay]
                 passes = [rec for rec in passes if not rec.replay]
                 for kwargs in inputs:
@@ -505,10 +508,10 @@ class Tracker:
         """Put the hooks back on the model after `detach` (a no-op while attached)."""
         if self.capture.handles:
             return
-        state, spaces = self.capture.state_dict(), self.capture.row_space
+        old = self.capture
         self.capture = self._make_capture()
-        self.capture.load_state_dict(state)
-        self.capture.row_space = spaces
+        self.capture.load_state_dict(old.state_dict())
+        self.capture.row_space, self.capture._input_space = old.row_space, old._input_space
 
     def flush(self) -> None:
         """Wait until every submitted update is in the store, folded."""

@@ -147,3 +147,63 @@ def test_diagonal_factors_under_mc_subbatch_replay_equal_dense_diagonals(tmp_pat
         for full, d in zip(pair, diag[n]):
             d = d if d.dim() == 1 else d.diagonal()
             assert rel_err(d.double(), full.diagonal().double()) <= EXACT_TOL, n
+
+
+# -- the reduce form (issue 38): one row per sequence for a position-space layer -------------
+
+BLOCK = "bert.encoder.layer.0.output.dense"  # input [B, T, 32], output [B, T, 16]
+
+
+def _reduce_brute_force(model, ex, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A, G)`` of the reduce form for layer ``name`` over one batch: per usable sequence
+    ``ā = mean_t [a_t; 1]`` and ``ĝ = Σ_t ∂ℓ_b/∂z_t`` over its usable positions, float64."""
+    seen = {}
+
+    def hook(module, args, out):
+        seen["x"], seen["z"] = args[0], out
+
+    h = dict(model.named_modules())[name].register_forward_hook(hook)
+    batch = {k: torch.stack([e[k] for e in ex]) for k in ("input_ids", "attention_mask")}
+    labels = torch.stack([e["labels"] for e in ex])
+    try:
+        logits = model(**batch).logits
+    finally:
+        h.remove()
+    (g,) = torch.autograd.grad(F.cross_entropy(logits, labels, reduction="sum"), [seen["z"]])
+    m = batch["attention_mask"].double()  # [B, T]
+    usable = m.sum(1) > 0
+    x = torch.cat([seen["x"], torch.ones(*seen["x"].shape[:2], 1, dtype=torch.float64)], 2)
+    a = torch.einsum("bt,btd->bd", m, x) / m.sum(1, keepdim=True).clamp(min=1)
+    g = torch.einsum("bt,btd->bd", m, g)
+    a, g = a[usable], g[usable]
+    return a.T @ a / len(a), g.T @ g / len(g)
+
+
+def test_reduce_form_factors_equal_per_sequence_brute_force(tmp_path):
+    model, ex = _bert(), _examples()[:BATCH]
+    want_a, want_g = _reduce_brute_force(model, ex, BLOCK)
+    cb, _, _ = run(model, ex, {"include": [r"output\.dense$", r"^classifier$"],
+                               "factor_form": "reduce", "token_fraction": 0.25},
+                   batch=BATCH, steps=1, lr=0.0, tmp_path=tmp_path, record=False)
+    tracker = cb.tracker
+    assert tracker.curvature.reduces and tracker.capture.row_space[BLOCK] == "sequence"
+    got_a, got_g = tracker.factors()[BLOCK]
+    # token_fraction < 1 changes nothing: every sequence is reduced over all its positions
+    assert rel_err(got_a.double(), want_a) <= EXACT_TOL
+    assert rel_err(got_g.double(), want_g) <= EXACT_TOL
+    want_head = _brute_force(model, ex)["classifier"]  # a [B, d] head: the same either form
+    assert rel_err(tracker.factors()["classifier"][0].double(), want_head[0]) <= EXACT_TOL
+
+
+def test_auto_form_reduces_for_a_sequence_level_loss_only():
+    from transformers import GPT2ForSequenceClassification
+
+    from kfac_stream import KFACConfig
+    from kfac_stream.curvature import Curvature
+
+    auto = KFACConfig(factor_form="auto")
+    assert Curvature.of(auto, _bert()).form == "reduce"
+    assert Curvature.of(auto, tiny_gpt2()).form == "expand"  # a causal LM: loss per token
+    gpt2_cls = GPT2ForSequenceClassification(tiny_gpt2().config)
+    assert Curvature.of(auto, gpt2_cls).form == "reduce"
+    assert Curvature.of(KFACConfig(), _bert()).form == "expand"  # the default, as given

@@ -52,8 +52,15 @@ from torch import Tensor, nn
 
 from ..stats.covariance import weighted_squares
 from ..stats.loss_scale import cross_entropy_scale
-from ..stats.rows import (ROW_SPACES, gather_rows, row_space_of, sample_positions,
-                          sequence_usable, usable_positions)
+from ..stats.rows import (
+    ROW_SPACES,
+    gather_rows,
+    reduce_rows,
+    row_space_of,
+    sample_positions,
+    sequence_usable,
+    usable_positions,
+)
 from . import graphs
 from .sharing import FactorPlan, same_data
 
@@ -235,8 +242,10 @@ class CaptureHooks:
 
     def __init__(self, model: nn.Module, layers: dict[str, nn.Module], plan: FactorPlan,
                  token_fraction: float, seed: int, row_dtype: torch.dtype | None,
-                 device: torch.device, sum_dtype: torch.dtype = torch.float32) -> None:
+                 device: torch.device, sum_dtype: torch.dtype = torch.float32,
+                 reduce: bool = False) -> None:
         self.token_fraction = token_fraction
+        self.reduce = reduce  # the reduce form (`kfac_stream.curvature`): per-sequence rows
         self.row_dtype = row_dtype
         self.sum_dtype = sum_dtype
         self._diagonal = {key for key, (_, diag) in plan.dims.items() if diag}
@@ -247,7 +256,8 @@ class CaptureHooks:
         self.inputs: list[dict[str, Tensor]] = []
         self._counts_host = [0, 0]  # [usable positions, usable sequences]
         self._counts_device: Tensor | None = None  # [2] int64, since the last read
-        self.row_space: dict[str, str] = {}  # layer -> "position" | "sequence" (first call)
+        self.row_space: dict[str, str] = {}  # layer -> its factors' rows: "position" | "sequence"
+        self._input_space: dict[str, str] = {}  # layer -> its input's rows (first call)
         self._layers = layers
         self._a_diagonal = {n: plan.dims[k][1] for n, k in plan.a_key.items()}
         self._group = {n: g for g in plan.groups for n in g}  # layer -> its shared-input group
@@ -481,14 +491,19 @@ class CaptureHooks:
                 return
             x = args[0]
             space = self._space(name, x, rec)
-            if space == "sequence":
+            if space == "position":
+                index, weight, n = rec.index, rec.weight, rec.n_positions
+            else:  # one row per sequence: a [B, d] input, or the reduce form
                 rec.seq_layers.add(name)
                 index, weight, n = None, rec.sequence_weight(), rec.batch
-            else:
-                index, weight, n = rec.index, rec.weight, rec.n_positions
+
+            def rows(t: Tensor, mean: bool) -> Tensor:  # [m, d] of an input or a gradient
+                if space == "reduced":
+                    return reduce_rows(t, rec.usable, rec.batch, mean, self.row_dtype)
+                return gather_rows(t, index, n, self.row_dtype)
 
             def gather() -> Tensor:
-                a = gather_rows(x, index, n, self.row_dtype)  # [m, d_in]
+                a = rows(x, True)  # [m, d_in]
                 if a_diag:
                     a = weighted_squares(a, weight, self.sum_dtype)  # [d_in]
                 return a
@@ -503,7 +518,7 @@ class CaptureHooks:
             def on_grad(grad: Tensor, rec: PassRecord = rec, a: Tensor = a) -> None:
                 if grad is None or rec.closed:
                     return
-                g = gather_rows(grad, index, n, self.row_dtype)  # [m, d_out]
+                g = rows(grad, False)  # [m, d_out]
                 if g_diag:
                     rec.g_sums.setdefault(name, []).append(
                         weighted_squares(g, weight, self.sum_dtype))  # [d_out]
@@ -516,14 +531,19 @@ class CaptureHooks:
         return hook
 
     def _space(self, name: str, x: Tensor, rec: PassRecord) -> str:
-        """``name``'s row space (`ROW_SPACES`), fixed at its first captured call; a later call
-        in another space, or rows that fit neither, raise (`stats.rows.row_space_of`)."""
+        """How ``name``'s rows are made in this call: ``"position"`` (sampled positions),
+        ``"sequence"`` (a ``[B, d]`` input: every row) or ``"reduced"`` (the reduce form: one
+        row per sequence from its positions). The input's row space (`ROW_SPACES`) is fixed
+        at the first captured call; a later call in another, or rows that fit neither, raise
+        (`stats.rows.row_space_of`)."""
         space = row_space_of(name, x, rec.batch, rec.n_positions, self.model)
-        known = self.row_space.setdefault(name, space)
+        known = self._input_space.setdefault(name, space)
         if known != space:
             raise RuntimeError(
                 f"kfac_stream: tracked layer {name!r} saw one row per {space} in this forward "
                 f"pass but one per {known} before ({tuple(x.shape)} input here); a layer's "
                 "factors need one row space. Exclude it (KFACConfig(exclude=[...])).")
         assert space in ROW_SPACES
-        return space
+        made = "reduced" if space == "position" and self.reduce else space
+        self.row_space[name] = "position" if made == "position" else "sequence"
+        return made

@@ -440,10 +440,10 @@ def tracking_summary(tracker: Tracker, output_dir: str) -> str:
               + (f" on the fullest of {ranks} ranks ({_mib(sum(own.bytes_per_rank))} in all)"
                  if ranks > 1 else " on 1 rank"))
     return (f"kfac_stream: tracking {len(tracker.specs)} layers, {len(tracker.dims)} factors "
-            f"({len(tracker.dims) - diagonal} dense, {diagonal} diagonal), {cfg.fisher} Fisher, "
-            f"token_fraction={cfg.token_fraction:g}, ema_decay={cfg.ema_decay:g}, update_every="
-            f"{cfg.update_every}; {memory}; snapshots every {cfg.snapshot_every} steps and at "
-            f"the end into {output_dir}")
+            f"({len(tracker.dims) - diagonal} dense, {diagonal} diagonal), "
+            f"{tracker.curvature.describe()}, token_fraction={cfg.token_fraction:g}, "
+            f"ema_decay={cfg.ema_decay:g}, update_every={cfg.update_every}; {memory}; "
+            f"snapshots every {cfg.snapshot_every} steps and at the end into {output_dir}")
 
 
 def _mib(n: int) -> str:

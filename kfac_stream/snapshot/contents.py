@@ -90,9 +90,10 @@ def merge_manifests(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One manifest from every rank's part (rank order), as rank 0 writes it.
 
     Each factor's statistics (weight, updates, positions, dtype, spectrum) come from its
-    owner's part; ``tokens_seen`` and ``sequences_seen`` (counted per rank) are summed; ``tracker_seconds``,
-    ``exchange_seconds`` and ``fold_seconds`` are the slowest rank's; ``comm_bytes`` lists
-    every rank's. Everything else is the same on all ranks and is taken from rank 0.
+    owner's part; ``tokens_seen`` and ``sequences_seen`` (counted per rank) are summed;
+    ``tracker_seconds``, ``exchange_seconds`` and ``fold_seconds`` are the slowest rank's;
+    ``comm_bytes`` lists every rank's. Everything else is the same on all ranks and is taken
+    from rank 0.
     """
     out = json.loads(json.dumps(parts[0]))  # deep copy
     for part in parts[1:]:

@@ -124,6 +124,34 @@ def row_space_of(name: str, x: Tensor, batch: int, n_positions: int, model=None)
         f"every position, {batch} for one applied once per sequence; {hint}")
 
 
+def reduce_rows(x: Tensor, usable: Tensor, batch: int, mean: bool,
+                dtype: torch.dtype | None) -> Tensor:
+    """One row per sequence from a position-space tensor: the sum (``mean=False``, an output
+    gradient ``ĝ = Σ_t g_t``) or the mean (``mean=True``, an input ``ā``) over each sequence's
+    usable positions (the reduce form, `kfac_stream.curvature`). A sequence without a usable
+    position gives a zero row. One batched matrix product per call (accumulated in float32 by
+    the 16-bit kernels), no host read.
+
+    Args:
+        x: ``[..., d]`` with ``B*T`` rows.
+        usable: ``[B*T]`` bool.
+        batch: ``B``.
+        mean: Divide by the usable positions of each sequence.
+        dtype: Dtype of the returned rows; None keeps the input's.
+
+    Returns:
+        ``[B, d]`` detached rows.
+    """
+    d = x.shape[-1]
+    flat = x.detach().reshape(batch, -1, d)  # [B, T, d]
+    weight = usable.reshape(batch, 1, -1).to(flat.dtype)  # [B, 1, T]
+    rows = torch.bmm(weight, flat)[:, 0]  # [B, d]
+    rows = rows if dtype is None else rows.to(dtype)
+    if mean:
+        rows = rows / weight.sum(2).clamp(min=1).to(rows.dtype)  # [B, 1]
+    return rows
+
+
 def gather_rows(x: Tensor, index: Tensor | None, n_rows: int, dtype: torch.dtype | None
                 ) -> Tensor:
     """Rows of the sampled positions (or every row).
