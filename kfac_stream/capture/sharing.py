@@ -11,18 +11,19 @@ called first (OPT, BioGPT, BART, Whisper register ``k_proj, v_proj, q_proj`` but
 
 Sharing is found by running the model once on a 2-token input with temporary forward
 pre-hooks that note which tensor each layer receives (`probe_shared_inputs`): the truth of
-the model's own code, not a guess from module names. "The same tensor" is `same_data`: the
-same object, or views of the same storage with the same offset, shape, strides, dtype and
-version (DeepSpeed ZeRO-3 hands every module its own autograd wrapper of its inputs, which
-shares the storage). The probe runs in the model's
-current mode (training: a dropout in front of an adapter makes a new tensor, so such adapters
-are correctly *not* shared) under ``torch.no_grad``. At run time the capture hooks check the
-identity again for every call; a group whose members receive different inputs (or are not
-called once each per call) is dissolved there and then: its members keep their own A factors
-from that step on, each starting from the shared one (equal until then, so every factor stays
-exact), with one warning naming the layers (`Tracker.dissolve_groups`; one process only:
-with several ranks the plan must change on every rank at once, which the tracker refuses with a
-clear error, see there).
+the model's own code, not a guess from module names (an encoder-decoder also gets two
+``decoder_input_ids``, `_probe_input`; a model the probe cannot drive keeps one A per layer,
+said in one INFO line). "The same tensor" is `same_data`: the same object, or views of the
+same storage with the same offset, shape, strides, dtype and version (DeepSpeed ZeRO-3 hands
+every module its own autograd wrapper of its inputs, which shares the storage). The probe runs
+in the model's current mode (training: a dropout in front of an adapter makes a new tensor,
+so such adapters are correctly *not* shared) under ``torch.no_grad``. At run time the capture
+hooks check the identity again for every call; a group whose members receive different inputs
+(or are not called once each per call) is dissolved there and then: its members keep their
+own A factors from that step on, each starting from the shared one (equal until then, so every
+factor stays exact), with one warning naming the layers (`Tracker.dissolve_groups`; one process
+only: with several ranks the plan must change on every rank at once, which the tracker refuses
+with a clear error, see there).
 """
 
 from __future__ import annotations
@@ -93,13 +94,37 @@ def plan_factors(specs: dict[str, LayerSpec], max_dense_dim: int,
     return FactorPlan(dims, a_key, tuple(kept))
 
 
+class ProbeUnsupported(Exception):
+    """The probe cannot build this model's inputs (its main input is not token ids)."""
+
+
 def _probe_input(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``[1, 2]`` token ids (id 0). An encoder-decoder (``config.is_encoder_decoder``: T5,
+    BART, ...) gets its end-of-sequence id last (BART's classifier reads the decoder there) and
+    ``decoder_input_ids`` of the same shape (its decoder start token, then id 0): its decoder
+    needs inputs (T5 has no default; BART would shift ``input_ids``)."""
     param = next((p for p in model.parameters()), None)
     device = param.device if param is not None else torch.device("cpu")
     name = getattr(model, "main_input_name", "input_ids") or "input_ids"
     if name != "input_ids":
-        raise ValueError(f"main input {name!r} is not token ids")
-    return {"input_ids": torch.zeros(1, 2, dtype=torch.long, device=device)}
+        raise ProbeUnsupported(f"its main input is {name!r}, not token ids")
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    out = {"input_ids": ids}
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "is_encoder_decoder", False):
+        vocab = getattr(cfg, "vocab_size", None)
+
+        def token(attr: str) -> int | None:
+            t = getattr(cfg, attr, None)
+            return t if isinstance(t, int) and 0 <= t < (vocab or t + 1) else None
+
+        dec = ids.clone()
+        if token("eos_token_id") is not None:
+            ids[:, -1] = token("eos_token_id")
+        if token("decoder_start_token_id") is not None:
+            dec[:, 0] = token("decoder_start_token_id")
+        out["decoder_input_ids"] = dec
+    return out
 
 
 def data_key(x: torch.Tensor) -> tuple:
@@ -144,8 +169,12 @@ def probe_shared_inputs(model: nn.Module, layers: dict[str, nn.Module]
         with torch.no_grad(), torch.random.fork_rng(devices=devices):  # training RNG untouched
             model(**inputs)
     except Exception as e:  # a model this probe cannot drive: no sharing, still exact
-        logger.info("kfac_stream: shared-input probe skipped (%s: %s); every layer keeps its "
-                    "own A factor", type(e).__name__, e)
+        why = f" ({e})" if isinstance(e, ProbeUnsupported) else ""
+        logger.info("kfac_stream: layers that read one input (q/k/v) are not grouped for this "
+                    "model%s: each tracked layer keeps its own A factor, which is exact (a "
+                    "shared one only saves memory and time); nothing is wrong", why)
+        logger.debug("kfac_stream: the shared-input probe forward failed: %s: %s",
+                      type(e).__name__, " ".join(str(e).split()))
         return []
     finally:
         for h in handles:

@@ -1,5 +1,9 @@
 """``KFACConfig.eval_prior_precision``: the prior precision fitted on the Trainer's
-``eval_dataset`` at the final snapshot, stored beside it (`kfac_stream.query.heldout_tau`)."""
+``eval_dataset`` at the final snapshot, stored beside it (`kfac_stream.query.heldout_tau`).
+
+A classification head's eval set gives one label per example; a seq2seq model's (T5, BART) its
+targets ``labels [B, T']``, from which the decoder inputs are made as in training, and the NLL
+is taken per label token (`kfac_stream.query.heldout_tau`, module docstring)."""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ import torch
 from transformers import Trainer
 
 from ..exceptions import QueryInputError
-from ..query.heldout_tau import fit_prior_precision
+from ..query.heldout_tau import GRID, TOKEN_SAMPLES, fit_prior_precision
+from ..query.inputs import seq2seq_lm
 from ..query.laplace import LaplacePosterior
 from ..snapshot.heldout_prior import write_heldout_prior
 from ..snapshot.snapshot import Snapshot
@@ -58,6 +63,12 @@ def fit_heldout_prior(callback, model) -> str | None:
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    seq2seq = seq2seq_lm(model)
+    if seq2seq:  # its cost differs from the classifier's one Jacobian pass: say it
+        logger.info("kfac_stream: eval_prior_precision on a seq2seq model: the held-out NLL per "
+                    "label token of the linearised predictive, by Monte Carlo over %d draws for "
+                    "each of %d candidate taus (about %d forwards per eval batch)",
+                    TOKEN_SAMPLES, len(GRID) + 1, 2 * TOKEN_SAMPLES * (len(GRID) + 1))
     try:
         post = LaplacePosterior(model, Snapshot.load(path, show_progress=False))
         batches = ({k: v.to(device) for k, v in b.items() if torch.is_tensor(v)}
@@ -70,7 +81,8 @@ def fit_heldout_prior(callback, model) -> str | None:
     finally:
         model.train(was_training)
     out = write_heldout_prior(path, prior)
-    logger.info("kfac_stream: prior precision fitted on %d held-out examples: tau %.4g (NLL "
+    logger.info("kfac_stream: prior precision fitted on %d held-out %s: tau %.4g (NLL "
                 "%.4f; marginal likelihood's tau %.4g: NLL %.4f) -> %s", prior.examples,
+                "label tokens" if seq2seq and prior.link == "mc" else "examples",
                 prior.tau, prior.nll, prior.marglik_tau, prior.marglik_nll, out)
     return out

@@ -183,6 +183,7 @@ def answer_distribution(post: LaplacePosterior, batch: Mapping[str, Tensor],
     if not isinstance(post, LaplacePosterior):
         raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
     size, length = inputs.check_batch(where, "batch", batch, inputs.input_vocab(post.model))
+    batch = inputs.query_batch(where, "batch", batch, post.model)  # seq2seq: decoder inputs
     ids = inputs.check_token_ids(where, "options", options, size)
     if ids is not None and ids.shape[-1] < 2:
         raise inputs.error(where, "options", options, "K >= 2 answer ids (one sequence of K "

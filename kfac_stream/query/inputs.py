@@ -61,7 +61,8 @@ def check_flag(where: str, arg: str, value: Any) -> None:
 def forward_inputs(batch: Mapping[str, Any], model: nn.Module | None = None) -> dict[str, Any]:
     """The keyword arguments of a query's forward: ``batch`` without the training-only
     ``labels`` / ``num_items_in_batch`` and, for a ``model`` whose config has ``use_cache``,
-    ``use_cache=False`` unless given (a query keeps no key/value cache)."""
+    ``use_cache=False`` unless given (a query keeps no key/value cache). An encoder-decoder's
+    decoder inputs come from `query_batch`, which every query calls first."""
     out = {k: v for k, v in batch.items() if k not in ("labels", "num_items_in_batch")}
     if model is not None and getattr(getattr(model, "config", None), "use_cache",
                                      None) is not None:
@@ -233,14 +234,119 @@ def check_batch(where: str, arg: str, batch: Any, vocab: int | None = None) -> t
     return int(shape[0]), int(shape[1])
 
 
+#: Label value of a position without a label (as in Hugging Face's losses).
+IGNORE_INDEX = -100
+
+DECODER_ALLOWED = ("'labels' [B, T'] (the target token ids, -100 where there is no label: the "
+                   "decoder inputs are made from them as in training) or 'decoder_input_ids' "
+                   "[B, T']")
+
+
+def seq2seq_lm(model: nn.Module) -> bool:
+    """An encoder-decoder language model (T5, BART, Marian, Pegasus, ...): its config's
+    ``is_encoder_decoder`` and a ``prepare_decoder_input_ids_from_labels`` (the shift that
+    makes the decoder's inputs from the labels in training). Its decoder needs
+    ``decoder_input_ids``; an encoder-decoder classifier (``BartForSequenceClassification``)
+    makes its own from ``input_ids`` and is not one."""
+    cfg = getattr(model, "config", None)
+    return bool(getattr(cfg, "is_encoder_decoder", False)) and callable(
+        getattr(model, "prepare_decoder_input_ids_from_labels", None))
+
+
+def make_decoder_input_ids(where: str, arg: str, labels: Tensor, model: nn.Module) -> Tensor:
+    """``model.prepare_decoder_input_ids_from_labels(labels=labels)``: what training feeds the
+    decoder (the labels shifted right behind the decoder start token, ``-100`` as padding).
+
+    Raises:
+        QueryInputError: the model cannot make them (e.g. no ``decoder_start_token_id`` or
+            ``pad_token_id`` in its config).
+    """
+    try:
+        return model.prepare_decoder_input_ids_from_labels(labels=labels)
+    except (ValueError, TypeError, AttributeError) as e:
+        raise error(where, f"{arg}['labels']", labels, "labels the model can make its "
+                    "decoder_input_ids from (or pass 'decoder_input_ids' yourself)",
+                    problem=f"gives no decoder inputs ({type(e).__name__}: "
+                            f"{' '.join(str(e).split())})") from None
+
+
+def query_batch(where: str, arg: str, batch: Mapping[str, Any], model: nn.Module
+                ) -> Mapping[str, Any]:
+    """The batch a query runs ``model`` on (``batch`` already passed `check_batch`).
+
+    ``batch`` itself, except for an encoder-decoder language model (`seq2seq_lm`: T5, BART,
+    ...) given ``labels`` ``[B, T']`` but no ``decoder_input_ids`` / ``decoder_inputs_embeds``:
+    then a new dict (the caller's is not changed) with ``decoder_input_ids`` made from the
+    labels as in training (`make_decoder_input_ids`). The labels stay in the batch: they say
+    which decoder positions carry a label (`output_positions`), and no forward sees them
+    (`forward_inputs`). Decoder inputs given are checked (``[B, T']``, with the labels' ``T'``
+    when both are given) and used as they are.
+
+    Raises:
+        QueryInputError: an encoder-decoder's batch with neither labels nor decoder inputs
+            (one line, instead of the model's own error deep in its forward), or one whose
+            labels / decoder inputs have the wrong type or shape.
+    """
+    if not seq2seq_lm(model):
+        return batch
+    first = batch.get("input_ids")
+    size = int((first if first is not None else batch["inputs_embeds"]).shape[0])
+    labels, dec = batch.get("labels"), batch.get("decoder_input_ids")
+    dec_emb, dec_mask = batch.get("decoder_inputs_embeds"), batch.get("decoder_attention_mask")
+    if labels is not None and (not is_int_tensor(labels) or labels.dim() != 2
+                               or labels.shape[0] != size or labels.shape[1] == 0):
+        raise error(where, f"{arg}['labels']", labels,
+                    f"a [B, T'] integer tensor of target ids with B = {size} (the batch's) and "
+                    f"T' >= 1, -100 where there is no label", typed=not isinstance(labels, Tensor))
+    if dec is not None:
+        if not is_int_tensor(dec) or dec.dim() != 2 or dec.shape[0] != size or dec.shape[1] == 0:
+            raise error(where, f"{arg}['decoder_input_ids']", dec,
+                        f"a [B, T'] integer tensor of token ids with B = {size} (the batch's) "
+                        "and T' >= 1", typed=not isinstance(dec, Tensor))
+        shape = tuple(dec.shape)
+    elif dec_emb is not None:
+        if not isinstance(dec_emb, Tensor) or not dec_emb.is_floating_point() or \
+                dec_emb.dim() != 3 or dec_emb.shape[0] != size or dec_emb.shape[1] == 0:
+            raise error(where, f"{arg}['decoder_inputs_embeds']", dec_emb,
+                        f"a [B, T', d] floating tensor with B = {size} (the batch's) and "
+                        "T' >= 1", typed=not isinstance(dec_emb, Tensor))
+        shape = tuple(dec_emb.shape[:2])
+    elif labels is None:
+        raise error(where, arg, batch, DECODER_ALLOWED,
+                    problem="has neither 'labels' nor 'decoder_input_ids' (an encoder-decoder "
+                            "model's decoder needs one)")
+    else:
+        shape = tuple(labels.shape)
+    if labels is not None and tuple(labels.shape) != shape:
+        raise error(where, f"{arg}['labels']", labels,
+                    f"a [B, T'] = {list(shape)} integer tensor (the decoder inputs' shape)",
+                    problem="does not fit the decoder inputs")
+    if dec_mask is not None and (not isinstance(dec_mask, Tensor)
+                                 or tuple(dec_mask.shape) != shape):
+        raise error(where, f"{arg}['decoder_attention_mask']", dec_mask,
+                    f"a [B, T'] = {list(shape)} tensor (1: token, 0: padding)",
+                    typed=not isinstance(dec_mask, Tensor))
+    if dec is not None or dec_emb is not None:
+        return batch
+    return {**batch, "decoder_input_ids": make_decoder_input_ids(where, arg, labels, model)}
+
+
 def output_positions(batch: Mapping[str, Any], length: int) -> tuple[int, Mapping[str, Any]]:
     """What a query's ``positions`` index: ``(T, the batch whose attention_mask says which of
     them are tokens)``. A causal LM or encoder: the input's ``T`` and ``batch`` itself. An
-    encoder-decoder (the batch holds ``decoder_input_ids [B, T']``): the decoder's ``T'``, with
-    ``decoder_attention_mask`` (if given) as their mask."""
+    encoder-decoder (the batch holds ``decoder_input_ids [B, T']``, given or made from the
+    labels by `query_batch`): the decoder's ``T'``; position ``t`` is the decoder's logit row
+    ``t``, the one that predicts ``labels[:, t]`` (no shift, unlike a causal LM's). Its mask is
+    ``decoder_attention_mask`` if given, else ``labels != -100`` when the batch has labels
+    ``[B, T']`` (so ``-1`` is each example's last labelled position), else none."""
     dec = batch.get("decoder_input_ids")
-    if isinstance(dec, Tensor) and dec.dim() == 2 and dec.shape[1] > 0:
+    if not (isinstance(dec, Tensor) and dec.dim() == 2):
+        dec = batch.get("decoder_inputs_embeds")
+    if isinstance(dec, Tensor) and dec.dim() in (2, 3) and dec.shape[1] > 0:
         mask = batch.get("decoder_attention_mask")
+        labels = batch.get("labels")
+        if mask is None and isinstance(labels, Tensor) and labels.shape == dec.shape[:2]:
+            mask = labels != IGNORE_INDEX
         return int(dec.shape[1]), ({} if mask is None else {"attention_mask": mask})
     return length, batch
 

@@ -85,6 +85,23 @@ def default_num_data(meta: dict) -> float:
     return seen / epoch if epoch and epoch > 0 else seen
 
 
+def layer_num_data(meta: dict, names: Sequence[str], num_data: float) -> dict[str, float]:
+    """``N`` of each layer: ``num_data`` for a layer whose rows are token positions;
+    for one whose rows are sequences (a pooler or classification head on ``[B, d]``, the
+    manifest's ``layers.<name>.rows == "sequence"``) the data set's sequences, i.e.
+    ``num_data`` times the snapshot's sequences per position (``counts.sequences_seen /
+    counts.tokens_seen``): the default ``num_data`` gives ``sequences_seen`` per epoch, and a
+    ``num_data`` of your own rescales every layer alike."""
+    out = {}
+    for name in names:
+        if meta["layers"][name].get("rows") == "sequence":
+            counts = meta["counts"]
+            out[name] = num_data * float(counts["sequences_seen"]) / float(counts["tokens_seen"])
+        else:
+            out[name] = num_data
+    return out
+
+
 class LaplacePosterior:
     """Laplace posterior over the tracked layers of ``model`` from ``snapshot``.
 
@@ -105,7 +122,9 @@ class LaplacePosterior:
             at: 300 examples of 65 tokens are ``N = 19,500``), not examples as laplace-torch's
             ``num_data``; the posterior precision scales with it. A value more than
             `NUM_DATA_WARN_FACTOR` times away from the snapshot's own count warns
-            (``UserWarning``).
+            (``UserWarning``). A layer whose rows are sequences (a pooler or head that sees
+            ``[B, d]``) has its own ``N``, the sequences (`layer_num_data`;
+            ``layer_num_data`` attribute).
         layers: The layers the posterior is over (the others stay at their trained values,
             as the block-diagonal posterior's marginal): None (every layer of the snapshot),
             a preset name (``"last_layer"``, ``"lora"``, ``"attention"``, ``"mlp"``,
@@ -148,6 +167,7 @@ class LaplacePosterior:
         if few is not None:
             warnings.warn(few, UserWarning, stacklevel=2)
         self.layer_names = _chosen_layers(where, model, snapshot, layers)
+        self.layer_num_data = layer_num_data(snapshot.meta, self.layer_names, self.num_data)
         prior = inputs.check_prior(where, "prior_precision", prior_precision,
                                    self.layer_names, marglik=True)
         self.model, self.snapshot = model, snapshot
@@ -248,6 +268,7 @@ class LaplacePosterior:
                names: tuple[str, str, str] = ("batch", "positions", "token_ids")) -> _Query:
         """Check the arguments of a predictive query (before any model call)."""
         size, length = inputs.check_batch(where, names[0], batch, self._vocab)
+        batch = inputs.query_batch(where, names[0], batch, self.model)  # seq2seq: decoder ids
         length, _ = inputs.output_positions(batch, length)  # an encoder-decoder's: decoder's
         pos = inputs.check_positions(where, names[1], positions, size, length)
         ids = inputs.check_token_ids(where, names[2], token_ids, size)
@@ -264,10 +285,16 @@ class LaplacePosterior:
             batch: Model inputs, a dict with ``input_ids`` ``[B, T]`` (an integer tensor; on
                 the CPU, ids within the model's input embeddings) or ``inputs_embeds``
                 ``[B, T, d]``, optionally ``attention_mask`` ``[B, T]`` (``labels`` ignored).
+                An encoder-decoder LM (T5, BART) also needs ``labels`` ``[B, T']`` (the
+                decoder inputs are made from them as in training) or ``decoder_input_ids``
+                ``[B, T']`` (`inputs.query_batch`).
             positions: Sequence position(s) of the logits, one int for all or ``B`` ints (a
                 sequence or a 1-D integer tensor), each in ``[-T, T)``; negative counts back
                 from the last non-padding token (``-1``: the last one; it must land on a token
-                of the example). Ignored for classification heads (``logits [B, C]``).
+                of the example). Ignored for classification heads (``logits [B, C]``). An
+                encoder-decoder's are decoder positions (``T'``): position ``t`` predicts
+                ``labels[:, t]``, and ``-1`` is each example's last labelled position
+                (``labels != -100``; or ``decoder_attention_mask``'s last 1 when given).
             token_ids: The ``K ≥ 1`` vocabulary (or class) indices, each in ``[0, V)`` (``[0,
                 C)``): one sequence of ``K`` ints for every example, or per example a row of
                 ``K`` (a ``[B, K]`` integer tensor or ``B`` sequences of ``K`` ints; row ``b``
@@ -381,7 +408,8 @@ class LaplacePosterior:
         for name, m in feats:
             _, aval, _, gval = self.eig[name]
             for p, prior in enumerate(priors):
-                d = ke.precision_eigenvalues(gval, aval, self.num_data, self._tau(name, prior))
+                d = ke.precision_eigenvalues(gval, aval, self.layer_num_data[name],
+                                             self._tau(name, prior))
                 covs[p] += torch.einsum("bkij,blij->bkl", m / d.to(m.device, m.dtype), m).double()
         return f, covs
 
@@ -437,7 +465,7 @@ class LaplacePosterior:
             try:
                 for name, m in self.modules.items():
                     qa, aval, qg, gval = self.eig[name]
-                    dw = ke.sample_block(qg, gval, qa, aval, self.num_data,
+                    dw = ke.sample_block(qg, gval, qa, aval, self.layer_num_data[name],
                                          self._tau(name, self._prior), gen)
                     if self.snapshot[name].has_bias:
                         m.bias.add_(dw[:, -1].to(m.bias.device, m.bias.dtype))
@@ -532,7 +560,7 @@ class LaplacePosterior:
             aval, gval = self.eig.eigvals(name, self.device)  # float64, on the model's device
             tau = self._tau(name, prior)
             numel, sq = norms[name]
-            logdet = ke.log_det_precision(gval, aval, self.num_data, tau)
+            logdet = ke.log_det_precision(gval, aval, self.layer_num_data[name], tau)
             total += float(ke.marglik_terms(numel, sq, logdet, tau))
         return total
 
@@ -572,8 +600,9 @@ class LaplacePosterior:
         iters = inputs.check_int(where, "iters", iters, 1)
         t0 = time.perf_counter()
         norms = self._weight_norms()  # once, not per evaluation
-        bins = EvidenceBins([self.eig.eigvals(n, self.device)[::-1] for n in self.modules],
-                            self.num_data, [norms[n] for n in self.modules])
+        bins = EvidenceBins([_scaled(self.eig.eigvals(n, self.device)[::-1],
+                                     self.layer_num_data[n]) for n in self.modules],
+                            1.0, [norms[n] for n in self.modules])  # N_l in each γ
         bar = progress(total=grid + iters + 2, desc=f"marglik prior precision "
                        f"({len(self.modules)} layers)", unit="eval", show=show_progress)
 
@@ -799,6 +828,11 @@ def _minimise_over_log_range(f: Callable[[float], float], lower: float, upper: f
             d = lo + r * (hi - lo)
             fd = f(d)
     return math.exp((lo + hi) / 2)
+
+
+def _scaled(eigvals: tuple[Tensor, Tensor], num_data: float) -> tuple[Tensor, Tensor]:
+    """``(N·γ, α)`` from a layer's ``(γ, α)``: its own ``N`` folded into the G side."""
+    return eigvals[0] * num_data, eigvals[1]
 
 
 def _check_num_data(where: str, num_data: object, meta: dict) -> float:

@@ -221,7 +221,9 @@ def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor],
         batch: Model inputs, a dict with ``input_ids`` ``[B, T]`` (an integer tensor; on the
             CPU, ids within the model's input embeddings) or ``inputs_embeds`` ``[B, T, d]``,
             optionally ``attention_mask`` ``[B, T]`` and other inputs whose first axis is the
-            batch's (``labels`` ignored: pass them as ``labels``).
+            batch's (``labels`` ignored: pass them as ``labels``). An encoder-decoder LM (T5,
+            BART) also needs ``labels`` ``[B, T']`` (its decoder inputs are made from them as
+            in training) or ``decoder_input_ids`` ``[B, T']``; its logits are ``[B, T', V]``.
         n_samples: ``S``, an int ≥ 2 (default: `DEFAULT_SAMPLES`, or the count of ``draws``).
         seed: Seed of sample 0 (sample ``s`` uses ``seed + s``), an int (default 0, or the
             seed of ``draws``).
@@ -231,8 +233,9 @@ def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor],
             position ``t``, none at the last position and at padding); or the label of each
             position, an integer tensor of shape ``[B, T]`` (language-model head, aligned with
             the logits: position ``t`` holds the token that follows it; a Hugging Face
-            collator's ``labels``, equal to ``input_ids``, are not: pass ``"next"``) or
-            ``[B]`` (classification head), entries in ``[0, V)`` or ``-100`` (no label).
+            collator's ``labels``, equal to ``input_ids``, are not: pass ``"next"``; an
+            encoder-decoder's ``[B, T']`` labels are: pass ``batch["labels"]``) or ``[B]``
+            (classification head), entries in ``[0, V)`` or ``-100`` (no label).
         linearized: Evaluate the linearised model ``f* + J(θ_s − θ*)`` (forward-mode
             Jacobian-vector products; attention through PyTorch's math SDPA kernel, the one
             with forward-mode derivatives) instead of the model at ``θ_s``.
@@ -253,7 +256,7 @@ def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor],
             output holds no logits.
     """
     where = "sampled_predictive"
-    size, length, n_samples, seed, chunk = _check_arguments(
+    batch, size, length, n_samples, seed, chunk = _check_arguments(
         where, post, batch, n_samples, seed, chunk, linearized, draws, show_progress)
     inputs.check_flag(where, "return_logits", return_logits)
     label_ids = _check_labels(where, labels, batch, size, length)
@@ -287,7 +290,7 @@ def iter_sample_logits(post: LaplacePosterior, batch: Mapping[str, Tensor],
         QueryInputError: as `sampled_predictive` (checked before the first forward).
     """
     where = "iter_sample_logits"
-    size, length, n_samples, seed, chunk = _check_arguments(
+    batch, size, length, n_samples, seed, chunk = _check_arguments(
         where, post, batch, n_samples, seed, chunk, linearized, draws, show_progress)
     return _sample_logits(where, post, batch, size, length, n_samples, seed, chunk, linearized,
                           draws, show_progress)
@@ -295,17 +298,24 @@ def iter_sample_logits(post: LaplacePosterior, batch: Mapping[str, Tensor],
 
 def _check_arguments(where: str, post: object, batch: object, n_samples: object, seed: object,
                      chunk: object, linearized: object, draws: object,
-                     show_progress: object) -> tuple[int, int, int, int, int]:
-    """``(B, T, S, seed, chunk)`` from the arguments every sampled query shares, checked."""
+                     show_progress: object
+                     ) -> tuple[Mapping[str, Tensor], int, int, int, int, int]:
+    """``(batch, B, T, S, seed, chunk)`` from the arguments every sampled query shares,
+    checked: the batch the model runs on (an encoder-decoder's with the ``decoder_input_ids``
+    made from its labels, `inputs.query_batch`) and ``T`` its logits' positions (the
+    decoder's ``T'`` for an encoder-decoder)."""
     if not isinstance(post, LaplacePosterior):
         raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
     size, length = inputs.check_batch(where, "batch", batch, inputs.input_vocab(post.model))
+    batch = inputs.query_batch(where, "batch", batch, post.model)
+    out_length, _ = inputs.output_positions(batch, length)  # an encoder-decoder's: decoder's
     n_samples, seed = _check_samples(where, post, n_samples, seed, draws, 2)
-    chunk = _check_chunk(where, chunk, n_samples, post, size, length)
+    chunk = _check_chunk(where, chunk, n_samples, post, size, max(length, out_length))
+    length = out_length
     inputs.check_flag(where, "linearized", linearized)
     if show_progress is not None:
         inputs.check_flag(where, "show_progress", show_progress)
-    return size, length, n_samples, seed, chunk
+    return batch, size, length, n_samples, seed, chunk
 
 
 def _check_chunk(where: str, chunk: object, n_samples: int, post: LaplacePosterior,
@@ -427,7 +437,7 @@ class _Layers:
         root_d, zs = {}, {}
         for name in post.modules:
             _, aval, _, gval = post.eig[name]
-            root_d[name] = ke.precision_eigenvalues(gval, aval, post.num_data,
+            root_d[name] = ke.precision_eigenvalues(gval, aval, post.layer_num_data[name],
                                                     post.tau(name)).sqrt()
             zs[name] = root_d[name].new_empty((len(seeds), *root_d[name].shape))
         for i, s in enumerate(seeds):

@@ -42,6 +42,11 @@ def topk_predictive(post: LaplacePosterior, input_ids: Tensor, k: int = 5,
     where = "topk_predictive"
     if not isinstance(post, LaplacePosterior):
         raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
+    if inputs.seq2seq_lm(post.model):
+        raise inputs.error(where, "post", post, "the posterior of a causal language model (an "
+                           "encoder-decoder's next tokens depend on its decoder inputs: call "
+                           "post.predictive with a batch holding labels or decoder_input_ids)",
+                           problem="is of an encoder-decoder model")
     if not inputs.is_int_tensor(input_ids) or input_ids.dim() != 1 or input_ids.numel() == 0:
         raise inputs.error(where, "input_ids", input_ids,
                            "a [T] integer tensor of token ids with T >= 1 (one sequence)",

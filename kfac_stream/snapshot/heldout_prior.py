@@ -22,10 +22,11 @@ class HeldoutPrior:
 
     Attributes:
         tau: The candidate with the lowest held-out NLL.
-        nll: Its mean NLL per example (nats).
+        nll: Its mean NLL per example (nats; per label token for a seq2seq model's per-token
+            fit, ``link`` ``"mc"``: `kfac_stream.query.heldout_tau`).
         marglik_tau: The marginal likelihood's ``τ`` (a candidate too), for comparison.
         marglik_nll: The held-out NLL at ``marglik_tau``.
-        examples: Held-out examples used.
+        examples: Held-out examples used (label tokens for that per-token fit).
         link: The K-way link of the predictive probabilities.
         grid: Every candidate ``τ``, ascending; ``grid_nll`` their NLLs.
     """
