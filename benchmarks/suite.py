@@ -274,7 +274,7 @@ def run_seed(task, a, real_default: bool) -> dict:
     """Every candidate on one task and seed; with ``real_default`` also a run with the
     library's defaults, whose weights must equal the recording run's and whose posterior is
     scored beside the rebuilt default rule (`--check-rule`)."""
-    defaults = KFACConfig()
+    defaults = KFACConfig(factor_form=a.factor_form)
     # the MC share the default run replays at (raised on a run too short for its final window,
     # `window_mc_share`); the recording run replays the same
     share = window_mc_share(defaults, task.batch_size, 1, 1, task.steps) or defaults.mc_sequences
@@ -282,12 +282,14 @@ def run_seed(task, a, real_default: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         rec_cfg = KFACConfig(output_dir=os.path.join(tmp, "rec", "kfac"),
                              snapshot_every=10 * task.steps, seed=task.seed, ema_decay=1.0,
-                             final_window=0.0, storage_dtype="float64", mc_sequences=share)
+                             final_window=0.0, storage_dtype="float64", mc_sequences=share,
+                             factor_form=a.factor_form)
         model, _, t_rec, losses, rec = train(task, rec_cfg, os.path.join(tmp, "rec"), True)
         t_def, snap_def = 0.0, None
         if real_default:
             def_cfg = KFACConfig(output_dir=os.path.join(tmp, "def", "kfac"),
-                                 snapshot_every=10 * task.steps, seed=task.seed)
+                                 snapshot_every=10 * task.steps, seed=task.seed,
+                                 factor_form=a.factor_form)
             model_d, snap_dir, t_def, _, _ = train(task, def_cfg, os.path.join(tmp, "def"),
                                                    False)
             diff = max(float((v - model_d.state_dict()[k]).abs().max())
@@ -567,6 +569,31 @@ ALL_TASKS = ["license-fit", "manpage-section", "glyph-digits", "source-small", "
              "lm-heldout", "encoder-filekind"]
 
 
+def compare_forms(form_a: str, form_b: str) -> None:
+    """Per task (those in both results), the shipped default candidate's score per seed and
+    its worst under two factor forms (``results/suite.json`` holds the default form's;
+    ``results/suite_form-<form>.json`` another's)."""
+    default_form = KFACConfig().factor_form
+
+    def load(form):
+        name = "suite.json" if form == default_form else f"suite_form-{form}.json"
+        return json.loads((HERE / "results" / name).read_text())
+
+    ra, rb = load(form_a), load(form_b)
+    print(f"the shipped default's task score (<= 1 meets the bar; its parts: vs MAP, accuracy, "
+          f"vs laplace-torch), {form_a} vs {form_b}")
+    worst = {form_a: 0.0, form_b: 0.0}
+    for name in ra["tasks"]:
+        if name not in rb["tasks"]:
+            continue
+        va, vb = ra["verdicts"]["shipped"][name], rb["verdicts"]["shipped"][name]
+        worst[form_a] = max(worst[form_a], va["score"])
+        worst[form_b] = max(worst[form_b], vb["score"])
+        parts = "  ".join(f"{k} {va['parts'][k]:.3f}/{vb['parts'][k]:.3f}" for k in va["parts"])
+        print(f"  {name:18s} {va['score']:.4f}  {vb['score']:.4f}   ({parts})")
+    print(f"  {'worst':18s} {worst[form_a]:.4f}  {worst[form_b]:.4f}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tasks", nargs="+", default=ALL_TASKS, choices=ALL_TASKS)
@@ -586,13 +613,25 @@ def main(argv=None) -> None:
                    help="keep the other tasks of the last written results")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--from-json", action="store_true")
+    p.add_argument("--factor-form", default=d.factor_form, choices=["expand", "reduce", "auto"],
+                   help="KFACConfig.factor_form of every run; another than the default is a "
+                   "probe: it writes results/suite_form-<form>.json and leaves suite.json and "
+                   "RESULTS.md alone (compare with --compare-forms)")
+    p.add_argument("--compare-forms", nargs=2, metavar=("A", "B"),
+                   help="print each task's worst score of the shipped default candidate under "
+                   "two factor forms' results (no training)")
     p.add_argument("--lm-eval", type=int, default=st.LMHeldout.n_eval,
                    help="lm-heldout's validation and test windows (each scored at its last "
                    "position); a value other than the default is a probe: it writes "
                    "results/suite_lm<N>.json and leaves suite.json and RESULTS.md alone")
     a = p.parse_args(argv)
     path = HERE / "results" / "suite.json"
-    probe = a.lm_eval != st.LMHeldout.n_eval
+    if a.compare_forms:
+        compare_forms(*a.compare_forms)
+        return
+    form_probe = a.factor_form != d.factor_form
+    probe = a.lm_eval != st.LMHeldout.n_eval or form_probe
+    probe_name = f"suite_form-{a.factor_form}" if form_probe else f"suite_lm{a.lm_eval}"
     st.LMHeldout.n_eval = a.lm_eval
     if a.from_json:
         out = json.loads(path.read_text())
@@ -636,7 +675,7 @@ def main(argv=None) -> None:
                 task.steps = min(task.steps, 60)
             per_seed.append({"seed": seed, **run_seed(task, a, seed in a.default_run_seeds)})
             if probe:
-                write_json(f"suite_lm{a.lm_eval}", {**out, "partial": {name: per_seed}})
+                write_json(probe_name, {**out, "partial": {name: per_seed}})
             elif not a.quick:  # every finished seed survives a later failure
                 write_json("suite_partial", {**out, "partial": {name: per_seed}})
         out["tasks"][name] = {"title": task.title, "per_seed": per_seed}
@@ -655,7 +694,7 @@ def main(argv=None) -> None:
     print(section)
     if probe:
         out["machine"] = info
-        write_json(f"suite_lm{a.lm_eval}", out)
+        write_json(probe_name, out)
     elif not a.quick:
         out["machine"] = info
         write_json("suite", out)
