@@ -40,6 +40,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--n-seq", type=int, default=48)
     p.add_argument("--pad-rows", default="")
     p.add_argument("--fisher", default="empirical")
+    p.add_argument("--factor-form", default="expand", help="KFACConfig.factor_form")
     p.add_argument("--mc-sequences", default="all",
                    help="KFACConfig.mc_sequences: 'all', an int, or a fraction like 0.5")
     p.add_argument("--storage-dtype", default="float32")
@@ -109,6 +110,7 @@ def main() -> None:
                           attn_implementation="eager")
     cfg = KFACConfig(token_fraction=opts.token_fraction, ema_decay=opts.ema_decay,
                      update_every=1, snapshot_every=opts.snapshot_every, fisher=opts.fisher,
+                     factor_form=opts.factor_form,
                      mc_sequences=_mc_sequences(opts.mc_sequences),
                      storage_dtype=opts.storage_dtype, seed=0,
                      async_updates=opts.async_updates or None, fold_on=opts.fold_on,

@@ -127,6 +127,9 @@ class Runs:
                                       "device", *PAD]),
         "zero3_fp16": ("cpu_zero3", ["--storage-dtype", "float16", *PAD]),
         "zero3_mc": ("cpu_zero3", ["--fisher", "mc", *PAD]),
+        # issue 38: the reduce form (one row per sequence, N in sequences) across ranks
+        "ref_reduce": (None, ["--batch", "4", "--factor-form", "reduce", *PAD]),
+        "zero3_reduce": ("cpu_zero3", ["--factor-form", "reduce", "--async-updates", *PAD]),
         "ddp_bf16": ("cpu_ddp", ["--bf16", *PAD]),
         "zero2_bf16": ("cpu_zero2", ["--bf16", *PAD]),
         "ddp_fail": ("cpu_ddp", ["--fail-rank", "1", *PAD]),
@@ -211,6 +214,21 @@ def test_two_ranks_equal_one_process(runs, engine):
         ref["counters"]["tokens_seen"]
     assert b["counters"]["tokens_seen"] < a["counters"]["tokens_seen"]  # uneven per rank
     assert a["counters"]["skipped_updates"] == 0
+
+
+def test_reduce_form_across_ranks_equals_one_process(runs):
+    """Issue 38: per-sequence rows (the reduce form) through ZeRO-3's partitioned weights and
+    the exchange; the usable sequences, counted per rank, sum to one process's (rank 1's
+    first micro-batch is two all-padding sequences, which count nothing)."""
+    errs = errors("zero3_reduce", "ref_reduce", runs)
+    print(f"zero3 reduce: max relative error vs 1 process {max(errs.values()):.2e}")
+    assert max(errs.values()) <= EXACT_TOL, errs
+    ref = info(runs.get("ref_reduce"), 0)["counters"]
+    a, b = (info(runs.get("zero3_reduce"), r)["counters"] for r in (0, 1))
+    assert a["sequences_seen"] + b["sequences_seen"] == ref["sequences_seen"] > 0
+    assert ref["sequences_seen"] == 3 * 2 * 2 * 2 - 2  # steps x accum x batch x ranks - padding
+    expand = factors(runs.get("ref"))  # the same run in the expand form: other factors
+    assert min(rel(expand[k], v) for k, v in factors(runs.get("ref_reduce")).items()) > 1e-3
 
 
 def test_shared_inputs_and_device_fold_across_ranks_equal_one_process(runs):
