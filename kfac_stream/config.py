@@ -13,6 +13,7 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from .curvature import Curvature
 from .enums import FactorForm, FisherType, LayerPreset, StorageDtype
 from .exceptions import KFACConfigError
 
@@ -362,8 +363,9 @@ def sequences_per_update(config: KFACConfig, batch: int, accumulation: int, worl
     share ``f`` the expected ``f·batch·accumulation·world`` rounded (at least 1 when
     ``batch ≥ 1``)."""
     spec, acc, world = config.mc_sequences, max(int(accumulation), 1), max(int(world), 1)
-    if config.fisher == "empirical" or mc_full_batch(spec) or isinstance(spec, int):
-        per = batch if config.fisher == "empirical" else mc_sequences_of(spec, batch)
+    replayed = Curvature.of(config).sampled_labels  # the MC replay's share, else every one
+    if not replayed or mc_full_batch(spec) or isinstance(spec, int):
+        per = mc_sequences_of(spec, batch) if replayed else batch
         return max(int(per), 0) * acc * world
     if batch <= 0:
         return 0
@@ -386,7 +388,8 @@ def window_mc_share(config: KFACConfig, batch: int, accumulation: int, world: in
     too short to reach the minimum otherwise; a long run keeps ``f`` and its cost.
     """
     spec, need = config.mc_sequences, int(config.min_window_sequences)
-    if (config.fisher != "mc" or not isinstance(spec, float) or mc_full_batch(spec)
+    if (not Curvature.of(config).sampled_labels or not isinstance(spec, float)
+            or mc_full_batch(spec)
             or config.final_window <= 0 or config.ema_decay == 1.0  # no window: see
             or need <= 0 or max_steps <= 0 or batch <= 0):  # FactorUpdater.set_final_window
         return None
