@@ -274,7 +274,8 @@ def run_seed(task, a, real_default: bool) -> dict:
     """Every candidate on one task and seed; with ``real_default`` also a run with the
     library's defaults, whose weights must equal the recording run's and whose posterior is
     scored beside the rebuilt default rule (`--check-rule`)."""
-    defaults = KFACConfig(factor_form=a.factor_form)
+    layers = head_layers(task.model()) if a.with_head else {}  # the default + the head
+    defaults = KFACConfig(factor_form=a.factor_form, **layers)
     # the MC share the default run replays at (raised on a run too short for its final window,
     # `window_mc_share`); the recording run replays the same
     share = window_mc_share(defaults, task.batch_size, 1, 1, task.steps) or defaults.mc_sequences
@@ -283,13 +284,13 @@ def run_seed(task, a, real_default: bool) -> dict:
         rec_cfg = KFACConfig(output_dir=os.path.join(tmp, "rec", "kfac"),
                              snapshot_every=10 * task.steps, seed=task.seed, ema_decay=1.0,
                              final_window=0.0, storage_dtype="float64", mc_sequences=share,
-                             factor_form=a.factor_form)
+                             factor_form=a.factor_form, **layers)
         model, _, t_rec, losses, rec = train(task, rec_cfg, os.path.join(tmp, "rec"), True)
         t_def, snap_def = 0.0, None
         if real_default:
             def_cfg = KFACConfig(output_dir=os.path.join(tmp, "def", "kfac"),
                                  snapshot_every=10 * task.steps, seed=task.seed,
-                                 factor_form=a.factor_form)
+                                 factor_form=a.factor_form, **layers)
             model_d, snap_dir, t_def, _, _ = train(task, def_cfg, os.path.join(tmp, "def"),
                                                    False)
             diff = max(float((v - model_d.state_dict()[k]).abs().max())
@@ -569,6 +570,18 @@ ALL_TASKS = ["license-fit", "manpage-section", "glyph-digits", "source-small", "
              "lm-heldout", "encoder-filekind"]
 
 
+def head_layers(model) -> dict:
+    """``{"include": [...]}``: the default selection's layers and the model's head (the
+    ``last_layer`` preset), each matched exactly."""
+    import re
+
+    from kfac_stream.capture.presets import preset_layers
+    from kfac_stream.capture.selection import select_layers
+
+    names = list(select_layers(model)) + preset_layers(model, "last_layer")
+    return {"include": [f"^{re.escape(n)}$" for n in dict.fromkeys(names)]}
+
+
 def compare_forms(form_a: str, form_b: str) -> None:
     """Per task (those in both results), the shipped default candidate's score per seed and
     its worst under two factor forms (``results/suite.json`` holds the default form's;
@@ -617,9 +630,13 @@ def main(argv=None) -> None:
                    help="KFACConfig.factor_form of every run; another than the default is a "
                    "probe: it writes results/suite_form-<form>.json and leaves suite.json and "
                    "RESULTS.md alone (compare with --compare-forms)")
+    p.add_argument("--with-head", action="store_true",
+                   help="track the model's head (the last_layer preset) beside the default "
+                   "layers; a probe like --factor-form (results/suite_form-<form>+head.json)")
     p.add_argument("--compare-forms", nargs=2, metavar=("A", "B"),
-                   help="print each task's worst score of the shipped default candidate under "
-                   "two factor forms' results (no training)")
+                   help="print each task's score of the shipped default candidate under two "
+                   "probes' results, named by form (+head), e.g. expand auto+head (no "
+                   "training; expand: suite.json)")
     p.add_argument("--lm-eval", type=int, default=st.LMHeldout.n_eval,
                    help="lm-heldout's validation and test windows (each scored at its last "
                    "position); a value other than the default is a probe: it writes "
@@ -629,9 +646,10 @@ def main(argv=None) -> None:
     if a.compare_forms:
         compare_forms(*a.compare_forms)
         return
-    form_probe = a.factor_form != d.factor_form
+    form_probe = a.factor_form != d.factor_form or a.with_head
     probe = a.lm_eval != st.LMHeldout.n_eval or form_probe
-    probe_name = f"suite_form-{a.factor_form}" if form_probe else f"suite_lm{a.lm_eval}"
+    probe_name = (f"suite_form-{a.factor_form}{'+head' * a.with_head}" if form_probe
+                  else f"suite_lm{a.lm_eval}")
     st.LMHeldout.n_eval = a.lm_eval
     if a.from_json:
         out = json.loads(path.read_text())
