@@ -74,31 +74,41 @@ class _Query:
     ids_given: object
 
 
-def default_num_data(meta: dict) -> float:
-    """``N``: non-padding positions in the data set, from the snapshot's counts.
+#: The snapshot counter each unit of ``N`` is read from.
+UNIT_COUNTERS = {"position": "tokens_seen", "sequence": "sequences_seen"}
 
-    ``tokens_seen`` counts every training position; divided by the epochs run (when known and
-    positive) it is the data set's size, also after a partial epoch.
-    """
-    seen = float(meta["counts"]["tokens_seen"])
+
+def num_data_unit(meta: dict, names: Sequence[str]) -> str:
+    """What ``num_data`` counts for a posterior over ``names``: ``"sequence"`` when every one
+    of them has one row per sequence (a ``[B, d]`` head, or the reduce form: the manifest's
+    ``layers.<name>.rows``), else ``"position"`` (token positions)."""
+    rows = [meta["layers"][n].get("rows", "position") for n in names]
+    return "sequence" if rows and all(r == "sequence" for r in rows) else "position"
+
+
+def default_num_data(meta: dict, unit: str = "position") -> float:
+    """``N`` in ``unit``, from the snapshot's counts: the non-padding positions
+    (``tokens_seen``) or the sequences with one (``sequences_seen``) of every training forward,
+    divided by the epochs run (when known and positive): the data set's size, also after a
+    partial epoch."""
+    seen = float(meta["counts"][UNIT_COUNTERS[unit]])
     epoch = meta.get("epoch")
     return seen / epoch if epoch and epoch > 0 else seen
 
 
-def layer_num_data(meta: dict, names: Sequence[str], num_data: float) -> dict[str, float]:
-    """``N`` of each layer: ``num_data`` for a layer whose rows are token positions;
-    for one whose rows are sequences (a pooler or classification head on ``[B, d]``, the
-    manifest's ``layers.<name>.rows == "sequence"``) the data set's sequences, i.e.
-    ``num_data`` times the snapshot's sequences per position (``counts.sequences_seen /
-    counts.tokens_seen``): the default ``num_data`` gives ``sequences_seen`` per epoch, and a
-    ``num_data`` of your own rescales every layer alike."""
+def layer_num_data(meta: dict, names: Sequence[str], num_data: float,
+                   unit: str = "position") -> dict[str, float]:
+    """``N`` of each layer, for ``num_data`` in ``unit`` (`num_data_unit`): ``num_data`` for a
+    layer whose rows are in that unit; for one whose rows are the other (token positions vs
+    sequences, the manifest's ``layers.<name>.rows``) ``num_data`` times the snapshot's ratio
+    of the two counts (``counts.sequences_seen / counts.tokens_seen`` or its inverse), so the
+    default ``num_data`` gives each layer its own count per epoch and a ``num_data`` of your
+    own rescales every layer alike."""
+    counts = {u: float(meta["counts"].get(c, 0)) for u, c in UNIT_COUNTERS.items()}
     out = {}
     for name in names:
-        if meta["layers"][name].get("rows") == "sequence":
-            counts = meta["counts"]
-            out[name] = num_data * float(counts["sequences_seen"]) / float(counts["tokens_seen"])
-        else:
-            out[name] = num_data
+        rows = meta["layers"][name].get("rows", "position")
+        out[name] = num_data if rows == unit else num_data * counts[rows] / counts[unit]
     return out
 
 
@@ -117,14 +127,16 @@ class LaplacePosterior:
         prior_precision: ``τ``: a positive finite float, ``{layer: positive finite float}``
             with exactly the snapshot's layers, or ``"marglik"`` (maximise the Laplace
             marginal likelihood over one shared ``τ``).
-        num_data: ``N``, a positive finite number; default (None) `default_num_data`. ``N``
-            counts token positions (the Fisher is a sum over the positions the loss is taken
-            at: 300 examples of 65 tokens are ``N = 19,500``), not examples as laplace-torch's
-            ``num_data``; the posterior precision scales with it. A value more than
+        num_data: ``N``, a positive finite number; default (None) `default_num_data`. The
+            posterior precision scales with it. ``N`` counts token positions (the expand form
+            sums the Fisher over every position of the training forwards: 300 examples of 65
+            tokens are ``N = 19,500``), not examples as laplace-torch's ``num_data``; over
+            layers that all have one row per sequence (a ``[B, d]`` head, or
+            ``factor_form="reduce"``) it counts sequences (``num_data_unit`` attribute,
+            `num_data_unit`). Layers of the other unit get their own ``N`` in proportion
+            (``layer_num_data`` attribute, `layer_num_data`). A value more than
             `NUM_DATA_WARN_FACTOR` times away from the snapshot's own count warns
-            (``UserWarning``). A layer whose rows are sequences (a pooler or head that sees
-            ``[B, d]``) has its own ``N``, the sequences (`layer_num_data`;
-            ``layer_num_data`` attribute).
+            (``UserWarning``).
         layers: The layers the posterior is over (the others stay at their trained values,
             as the block-diagonal posterior's marginal): None (every layer of the snapshot),
             a preset name (``"last_layer"``, ``"lora"``, ``"attention"``, ``"mlp"``,
@@ -160,14 +172,16 @@ class LaplacePosterior:
             raise inputs.error(where, "snapshot", snapshot,
                                "a kfac_stream.Snapshot (load one with Snapshot.load(path), or "
                                "Snapshot.latest(dir) for the newest in a directory)", typed=True)
-        self.num_data = _check_num_data(where, num_data, snapshot.meta)
+        self.layer_names = _chosen_layers(where, model, snapshot, layers)
+        self.num_data_unit = unit = num_data_unit(snapshot.meta, self.layer_names)
+        self.num_data = _check_num_data(where, num_data, snapshot.meta, unit)
         if num_data is not None:
-            _warn_far_num_data(where, self.num_data, snapshot.meta)
+            _warn_far_num_data(where, self.num_data, snapshot.meta, unit)
         few = sampling_warning(where, snapshot.meta, once=True)
         if few is not None:
             warnings.warn(few, UserWarning, stacklevel=2)
-        self.layer_names = _chosen_layers(where, model, snapshot, layers)
-        self.layer_num_data = layer_num_data(snapshot.meta, self.layer_names, self.num_data)
+        self.layer_num_data = layer_num_data(snapshot.meta, self.layer_names, self.num_data,
+                                             unit)
         prior = inputs.check_prior(where, "prior_precision", prior_precision,
                                    self.layer_names, marglik=True)
         self.model, self.snapshot = model, snapshot
@@ -835,31 +849,36 @@ def _scaled(eigvals: tuple[Tensor, Tensor], num_data: float) -> tuple[Tensor, Te
     return eigvals[0] * num_data, eigvals[1]
 
 
-def _check_num_data(where: str, num_data: object, meta: dict) -> float:
-    """``N``: ``num_data`` (a positive finite number) or, when None, the snapshot's own."""
+def _check_num_data(where: str, num_data: object, meta: dict, unit: str = "position"
+                    ) -> float:
+    """``N`` in ``unit``: ``num_data`` (a positive finite number) or, when None, the
+    snapshot's own."""
+    what = {"position": "training positions", "sequence": "training sequences"}[unit]
     allowed = ("None (N from the snapshot's counts) or a positive finite number (N: the "
-               "training positions the factors average over)")
+               f"{what} the factors average over)")
     if num_data is not None:
         return inputs.check_positive(where, "num_data", num_data, allowed)
+    counter = UNIT_COUNTERS[unit]
     try:
-        n = default_num_data(meta)
+        n = default_num_data(meta, unit)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise QueryInputError(f"{where}: num_data=None takes N from the snapshot's counts, which "
                               f"are unreadable ({type(e).__name__}: {e}): pass num_data, "
                               "a positive finite number") from None
     if not (math.isfinite(n) and n > 0):
         raise QueryInputError(f"{where}: num_data=None takes N from the snapshot's counts, which "
-                              f"give N={n!r} (counts.tokens_seen={meta['counts']['tokens_seen']!r},"
+                              f"give N={n!r} (counts.{counter}={meta['counts'][counter]!r},"
                               f" epoch={meta.get('epoch')!r}): pass num_data, a positive finite "
                               "number")
     return n
 
 
-def _warn_far_num_data(where: str, num_data: float, meta: dict) -> None:
+def _warn_far_num_data(where: str, num_data: float, meta: dict, unit: str = "position"
+                       ) -> None:
     """Warn (``UserWarning``) when ``num_data`` is more than `NUM_DATA_WARN_FACTOR` times away
     from the snapshot's own count; silent when the counts are unreadable (nothing to compare)."""
     try:
-        own = default_num_data(meta)
+        own = default_num_data(meta, unit)
     except (KeyError, TypeError, ValueError, AttributeError):
         return
     if not (math.isfinite(own) and own > 0):
@@ -873,14 +892,18 @@ def _warn_far_num_data(where: str, num_data: float, meta: dict) -> None:
     times = f"{factor:,.0f}x" if factor >= 10 else f"{factor:.2g}x"
     far = f"{times} below" if ratio < 1 else f"{times} above"
     small, wide = ("small", "wide") if ratio < 1 else ("large", "narrow")
+    counter = UNIT_COUNTERS[unit]
+    why = ("Here N counts token positions, not examples: the K-FAC Fisher (expand form) is a "
+           "sum over every position of the training forwards (e.g. 300 examples of 65 tokens "
+           "are N=19,500), unlike laplace-torch's num_data." if unit == "position" else
+           "Here N counts the training sequences (every layer of this posterior has one row "
+           "per sequence).")
     warnings.warn(
         f"{where}: num_data={num_data:,.6g} is {far} the snapshot's own count N={own:,.0f} "
-        f"(counts.tokens_seen={meta['counts']['tokens_seen']:,}{per}). Here N counts token "
-        "positions, not examples: the K-FAC Fisher is a sum over every position the loss is "
-        "taken at (e.g. 300 examples of 65 tokens are N=19,500), unlike laplace-torch's "
-        "num_data. The data term N*(A(x)G) of the posterior precision scales with N, so it is "
-        f"{times} too {small} here (the posterior up to {times} too {wide}). Pass "
-        "num_data=None for the snapshot's count.", UserWarning, stacklevel=3)
+        f"(counts.{counter}={meta['counts'][counter]:,}{per}). {why} The data term "
+        f"N*(A(x)G) of the posterior precision scales with N, so it is {times} too {small} "
+        f"here (the posterior up to {times} too {wide}). Pass num_data=None for the "
+        "snapshot's count.", UserWarning, stacklevel=3)
 
 
 def _warn_other_weights(where: str, snapshot: Snapshot, modules: dict[str, nn.Module]) -> None:
