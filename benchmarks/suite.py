@@ -680,8 +680,9 @@ def main(argv=None) -> None:
                         if k in ("fisher", "token_fraction", "update_every", "ema_decay",
                                  "final_window", "mc_sequences", "min_window_sequences")},
            "tasks": {}}
-    if a.merge and path.exists():
-        old = json.loads(path.read_text())
+    merge_from = HERE / "results" / f"{probe_name}.json" if probe else path  # a probe's own
+    if a.merge and merge_from.exists():
+        old = json.loads(merge_from.read_text())
         out["tasks"] = {k: v for k, v in old["tasks"].items() if k not in a.tasks}
     t0 = time.perf_counter()
     for name in a.tasks:
