@@ -67,6 +67,28 @@ def test_a_worker_that_falls_behind_is_counted_and_logged_once(tmp_path, caplog,
     assert "max_dense_dim" in warnings[0]
 
 
+def test_small_factors_take_one_thread_large_ones_the_threads_asked(monkeypatch):
+    """Below `EIGH_PARALLEL_MIN_DIM` a decomposition runs on one thread (threads gain nothing
+    there and cost a great deal on busy cores); at or above it on the threads asked for."""
+    from kfac_stream.stats import spectrum
+
+    seen = []
+    monkeypatch.setattr(spectrum, "safe_psd_eigh",
+                        lambda f: (seen.append((f.shape[0], torch.get_num_threads())),
+                                   safe_psd_eigh(f))[1])
+    big = spectrum.EIGH_PARALLEL_MIN_DIM
+    gen = torch.Generator().manual_seed(0)
+    factors = {k: (lambda x: x @ x.T)(torch.randn(d, d, dtype=torch.float64, generator=gen))
+               for k, d in (("small", 33), ("big", big))}
+    prev = torch.get_num_threads()
+    eigh_factors(factors, threads=2)
+    assert seen == [(33, 1), (big, 2)] and torch.get_num_threads() == prev
+    seen.clear()
+    stored = [(k, f.float(), 1.0) for k, f in factors.items()]
+    list(spectrum.eigh_stored(stored, torch.float32, threads=2))
+    assert seen == [(33, 1), (big, 2)] and torch.get_num_threads() == prev
+
+
 def test_eigh_factors_on_cpu_with_threads_equals_safe_eigh(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(40, 24, generator=gen, dtype=torch.float64)

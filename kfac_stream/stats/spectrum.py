@@ -14,6 +14,17 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import Tensor
 
+#: Factors with a side below this are decomposed on one thread: LAPACK's threads gain nothing
+#: there (a 1024-side float64 eigh takes ~0.1 s on one core), and extra threads on busy
+#: cores cost more than they give (24 decompositions of side 257 took 73 s on 2 threads and
+#: 0.1 s on 1 while another process used both cores of a 2-core machine).
+EIGH_PARALLEL_MIN_DIM = 1024
+
+
+def _threads_for(f: Tensor, threads: int) -> int:
+    """CPU threads for the decomposition of ``f`` (``[d, d]`` or ``[d]``)."""
+    return threads if f.dim() == 2 and f.shape[0] >= EIGH_PARALLEL_MIN_DIM else 1
+
 
 def default_eigh_threads() -> int:
     """CPU threads for snapshot eigendecompositions when the user sets none: the cores this
@@ -43,7 +54,8 @@ def eigh_factors(factors: dict[str, Tensor], device: torch.device | None = None,
             and widened there. A factor whose decomposition fails (``LinAlgError``, out of
             memory) or is not finite is redone on the CPU in float64; the others keep their
             GPU result. None (or a CPU device): `safe_psd_eigh` in float64 on the CPU.
-        threads: CPU threads while decomposing on the CPU (default `default_eigh_threads`).
+        threads: CPU threads while decomposing on the CPU a factor of side at least
+            `EIGH_PARALLEL_MIN_DIM` (default `default_eigh_threads`; smaller ones take one).
             ``torch.set_num_threads`` is process-wide: it holds for the duration of the call
             and is restored afterwards.
 
@@ -58,10 +70,10 @@ def eigh_factors(factors: dict[str, Tensor], device: torch.device | None = None,
     if device is not None and device.type == "cuda" and dense:
         dense = _eigh_on_gpu(dense, device, out)  # returns what it could not do
     if dense:
-        prev = torch.get_num_threads()
-        torch.set_num_threads(threads or default_eigh_threads())
+        prev, threads = torch.get_num_threads(), threads or default_eigh_threads()
         try:
             for k, f in dense.items():
+                torch.set_num_threads(_threads_for(f, threads))
                 out[k] = safe_psd_eigh(f)
         finally:
             torch.set_num_threads(prev)
@@ -130,9 +142,10 @@ def eigh_stored(stored: Iterable[tuple[str, Tensor, float]], out_dtype: torch.dt
 
     * On the CPU (``device`` None or a CPU device): the factor is dequantised to float64
       (``data.double() * scale``, as it always was) and decomposed by `safe_psd_eigh` with
-      ``threads`` threads (default `default_eigh_threads`; process-wide, restored when the
-      generator finishes or is closed); the spectrum statistics come from the float64
-      eigenvalues; the float64 copies are dropped before the next factor.
+      ``threads`` threads (default `default_eigh_threads`; one below `EIGH_PARALLEL_MIN_DIM`;
+      process-wide, restored when the generator finishes or is closed); the spectrum
+      statistics come from the float64 eigenvalues; the float64 copies are dropped before
+      the next factor.
     * On a CUDA ``device`` (dense factors; a diagonal one is a ``[d]`` vector and stays on the
       CPU as above): on `eigh_stream`, the stored factor (fp16) is copied to the device,
       dequantised there in float32 (the same value as rounding the float64 dequantisation:
@@ -159,10 +172,10 @@ def eigh_stored(stored: Iterable[tuple[str, Tensor, float]], out_dtype: torch.dt
     """
     dev = torch.device(device) if device is not None else None
     cuda = dev is not None and dev.type == "cuda"
-    prev = torch.get_num_threads()
-    torch.set_num_threads(threads or default_eigh_threads())
+    prev, threads = torch.get_num_threads(), threads or default_eigh_threads()
     try:
         for key, data, scale in stored:
+            torch.set_num_threads(_threads_for(data, threads))
             done = _eigh_stored_cuda(data, scale, out_dtype, dev) \
                 if cuda and data.dim() == 2 else None
             yield (key, *(done if done is not None else _eigh_stored_cpu(data, scale, out_dtype)))
