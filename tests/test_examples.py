@@ -5,6 +5,8 @@ unchanged under 2-process ZeRO-3. The README's other commands: tests/test_readme
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import os
 import re
 import socket
@@ -16,7 +18,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = {  # script: (shortening arguments, a line its output must contain)
     "causal_lm.py": (["--steps", "20"], r"next ' ': logit -?\d+\.\d+ ± \d+\.\d+"),
-    "sequence_classification.py": (["--steps", "20"], r"Laplace: accuracy \d\.\d+, NLL"),
+    "sequence_classification.py": (["--steps", "20"], r"(?m)^Laplace, held-out tau \S+ +"
+                                   r"\d\.\d{3} +\d\.\d{3} +\d\.\d{3} +[+-]\d\.\d{3}$"),
     "lora.py": (["--steps", "10"], r"tracked: \['base_model\.model\.transformer\.h\.0\.attn"),
 }
 # the demo shrunk to seconds (tests/test_readme.py: `make demo DEMO_ARGS=...`, then the README's
@@ -55,6 +58,75 @@ def test_example_runs(tmp_path, script):
     assert re.search(r"^kfac_stream: tracking \d+ layers, \d+ factors .* snapshots every \d+ "
                      r"steps and at the end into .*kfac$", proc.stderr, re.M), proc.stderr[-3000:]
     assert any(p.startswith("step-") for p in os.listdir(tmp_path / "out" / "kfac"))
+    if script in CHECKS:
+        CHECKS[script](tmp_path / "out", proc.stdout)
+
+
+def _check_classification(out, stdout: str) -> None:
+    """The walkthrough's figures (docs/classification.md), recomputed here from what it saved
+    (``results.json``: the test labels, every row's probabilities, every "don't know" score)
+    in plain Python, not by `kfac_stream.metrics`, and compared with what it printed."""
+    r = json.loads((out / "results.json").read_text())
+    y = r["test"]["labels"]
+    C = len(r["classes"])
+    assert len(y) == 300 and sorted(set(y)) == list(range(C))
+    assert sorted(r["reports"]) == sorted(k for k in r["test"] if k != "labels")
+    assert r["tau_source"] == "held-out"  # eval_prior_precision ran and stored its tau
+    for name, probs in r["test"].items():
+        if name == "labels":
+            continue
+        assert len(probs) == len(y) and all(len(p) == C for p in probs)
+        assert all(min(p) >= 0 and abs(sum(p) - 1) < 1e-9 for p in probs), name
+        conf = [max(p) for p in probs]
+        hit = [float(p.index(max(p)) == t) for p, t in zip(probs, y)]
+        acc = sum(hit) / len(y)
+        nll = -sum(math.log(max(p[t], 1e-300)) for p, t in zip(probs, y)) / len(y)
+        bins = [[] for _ in range(15)]  # equal width, right-closed, the first holds 0
+        for c, h in zip(conf, hit):
+            bins[max(0, math.ceil(c * 15) - 1)].append((c, h))
+        ece = sum(abs(sum(h for _, h in b) - sum(c for c, _ in b)) for b in bins) / len(y)
+        gap = sum(conf) / len(y) - acc
+        rep = r["reports"][name]
+        assert 0 <= rep["ece"] <= 1 and rep["nll"] >= 0 and 0 <= rep["accuracy"] <= 1
+        for key, mine in (("accuracy", acc), ("nll", nll), ("ece", ece),
+                          ("confidence_gap", gap)):
+            assert rep[key] == pytest.approx(mine, abs=1e-9), (name, key)
+        row = re.search(rf"(?m)^{re.escape(name)} +(\S+) +(\S+) +(\S+) +(\S+)$", stdout)
+        assert row and [float(v) for v in row.groups()] == [
+            round(v, 3) for v in (acc, nll, ece, gap)], (name, row)
+    # tau: the stored held-out fit's choice, the candidate of the lowest eval-set NLL
+    (sidecar,) = out.glob("kfac/step-*.heldout_prior.json")
+    held = json.loads(sidecar.read_text())
+    assert r["tau"] == held["tau"] == r["heldout_prior"]["tau"] > 0
+    assert held["marglik_tau"] in held["grid"] and len(held["grid"]) == len(held["grid_nll"])
+    assert held["tau"] == held["grid"][held["grid_nll"].index(min(held["grid_nll"]))]
+    assert held["examples"] == 300 and held["link"] == "meanfield"
+    # N: 65 token positions per sequence ([CLS] + 64 bytes, no padding) in the blocks, one row
+    # per sequence for the pooled head
+    n = r["num_data"]
+    assert n["classifier"] == n["bert.pooler.dense"] > 0
+    assert all(v == pytest.approx(65 * n["classifier"], rel=1e-9)
+               for k, v in n.items() if ".encoder.layer." in k)
+    # "don't know" scores: entropies in [0, log C], variances >= 0, AUROC by pair count
+    scores = r["scores"]
+    assert set(scores) == {"test", *r["ood"]} and r["ood"]
+    for name, per in scores.items():
+        for k, v in per.items():
+            hi = math.log(C) + 1e-9 if "entropy" in k else math.inf
+            assert all(-1e-12 <= s <= hi for s in v), (name, k)
+    for name in r["ood"]:
+        assert sum(r["ood_map_labels"][name]) == pytest.approx(1)
+        for k, a in r["auroc"][name].items():
+            i, o = scores["test"][k], scores[name][k]
+            pairs = sum((b > c) + 0.5 * (b == c) for b in o for c in i) / (len(i) * len(o))
+            assert 0 <= a <= 1 and a == pytest.approx(pairs, abs=1e-12), (name, k)
+    for k in scores["test"]:
+        row = re.search(rf"(?m)^{re.escape(k)} +(\d\.\d{{3}}) +(\d\.\d{{3}})?", stdout)
+        assert row and float(row[1]) == round(r["auroc"][r["ood"][0]][k], 3), k
+
+
+# script: a check of its output directory and stdout, after `test_example_runs`'s own
+CHECKS = {"sequence_classification.py": _check_classification}
 
 
 def _readme() -> str:

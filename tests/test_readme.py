@@ -48,6 +48,7 @@ README_COMMANDS = {
     "pip install torch==2.13.0": "pip",
     'pip install ".[app,plot]"': "pip",
     "python examples/causal_lm.py --out out/causal_lm --steps 200": "example",
+    "python examples/sequence_classification.py --out out/classification": "example",
     "DS_ACCELERATOR=cpu accelerate launch --config_file launch/cpu_zero3.yaml "
     "examples/causal_lm.py --out out --steps 20": "zero3_example",
     "kfac-stream train kfac.token_fraction=0.1 trainer.max_steps=2000 "
@@ -66,9 +67,21 @@ README_COMMANDS = {
 }
 
 
-def readme_commands() -> list[str]:
-    """The command lines of the README's ``bash`` blocks (comments stripped)."""
-    text = (ROOT / "README.md").read_text()
+# docs page -> {command line of its ``bash`` blocks: how a test runs it}: a ``pip`` line must be
+# one of the README's (run by `test_pip_install_lines`), an ``example`` line runs in
+# `test_examples.test_example_runs` (``--steps`` shrunk)
+DOCS_COMMANDS = {
+    "docs/classification.md": {
+        "pip install torch==2.13.0": "pip",
+        'pip install ".[app,plot]"': "pip",
+        "python examples/sequence_classification.py --out out/classification": "example",
+    },
+}
+
+
+def readme_commands(page: str = "README.md") -> list[str]:
+    """The command lines of a page's ``bash`` blocks (comments stripped)."""
+    text = (ROOT / page).read_text()
     lines = []
     for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
         for line in block.splitlines():
@@ -76,6 +89,27 @@ def readme_commands() -> list[str]:
             if line:
                 lines.append(line)
     return lines
+
+
+def test_every_docs_command_is_covered():
+    """A docs page's commands are exactly its `DOCS_COMMANDS` table's, and each is run: a
+    ``pip`` line is the README's own (verbatim), an ``example`` line is an `EXAMPLES` script
+    with nothing but ``--out`` and the arguments its test shortens."""
+    for page, table in DOCS_COMMANDS.items():
+        lines = readme_commands(page)
+        assert sorted(set(lines)) == sorted(table), (
+            f"{page}: not covered: {sorted(set(lines) - set(table))}; "
+            f"gone from the page: {sorted(set(table) - set(lines))}")
+        for line, how in table.items():
+            if how == "pip":
+                assert README_COMMANDS.get(line) == "pip", (page, line)
+                continue
+            assert how == "example", (page, line, how)
+            python, script, *rest = shlex.split(line)
+            assert python == "python" and script.startswith("examples/"), (page, line)
+            shortened = EXAMPLES[os.path.basename(script)][0]
+            flags = {a for a in rest if a.startswith("--")}
+            assert (ROOT / script).is_file() and flags <= {"--out", *shortened[::2]}, line
 
 
 def commands(how: str) -> list[str]:
