@@ -582,29 +582,40 @@ def head_layers(model) -> dict:
     return {"include": [f"^{re.escape(n)}$" for n in dict.fromkeys(names)]}
 
 
-def compare_forms(form_a: str, form_b: str) -> None:
-    """Per task (those in both results), the shipped default candidate's score per seed and
-    its worst under two factor forms (``results/suite.json`` holds the default form's;
-    ``results/suite_form-<form>.json`` another's)."""
-    default_form = KFACConfig().factor_form
+PROBES_BEGIN, PROBES_END = "<!-- suite-probes:begin -->", "<!-- suite-probes:end -->"
 
-    def load(form):
-        name = "suite.json" if form == default_form else f"suite_form-{form}.json"
-        return json.loads((HERE / "results" / name).read_text())
 
-    ra, rb = load(form_a), load(form_b)
-    print(f"the shipped default's task score (<= 1 meets the bar; its parts: vs MAP, accuracy, "
-          f"vs laplace-torch), {form_a} vs {form_b}")
-    worst = {form_a: 0.0, form_b: 0.0}
-    for name in ra["tasks"]:
-        if name not in rb["tasks"]:
-            continue
-        va, vb = ra["verdicts"]["shipped"][name], rb["verdicts"]["shipped"][name]
-        worst[form_a] = max(worst[form_a], va["score"])
-        worst[form_b] = max(worst[form_b], vb["score"])
-        parts = "  ".join(f"{k} {va['parts'][k]:.3f}/{vb['parts'][k]:.3f}" for k in va["parts"])
-        print(f"  {name:18s} {va['score']:.4f}  {vb['score']:.4f}   ({parts})")
-    print(f"  {'worst':18s} {worst[form_a]:.4f}  {worst[form_b]:.4f}")
+def compare_forms(*probes: str) -> None:
+    """The shipped default candidate's task scores under the default configuration
+    (``results/suite.json``) and each probe (``results/suite_form-<probe>.json``, e.g. ``auto``
+    or ``expand+head``), on the tasks each probe ran; printed and written into RESULTS.md
+    (the ``suite-probes`` section)."""
+    base = json.loads((HERE / "results" / "suite.json").read_text())
+    default = base["verdicts"]["shipped"]
+    lines = [PROBES_BEGIN, "## Suite probes: the factor form and the head (issue 38)", "",
+             "The shipped default candidate (rule, link, tau rule as in the suite section) "
+             "scored per task (<= 1 meets the bar; parts: NLL vs MAP, accuracy vs MAP, NLL vs "
+             "laplace-torch), in the default configuration (`factor_form=\"expand\"`, the "
+             "blocks only) and in each probe, same seeds, tasks and bar "
+             "(`python benchmarks/suite.py --rules fw0.1+min256 --factor-form auto` / "
+             "`--with-head`; `--compare-forms auto expand+head` writes this).", "",
+             "| probe | task | default: score | probe: score | default NLL per seed | "
+             "probe NLL per seed |", "| --- | --- | --- | --- | --- | --- |"]
+    for probe in probes:
+        run = json.loads((HERE / "results" / f"suite_form-{probe}.json").read_text())
+        shipped = verdicts(run["tasks"])["shipped"]
+        worst = [0.0, 0.0]
+        for name in run["tasks"]:
+            d, v = default[name], shipped[name]
+            worst = [max(worst[0], d["score"]), max(worst[1], v["score"])]
+            lines.append(f"| {probe} | {name} | {d['score']:.4f} | {v['score']:.4f} | "
+                         + " / ".join(f"{x:.4f}" for x in d["nll"]) + " | "
+                         + " / ".join(f"{x:.4f}" for x in v["nll"]) + " |")
+        lines.append(f"| {probe} | **worst** | {worst[0]:.4f} | {worst[1]:.4f} | | |")
+    lines.append(PROBES_END)
+    section = "\n".join(lines)
+    print(section)
+    write_section(PROBES_BEGIN, PROBES_END, section)
 
 
 def main(argv=None) -> None:
@@ -633,10 +644,10 @@ def main(argv=None) -> None:
     p.add_argument("--with-head", action="store_true",
                    help="track the model's head (the last_layer preset) beside the default "
                    "layers; a probe like --factor-form (results/suite_form-<form>+head.json)")
-    p.add_argument("--compare-forms", nargs=2, metavar=("A", "B"),
-                   help="print each task's score of the shipped default candidate under two "
-                   "probes' results, named by form (+head), e.g. expand auto+head (no "
-                   "training; expand: suite.json)")
+    p.add_argument("--compare-forms", nargs="+", metavar="PROBE",
+                   help="the shipped default candidate's task scores in suite.json and in "
+                   "each probe's results (auto, expand+head, ...); no training; writes the "
+                   "RESULTS.md section")
     p.add_argument("--lm-eval", type=int, default=st.LMHeldout.n_eval,
                    help="lm-heldout's validation and test windows (each scored at its last "
                    "position); a value other than the default is a probe: it writes "
