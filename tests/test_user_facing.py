@@ -25,8 +25,9 @@ from models import text_examples, tiny_gpt2
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUMMARY = re.compile(
     r"^kfac_stream: tracking (\d+) layers, (\d+) factors \((\d+) dense, (\d+) diagonal\), "
-    r"(\w+) Fisher, token_fraction=\S+, ema_decay=\S+, update_every=\d+; ([\d.]+) (KiB|MiB) of "
-    r"(\w+) factors on 1 rank; snapshots every (\d+) steps and at the end into (.+)$")
+    r"(\w+) Fisher, (\w+) form, token_fraction=\S+, ema_decay=\S+, update_every=\d+; ([\d.]+) "
+    r"(KiB|MiB) of (\w+) factors on 1 rank; snapshots every (\d+) steps and at the end into "
+    r"(.+)$")
 
 
 def test_summary_line_at_train_begin(tmp_path, caplog):
@@ -45,10 +46,10 @@ def test_summary_line_at_train_begin(tmp_path, caplog):
     t = cb.tracker
     assert layers == len(t.specs) == 8 and factors == len(t.dims) == dense + diagonal
     assert diagonal == sum(diag for _, diag in t.dims.values()) > 0  # 4·32 = 128 > 40
-    assert m[5] == "empirical" and m[8] == "float16" and m[9] == "7"
-    scale = 2**10 if m[7] == "KiB" else 2**20
-    assert float(m[6]) * scale == pytest.approx(factor_bytes(t.dims, 2), rel=5e-3)
-    assert m[10] == os.path.join(str(tmp_path), "kfac")
+    assert m[5] == "empirical" and m[6] == "expand" and m[9] == "float16" and m[10] == "7"
+    scale = 2**10 if m[8] == "KiB" else 2**20
+    assert float(m[7]) * scale == pytest.approx(factor_bytes(t.dims, 2), rel=5e-3)
+    assert m[11] == os.path.join(str(tmp_path), "kfac")
     assert tracking_summary(t, "somewhere").endswith("into somewhere")
 
 
