@@ -31,8 +31,9 @@ from pydoc_data.topics import topics
 
 import torch
 import torch.nn.functional as F
-from _common import machine, write_json, write_section
 from torch import nn
+
+from _common import machine, write_json, write_section
 
 BEGIN, END = "<!-- factor-forms:begin -->", "<!-- factor-forms:end -->"
 SEQ, CLASSES = 24, 3
@@ -57,8 +58,12 @@ def windows(seed: int, n_per_class: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build(kind: str) -> nn.Module:
-    from transformers import (BertConfig, BertForSequenceClassification, GPT2Config,
-                              GPT2ForSequenceClassification)
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        GPT2Config,
+        GPT2ForSequenceClassification,
+    )
 
     torch.manual_seed(0)
     if kind == "bert":
