@@ -11,6 +11,7 @@ import shutil
 
 import pytest
 import torch
+from test_cli_query import cli_error
 
 from kfac_stream import LaplacePosterior, Snapshot
 from kfac_stream.cli import main as cli_main
@@ -235,22 +236,6 @@ def test_marglik_and_a_tokenizer(bert, capsys, tmp_path):
         assert r["tokens"] == len(ids[b])
         assert r["map_probs"] == pytest.approx(map_probs[b].tolist(), abs=1e-5)
         assert r["probs"] == pytest.approx(probs[b].tolist(), abs=1e-9)
-
-
-def cli_error(capsys, args, *needles) -> str:
-    """``kfac-stream query`` exits 2 with one line on stderr (after the status lines), holding
-    every needle, and prints nothing on stdout; returns stderr."""
-    capsys.readouterr()
-    assert cli_main(args) == 2
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    lines = captured.err.strip().splitlines()
-    errors = [line for line in lines if "error" in line.lower() or "Traceback" in line]
-    assert errors == [lines[-1]], lines
-    assert lines[-1].startswith("kfac-stream query: error: "), lines[-1]
-    for needle in needles:
-        assert needle in lines[-1], (needle, lines[-1])
-    return captured.err
 
 
 SUPPORTED = ("kfac-stream query answers causal LMs (*ForCausalLM, *LMHeadModel) and "

@@ -229,7 +229,8 @@ def test_default_mode_is_the_token_table(trained, capsys):
 
 def cli_error(capsys, args, *needles) -> str:
     """``kfac-stream query`` exits 2 with one line on stderr (after the status lines), holding
-    every needle, and prints nothing on stdout."""
+    every needle, and prints nothing on stdout; returns stderr (also used by
+    tests/test_cli_classifier.py)."""
     capsys.readouterr()
     assert cli_main(args) == 2
     captured = capsys.readouterr()
@@ -240,7 +241,7 @@ def cli_error(capsys, args, *needles) -> str:
     assert lines[-1].startswith("kfac-stream query: error: "), lines[-1]
     for needle in needles:
         assert needle in lines[-1], (needle, lines[-1])
-    return lines[-1]
+    return captured.err
 
 
 def test_bad_arguments_exit_2_with_one_line(trained, capsys):
