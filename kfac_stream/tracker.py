@@ -312,10 +312,8 @@ class Tracker:
             spaces = {"position": _RowWeights.of(rec.weight, rec.total)}
             if rec.seq_layers:  # a pooler / head: one row per sequence (`capture.hooks`)
                 spaces["sequence"] = _RowWeights.of(rec.sequence_weight(), rec.seq_total)
-            a_space = {key: spaces["sequence" if set(members) & rec.seq_layers else "position"]
-                       for key, members in self._a_members.items()}
             for key, parts in a_rows.items():
-                w = a_space[key]
+                w = spaces[self._a_space(key, rec.seq_layers)]
                 for a in parts:
                     a = a.to(self.row_dtype)
                     if self._a_has_bias[key]:
@@ -324,7 +322,7 @@ class Tracker:
                         torch.where(w.keep, a * w.root.to(a.dtype), 0.0).to(fold))
                     count(key, w.n, w.n_rows)
             for key, parts in a_sums.items():
-                w = a_space[key]
+                w = spaces[self._a_space(key, rec.seq_layers)]
                 for a in parts:  # Σ w a⊙a [d_in]; the bias entry is Σ w·1²
                     if self._a_has_bias[key]:
                         a = torch.cat([a, w.w_sum.reshape(1).to(a.dtype)])
@@ -351,6 +349,12 @@ class Tracker:
             ok = ok & ~torch.stack(bad).any().to(ok.device)
         residual = torch.stack(residuals).max() if residuals else None
         return UpdateJob(int(self.step or 0), cat, weights, positions, ok, residual, sums=sums)
+
+    def _a_space(self, key: str, seq_layers: set[str]) -> str:
+        """The row space of A factor ``key`` in a pass whose sequence-space layers are
+        ``seq_layers`` (a shared A: its members' one space)."""
+        return "sequence" if seq_layers and not seq_layers.isdisjoint(self._a_members[key]) \
+            else "position"
 
     def _by_a_key(self, by_layer: dict[str, list[Tensor]]) -> dict[str, list[Tensor]]:
         """``{A key: rows}`` from a pass's ``{layer: rows}``: a shared A takes its rows once,
@@ -487,14 +491,13 @@ class Tracker:
             if name in names:
                 setattr(self.counters, name, list(value) if name == "skipped_steps" else value)
         if capture is None:
-            self.capture.tokens_seen = int(counters.get("tokens_seen", 0))
-            self.capture.sequences_seen = int(counters.get("sequences_seen", 0))
+            self.capture.set_counts(counters.get("tokens_seen", 0),
+                                    counters.get("sequences_seen", 0))
             self.capture.reseed(self.config.seed + 7919 * (reseed_step + 1) + self.rank)
             self.mc_generator.manual_seed(self.config.seed + 7927 * (reseed_step + 1)
                                           + self.rank + 1)
         else:
-            self.capture.tokens_seen = capture.tokens_seen
-            self.capture.sequences_seen = capture.sequences_seen
+            self.capture.set_counts(capture.tokens_seen, capture.sequences_seen)
             _set_rng(self.capture.generator, capture.sampler, self.config.seed + self.rank)
             _set_rng(self.mc_generator, mc_sampler, self.config.seed + self.rank + 1)
         self.read_counters()
@@ -510,8 +513,7 @@ class Tracker:
             return
         old = self.capture
         self.capture = self._make_capture()
-        self.capture.load_state_dict(old.state_dict())
-        self.capture.row_space, self.capture._input_space = old.row_space, old._input_space
+        self.capture.carry_over(old)
 
     def flush(self) -> None:
         """Wait until every submitted update is in the store, folded."""

@@ -300,19 +300,22 @@ class CaptureHooks:
         counter: call at snapshot, checkpoint or log time, not per step)."""
         return self._read_counts()[0]
 
-    @tokens_seen.setter
-    def tokens_seen(self, value: int) -> None:
-        self._counts_host = [int(value), self._read_counts()[1]]
-
     @property
     def sequences_seen(self) -> int:
         """Sequences with a usable position, of every training forward pass (the ``N`` of a
         sequence-space layer; reads the device counter like `tokens_seen`)."""
         return self._read_counts()[1]
 
-    @sequences_seen.setter
-    def sequences_seen(self, value: int) -> None:
-        self._counts_host = [self._read_counts()[0], int(value)]
+    def set_counts(self, tokens: int, sequences: int) -> None:
+        """Set `tokens_seen` and `sequences_seen` (a restored state); the counts of passes
+        not yet read are dropped, nothing is read from the device."""
+        self._counts_host, self._counts_device = [int(tokens), int(sequences)], None
+
+    def carry_over(self, old: CaptureHooks) -> None:
+        """Take ``old``'s state (sampler, counts) and the row spaces it found (`Tracker.attach`
+        puts new hooks on a model after `remove`)."""
+        self.load_state_dict(old.state_dict())
+        self.row_space, self._input_space = dict(old.row_space), dict(old._input_space)
 
     def set_mode(self, mode: CaptureMode) -> None:
         """Do what ``mode`` says from the next forward pass on."""
@@ -334,14 +337,13 @@ class CaptureHooks:
         return CaptureState(self.generator.get_state(), self.tokens_seen, self.sequences_seen)
 
     def load_state_dict(self, state: CaptureState) -> None:
-        """Restore the sampler and ``tokens_seen``.
+        """Restore the sampler, ``tokens_seen`` and ``sequences_seen``.
 
         Raises:
             RuntimeError: the sampler state is from a generator of another device type (their
                 formats differ); ``tokens_seen`` is restored first.
         """
-        self.tokens_seen = state.tokens_seen
-        self.sequences_seen = state.sequences_seen
+        self.set_counts(state.tokens_seen, state.sequences_seen)
         self.generator.set_state(state.sampler)
 
     def reseed(self, seed: int) -> None:
