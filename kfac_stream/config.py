@@ -10,6 +10,7 @@ import difflib
 import functools
 import math
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -58,8 +59,10 @@ class KFACConfig:
             task. With a share ``mc_sequences`` (the default), a run whose update steps hold
             too few sequences at that share even over the whole run replays a larger share
             (`window_mc_share`, logged at train begin and recorded as the snapshot's
-            ``config.mc_sequences``): the window then reaches this minimum where the run's
-            sequences allow. A run too short to reach it even so uses all its updates, and
+            ``config.mc_sequences``): the same whole number of every update step's sequences,
+            so the window then reaches this minimum whenever the run's update steps offer as
+            many sequences (counted for full micro-batches; the window counts each step's own
+            draw of a share). A run too short to reach it even so uses all its updates, and
             the tracker warns at train begin; snapshots record the window's sequences and each
             factor's sampling error (``sampling`` in the manifest). ``0``: the window is
             ``final_window`` alone, and the share is never raised. (Default: 256)
@@ -361,7 +364,7 @@ def sequences_per_update(config: KFACConfig, batch: int, accumulation: int, worl
     of ``batch`` sequences and ``world`` ranks: all of them with the empirical Fisher or
     ``mc_sequences="all"``, ``min(k, batch)`` per micro-batch for an int ``k``, and for a
     share ``f`` the expected ``f·batch·accumulation·world`` rounded (at least 1 when
-    ``batch ≥ 1``)."""
+    ``batch ≥ 1``; the final window counts each step's own draw, `update_sequences`)."""
     spec, acc, world = config.mc_sequences, max(int(accumulation), 1), max(int(world), 1)
     replayed = Curvature.of(config).sampled_labels  # the MC replay's share, else every one
     if not replayed or mc_full_batch(spec) or isinstance(spec, int):
@@ -372,6 +375,32 @@ def sequences_per_update(config: KFACConfig, batch: int, accumulation: int, worl
     return max(1, round(float(spec) * batch * acc * world))
 
 
+def update_sequences(config: KFACConfig, batch: int, accumulation: int, world: int
+                     ) -> Callable[[int], int]:
+    """``sequences_at(step)``: the sequences the factor update of optimizer step ``step`` takes
+    its statistics from, over all ranks, for ``accumulation`` full micro-batches of ``batch``
+    sequences on each of ``world`` ranks. `sequences_per_update` for every step, except for a
+    share ``f`` of the MC replay: that step's own draw (`replay_counts`, seeded by ``(seed,
+    step)`` and the same on every rank), ``⌊u + f·batch·accumulation⌋`` on each rank, which
+    the final window is planned on (`FactorUpdater.set_final_window`): the expectation,
+    rounded, would count ``round(4.27) = 4`` sequences for steps that draw 4 or 5 (``f·8``
+    with ``f = 256/480``), and 1 for steps that draw 0 or 1 (``0.05·8``)."""
+    spec = config.mc_sequences
+    per = sequences_per_update(config, batch, accumulation, world)
+    if (not Curvature.of(config).sampled_labels or not isinstance(spec, float)
+            or mc_full_batch(spec) or batch <= 0):
+        return lambda step: per
+    return functools.partial(_share_draws, float(spec), [int(batch)] * max(int(accumulation), 1),
+                             int(config.seed), max(int(world), 1))
+
+
+def _share_draws(share: float, batches: list[int], seed: int, world: int, step: int) -> int:
+    from .capture.mc_fisher import replay_counts  # the replay's own draw (no import cycle)
+
+    counts, _ = replay_counts(share, batches, seed, step, at_least_one=step == 0)
+    return world * sum(counts)
+
+
 def window_mc_share(config: KFACConfig, batch: int, accumulation: int, world: int,
                     max_steps: int) -> float | None:
     """The MC share a short run needs for its final window to reach
@@ -380,12 +409,19 @@ def window_mc_share(config: KFACConfig, batch: int, accumulation: int, world: in
     Only for ``fisher="mc"`` with a share ``f`` in ``(0, 1)``, a final window (``final_window >
     0`` and ``ema_decay < 1``) and ``min_window_sequences > 0``: the run's
     ``U = ⌊(max_steps − 1)/update_every⌋ + 1`` update steps offer
-    ``C = U·batch·accumulation·world`` sequences, of which the share replays
-    ``f·C`` on average. Extending the window (`FactorUpdater.set_final_window`) costs nothing
-    and comes first; when even the whole run holds fewer than ``min_window_sequences`` at
-    ``f``, the share is raised to ``min(1, min_window_sequences / C)`` (1: every sequence of
-    an update step, ``mc_sequences="all"``). This trades replay cost for samples only on runs
-    too short to reach the minimum otherwise; a long run keeps ``f`` and its cost.
+    ``C = U·batch·accumulation·world`` sequences. Extending the window
+    (`FactorUpdater.set_final_window`) costs nothing and comes first: None when the update
+    steps' own draws at ``f`` (`update_sequences`, full micro-batches) hold at least
+    ``min_window_sequences`` over the whole run. Otherwise the share is raised to
+    ``k/(batch·accumulation)`` with ``k = ⌈min_window_sequences/(U·world)⌉``: every update
+    step then replays exactly ``k`` sequences on each rank (a systematic draw of a whole
+    number ``f·batch·accumulation`` never rounds), so the window holds at least
+    ``min_window_sequences`` whenever ``C`` does, at most one sequence per rank and update step
+    more than the minimum needs (the share ``min_window_sequences/C`` reaches it only on
+    average: 4 or 5 of 8 sequences a step, 240 to 300 over 60 steps for 256). ``1`` (every
+    sequence of an update step, ``mc_sequences="all"``) when ``C`` is at most the minimum.
+    This trades replay cost for samples only on runs too short to reach the minimum
+    otherwise; a long run keeps ``f`` and its cost.
     """
     spec, need = config.mc_sequences, int(config.min_window_sequences)
     if (not Curvature.of(config).sampled_labels or not isinstance(spec, float)
@@ -393,11 +429,21 @@ def window_mc_share(config: KFACConfig, batch: int, accumulation: int, world: in
             or config.final_window <= 0 or config.ema_decay == 1.0  # no window: see
             or need <= 0 or max_steps <= 0 or batch <= 0):  # FactorUpdater.set_final_window
         return None
-    updates = (int(max_steps) - 1) // int(config.update_every) + 1
-    offered = updates * int(batch) * max(int(accumulation), 1) * max(int(world), 1)
-    if spec * offered >= need:
-        return None
-    return min(1.0, need / offered)
+    every, per_rank = int(config.update_every), int(batch) * max(int(accumulation), 1)
+    world = max(int(world), 1)
+    updates = (int(max_steps) - 1) // every + 1
+    sequences_at, held = update_sequences(config, batch, accumulation, world), 0
+    for step in range(0, updates * every, every):
+        held += sequences_at(step)
+        if held >= need:
+            return None
+    k = -(-need // (updates * world))
+    if k >= per_rank:
+        return 1.0
+    share = k / per_rank
+    while share * per_rank < k:  # k/C·C may round below k: the draw would then miss one
+        share = math.nextafter(share, 1.0)
+    return share
 
 
 def _check_mc_sequences(value: Any) -> None:

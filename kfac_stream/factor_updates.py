@@ -19,6 +19,7 @@ import math
 import queue
 import threading
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -73,8 +74,9 @@ class WindowPlan:
     Attributes:
         restart_step: The window's first update step.
         updates: Update steps in the window (skipped or empty updates not foreseen).
-        sequences: Sequences its updates' statistics come from (0: unknown).
-        sequences_per_update: Per update (0: unknown).
+        sequences: Sequences its updates' statistics come from, each update step's own (an MC
+            share's draw of that step) for full micro-batches (0: unknown).
+        sequences_per_update: Per update (0: unknown; an MC share's expectation, rounded).
     """
 
     restart_step: int
@@ -297,17 +299,20 @@ class FactorUpdater:
         self.folding.end_update(self.store)
         self.counters.fold_seconds += time.perf_counter() - t1
 
-    def set_final_window(self, max_steps: int, sequences_per_update: int = 0) -> int | None:
+    def set_final_window(self, max_steps: int, sequences_per_update: int = 0,
+                         sequences_at: Callable[[int], int] | None = None) -> int | None:
         """Plan the final window of a run of ``max_steps`` optimizer steps (``final_window``):
         the restart step is the first update step (a multiple of ``update_every``) at or after
         ``ceil((1 − final_window)·max_steps)``, or the last update step when none is (a short
         run), moved back by whole updates until the window's updates hold at least
-        ``min_window_sequences`` sequences at ``sequences_per_update`` each (0: unknown, no
-        move), at most to step 0; None (the EMA throughout) when ``final_window`` is 0,
-        ``max_steps`` unknown (``≤ 0``) or ``ema_decay`` is 1 (the exact running mean over every
-        update, which a restart would cut short). Call it after restoring a checkpoint's counters: a
-        window start restored from a run planned with another ``max_steps`` before this plan's
-        restart step is dropped. Returns the restart step; `window_plan` says what it holds."""
+        ``min_window_sequences`` sequences, ``sequences_at(step)`` for the update of ``step``
+        (`kfac_stream.config.update_sequences`: an MC share's own draw of that step), else
+        ``sequences_per_update`` each (0: unknown, no move), at most to step 0; None (the EMA
+        throughout) when ``final_window`` is 0, ``max_steps`` unknown (``≤ 0``) or
+        ``ema_decay`` is 1 (the exact running mean over every update, which a restart would cut
+        short). Call it after restoring a checkpoint's counters: a window start restored from a
+        run planned with another ``max_steps`` before this plan's restart step is dropped.
+        Returns the restart step; `window_plan` says what it holds."""
         fw, every = self.config.final_window, self.config.update_every
         self.restart_step = None
         self.window_plan = None
@@ -318,13 +323,16 @@ class FactorUpdater:
                 restart = ((max_steps - 1) // every) * every
             last = ((max_steps - 1) // every) * every  # the run's last update step
             need = self.config.min_window_sequences
-            if need > 0 and sequences_per_update > 0:
-                updates = math.ceil(need / sequences_per_update)
-                restart = min(restart, max(0, last - (updates - 1) * every))
+            held = 0
+            if sequences_per_update > 0:
+                count = sequences_at or (lambda step: sequences_per_update)
+                held = sum(count(s) for s in range(restart, last + 1, every))
+                while need > 0 and held < need and restart > 0:
+                    restart -= every
+                    held += count(restart)
             self.restart_step = restart
             updates = (last - restart) // every + 1
-            self.window_plan = WindowPlan(restart, updates, updates * sequences_per_update,
-                                          sequences_per_update)
+            self.window_plan = WindowPlan(restart, updates, held, sequences_per_update)
         # a window restored from a checkpoint counts only if it started within this plan's
         # window (a run resumed with another max_steps plans its own; the restart discards
         # the state before it, so the result is that of an uninterrupted run of this plan)

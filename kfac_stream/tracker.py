@@ -411,13 +411,15 @@ class Tracker:
 
     # -- factor arithmetic (worker thread, or the training thread without async_updates) -------
 
-    def set_final_window(self, max_steps: int, sequences_per_update: int = 0) -> int | None:
+    def set_final_window(self, max_steps: int, sequences_per_update: int = 0,
+                         sequences_at=None) -> int | None:
         """Plan ``final_window`` for a run of ``max_steps`` optimizer steps, each update from
-        ``sequences_per_update`` sequences (0: unknown); returns the step whose update
+        ``sequences_per_update`` sequences (0: unknown; ``sequences_at(step)``: each update's
+        own, `kfac_stream.config.update_sequences`); returns the step whose update
         restarts the average (None: the EMA throughout); the plan is in
         ``updater.window_plan`` and its sequences in the counters. See
         `FactorUpdater.set_final_window`."""
-        restart = self.updater.set_final_window(max_steps, sequences_per_update)
+        restart = self.updater.set_final_window(max_steps, sequences_per_update, sequences_at)
         plan = self.updater.window_plan
         self.counters.sequences_per_update = int(sequences_per_update)
         self.counters.window_sequences = plan.sequences if plan is not None else 0

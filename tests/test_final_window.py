@@ -4,14 +4,26 @@ the curvature near the trained weights. Checked against the brute-force float64 
 window's forwards (`reference.reference_factors`), with the restart step from the plan's
 arithmetic, recorded in the counters and the manifest."""
 
+import math
+from dataclasses import replace
+
 import pytest
 import torch
+from transformers import Trainer, TrainingArguments
 
-from kfac_stream import KFACConfig, KFACConfigError, Snapshot
+from kfac_stream import KFACConfig, KFACConfigError, KFACStreamCallback, Snapshot
+from kfac_stream.capture.mc_fisher import replay_counts
+from kfac_stream.config import (
+    mc_full_batch,
+    sequences_per_update,
+    update_sequences,
+    window_mc_share,
+)
 from kfac_stream.factor_updates import Counters, FactorUpdater
+from kfac_stream.snapshot.adequacy import sampling_problems, sampling_summary
 
 from harness import factor_errors, run, sum_nll_loss
-from models import text_examples, tiny_gpt2
+from models import ListDataset, text_examples, tiny_gpt2
 from reference import reference_factors
 
 ORACLE_TOL = 1e-10  # float64 end to end: only summation-order rounding differs
@@ -113,3 +125,133 @@ def test_ema_decay_one_is_the_mean_over_the_whole_run(tmp_path, caplog):
     assert max(factor_errors(cb, last).values()) > 1e-3
     assert "ema_decay=1 is the mean over every update of the run: final_window=0.1 is off" \
         in caplog.text
+
+
+# -- issue 39: the raised MC share's window reaches min_window_sequences ------------------------
+
+def _planned(cfg, batch, acc, world, max_steps):
+    """What the callback plans at train begin: the run's share (`window_mc_share`, as
+    `resolve_settings` applies it) and its final window, each update step's draw counted."""
+    share = window_mc_share(cfg, batch, acc, world, max_steps)
+    run_cfg = cfg if share is None else replace(cfg, mc_sequences=share)
+    up = FactorUpdater.__new__(FactorUpdater)
+    up.config, up.counters = run_cfg, Counters()
+    up.set_final_window(max_steps, sequences_per_update(run_cfg, batch, acc, world),
+                        update_sequences(run_cfg, batch, acc, world))
+    return run_cfg, up.window_plan
+
+
+def _replayed(cfg, batch, acc, world, steps):
+    """Sequences the MC replay runs on over ``steps``, from the tracker's own draw
+    (`replay_counts`, the same on every rank) of full micro-batches: every one for "all"."""
+    f = cfg.mc_sequences
+    if mc_full_batch(f):
+        return len(steps) * batch * acc * world
+    return sum(world * sum(replay_counts(f, [batch] * acc, cfg.seed, s, at_least_one=s == 0)[0])
+               for s in steps)
+
+
+def test_the_issue_share_left_its_window_short():
+    """The cause of issue 39's 240 of 256: 600 steps at batch 8, update_every 10: 60 update
+    steps offer 480 sequences; the share was raised to 256/480, which draws 4 or 5 of a step's
+    8 (systematic sampling of 4.27), but the plan counted round(4.27) = 4 a step, 240 in all,
+    and the draws themselves reach 256 only on average (253 with seed 3)."""
+    old = KFACConfig(mc_sequences=256 / 480)
+    assert sequences_per_update(old, 8, 1, 1) * 60 == 240
+    totals = [_replayed(replace(old, seed=s), 8, 1, 1, range(0, 600, 10)) for s in range(5)]
+    assert totals == [258, 257, 256, 253, 262]
+
+
+@pytest.mark.parametrize("batch,acc,world,max_steps,seed,share", [
+    (8, 1, 1, 600, 0, 5 / 8),      # the issue: 480 offered; 5 of 8 a step: 52 updates, 260
+    (8, 1, 1, 320, 0, 1.0),        # offered exactly 256: every sequence
+    (8, 1, 1, 330, 0, 1.0),        # 264 offered: ⌈256/33⌉ = 8 a step, the window 32 updates
+    (8, 1, 1, 370, 0, 7 / 8),      # 296 offered: 7 a step, 37 updates, 259
+    (8, 1, 1, 300, 0, 1.0),        # 240 offered, fewer than 256: all of them
+    (30, 1, 1, 400, 0, 7 / 30),    # 1,200 offered: 7 of 30 a step (256/1200 = 6.4 of 30)
+    (2, 2, 4, 100, 0, 1.0),        # 4 ranks x 2 micro-batches of 2: 10 x 16 = 160 < 256
+    (2, 2, 4, 320, 0, 1 / 2),      # 32 x 16 = 512: 2 of a rank's 4 a step, 32 x 8 = 256
+    (1, 4, 8, 1500, 3, 1 / 4),     # 8 ranks: the draws at 0.05 hold 216 < 256: one per rank
+    (1, 4, 8, 1500, 0, None),      # the same run, seed 0: the draws at 0.05 hold 264 already
+    (8, 1, 1, 64000, 0, None),     # long: 0.05 draws 0 or 1 of 8 a step (not "1" a step)
+])
+def test_raised_share_reaches_min_window_sequences(batch, acc, world, max_steps, seed, share):
+    """The planned window holds ``min_window_sequences`` (256) whenever the run's update
+    steps offer as many sequences, and all of them when they offer fewer; its recorded count
+    is what the replay draws over the window's steps (`replay_counts`); a raised share replays
+    the same whole number of every step's sequences, at most one per rank and step more than
+    the minimum's average; the window is no longer than it must be."""
+    cfg = KFACConfig(seed=seed)  # share 0.05, update_every 10, final_window 0.1, min 256
+    need, every = cfg.min_window_sequences, cfg.update_every
+    updates = (max_steps - 1) // every + 1
+    offered = updates * batch * acc * world
+    run_cfg, plan = _planned(cfg, batch, acc, world, max_steps)
+    got = run_cfg.mc_sequences if run_cfg.mc_sequences != cfg.mc_sequences else None
+    assert got == (None if share is None else pytest.approx(share, rel=1e-15))
+    last = (updates - 1) * every
+    steps = range(plan.restart_step, last + 1, every)
+    assert plan.sequences == _replayed(run_cfg, batch, acc, world, steps)
+    if offered >= need:
+        assert plan.sequences >= need, (plan, offered)
+        fraction_start = -(-math.ceil(0.9 * max_steps - 1e-9) // every) * every
+        if plan.restart_step < fraction_start:  # moved back: one update fewer is too few
+            first = _replayed(run_cfg, batch, acc, world, [plan.restart_step])
+            assert plan.sequences - first < need
+    else:
+        assert plan.restart_step == 0 and plan.sequences == offered
+    if got is not None and got < 1.0:
+        k = got * batch * acc
+        assert k == round(k) and _replayed(run_cfg, batch, acc, 1, [every]) == k
+        assert got <= need / offered + 1 / (batch * acc)
+    if max_steps == 64000:  # 0.4 a step on average: about 640 updates, not 256
+        assert 500 < plan.updates < 800
+
+
+def _count_replays(monkeypatch):
+    """``{step: sequences}`` the MC sub-batch replay ran on, recorded as the tracker calls it."""
+    import kfac_stream.tracker as tracker_module
+
+    seen, real = {}, tracker_module.mc_subbatch_pass
+
+    def counting(model, capture, inputs, *args, **kwargs):
+        step = counting.tracker_step()
+        seen[step] = seen.get(step, 0) + int(inputs["input_ids"].shape[0] if args[2] is None
+                                             else args[2])
+        return real(model, capture, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(tracker_module, "mc_subbatch_pass", counting)
+    return seen, counting
+
+
+@pytest.mark.parametrize("batch,steps,need,share,start,held", [
+    (8, 60, 256, 5 / 8, 8, 260),  # the issue's numbers: 60 update steps of 8, min 256
+    (4, 10, 40, 1.0, 0, 40),      # offered exactly the minimum: every sequence
+    (4, 14, 40, 3 / 4, 0, 42),    # 56 offered: 3 of 4 a step, the whole run
+])
+def test_real_run_window_holds_min_window_sequences(tmp_path, monkeypatch, batch, steps, need,
+                                                    share, start, held):
+    """A real Trainer run (update_every 1) too short for its window at the share 0.05: the
+    snapshot records the raised share and a window of at least ``min_window_sequences``
+    sequences, counted here from the replays the tracker ran (issue 39: 240 of 256)."""
+    seen, counting = _count_replays(monkeypatch)
+    model = tiny_gpt2()
+    cfg = {"fisher": "mc", "mc_sequences": 0.05, "update_every": 1, "final_window": 0.1,
+           "ema_decay": 0.95, "min_window_sequences": need}
+    cb = KFACStreamCallback(KFACConfig(**cfg, output_dir=str(tmp_path / "kfac")))
+    counting.tracker_step = lambda: int(cb.tracker.step)
+    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=batch, max_steps=steps,
+                             learning_rate=1e-3, report_to=[], save_strategy="no",
+                             logging_strategy="no", disable_tqdm=True, use_cpu=True, seed=0)
+    Trainer(model=model, args=args, train_dataset=ListDataset(text_examples(16, 12)),
+            callbacks=[cb]).train()
+    snap = Snapshot.load(cb.snapshots[-1])
+    counts = snap.meta["counts"]
+    assert snap.meta["config"]["mc_sequences"] == pytest.approx(share, rel=1e-15)
+    assert counts["window_start_step"] == start
+    assert counts["window_sequences"] == held >= need
+    s = sampling_summary(snap.meta)
+    assert s["window_sequences"] >= s["min_window_sequences"] == need
+    assert not any("fewer than min_window_sequences" in p for p in sampling_problems(snap.meta))
+    if share < 1.0:  # the sub-batch replays: what they ran in the window is what is recorded
+        assert sorted(seen) == list(range(steps))
+        assert sum(n for step, n in seen.items() if step >= start) == held

@@ -18,13 +18,13 @@ import torch
 from transformers import TrainerCallback
 
 from ..capture.graphs import compile_mode_error
-from ..config import KFACConfig, sequences_per_update
+from ..config import KFACConfig, sequences_per_update, update_sequences
 from ..distributed.context import LOCAL, DistContext
 from ..distributed.fsdp import is_fsdp_sharded
 from ..exceptions import KFACConfigError, TrackerStateError
 from ..log_setup import show_info_by_default
 from ..settings import Settings, resolve_settings
-from ..snapshot.adequacy import mark_said, sampling_warning
+from ..snapshot.adequacy import mark_said, said_scope, sampling_warning
 from ..snapshot.background import SnapshotWorker
 from ..snapshot.layout import step_dir_name
 from ..snapshot.media import make_media
@@ -197,7 +197,9 @@ class KFACStreamCallback(TrainerCallback):
         if state.global_step > 0:  # resuming from a checkpoint
             self._resume(args, state)
         seqs = sequences_per_update(cfg, *_micro_batches(args), self.tracker.world_size)
-        restart = self.tracker.set_final_window(int(getattr(state, "max_steps", 0) or 0), seqs)
+        restart = self.tracker.set_final_window(  # each update step's own MC draw counted
+            int(getattr(state, "max_steps", 0) or 0), seqs,
+            update_sequences(cfg, *_micro_batches(args), self.tracker.world_size))
         plan = self.tracker.updater.window_plan
         self._final_step = int(getattr(state, "max_steps", 0) or 0)
         if self.tracker.rank == 0:
@@ -220,16 +222,16 @@ class KFACStreamCallback(TrainerCallback):
             if restart is not None:
                 logger.info("kfac_stream: final window (final_window=%g, min_window_sequences="
                             "%d): from step %d of %d the factors are the mean of the updates "
-                            "(the EMA before): %d updates x %d sequences", cfg.final_window,
+                            "(the EMA before): %d updates, %d sequences", cfg.final_window,
                             cfg.min_window_sequences, restart, state.max_steps, plan.updates,
-                            plan.sequences_per_update)
+                            plan.sequences)
                 if 0 < plan.sequences < cfg.min_window_sequences:
                     logger.warning(
                         "kfac_stream: this run's %d factor updates hold %d sequences in all "
-                        "(%d each), fewer than min_window_sequences=%d: the final snapshot's "
-                        "factors will rest on few samples, which matters for its posterior "
-                        "only (it may be too wide); lower update_every or raise mc_sequences "
-                        "for more (said once)", plan.updates, plan.sequences,
+                        "(about %d each), fewer than min_window_sequences=%d: the final "
+                        "snapshot's factors will rest on few samples, which matters for its "
+                        "posterior only (it may be too wide); lower update_every or raise "
+                        "mc_sequences for more (said once)", plan.updates, plan.sequences,
                         plan.sequences_per_update, cfg.min_window_sequences)
                     mark_said(self.tracker.run_id, self._final_step)
             # with several ranks the ownership table follows the summary (one rank: DEBUG)
@@ -321,7 +323,8 @@ class KFACStreamCallback(TrainerCallback):
                 self.save_snapshot(state.global_step, state.epoch)
             if self.tracker.config.eval_prior_precision:
                 self._worker.wait()
-                fit_heldout_prior(self, model)
+                with said_scope("train"):  # told once in training; the user's posterior too
+                    fit_heldout_prior(self, model)
             self.close()
             if self.report_spectra:  # the reporters ended their runs before this event
                 self._reporter.snapshots(self, args, state, control, after_end=True)
@@ -372,8 +375,8 @@ class KFACStreamCallback(TrainerCallback):
                 return
             if comm.rank == 0:
                 logger.info("kfac_stream: snapshot %s", path)
-                few = sampling_warning("kfac_stream", read_manifest(path), once=True) \
-                    if step == self._final_step else None
+                few = sampling_warning("kfac_stream", read_manifest(path), once=True,
+                                       scope="train") if step == self._final_step else None
                 if few is not None:
                     logger.warning(few)
                 if self.spectra_media:

@@ -129,13 +129,14 @@ class LaplacePosterior:
             marginal likelihood over one shared ``τ``).
         num_data: ``N``, a positive finite number; default (None) `default_num_data`. The
             posterior precision scales with it. ``N`` counts token positions (the expand form
-            sums the Fisher over every position of the training forwards: 300 examples of 65
-            tokens are ``N = 19,500``), not examples as laplace-torch's ``num_data``; over
-            layers that all have one row per sequence (a ``[B, d]`` head, or
-            ``factor_form="reduce"``) it counts sequences (``num_data_unit`` attribute,
-            `num_data_unit`). Layers of the other unit get their own ``N`` in proportion
-            (``layer_num_data`` attribute, `layer_num_data`). A value more than
-            `NUM_DATA_WARN_FACTOR` times away from the snapshot's own count warns
+            sums the Fisher over every non-padding position of the training forwards, labelled
+            or not: 300 examples of 65 tokens are ``N = 19,500``, also when the loss is taken
+            at one answer token of each; docs/queries.md, "What N counts"), not examples as
+            laplace-torch's ``num_data``; over layers that all have one row per sequence (a
+            ``[B, d]`` head, or ``factor_form="reduce"``) it counts sequences
+            (``num_data_unit`` attribute, `num_data_unit`). Layers of the other unit get their
+            own ``N`` in proportion (``layer_num_data`` attribute, `layer_num_data`). A value
+            more than `NUM_DATA_WARN_FACTOR` times away from the snapshot's own count warns
             (``UserWarning``).
         layers: The layers the posterior is over (the others stay at their trained values,
             as the block-diagonal posterior's marginal): None (every layer of the snapshot),

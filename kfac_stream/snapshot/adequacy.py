@@ -12,13 +12,18 @@ Two signs, both recorded by the tracker (`kfac_stream.store.factor_store.FactorS
 
 A factor estimated from few samples is noisy and rank-poor: the posterior precision
 ``N·(A ⊗ G) + τI`` then falls back to the prior ``τ`` in most directions, and the predictive
-comes out too wide. The snapshot report (`kfac-stream inspect`), the tracker at train begin and
-at each snapshot, and `LaplacePosterior` warn with `sampling_problems`.
+comes out too wide. The snapshot report (`kfac-stream inspect`) says so; the callback warns once
+per run in its log (a short window at train begin, a sampling error at the final snapshot) and
+`LaplacePosterior` once more (a short window once per run, a sampling error once per snapshot,
+in each process: `sampling_warning`); the manifest keeps the figures.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from typing import Any
 
 #: Relative sampling error of a factor above which a final-window snapshot is reported as
@@ -76,26 +81,56 @@ def _problems(meta: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
-#: ``(run id, step, kind)`` of the few-samples problems this process has warned about (the
-#: callback's train-begin warning counts for the final snapshot's window): each said once.
-_SAID: set[tuple[str, Any, str]] = set()
+#: The few-samples problems this process has warned about, each said once per scope:
+#: ``(scope, run id, "window")`` (the final window's sequences: the run's plan, the same in every
+#: snapshot of the run, so once per run) and ``(scope, run id, step, "rel_se")`` (a snapshot's
+#: own sampling error, once per snapshot). Scopes: ``"train"`` (the callback's log: the short
+#: window at train begin, the final snapshot's sampling error; its own held-out tau fit) and
+#: ``"query"`` (`LaplacePosterior`): a run told at train begin is told once more when a posterior
+#: is first built on one of its snapshots, in the same process or a later one.
+_SAID: set[tuple] = set()
+_SCOPE: contextvars.ContextVar[str] = contextvars.ContextVar("kfac_stream_said_scope",
+                                                            default="query")
 
 
-def mark_said(run_id: str, step: Any, kind: str = "window") -> None:
-    """Record that the few-samples warning of ``kind`` for ``run_id``'s snapshot ``step`` was
-    given (the callback's train-begin warning of a short final window)."""
-    _SAID.add((run_id, step, kind))
+def _key(scope: str, run_id: str, step: Any, kind: str) -> tuple:
+    return (scope, run_id, kind) if kind == "window" else (scope, run_id, step, kind)
 
 
-def sampling_warning(where: str, meta: dict[str, Any], once: bool = False) -> str | None:
+def mark_said(run_id: str, step: Any = None, kind: str = "window", scope: str = "train") -> None:
+    """Record that the few-samples warning of ``kind`` for ``run_id`` (its snapshot ``step``
+    for ``"rel_se"``) was given in ``scope`` (the callback's train-begin warning of a short
+    final window: ``"train"``, ``"window"``)."""
+    _SAID.add(_key(scope, run_id, step, kind))
+
+
+@contextlib.contextmanager
+def said_scope(scope: str) -> Iterator[None]:
+    """Within the block, warnings with no scope of their own (a `LaplacePosterior`'s) count
+    as said in ``scope``: the callback's held-out tau fit at train end runs in ``"train"``,
+    so the run's warnings are not repeated there and the user's first posterior still says
+    them."""
+    token = _SCOPE.set(scope)
+    try:
+        yield
+    finally:
+        _SCOPE.reset(token)
+
+
+def sampling_warning(where: str, meta: dict[str, Any], once: bool = False,
+                     scope: str | None = None) -> str | None:
     """The warning text for `sampling_problems` (None: nothing to warn about; with ``once``
-    the problems this process warned about already for the same run and step are left out)."""
+    the problems this process warned about already in ``scope`` (None: the `said_scope`,
+    ``"query"`` by default) are left out: a short window once per run, a sampling error once
+    per snapshot)."""
     run_id, step = meta.get("run_id", ""), meta.get("step")
+    scope = _SCOPE.get() if scope is None else scope
     problems = [(k, t) for k, t in _problems(meta)
-                if not (once and run_id and (run_id, step, k) in _SAID)]
+                if not (once and run_id and _key(scope, run_id, step, k) in _SAID)]
     if not problems:
         return None
-    _SAID.update((run_id, step, k) for k, _ in problems)
+    if once:
+        _SAID.update(_key(scope, run_id, step, k) for k, _ in problems)
     return (f"{where}: the snapshot of step {step} rests on few samples: "
             + "; ".join(t for _, t in problems) + ". It matters for its posterior only (the "
             "factors and training are fine): a posterior from noisy, rank-poor factors falls "
