@@ -180,8 +180,21 @@ class KFACConfig:
             snapshot (``snap.heldout_prior.tau``). For a classification head (``labels [B]``;
             one Jacobian pass over the eval set) and a seq2seq LM (T5, BART: the NLL per label
             token, by Monte Carlo over draws of the linearised model, about 400 forwards per
-            eval batch); an answer-token causal-LM fine-tune calls ``fit_prior_precision``
-            with its ``token_ids``. (Default: False)
+            eval batch), and for a causal LM's answer-token fine-tune with ``answer_tokens``
+            (the eval set's answer positions: each row's first labelled position, whose label
+            must be one of the answer tokens). A causal LM without ``answer_tokens`` is refused
+            at train begin. (Default: False)
+        answer_tokens: The answer options of a language model's multiple-choice or
+            answer-token fine-tune (e.g. ``[" A", " B", " C", " D"]``): two or more distinct
+            token ids, or strings that the Trainer's tokenizer (its ``processing_class``)
+            encodes as exactly one token each, without special tokens (tokenised once, at train
+            begin). Every snapshot records them (``Snapshot.answer_tokens`` ids,
+            ``Snapshot.answer_texts``): a query of a language-model head uses them when
+            ``token_ids`` / ``options`` is None, ``kfac-stream query`` takes them as its
+            ``--options`` by default, and ``eval_prior_precision`` fits ``τ`` on them. A model
+            without a language-model head, an id outside its vocabulary, a string that is not
+            one token or two options that are the same token fail at train begin, in one line.
+            (Default: None)
         fail_on_snapshot_error: Make a failed snapshot (unwritable directory, full disk, a
             failed eigendecomposition) stop training. By default it is logged and counted
             (``counts.snapshot_failures`` in later manifests), training goes on and earlier
@@ -212,6 +225,7 @@ class KFACConfig:
     eigh_device: str = "auto"
     eigh_threads: int | None = None
     eval_prior_precision: bool = False
+    answer_tokens: list[int | str] | None = None
     fail_on_snapshot_error: bool = False
 
     def __post_init__(self) -> None:
@@ -271,6 +285,7 @@ class KFACConfig:
                 f"KFACConfig.factor_form={self.factor_form!r} is not allowed: "
                 f"must be one of {tuple(f.value for f in FactorForm)}")
         _check_mc_sequences(self.mc_sequences)
+        _check_answer_tokens(self.answer_tokens)
         if self.storage_dtype not in StorageDtype:
             raise KFACConfigError(
                 f"KFACConfig.storage_dtype={self.storage_dtype!r} is not allowed: "
@@ -444,6 +459,20 @@ def window_mc_share(config: KFACConfig, batch: int, accumulation: int, world: in
     while share * per_rank < k:  # k/C·C may round below k: the draw would then miss one
         share = math.nextafter(share, 1.0)
     return share
+
+
+def _check_answer_tokens(value: Any) -> None:
+    if value is None:
+        return
+    allowed = ("must be None or a list of two or more distinct answer options, each a token id "
+               "(an int >= 0) or a non-empty string of one token (e.g. [' A', ' B', ' C', ' D'])")
+    ok = isinstance(value, (list, tuple)) and len(value) >= 2 and all(
+        (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+        or (isinstance(v, str) and v != "") for v in value)
+    if ok and len(set(value)) != len(value):
+        ok, allowed = False, "repeats an option: " + allowed
+    if not ok:
+        raise KFACConfigError(f"KFACConfig.answer_tokens={value!r} is not allowed: {allowed}")
 
 
 def _check_mc_sequences(value: Any) -> None:

@@ -77,6 +77,8 @@ class TrackerRecord:
         run_id: The training run's id (`Tracker.run_id`).
         row_space: ``{layer: "sequence"}`` for the layers whose rows are sequences (a pooler
             or head on ``[B, d]``, `capture.hooks`); the others' rows are token positions.
+        answer_tokens: ``{"ids": [K], "texts": [K] or None}``: ``KFACConfig.answer_tokens``
+            resolved at train begin, or None.
     """
 
     step: int | None
@@ -93,6 +95,7 @@ class TrackerRecord:
     mc_sampler: Tensor
     run_id: str = ""
     row_space: Mapping[str, str] = field(default_factory=dict)
+    answer_tokens: Mapping[str, list] | None = None
 
     @property
     def dims(self) -> dict[str, tuple[int, bool]]:
@@ -141,6 +144,9 @@ class Tracker:
         # the run's id (32 hex digits): in every snapshot's manifest, restored from checkpoints
         # (`tracker_state`), so a resumed run keeps it; rank 0's on every rank
         self.run_id = uuid.uuid4().hex
+        # the answer options resolved at train begin (`integrations.answer_tokens`): {"ids",
+        # "texts"} or None, in every snapshot's manifest
+        self.answer_tokens: dict[str, list] | None = None
         if dist_ctx is not None:  # before any hook goes on the model
             _check_same_plan(dist_ctx, self.plan)
             self.run_id = dist_ctx.snapshot_comm.all_gather(self.run_id)[0]
@@ -462,7 +468,8 @@ class Tracker:
             capture=self.capture.state_dict(), mc_sampler=self.mc_generator.get_state(),
             run_id=self.run_id, row_space={n: space for n, space in
                                            self.capture.row_space.items()
-                                           if space == "sequence"})
+                                           if space == "sequence"},
+            answer_tokens=self.answer_tokens)
 
     def release(self, lent: Mapping[str, Tensor]) -> None:
         """Give back ``{key: tensor}`` a lending `export` handed out, no longer read (its

@@ -135,7 +135,8 @@ def test_lm_answers_equal_a_loop_over_sampled_weights(lm, kind):
         [[3, 101, 32], [200, 32, 101], [10, 32, 105], [101, 3, 46]])
     n, seed = 9, 5
     before = {k: v.clone() for k, v in lm.model.state_dict().items()}
-    got = answer_distribution(lm, batch, options, n_samples=n, seed=seed, chunk=4)
+    got = answer_distribution(lm, batch, options, n_samples=n, seed=seed, chunk=4,
+                              linearized=False)
     answers, f, map_answer = brute_force(lm, batch, options, last_tokens(batch), n, seed)
     ties = check_against(got, answers, f, map_answer, n, seed)
     k = 4 if kind == "shared" else 3
@@ -152,7 +153,8 @@ def test_lm_answers_equal_a_loop_over_sampled_weights(lm, kind):
 def test_classifier_answers_equal_a_loop_over_sampled_weights(classifier, options):
     batch = padded_batch([12, 7])
     n, seed = 12, 3
-    got = answer_distribution(classifier, batch, options, n_samples=n, seed=seed)
+    got = answer_distribution(classifier, batch, options, n_samples=n, seed=seed,
+                              linearized=False)
     ids = [list(range(4))] * 2 if options is None else options
     answers, f, map_answer = brute_force(classifier, batch, torch.tensor(ids), None, n, seed)
     ties = check_against(got, answers, f, map_answer, n, seed)
@@ -166,12 +168,12 @@ def test_positions_per_example_and_left_padding(lm):
     batch = padded_batch([12, 9, 6])
     n, seed = 6, 1
     got = answer_distribution(lm, batch, OPTIONS, n_samples=n, seed=seed,
-                              positions=[3, -2, 0])
+                              positions=[3, -2, 0], linearized=False)
     answers, f, map_answer = brute_force(lm, batch, OPTIONS, torch.tensor([3, 7, 0]), n, seed)
     check_against(got, answers, f, map_answer, n, seed)
 
     left = left_padded([12, 9, 6])
-    got = answer_distribution(lm, left, OPTIONS, n_samples=n, seed=seed)
+    got = answer_distribution(lm, left, OPTIONS, n_samples=n, seed=seed, linearized=False)
     answers, f, map_answer = brute_force(lm, left, OPTIONS, torch.tensor([11, 11, 11]), n, seed)
     check_against(got, answers, f, map_answer, n, seed)
 
@@ -180,7 +182,8 @@ def test_chunking_and_linearized_samples(lm):
     """The chunk size changes nothing; ``linearized=True`` answers are the argmax of the
     linearised sample logits `sampled_predictive` returns."""
     batch = padded_batch([10, 8])
-    runs = [answer_distribution(lm, batch, OPTIONS, n_samples=7, seed=2, chunk=c)
+    runs = [answer_distribution(lm, batch, OPTIONS, n_samples=7, seed=2, chunk=c,
+                                linearized=False)
             for c in (1, 3, None)]
     for r in runs[1:]:
         assert torch.equal(r.sample_answers, runs[0].sample_answers)

@@ -294,11 +294,17 @@ def test_positions(post, forwards):
     raises(lambda: post.predictive(batch, [-1, -4], [1, 2]), "positions=[-1, -4] counts back")
 
 
+#: The queries that give probabilities over the ids: they need K >= 2.
+OPTION_QUERIES = ("predictive_probs", "fit_beta")
+
+
 def test_token_ids(post, forwards):
     batch = batch_of([10, 10])
-    allowed = ("must be K >= 1 ids: one sequence of K ints for every example, or per example a "
-               "row of K ints ([B, K] with B = 2, the batch; every row the same length K)")
     for method, call in query_calls(post):
+        least = 2 if method in OPTION_QUERIES else 1
+        allowed = (f"must be K >= {least} ids: one sequence of K ints for every example, or per "
+                   "example a row of K ints ([B, K] with B = 2, the batch; every row the same "
+                   "length K)")
         where, t = f"LaplacePosterior.{method}: ", arg_name(method, "token_ids")
         raises(lambda call=call: call(batch, -1, []), f"{where}{t}=[] is empty: {allowed}")
         raises(lambda call=call: call(batch, -1, "ab"), f"{where}{t}='ab' (a str) is not "

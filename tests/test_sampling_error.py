@@ -371,7 +371,7 @@ def test_eval_prior_precision_without_an_eval_set_warns_once_at_train_begin(tmp_
         def on_step_begin(self, args, state, control, **kw):
             logging.getLogger("kfac_stream").info("STEP")
 
-    cb = KFACStreamCallback(KFACConfig(eval_prior_precision=True,
+    cb = KFACStreamCallback(KFACConfig(eval_prior_precision=True, answer_tokens=[65, 66],
                                        output_dir=str(tmp_path / "kfac")))
     args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=2,
                              report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True)

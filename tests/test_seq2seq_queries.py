@@ -4,8 +4,8 @@ one layer each side, vocabulary 96), trained for a few steps by a real ``Seq2Seq
 
 What the numbers must satisfy (computed here, independently of the code under test): a batch
 with ``labels`` only gives the predictive whose mean is the model's own logits with the decoder
-inputs shifted right by hand (decoder start token first, ``-100`` as padding), read at decoder
-positions (``-1``: each row's last labelled position); the tau fitted on the eval set is
+inputs shifted right by hand (decoder start token first, ``-100`` as padding), read at each
+row's first labelled decoder position (decoder inputs without labels: at the positions given); the tau fitted on the eval set is
 finite, the best of its candidates, and at the largest candidate (a posterior of almost no
 width) its held-out NLL per label token is the trained model's own cross-entropy; a batch with
 neither labels nor decoder inputs is refused with one line, before any forward.
@@ -140,29 +140,38 @@ def test_predictive_of_a_batch_with_labels_only_is_the_models_own_logits(run):
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                        decoder_input_ids=_shift_right(model, labels)).logits.double()
     assert logits.shape[1] == TGT
-    last = torch.tensor([int((row != -100).nonzero().max()) for row in labels])  # by hand
+    first = torch.tensor([int((row != -100).nonzero().min()) for row in labels])  # by hand
     rows = torch.arange(len(held))
-    for positions, at in ((-1, last), (0, torch.zeros_like(last)),
-                          ([2, 5, 3, 0, 1, 4], torch.tensor([2, 5, 3, 0, 1, 4]))):
-        mean, cov = post.predictive(batch, positions=positions, token_ids=token_ids)
+    # labels: read at each row's first labelled position (where training scores first);
+    # decoder inputs without labels: at the positions given (-1: the last column)
+    dec = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    dec["decoder_input_ids"] = _shift_right(model, labels)
+    for query, positions, at in (
+            (batch, None, first), (dec, -1, torch.full_like(first, TGT - 1)),
+            (dec, 0, torch.zeros_like(first)),
+            (dec, [2, 5, 3, 0, 1, 4], torch.tensor([2, 5, 3, 0, 1, 4]))):
+        mean, cov = post.predictive(query, positions=positions, token_ids=token_ids)
         want = logits[rows, at][:, token_ids]
         assert (mean - want).abs().max() <= MEAN_TOL * (1 + want.abs().max()), (family,
                                                                                  positions)
         assert cov.shape == (len(held), 4, 4) and torch.isfinite(cov).all()
         assert cov.diagonal(dim1=1, dim2=2).min() > 0
     assert sorted(batch) == ["attention_mask", "input_ids", "labels"]  # the caller's: unchanged
-    # the same with decoder_input_ids given (made by hand): the same figures
+    # the same with decoder_input_ids given beside the labels (made by hand): the same figures
     given = dict(batch, decoder_input_ids=_shift_right(model, labels))
-    m1, c1 = post.predictive(batch, positions=-1, token_ids=token_ids)
-    m2, c2 = post.predictive(given, positions=-1, token_ids=token_ids)
+    m1, c1 = post.predictive(batch, token_ids=token_ids)
+    m2, c2 = post.predictive(given, token_ids=token_ids)
     assert torch.equal(m1, m2) and torch.allclose(c1, c2, rtol=1e-6, atol=0)
+    with pytest.raises(QueryInputError, match=r"positions=-1 is given with the batch's labels.* "
+                                              r"pass decoder_input_ids"):
+        post.predictive(batch, positions=-1, token_ids=token_ids)
 
 
 def test_probs_and_sampled_predictive_take_labels_only(run):
     family, model, _, snap, held, _ = run
     post = LaplacePosterior(model, snap, prior_precision=1.0)
     batch = _stack(held[:3], tgt=TGT)
-    probs = post.predictive_probs(batch, positions=-1, token_ids=[3, 17, 40])
+    probs = post.predictive_probs(batch, token_ids=[3, 17, 40])
     assert probs.shape == (3, 3) and torch.allclose(probs.sum(-1), torch.ones(3, dtype=probs.dtype))
     for linearized in (False, True):
         pred = sampled_predictive(post, batch, n_samples=2, seed=0, labels=batch["labels"],
@@ -231,8 +240,10 @@ def test_a_batch_with_neither_labels_nor_decoder_inputs_is_one_line_error(run):
     with pytest.raises(QueryInputError, match="no labels"):
         fit_prior_precision(post, [bare])
     # positions index the decoder's T' = 6 positions, not the encoder's 8
+    dec = _stack(held[:2], ("input_ids", "attention_mask"))
+    dec["decoder_input_ids"] = _shift_right(model, _stack(held[:2], tgt=TGT)["labels"])
     with pytest.raises(QueryInputError, match="outside the 6 positions"):
-        post.predictive(_stack(held[:2], tgt=TGT), positions=7, token_ids=[3])
+        post.predictive(dec, positions=7, token_ids=[3])
 
 
 def test_answer_token_fit_reads_the_labels_decoder_position(run):

@@ -40,6 +40,7 @@ from ..tracker_state import (
     pending_state_dir,
     save_tracker_state,
 )
+from .answer_tokens import check_eval_answer_tokens, resolve_answer_tokens, text_tokenizer
 from .heldout import check_eval_set, fit_heldout_prior
 from .spectrum_monitor import SpectraReporter, find_callback_handler
 from .zero3 import check_deepspeed_device, deepspeed_requested
@@ -174,6 +175,9 @@ class KFACStreamCallback(TrainerCallback):
         error = compile_mode_error(args)  # CUDA graphs would replay stale hooks
         if error is not None:
             raise error
+        answers = resolve_answer_tokens(  # fails here, before any collective
+            cfg.answer_tokens, model, text_tokenizer(kwargs.get("processing_class")))
+        check_eval_answer_tokens(cfg.eval_prior_precision, answers, model)
         self.close()
         self._reporter.start(handler, len(self.snapshots))  # earlier runs' are not reported
         _warn_fsdp_not_applied(model)
@@ -191,6 +195,7 @@ class KFACStreamCallback(TrainerCallback):
         cfg = settings.config
         self.tracker = Tracker(model, {n: modules[n] for n in specs}, specs, cfg, dist_ctx, plan,
                                settings)
+        self.tracker.answer_tokens = answers
         self._comm = dist_ctx.snapshot_comm if dist_ctx else LOCAL
         self.output_dir = cfg.output_dir or os.path.join(args.output_dir, "kfac")
         self._last_snapshot_step = None

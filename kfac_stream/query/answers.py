@@ -135,7 +135,8 @@ class GeneratedAnswers:
 def answer_distribution(post: LaplacePosterior, batch: Mapping[str, Tensor],
                         options: Sequence[int] | Sequence[Sequence[int]] | Tensor | None = None,
                         n_samples: int = 32, seed: int = 0, chunk: int | None = None,
-                        positions: int | Sequence[int] = -1, *, linearized: bool = False,
+                        positions: int | Sequence[int] | None = None, *,
+                        linearized: bool = True,
                         show_progress: bool | None = None) -> AnswerDistribution:
     """The distribution of the answers of ``S`` posterior samples over ``K`` options.
 
@@ -149,25 +150,36 @@ def answer_distribution(post: LaplacePosterior, batch: Mapping[str, Tensor],
     Args:
         post: The posterior (a `LaplacePosterior`), with its prior precision and ``N``.
         batch: Model inputs, as in `kfac_stream.sampled_predictive` (``input_ids`` ``[B, T]``
-            or ``inputs_embeds`` ``[B, T, d]``, optionally ``attention_mask`` ``[B, T]``).
+            or ``inputs_embeds`` ``[B, T, d]``, optionally ``attention_mask`` ``[B, T]`` and
+            ``labels [B, T]``: the answer is then read at each row's first labelled position,
+            as in `LaplacePosterior.jacobian_features`).
         options: The ``K ≥ 2`` answer ids, distinct within an example, each in ``[0, V)``:
             one sequence of ``K`` ints for every example, or per example a row of ``K`` (a
             ``[B, K]`` integer tensor or ``B`` sequences of ``K`` ints), as ``token_ids`` of
-            `LaplacePosterior.jacobian_features`. None (default): all classes of a
-            classification head; required for a language-model head. (A ``[B, K]`` tensor on
-            an accelerator is not checked for range or repeats: that would need a host sync.)
+            `LaplacePosterior.jacobian_features` (``B`` one-int lists are refused as
+            ambiguous). None (default): all classes of a classification head; for a
+            language-model head the snapshot's answer tokens (``KFACConfig.answer_tokens``),
+            else required. (A ``[B, K]`` tensor on an accelerator is not checked for range or
+            repeats: that would need a host sync.)
         n_samples: ``S``, an int ≥ 2.
         seed: Seed of sample 0 (sample ``s`` uses ``seed + s``), an int.
         chunk: Samples per forward, None (as `sampled_predictive` chooses: by
             `kfac_stream.query.sampled.CHUNK_TOKENS`) or an int ≥ 1.
-        positions: Language-model head: the position whose next-token logits answer, one int
-            for all examples or ``B`` ints, each in ``[-T, T)``; negative counts back from the
-            example's last non-padding token (``-1``, the default: the last one, with the
-            padding on the right or on the left; it must land on a token of the example); a
-            non-negative position is a column of the batch. Ignored for a classification head
-            (logits ``[B, C]``).
-        linearized: Let the samples of the linearised model ``f* + J(θ_s − θ*)`` answer
-            (as in `kfac_stream.sampled_predictive`).
+        positions: Language-model head, a batch without labels: the position whose
+            next-token logits answer, one int for all examples or ``B`` ints, each in ``[-T,
+            T)``; negative counts back from the example's last non-padding token (None or
+            ``-1``: the last one, with the padding on the right or on the left; it must land on
+            a token of the example); a non-negative position is a column of the batch. None
+            with labels (`kfac_stream.query.inputs.answer_positions`). Ignored for a
+            classification head (logits ``[B, C]``).
+        linearized: Which samples answer. True (default): the linearised model ``f* +
+            J(θ_s − θ*)`` (as in `kfac_stream.sampled_predictive`), whose option logits are
+            draws of the linearised predictive's Gaussian, the posterior every other query
+            answers with. False: the network itself at the weight samples ``θ_s``. On the
+            multiple-choice LoRA task of ``benchmarks/uncertainty_classification.py`` the
+            weight samples' majority votes near chance (a LoRA update ``B·A`` is bilinear in
+            its factors, and the posterior is wide): the linearised samples answer far better
+            on every seed (benchmarks/RESULTS.md, "Selective answering").
         show_progress: A progress bar over the samples: None (when stderr is a terminal), True
             or False.
 
@@ -184,13 +196,12 @@ def answer_distribution(post: LaplacePosterior, batch: Mapping[str, Tensor],
         raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
     size, length = inputs.check_batch(where, "batch", batch, inputs.input_vocab(post.model))
     batch = inputs.query_batch(where, "batch", batch, post.model)  # seq2seq: decoder inputs
-    ids = inputs.check_token_ids(where, "options", options, size)
-    if ids is not None and ids.shape[-1] < 2:
-        raise inputs.error(where, "options", options, "K >= 2 answer ids (one sequence of K "
-                           "ints for every example, or a [B, K] row per example)",
-                           problem="has 1 option")
+    if options is None:
+        options = post.answer_tokens  # the run's KFACConfig.answer_tokens, or None
+    ids = inputs.check_token_ids(where, "options", options, size, options=True)
     length, _ = inputs.output_positions(batch, length)  # an encoder-decoder's: decoder's
-    pos = inputs.check_positions(where, "positions", positions, size, length)
+    pos = inputs.answer_positions(where, "positions", positions, batch, size, length,
+                                  shift=not inputs.seq2seq_lm(post.model))
     n_samples = inputs.check_int(where, "n_samples", n_samples, 2)
     seed = inputs.check_seed(where, "seed", seed)
     if chunk is not None:

@@ -11,10 +11,12 @@ final snapshot and stores it beside that snapshot
 marginal likelihood.
 
 Labels: a classification head (logits ``[B, C]``) takes ``labels [B]`` (class ids); a
-language-model head takes ``labels [B, T]`` with exactly one label per row (the rest -100, as in
-an answer-token fine-tune) and ``token_ids`` (the ``K`` answer tokens; the label must be one of
-them): the logit position is the label's position minus one (a causal LM shifts the labels;
-an encoder-decoder does not: its decoder position ``t`` predicts ``labels[:, t]``).
+language-model head takes ``labels [B, T]`` (an answer-token fine-tune's: -100 except at the
+answer) and ``token_ids`` (the ``K`` answer tokens; default: the snapshot's
+``KFACConfig.answer_tokens``). The answer is read where every query reads it
+(`inputs.answer_positions`): at each row's first labelled position, whose label must be one of
+the answer tokens; the logit position is that position minus one (a causal LM shifts the
+labels; an encoder-decoder does not: its decoder position ``t`` predicts ``labels[:, t]``).
 
 Seq2seq (an encoder-decoder LM, T5 or BART, `inputs.seq2seq_lm`): the decoder inputs are made
 from the labels as in training (`inputs.query_batch`). Without ``token_ids`` (the Trainer's
@@ -49,26 +51,30 @@ GRID = tuple(10.0 ** e for e in range(-4, 7))
 TOKEN_SAMPLES = 16
 
 
-def _targets(where: str, labels: Tensor, token_ids: Sequence[int] | None, shift: bool = True
-             ) -> tuple[int | list[int], Tensor]:
-    """``(positions, class index per example [B])`` from a batch's labels (``shift``: a
-    causal LM's, whose logit at ``t`` predicts the label at ``t + 1``)."""
+def _targets(where: str, labels: Tensor, token_ids: Sequence[int] | None) -> Tensor:
+    """The right answer's index into ``token_ids`` per example, ``[B]``, from a batch's labels:
+    a classifier's ``labels [B]`` themselves; of ``labels [B, T]`` the label at each row's
+    first labelled position (the answer position of every query, `inputs.answer_positions`)."""
     if labels.dim() == 1:
-        return -1, labels.long()
+        return labels.long()
     if token_ids is None:
         raise QueryInputError(f"{where}: labels of shape {tuple(labels.shape)} need token_ids "
-                              "(the answer tokens) for a language-model head")
-    mask = labels != -100
-    if bool((mask.sum(1) != 1).any()):
-        raise QueryInputError(f"{where}: every row of labels [B, T] must hold exactly one "
-                              "label (the answer token; the rest -100)")
-    pos = mask.long().argmax(1)  # [B]
-    tok = labels[torch.arange(len(pos)), pos]  # [B]
+                              "(the answer tokens) for a language-model head: pass token_ids, "
+                              "or train with KFACConfig(answer_tokens=...)")
+    marked = labels != inputs.IGNORE_INDEX
+    if bool((~marked.any(1)).any()):
+        b = int((~marked.any(1)).int().argmax())
+        raise QueryInputError(f"{where}: row {b} of labels [B, T] holds no label (the answer "
+                              "is read at each row's first labelled position)")
+    first = marked.int().argmax(1)  # [B]
+    tok = labels[torch.arange(len(first)), first]  # [B]
     ids = torch.tensor(list(token_ids))
     match = tok[:, None] == ids[None, :]  # [B, K]
     if bool((~match.any(1)).any()):
-        raise QueryInputError(f"{where}: a label is not among token_ids={list(token_ids)}")
-    return (pos - 1 if shift else pos).tolist(), match.long().argmax(1)
+        b = int((~match.any(1)).int().argmax())
+        raise QueryInputError(f"{where}: the answer label {int(tok[b])} of row {b} (its first "
+                              f"labelled position) is not among token_ids={list(token_ids)}")
+    return match.long().argmax(1)
 
 
 def _token_nll(post, batch: Mapping[str, Tensor], labels: Tensor, taus: Sequence[float],
@@ -118,7 +124,9 @@ def fit_prior_precision(post, batches: Iterable[Mapping[str, Tensor]], *,
         batches: Model inputs with ``labels`` (see the module docstring), on the model's
             device; one Jacobian pass per batch serves every candidate. A seq2seq model's
             decoder inputs are made from the labels when the batch has none.
-        token_ids: The answer tokens, for a language-model head.
+        token_ids: The ``K ≥ 2`` answer tokens of a language-model head (one sequence of ints
+            for every example); None: the snapshot's ``KFACConfig.answer_tokens`` (none: a
+            seq2seq model's per-token NLL, module docstring).
         link: ``"meanfield"``, ``"probit"`` or ``"mc"`` (`probs_from_gaussian`); the per-token
             NLL of a seq2seq model without ``token_ids`` is always ``"mc"`` (module docstring).
         grid: Candidate ``τ`` values (positive).
@@ -132,6 +140,14 @@ def fit_prior_precision(post, batches: Iterable[Mapping[str, Tensor]], *,
     from .laplace import probs_from_gaussian
 
     where = "fit_prior_precision"
+    if token_ids is None:
+        token_ids = post.answer_tokens  # the run's KFACConfig.answer_tokens, or None
+    if token_ids is not None:
+        token_ids = inputs.check_token_ids(where, "token_ids", token_ids, 1, options=True)
+        if token_ids.dim() != 1:
+            raise inputs.error(where, "token_ids", token_ids, "the K >= 2 answer tokens, one "
+                               "sequence of ints for every example")
+        token_ids = token_ids.tolist()
     n_samples = inputs.check_int(where, "n_samples", n_samples, 2)
     seed = inputs.check_seed(where, "seed", seed)
     seq2seq = inputs.seq2seq_lm(post.model)
@@ -155,9 +171,8 @@ def fit_prior_precision(post, batches: Iterable[Mapping[str, Tensor]], *,
                 n += count
                 per_token = True
                 continue
-            positions, y = _targets(where, labels.cpu(), token_ids, shift=not seq2seq)
-            query = batch if seq2seq else {k: v for k, v in batch.items() if k != "labels"}
-            mean, covs = post.predictive_covariances(query, positions, token_ids,
+            y = _targets(where, labels.cpu(), token_ids)
+            mean, covs = post.predictive_covariances(batch, None, token_ids,  # at the labels
                                                      prior_precisions=taus)
             y = y.to(mean.device)
             for i in range(len(taus)):

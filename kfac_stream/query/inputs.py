@@ -412,23 +412,108 @@ def position_index(where: str, arg: str, positions_given: Any, batch: Mapping[st
     return [p if p >= 0 else t + 1 + p for p, t in zip(pos, last)]
 
 
-def check_token_ids(where: str, arg: str, token_ids: Any, batch_size: int) -> Tensor | None:
+def _one_per_example(where: str, arg: str, token_ids: Any, flat: list[int], size: int,
+                     options: bool) -> QueryInputError:
+    """The error for ids of shape ``[B, 1]`` that may be meant as ``B`` options for every
+    example (a tokenizer's ``input_ids`` of ``B`` one-token answers)."""
+    readings = (f"it reads as K = 1 id per example, or as K = {len(flat)} options for every "
+                f"example (a tokenizer's input_ids of {len(flat)} one-token answers)")
+    if options:
+        return error(where, arg, token_ids, f"K >= 2 options: for the {len(flat)} options of "
+                     f"every example pass them flat ({flat[:4]}{'...' if len(flat) > 4 else ''}"
+                     "), or per example a [B, K] row of K >= 2",
+                     problem=f"gives one option per example (its probability is 1): {readings}")
+    return error(where, arg, token_ids, f"explicit: K options for every example flat "
+                 f"({flat[:4]}{'...' if len(flat) > 4 else ''}), or one id per example as a "
+                 f"[B, 1] integer tensor", problem=f"is ambiguous for a batch of {size}: "
+                                                   f"{readings}")
+
+
+def answer_positions(where: str, arg: str, positions: Any, batch: Mapping[str, Any],
+                     size: int, length: int, shift: bool) -> int | list[int]:
+    """Where a query reads each example's answer: from the batch's ``labels [B, T]`` when it
+    holds them, else from ``positions``.
+
+    One convention, the training loss's: a batch with labels (an integer ``[B, T]`` tensor,
+    ``-100`` where there is no label) is answered at each row's FIRST labelled position, the
+    first one the loss scores. A causal LM's logit at ``t`` predicts the label at ``t + 1``
+    (``shift``): the answer position is the first label's minus one; an encoder-decoder's
+    decoder position ``t`` predicts ``labels[:, t]`` (no shift). ``positions`` must then be
+    None: a batch with labels and positions would have two answers. Without labels (or with a
+    classifier's ``labels [B]``) ``positions`` is checked as `check_positions` (None: ``-1``,
+    each example's last token).
+
+    Returns:
+        One int or ``B`` ints as `check_positions` (label-read positions are non-negative).
+
+    Raises:
+        QueryInputError: positions given with labels; labels of the wrong shape, a row without
+            a label, or a causal LM's row labelled at position 0 (no logit predicts it).
+    """
+    labels = batch.get("labels")
+    if not (is_int_tensor(labels) and labels.dim() == 2):
+        return check_positions(where, arg, -1 if positions is None else positions, size, length)
+    if positions is not None:
+        how = ("leave labels out of the batch" if shift else
+               "pass decoder_input_ids (and decoder_attention_mask) instead of labels")
+        raise error(where, arg, positions, f"None when the batch holds labels [B, T] (the answer "
+                    "is read from them: each row's first labelled position, where training "
+                    f"scores it); to choose positions, {how}",
+                    problem="is given with the batch's labels")
+    if tuple(labels.shape) != (size, length):
+        raise error(where, "batch['labels']", labels, f"a [B, T] = {[size, length]} integer "
+                    "tensor (-100 where there is no label)", problem="does not fit the batch")
+    marked = labels.detach().cpu() != IGNORE_INDEX  # [B, T]
+    empty = ~marked.any(1)
+    if bool(empty.any()):
+        b = int(empty.int().argmax())
+        raise error(where, "batch['labels']", labels, "a label (!= -100) in every row: the "
+                    "answer is read at each row's first labelled position",
+                    problem=f"has none in row {b}")
+    first = marked.int().argmax(1)  # [B]: the first labelled position of each row
+    if shift and bool((first == 0).any()):
+        b = int((first == 0).int().argmax())
+        raise error(where, "batch['labels']", labels, "labels after position 0 (a causal LM's "
+                    "logit at t - 1 predicts the label at t)",
+                    problem=f"labels position 0 first in row {b}, which no logit predicts")
+    return (first - 1 if shift else first).tolist()
+
+
+def check_token_ids(where: str, arg: str, token_ids: Any, batch_size: int,
+                    options: bool = False) -> Tensor | None:
     """The chosen logits' ids: None, ``K`` ints for every example (returned as a CPU ``[K]``
     int64 tensor) or a row of ``K`` per example (a ``[B, K]`` int64 tensor, on the device it
-    came on). Ranges are checked against the logits later (`check_id_range`)."""
+    came on). Ranges are checked against the logits later (`check_id_range`).
+
+    ``B ≥ 2`` nested sequences of one int each (``[[383], [657], …]``, a tokenizer's
+    ``input_ids`` of one-token answers) are refused as ambiguous: ``K = 1`` per example, or
+    ``B`` options for every example; one id per example is taken as a ``[B, 1]`` tensor.
+    ``options`` (a probability over the ids: `predictive_probs`, `answer_distribution`,
+    held-out fits): ``K ≥ 2``, and a ``[B, 1]`` tensor is refused too, naming both readings.
+    """
     if token_ids is None:
         return None
-    allowed = (f"K >= 1 ids: one sequence of K ints for every example, or per example a row of "
-               f"K ints ([B, K] with B = {batch_size}, the batch; every row the same length K)")
+    least = 2 if options else 1
+    allowed = (f"K >= {least} ids: one sequence of K ints for every example, or per example a "
+               f"row of K ints ([B, K] with B = {batch_size}, the batch; every row the same "
+               "length K)")
     token_ids = from_numpy(token_ids)
     if isinstance(token_ids, Tensor):
         if not is_int_tensor(token_ids) or token_ids.dim() not in (1, 2) or token_ids.numel() == 0:
             raise error(where, arg, token_ids, allowed)
         if token_ids.dim() == 1:
-            return torch.tensor(token_ids.tolist(), dtype=torch.long)
+            ids = torch.tensor(token_ids.tolist(), dtype=torch.long)
+            if options and len(ids) < 2:
+                raise error(where, arg, token_ids, allowed, problem="has 1 option")
+            return ids
         if token_ids.shape[0] != batch_size:
             raise error(where, arg, token_ids, allowed,
                         problem=f"has {token_ids.shape[0]} rows for {batch_size} examples")
+        if options and token_ids.shape[1] < 2:
+            if batch_size >= 2 and token_ids.device.type == "cpu":
+                raise _one_per_example(where, arg, token_ids, token_ids[:, 0].tolist(),
+                                       batch_size, options)
+            raise error(where, arg, token_ids, allowed, problem="has 1 option per example")
         return token_ids.long()
     if not isinstance(token_ids, Sequence) or isinstance(token_ids, (str, bytes)):
         raise error(where, arg, token_ids, allowed, typed=True)
@@ -436,6 +521,8 @@ def check_token_ids(where: str, arg: str, token_ids: Any, batch_size: int) -> Te
         raise error(where, arg, token_ids, allowed, problem="is empty")
     rows = [r.tolist() if isinstance(r, Tensor) and r.dim() == 1 else r for r in token_ids]
     if all(is_int(i) for i in rows):
+        if options and len(rows) < 2:
+            raise error(where, arg, token_ids, allowed, problem="has 1 option")
         return torch.tensor([int(i) for i in rows], dtype=torch.long)
     if not all(isinstance(r, Sequence) and not isinstance(r, (str, bytes)) for r in rows) or not (
             all(is_int(i) for r in rows for i in r)):
@@ -443,9 +530,14 @@ def check_token_ids(where: str, arg: str, token_ids: Any, batch_size: int) -> Te
     lengths = sorted({len(r) for r in rows})
     if len(lengths) != 1 or lengths[0] == 0:
         raise error(where, arg, token_ids, allowed, problem=f"has rows of lengths {lengths}")
+    if lengths == [1] and len(rows) >= 2:  # [[383], [657], ...]: K = 1 each, or K = len(rows)?
+        raise _one_per_example(where, arg, token_ids, [int(r[0]) for r in rows], batch_size,
+                               options)
     if len(rows) != batch_size:
         raise error(where, arg, token_ids, allowed,
                     problem=f"has {len(rows)} rows for {batch_size} examples")
+    if options and lengths[0] < 2:
+        raise error(where, arg, token_ids, allowed, problem="has 1 option")
     return torch.tensor([[int(i) for i in r] for r in rows], dtype=torch.long)
 
 

@@ -280,18 +280,32 @@ class LaplacePosterior:
                                f"layers (its layer_names, e.g. {names[0]!r})")
 
     def _query(self, where: str, batch, positions, token_ids,
-               names: tuple[str, str, str] = ("batch", "positions", "token_ids")) -> _Query:
-        """Check the arguments of a predictive query (before any model call)."""
+               names: tuple[str, str, str] = ("batch", "positions", "token_ids"),
+               options: bool = False) -> _Query:
+        """Check the arguments of a predictive query (before any model call); ``options``: a
+        probability over the ids (``K ≥ 2``). ``token_ids`` None: the snapshot's answer tokens
+        when it has them (`Snapshot.answer_tokens`)."""
         size, length = inputs.check_batch(where, names[0], batch, self._vocab)
         batch = inputs.query_batch(where, names[0], batch, self.model)  # seq2seq: decoder ids
         length, _ = inputs.output_positions(batch, length)  # an encoder-decoder's: decoder's
-        pos = inputs.check_positions(where, names[1], positions, size, length)
-        ids = inputs.check_token_ids(where, names[2], token_ids, size)
+        pos = inputs.answer_positions(where, names[1], positions, batch, size, length,
+                                      shift=not inputs.seq2seq_lm(self.model))
+        if token_ids is None:
+            token_ids = self.answer_tokens
+        ids = inputs.check_token_ids(where, names[2], token_ids, size, options)
         return _Query(where, names, batch, size, pos, positions, ids, token_ids)
+
+    @property
+    def answer_tokens(self) -> list[int] | None:
+        """The snapshot's answer options (``KFACConfig.answer_tokens`` as token ids), the
+        default ``token_ids`` of a language-model head's queries; None when the run set none."""
+        ids = self.snapshot.answer_tokens
+        return None if ids is None else list(ids)
 
     # -- predictive ------------------------------------------------------------------------------
 
-    def jacobian_features(self, batch: dict[str, Tensor], positions: int | Sequence[int] = -1,
+    def jacobian_features(self, batch: dict[str, Tensor],
+                          positions: int | Sequence[int] | None = None,
                           token_ids: TokenIds | None = None
                           ) -> tuple[Tensor, Iterator[tuple[str, Tensor]]]:
         """MAP logits and, layer by layer, ``M = Q_Gᵀ J Q_A`` for the chosen logits.
@@ -299,23 +313,32 @@ class LaplacePosterior:
         Args:
             batch: Model inputs, a dict with ``input_ids`` ``[B, T]`` (an integer tensor; on
                 the CPU, ids within the model's input embeddings) or ``inputs_embeds``
-                ``[B, T, d]``, optionally ``attention_mask`` ``[B, T]`` (``labels`` ignored).
-                An encoder-decoder LM (T5, BART) also needs ``labels`` ``[B, T']`` (the
-                decoder inputs are made from them as in training) or ``decoder_input_ids``
-                ``[B, T']`` (`inputs.query_batch`).
-            positions: Sequence position(s) of the logits, one int for all or ``B`` ints (a
-                sequence or a 1-D integer tensor), each in ``[-T, T)``; negative counts back
-                from the last non-padding token (``-1``: the last one; it must land on a token
-                of the example). Ignored for classification heads (``logits [B, C]``). An
-                encoder-decoder's are decoder positions (``T'``): position ``t`` predicts
-                ``labels[:, t]``, and ``-1`` is each example's last labelled position
-                (``labels != -100``; or ``decoder_attention_mask``'s last 1 when given).
+                ``[B, T, d]``, optionally ``attention_mask`` ``[B, T]`` and ``labels``
+                ``[B, T]`` (an answer-token batch as training sees it, ``-100`` where there is
+                no label: the answer is read at each row's first labelled position; a
+                classifier's ``labels [B]`` are ignored). An encoder-decoder LM (T5, BART) also
+                needs ``labels`` ``[B, T']`` (the decoder inputs are made from them as in
+                training) or ``decoder_input_ids`` ``[B, T']`` (`inputs.query_batch`).
+            positions: Where the logits are read when the batch has no ``labels [B, T]``
+                (`inputs.answer_positions`: with labels, each row's first labelled position,
+                where training scores it, minus one for a causal LM; positions must then be
+                None). One int for all or ``B`` ints (a sequence or a 1-D integer tensor), each
+                in ``[-T, T)``; negative counts back from the last non-padding token (None or
+                ``-1``: the last one; it must land on a token of the example). Ignored for
+                classification heads (``logits [B, C]``). An encoder-decoder's are decoder
+                positions (``T'``) of ``decoder_input_ids``: position ``t`` predicts the token
+                at ``t + 1`` of the decoder inputs, and ``-1`` is ``decoder_attention_mask``'s
+                last 1 when given.
             token_ids: The ``K ≥ 1`` vocabulary (or class) indices, each in ``[0, V)`` (``[0,
-                C)``): one sequence of ``K`` ints for every example, or per example a row of
-                ``K`` (a ``[B, K]`` integer tensor or ``B`` sequences of ``K`` ints; row ``b``
-                selects ``f[b, k] = logits[b, ids[b, k]]``). Default: all classes of a
-                classification head; required for a language-model head. (A ``[B, K]``
-                tensor on an accelerator is not range-checked: that would need a host sync.)
+                C)``): one sequence of ``K`` ints for every example (``[383, 657, 370,
+                468]``), or per example a row of ``K`` (a ``[B, K]`` integer tensor or ``B``
+                sequences of ``K ≥ 2`` ints; row ``b`` selects ``f[b, k] = logits[b, ids[b,
+                k]]``; one id per example only as a ``[B, 1]`` tensor: ``B`` one-int lists,
+                a tokenizer's ``input_ids`` of one-token answers, are refused as ambiguous).
+                Default: all classes of a classification head; for a language-model head the
+                snapshot's answer tokens (``KFACConfig.answer_tokens``), else required. (A
+                ``[B, K]`` tensor on an accelerator is not range-checked: that would need a
+                host sync.)
 
         Returns:
             ``(f [B, K] float64, iterator of (layer, M [B, K, d_out, d_A]))``; the features
@@ -372,7 +395,7 @@ class LaplacePosterior:
         g = g.to(fd).reshape(g.shape[0], size, a.shape[1], g.shape[-1])  # [K, B, T, d_out]
         return torch.einsum("kbti,btj->bkij", ke.rotate(g, qg), ke.rotate(a, qa))
 
-    def predictive(self, batch: dict[str, Tensor], positions: int | Sequence[int] = -1,
+    def predictive(self, batch: dict[str, Tensor], positions: int | Sequence[int] | None = None,
                    token_ids: TokenIds | None = None) -> tuple[Tensor, Tensor]:
         """Linearised predictive of chosen logits under ``self.prior_precision``.
 
@@ -386,7 +409,7 @@ class LaplacePosterior:
         return mean, covs[0]
 
     def predictive_covariances(self, batch: dict[str, Tensor],
-                               positions: int | Sequence[int] = -1,
+                               positions: int | Sequence[int] | None = None,
                                token_ids: TokenIds | None = None, *,
                                prior_precisions: Sequence[float | dict[str, float]]
                                ) -> tuple[Tensor, Tensor]:
@@ -428,7 +451,8 @@ class LaplacePosterior:
                 covs[p] += torch.einsum("bkij,blij->bkl", m / d.to(m.device, m.dtype), m).double()
         return f, covs
 
-    def predictive_probs(self, batch: dict[str, Tensor], positions: int | Sequence[int] = -1,
+    def predictive_probs(self, batch: dict[str, Tensor],
+                         positions: int | Sequence[int] | None = None,
                          token_ids: TokenIds | None = None, method: str = "meanfield",
                          n_samples: int = 1000, seed: int = 0) -> Tensor:
         """Predictive probabilities over the ``K`` chosen logits (a K-way softmax).
@@ -452,8 +476,8 @@ class LaplacePosterior:
         inputs.check_choice(where, "method", method, PROBS_METHODS)
         inputs.check_int(where, "n_samples", n_samples, 1)
         inputs.check_seed(where, "seed", seed)
-        mean, covs = self._covariances(self._query(where, batch, positions, token_ids),
-                                       [self._prior])
+        mean, covs = self._covariances(
+            self._query(where, batch, positions, token_ids, options=True), [self._prior])
         return probs_from_gaussian(mean, covs[0], method, n_samples, seed)
 
     # -- posterior samples -----------------------------------------------------------------------
@@ -514,7 +538,7 @@ class LaplacePosterior:
         Args:
             heldout: Iterable (e.g. a list) of dicts ``{"batch", "token_ids", "labels" [B]
                 (index into token_ids of the right answer, in ``[0, K)``), "positions"
-                (optional, default -1)}``, at least one; ``batch``, ``token_ids`` and
+                (optional, default None)}``, at least one; ``batch``, ``token_ids`` and
                 ``positions`` as in `jacobian_features`. The score uses the predictive
                 variance of the MAP-predicted logit and is fitted to whether that prediction
                 is right (`fit_confidence_beta`).
@@ -529,8 +553,9 @@ class LaplacePosterior:
             if not isinstance(item, Mapping) or not {"batch", "token_ids", "labels"} <= set(item):
                 raise inputs.error(where, arg, item, "a dict {'batch', 'token_ids', 'labels', "
                                    "optionally 'positions'}", typed=not isinstance(item, Mapping))
-            q = self._query(where, item["batch"], item.get("positions", -1), item["token_ids"],
-                            (f"{arg}['batch']", f"{arg}['positions']", f"{arg}['token_ids']"))
+            q = self._query(where, item["batch"], item.get("positions"), item["token_ids"],
+                            (f"{arg}['batch']", f"{arg}['positions']", f"{arg}['token_ids']"),
+                            options=True)
             labels = inputs.check_labels(where, f"{arg}['labels']", item["labels"], q.size)
             mean, covs = self._covariances(q, [self._prior])
             inputs.check_id_range(where, f"{arg}['labels']", item["labels"], labels,

@@ -79,6 +79,7 @@ def snapshot_contents(record, step: int, epoch: float | None = None
         "skipped_steps": list(record.counters.skipped_steps),
         "shared_inputs": record.plan.describe(),
         **({"run_id": record.run_id} if record.run_id else {}),
+        **({"answer_tokens": dict(record.answer_tokens)} if record.answer_tokens else {}),
         "fingerprint": layer_fingerprint(
             {n: (s.d_in, s.d_out, s.has_bias) for n, s in record.specs.items()}),
         "layers": layers,

@@ -520,6 +520,12 @@ WEIGHTS = Record({
     "sumsq": Field(_NONNEG),
 }, what="a weight fingerprint (an object with numel, sum, sumsq)")
 
+#: ``KFACConfig.answer_tokens`` as resolved at train begin (`integrations.answer_tokens`).
+ANSWER_TOKENS = Record({
+    "ids": Field(ListOf(_COUNT, min_len=2)),
+    "texts": Field(Nullable(ListOf(Str(what="an answer's text"), min_len=2))),
+}, what="the answer options (an object with ids and texts)")
+
 #: The whole manifest, formats 1 and 2 (``since=2``: required from format 2 on).
 SCHEMA = Record({
     "format": Field(Str(choices=(FORMAT_NAME,))),
@@ -546,6 +552,7 @@ SCHEMA = Record({
                     since=None),
     "weights": Field(MapOf(WEIGHTS, _layer_name_problem, "a module name (non-empty text)",
                            what="an object of weight fingerprints"), since=None),
+    "answer_tokens": Field(ANSWER_TOKENS, since=None),
     "layers": Field(MapOf(LAYER, _layer_name_problem, "a module name (non-empty text)",
                           min_len=1, what="an object of layer entries")),
     "shards": Field(MapOf(SHARD, _shard_name_problem, _SHARD_NAME, min_len=1,

@@ -152,6 +152,20 @@ class Snapshot(LayerView):
 
         return read_heldout_prior(self.path)
 
+    @property
+    def answer_tokens(self) -> tuple[int, ...] | None:
+        """The answer options' token ids (``KFACConfig.answer_tokens``, resolved at train
+        begin), or None when the run set none: the default ``token_ids`` of a language-model
+        head's queries and the CLI's ``--options``."""
+        answers = self.meta.get("answer_tokens")
+        return None if answers is None else tuple(int(i) for i in answers["ids"])
+
+    @property
+    def answer_texts(self) -> tuple[str, ...] | None:
+        """The answer options as text (as given, or decoded), or None."""
+        texts = (self.meta.get("answer_tokens") or {}).get("texts")
+        return None if texts is None else tuple(texts)
+
     def __len__(self) -> int:
         return len(self._layers)
 
