@@ -66,3 +66,15 @@ def marglik_terms(num_params: int, weight_sq_norm: float, log_det: Tensor,
     (the prior's :math:`-\frac P2\log 2\pi` cancels the Laplace :math:`+\frac P2\log 2\pi`)."""
     return (0.5 * num_params * math.log(prior_precision) - 0.5 * prior_precision * weight_sq_norm
             - 0.5 * log_det)
+
+
+def damped_solve(v: Tensor, g_eigvecs: Tensor | None, g_eigvals: Tensor,
+                 a_eigvecs: Tensor | None, a_eigvals: Tensor, damping: float) -> Tensor:
+    """``(A⊗G + λI)⁻¹`` applied to each ``V`` of ``v [..., d_out, d_A]``:
+    ``Q_G [(Q_Gᵀ V Q_A) ⊘ (γ αᵀ + λ)] Q_Aᵀ`` (eigenvalues clamped at 0; a None eigenbasis is
+    the identity of a diagonal factor)."""
+    d = (torch.outer(g_eigvals, a_eigvals).clamp(min=0) + damping).to(v.device, v.dtype)
+    x = v if g_eigvecs is None else g_eigvecs.T @ v
+    x = (x if a_eigvecs is None else x @ a_eigvecs) / d
+    x = x if g_eigvecs is None else g_eigvecs @ x
+    return x if a_eigvecs is None else x @ a_eigvecs.T

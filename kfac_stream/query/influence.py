@@ -1,0 +1,343 @@
+r"""Influence scores from a snapshot's Kronecker factors: which training examples made the model
+say this, with no factor-fitting pass.
+
+For a query example ``z_q`` (a prompt and its completion, the completion labelled; or a
+labelled classifier example) and a training example ``z``, the score over the tracked layers
+``l`` is
+
+    I(z_q, z) = Σ_l ∇_l L(z_q)ᵀ (F_l + λ_l I)⁻¹ ∇_l L(z)
+
+with ``F_l = A_l ⊗ G_l`` the snapshot's Kronecker factors (the streamed, token-weighted mean
+factors: eigendecomposed already, so ``(F_l + λ_l I)⁻¹ vec(V) = Q_G [(Q_Gᵀ V Q_A) ⊘ (γ αᵀ +
+λ_l)] Q_Aᵀ`` costs two rotations) and ``L(z)`` the example's loss summed over its labelled
+tokens (a classifier's: its cross-entropy; the same sum training takes the mean of). The sign is
+kronfluence's: a positive score says that a gradient step on ``z`` lowers the query's loss (the
+example is helpful), a negative one that it raises it (harmful).
+
+Damping ``λ_l`` (`DAMPINGS`):
+
+* ``"heuristic"`` (default): ``λ_l = 0.1 · mean(γ αᵀ)`` of the layer, kronfluence's heuristic, so
+  scores from the stream and from kronfluence's post-hoc factors are compared at equal damping;
+* ``"prior"``: the Laplace posterior's, ``λ_l = τ_l / N_l`` (the posterior precision is
+  ``N·A⊗G + τ``, so ``(A⊗G + τ/N)⁻¹ = N·Σ_posterior``: the scores are then ``N`` times the
+  posterior covariance's inner products; ``τ`` and ``N`` as the `LaplacePosterior` holds them);
+* a positive float, the same ``λ`` for every layer.
+
+Cost and memory. The query gradients are preconditioned once (``R × Σ_l d_out·d_A`` numbers for
+``R`` query rows: the queries, or their completion tokens for the per-token split). A training
+batch runs one forward and one backward of its summed loss (its examples are independent, so
+each row's output gradients are its own); per layer the hooks' factors give the per-example
+gradient ``Σ_t g_t ā_tᵀ`` either as a dense ``[B, d_out, d_A]`` (cost ``B·T·d_out·d_A``, then
+``R·B·d_out·d_A`` for the inner products) or, when cheaper (``R·T < T + R``: one query row),
+never formed: ``Σ_t g_tᵀ P ā_t`` directly. Memory does not grow with the training set: only
+the ``[R, N]`` scores are kept. Everything runs on the model's device, in the model's precision
+(float64 models: float64), scores accumulated in float64.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..capture.hooks import logits_of
+from ..exceptions import QueryInputError
+from ..progress import progress
+from . import inputs
+from . import kron_eigen as ke
+from .laplace import LaplacePosterior, _per_example
+
+#: The damping rules (module docstring), besides a positive float.
+DAMPINGS = ("heuristic", "prior")
+
+#: ``"heuristic"`` damping: this factor times the mean eigenvalue ``mean(γ αᵀ)`` of the layer.
+HEURISTIC_FACTOR = 0.1
+
+
+@dataclass(frozen=True)
+class InfluenceScores:
+    """Influence scores of ``N`` training examples on ``Q`` queries (module docstring).
+
+    Attributes:
+        scores: ``[Q, N]`` float64 (CPU): ``I(z_q, z_n)``; positive: ``z_n`` helps the query.
+        token_scores: ``[Q, S, N]`` float64 (CPU), the split of each query's score over its
+            ``S`` labelled tokens (the loss of token ``s`` alone in place of the query's loss;
+            they sum to ``scores``), NaN past a query's own tokens; None unless asked for.
+        token_positions: ``[Q, S]`` int64: the position of each split token in the query's
+            ``labels`` (``-1`` past its tokens); None with ``token_scores``.
+        damping: ``{layer: λ_l}``.
+        layers: The layers summed over.
+    """
+
+    scores: Tensor
+    token_scores: Tensor | None
+    token_positions: Tensor | None
+    damping: dict[str, float]
+    layers: tuple[str, ...]
+
+    def top_k(self, k: int = 10) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+        """``((helpful indices [Q, k], scores [Q, k]), (harmful indices, scores))``: the
+        training examples with the highest scores, highest first, and with the lowest,
+        lowest first (``k`` at most ``N``)."""
+        k = min(inputs.check_int("InfluenceScores.top_k", "k", k, 1), self.scores.shape[1])
+        top = torch.topk(self.scores, k, dim=1)
+        low = torch.topk(self.scores, k, dim=1, largest=False)
+        return (top.indices, top.values), (low.indices, low.values)
+
+
+def example_losses(logits: Tensor, labels: Tensor, shift: bool) -> Tensor:
+    """Per-token losses ``[B, T]`` (0 where there is no label) of logits ``[B, T, V]`` and
+    labels ``[B, T]`` (``-100``: none; ``shift``: a causal LM, whose logit at ``t`` predicts
+    the label at ``t + 1``), or per-example losses ``[B, 1]`` of a classifier's logits
+    ``[B, C]`` and labels ``[B]`` (cross-entropy; float labels ``[B]`` of a one-output head:
+    squared error ``½(f − y)²``)."""
+    if logits.dim() == 2:
+        if labels.is_floating_point() and logits.shape[1] == 1:
+            return 0.5 * (logits[:, 0] - labels.to(logits.dtype)).square()[:, None]
+        return F.cross_entropy(logits, labels.to(logits.device).long(), reduction="none")[:, None]
+    if shift:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+        pad = torch.zeros(logits.shape[0], 1, dtype=logits.dtype, device=logits.device)
+    labels = labels.to(logits.device)
+    nll = F.cross_entropy(logits.transpose(1, 2), labels.clamp(min=0), reduction="none")
+    nll = torch.where(labels == inputs.IGNORE_INDEX, torch.zeros_like(nll), nll)
+    return torch.cat([pad, nll], 1) if shift else nll  # [B, T]: the loss at label t
+
+
+class Influence:
+    """Influence scores over the layers of a `LaplacePosterior` (module docstring).
+
+    Args:
+        post: The posterior: its model (whole weights, in eval mode for deterministic scores),
+            its snapshot's eigendecomposed factors and, for ``damping="prior"``, its ``τ`` and
+            ``N`` per layer.
+        damping: ``"heuristic"`` (default), ``"prior"`` or a positive float (module docstring).
+    """
+
+    def __init__(self, post: LaplacePosterior, damping: float | str = "heuristic") -> None:
+        where = "Influence"
+        if not isinstance(post, LaplacePosterior):
+            raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
+        allowed = f"one of {DAMPINGS} or a positive finite float"
+        if isinstance(damping, str):
+            inputs.check_choice(where, "damping", damping, DAMPINGS)
+        else:
+            inputs.check_positive(where, "damping", damping, allowed)
+        self.post, self.model = post, post.model
+        self.layers = tuple(post.layer_names)
+        self.shift = not inputs.seq2seq_lm(self.model)
+        self.damping = {n: self._damping(n, damping) for n in self.layers}
+
+    def _damping(self, name: str, rule: float | str) -> float:
+        if rule == "prior":
+            return self.post.tau(name) / self.post.layer_num_data[name]
+        if rule == "heuristic":
+            aval, gval = self.post.eig.eigvals(name)
+            return HEURISTIC_FACTOR * float(gval.clamp(min=0).mean() * aval.clamp(min=0).mean())
+        return float(rule)
+
+    # -- per-example factors -------------------------------------------------------------------
+
+    def _io(self, where: str, batch: Mapping[str, Tensor], per_token: bool
+            ) -> tuple[dict[str, Tensor], dict[str, Tensor], Tensor | None, Tensor]:
+        """One forward and backward of ``batch`` (with ``labels``): per layer the inputs
+        ``ā [B, T, d_A]`` and the output gradients ``g`` (``[B, T, d_out]`` of each example's
+        summed loss; ``per_token``: ``[R, B, T, d_out]``, one row per labelled token, only its
+        own example's row non-zero), the ``[B, S]`` positions of the labelled tokens
+        (``per_token``, -1 padded) and the number of rows ``R`` per example ``[B]``."""
+        if "labels" not in batch:
+            raise QueryInputError(f"{where}: a batch without labels: influence needs the loss "
+                                  "of each example (labels [B, T], -100 where there is none, or a "
+                                  "classifier's labels [B])")
+        size, _ = inputs.check_batch(where, "batch", batch, inputs.input_vocab(self.model))
+        batch = inputs.query_batch(where, "batch", batch, self.model)
+        acts: dict[str, Tensor] = {}
+        outs: dict[str, Tensor] = {}
+
+        def hook(name):
+            def fn(module, args, out):
+                acts[name] = args[0].detach()
+                if not out.requires_grad:  # frozen weights: make the output differentiable
+                    out = out.detach().requires_grad_()
+                outs[name] = out
+                return out
+            return fn
+
+        modules = self.post.modules
+        handles = [modules[n].register_forward_hook(hook(n)) for n in self.layers]
+        try:
+            with torch.enable_grad():
+                logits = logits_of(self.model(**inputs.forward_inputs(batch, self.model)))
+                losses = example_losses(logits, batch["labels"], self.shift)  # [B, T] / [B, 1]
+                names = [n for n in self.layers if n in outs]
+                if per_token:
+                    keep = losses.detach() != 0 if losses.shape[1] > 1 else torch.ones_like(
+                        losses, dtype=torch.bool)
+                    if logits.dim() == 3:
+                        keep = batch["labels"].to(keep.device) != inputs.IGNORE_INDEX
+                        if self.shift:
+                            keep = torch.cat([torch.zeros_like(keep[:, :1]), keep[:, 1:]], 1)
+                    rows = keep.nonzero()  # [R, 2]: (example, position)
+                    cot = torch.zeros(len(rows), *losses.shape, dtype=losses.dtype,
+                                      device=losses.device)
+                    cot[torch.arange(len(rows)), rows[:, 0], rows[:, 1]] = 1
+                    grads = torch.autograd.grad(losses, [outs[n] for n in names],
+                                                grad_outputs=cot, is_grads_batched=True,
+                                                allow_unused=True)
+                    counts = keep.sum(1).cpu()
+                    pos = torch.full((size, int(counts.max()) if size else 0), -1,
+                                     dtype=torch.long)
+                    for b in range(size):
+                        at = keep[b].nonzero()[:, 0].cpu()
+                        pos[b, :len(at)] = at
+                else:
+                    grads = torch.autograd.grad(losses.sum(), [outs[n] for n in names],
+                                                allow_unused=True)
+                    counts, pos = torch.ones(size, dtype=torch.long), None
+        finally:
+            for h in handles:
+                h.remove()
+        a_out, g_out = {}, {}
+        fd = self.post.feature_dtype
+        for n, g in zip(names, grads):
+            a = _per_example(where, n, acts.pop(n).to(fd), size)  # [B, T, d_in]
+            if self.post.snapshot[n].has_bias:
+                a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
+            if g is None:
+                g = torch.zeros((*([len(rows)] if per_token else []), *outs[n].shape),
+                                dtype=fd, device=a.device)
+            lead = g.shape[:-len(outs[n].shape)] if per_token else ()
+            a_out[n] = a
+            g_out[n] = g.to(fd).reshape(*lead, size, a.shape[1], g.shape[-1])
+        return a_out, g_out, pos, counts
+
+    def gradients(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``{layer: [B, d_out, d_A]}``: each example's gradient of its summed loss with
+        respect to the layer's ``W̄ = [W b]`` (``Σ_t g_t ā_tᵀ``), in the feature dtype."""
+        a, g, _, _ = self._io("Influence.gradients", batch, per_token=False)
+        return {n: torch.einsum("bti,btj->bij", g[n], a[n]) for n in a}
+
+    def precondition(self, grads: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """``(F_l + λ_l I)⁻¹`` applied to each row of ``{layer: [R, d_out, d_A]}``."""
+        out = {}
+        for n, v in grads.items():
+            qa, qg = self.post.eigenbases(n)
+            aval, gval = self.post.eig.eigvals(n, device=v.device)
+            out[n] = ke.damped_solve(v, qg, gval, qa, aval, self.damping[n])
+        return out
+
+    # -- scores --------------------------------------------------------------------------------
+
+    def _query_rows(self, queries: Iterable[Mapping[str, Tensor]], per_token: bool
+                    ) -> tuple[dict[str, Tensor], list[int], Tensor | None]:
+        """The preconditioned query rows ``{layer: [R, d_out, d_A]}``, the rows of each query
+        (1, or its labelled tokens) and the token positions ``[Q, S]`` (``per_token``)."""
+        parts: dict[str, list[Tensor]] = {}
+        rows_per_query: list[int] = []
+        positions: list[Tensor] = []
+        for batch in queries:
+            a, g, pos, counts = self._io("influence_scores", batch, per_token)
+            grads = {}
+            for n in a:
+                if per_token:  # [R, B, T, d_out] -> [R, d_out, d_A], each row its own example
+                    grads[n] = torch.einsum("rbti,btj->rij", g[n], a[n])
+                else:
+                    grads[n] = torch.einsum("bti,btj->bij", g[n], a[n])
+            for n, v in self.precondition(grads).items():
+                parts.setdefault(n, []).append(v)
+            rows_per_query += counts.tolist()
+            if pos is not None:
+                positions.append(pos)
+        if not rows_per_query:
+            raise QueryInputError("influence_scores: no queries")
+        pos = None
+        if per_token:
+            width = max(p.shape[1] for p in positions)
+            pos = torch.cat([F.pad(p, (0, width - p.shape[1]), value=-1) for p in positions])
+        return {n: torch.cat(v) for n, v in parts.items()}, rows_per_query, pos
+
+    def _train_scores(self, q: dict[str, Tensor], batch: Mapping[str, Tensor]) -> Tensor:
+        """``[R, B]`` float64: the query rows' inner products with the batch's per-example
+        gradients, layer by layer in the cheaper of the dense and the factored form."""
+        a, g, _, _ = self._io("influence_scores", batch, per_token=False)
+        total = None
+        for n, p in q.items():
+            rows, steps = p.shape[0], a[n].shape[1]
+            if rows * steps < steps + rows:  # one query row: Σ_t g_tᵀ P ā_t, no dense grad
+                s = torch.einsum("bti,rij,btj->rb", g[n], p, a[n])
+            else:
+                s = torch.einsum("rij,bij->rb", p, torch.einsum("bti,btj->bij", g[n], a[n]))
+            total = s.double() if total is None else total + s.double()
+        return total
+
+    def scores(self, queries: Mapping[str, Tensor] | Iterable[Mapping[str, Tensor]],
+               train: Iterable[Mapping[str, Tensor]], *, per_token: bool = False,
+               show_progress: bool | None = None) -> InfluenceScores:
+        """The influence of every training example on every query.
+
+        Args:
+            queries: A batch (or an iterable of batches) of query examples with ``labels``
+                (``[B, T]``, -100 but at the completion's tokens; a classifier's ``[B]``), on
+                the model's device.
+            train: An iterable of training batches with ``labels`` (a list, a DataLoader), on
+                the model's device; read once, in order (the scores' columns).
+            per_token: Also split each query's score over its labelled tokens
+                (``token_scores``; costs one backward per token of the queries and ``S`` times
+                the preconditioned rows' memory).
+            show_progress: A progress bar over the training batches: None (on a terminal),
+                True or False.
+
+        Returns:
+            An `InfluenceScores`.
+        """
+        if isinstance(queries, Mapping):
+            queries = [queries]
+        inputs.check_flag("influence_scores", "per_token", per_token)
+        q, rows_per_query, pos = self._query_rows(queries, per_token)
+        cols = []
+        total = None
+        try:
+            total = len(train)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+        bar = progress(total=total, desc="influence", unit="batch", show=show_progress)
+        try:
+            for batch in train:
+                cols.append(self._train_scores(q, batch).cpu())
+                bar.update(1)
+        finally:
+            bar.close()
+        if not cols:
+            raise QueryInputError("influence_scores: no training examples")
+        rows = torch.cat(cols, dim=1)  # [R, N]
+        owner = torch.repeat_interleave(torch.arange(len(rows_per_query)),
+                                        torch.tensor(rows_per_query))
+        scores = torch.zeros(len(rows_per_query), rows.shape[1], dtype=torch.float64)
+        scores.index_add_(0, owner, rows)
+        token_scores = None
+        if per_token:
+            width = pos.shape[1]
+            token_scores = torch.full((len(rows_per_query), width, rows.shape[1]), math.nan,
+                                      dtype=torch.float64)
+            start = 0
+            for i, r in enumerate(rows_per_query):
+                token_scores[i, :r] = rows[start:start + r]
+                start += r
+        return InfluenceScores(scores=scores, token_scores=token_scores,
+                               token_positions=pos, damping=dict(self.damping),
+                               layers=self.layers)
+
+
+def influence_scores(post: LaplacePosterior,
+                     queries: Mapping[str, Tensor] | Iterable[Mapping[str, Tensor]],
+                     train: Iterable[Mapping[str, Tensor]], *, damping: float | str = "heuristic",
+                     per_token: bool = False, show_progress: bool | None = None
+                     ) -> InfluenceScores:
+    """`Influence` ``(post, damping).scores(queries, train, ...)``: the influence of every
+    training example on every query (module docstring; arguments as there)."""
+    return Influence(post, damping).scores(queries, train, per_token=per_token,
+                                           show_progress=show_progress)
