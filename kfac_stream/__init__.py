@@ -39,6 +39,8 @@ _LAZY = {
     "abstain": "query.answers",
     "whole_model": "integrations.zero3",
     "fit_prior_precision": "query.heldout_tau", "HeldoutPrior": "snapshot.heldout_prior",
+    "influence_scores": "query.influence", "Influence": "query.influence",
+    "InfluenceScores": "query.influence",
 }
 
 
@@ -74,6 +76,7 @@ __all__ = [
     "answer_distribution", "generated_answers", "AnswerDistribution", "GeneratedAnswers",
     "abstain",
     "fit_prior_precision", "HeldoutPrior",
+    "influence_scores", "Influence", "InfluenceScores",
     "whole_model",
     # enums
     "FisherType",

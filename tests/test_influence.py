@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kfac_stream import LaplacePosterior, QueryInputError, Snapshot
-from kfac_stream.query.influence import HEURISTIC_FACTOR, Influence, influence_scores
+from kfac_stream import Influence, LaplacePosterior, QueryInputError, Snapshot, influence_scores
+from kfac_stream.query.influence import HEURISTIC_FACTOR
 
 from harness import run, sum_nll_loss
 from models import lora_gpt2, text_examples, tiny_classifier_run, tiny_gpt2
