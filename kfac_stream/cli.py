@@ -17,6 +17,8 @@ from .files import local_path_problem
 if TYPE_CHECKING:
     from torch import Tensor
 
+    from .integrations.peft_adapter import AdapterLocation
+
 #: A hub model name (``gpt2``, ``org/name``); anything else that is not a directory is an error.
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
@@ -120,7 +122,9 @@ def _check_paths(args) -> None:
             ("--model", args.model, "must be a model directory written by save_pretrained "
              "(e.g. out/demo/model) or a hub model name"),
             ("--tokenizer", args.tokenizer, "must be a tokenizer directory or a hub name; "
-             "pass --byte-level for a byte-level model such as the demo's")):
+             "pass --byte-level for a byte-level model such as the demo's"),
+            ("--base", args.base, "must be the base model's directory (save_pretrained) or hub "
+             "name, for a PEFT adapter directory given as --model")):
         problem = None if name is None else local_path_problem(name)
         if problem is not None:
             raise QueryInputError(f"{arg}={name!r} {problem}: {allowed}")
@@ -231,27 +235,73 @@ CAUSAL_LM, CLASSIFIER = "causal_lm", "sequence_classification"
 TASK_NAMES = {CAUSAL_LM: "causal LM", CLASSIFIER: "sequence classifier"}
 
 
-def _load_model(name: str, task: str = CAUSAL_LM):
+def _load_model(name: str, task: str = CAUSAL_LM, adapter: AdapterLocation | None = None):
     """``--model``: a causal LM or a sequence classifier (``task``) from a local directory or
     the hub, in float32 and eval mode; refused when its checkpoint lacks weights of the model
-    (a head that would be random)."""
+    (a head that would be random). With ``adapter`` (``--model`` is a PEFT adapter directory,
+    `_adapter`): its base model loaded so, then the adapter on it
+    (``PeftModel.from_pretrained``), whose module names are those the snapshot tracked."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     loader = AutoModelForSequenceClassification if task == CLASSIFIER else AutoModelForCausalLM
     what = TASK_NAMES[task]
+    source = name if adapter is None else adapter.base
+    shown = (f"--model={name!r}" if adapter is None else
+             f"--model={name!r}: its base model {source!r} ({adapter.base_from})")
     try:
-        model, info = loader.from_pretrained(name, dtype=torch.float32, output_loading_info=True)
+        model, info = loader.from_pretrained(source, dtype=torch.float32,
+                                             output_loading_info=True)
     except (OSError, ValueError, ImportError) as e:  # no config / weights, another task
-        raise QueryInputError(f"--model={name!r} could not be loaded as a {what} "
+        raise QueryInputError(f"{shown} could not be loaded as a {what} "
                               f"({_first_line(e)}): must be {MODEL_ALLOWED}") from None
     missing = sorted(info.get("missing_keys") or ())
+    if adapter is not None:  # modules_to_save (a classifier's head): the adapter holds them
+        saved = set(adapter.modules_to_save)
+        missing = [k for k in missing if not saved.intersection(k.split("."))]
     if missing:  # a head (or more) the checkpoint lacks would answer with random weights
         raise QueryInputError(
-            f"--model={name!r}: its checkpoint has no weights for {len(missing)} parameter(s) "
+            f"{shown}: its checkpoint has no weights for {len(missing)} parameter(s) "
             f"of the {what} ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''})"
             ": they would be random; save the whole trained model with save_pretrained")
+    if adapter is not None:
+        model = _with_adapter(name, adapter, model)
     return model.eval()
+
+
+def _adapter(args) -> AdapterLocation | None:
+    """The PEFT adapter and base model of ``--model`` (`peft_adapter.adapter_location`: the
+    base ``kfac_stream.whole_model`` saved beside it, else ``--base``'s, else
+    ``adapter_config.json``'s ``base_model_name_or_path``), or None for a model directory or
+    hub name that is no adapter."""
+    from .integrations.peft_adapter import adapter_location
+
+    location = adapter_location(args.model, args.base)
+    if location is None and args.base is not None:
+        raise QueryInputError(f"--base={args.base!r} is not allowed: --model={args.model!r} is "
+                              "no PEFT adapter directory (no adapter_config.json); --base is "
+                              "the base model of one")
+    return location
+
+
+def _with_adapter(name: str, adapter: AdapterLocation, base):
+    """``PeftModel.from_pretrained(base, adapter dir)`` of ``--model``, in float32."""
+    import torch
+
+    try:
+        from .integrations.peft_adapter import load_adapter
+
+        model = load_adapter(adapter, base)
+    except ImportError as e:
+        raise QueryInputError(f"--model={name!r} is a PEFT adapter directory: loading it needs "
+                              f"peft ({_first_line(e)}; pip install 'kfac_stream[peft]')"
+                              ) from None
+    except (OSError, ValueError, KeyError, RuntimeError) as e:  # adapter of another base
+        raise QueryInputError(f"--model={name!r}: its PEFT adapter does not load onto the base "
+                              f"model {adapter.base!r} ({adapter.base_from}; {_first_line(e)}):"
+                              " pass --base with the model the adapter was trained on"
+                              ) from None
+    return model.to(torch.float32)
 
 
 #: Endings of ``config.architectures`` names that `kfac-stream query` answers as a causal LM
@@ -267,18 +317,19 @@ SUPPORTED = ("kfac-stream query answers causal LMs (*ForCausalLM, *LMHeadModel) 
              "logits in Python (docs/queries.md)")
 
 
-def _model_task(name: str) -> tuple[str, str]:
+def _model_task(name: str, adapter: AdapterLocation | None = None) -> tuple[str, str]:
     """``(task, architecture)`` of ``--model`` from its config alone, before any weight loads:
     `CAUSAL_LM` or `CLASSIFIER`; any other task (token classification, multiple choice,
     regression or multi-label heads, question answering, seq2seq...) is refused in one line,
     since loading it as either would add a randomly initialised head and print plausible
     nonsense. A config that does not load or names no architecture: `CAUSAL_LM` (the loader
-    then says what is wrong)."""
+    then says what is wrong). For a PEFT adapter directory (``adapter``), the base model's
+    config."""
     from transformers import AutoConfig
 
     _check_model_name(name)
     try:
-        config = AutoConfig.from_pretrained(name)
+        config = AutoConfig.from_pretrained(name if adapter is None else adapter.base)
     except (OSError, ValueError):
         return CAUSAL_LM, ""  # from_pretrained of the model says what is wrong
     archs = list(getattr(config, "architectures", None) or ())
@@ -308,6 +359,11 @@ TOKENIZER_HINT = ("pass --byte-level for a byte-level model such as the demo's, 
                   "DIR for the model's tokenizer")
 
 
+def _has_tokenizer_files(directory: str) -> bool:
+    """Whether ``directory`` holds one of `TOKENIZER_FILES` (False for a hub name)."""
+    return any(os.path.isfile(os.path.join(directory, f)) for f in TOKENIZER_FILES)
+
+
 def _tokenizer(args):
     """The tokenizer of ``--tokenizer`` (default ``--model``), or None with ``--byte-level``.
     A directory without tokenizer files, a tokenizer that does not load or one that knows no
@@ -318,11 +374,13 @@ def _tokenizer(args):
 
     source = args.tokenizer or args.model
     arg = "--tokenizer" if args.tokenizer else "--model"
+    adapter = getattr(args, "adapter", None)
+    if source == args.model and adapter is not None and not _has_tokenizer_files(source):
+        source, arg = adapter.base, "--base" if args.base else "--model's base model"
     problem = local_path_problem(source)
     if problem is not None:
         raise QueryInputError(f"{arg}={source!r} {problem}: {TOKENIZER_HINT}")
-    if os.path.isdir(source) and not any(os.path.isfile(os.path.join(source, f))
-                                         for f in TOKENIZER_FILES):
+    if os.path.isdir(source) and not _has_tokenizer_files(source):
         raise QueryInputError(f"{arg}={source!r} has no tokenizer files (none of "
                               f"{', '.join(TOKENIZER_FILES[:3])}, ...): {TOKENIZER_HINT}")
     try:
@@ -430,13 +488,40 @@ def _option_ids(args, tokenizer, vocab: int | None) -> list[int]:
     return ids
 
 
+def _recorded_options(snap, tokenizer, vocab: int | None) -> tuple[list[str], list[int]]:
+    """``(texts, ids)`` of the snapshot's answer tokens (``KFACConfig.answer_tokens``), the
+    options of a query without ``--options``: the texts recorded, else the ids decoded."""
+    ids = [int(i) for i in snap.answer_tokens]
+    texts = getattr(snap, "answer_texts", None)
+    texts = list(texts) if texts else [str(_decode(tokenizer, i)) for i in ids]
+    if vocab is not None and max(ids) >= vocab:
+        raise QueryInputError(f"--snapshot={str(snap.path)!r}: its answer tokens {ids} (the "
+                              f"options when --options is not given) reach past the model's "
+                              f"vocabulary of {vocab} tokens: a snapshot of another model?")
+    return texts, ids
+
+
+def _model_shown(args) -> str:
+    """``--model`` in a status line: with its base model when it is a PEFT adapter."""
+    adapter = getattr(args, "adapter", None)
+    return args.model if adapter is None else (
+        f"{args.model} (PEFT adapter on base model {adapter.base})")
+
+
+def _base_meta(args) -> dict:
+    """``{"base": ...}`` (the base model of a PEFT adapter directory) for the JSON, or {}."""
+    adapter = getattr(args, "adapter", None)
+    return {} if adapter is None else {"base": adapter.base}
+
+
 def _query(args) -> int:
     """``kfac-stream query``: the model's task from its config, then a causal LM's per-token
     table (or top-k) or a sequence classifier's class probabilities."""
     t0 = time.perf_counter()
     _check_paths(args)
     _check_inputs_given(args)
-    task, arch = _model_task(args.model)
+    args.adapter = _adapter(args)
+    task, arch = _model_task(args.model, args.adapter)
     tau = _check_query_args(args, task, arch)
     tokenizer = _tokenizer(args)
     if task == CLASSIFIER:
@@ -449,21 +534,26 @@ def _query(args) -> int:
     from .query import token_table as tt
     from .query.laplace import LaplacePosterior
 
-    _status(f"snapshot {snap.path}: {len(snap)} layers; loading model {args.model} ...")
-    model = _load_model(args.model)
+    _status(f"snapshot {snap.path}: {len(snap)} layers; loading model {_model_shown(args)} ...")
+    model = _load_model(args.model, adapter=args.adapter)
     tokenizer, ids = _encode(args, model, tokenizer)
-    option_ids = None
+    option_ids, options_from = None, None
+    vocab = getattr(model.get_input_embeddings(), "num_embeddings", None)
     if args.options is not None:
-        option_ids = _option_ids(args, tokenizer, getattr(model.get_input_embeddings(),
-                                                          "num_embeddings", None))
+        option_ids, options_from = _option_ids(args, tokenizer, vocab), "--options"
+    elif args.mode == "tokens" and getattr(snap, "answer_tokens", None):
+        args.options, option_ids = _recorded_options(snap, tokenizer, vocab)
+        options_from = "snapshot"
+        _status(f"options {' '.join(map(repr, args.options))}: the snapshot's answer tokens "
+                "(KFACConfig.answer_tokens; --options overrides them)")
     if tau == "marglik":
         _status(f"choosing the prior precision by marginal likelihood over {len(snap)} layers "
                 "(--prior-precision FLOAT skips it) ...")
     post = LaplacePosterior(model, snap, prior_precision=tau)
     meta = {"snapshot": str(snap.path), "step": snap.step, "model": args.model,
-            "text": args.text, "mode": args.mode, "num_data": float(post.num_data),
-            "prior_precision": float(post.prior_precision), "samples": args.samples,
-            "seed": args.seed}
+            **_base_meta(args), "text": args.text, "mode": args.mode,
+            "num_data": float(post.num_data), "prior_precision": float(post.prior_precision),
+            "samples": args.samples, "seed": args.seed}
     decode = lambda i: _decode(tokenizer, i)  # noqa: E731
     answers = None
     if args.mode == "topk":
@@ -500,6 +590,7 @@ def _query(args) -> int:
                                        n_samples=args.samples, seed=args.seed,
                                        linearized=args.linearized)
             meta["options"] = list(args.options)
+            meta["options_from"] = options_from
             answers = tt.answer_record(args.options, option_ids, dist)
     meta["seconds"] = round(time.perf_counter() - t0, 3)
     if args.json:
@@ -688,8 +779,8 @@ def _classify(args, tau, arch: str, tokenizer, t0: float) -> int:
     texts = _texts(args)
     _status(f"loading snapshot {args.snapshot} ...")
     snap = _load_snapshot("--snapshot", args.snapshot)
-    _status(f"snapshot {snap.path}: {len(snap)} layers; loading {arch} {args.model} ...")
-    model = _load_model(args.model, CLASSIFIER)
+    _status(f"snapshot {snap.path}: {len(snap)} layers; loading {arch} {_model_shown(args)} ...")
+    model = _load_model(args.model, CLASSIFIER, args.adapter)
     ids = [_token_ids(args, tokenizer, model, text, where) for text, where in texts]
     if tau == "marglik":
         _status(f"choosing the prior precision by marginal likelihood over {len(snap)} layers "
@@ -702,7 +793,7 @@ def _classify(args, tau, arch: str, tokenizer, t0: float) -> int:
     records = _class_records([t for t, _ in texts], [len(x) for x in ids], names, mean, cov,
                              probs)
     meta = {"snapshot": str(snap.path), "step": snap.step, "model": args.model,
-            "task": CLASSIFIER, "architecture": arch, "file": args.file,
+            **_base_meta(args), "task": CLASSIFIER, "architecture": arch, "file": args.file,
             "num_data": float(post.num_data), "prior_precision": float(post.prior_precision),
             "link": CLASSIFY_LINK, "labels": names,
             "seconds": round(time.perf_counter() - t0, 3)}
@@ -740,6 +831,9 @@ def main(argv: list[str] | None = None) -> int:
                    "inputs, one per line (blank lines skipped), batched with padding")
     q.add_argument("--tokenizer", help="tokenizer directory (default: --model; it must hold "
                    "tokenizer files, else pass --byte-level)")
+    q.add_argument("--base", help="the base model of a PEFT (LoRA) adapter directory given as "
+                   "--model (default: the base/ that kfac_stream.whole_model saves beside the "
+                   "adapter, else adapter_config.json's base_model_name_or_path)")
     q.add_argument("--byte-level", action="store_true", help="token id = UTF-8 byte (the demo)")
     q.add_argument("--mode", choices=MODES, help="causal LMs: tokens: per position the next "
                    "token's predictive probability, entropy, aleatoric and epistemic parts over "
@@ -758,7 +852,8 @@ def main(argv: list[str] | None = None) -> int:
                    "theta_s is often far flatter than the trained model: docs/queries.md)")
     q.add_argument("--options", nargs="+", metavar="OPTION", help="causal LMs: answer options, "
                    "one token each (e.g. ' A' ' B' ' C' ' D'): also print which one each "
-                   "posterior sample picks at the last position, and their agreement")
+                   "posterior sample picks at the last position, and their agreement "
+                   "(default: the snapshot's answer tokens, KFACConfig.answer_tokens, if any)")
     q.add_argument("--json", action="store_true", help="print one JSON document instead of "
                    "the table")
     sub.add_parser("demo", help="kfac-stream train with its offline defaults into out/demo "

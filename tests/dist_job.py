@@ -76,6 +76,9 @@ def parse() -> argparse.Namespace:
                    "predictive query of the last snapshot into DIR/query.safetensors")
     p.add_argument("--checkpointing", action="store_true",
                    help="gradient checkpointing (the MC Fisher pass is then replayed)")
+    p.add_argument("--lora", action="store_true",
+                   help="PEFT LoRA (r=4) on the model's attention and MLP projections, lora_B "
+                   "seeded non-zero; only the adapters train and are tracked")
     return p.parse_args()
 
 
@@ -108,6 +111,8 @@ def main() -> None:
     else:
         model = tiny_gpt2(torch.float32, n_embd=opts.width, n_layer=2, n_head=2,
                           attn_implementation="eager")
+    if opts.lora:
+        model = _lora(model, opts.model)
     cfg = KFACConfig(token_fraction=opts.token_fraction, ema_decay=opts.ema_decay,
                      update_every=1, snapshot_every=opts.snapshot_every, fisher=opts.fisher,
                      factor_form=opts.factor_form,
@@ -161,6 +166,26 @@ def main() -> None:
         with open(os.path.join(opts.out, f"second-{cb2.tracker.rank}.json"), "w") as f:
             json.dump({"counters": dict(vars(cb2.tracker.counters)),
                        "hooks": Watch.hook_count(model)}, f)
+
+
+def _lora(model, kind: str):
+    """``model`` wrapped by peft LoRA (r=4, alpha=8, no dropout) on Llama's q/v/down or GPT-2's
+    c_attn/c_fc; every lora_B weight drawn from N(0, 0.1^2) (seeded) so that the lora_A layers
+    get gradients at the first step."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "v_proj", "down_proj"] if kind == "llama" else ["c_attn", "c_fc"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                 lora_dropout=0.0, fan_in_fan_out=kind != "llama",
+                                                 task_type="CAUSAL_LM"))
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model
 
 
 def fsdp_on_cpu() -> None:

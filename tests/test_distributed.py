@@ -107,6 +107,9 @@ class Runs:
         "ddp": ("cpu_ddp", PAD),
         # issue 31: FSDP2 (fully_shard) through accelerate on CPU/gloo; then whole_model + query
         "fsdp2": ("cpu_fsdp2", ["--query", *PAD]),
+        # issue 39: a PEFT LoRA Llama; whole_model saves the adapter with its base and reloads
+        "ref_lora": (None, ["--batch", "4", "--model", "llama", "--lora", "--query", *PAD]),
+        "zero3_lora": ("cpu_zero3", ["--model", "llama", "--lora", "--query", *PAD]),
         # the default MC estimator: replayed on a sub-batch after the optimizer step
         "fsdp2_mc_sub": ("cpu_fsdp2", ["--fisher", "mc", "--mc-sequences", "0.5", *PAD]),
         "ddp_mc_sub": ("cpu_ddp", ["--fisher", "mc", "--mc-sequences", "0.5", *PAD]),
@@ -485,6 +488,39 @@ def test_fsdp2_whole_model_and_query_after_training(runs):
         got_w = two.meta["weights"][name]
         assert got_w["numel"] == rec["numel"], name
         assert abs(got_w["sumsq"] - rec["sumsq"]) <= WEIGHTS_TRAIN_TOL * rec["sumsq"], name
+
+
+def test_zero3_lora_whole_model_saves_the_adapter_with_its_base(runs):
+    """A PEFT LoRA model under ZeRO-3: `whole_model` saves the adapter and the base model
+    (gathered) beside it, reloads both on the main process outside DeepSpeed as a PeftModel
+    whose layer names are the snapshot's, and its predictive equals the one-process run's; a
+    ``PeftModel.from_pretrained`` of the saved directory gives the same numbers."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out, ref = runs.get("zero3_lora"), runs.get("ref_lora")
+    with open(os.path.join(out, "query.json")) as f:
+        q = json.load(f)
+    assert "partitioned" in q["refused"], q["refused"]
+    assert q["model_class"] == "PeftModelForCausalLM" and q["step"] == 3
+    got, want = load_file(os.path.join(out, "query.safetensors")), \
+        load_file(os.path.join(ref, "query.safetensors"))
+    print(f"zero3 LoRA predictive vs 1 process: mean {rel(got['mean'], want['mean']):.1e}, "
+          f"cov {rel(got['cov'], want['cov']):.1e}")
+    assert rel(got["mean"], want["mean"]) <= 10 * EXACT_TOL
+    assert rel(got["cov"], want["cov"]) <= 10 * EXACT_TOL
+    saved = os.path.join(out, "model")
+    assert os.path.isfile(os.path.join(saved, "adapter_model.safetensors"))
+    base = AutoModelForCausalLM.from_pretrained(os.path.join(saved, "base"),
+                                                dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, saved).eval()
+    snap = Snapshot.latest(os.path.join(out, "kfac"))
+    assert snap.layer_names[0].startswith("base_model.model.model.layers.0.")
+    batch = {k: torch.stack([e[k] for e in text_examples(3, 16, seed=7)])
+             for k in ("input_ids", "attention_mask")}
+    mean, cov = LaplacePosterior(model, snap, prior_precision=1.0).predictive(
+        batch, token_ids=[32, 101])
+    assert rel(mean, got["mean"]) <= EXACT_TOL and rel(cov, got["cov"]) <= EXACT_TOL
 
 
 @pytest.mark.slow

@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -20,8 +21,13 @@ EXAMPLES = {  # script: (shortening arguments, a line its output must contain)
     "causal_lm.py": (["--steps", "20"], r"next ' ': logit -?\d+\.\d+ ± \d+\.\d+"),
     "sequence_classification.py": (["--steps", "20"], r"(?m)^Laplace, held-out tau \S+ +"
                                    r"\d\.\d{3} +\d\.\d{3} +\d\.\d{3} +[+-]\d\.\d{3}$"),
-    "lora.py": (["--steps", "10"], r"tracked: \['base_model\.model\.transformer\.h\.0\.attn"),
+    "lora.py": (["--steps", "10", "--pretrain-steps", "10"],
+                r"tracked: \['base_model\.model\.model\.layers\.0\.mlp\.down_proj\.lora_A"),
 }
+# docs/lora.md's query of the LoRA example's saved directory (run by `_check_lora`)
+LORA_QUERY = ('kfac-stream query --model out/lora/model --snapshot out/lora/kfac --text "The GNU '
+              'General Public License is a free, copyleft license for Answer:" --options " A" '
+              '" B" " C" " D"')
 # the demo shrunk to seconds (tests/test_readme.py: `make demo DEMO_ARGS=...`, then the README's
 # inspect and query commands on its model and snapshot)
 TINY_DEMO = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.seq_len=32",
@@ -125,8 +131,30 @@ def _check_classification(out, stdout: str) -> None:
         assert row and float(row[1]) == round(r["auroc"][r["ood"][0]][k], 3), k
 
 
+def _check_lora(out, stdout: str) -> None:
+    """The LoRA walkthrough (docs/lora.md): the saved directory holds the adapter and its
+    base, its reload gave the in-process probabilities, the snapshot recorded the answer
+    tokens, and the page's `LORA_QUERY` runs on it (paths moved to this run's output; 4
+    posterior samples instead of 32)."""
+    for f in ("adapter_config.json", "adapter_model.safetensors", "kfac_stream_peft.json",
+              "base/config.json", "base/model.safetensors", "base/tokenizer.json"):
+        assert (out / "model" / f).is_file(), f
+    diff = re.search(r"reloaded from \S+: largest difference (\S+)", stdout)
+    assert diff and float(diff[1]) <= 1e-6, stdout[-2000:]
+    assert "answer tokens: (" in stdout and "(' A', ' B', ' C', ' D')" in stdout
+    argv = [a.replace("out/lora", str(out)) for a in shlex.split(LORA_QUERY)]
+    assert argv[:2] == ["kfac-stream", "query"]
+    proc = subprocess.run([sys.executable, "-m", "kfac_stream.cli", *argv[1:], "--samples",
+                           "4"], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "PEFT adapter on base model" in proc.stderr
+    assert re.search(r"(?m)^majority ' [ABCD]' \(agreement \d\.\d{4}\); MAP answer ' [ABCD]'",
+                     proc.stdout), proc.stdout[-2000:]
+
+
 # script: a check of its output directory and stdout, after `test_example_runs`'s own
-CHECKS = {"sequence_classification.py": _check_classification}
+CHECKS = {"sequence_classification.py": _check_classification, "lora.py": _check_lora}
 
 
 def _readme() -> str:

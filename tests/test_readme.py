@@ -31,7 +31,7 @@ import sys
 
 import pytest
 import yaml
-from test_examples import EXAMPLES, TINY_DEMO, ZERO3_EXAMPLE
+from test_examples import EXAMPLES, LORA_QUERY, TINY_DEMO, ZERO3_EXAMPLE
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VENV = pathlib.Path(sys.executable).parent.parent
@@ -47,8 +47,10 @@ README_COMMANDS = {
     "make test": "make_test",
     "pip install torch==2.13.0": "pip",
     'pip install ".[app,plot]"': "pip",
+    'pip install ".[peft]"': "pip",
     "python examples/causal_lm.py --out out/causal_lm --steps 200": "example",
     "python examples/sequence_classification.py --out out/classification": "example",
+    "python examples/lora.py --out out/lora": "example",
     "DS_ACCELERATOR=cpu accelerate launch --config_file launch/cpu_zero3.yaml "
     "examples/causal_lm.py --out out --steps 20": "zero3_example",
     "kfac-stream train kfac.token_fraction=0.1 trainer.max_steps=2000 "
@@ -69,12 +71,20 @@ README_COMMANDS = {
 
 # docs page -> {command line of its ``bash`` blocks: how a test runs it}: a ``pip`` line must be
 # one of the README's (run by `test_pip_install_lines`), an ``example`` line runs in
-# `test_examples.test_example_runs` (``--steps`` shrunk)
+# `test_examples.test_example_runs` (``--steps`` shrunk), an ``example_query`` line is
+# `test_examples.LORA_QUERY`, run there on the example's output
 DOCS_COMMANDS = {
     "docs/classification.md": {
         "pip install torch==2.13.0": "pip",
         'pip install ".[app,plot]"': "pip",
         "python examples/sequence_classification.py --out out/classification": "example",
+    },
+    "docs/lora.md": {
+        "pip install torch==2.13.0": "pip",
+        'pip install ".[app,plot]"': "pip",
+        'pip install ".[peft]"': "pip",
+        "python examples/lora.py --out out/lora": "example",
+        LORA_QUERY: "example_query",
     },
 }
 
@@ -94,7 +104,8 @@ def readme_commands(page: str = "README.md") -> list[str]:
 def test_every_docs_command_is_covered():
     """A docs page's commands are exactly its `DOCS_COMMANDS` table's, and each is run: a
     ``pip`` line is the README's own (verbatim), an ``example`` line is an `EXAMPLES` script
-    with nothing but ``--out`` and the arguments its test shortens."""
+    with nothing but ``--out`` and the arguments its test shortens, an ``example_query`` line
+    the query `test_examples` runs on an example's output."""
     for page, table in DOCS_COMMANDS.items():
         lines = readme_commands(page)
         assert sorted(set(lines)) == sorted(table), (
@@ -103,6 +114,9 @@ def test_every_docs_command_is_covered():
         for line, how in table.items():
             if how == "pip":
                 assert README_COMMANDS.get(line) == "pip", (page, line)
+                continue
+            if how == "example_query":
+                assert line == LORA_QUERY, (page, line)
                 continue
             assert how == "example", (page, line, how)
             python, script, *rest = shlex.split(line)

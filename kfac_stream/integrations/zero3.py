@@ -19,6 +19,12 @@ parameters are ``DTensor`` shards) it gathers the whole state dict to the main p
 with ``save_pretrained``. Otherwise it saves the model with ``trainer.save_model`` too and
 returns the trained model itself on every rank.
 
+A PEFT model (``peft.PeftModel``, e.g. LoRA) is saved self-contained, under ZeRO-3 or not: the
+adapter where ``trainer.save_model`` puts it and the base model in ``save_dir/base``, with
+``kfac_stream_peft.json`` saying where (`kfac_stream.integrations.peft_adapter`), so that
+``kfac-stream query --model save_dir`` and ``PeftModel.from_pretrained(base, save_dir)`` load
+it with the snapshot's layer names (docs/lora.md).
+
 `check_deepspeed_device`: DeepSpeed on CPU (``DS_ACCELERATOR=cpu``, `launch/cpu_zero*.yaml`)
 needs ``TrainingArguments(use_cpu=True)``; the callback checks it when the Trainer is built.
 """
@@ -26,12 +32,16 @@ needs ``TrainingArguments(use_cpu=True)``; the callback checks it when the Train
 from __future__ import annotations
 
 import glob
+import logging
 import os
 
 from torch import nn
 
 from ..distributed.fsdp import gather_full_state_dict, is_fsdp_sharded, unsharded_class
 from ..exceptions import KFACConfigError, PartitionedModelError
+from .peft_adapter import adapter_location, is_peft_model, load_adapter, save_base
+
+logger = logging.getLogger("kfac_stream")
 
 _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
                  "pytorch_model.bin.index.json")
@@ -91,17 +101,40 @@ def whole_model(trainer, save_dir: str, device=None) -> nn.Module | None:
     --model save_dir``) and the unwrapped trained model itself is returned on every rank
     (``device`` is ignored).
 
+    A PEFT model (``peft.PeftModel``): ``trainer.save_model`` writes only the adapter
+    (``adapter_config.json``, ``adapter_model.safetensors``), so the main process also writes
+    the base model (the transformers model inside, under its own parameter names: no
+    ``lora_A`` / ``lora_B``, ``base_layer.`` stripped, a ``modules_to_save`` head's original
+    weights) with its config and the tokenizer to ``save_dir/base``, records it in
+    ``save_dir/kfac_stream_peft.json`` and, when the adapter names no base model, sets
+    ``adapter_config.json``'s ``base_model_name_or_path`` to it
+    (`kfac_stream.integrations.peft_adapter`). Under ZeRO-3 the base's weights are gathered
+    for it (one more collective gather of the whole model, after ``save_model``'s of the
+    adapter) and the main process returns ``PeftModel.from_pretrained(BaseClass.from_pretrained(
+    save_dir/base), save_dir)``, whose module names (``base_model.model.…lora_A.default``)
+    are the snapshot's. FSDP2 with a PEFT model is not supported (`PartitionedModelError`).
+
     Raises:
-        PartitionedModelError: the model is not a transformers ``PreTrainedModel`` (ZeRO-3 and
-            FSDP2 only), or ``save_model`` wrote no whole weights (the DeepSpeed config lacks
+        PartitionedModelError: the model is not a transformers ``PreTrainedModel`` or a
+            ``peft.PeftModel`` around one (ZeRO-3), not a ``PreTrainedModel`` (FSDP2), or
+            ``save_model`` wrote no whole weights (the DeepSpeed config lacks
             ``stage3_gather_16bit_weights_on_model_save: true``).
     """
     model = trainer.accelerator.unwrap_model(trainer.model)
     if is_fsdp_sharded(model):
         return _whole_fsdp2(trainer, model, save_dir, device)
+    peft = is_peft_model(model)
     if not is_zero3_partitioned(model):
         trainer.save_model(save_dir)  # the main process writes; DDP ranks return at once
+        if peft and trainer.args.should_save:
+            if _peft_base_problem(model) is None:
+                save_base(model, model.state_dict(), save_dir, _tokenizer_of(trainer))
+            else:
+                logger.warning("kfac_stream: whole_model saved only the PEFT adapter in %s: %s",
+                               save_dir, _peft_base_problem(model))
         return model
+    if peft:
+        return _whole_peft_zero3(trainer, model, save_dir, device)
     from transformers import PreTrainedModel
 
     if not isinstance(model, PreTrainedModel):
@@ -134,6 +167,60 @@ def whole_model(trainer, save_dir: str, device=None) -> nn.Module | None:
     unset_hf_deepspeed_config()
     copy = type(model).from_pretrained(save_dir)
     return copy.to(trainer.args.device if device is None else device).eval()
+
+
+def _whole_peft_zero3(trainer, model: nn.Module, save_dir: str, device) -> nn.Module | None:
+    """`whole_model` of a PeftModel under ZeRO-3: the adapter (``save_model``, which gathers the
+    trainable parameters alone), then the whole state dict gathered once more for the base
+    model's copy in ``save_dir/base``; the main process loads both outside DeepSpeed."""
+    problem = _peft_base_problem(model)
+    if problem is not None:  # the same on every rank, before any collective
+        raise PartitionedModelError(f"whole_model: {problem}")
+    trainer.save_model(save_dir)  # collective: gathers the adapter's parameters
+    try:  # collective: every parameter, whole, on the main process
+        state = trainer.accelerator.get_state_dict(getattr(trainer, "deepspeed", None)
+                                                   or trainer.model_wrapped)
+    except ValueError:  # the same on every rank: the DeepSpeed config gathers no weights
+        raise PartitionedModelError(
+            f"whole_model: the base model of the PEFT model in {save_dir!r} cannot be saved "
+            "whole: set stage3_gather_16bit_weights_on_model_save: true in the DeepSpeed config "
+            "(accelerate yaml: zero3_save_16bit_model: true, as launch/'s ZeRO-3 configs do)"
+        ) from None
+    if trainer.is_world_process_zero():
+        save_base(model, state, save_dir, _tokenizer_of(trainer))
+    del state
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.wait_for_everyone()  # see the second barrier in `whole_model`
+    if not trainer.is_world_process_zero():
+        return None
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    location = adapter_location(save_dir)
+    base = type(model.get_base_model()).from_pretrained(location.base)
+    copy = load_adapter(location, base)
+    return copy.to(trainer.args.device if device is None else device).eval()
+
+
+def _peft_base_problem(model: nn.Module) -> str | None:
+    """Why the base model of the PeftModel ``model`` cannot be saved beside its adapter (it is
+    no transformers ``PreTrainedModel``), or None."""
+    from transformers import PreTrainedModel
+
+    base = model.get_base_model()
+    if isinstance(base, PreTrainedModel):
+        return None
+    return (f"the PEFT model's base model is a {type(base).__name__}, not a transformers "
+            "PreTrainedModel, so it is not saved beside the adapter; save it with its own saver "
+            "and load it in a process without DeepSpeed")
+
+
+def _tokenizer_of(trainer):
+    """What ``trainer.save_model`` saves beside the model: the processing class, else the data
+    collator's tokenizer, or None."""
+    if trainer.processing_class is not None:
+        return trainer.processing_class
+    return getattr(getattr(trainer, "data_collator", None), "tokenizer", None)
 
 
 def _whole_fsdp2(trainer, model: nn.Module, save_dir: str, device) -> nn.Module | None:

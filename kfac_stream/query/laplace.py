@@ -1114,9 +1114,11 @@ def _match_layers(model: nn.Module, snapshot: Snapshot,
     out = {}
     for name in names:
         info = snapshot[name].meta
-        if name not in modules:
+        if name not in modules:  # a LoRA layer of a merged model: says how to load it
+            from .peft_layers import missing_layer_message
+
             raise SnapshotMismatchError(
-                f"snapshot {snapshot.path}: tracked layer {name!r} is not a module of the model")
+                missing_layer_message(f"snapshot {snapshot.path}", name, modules))
         spec = layer_spec(name, modules[name])
         want = (info["d_in"], info["d_out"], bool(info["has_bias"]))
         have = (spec.d_in, spec.d_out, spec.has_bias)
