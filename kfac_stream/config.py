@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .curvature import Curvature
+from .replay_draws import replay_counts
 from .enums import FactorForm, FisherType, LayerPreset, StorageDtype
 from .exceptions import KFACConfigError
 
@@ -96,7 +97,7 @@ class KFACConfig:
         mc_sequences: What the MC replay runs on (``fisher="mc"``). A share ``f`` in
             ``(0, 1)`` of each update step's sequences on a rank: every sequence of the
             step's micro-batches is drawn with probability exactly ``f`` by systematic
-            sampling over them (`kfac_stream.capture.mc_fisher.replay_counts`; the same draw
+            sampling over them (`kfac_stream.replay_draws.replay_counts`; the same draw
             on every rank), a micro-batch with no sequence drawn is not replayed, so at
             micro-batch 1 a share of the MICRO-BATCHES is replayed, and an update whose
             draw is empty moves no factor (except at step 0, which replays at least one
@@ -410,8 +411,6 @@ def update_sequences(config: KFACConfig, batch: int, accumulation: int, world: i
 
 
 def _share_draws(share: float, batches: list[int], seed: int, world: int, step: int) -> int:
-    from .capture.mc_fisher import replay_counts  # the replay's own draw (no import cycle)
-
     counts, _ = replay_counts(share, batches, seed, step, at_least_one=step == 0)
     return world * sum(counts)
 

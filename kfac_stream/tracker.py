@@ -37,8 +37,6 @@ from .capture.mc_fisher import (
     mc_fisher_pass,
     mc_grad_in_forward,
     mc_subbatch_pass,
-    replay_counts,
-    selection_seed,
 )
 from .capture.selection import LayerSpec, select_layers
 from .capture.sharing import FactorPlan, plan_factors, probe_shared_inputs
@@ -49,6 +47,7 @@ from .distributed.ownership import Ownership, assign_owners
 from .enums import StorageDtype
 from .factor_updates import Counters, FactorUpdater, UpdateJob
 from .folding import Folding
+from .replay_draws import replay_counts, selection_seed
 from .settings import Settings, resolve_settings
 from .stats.covariance import all_finite, with_bias_column
 from .store.factor_store import FactorState

@@ -12,7 +12,6 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACConfigError, KFACStreamCallback, Snapshot
-from kfac_stream.capture.mc_fisher import replay_counts
 from kfac_stream.config import (
     mc_full_batch,
     sequences_per_update,
@@ -20,6 +19,7 @@ from kfac_stream.config import (
     window_mc_share,
 )
 from kfac_stream.factor_updates import Counters, FactorUpdater
+from kfac_stream.replay_draws import replay_counts
 from kfac_stream.snapshot.adequacy import sampling_problems, sampling_summary
 
 from harness import factor_errors, run, sum_nll_loss

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from kfac_stream import LaplacePosterior, Snapshot, UnsupportedLayoutError
-from kfac_stream.query.laplace import _per_example
+from kfac_stream.query.laplace import per_example_inputs
 from kfac_stream.query.sampled import sampled_predictive
 
 from harness import run
@@ -88,9 +88,9 @@ def test_sampled_linearised_covariance_within_4_mc_errors_of_the_exact(opt_post)
 def test_layout_that_cannot_be_split_by_example_is_refused(shape):
     with pytest.raises(UnsupportedLayoutError, match=r"layer 'h.0.fc' receives its input as "
                        r"\[7, 3, 16\]|\[3, 4, 5, 16\]"):
-        _per_example("LaplacePosterior", "h.0.fc", torch.zeros(shape), 2)
+        per_example_inputs("LaplacePosterior", "h.0.fc", torch.zeros(shape), 2)
     rows = torch.arange(2 * 5 * 4.0).reshape(10, 4)  # [B*T, d] batch-major
-    assert torch.equal(_per_example("q", "x", rows, 2)[1], rows[5:])
+    assert torch.equal(per_example_inputs("q", "x", rows, 2)[1], rows[5:])
 
 
 def test_answers_and_presets_on_flattened_layers(opt_post):

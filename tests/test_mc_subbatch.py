@@ -32,8 +32,9 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from kfac_stream import KFACStreamCallback
-from kfac_stream.capture.mc_fisher import select_sequences, selection_seed
+from kfac_stream.capture.mc_fisher import select_sequences
 from kfac_stream.config import KFACConfig, mc_sequences_of
+from kfac_stream.replay_draws import selection_seed
 
 from harness import run
 from models import ListDataset, text_examples, tiny_gpt2
@@ -266,7 +267,7 @@ def test_replay_counts_draw_each_sequence_with_the_share():
     micro-batch; a batch that is not ``[B, T]`` (None) is replayed whole; step 0 (the tracker's
     ``at_least_one``) takes one sequence when the draw is empty, uniform over the step's
     (probability ``1/C``, which the rows' weight then uses)."""
-    from kfac_stream.capture.mc_fisher import replay_counts
+    from kfac_stream.replay_draws import replay_counts
 
     assert replay_counts(2, [1, 4, None], 0, 7) == ([1, 2, None], None)
     steps, f = 4000, 0.05

@@ -5,10 +5,11 @@ one layer each side, vocabulary 96), trained for a few steps by a real ``Seq2Seq
 What the numbers must satisfy (computed here, independently of the code under test): a batch
 with ``labels`` only gives the predictive whose mean is the model's own logits with the decoder
 inputs shifted right by hand (decoder start token first, ``-100`` as padding), read at each
-row's first labelled decoder position (decoder inputs without labels: at the positions given); the tau fitted on the eval set is
-finite, the best of its candidates, and at the largest candidate (a posterior of almost no
-width) its held-out NLL per label token is the trained model's own cross-entropy; a batch with
-neither labels nor decoder inputs is refused with one line, before any forward.
+row's first labelled decoder position (decoder inputs without labels: at the positions given);
+the tau fitted on the eval set is finite, the best of its candidates, and at the largest
+candidate (a posterior of almost no width) its held-out NLL per label token is the trained
+model's own cross-entropy; a batch with neither labels nor decoder inputs is refused with one
+line, before any forward.
 """
 
 from __future__ import annotations

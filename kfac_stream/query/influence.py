@@ -49,7 +49,7 @@ from ..exceptions import QueryInputError
 from ..progress import progress
 from . import inputs
 from . import kron_eigen as ke
-from .laplace import LaplacePosterior, _per_example
+from .laplace import LaplacePosterior, per_example_inputs
 
 #: The damping rules (module docstring), besides a positive float.
 DAMPINGS = ("heuristic", "prior")
@@ -204,7 +204,7 @@ class Influence:
         a_out, g_out = {}, {}
         fd = self.post.feature_dtype
         for n, g in zip(names, grads):
-            a = _per_example(where, n, acts.pop(n).to(fd), size)  # [B, T, d_in]
+            a = per_example_inputs(where, n, acts.pop(n).to(fd), size)  # [B, T, d_in]
             if self.post.snapshot[n].has_bias:
                 a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
             if g is None:

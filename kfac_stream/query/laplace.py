@@ -378,7 +378,7 @@ class LaplacePosterior:
         outs.clear()
         size = f.shape[0]
         for n in names:  # every layout checked before the first feature is made
-            _per_example(q.where, n, acts[n], size)
+            per_example_inputs(q.where, n, acts[n], size)
         return f.detach().double(), (
             (n, self._features(n, acts.pop(n), grads.pop(n), size)) for n in names)
 
@@ -389,7 +389,7 @@ class LaplacePosterior:
         ``size`` = B examples; the input side is rotated once for all K logits."""
         qa, qg = self._qf[name]
         fd = self.feature_dtype
-        a = _per_example("LaplacePosterior", name, a.to(fd), size)  # [B, T, d_in]
+        a = per_example_inputs("LaplacePosterior", name, a.to(fd), size)  # [B, T, d_in]
         if self.snapshot[name].has_bias:
             a = torch.cat([a, a.new_ones(a.shape[0], a.shape[1], 1)], dim=-1)  # [B, T, d_A]
         g = g.to(fd).reshape(g.shape[0], size, a.shape[1], g.shape[-1])  # [K, B, T, d_out]
@@ -985,7 +985,7 @@ def _check_whole_weights(where: str, model: nn.Module, modules: dict[str, nn.Mod
                 "from_pretrained(dir) in one process")
 
 
-def _per_example(where: str, name: str, x: Tensor, size: int) -> Tensor:
+def per_example_inputs(where: str, name: str, x: Tensor, size: int) -> Tensor:
     """A tracked layer's input ``x`` as ``[B, T, d]`` for a batch of ``size`` = B examples:
     ``[B, ..., d]`` (the positions of each example flattened) or batch-major rows ``[B*T, d]``
     (a 2-D input whose rows are the examples' positions, example by example: OPT's fc1/fc2,
