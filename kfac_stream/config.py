@@ -200,6 +200,20 @@ class KFACConfig:
             failed eigendecomposition) stop training. By default it is logged and counted
             (``counts.snapshot_failures`` in later manifests), training goes on and earlier
             snapshots stay valid. (Default: False)
+        ekfac: Also stream the EK-FAC eigenvalue correction (George et al. 2018; kronfluence's
+            EK-FAC), `kfac_stream.ekfac`: at every update step after a snapshot, the second
+            moment of the per-sequence gradients ``Σ_t g_t ā_tᵀ`` in that snapshot's
+            eigenbasis, ``E[(Q_Gᵀ ∇_W L_n Q_A)²]`` (``[d_out, d_A]`` per layer), from the
+            sequences the factors are built from at that step (the MC replay's with
+            ``fisher="mc"``, every sequence with ``"empirical"``), averaged over the update
+            steps until the next snapshot, which stores it beside its eigenvectors
+            (``snap[name].ekfac_eigvals``; the first snapshot has none). Its basis is one
+            snapshot old (the staleness this accepts: docs/computed.md). Costs, at the
+            defaults, ~0.6% of a training step on a 1B Llama (``benchmarks/ekfac_cost.py``)
+            and holds every factor's eigenvectors and a weight-sized float32 accumulator per
+            layer on the model's device. One process only for now: several ranks are refused
+            at train begin. ``False``: nothing of it runs and the snapshots are as without it.
+            (Default: False)
     """
 
     token_fraction: float = 0.05
@@ -228,6 +242,7 @@ class KFACConfig:
     eval_prior_precision: bool = False
     answer_tokens: list[int | str] | None = None
     fail_on_snapshot_error: bool = False
+    ekfac: bool = False
 
     def __post_init__(self) -> None:
         _check_range("token_fraction", self.token_fraction, "in (0, 1]",
@@ -241,7 +256,8 @@ class KFACConfig:
                 raise KFACConfigError(
                     f"KFACConfig.{name}={value!r} is not allowed: must be a positive integer"
                 )
-        for name in ("share_inputs", "fail_on_snapshot_error", "eval_prior_precision"):
+        for name in ("share_inputs", "fail_on_snapshot_error", "eval_prior_precision",
+                     "ekfac"):
             if not isinstance(getattr(self, name), bool):
                 raise KFACConfigError(f"KFACConfig.{name}={getattr(self, name)!r} is not "
                                       "allowed: must be a bool")
@@ -328,8 +344,13 @@ class KFACConfig:
         return mc_full_batch(self.mc_sequences)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON view (lists, not tuples), as written into snapshot manifests."""
-        return asdict(self)
+        """Plain-JSON view (lists, not tuples), as written into snapshot manifests.
+        ``ekfac`` only when on: a run without it writes the manifests it wrote before the
+        option existed."""
+        out = asdict(self)
+        if not out["ekfac"]:
+            del out["ekfac"]
+        return out
 
 
 def _named_arguments_only(init):

@@ -44,7 +44,9 @@ from .config import KFACConfig
 from .curvature import Curvature
 from .distributed.context import DistContext
 from .distributed.ownership import Ownership, assign_owners
+from .ekfac import EkfacState
 from .enums import StorageDtype
+from .exceptions import KFACConfigError
 from .factor_updates import Counters, FactorUpdater, UpdateJob
 from .folding import Folding
 from .replay_draws import replay_counts, selection_seed
@@ -161,6 +163,16 @@ class Tracker:
         # on a GPU the rows stay in the activations' dtype until `_collect` scales them
         self._capture_args = (self.plan, config.token_fraction, seed, None if on_gpu else wide,
                               self.device, wide)
+        # EK-FAC from the stream (`kfac_stream.ekfac`), only when asked for: nothing else runs
+        self.ekfac: EkfacState | None = None
+        if config.ekfac:
+            if self.world_size > 1:
+                raise KFACConfigError(
+                    f"KFACConfig.ekfac=True is not supported with several processes (world size "
+                    f"{self.world_size}) yet: the correction is not reduced across ranks; train "
+                    "with one process or set ekfac=False")
+            self.ekfac = EkfacState(specs, {n: self.plan.keys_of(n) for n in specs},
+                                    self.device, wide)
         self.capture = self._make_capture()
         self._zero3 = _zero3_enabled()
         self.mc_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
@@ -187,8 +199,10 @@ class Tracker:
 
     def _make_capture(self) -> CaptureHooks:
         plan, fraction, seed, row_dtype, device, sum_dtype = self._capture_args
-        return CaptureHooks(self._model, self._layers, plan, fraction, seed, row_dtype, device,
-                            sum_dtype=sum_dtype, reduce=self.curvature.reduces)
+        hooks = CaptureHooks(self._model, self._layers, plan, fraction, seed, row_dtype, device,
+                             sum_dtype=sum_dtype, reduce=self.curvature.reduces)
+        hooks.ekfac = self.ekfac
+        return hooks
 
     # -- step protocol -------------------------------------------------------------------------
 
@@ -196,6 +210,8 @@ class Tracker:
         """Arm the hooks for optimizer step ``step`` (0-based) if it is an update step."""
         self.step = step
         self.is_update_step = step % self.config.update_every == 0
+        if self.ekfac is not None:
+            self.ekfac.begin_step()  # a snapshot's eigenbasis that has arrived goes into use
         mc = self.curvature.sampled_labels
         in_forward = mc and self.is_update_step and self.config.mc_full_batch and \
             self._mc_in_forward_ok()
@@ -288,6 +304,8 @@ class Tracker:
         positions: dict[str, Tensor] = {}
         bad: list[Tensor] = []
         residuals: list[Tensor] = []
+        ek_num: dict[str, Tensor] = {}  # EK-FAC: {layer: Σ_n w_n (Q_Gᵀ ∇L_n Q_A)²}, its N
+        ek_den: dict[str, Tensor] = {}
 
         def count(key: str, w_sum: Tensor, n: Tensor) -> None:
             weights[key] = weights[key] + w_sum if key in weights else w_sum
@@ -346,6 +364,17 @@ class Tracker:
                 for g in parts:  # Σ w (c·g)⊙(c·g) / c²
                     add_sum(self.plan.g_key(name), g / (c * c))
                     count(self.plan.g_key(name), w.n, w.n_rows)
+            for name, parts in rec.ekfac.items():  # (c·g)² / c², each sequence weighted
+                if name in rec.seq_layers:  # N: the sequences (with their weights)
+                    n = rec.seq_total if rec.seq_total is not None else \
+                        rec.sequence_weight().sum()
+                else:  # the usable positions, as the factors' n
+                    n = rec.total if rec.total is not None else \
+                        rec.usable.sum() * rec.seq_scale
+                num = torch.stack(parts).sum(0) * (rec.seq_scale / (c * c))
+                ek_num[name] = ek_num[name] + num if name in ek_num else num
+                n = n * len(parts)
+                ek_den[name] = ek_den[name] + n if name in ek_den else n
         if not rows and not sums and self.world_size == 1:
             return None
         cat = {k: _cat(v) for k, v in rows.items()}
@@ -353,6 +382,8 @@ class Tracker:
         if bad:
             ok = ok & ~torch.stack(bad).any().to(ok.device)
         residual = torch.stack(residuals).max() if residuals else None
+        if ek_num:
+            self.ekfac.add(int(self.step or 0), ek_num, ek_den, ok)
         return UpdateJob(int(self.step or 0), cat, weights, positions, ok, residual, sums=sums)
 
     def _a_space(self, key: str, seq_layers: set[str]) -> str:
@@ -413,6 +444,8 @@ class Tracker:
                                        StorageDtype(self.config.storage_dtype).itemsize)
         self.updater.dims, self.updater.ownership = self.dims, self.ownership
         self._capture_args = (plan, *self._capture_args[1:])
+        if self.ekfac is not None:  # the basis in use is per layer: unchanged
+            self.ekfac.keys_of = {n: plan.keys_of(n) for n in self.specs}
 
     # -- factor arithmetic (worker thread, or the training thread without async_updates) -------
 
@@ -429,6 +462,17 @@ class Tracker:
         self.counters.sequences_per_update = int(sequences_per_update)
         self.counters.window_sequences = plan.sequences if plan is not None else 0
         return restart
+
+    def take_ekfac(self, step: int) -> tuple[dict[str, Tensor], dict[str, dict[str, Any]],
+                                             Any] | None:
+        """For snapshot ``step`` (`kfac_stream.snapshot.sequence.capture_snapshot`): the EK-FAC
+        correction accumulated on the previous snapshot's eigenbasis (``{layer: λ}``, ``{layer:
+        manifest entry}``; empty for the first snapshot) and the sink its eigenvectors go to
+        (`EkfacState.take`, `EkfacState.sink`); None without ``ekfac``."""
+        if self.ekfac is None:
+            return None
+        tensors, entries = self.ekfac.take(step, {n: self.plan.keys_of(n) for n in self.specs})
+        return tensors, entries, self.ekfac.sink(step)
 
     def read_counters(self) -> Counters:
         """The counters with the device-side ones read (snapshot, checkpoint, log time)."""

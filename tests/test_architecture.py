@@ -17,7 +17,7 @@ PACKAGE = pathlib.Path(kfac_stream.__file__).resolve().parent
 LAYERS = {
     "exceptions": 0, "enums": 0, "factor_keys": 0, "config": 0, "files": 0, "progress": 0,
     "log_setup": 0, "curvature": 0, "replay_draws": 0,
-    "stats": 1, "metrics": 1, "settings": 1,
+    "stats": 1, "metrics": 1, "settings": 1, "ekfac": 1,
     "capture": 2, "store": 2, "distributed": 2, "snapshot": 2,
     "tracker": 3, "factor_updates": 3, "tracker_state": 3, "query": 3, "folding": 3, "cost": 3,
     "integrations": 4,

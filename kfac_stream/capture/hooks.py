@@ -156,6 +156,11 @@ class PassRecord:
             replay); made at the first sequence-space call (`sequence_weight`).
         seq_total: Like ``total``, for the sequence rows (None: ``seq_weight.sum()``).
         seq_layers: Layers whose rows in this pass are sequences (`CaptureHooks.row_space`).
+        ekfac: ``{layer: [Σ_n (Q_Gᵀ ∇_W L_n Q_A)² [d_out, d_A], ...]}``, one per call, over the
+            pass's whole sequences (`kfac_stream.ekfac`; ``g`` still scaled by ``c``); empty
+            unless the tracker streams the EK-FAC correction and has a basis.
+        seq_scale: The weight of each of the pass's sequences (``1/P(drawn)`` in an MC
+            sub-batch replay, `mc_fisher.mc_subbatch_pass`; 1 otherwise).
     """
 
     index: Tensor
@@ -177,6 +182,8 @@ class PassRecord:
     seq_weight: Tensor | None = None
     seq_total: Tensor | None = None
     seq_layers: set[str] = field(default_factory=set)
+    ekfac: dict[str, list[Tensor]] = field(default_factory=dict)
+    seq_scale: float = 1.0
 
     def sequence_weight(self) -> Tensor:
         """``[B]`` float32 weights of the pass's sequence rows (made once, on the device)."""
@@ -266,6 +273,8 @@ class CaptureHooks:
         self._shared_input: dict[tuple[str, ...], list] = {}
         self.dissolved: list[tuple[str, ...]] = []  # groups dissolved, not yet taken
         self._warned_dissolve = False
+        # the tracker's `kfac_stream.ekfac.EkfacState` with KFACConfig(ekfac=True), else None
+        self.ekfac = None
         stale = getattr(model, _HANDLE_ATTR, None)
         if stale:  # a previous tracker that never reached on_train_end (e.g. crashed run)
             logging.getLogger("kfac_stream").warning(
@@ -516,10 +525,18 @@ class CaptureHooks:
                 a = gather()
             if self.mode.keep_outputs:  # MC pass only: the driver differentiates w.r.t. them
                 rec.outputs.append(output)
+            # EK-FAC (`kfac_stream.ekfac`): the whole input, for the per-sequence gradients
+            basis = self.ekfac.basis_of(name) if self.ekfac is not None else None
+            full = x if basis is not None else None
 
-            def on_grad(grad: Tensor, rec: PassRecord = rec, a: Tensor = a) -> None:
+            def on_grad(grad: Tensor, rec: PassRecord = rec, a: Tensor = a,
+                        full: Tensor | None = full) -> None:
                 if grad is None or rec.closed:
                     return
+                if full is not None:
+                    usable = rec.usable if space != "sequence" else rec.sequence_weight() > 0
+                    rec.ekfac.setdefault(name, []).append(
+                        self.ekfac.correction(name, full, grad, usable, rec.batch, basis))
                 g = rows(grad, False)  # [m, d_out]
                 if g_diag:
                     rec.g_sums.setdefault(name, []).append(

@@ -23,6 +23,13 @@ Damping ``λ_l`` (`DAMPINGS`):
   posterior covariance's inner products; ``τ`` and ``N`` as the `LaplacePosterior` holds them);
 * a positive float, the same ``λ`` for every layer.
 
+Eigenvalues (`EIGENVALUES`): ``"auto"`` (default) uses, for each layer whose snapshot carries an
+EK-FAC correction (``KFACConfig(ekfac=True)``, `kfac_stream.ekfac`; ``snap[name].ekfac_eigvals``),
+the corrected eigenvalues ``λ_ij`` in place of ``γ_i α_j`` (and ``"heuristic"`` damping is then
+``0.1 · mean(λ)``, as kronfluence's EK-FAC), else K-FAC's; ``"kfac"``: always ``γ αᵀ``;
+``"ekfac"``: the corrected ones, an error if a layer has none. A run that asked for the
+correction gets it; one that did not is unchanged.
+
 Cost and memory. The query gradients are preconditioned once (``R × Σ_l d_out·d_A`` numbers for
 ``R`` query rows: the queries, or their completion tokens for the per-token split). A training
 batch runs one forward and one backward of its summed loss (its examples are independent, so
@@ -45,6 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..capture.hooks import logits_of
+from ..ekfac import damped_solve as ekfac_solve
 from ..exceptions import QueryInputError
 from ..progress import progress
 from . import inputs
@@ -56,6 +64,9 @@ DAMPINGS = ("heuristic", "prior")
 
 #: ``"heuristic"`` damping: this factor times the mean eigenvalue ``mean(γ αᵀ)`` of the layer.
 HEURISTIC_FACTOR = 0.1
+
+#: Which eigenvalues precondition (module docstring).
+EIGENVALUES = ("auto", "kfac", "ekfac")
 
 
 @dataclass(frozen=True)
@@ -116,9 +127,11 @@ class Influence:
             its snapshot's eigendecomposed factors and, for ``damping="prior"``, its ``τ`` and
             ``N`` per layer.
         damping: ``"heuristic"`` (default), ``"prior"`` or a positive float (module docstring).
+        eigenvalues: ``"auto"`` (default), ``"kfac"`` or ``"ekfac"`` (module docstring).
     """
 
-    def __init__(self, post: LaplacePosterior, damping: float | str = "heuristic") -> None:
+    def __init__(self, post: LaplacePosterior, damping: float | str = "heuristic",
+                 eigenvalues: str = "auto") -> None:
         where = "Influence"
         if not isinstance(post, LaplacePosterior):
             raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
@@ -130,11 +143,23 @@ class Influence:
         self.post, self.model = post, post.model
         self.layers = tuple(post.layer_names)
         self.shift = not inputs.seq2seq_lm(self.model)
+        inputs.check_choice(where, "eigenvalues", eigenvalues, EIGENVALUES)
+        #: {layer: EK-FAC eigenvalues [d_out, d_A] or None (K-FAC's)}
+        self.corrected = {n: None if eigenvalues == "kfac" else post.snapshot[n].ekfac_eigvals
+                          for n in self.layers}
+        missing = [n for n, v in self.corrected.items() if v is None]
+        if eigenvalues == "ekfac" and missing:
+            raise QueryInputError(f"{where}: eigenvalues='ekfac', but snapshot "
+                                  f"{post.snapshot.path} has no EK-FAC correction for "
+                                  f"{missing[0]!r} (it needs KFACConfig(ekfac=True), and the "
+                                  "run's first snapshot has none); use 'auto' or 'kfac'")
         self.damping = {n: self._damping(n, damping) for n in self.layers}
 
     def _damping(self, name: str, rule: float | str) -> float:
         if rule == "prior":
             return self.post.tau(name) / self.post.layer_num_data[name]
+        if rule == "heuristic" and self.corrected[name] is not None:
+            return HEURISTIC_FACTOR * float(self.corrected[name].clamp(min=0).mean())
         if rule == "heuristic":
             aval, gval = self.post.eig.eigvals(name)
             return HEURISTIC_FACTOR * float(gval.clamp(min=0).mean() * aval.clamp(min=0).mean())
@@ -226,6 +251,9 @@ class Influence:
         out = {}
         for n, v in grads.items():
             qa, qg = self.post.eigenbases(n)
+            if self.corrected[n] is not None:  # EK-FAC: λ_ij in place of γ_i α_j
+                out[n] = ekfac_solve(v, qg, qa, self.corrected[n], self.damping[n])
+                continue
             aval, gval = self.post.eig.eigvals(n, device=v.device)
             out[n] = ke.damped_solve(v, qg, gval, qa, aval, self.damping[n])
         return out
@@ -335,9 +363,9 @@ class Influence:
 def influence_scores(post: LaplacePosterior,
                      queries: Mapping[str, Tensor] | Iterable[Mapping[str, Tensor]],
                      train: Iterable[Mapping[str, Tensor]], *, damping: float | str = "heuristic",
-                     per_token: bool = False, show_progress: bool | None = None
-                     ) -> InfluenceScores:
-    """`Influence` ``(post, damping).scores(queries, train, ...)``: the influence of every
-    training example on every query (module docstring; arguments as there)."""
-    return Influence(post, damping).scores(queries, train, per_token=per_token,
+                     per_token: bool = False, show_progress: bool | None = None,
+                     eigenvalues: str = "auto") -> InfluenceScores:
+    """`Influence` ``(post, damping, eigenvalues).scores(queries, train, ...)``: the influence
+    of every training example on every query (module docstring; arguments as there)."""
+    return Influence(post, damping, eigenvalues).scores(queries, train, per_token=per_token,
                                            show_progress=show_progress)

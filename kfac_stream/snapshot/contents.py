@@ -14,7 +14,7 @@ from ..factor_keys import FACTOR_KINDS
 from .layout import FORMAT_NAME, FORMAT_VERSION, layer_fingerprint, shard_name
 
 
-def snapshot_contents(record, step: int, epoch: float | None = None
+def snapshot_contents(record, step: int, epoch: float | None = None, ekfac=None
                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Shard tensors and manifest part (without ``shards``) for a tracker's owned factors.
 
@@ -29,6 +29,11 @@ def snapshot_contents(record, step: int, epoch: float | None = None
             factor tensors become the shard's (not copied again).
         step: Optimizer step.
         epoch: Trainer epoch (fractional), recorded for the data-size estimate.
+        ekfac: ``({layer: λ [d_out, d_A]}, {layer: entry})``, the EK-FAC correction
+            (`kfac_stream.tracker.Tracker.take_ekfac`): tensor ``<layer>.ekfac`` in the shard
+            of the layer's G factor and ``layers[<layer>]["ekfac"]`` in the manifest (basis
+            step, update steps, ``N``); None or empty: neither (the snapshot is as without
+            EK-FAC).
     """
     cfg = record.config
     tensors: dict[str, torch.Tensor] = {}
@@ -55,6 +60,9 @@ def snapshot_contents(record, step: int, epoch: float | None = None
                 rel_se, k_eff = f.sampling_error()
                 if not math.isnan(rel_se):  # not recorded (a state from an older version)
                     entry[factor]["sampling"] = {"rel_se": rel_se, "effective_updates": k_eff}
+        if ekfac is not None and name in ekfac[1]:
+            tensors[f"{name}.ekfac"] = ekfac[0][name]
+            entry["ekfac"] = dict(ekfac[1][name])
         layers[name] = entry
     counters = dataclasses.asdict(record.counters)
     counters.pop("skipped_steps", None)

@@ -48,6 +48,9 @@ class EigenStream:
         device: Where dense factors are decomposed (`eigh_stored`); None: the CPU.
         threads: CPU threads for the CPU decompositions.
         ahead: Factors the producer may run ahead of the writer.
+        on_result: Called with ``(key, eigvecs [d, d] | None)`` for each factor as its
+            decomposition is done, on the producer's thread (the tracker's next EK-FAC basis,
+            `kfac_stream.ekfac.EkfacState.sink`); None: nothing.
 
     ``eigvals`` (``{key: [d]}``, kept: they are small) holds every factor's eigenvalues once
     the shard is written; `close` stops the producer (call it in ``finally``).
@@ -57,8 +60,9 @@ class EigenStream:
 
     def __init__(self, tensors: dict[str, Any], manifest: dict[str, Any],
                  device: torch.device | str | None = None, threads: int | None = None,
-                 ahead: int = AHEAD) -> None:
+                 ahead: int = AHEAD, on_result=None) -> None:
         self.manifest, self.device, self.threads = manifest, device, threads
+        self.on_result = on_result
         self.dtype = StorageDtype(manifest["storage_dtype"]).wide_dtype
         self.eigvals: dict[str, torch.Tensor] = {}
         self._entries: dict[str, list[dict]] = {}  # key -> manifest factor entries
@@ -131,6 +135,8 @@ class EigenStream:
             t0 = time.perf_counter()
             for key, w, q, stats in results:
                 self.eigh_seconds += time.perf_counter() - t0
+                if self.on_result is not None:
+                    self.on_result(key, q)
                 if not self._put((key, w, q, stats)):
                     return
                 t0 = time.perf_counter()

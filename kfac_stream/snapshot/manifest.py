@@ -441,6 +441,17 @@ FACTOR = Record({
 }, what="a factor entry (an object with dim, diagonal, dtype, weight, updates, positions, "
         "spectrum; format 2 also key)")
 
+#: ``KFACConfig(ekfac=True)``: the EK-FAC correction a snapshot stores for a layer
+#: (``<layer>.ekfac``, `kfac_stream.ekfac`) and where it comes from.
+EKFAC = Record({
+    "basis_step": Field(_COUNT),  # the snapshot whose eigenbasis it was accumulated on
+    "updates": Field(_COUNT),  # update steps averaged
+    "first_step": Field(_COUNT),
+    "last_step": Field(_COUNT),
+    "weight": Field(_NONNEG),  # N: the positions (or sequences) of those steps, weighted
+}, what="an EK-FAC correction entry (an object with basis_step, updates, first_step, "
+        "last_step, weight)")
+
 LAYER = Record({
     "kind": Field(Str(choices=("linear", "conv1d"))),
     "d_in": Field(Int(1, MAX_FACTOR_DIM)),
@@ -451,6 +462,7 @@ LAYER = Record({
     "rows": Field(Str(choices=("position", "sequence")), since=None),
     "A": Field(FACTOR),
     "G": Field(FACTOR),
+    "ekfac": Field(EKFAC, since=None),
 }, what="a layer entry (an object with kind, d_in, d_out, has_bias, A, G)")
 
 SHARD = Record({
@@ -714,7 +726,8 @@ def implied_tensors(meta: dict[str, Any]) -> dict[str, TensorSpec]:
     """Every tensor the (validated) manifest implies, by name: per stored factor key ``K``,
     ``K`` (``[d, d]`` or ``[d]`` diagonal, in the factor's dtype), ``K.scale`` (float32
     ``[1]``), ``K.eigvals`` (``[d]``) and, for a dense factor, ``K.eigvecs`` (``[d, d]``), the
-    eigen tensors in float32 (float64 for float64 storage)."""
+    eigen tensors in float32 (float64 for float64 storage); per layer with an ``ekfac`` entry,
+    ``<layer>.ekfac`` (``[d_out, d_A]``, in that dtype, in its G factor's shard)."""
     wide = str(StorageDtype(meta["storage_dtype"]).wide_dtype).removeprefix("torch.")
     out: dict[str, TensorSpec] = {}
     for name, entry in meta["layers"].items():
@@ -731,4 +744,8 @@ def implied_tensors(meta: dict[str, Any]) -> dict[str, TensorSpec]:
             out[f"{key}.eigvals"] = TensorSpec(wide, (d,), shard, f"{src}.dim")
             if not f["diagonal"]:
                 out[f"{key}.eigvecs"] = TensorSpec(wide, (d, d), shard, f"{src}.dim")
+        if "ekfac" in entry:
+            src = f"{_child('layers', name, named=True)}.ekfac"
+            out[f"{name}.ekfac"] = TensorSpec(wide, (entry["G"]["dim"], entry["A"]["dim"]),
+                                              entry["G"].get("shard"), src)
     return out

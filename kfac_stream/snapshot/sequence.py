@@ -7,10 +7,14 @@
    shard's tensors and manifest part are made from them
    (`kfac_stream.snapshot.contents.snapshot_contents`) and the weights' fingerprint is read
    (`kfac_stream.snapshot.weights`). Nothing else touches a factor entry on this thread.
+   With ``KFACConfig(ekfac=True)`` the tracker also hands over the EK-FAC correction it
+   accumulated on the previous snapshot's eigenbasis (`kfac_stream.ekfac`) and starts waiting
+   for this one's.
 2. `finish_snapshot`, anywhere (the callback's background thread): the eigendecompositions
    stream into the shard as it is written and hashed (`kfac_stream.snapshot.eigen_stream`,
    `kfac_stream.snapshot.writer.write_snapshot`: atomic, every rank its shard, rank 0 the
-   manifest); returns the directory and the eigenvalues (for the spectra media).
+   manifest; with EK-FAC each factor's eigenvectors also go to the tracker, its next basis);
+   returns the directory and the eigenvalues (for the spectra media).
 
 `take_snapshot` runs both in a row; `write_record` writes a `TrackerRecord` made elsewhere
 (the default-selection suite's rebuilt factors).
@@ -19,7 +23,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -36,12 +40,15 @@ class CapturedSnapshot:
     factors ``[d, d]``/``[d]`` and their scales, sketches), ``manifest`` (this rank's part,
     with ``weights``), ``step``, and ``lent`` (``{key: stored factor}``: the tracker's own
     tensors, unchanged until passed back with the next `capture_snapshot`'s ``release``,
-    once this snapshot is written)."""
+    once this snapshot is written). ``basis_sink``: with ``KFACConfig(ekfac=True)``, where
+    the eigenvectors go as they are computed (the tracker's next EK-FAC basis,
+    `kfac_stream.ekfac.EkfacState.sink`), else None."""
 
     step: int
     tensors: dict[str, Any]
     manifest: dict[str, Any]
     lent: dict[str, torch.Tensor]
+    basis_sink: Callable[[str, torch.Tensor | None], None] | None = None
 
 
 def capture_snapshot(tracker, step: int, epoch: float | None = None,
@@ -51,10 +58,13 @@ def capture_snapshot(tracker, step: int, epoch: float | None = None,
     step). ``release``: the previous capture's ``lent``, its snapshot written."""
     tracker.release(release or {})  # before the flush: it writes those factors in place
     record = tracker.export(lend=True)
-    tensors, manifest = snapshot_contents(record, step, epoch)
+    ekfac = tracker.take_ekfac(step)  # None without KFACConfig(ekfac=True)
+    tensors, manifest = snapshot_contents(record, step, epoch,
+                                          ekfac=ekfac[:2] if ekfac is not None else None)
     manifest["weights"] = weights_fingerprint(tracker.layers)
     return CapturedSnapshot(int(step), tensors, manifest,
-                            {k: f.data for k, f in record.factors.items()})
+                            {k: f.data for k, f in record.factors.items()},
+                            ekfac[2] if ekfac is not None else None)
 
 
 def finish_snapshot(captured: CapturedSnapshot, root: str, comm=None,
@@ -64,7 +74,8 @@ def finish_snapshot(captured: CapturedSnapshot, root: str, comm=None,
     it); returns ``(snapshot directory, {key: eigenvalues [d]} of this rank's factors)``.
     A failed eigendecomposition or write raises `kfac_stream.exceptions.SnapshotError` on
     every rank, and nothing is left under the snapshot's name."""
-    stream = EigenStream(captured.tensors, captured.manifest, eigh_device, threads)
+    stream = EigenStream(captured.tensors, captured.manifest, eigh_device, threads,
+                         on_result=captured.basis_sink)
     try:
         path = write_snapshot(root, captured.step, captured.tensors, captured.manifest, comm,
                               merge_manifests, gather=gather)

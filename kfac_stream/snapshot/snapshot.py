@@ -61,21 +61,27 @@ class LayerFactors:
         A_eigvecs: ``[d_A, d_A]`` orthonormal eigenvectors (columns), None if A is diagonal.
         G_eigvals: ``[d_out]``.
         G_eigvecs: ``[d_out, d_out]`` or None.
+        ekfac_eigvals: ``[d_out, d_A]`` EK-FAC eigenvalues (`kfac_stream.ekfac`): the
+            per-sequence gradients' second moment in the previous snapshot's eigenbasis, on
+            the scale of ``outer(G_eigvals, A_eigvals)``; None when the snapshot has none
+            (``KFACConfig(ekfac=False)``, the first snapshot of a run).
 
     ``A`` and ``G`` may be given as tensors or as zero-argument callables returning one (called
     once, at the first access).
     """
 
     __slots__ = ("name", "_A", "_G", "meta", "A_eigvals", "A_eigvecs", "G_eigvals",
-                 "G_eigvecs")
+                 "G_eigvecs", "ekfac_eigvals")
 
     def __init__(self, name: str, A: Any, G: Any, meta: dict[str, Any],
                  A_eigvals: torch.Tensor | None = None, A_eigvecs: torch.Tensor | None = None,
                  G_eigvals: torch.Tensor | None = None,
-                 G_eigvecs: torch.Tensor | None = None) -> None:
+                 G_eigvecs: torch.Tensor | None = None,
+                 ekfac_eigvals: torch.Tensor | None = None) -> None:
         self.name, self._A, self._G, self.meta = name, A, G, meta
         self.A_eigvals, self.A_eigvecs = A_eigvals, A_eigvecs
         self.G_eigvals, self.G_eigvecs = G_eigvals, G_eigvecs
+        self.ekfac_eigvals = ekfac_eigvals
 
     @property
     def A(self) -> torch.Tensor:
@@ -220,7 +226,8 @@ class Snapshot(LayerView):
                 parts[f"{factor}_eigvecs"] = tensors.get(f"{key}.eigvecs")
             layers[name] = LayerFactors(name, parts["A"], parts["G"], info,
                                         parts["A_eigvals"], parts["A_eigvecs"],
-                                        parts["G_eigvals"], parts["G_eigvecs"])
+                                        parts["G_eigvals"], parts["G_eigvecs"],
+                                        tensors.get(f"{name}.ekfac"))
         return cls(path, meta, layers)
 
     @classmethod
@@ -484,7 +491,7 @@ def _check_values(tensors: dict[str, torch.Tensor], origin: dict[str, str]) -> N
                    for i in range(0, flat.numel(), _CHECK_CHUNK)):
             raise SnapshotError(f"{origin[name]}: tensor {name!r} has non-finite values; "
                                 "expected finite numbers")
-        if name.endswith((".scale", ".eigvals")) and bool((t < 0).any()):
+        if name.endswith((".scale", ".eigvals", ".ekfac")) and bool((t < 0).any()):
             raise SnapshotError(f"{origin[name]}: tensor {name!r} has negative values "
                                 f"(min {float(t.min()):g}); expected ≥ 0")
 
