@@ -1,15 +1,18 @@
-"""`kfac-stream` command line: ``train`` (Hydra app), ``inspect``, ``query`` and ``demo``."""
+"""`kfac-stream` command line: ``train`` (Hydra app), ``inspect``, ``query``, ``influence``
+and ``demo``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
 import sys
 import time
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from .exceptions import KFACStreamError, QueryInputError
 from .files import local_path_problem
@@ -317,14 +320,15 @@ SUPPORTED = ("kfac-stream query answers causal LMs (*ForCausalLM, *LMHeadModel) 
              "logits in Python (docs/queries.md)")
 
 
-def _model_task(name: str, adapter: AdapterLocation | None = None) -> tuple[str, str]:
+def _model_task(name: str, adapter: AdapterLocation | None = None,
+                supported: str = SUPPORTED) -> tuple[str, str]:
     """``(task, architecture)`` of ``--model`` from its config alone, before any weight loads:
     `CAUSAL_LM` or `CLASSIFIER`; any other task (token classification, multiple choice,
     regression or multi-label heads, question answering, seq2seq...) is refused in one line,
     since loading it as either would add a randomly initialised head and print plausible
     nonsense. A config that does not load or names no architecture: `CAUSAL_LM` (the loader
     then says what is wrong). For a PEFT adapter directory (``adapter``), the base model's
-    config."""
+    config. ``supported``: what the refusal says is answered (the command's own line)."""
     from transformers import AutoConfig
 
     _check_model_name(name)
@@ -340,13 +344,13 @@ def _model_task(name: str, adapter: AdapterLocation | None = None) -> tuple[str,
         return CAUSAL_LM, lm[0]
     cls = [a for a in archs if a.endswith(CLASSIFIER_ARCHITECTURE)]
     if not cls:
-        raise QueryInputError(f"--model={name!r} is a {' / '.join(archs)}: {SUPPORTED}")
+        raise QueryInputError(f"--model={name!r} is a {' / '.join(archs)}: {supported}")
     problem_type, labels = getattr(config, "problem_type", None), config.num_labels
     if problem_type not in (None, "single_label_classification") or labels < 2:
         kind = problem_type or "regression"  # num_labels = 1, problem_type unset: regression
         raise QueryInputError(f"--model={name!r} is a {cls[0]} with problem_type={kind!r} "
                               f"(num_labels={labels}), not a single-label classifier: "
-                              f"{SUPPORTED}")
+                              f"{supported}")
     return CLASSIFIER, cls[0]
 
 
@@ -806,6 +810,844 @@ def _classify(args, tau, arch: str, tokenizer, t0: float) -> int:
     return 0
 
 
+# -- `kfac-stream influence`: influence scores of training examples on queries -----
+# ``kfac-stream influence``: which training examples made the model say this.
+#
+# For each query (a causal LM: a prompt and its completion, the loss taken on the completion's
+# tokens only; a sequence classifier: a text and its label) the influence score of every training
+# example (`kfac_stream.influence_scores`: ``∇L(query)ᵀ (F + λI)⁻¹ ∇L(example)`` over the
+# snapshot's layers, positive = helpful), and a table of the top-K most helpful and most harmful
+# examples per query (or ``--json`` with everything). docs/influence.md documents the command.
+#
+# The training data (``--train``), cut into examples as documented in `TRAIN_RULES`:
+#
+# * ``app``: the training app's own data (`kfac_stream.train.training_documents` and
+#   `training_windows`, exactly the windows the run trained on), from the run's composed config
+#   (``<run dir>/.hydra/config.yaml``, found beside ``--model`` or ``--snapshot``, or
+#   ``--app-config``);
+# * a directory written by ``datasets``' ``save_to_disk`` (a ``DatasetDict``: its ``train``
+#   split), with a text column (``--text-field``, default ``text``), or ``prompt`` and
+#   ``completion`` columns; a classifier's also a label column (``--label-field``);
+# * a JSON-lines file of such records (``{"text": ...}``, ``{"prompt": ..., "completion": ...}``,
+#   a classifier's ``{"text": ..., "label": ...}``).
+
+#: ``--damping``'s rules besides a positive float (`kfac_stream.query.influence.DAMPINGS`).
+DAMPING_RULES = ("heuristic", "prior")
+
+#: ``--seq-len``'s default: the model's positions, at most this many tokens.
+INFLUENCE_MAX_SEQ_LEN = 1024
+
+#: Training examples per batch (``--batch-size``).
+INFLUENCE_BATCH = 16
+
+#: How each kind of ``--train`` is cut into examples (also in the JSON, ``train_rule``).
+TRAIN_RULES = {
+    "app": "the app's training windows: the run's training documents joined by a blank line, "
+           "one token stream cut into windows of model.seq_len tokens, the incomplete tail "
+           "dropped (as the run trained)",
+    "text": "each text tokenised on its own (the tokenizer's special tokens, as for a query) "
+            "and cut into consecutive windows of seq_len tokens, a shorter last window kept; "
+            "every token labelled",
+    "prompt": "one example per record: the prompt's tokens then the completion's, the loss on "
+              "the completion's tokens only",
+    "classifier": "one example per record: the text's first seq_len tokens and its label",
+}
+
+INFLUENCE_EXPLAINED = (
+    "score = ∇L(query)ᵀ (F + λI)⁻¹ ∇L(example) over the snapshot's layers (F: its K-FAC "
+    "factors; L: the summed loss of the query's completion or label, of the example's labelled "
+    "tokens); + helpful: a gradient step on the example lowers the query's loss; - harmful: it "
+    "raises it")
+
+
+def _influence_status(message: str) -> None:
+    """One line of what ``influence`` is doing, on stderr (stdout keeps the table alone)."""
+    print(f"kfac-stream influence: {message}", file=sys.stderr, flush=True)
+
+
+def _influence_parser(sub) -> None:
+    """The ``influence`` sub-command's arguments."""
+    p = sub.add_parser(
+        "influence", help="which training examples made the model say this: influence scores "
+        "of training examples on queries, from a snapshot's factors",
+        description="Influence scores (kfac_stream.influence_scores) of every training example "
+        "on each query: grad L(query)^T (F + damping)^-1 grad L(example) over the snapshot's "
+        "layers, positive = the example helps the query (lowers its loss). A causal LM's query "
+        "is a prompt and a completion (--query PROMPT --completion TEXT, repeatable, or "
+        "--query-file with JSON lines {\"prompt\", \"completion\"}); a sequence classifier's is "
+        "a text and its label (--query TEXT --label NAME|ID, or {\"text\", \"label\"} lines). "
+        "Prints the top-K most helpful and most harmful training examples per query "
+        "(docs/influence.md).")
+    p.add_argument("--snapshot", required=True, help="snapshot directory (or its parent)")
+    p.add_argument("--model", required=True, help="model directory, PEFT adapter directory or "
+                   "hub name (a causal LM or a sequence classifier)")
+    p.add_argument("--train", required=True, metavar="DATA", help="the training examples: "
+                   "'app' (the training app's data, from the run's .hydra/config.yaml), a "
+                   "directory written by datasets' save_to_disk, or a JSON-lines file")
+    p.add_argument("--query", action="append", metavar="TEXT", help="a causal LM: the prompt "
+                   "(with --completion); a classifier: the text (with --label); repeatable")
+    p.add_argument("--completion", action="append", metavar="TEXT", help="causal LMs: the "
+                   "completion of the --query before it, whose tokens the loss is taken on")
+    p.add_argument("--label", action="append", metavar="NAME|ID", help="classifiers: the label "
+                   "of the --query before it (a name of config.id2label or a class index)")
+    p.add_argument("--query-file", metavar="FILE", help="JSON lines, one query each: "
+                   "{\"prompt\", \"completion\"} (causal LM) or {\"text\", \"label\"}")
+    p.add_argument("--top-k", type=int, default=5, help="helpful and harmful examples shown "
+                   "per query (default 5)")
+    p.add_argument("--damping", default="heuristic", help="heuristic (0.1 x the layer's mean "
+                   "eigenvalue, kronfluence's; the default), prior (tau/N, the Laplace "
+                   "posterior's) or a positive float")
+    p.add_argument("--eigenvalues", choices=("auto", "kfac", "ekfac"), default="auto",
+                   help="auto (the default): a layer's EK-FAC corrected eigenvalues where the "
+                   "snapshot has them (KFACConfig(ekfac=True)), else K-FAC's; kfac; ekfac")
+    p.add_argument("--prior-precision", help="--damping prior: tau, a float or 'marglik' (the "
+                   "default)")
+    p.add_argument("--per-token", action="store_true", help="causal LMs: also split each "
+                   "shown example's score over the completion's tokens")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of "
+                   "the table")
+    p.add_argument("--batch-size", type=int, default=INFLUENCE_BATCH, help="training examples "
+                   f"per forward and backward (default {INFLUENCE_BATCH})")
+    p.add_argument("--max-train", type=int, metavar="N", help="score only the first N "
+                   "training examples")
+    p.add_argument("--seq-len", type=int, help="tokens per training window (JSON lines and "
+                   "datasets; default: the model's positions, at most "
+                   f"{INFLUENCE_MAX_SEQ_LEN}); --train app uses the run's model.seq_len")
+    p.add_argument("--text-field", default="text", help="the text column of --train (default "
+                   "text)")
+    p.add_argument("--label-field", default="label", help="classifiers: the label column of "
+                   "--train (default label)")
+    p.add_argument("--app-config", metavar="PATH", help="--train app: the run's composed "
+                   "config (a config.yaml, or a run directory holding .hydra/config.yaml); "
+                   "default: found beside --model or --snapshot")
+    p.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
+    p.add_argument("--base", help="the base model of a PEFT (LoRA) adapter directory given as "
+                   "--model (default: the base/ that kfac_stream.whole_model saves beside it)")
+    p.add_argument("--byte-level", action="store_true", help="token id = UTF-8 byte (the demo; "
+                   "implied by --train app for the app's byte-level model)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="where the model runs (default: cuda when available)")
+
+
+# -- checks before anything loads --------------------------------------------------------------
+
+def _damping(value: str) -> float | str:
+    """``--damping``: one of `DAMPING_RULES` or a positive finite float."""
+    if value in DAMPING_RULES:
+        return value
+    try:
+        x = float(value)
+    except ValueError:
+        x = math.nan
+    if not (math.isfinite(x) and x > 0):
+        raise QueryInputError(f"--damping={value!r} is not allowed: must be 'heuristic', "
+                              "'prior' or a positive finite number")
+    return x
+
+
+def _check_influence_ints(args) -> None:
+    for flag, value, low, what in (
+            ("--top-k", args.top_k, 1, "training examples shown per query and side"),
+            ("--batch-size", args.batch_size, 1, "training examples per batch"),
+            ("--max-train", args.max_train, 1, "training examples scored"),
+            ("--seq-len", args.seq_len, 2, "tokens per training window")):
+        if value is not None and value < low:
+            raise QueryInputError(f"{flag}={value} is not allowed: must be an int >= {low} "
+                                  f"({what})")
+
+
+def _check_influence_args(args) -> None:
+    """The queries' flags, before the model's task is known; ``--train`` and the files."""
+    if args.query_file is not None and (args.query or args.completion or args.label):
+        raise QueryInputError("--query-file is not allowed with --query, --completion or "
+                              "--label: pass the queries one way")
+    if args.query_file is None and not args.query:
+        raise QueryInputError("one of --query (with --completion for a causal LM, --label for "
+                              "a classifier) or --query-file FILE is required")
+    if args.query_file is not None:
+        _check_file("--query-file", args.query_file, "a JSON-lines file of queries")
+    if args.train != "app":
+        if not args.train:
+            raise QueryInputError("--train='' is not allowed: must be 'app', a datasets "
+                                  "save_to_disk directory or a JSON-lines file")
+        if not os.path.exists(args.train):
+            raise QueryInputError(f"--train={args.train!r} does not exist: must be 'app', a "
+                                  "datasets save_to_disk directory or a JSON-lines file")
+    if args.app_config is not None:
+        if args.train != "app":
+            raise QueryInputError(f"--app-config is not allowed with --train={args.train!r}: "
+                                  "it names the run config of --train app")
+        if not os.path.exists(args.app_config):
+            raise QueryInputError(f"--app-config={args.app_config!r} does not exist: must be "
+                                  "a run's config.yaml or its run directory")
+    if args.prior_precision is not None and args.damping != "prior":
+        raise QueryInputError("--prior-precision is only used with --damping prior (the "
+                              "damping tau/N)")
+
+
+def _check_file(flag: str, path: str, what: str) -> None:
+    if not os.path.exists(path):
+        raise QueryInputError(f"{flag}={path!r} does not exist: must be {what}")
+    if os.path.isdir(path):
+        raise QueryInputError(f"{flag}={path!r} is a directory: must be {what}")
+
+
+# -- tokens ------------------------------------------------------------------------------------
+
+def _ids(tokenizer, text: str, special: bool = True) -> list[int]:
+    """Token ids of ``text``: its UTF-8 bytes (``tokenizer`` None: ``--byte-level``), else the
+    tokenizer's (with its special tokens when ``special``)."""
+    if tokenizer is None:
+        return list(text.encode("utf-8"))
+    return list(tokenizer(text, add_special_tokens=special, verbose=False)["input_ids"])
+
+
+def _decode_ids(tokenizer, ids: Sequence[int]) -> str:
+    """The text of ``ids`` (bytes: invalid UTF-8 as U+FFFD)."""
+    if tokenizer is None:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+    return tokenizer.decode(list(ids))
+
+
+def _token_text(tokenizer, token_id: int) -> str:
+    return str(_decode(tokenizer, int(token_id)))
+
+
+def _model_limits(model) -> tuple[int | None, int | None]:
+    """``(vocabulary, positions)`` of the model (None where it does not say)."""
+    vocab = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    cfg = model.config
+    limit = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
+    return vocab, limit
+
+
+# -- queries -----------------------------------------------------------------------------------
+
+@dataclass
+class _Query:
+    """One query: its token ids, labels and what the table shows."""
+
+    ids: list[int]
+    labels: list[int] | int
+    record: dict[str, Any]
+    completion: list[int] = field(default_factory=list)  # positions of the completion's tokens
+
+
+def _query_specs(args, task: str) -> list[tuple[dict[str, Any], str]]:
+    """``[(fields, where)]``: ``{"prompt", "completion"}`` or ``{"text", "label"}`` per query,
+    from the flags or ``--query-file``."""
+    clf = task == CLASSIFIER
+    if args.query_file is None:
+        if clf:
+            if args.completion:
+                raise QueryInputError("--completion is not allowed with a sequence classifier: "
+                                      "its query is a text (--query) and its label (--label)")
+            if len(args.label or ()) != len(args.query):
+                raise QueryInputError(f"{len(args.query)} --query but {len(args.label or ())} "
+                                      "--label: a classifier's query needs the label its loss "
+                                      "is taken on (--query TEXT --label NAME|ID)")
+            return [({"text": t, "label": lab}, f"--query={t!r}")
+                    for t, lab in zip(args.query, args.label)]
+        if args.label:
+            raise QueryInputError("--label is not allowed with a causal LM: its query is a "
+                                  "prompt (--query) and a completion (--completion)")
+        if len(args.completion or ()) != len(args.query):
+            raise QueryInputError(f"{len(args.query)} --query but {len(args.completion or ())} "
+                                  "--completion: a causal LM's query is a prompt and the "
+                                  "completion whose loss is scored (--query PROMPT --completion "
+                                  "TEXT)")
+        return [({"prompt": p, "completion": c}, f"--query={p!r}")
+                for p, c in zip(args.query, args.completion)]
+    keys = ("text", "label") if clf else ("prompt", "completion")
+    out = []
+    for n, rec in _json_lines("--query-file", args.query_file):
+        where = f"--query-file={args.query_file!r} line {n}"
+        if not isinstance(rec, dict) or any(k not in rec for k in keys):
+            whose = "a sequence classifier's" if clf else "a causal LM's"
+            raise QueryInputError(f"{where}: must be a JSON object with {keys[0]!r} and "
+                                  f"{keys[1]!r} ({whose} query)")
+        out.append(({k: rec[k] for k in keys}, where))
+    if not out:
+        raise QueryInputError(f"--query-file={args.query_file!r} holds no query: must hold one "
+                              "JSON object per line")
+    return out
+
+
+def _json_lines(flag: str, path: str) -> Iterator[tuple[int, Any]]:
+    """``(line number, value)`` of each non-blank line of a JSON-lines file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise QueryInputError(f"{flag}={path!r} could not be read ({_first_line(e)}): must be "
+                              "a UTF-8 JSON-lines file") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise QueryInputError(f"{flag}={path!r} line {n} is not JSON ({e.msg}): must hold "
+                                  "one JSON object per line") from None
+
+
+def _label_id(value: Any, names: Sequence[str], label2id: Mapping, where: str) -> int:
+    """A class index from a label name (``config.id2label``'s, or ``label2id``'s) or an index."""
+    n = len(names)
+    if isinstance(value, bool) or value is None:
+        raise QueryInputError(f"{where}: label {value!r} is not allowed: must be a class name "
+                              f"({', '.join(names)}) or an index in [0, {n})")
+    if isinstance(value, int):
+        if 0 <= value < n:
+            return value
+        raise QueryInputError(f"{where}: label {value} is out of range: must be a class name "
+                              f"({', '.join(names)}) or an index in [0, {n})")
+    text = str(value)
+    if text in names:
+        return names.index(text)
+    if text in label2id:
+        return int(label2id[text])
+    if text.lstrip("-").isdigit():
+        return _label_id(int(text), names, label2id, where)
+    raise QueryInputError(f"{where}: label {text!r} is not one of the model's labels: must be a "
+                          f"class name ({', '.join(names)}) or an index in [0, {n})")
+
+
+def _influence_queries(args, task: str, model, tokenizer) -> list[_Query]:
+    """Each query's ids and labels (a causal LM: prompt then completion, labels -100 on the
+    prompt; a classifier: the text and its class index), checked against the model."""
+    vocab, limit = _model_limits(model)
+    out = []
+    names = _label_names(model.config.id2label, model.config.num_labels) \
+        if task == CLASSIFIER else []
+    label2id = {str(k): v for k, v in (getattr(model.config, "label2id", None) or {}).items()}
+    for spec, where in _query_specs(args, task):
+        if task == CLASSIFIER:
+            text = spec["text"]
+            if not isinstance(text, str) or not text:
+                raise QueryInputError(f"{where}: the text must be a non-empty string")
+            ids = _ids(tokenizer, text)
+            label = _label_id(spec["label"], names, label2id, where)
+            rec = {"text": text, "label": names[label], "label_id": label}
+            q = _Query(ids, label, rec)
+        else:
+            prompt, completion = spec["prompt"], spec["completion"]
+            if not isinstance(prompt, str) or not isinstance(completion, str):
+                raise QueryInputError(f"{where}: prompt and completion must be strings")
+            if not completion:
+                raise QueryInputError(f"{where} has an empty completion: a causal LM's query "
+                                      "needs the completion whose tokens the loss is taken on "
+                                      "(--completion TEXT)")
+            p_ids = _ids(tokenizer, prompt)
+            if not p_ids:
+                raise QueryInputError(f"{where}: the prompt has no tokens: the completion's "
+                                      "first token is predicted from the prompt (a non-empty "
+                                      "--query)")
+            c_ids = _ids(tokenizer, completion, special=False)
+            if not c_ids:
+                raise QueryInputError(f"{where}: the completion {completion!r} has no tokens")
+            ids = p_ids + c_ids
+            labels = [-100] * len(p_ids) + c_ids
+            rec = {"prompt": prompt, "completion": completion,
+                   "completion_tokens": [{"position": len(p_ids) + i, "token_id": t,
+                                          "token": _token_text(tokenizer, t)}
+                                         for i, t in enumerate(c_ids)]}
+            q = _Query(ids, labels, rec, list(range(len(p_ids), len(ids))))
+        if vocab is not None and max(ids) >= vocab:
+            raise QueryInputError(f"{where}: its tokens reach id {max(ids)}, but the model's "
+                                  f"vocabulary has {vocab} tokens: pass the model's own "
+                                  "tokenizer (--tokenizer DIR, or --byte-level for the demo's)")
+        if limit is not None and len(ids) > limit:
+            raise QueryInputError(f"{where} is {len(ids)} tokens long: must be at most {limit} "
+                                  "tokens (the model's positions)")
+        q.record["tokens"] = len(ids)
+        out.append(q)
+    return out
+
+
+# -- training examples -------------------------------------------------------------------------
+
+@dataclass
+class _Example:
+    """One training example: ids, labels (per token, or a class index) and where it came
+    from (``source``: the record's index, the window's first token)."""
+
+    ids: list[int]
+    labels: list[int] | int
+    source: dict[str, Any]
+
+
+@dataclass
+class _TrainSet:
+    examples: list[_Example]
+    kind: str  # a TRAIN_RULES key
+    described: str  # for the footer
+    seq_len: int | None
+    config: str | None = None  # --train app: the run config read
+
+
+def _default_seq_len(args, model) -> int:
+    if args.seq_len is not None:
+        return args.seq_len
+    _, limit = _model_limits(model)
+    return min(limit or INFLUENCE_MAX_SEQ_LEN, INFLUENCE_MAX_SEQ_LEN)
+
+
+def _windows(ids: list[int], seq_len: int) -> Iterator[tuple[int, list[int]]]:
+    """``(start, window)``: consecutive windows of ``seq_len`` ids, a shorter last one kept
+    when it has a next-token loss (2 ids or more)."""
+    for start in range(0, len(ids), seq_len):
+        w = ids[start:start + seq_len]
+        if len(w) >= 2:
+            yield start, w
+
+
+def _app_config_path(args) -> str:
+    """The run's composed config: ``--app-config`` (a file, or a run directory), else
+    ``.hydra/config.yaml`` in the directory above ``--model`` or above ``--snapshot`` (the
+    app saves ``<run dir>/model`` and ``<run dir>/kfac``)."""
+    def in_run(d: str) -> str | None:
+        for rel in (os.path.join(".hydra", "config.yaml"), "config.yaml"):
+            path = os.path.join(d, rel)
+            if os.path.isfile(path):
+                return path
+        return None
+
+    if args.app_config is not None:
+        found = args.app_config if os.path.isfile(args.app_config) else in_run(args.app_config)
+        if found is None:
+            raise QueryInputError(f"--app-config={args.app_config!r} holds no config.yaml nor "
+                                  ".hydra/config.yaml: must be a run's composed config or its "
+                                  "run directory")
+        return found
+    seen = []
+    for start in (args.model, args.snapshot):
+        d = os.path.abspath(start)
+        for _ in range(3):  # model/ or kfac/ or kfac/step-N/ below the run directory
+            d = os.path.dirname(d)
+            path = os.path.join(d, ".hydra", "config.yaml")
+            seen.append(path)
+            if os.path.isfile(path):  # relative to the working directory when below it
+                rel = os.path.relpath(path)
+                return path if rel.startswith(os.pardir) else rel
+    raise QueryInputError(f"--train app: no run config found ({seen[0]} and the directories "
+                          "above --model and --snapshot hold no .hydra/config.yaml): pass "
+                          "--app-config with the run's config.yaml (Hydra writes it to "
+                          "<run dir>/.hydra/config.yaml)")
+
+
+def _app_config(path: str):
+    """The ``model`` and ``data`` groups of a run's config, on the app's schema."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from .app.schema import DataConf, ModelConf
+
+    try:
+        loaded = OmegaConf.load(path)
+        return OmegaConf.create({
+            "model": OmegaConf.merge(OmegaConf.structured(ModelConf), loaded.get("model", {})),
+            "data": OmegaConf.merge(OmegaConf.structured(DataConf), loaded.get("data", {}))})
+    except (OSError, ValueError, OmegaConfBaseException) as e:
+        raise QueryInputError(f"--train app: the run config {path!r} could not be read "
+                              f"({_first_line(e)}): must be a config the app composed") from None
+
+
+def _app_examples(args, cfg, tokenizer) -> list[_Example]:
+    from .app.data import ByteTokenizer
+    from .train import training_documents, training_windows
+
+    docs, _ = training_documents(cfg)
+    tok = ByteTokenizer() if tokenizer is None else tokenizer
+    windows = training_windows(docs, tok, cfg.model.seq_len, args.max_train)
+    return [_Example(w["input_ids"].tolist(), w["labels"].tolist(),
+                     {"window": i, "first_token": i * cfg.model.seq_len})
+            for i, w in enumerate(windows)]
+
+
+def _train_records(args) -> tuple[Iterator[tuple[int, Any]], str]:
+    """``(records, what)``: ``(index, dict)`` of each record of a ``datasets`` directory or a
+    JSON-lines file."""
+    path = args.train
+    if os.path.isdir(path):
+        try:
+            import datasets
+        except ImportError as e:
+            raise QueryInputError(f"--train={path!r} is a directory (a datasets save_to_disk): "
+                                  f"reading it needs datasets ({e}; pip install "
+                                  "'kfac_stream[app]')") from None
+        try:
+            ds = datasets.load_from_disk(path)
+        except (OSError, ValueError, FileNotFoundError) as e:
+            raise QueryInputError(f"--train={path!r} is no dataset saved by datasets' "
+                                  f"save_to_disk ({_first_line(e)}): must be 'app', such a "
+                                  "directory or a JSON-lines file") from None
+        if isinstance(ds, datasets.DatasetDict):
+            if "train" not in ds:
+                raise QueryInputError(f"--train={path!r} is a DatasetDict without a 'train' "
+                                      f"split (it has {', '.join(ds)}): save the split to score")
+            ds = ds["train"]
+        return enumerate(ds), f"the dataset {path}"
+    return ((n - 1, rec) for n, rec in _json_lines("--train", path)), f"{path}"
+
+
+def _record_examples(args, task: str, model, tokenizer, seq_len: int
+                     ) -> tuple[list[_Example], str, str]:
+    """The examples of a ``datasets`` directory or JSON-lines file: ``(examples, kind,
+    described)``."""
+    records, what = _train_records(args)
+    names = _label_names(model.config.id2label, model.config.num_labels) \
+        if task == CLASSIFIER else []
+    label2id = {str(k): v for k, v in (getattr(model.config, "label2id", None) or {}).items()}
+    examples: list[_Example] = []
+    kind = None
+    tf, lf = args.text_field, args.label_field
+    for i, rec in records:
+        if args.max_train is not None and len(examples) >= args.max_train:
+            break
+        where = f"--train={args.train!r} record {i}"
+        if not isinstance(rec, Mapping):
+            raise QueryInputError(f"{where} is not a JSON object: must hold {tf!r}")
+        if task == CLASSIFIER:
+            if tf not in rec or lf not in rec:
+                raise QueryInputError(f"{where} has no {tf!r} and {lf!r} (it has "
+                                      f"{', '.join(map(str, rec)) or 'nothing'}): a classifier's "
+                                      "training example is a text and its label (--text-field, "
+                                      "--label-field)")
+            text = rec[tf]
+            if not isinstance(text, str) or not text:
+                continue
+            ids = _ids(tokenizer, text)[:seq_len]
+            label = _label_id(rec[lf], names, label2id, where)
+            examples.append(_Example(ids, label, {"record": i}))
+            kind = "classifier"
+        elif tf in rec:
+            text = rec[tf]
+            if not isinstance(text, str) or not text.strip():
+                continue
+            for start, w in _windows(_ids(tokenizer, text), seq_len):
+                if args.max_train is not None and len(examples) >= args.max_train:
+                    break
+                examples.append(_Example(w, list(w), {"record": i, "first_token": start}))
+            kind = kind or "text"
+        elif "prompt" in rec and "completion" in rec:
+            p_ids = _ids(tokenizer, str(rec["prompt"]))
+            c_ids = _ids(tokenizer, str(rec["completion"]), special=False)
+            if not p_ids or not c_ids:
+                continue
+            ids = p_ids + c_ids
+            if len(ids) > seq_len:
+                raise QueryInputError(f"{where} is {len(ids)} tokens long (prompt and "
+                                      f"completion): must be at most {seq_len} (--seq-len)")
+            examples.append(_Example(ids, [-100] * len(p_ids) + c_ids, {"record": i}))
+            kind = kind or "prompt"
+        else:
+            raise QueryInputError(f"{where} has no {tf!r} (nor 'prompt' and 'completion'; it "
+                                  f"has {', '.join(map(str, rec)) or 'nothing'}): pass "
+                                  "--text-field with its text column")
+    return examples, kind or ("classifier" if task == CLASSIFIER else "text"), what
+
+
+def _train_set(args, task: str, model, tokenizer) -> _TrainSet:
+    if args.train == "app":
+        path = args._app_config_path
+        cfg = _app_config(path)
+        _influence_status(f"--train app: the run's training data from {path} (data.kind="
+                          f"{cfg.data.kind}, windows of model.seq_len={cfg.model.seq_len}) ...")
+        examples = _app_examples(args, cfg, tokenizer)
+        ts = _TrainSet(examples, "app", f"windows of {cfg.model.seq_len} tokens of the app's "
+                       f"training data, {path}", int(cfg.model.seq_len), path)
+    else:
+        seq_len = _default_seq_len(args, model)
+        examples, kind, what = _record_examples(args, task, model, tokenizer, seq_len)
+        described = {"text": f"windows of up to {seq_len} tokens of {what}",
+                     "prompt": f"prompt-completion records of {what}",
+                     "classifier": f"labelled texts of {what} (first {seq_len} tokens)"}[kind]
+        ts = _TrainSet(examples, kind, described, seq_len)
+    if not ts.examples:
+        rule = ("windows of model.seq_len tokens" if args.train == "app" else
+                "a text of 2 tokens or more, or a prompt and completion" if task != CLASSIFIER
+                else "a non-empty text with a label")
+        raise QueryInputError(f"--train={args.train!r} yields no training example (each needs "
+                              f"{rule}): nothing to score")
+    vocab, limit = _model_limits(model)
+    for i, ex in enumerate(ts.examples):
+        if vocab is not None and max(ex.ids) >= vocab:
+            raise QueryInputError(f"--train: training example {i} has token id {max(ex.ids)}, "
+                                  f"but the model's vocabulary has {vocab} tokens: pass the "
+                                  "model's own tokenizer (--tokenizer DIR, or --byte-level)")
+        if limit is not None and len(ex.ids) > limit:
+            raise QueryInputError(f"--train: training example {i} is {len(ex.ids)} tokens: must "
+                                  f"be at most {limit} (the model's positions; --seq-len)")
+    return ts
+
+
+# -- batches -----------------------------------------------------------------------------------
+
+def _collate(examples: Sequence, pad_id: int, device=None) -> dict:
+    """``{"input_ids", "attention_mask", "labels"}`` of examples with ``ids`` and ``labels``
+    (per token, or class indices), right-padded with ``pad_id`` (mask 0, label -100)."""
+    import torch
+
+    T = max(len(e.ids) for e in examples)
+    ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(examples), T, dtype=torch.long)
+    per_token = not isinstance(examples[0].labels, int)
+    labels = (torch.full((len(examples), T), -100, dtype=torch.long) if per_token
+              else torch.tensor([e.labels for e in examples], dtype=torch.long))
+    for b, e in enumerate(examples):
+        ids[b, :len(e.ids)] = torch.tensor(e.ids)
+        mask[b, :len(e.ids)] = 1
+        if per_token:
+            labels[b, :len(e.labels)] = torch.tensor(e.labels)
+    out = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    return out if device is None else {k: v.to(device) for k, v in out.items()}
+
+
+class _Batches:
+    """The training batches, in order (a length for the progress bar); when stderr is not a
+    terminal a status line at every tenth of them."""
+
+    def __init__(self, examples: Sequence[_Example], size: int, pad_id: int, device) -> None:
+        self.examples, self.size, self.pad_id, self.device = examples, size, pad_id, device
+
+    def __len__(self) -> int:
+        return -(-len(self.examples) // self.size)
+
+    def __iter__(self):
+        total, t0 = len(self), time.perf_counter()
+        lines = not sys.stderr.isatty()
+        marks = {max(1, round(total * k / 10)) for k in range(1, 10)} if lines else set()
+        for j in range(total):
+            chunk = self.examples[j * self.size:(j + 1) * self.size]
+            yield _collate(chunk, self.pad_id, self.device)
+            if j + 1 in marks:
+                done = min((j + 1) * self.size, len(self.examples))
+                _influence_status(f"scored {done:,} of {len(self.examples):,} training examples "
+                                  f"({time.perf_counter() - t0:.1f} s)")
+
+
+# -- the output --------------------------------------------------------------------------------
+
+def _example_text(tokenizer, ex: _Example) -> str:
+    return _decode_ids(tokenizer, ex.ids)
+
+
+def _influence_side(scores, ranked, values, train: _TrainSet, tokenizer, token_scores,
+                    query: _Query, q: int) -> list[dict]:
+    out = []
+    for rank, (j, s) in enumerate(zip(ranked.tolist(), values.tolist()), 1):
+        ex = train.examples[j]
+        rec = {"rank": rank, "index": j, "score": float(s), "text": _example_text(tokenizer, ex),
+               "source": ex.source}
+        if not isinstance(ex.labels, list):
+            rec["label_id"] = ex.labels
+        if token_scores is not None:
+            n = len(query.completion)
+            rec["token_scores"] = [float(x) for x in token_scores[q, :n, j].tolist()]
+        out.append(rec)
+    return out
+
+
+def _influence_records(result, queries: Sequence[_Query], train: _TrainSet, tokenizer, k: int
+                ) -> list[dict]:
+    (hi, hv), (lo, lv) = result.top_k(k)
+    out = []
+    for q, query in enumerate(queries):
+        rec = {"index": q, **query.record}
+        rec["helpful"] = _influence_side(result.scores, hi[q], hv[q], train, tokenizer,
+                               result.token_scores, query, q)
+        rec["harmful"] = _influence_side(result.scores, lo[q], lv[q], train, tokenizer,
+                               result.token_scores, query, q)
+        out.append(rec)
+    return out
+
+
+def _influence_query_line(rec: Mapping) -> str:
+    from .query.token_table import show_token
+
+    if "prompt" in rec:
+        n = len(rec["completion_tokens"])
+        return (f"query {rec['index']}: {show_token(rec['prompt'], TEXT_WIDTH)} -> "
+                f"{show_token(rec['completion'], TEXT_WIDTH)} ({n} completion token"
+                f"{'s' if n != 1 else ''})")
+    return f"query {rec['index']}: {show_token(rec['text'], TEXT_WIDTH)} label {rec['label']!r}"
+
+
+def _influence_table(records: Sequence[Mapping], names: Sequence[str] | None = None) -> str:
+    """Per query its line, then its most helpful and most harmful examples (rank, training
+    example index, score, text; ``--per-token``: a line of the completion tokens' shares)."""
+    from .query.token_table import pad, show_token, width
+
+    heads = ["rank", "example", "score", "text"]
+    rows = [[str(r["rank"]), str(r["index"]), f"{r['score']:+.4e}",
+             show_token(r["text"], TEXT_WIDTH)]
+            for rec in records for side in ("helpful", "harmful") for r in rec[side]]
+    widths = [max(width(h), *(width(row[j]) for row in rows)) for j, h in enumerate(heads)]
+
+    def line(cells: Sequence[str]) -> str:
+        return ("    " + "  ".join(pad(c, w, j == 3) for j, (c, w) in
+                                   enumerate(zip(cells, widths)))).rstrip()
+
+    out = [INFLUENCE_EXPLAINED]
+    for rec in records:
+        out.append(_influence_query_line(rec))
+        tokens = [t["token"] for t in rec.get("completion_tokens", ())]
+        for side, title in (("helpful", "most helpful"), ("harmful", "most harmful")):
+            out += [f"  {title}", line(heads)]
+            for r in rec[side]:
+                cells = [str(r["rank"]), str(r["index"]), f"{r['score']:+.4e}",
+                         show_token(r["text"], TEXT_WIDTH)]
+                if names is not None and "label_id" in r:
+                    cells[3] += f" label {names[r['label_id']]!r}"
+                out.append(line(cells))
+                if "token_scores" in r:
+                    parts = [f"{show_token(t, 14)} {s:+.3e}" for t, s in
+                             zip(tokens, r["token_scores"])]
+                    out.append("      per token: " + ", ".join(parts))
+    return "\n".join(out)
+
+
+def _influence_footer(meta: Mapping) -> str:
+    lam = list(meta["damping_per_layer"].values())
+    rule = meta["damping"]
+    rule = f"{rule:g}" if isinstance(rule, float) else rule
+    n, q = meta["train_examples"], len(meta["queries_given"])
+    return (f"snapshot {meta['snapshot']} (step {meta['step']}); {n:,} training example"
+            f"{'s' if n != 1 else ''} ({meta['train_described']}); damping {rule} (λ "
+            f"{min(lam):.3g} … {max(lam):.3g} over {len(lam)} layers); {q} quer"
+            f"{'ies' if q != 1 else 'y'}; scoring {meta['scoring_seconds']:.1f} s "
+            f"({1000 * meta['seconds_per_train_example']:.3g} ms per training example); "
+            f"{meta['seconds']:.1f} s")
+
+
+# -- the command -------------------------------------------------------------------------------
+
+def _influence_device(args):
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise QueryInputError("--device=cuda is not allowed here: torch sees no CUDA device "
+                              "(--device cpu, or auto)")
+    if args.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(args.device)
+
+
+def _influence(args) -> int:
+    """``kfac-stream influence``."""
+    t0 = time.perf_counter()
+    _check_paths(args)
+    _check_influence_ints(args)
+    damping = _damping(args.damping)
+    _check_influence_args(args)
+    args.adapter = _adapter(args)
+    supported = SUPPORTED.replace("kfac-stream query answers", "kfac-stream influence "
+                                      "answers").replace("LaplacePosterior.predictive gives the "
+                                                         "Gaussian of chosen logits",
+                                                         "kfac_stream.influence_scores gives "
+                                                         "the scores")
+    task, arch = _model_task(args.model, args.adapter, supported)
+    if task == CLASSIFIER and args.per_token:
+        raise QueryInputError("--per-token is not allowed with a sequence classifier: its loss "
+                              "has one term per example (the split is over a completion's "
+                              "tokens)")
+    if args.train == "app":
+        if task == CLASSIFIER:
+            raise QueryInputError(f"--train app is not allowed with a sequence classifier "
+                                  f"({arch}): the app trains causal LMs; pass a datasets "
+                                  "directory or a JSON-lines file of {\"text\", \"label\"}")
+        args._app_config_path = _app_config_path(args)
+        kind = _app_config(args._app_config_path).model.kind
+        if kind == "tiny" and not args.byte_level:
+            if args.tokenizer is not None:
+                raise QueryInputError(f"--tokenizer is not allowed with --train app of a "
+                                      f"byte-level run ({args._app_config_path}: model.kind="
+                                      "tiny): its tokens are UTF-8 bytes")
+            args.byte_level = True
+            _influence_status("--train app: the run's model is byte-level (model.kind=tiny): "
+                              "--byte-level")
+        elif kind != "tiny" and args.byte_level:
+            raise QueryInputError(f"--byte-level is not allowed with --train app of a model "
+                                  f"with a tokenizer ({args._app_config_path}: model.kind="
+                                  f"{kind})")
+    tau = None
+    if damping == "prior":
+        tau = _prior_precision(args.prior_precision or "marglik")
+    tokenizer = _tokenizer(args)
+    device = _influence_device(args)
+    _influence_status(f"loading snapshot {args.snapshot} ...")
+    snap = _load_snapshot("--snapshot", args.snapshot)
+    _influence_status(f"snapshot {snap.path}: {len(snap)} layers; loading {TASK_NAMES[task]} "
+                      f"{_model_shown(args)} ...")
+    model = _load_model(args.model, task, args.adapter)
+    queries = _influence_queries(args, task, model, tokenizer)
+    train = _train_set(args, task, model, tokenizer)
+
+    from .query.influence import Influence
+    from .query.laplace import LaplacePosterior
+
+    model.to(device)
+    if tau == "marglik":
+        _influence_status(f"choosing the prior precision by marginal likelihood over "
+                          f"{len(snap)} layers (--prior-precision FLOAT skips it) ...")
+    post = LaplacePosterior(model, snap, prior_precision=1.0 if tau is None else tau)
+    inf = Influence(post, damping, args.eigenvalues)
+    zero = [n for n, lam in inf.damping.items() if not lam > 0]
+    if zero:  # heuristic on a zero factor: (F + 0 I)⁻¹ has no value there
+        raise QueryInputError(
+            f"--damping {args.damping} is 0 on {len(zero)} layer(s) ({', '.join(zero[:2])}"
+            f"{', ...' if len(zero) > 2 else ''}): their factors are zero (no sampled "
+            "position carried a gradient there), so the scores would be NaN: pass --damping "
+            "prior or a positive --damping FLOAT")
+    pad_id = model.config.pad_token_id
+    size = args.batch_size
+    if task == CLASSIFIER and pad_id is None:
+        size = 1  # GPT-2's classifier finds each input's last token by the pad id
+    qbatches = [_collate([q], 0 if pad_id is None else pad_id, device) for q in queries]
+    batches = _Batches(train.examples, size, 0 if pad_id is None else pad_id, device)
+    _influence_status(f"{len(queries)} quer{'ies' if len(queries) != 1 else 'y'} x "
+                      f"{len(train.examples):,} training examples ({len(batches)} batches of "
+                      f"{size}) on {device}, damping {args.damping} "
+                      f"({time.perf_counter() - t0:.1f} s so far) ...")
+    t1 = time.perf_counter()
+    result = inf.scores(qbatches, batches, per_token=args.per_token)
+    scoring = time.perf_counter() - t1
+    records = _influence_records(result, queries, train, tokenizer, args.top_k)
+    names = (_label_names(model.config.id2label, model.config.num_labels)
+             if task == CLASSIFIER else None)
+    for rec in records:
+        for side in ("helpful", "harmful"):
+            for r in rec[side]:
+                if names is not None and "label_id" in r:
+                    r["label"] = names[r["label_id"]]
+    meta = {"snapshot": str(snap.path), "step": snap.step, "model": args.model,
+            **_base_meta(args), "task": task, "architecture": arch, "train": args.train,
+            "train_rule": TRAIN_RULES[train.kind], "train_described": train.described,
+            "app_config": train.config, "seq_len": train.seq_len,
+            "train_examples": len(train.examples), "damping": damping,
+            "damping_per_layer": dict(result.damping), "layers": list(result.layers),
+            "eigenvalues": args.eigenvalues,
+            "ekfac_layers": [n for n, v in inf.corrected.items() if v is not None],
+            "top_k": min(args.top_k, len(train.examples)), "per_token": args.per_token,
+            "device": str(device), "batch_size": size,
+            "queries_given": [q.record for q in queries]}
+    if tau is not None:
+        meta["prior_precision"] = float(post.prior_precision)
+    meta.update({"seconds": round(time.perf_counter() - t0, 3),
+                 "scoring_seconds": round(scoring, 3),
+                 "seconds_per_train_example": scoring / len(train.examples)})
+    if args.json:
+        doc = {k: v for k, v in meta.items() if k != "queries_given"}
+        doc["queries"] = records
+        print(json.dumps(doc, indent=1, allow_nan=False))
+    else:
+        print(_influence_table(records, names))
+        print(_influence_footer(meta))
+    _influence_status(f"done in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kfac-stream", description="streaming K-FAC tools")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -856,6 +1698,7 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: the snapshot's answer tokens, KFACConfig.answer_tokens, if any)")
     q.add_argument("--json", action="store_true", help="print one JSON document instead of "
                    "the table")
+    _influence_parser(sub)
     sub.add_parser("demo", help="kfac-stream train with its offline defaults into out/demo "
                    "(= kfac-stream train --config-name demo)", add_help=False)
     sub.add_parser("train", help="the Hydra training app (kfac_stream.train): "
@@ -875,6 +1718,8 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
+        if args.cmd == "influence":
+            return _influence(args)
         return _inspect(args) if args.cmd == "inspect" else _query(args)
     except KFACStreamError as e:  # a user error: one line, no traceback (exit code 2)
         print(f"kfac-stream {args.cmd}: error: {' '.join(str(e).splitlines())}", file=sys.stderr)

@@ -103,7 +103,7 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
                     "process%s)", out, args.world_size, "es" * (args.world_size != 1))
     model, tokenizer, seq_len = _model(cfg)
     train_docs, heldout_docs, ood_docs = _documents(cfg)
-    train = appdata.lm_examples(appdata.encode_documents(train_docs, tokenizer), seq_len)
+    train = training_windows(train_docs, tokenizer, seq_len)
     if not train:
         raise AppConfigError(f"data: the training text yields no window of seq_len={seq_len}")
     # the callback reports its spectra and scalars to the Trainer's reporters itself
@@ -233,7 +233,10 @@ def _model(cfg: DictConfig):
 OOD_SETS = {"python_source": "ood_documents", "licenses": "license_documents"}
 
 
-def _documents(cfg: DictConfig) -> tuple[list[str], list[str], dict[str, list[str]]]:
+def training_documents(cfg: DictConfig) -> tuple[list[str], list[str]]:
+    """``(train, heldout)`` documents of the ``data`` and ``model`` groups of a composed
+    config (the split is seeded by ``model.seed``): what `run` trains on, and what
+    ``kfac-stream influence --train app`` scores."""
     from .app import data as appdata
 
     d = cfg.data
@@ -242,8 +245,25 @@ def _documents(cfg: DictConfig) -> tuple[list[str], list[str], dict[str, list[st
     else:
         docs = appdata.load_hf_documents(d.path, d.name, d.data_files, d.split, d.text_field,
                                          d.max_documents)
-    train, heldout = appdata.split_documents(docs, d.heldout_fraction, seed=cfg.model.seed)
-    ood = {name: getattr(appdata, OOD_SETS[name])() for name in d.ood}
+    return appdata.split_documents(docs, d.heldout_fraction, seed=cfg.model.seed)
+
+
+def training_windows(docs: list[str], tokenizer, seq_len: int,
+                     max_examples: int | None = None) -> list[dict[str, torch.Tensor]]:
+    """The training examples of ``docs``: one token stream (`encode_documents`: joined by a
+    blank line, no special tokens) cut into consecutive windows of ``seq_len`` tokens, the
+    incomplete tail dropped (`lm_examples`), at most ``max_examples``."""
+    from .app import data as appdata
+
+    return appdata.lm_examples(appdata.encode_documents(docs, tokenizer), seq_len,
+                               max_examples)
+
+
+def _documents(cfg: DictConfig) -> tuple[list[str], list[str], dict[str, list[str]]]:
+    from .app import data as appdata
+
+    train, heldout = training_documents(cfg)
+    ood = {name: getattr(appdata, OOD_SETS[name])() for name in cfg.data.ood}
     return train, heldout, {name: docs for name, docs in ood.items() if docs}
 
 

@@ -217,11 +217,15 @@ def fsdp_on_cpu() -> None:
 def query(trainer, out: str) -> None:
     """What a user's script does after (FSDP2, ZeRO-3 or plain) training: the partitioned
     model is refused by `LaplacePosterior`, `whole_model` (every rank) gives a whole copy on
-    the main process, and that copy answers a predictive query of the newest snapshot."""
+    the main process, and that copy answers a predictive query of the newest snapshot and
+    influence scores (`influence_scores`, saved as ``influence`` [2, 4])."""
     from safetensors.torch import save_file
 
-    from kfac_stream import LaplacePosterior, Snapshot, whole_model
+    from kfac_stream import LaplacePosterior, Snapshot, influence_scores, whole_model
     from kfac_stream.exceptions import PartitionedModelError
+
+    def stack(examples):
+        return {k: torch.stack([e[k] for e in examples]) for k in examples[0]}
 
     snap = Snapshot.latest(os.path.join(out, "kfac"))
     refused = ""
@@ -235,9 +239,14 @@ def query(trainer, out: str) -> None:
         return
     batch = {k: torch.stack([e[k] for e in text_examples(3, 16, seed=7)])
              for k in ("input_ids", "attention_mask")}
-    mean, cov = LaplacePosterior(model, snap, prior_precision=1.0).predictive(
-        batch, token_ids=[32, 101])
-    save_file({"mean": mean.contiguous(), "cov": cov.contiguous()},
+    post = LaplacePosterior(model, snap, prior_precision=1.0)
+    mean, cov = post.predictive(batch, token_ids=[32, 101])
+    # issue 40: influence of 4 training windows on 2 queries (heuristic damping), on the
+    # whole copy like every query
+    ex = text_examples(6, 16, seed=9)
+    scores = influence_scores(post, stack(ex[:2]), [stack(ex[2:])]).scores
+    save_file({"mean": mean.contiguous(), "cov": cov.contiguous(),
+               "influence": scores.contiguous()},
               os.path.join(out, "query.safetensors"))
     with open(os.path.join(out, "query.json"), "w") as f:
         json.dump({"refused": refused, "model_class": type(model).__name__,

@@ -337,6 +337,11 @@ def test_sharding_log_and_disk_agree_and_query_matches(runs):
     assert rel(res[1][1], res[0][1]) <= 10 * EXACT_TOL  # the factors' 1e-6, through eigh
 
 
+#: Influence scores (issue 40) of the whole copy `whole_model` gives after 2-rank training
+#: against the one-process run's: the factors' and weights' round-off, as for the predictive
+#: (measured 6.7e-7 after FSDP2, 3.7e-7 after ZeRO-3 with LoRA).
+INFLUENCE_TOL = 10 * EXACT_TOL
+
 #: Relative difference of the weights' sums of squares between the 2-rank ZeRO-3 and the
 #: one-process run after 3 steps of lr 1e-2 (float32; the same data, gradients reduced in
 #: another order): round-off, far below what a training step moves (~1e-3, tests/test_runs.py).
@@ -477,6 +482,8 @@ def test_fsdp2_whole_model_and_query_after_training(runs):
           f"cov {rel(got['cov'], want['cov']):.1e}")
     assert rel(got["mean"], want["mean"]) <= 10 * EXACT_TOL  # weights: training round-off
     assert rel(got["cov"], want["cov"]) <= 10 * EXACT_TOL  # the factors' 1e-6, through eigh
+    print(f"fsdp2 influence vs 1 process: {rel(got['influence'], want['influence']):.1e}")
+    assert rel(got["influence"], want["influence"]) <= INFLUENCE_TOL
     from transformers import GPT2LMHeadModel
 
     saved = GPT2LMHeadModel.from_pretrained(os.path.join(out, "model"))
@@ -509,6 +516,8 @@ def test_zero3_lora_whole_model_saves_the_adapter_with_its_base(runs):
           f"cov {rel(got['cov'], want['cov']):.1e}")
     assert rel(got["mean"], want["mean"]) <= 10 * EXACT_TOL
     assert rel(got["cov"], want["cov"]) <= 10 * EXACT_TOL
+    print(f"zero3 LoRA influence vs 1 process: {rel(got['influence'], want['influence']):.1e}")
+    assert rel(got["influence"], want["influence"]) <= INFLUENCE_TOL
     saved = os.path.join(out, "model")
     assert os.path.isfile(os.path.join(saved, "adapter_model.safetensors"))
     base = AutoModelForCausalLM.from_pretrained(os.path.join(saved, "base"),

@@ -25,7 +25,7 @@ import math
 import pytest
 import torch
 
-from kfac_stream import KFACStreamCallback, LaplacePosterior, Snapshot
+from kfac_stream import Influence, KFACStreamCallback, LaplacePosterior, Snapshot
 from kfac_stream.query.sampled import sampled_predictive
 
 from models import ListDataset, text_examples
@@ -44,6 +44,12 @@ PROB_SUM_TOL = 1e-6
 #: `optimize_prior_precision` stops on a bracket of relative width ~1e-3 in log tau (Brent on
 #: log tau); the grid's best value may exceed its optimum only by this relative amount.
 MARGLIK_GRID_TOL = 1e-6
+
+#: Influence at a damping λ far above the factors' eigenvalues: ``λ · I(x, x)`` is the squared
+#: norm of the example's gradient over the tracked layers, ``Σ_l ‖∇_l L(x)‖²``, to relative
+#: ``O(‖F‖/λ)`` (nil at 1e12), plus the float32 round-off of the two gradients' sums of squares.
+GRAD_DOT_DAMPING = 1e12
+GRAD_DOT_TOL = 1e-4
 
 #: Queries a family's layout cannot support, refused with this error (none so far).
 REFUSED: dict[str, str] = {}
@@ -194,6 +200,76 @@ def test_family_trains_snapshots_and_answers_queries(family, tmp_path):
     pred = sampled_predictive(post, batch, n_samples=2, seed=0)
     sums = pred.probs.sum(-1)
     assert (sums - 1).abs().max() <= PROB_SUM_TOL and math.isfinite(float(pred.entropy.sum()))
+    _check_influence(post, _examples(family)[:5], seq2seq=family == "t5_seq2seq")
+
+
+def _stack(examples) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([e[k] for e in examples]) for k in examples[0]}
+
+
+def _summed_loss(model, batch, seq2seq: bool) -> torch.Tensor:
+    """The example's loss as influence takes it, from the model's logits alone: the summed
+    cross-entropy of its labels (a causal LM's shifted, a seq2seq LM's decoder labels as the
+    model makes its decoder inputs from them, a classifier's one label)."""
+    import torch.nn.functional as F
+
+    kw = {k: v for k, v in batch.items() if k != "labels" or seq2seq}
+    logits = model(**kw).logits
+    labels = batch["labels"]
+    if logits.dim() == 2:
+        return F.cross_entropy(logits, labels, reduction="sum")
+    if not seq2seq:
+        logits, labels = logits[:, :-1], labels[:, 1:]
+    return F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100, reduction="sum")
+
+
+def _check_influence(post, examples, seq2seq: bool = False) -> None:
+    """Influence scores (issue 40) of 2 queries on 3 training examples: ``[Q, N]``, finite,
+    not all zero, under the ``"prior"`` and the default ``"heuristic"`` damping; and the
+    gradient-dot limit at a huge damping, against the squared norm of the parameters'
+    gradients by autograd (independent of the hooks and of each layer's weight layout: a
+    Frobenius norm is the same in any orientation).
+
+    Two known defects of `kfac_stream.query.influence` end the test as an expected failure
+    (with the other checks done), each only where its cause is seen: the heuristic damping is
+    0 on a layer whose factor is zero (no sampled position carried a gradient: an encoder
+    classifier's last block, a decoder classifier's head), which makes the scores NaN; and a
+    module run several times per forward (ALBERT's shared layers) contributes only its last
+    call's gradient."""
+    known = []
+    queries, train = _stack(examples[:2]), [_stack(examples[2:5])]
+    prior = Influence(post, "prior").scores(queries, train)
+    assert prior.scores.shape == (2, 3) and torch.isfinite(prior.scores).all()
+    assert prior.scores.abs().max() > 0
+    got = Influence(post).scores(queries, train)
+    assert got.scores.shape == (2, 3)
+    zero = [n for n, lam in got.damping.items() if lam == 0]
+    if zero and not torch.isfinite(got.scores).all():
+        known.append(f"heuristic damping 0 on {len(zero)} layer(s) with a zero factor "
+                     f"({zero[0]}, ...): NaN scores")
+    else:
+        assert torch.isfinite(got.scores).all() and got.scores.abs().max() > 0
+    x = _stack(examples[:1])
+    far = Influence(post, GRAD_DOT_DAMPING).scores(x, [x]).scores[0, 0] * GRAD_DOT_DAMPING
+    params = [p for n in post.layer_names for p in (post.modules[n].weight,
+                                                    getattr(post.modules[n], "bias", None))
+              if p is not None]
+    calls = dict.fromkeys(post.layer_names, 0)
+    hooks = [post.modules[n].register_forward_hook(
+        lambda *_, n=n: calls.__setitem__(n, calls[n] + 1)) for n in post.layer_names]
+    try:
+        grads = torch.autograd.grad(_summed_loss(post.model, x, seq2seq), params)
+    finally:
+        for h in hooks:
+            h.remove()
+    want = sum(float(g.double().square().sum()) for g in grads)
+    if abs(float(far) - want) > GRAD_DOT_TOL * want:
+        shared = [n for n, c in calls.items() if c > 1]
+        assert shared, (float(far), want)  # only a shared module may miss its other calls
+        known.append(f"{len(shared)} module(s) run {max(calls.values())} times per forward "
+                     f"({shared[0]}, ...): λ·I(x, x) = {float(far):.4g}, ‖∇L‖² = {want:.4g}")
+    if known:
+        pytest.xfail("; ".join(known))
 
 
 # -- sequence classifiers (issue 38): heads on [B, d] are tracked in the sequence row space ----
@@ -272,3 +348,4 @@ def test_classifier_family_preset_trains_and_answers(family, preset, tmp_path):
     assert cov.diagonal(dim1=1, dim2=2).min() > 0
     probs = post.predictive_probs(batch)
     assert (probs.sum(-1) - 1).abs().max() <= PROB_SUM_TOL
+    _check_influence(post, ex[:5])

@@ -41,6 +41,10 @@ APP_TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.seq_l
             "kfac.update_every=1", "kfac.snapshot_every=2", "data.max_documents=40",
             "report.enabled=false"]
 
+#: the README's and docs/influence.md's influence command on ``make demo``'s output
+INFLUENCE_ON_DEMO = ('kfac-stream influence --snapshot out/demo/kfac --model out/demo/model '
+                     '--train app --query "for i in" --completion " range(10):"')
+
 # README line -> how a test runs it
 README_COMMANDS = {
     "make demo": "make_demo",
@@ -66,13 +70,15 @@ README_COMMANDS = {
     'kfac-stream query --snapshot out/demo/kfac --model out/demo/model --byte-level '
     '--text "def f(x):"': "on_demo",
     "kfac-stream inspect out/demo/kfac --plot spectra.png": "on_demo",
+    INFLUENCE_ON_DEMO: "on_demo",
 }
 
 
 # docs page -> {command line of its ``bash`` blocks: how a test runs it}: a ``pip`` line must be
 # one of the README's (run by `test_pip_install_lines`), an ``example`` line runs in
 # `test_examples.test_example_runs` (``--steps`` shrunk), an ``example_query`` line is
-# `test_examples.LORA_QUERY`, run there on the example's output
+# `test_examples.LORA_QUERY`, run there on the example's output, an ``on_demo`` line one of the
+# README's, run on ``make demo``'s output (`test_make_demo_then_inspect_and_query`)
 DOCS_COMMANDS = {
     "docs/classification.md": {
         "pip install torch==2.13.0": "pip",
@@ -86,6 +92,7 @@ DOCS_COMMANDS = {
         "python examples/lora.py --out out/lora": "example",
         LORA_QUERY: "example_query",
     },
+    "docs/influence.md": {INFLUENCE_ON_DEMO: "on_demo"},
 }
 
 
@@ -105,7 +112,7 @@ def test_every_docs_command_is_covered():
     """A docs page's commands are exactly its `DOCS_COMMANDS` table's, and each is run: a
     ``pip`` line is the README's own (verbatim), an ``example`` line is an `EXAMPLES` script
     with nothing but ``--out`` and the arguments its test shortens, an ``example_query`` line
-    the query `test_examples` runs on an example's output."""
+    the query `test_examples` runs on an example's output, an ``on_demo`` line the README's."""
     for page, table in DOCS_COMMANDS.items():
         lines = readme_commands(page)
         assert sorted(set(lines)) == sorted(table), (
@@ -117,6 +124,9 @@ def test_every_docs_command_is_covered():
                 continue
             if how == "example_query":
                 assert line == LORA_QUERY, (page, line)
+                continue
+            if how == "on_demo":  # run on make demo's output as the README's line
+                assert README_COMMANDS.get(line) == "on_demo", (page, line)
                 continue
             assert how == "example", (page, line, how)
             python, script, *rest = shlex.split(line)
@@ -185,6 +195,10 @@ def test_make_demo_then_inspect_and_query(demo_dir):
         out = kfac_stream(line, demo_dir)
         if " query " in f" {line} ":
             assert "±" in out and "snapshot out/demo/kfac/step-" in out
+        elif " influence " in f" {line} ":
+            assert "most helpful" in out and "most harmful" in out
+            assert "training examples (windows of 32 tokens of the app's training data, " \
+                "out/demo/.hydra/config.yaml)" in out
         else:
             assert "λ_max" in out and (demo_dir / "spectra.png").is_file()
 
