@@ -380,3 +380,39 @@ def test_posterior_over_a_preset_or_a_list_of_layers_is_the_block_marginal(train
         LaplacePosterior(model, snap, TAU, N_DATA, layers="last_layer")
     with pytest.raises(QueryInputError, match=r"names 'nope', which the snapshot did not track"):
         LaplacePosterior(model, snap, TAU, N_DATA, layers=["nope"])
+
+
+def test_a_layer_applied_several_times_sums_its_calls(tmp_path):
+    """ALBERT applies its one shared layer group at every depth: a tracked Linear runs
+    ``num_hidden_layers`` times per forward, and the Jacobian of a logit w.r.t. its weights is
+    the sum over the calls (the dense reference: torch.func on the parameters, which sums by
+    itself). Before issue 40 only the last call's features were kept."""
+    from transformers import AlbertConfig, AlbertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = AlbertForSequenceClassification(AlbertConfig(
+        vocab_size=256, embedding_size=8, hidden_size=16, num_hidden_layers=3,
+        num_attention_heads=2, intermediate_size=24, max_position_embeddings=64, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        classifier_dropout_prob=0.0)).double()
+    ex = text_examples(8, 12)
+    for i, e in enumerate(ex):
+        e["labels"] = torch.tensor(i % 3)
+    shared = "albert.encoder.albert_layer_groups.0.albert_layers.0.ffn"
+    run(model, ex, {"include": [shared + "$"]}, batch=2, tmp_path=tmp_path, record=False)
+    snap = Snapshot.latest(tmp_path / "kfac")
+    assert snap.layer_names == [shared]
+    model.eval()
+    post = LaplacePosterior(model, snap, prior_precision=TAU, num_data=N_DATA)
+    batch = {k: torch.stack([e[k] for e in ex[:2]]) for k in ("input_ids", "attention_mask")}
+    _, cov = post.predictive(batch)
+    m = dict(model.named_modules())[shared]
+
+    def f(wbar):
+        return functional_call(model, {shared + ".weight": wbar[:, :-1],
+                                       shared + ".bias": wbar[:, -1]}, (), dict(batch)).logits
+
+    J = jacrev(f)(torch.cat([m.weight.detach(), m.bias.detach()[:, None]], 1)).reshape(2, 3, -1)
+    ref = J @ torch.linalg.inv(dense_block(snap[shared], N_DATA, TAU)) @ J.transpose(1, 2)
+    print(f"shared layer: predictive covariance vs dense {rel_err(cov, ref):.1e}")
+    assert rel_err(cov, ref) <= DENSE_TOL

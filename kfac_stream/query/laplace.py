@@ -352,16 +352,16 @@ class LaplacePosterior:
                                           positions, token_ids))
 
     def _jacobian(self, q: _Query) -> tuple[Tensor, Iterator[tuple[str, Tensor]]]:
-        """`jacobian_features` of checked arguments."""
-        acts: dict[str, Tensor] = {}
-        outs: dict[str, Tensor] = {}
+        """`jacobian_features` of checked arguments. A layer applied several times in one
+        forward (ALBERT's shared layers) contributes the sum over its calls, as its weight's
+        Jacobian does."""
+        calls: dict[str, list[tuple[Tensor, Tensor]]] = {}
 
         def hook(name):
             def fn(module, args, out):
-                acts[name] = args[0].detach()
                 if not out.requires_grad:  # frozen weights: make the output differentiable
                     out = out.detach().requires_grad_()
-                outs[name] = out
+                calls.setdefault(name, []).append((args[0].detach(), out))
                 return out
             return fn
 
@@ -370,17 +370,25 @@ class LaplacePosterior:
             with torch.enable_grad():
                 logits = logits_of(self.model(**inputs.forward_inputs(q.batch)))
                 f = _select_logits(logits, q)  # [B, K]
-                names = list(outs)
-                grads = dict(zip(names, _logit_gradients(f, [outs[n] for n in names])))
+                names = list(calls)
+                flat = [out for n in names for _, out in calls[n]]
+                grads = iter(_logit_gradients(f, flat))
+                per_call = {n: [(a, next(grads)) for a, _ in calls[n]] for n in names}
         finally:
             for h in handles:
                 h.remove()
-        outs.clear()
+        calls.clear()
         size = f.shape[0]
         for n in names:  # every layout checked before the first feature is made
-            per_example_inputs(q.where, n, acts[n], size)
-        return f.detach().double(), (
-            (n, self._features(n, acts.pop(n), grads.pop(n), size)) for n in names)
+            for a, _ in per_call[n]:
+                per_example_inputs(q.where, n, a, size)
+
+        def features(n: str) -> Tensor:
+            parts = per_call.pop(n)
+            return sum((self._features(n, a, g, size) for a, g in parts[1:]),
+                       self._features(n, *parts[0], size))
+
+        return f.detach().double(), ((n, features(n)) for n in names)
 
     def _features(self, name: str, a: Tensor, g: Tensor, size: int) -> Tensor:
         """``M[b, k] = Σ_t (Q_Gᵀ g_{k,b,t}) (Q_Aᵀ ā_{b,t})ᵀ`` from the layer's input ``a``
