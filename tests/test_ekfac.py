@@ -520,3 +520,25 @@ def test_16_bit_training_rotates_in_bfloat16():
     err = _rel(got.double(), ref)
     print(f"bf16 rotations vs float64: rel Frobenius err {err:.2e}")
     assert err < 3e-2
+
+
+def test_a_basis_that_cannot_be_moved_fails_nothing(monkeypatch, caplog):
+    """The sink runs on the snapshot's thread: a basis that cannot reach the device (out of
+    memory) is dropped with a warning, the snapshot is not failed, nothing is accumulated."""
+    from kfac_stream.ekfac import EkfacState
+
+    spec = types.SimpleNamespace(has_bias=False)
+    state = EkfacState({"l": spec}, {"l": ("l.A", "l.G")}, torch.device("cpu"), torch.float32)
+    state.take(5, {"l": ("l.A", "l.G")})
+    receive = state.sink(5)
+
+    class Broken:
+        def to(self, *a, **k):
+            raise RuntimeError("CUDA out of memory")
+
+    with caplog.at_level("WARNING", logger="kfac_stream"):
+        receive("l.A", Broken())
+        receive("l.G", torch.eye(3))
+    assert "could not be moved" in caplog.text
+    state.begin_step()
+    assert state.basis_of("l") is None and state.basis_step is None
