@@ -18,6 +18,9 @@ Damping ``λ_l`` (`DAMPINGS`):
 
 * ``"heuristic"`` (default): ``λ_l = 0.1 · mean(γ αᵀ)`` of the layer, kronfluence's heuristic, so
   scores from the stream and from kronfluence's post-hoc factors are compared at equal damping;
+  a layer whose factor is zero (no sampled position carried a gradient there: an encoder
+  classifier's last block, a decoder classifier's head under token sampling) has no scale to
+  take a tenth of and takes the ``"prior"`` value instead, with a warning naming it;
 * ``"prior"``: the Laplace posterior's, ``λ_l = τ_l / N_l`` (the posterior precision is
   ``N·A⊗G + τ``, so ``(A⊗G + τ/N)⁻¹ = N·Σ_posterior``: the scores are then ``N`` times the
   posterior covariance's inner products; ``τ`` and ``N`` as the `LaplacePosterior` holds them);
@@ -43,6 +46,7 @@ the ``[R, N]`` scores are kept. Everything runs on the model's device, in the mo
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -58,6 +62,8 @@ from ..progress import progress
 from . import inputs
 from . import kron_eigen as ke
 from .laplace import LaplacePosterior, per_example_inputs
+
+logger = logging.getLogger("kfac_stream")
 
 #: The damping rules (module docstring), besides a positive float.
 DAMPINGS = ("heuristic", "prior")
@@ -158,11 +164,23 @@ class Influence:
     def _damping(self, name: str, rule: float | str) -> float:
         if rule == "prior":
             return self.post.tau(name) / self.post.layer_num_data[name]
-        if rule == "heuristic" and self.corrected[name] is not None:
-            return HEURISTIC_FACTOR * float(self.corrected[name].clamp(min=0).mean())
         if rule == "heuristic":
-            aval, gval = self.post.eig.eigvals(name)
-            return HEURISTIC_FACTOR * float(gval.clamp(min=0).mean() * aval.clamp(min=0).mean())
+            if self.corrected[name] is not None:
+                mean = float(self.corrected[name].clamp(min=0).mean())
+            else:
+                aval, gval = self.post.eig.eigvals(name)
+                mean = float(gval.clamp(min=0).mean() * aval.clamp(min=0).mean())
+            if mean > 0:
+                return HEURISTIC_FACTOR * mean
+            # a zero factor (no sampled position carried a gradient there: an encoder
+            # classifier's last block, a decoder classifier's head under token sampling): no
+            # scale to take 0.1 of; the posterior's damping τ/N instead (said once per layer)
+            lam = self.post.tau(name) / self.post.layer_num_data[name]
+            logger.warning("kfac_stream: Influence: layer %s has a zero factor (no sampled "
+                           "position carried a gradient there), so the heuristic damping would "
+                           "be 0; it takes the posterior's tau/N = %.4g instead (pass damping="
+                           "'prior' or a float to choose for every layer)", name, lam)
+            return lam
         return float(rule)
 
     # -- per-example factors -------------------------------------------------------------------
@@ -180,15 +198,14 @@ class Influence:
                                   "classifier's labels [B])")
         size, _ = inputs.check_batch(where, "batch", batch, inputs.input_vocab(self.model))
         batch = inputs.query_batch(where, "batch", batch, self.model)
-        acts: dict[str, Tensor] = {}
-        outs: dict[str, Tensor] = {}
+        calls: dict[str, list[tuple[Tensor, Tensor]]] = {}  # a layer run several times
+        # per forward (ALBERT's shared layers): every call's (input, output)
 
         def hook(name):
             def fn(module, args, out):
-                acts[name] = args[0].detach()
                 if not out.requires_grad:  # frozen weights: make the output differentiable
                     out = out.detach().requires_grad_()
-                outs[name] = out
+                calls.setdefault(name, []).append((args[0].detach(), out))
                 return out
             return fn
 
@@ -198,7 +215,8 @@ class Influence:
             with torch.enable_grad():
                 logits = logits_of(self.model(**inputs.forward_inputs(batch, self.model)))
                 losses = example_losses(logits, batch["labels"], self.shift)  # [B, T] / [B, 1]
-                names = [n for n in self.layers if n in outs]
+                names = [n for n in self.layers if n in calls]
+                flat = [out for n in names for _, out in calls[n]]
                 if per_token:
                     keep = losses.detach() != 0 if losses.shape[1] > 1 else torch.ones_like(
                         losses, dtype=torch.bool)
@@ -210,9 +228,8 @@ class Influence:
                     cot = torch.zeros(len(rows), *losses.shape, dtype=losses.dtype,
                                       device=losses.device)
                     cot[torch.arange(len(rows)), rows[:, 0], rows[:, 1]] = 1
-                    grads = torch.autograd.grad(losses, [outs[n] for n in names],
-                                                grad_outputs=cot, is_grads_batched=True,
-                                                allow_unused=True)
+                    grads = torch.autograd.grad(losses, flat, grad_outputs=cot,
+                                                is_grads_batched=True, allow_unused=True)
                     counts = keep.sum(1).cpu()
                     pos = torch.full((size, int(counts.max()) if size else 0), -1,
                                      dtype=torch.long)
@@ -220,24 +237,29 @@ class Influence:
                         at = keep[b].nonzero()[:, 0].cpu()
                         pos[b, :len(at)] = at
                 else:
-                    grads = torch.autograd.grad(losses.sum(), [outs[n] for n in names],
-                                                allow_unused=True)
+                    grads = torch.autograd.grad(losses.sum(), flat, allow_unused=True)
                     counts, pos = torch.ones(size, dtype=torch.long), None
         finally:
             for h in handles:
                 h.remove()
         a_out, g_out = {}, {}
         fd = self.post.feature_dtype
-        for n, g in zip(names, grads):
-            a = per_example_inputs(where, n, acts.pop(n).to(fd), size)  # [B, T, d_in]
-            if self.post.snapshot[n].has_bias:
-                a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
-            if g is None:
-                g = torch.zeros((*([len(rows)] if per_token else []), *outs[n].shape),
-                                dtype=fd, device=a.device)
-            lead = g.shape[:-len(outs[n].shape)] if per_token else ()
-            a_out[n] = a
-            g_out[n] = g.to(fd).reshape(*lead, size, a.shape[1], g.shape[-1])
+        grads = iter(grads)
+        for n in names:  # several calls: their positions side by side (the gradient sums them)
+            a_parts, g_parts = [], []
+            for act, out in calls.pop(n):
+                g = next(grads)
+                a = per_example_inputs(where, n, act.to(fd), size)  # [B, T, d_in]
+                if self.post.snapshot[n].has_bias:
+                    a = torch.cat([a, a.new_ones(*a.shape[:-1], 1)], dim=-1)
+                if g is None:
+                    g = torch.zeros((*([len(rows)] if per_token else []), *out.shape),
+                                    dtype=fd, device=a.device)
+                lead = g.shape[:-len(out.shape)] if per_token else ()
+                a_parts.append(a)
+                g_parts.append(g.to(fd).reshape(*lead, size, a.shape[1], g.shape[-1]))
+            a_out[n] = torch.cat(a_parts, dim=1) if len(a_parts) > 1 else a_parts[0]
+            g_out[n] = torch.cat(g_parts, dim=-2) if len(g_parts) > 1 else g_parts[0]
         return a_out, g_out, pos, counts
 
     def gradients(self, batch: Mapping[str, Tensor]) -> dict[str, Tensor]:
