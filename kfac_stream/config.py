@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .curvature import Curvature
-from .replay_draws import replay_counts
 from .enums import FactorForm, FisherType, LayerPreset, StorageDtype
 from .exceptions import KFACConfigError
+from .replay_draws import replay_counts
 
 
 @dataclass(frozen=True, kw_only=True)
