@@ -24,6 +24,7 @@ serialisation, nothing a peer sends can run code here.
 
 from __future__ import annotations
 
+import atexit
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -164,3 +165,17 @@ def release_process_groups() -> None:
     """
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+_RELEASE_REGISTERED = False
+
+
+def release_process_groups_at_exit() -> None:
+    """Register `release_process_groups` to run at interpreter exit (once per process): before
+    shutdown begins, while every thread may still take the GIL. The callback does it at train
+    begin with several processes, so a user's script (the quickstart under ZeRO-3, whose other
+    ranks return from `whole_model` and exit at once) is safe without calling it itself."""
+    global _RELEASE_REGISTERED
+    if not _RELEASE_REGISTERED:
+        atexit.register(release_process_groups)
+        _RELEASE_REGISTERED = True

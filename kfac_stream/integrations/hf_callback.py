@@ -19,7 +19,7 @@ from transformers import TrainerCallback
 
 from ..capture.graphs import compile_mode_error
 from ..config import KFACConfig, sequences_per_update, update_sequences
-from ..distributed.context import LOCAL, DistContext
+from ..distributed.context import LOCAL, DistContext, release_process_groups_at_exit
 from ..distributed.fsdp import is_fsdp_sharded
 from ..exceptions import KFACConfigError, TrackerStateError
 from ..log_setup import show_info_by_default
@@ -185,6 +185,8 @@ class KFACStreamCallback(TrainerCallback):
         modules = dict(model.named_modules())
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         dist_ctx = DistContext.from_torch(device)  # collective with several processes
+        if dist_ctx is not None:  # no gloo worker may outlive the interpreter (the docstring)
+            release_process_groups_at_exit()
         batch, accumulation = _micro_batches(args)
         settings = resolve_settings(
             cfg, device, batch=batch, accumulation=accumulation,
