@@ -61,7 +61,7 @@ from ..exceptions import QueryInputError
 from ..progress import progress
 from . import inputs
 from . import kron_eigen as ke
-from .laplace import LaplacePosterior, per_example_inputs
+from .laplace import LaplacePosterior, layer_calls, per_example_inputs
 
 logger = logging.getLogger("kfac_stream")
 
@@ -198,20 +198,8 @@ class Influence:
                                   "classifier's labels [B])")
         size, _ = inputs.check_batch(where, "batch", batch, inputs.input_vocab(self.model))
         batch = inputs.query_batch(where, "batch", batch, self.model)
-        calls: dict[str, list[tuple[Tensor, Tensor]]] = {}  # a layer run several times
-        # per forward (ALBERT's shared layers): every call's (input, output)
-
-        def hook(name):
-            def fn(module, args, out):
-                if not out.requires_grad:  # frozen weights: make the output differentiable
-                    out = out.detach().requires_grad_()
-                calls.setdefault(name, []).append((args[0].detach(), out))
-                return out
-            return fn
-
-        modules = self.post.modules
-        handles = [modules[n].register_forward_hook(hook(n)) for n in self.layers]
-        try:
+        modules = {n: self.post.modules[n] for n in self.layers}
+        with layer_calls(modules) as calls:  # every call of a layer (ALBERT's: several)
             with torch.enable_grad():
                 logits = logits_of(self.model(**inputs.forward_inputs(batch, self.model)))
                 losses = example_losses(logits, batch["labels"], self.shift)  # [B, T] / [B, 1]
@@ -239,9 +227,6 @@ class Influence:
                 else:
                     grads = torch.autograd.grad(losses.sum(), flat, allow_unused=True)
                     counts, pos = torch.ones(size, dtype=torch.long), None
-        finally:
-            for h in handles:
-                h.remove()
         a_out, g_out = {}, {}
         fd = self.post.feature_dtype
         grads = iter(grads)

@@ -355,28 +355,13 @@ class LaplacePosterior:
         """`jacobian_features` of checked arguments. A layer applied several times in one
         forward (ALBERT's shared layers) contributes the sum over its calls, as its weight's
         Jacobian does."""
-        calls: dict[str, list[tuple[Tensor, Tensor]]] = {}
-
-        def hook(name):
-            def fn(module, args, out):
-                if not out.requires_grad:  # frozen weights: make the output differentiable
-                    out = out.detach().requires_grad_()
-                calls.setdefault(name, []).append((args[0].detach(), out))
-                return out
-            return fn
-
-        handles = [m.register_forward_hook(hook(n)) for n, m in self.modules.items()]
-        try:
-            with torch.enable_grad():
-                logits = logits_of(self.model(**inputs.forward_inputs(q.batch)))
-                f = _select_logits(logits, q)  # [B, K]
-                names = list(calls)
-                flat = [out for n in names for _, out in calls[n]]
-                grads = iter(_logit_gradients(f, flat))
-                per_call = {n: [(a, next(grads)) for a, _ in calls[n]] for n in names}
-        finally:
-            for h in handles:
-                h.remove()
+        with layer_calls(self.modules) as calls, torch.enable_grad():
+            logits = logits_of(self.model(**inputs.forward_inputs(q.batch)))
+            f = _select_logits(logits, q)  # [B, K]
+            names = list(calls)
+            flat = [out for n in names for _, out in calls[n]]
+            grads = iter(_logit_gradients(f, flat))
+            per_call = {n: [(a, next(grads)) for a, _ in calls[n]] for n in names}
         calls.clear()
         size = f.shape[0]
         for n in names:  # every layout checked before the first feature is made
@@ -991,6 +976,32 @@ def _check_whole_weights(where: str, model: nn.Module, modules: dict[str, nn.Mod
                 f"{w.numel()} of its {full} weights in this process): query a model with whole "
                 "weights: save it (trainer.save_model(dir)) and load it again with "
                 "from_pretrained(dir) in one process")
+
+
+@contextlib.contextmanager
+def layer_calls(modules: Mapping[str, nn.Module]
+                ) -> Iterator[dict[str, list[tuple[Tensor, Tensor]]]]:
+    """Within the block, every call of each of ``modules`` (``{name: module}``) records
+    ``(input, output)`` in the yielded ``{name: [(input, output), ...]}`` (a layer run several
+    times per forward, ALBERT's shared layers, once per call); an output that does not require
+    grad (frozen weights) is replaced by a differentiable copy, so the queries' backward reaches
+    it. The hooks are removed on exit."""
+    calls: dict[str, list[tuple[Tensor, Tensor]]] = {}
+
+    def hook(name):
+        def fn(module, args, out):
+            if not out.requires_grad:  # frozen weights: make the output differentiable
+                out = out.detach().requires_grad_()
+            calls.setdefault(name, []).append((args[0].detach(), out))
+            return out
+        return fn
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in modules.items()]
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def per_example_inputs(where: str, name: str, x: Tensor, size: int) -> Tensor:
