@@ -188,6 +188,36 @@ def test_mean_std_and_acceptance_from_numbers():
     assert [c["met"] for c in acc] == [True, True, False, False]  # 1.495 / 1.375 > 1.03
 
 
+def test_sample_kinds_compares_both_kinds_per_seed_and_by_the_worst_seed():
+    w, lin = uc.kind_rule(False, 32), uc.kind_rule(True, 32)
+    assert "linearized=False" in w and "linearized=True" in lin
+
+    def seed(s, w_acc, l_acc, w_nll, l_nll):
+        figs = {"agrees_with_map": 0.5, "ece": 0.1, "aurc": 0.4}
+        return {"seed": s, "selective": {w: {**figs, "accuracy": w_acc, "nll": w_nll},
+                                         lin: {**figs, "accuracy": l_acc, "nll": l_nll}}}
+
+    # linearised better by accuracy on every seed; by NLL on one seed only, yet its worst NLL
+    # (1.3) is below the weight samples' worst (1.5)
+    per = [seed(0, 0.25, 0.50, 1.5, 1.3), seed(1, 0.30, 0.45, 1.2, 1.25)]
+    c = uc.sample_kinds(per, 32)
+    assert [r["seed"] for r in c["per_seed"]] == [0, 1]
+    assert c["per_seed"][1]["linearised"]["nll"] == 1.25
+    v = c["verdict"]
+    assert v["accuracy"] == {"every_seed": "linearised", "worst_seed": "linearised",
+                             "worst": {"weight": 0.25, "linearised": 0.45}}
+    assert v["nll"]["every_seed"] is None and v["nll"]["worst_seed"] == "linearised"
+    assert v["nll"]["worst"] == {"weight": 1.5, "linearised": 1.3}
+    assert v["ece"] == {"every_seed": None, "worst_seed": None,
+                        "worst": {"weight": 0.1, "linearised": 0.1}}  # ties: neither
+    line = uc.kinds_verdict(c)
+    assert "by majority accuracy **linearised**" in line and "NLL of the mean probabilities " \
+        "**neither**" in line and "NLL **linearised (1.3000 linearised vs 1.5000 weight)**" in line
+    assert uc.kinds_table(c)[-1].startswith("- sample kinds: ")
+    del per[1]["selective"][lin]  # a run from before both kinds were run
+    assert uc.sample_kinds(per, 32) is None and uc.kinds_table(None) == []
+
+
 # -- over seeds (benchmarks/_common.py, uncertainty.py, headline.py) ---------------------------
 
 import headline  # noqa: E402
