@@ -353,7 +353,8 @@ class Tracker:
                     count(key, w.n, w.n_rows)
             for name, parts in rec.g_rows.items():
                 w = spaces["sequence" if name in rec.seq_layers else "position"]
-                g_root = w.root / c  # [m, 1]
+                g_root = w.root.to(self.row_dtype) / c  # [m, 1], in the rows' dtype (a
+                # float32 root over a float64 0-dim c would stay float32: float64 rows 1e-7 off)
                 for g in parts:
                     g = g.to(self.row_dtype)
                     rows.setdefault(self.plan.g_key(name), []).append(
