@@ -95,18 +95,25 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[0] if lines else ''}".rstrip(": ")
 
 
-def _prior_precision(value: str) -> float | str:
-    """``--prior-precision``: ``"marglik"`` or a positive finite number."""
-    if value == "marglik":
+def _word_or_number(flag: str, value: str, words: tuple[str, ...], allowed: str
+                    ) -> float | str:
+    """A flag's value: one of ``words``, or a positive finite number (else a one-line
+    `QueryInputError` naming ``allowed``)."""
+    if value in words:
         return value
     try:
-        tau = float(value)
+        x = float(value)
     except ValueError:
-        tau = math.nan
-    if not (math.isfinite(tau) and tau > 0):
-        raise QueryInputError(f"--prior-precision={value!r} is not allowed: must be a positive "
-                              "finite number or 'marglik'")
-    return tau
+        x = math.nan
+    if not (math.isfinite(x) and x > 0):
+        raise QueryInputError(f"{flag}={value!r} is not allowed: must be {allowed}")
+    return x
+
+
+def _prior_precision(value: str) -> float | str:
+    """``--prior-precision``: ``"marglik"`` or a positive finite number."""
+    return _word_or_number("--prior-precision", value, ("marglik",),
+                           "a positive finite number or 'marglik'")
 
 
 #: ``--mode``: the per-token whole-vocabulary table, or the top-k next tokens.
@@ -933,16 +940,8 @@ def _influence_parser(sub) -> None:
 
 def _damping(value: str) -> float | str:
     """``--damping``: one of `DAMPING_RULES` or a positive finite float."""
-    if value in DAMPING_RULES:
-        return value
-    try:
-        x = float(value)
-    except ValueError:
-        x = math.nan
-    if not (math.isfinite(x) and x > 0):
-        raise QueryInputError(f"--damping={value!r} is not allowed: must be 'heuristic', "
-                              "'prior' or a positive finite number")
-    return x
+    return _word_or_number("--damping", value, DAMPING_RULES,
+                           "'heuristic', 'prior' or a positive finite number")
 
 
 def _check_influence_ints(args) -> None:
