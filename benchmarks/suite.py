@@ -76,6 +76,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, metrics
 from kfac_stream.app.data import ExampleDataset
 from kfac_stream.config import sequences_per_update, window_mc_share
+from kfac_stream.query.heldout_tau import GRID as HELDOUT_GRID
+from kfac_stream.query.heldout_tau import LINKS as HELDOUT_LINKS
 from kfac_stream.query.laplace import probs_from_gaussian
 from kfac_stream.snapshot.sequence import write_record
 from kfac_stream.store.factor_store import FactorState, FactorStore
@@ -89,7 +91,15 @@ LINKS = ("probit", "meanfield", "mc", "blend")  # blend: `blend_probs`
 # link with the lower NLL on the validation set at the marglik tau (the Trainer's eval set)
 LINK_RULES = ("by-K", "val-link")
 K_MEANFIELD_MAX = 4  # by-K: meanfield for K ≤ 4 classes, probit above
-TAU_GRID = [10.0 ** e for e in range(-4, 7, 2)]  # with the marglik value: the val-tau grid
+TAU_GRID = list(HELDOUT_GRID)  # with the marglik value: the val-tau grid (the library's)
+# issue 46, fixed before the re-run. The held-out default: (tau, link) of the library's held-out
+# fit (`fit_prior_precision`): tau over its grid and the marglik value, jointly with the link
+# among HELDOUT_LINKS, the lowest validation NLL. Rules a user gets WITHOUT held-out data: the
+# marglik tau with each link (and by-K), MAP's own probabilities (Laplace variances for ranking
+# and OOD only), and "mem<t>-<link>": the posterior (marglik tau, that link) where MAP's
+# accuracy on the training set is >= t (the model memorised its data, so its confidence says
+# nothing about new data), MAP's probabilities otherwise.
+MEM_RULES = tuple(f"mem{t:g}-{k}" for t in (0.9, 0.95) for k in ("meanfield", "probit"))
 BAR_LT, BAR_ACC = 1.05, 0.01
 BAR_UNDER = 1.01  # where MAP is underconfident on test, NLL ≤ 1.01 × MAP's (else ≤ MAP's)
 
@@ -257,6 +267,14 @@ def evaluate_posterior(task, model, snap: Snapshot, mp: dict, mc: int, val: bool
                for t in (taus if val else ())}
     if val:  # every link's validation NLL at the marglik tau: the val-link rule's choice
         out["val_nll"] = val_nll[tau_ml]
+        # the library's held-out fit: (tau, link) jointly, lowest validation NLL (ties: the
+        # larger tau, the posterior nearer MAP)
+        t, link = min(((t, k) for t in taus for k in HELDOUT_LINKS),
+                      key=lambda c: (val_nll[c[0]][c[1]], -c[0]))
+        out["heldout"] = {"tau": t, "link": link, "val_nll": val_nll[t][link],
+                          "val_map_nll": metrics.nll(torch.softmax(mp["val"], -1),
+                                                     task.evals["val"][1]),
+                          "scores": scores(mp["test"], covs["test"][t], y, mc)[link]}
     test_at = {}  # every link's test scores at a tau, once per tau the links choose
     for link in LINKS if val else ():  # the validation tau, chosen with each link
         nll = {t: v[link] for t, v in val_nll.items()}
@@ -308,7 +326,7 @@ def run_seed(task, a, real_default: bool) -> dict:
         mp = {s: task.logits(model, task.evals[s][0]) for s in ("val", "test")}
         y = task.evals["test"][1]
         res = {"MAP": scores(mp["test"], None, y, a.mc)["map"], "n_classes": mp["test"].shape[-1],
-               "train_accuracy": train_accuracy(task, model),
+               **train_fit(task, model),
                "updates": len(steps), "sequences_per_update": seqs, "rules": {},
                "losses": [losses[0], losses[-1]], "train_seconds": [t_rec, t_def]}
         if snap_def is not None:
@@ -365,12 +383,14 @@ def run_seed(task, a, real_default: bool) -> dict:
     return res
 
 
-def train_accuracy(task, model) -> float | None:
-    """MAP's accuracy on the training set (None for the LM task)."""
+def train_fit(task, model) -> dict:
+    """MAP's accuracy and mean confidence on the training set (None for the LM task)."""
     tb = task.train_batch()
     if tb is None:
-        return None
-    return float((task.logits(model, tb[0]).argmax(-1) == tb[1]).double().mean())
+        return {"train_accuracy": None, "train_confidence": None}
+    p = torch.softmax(task.logits(model, tb[0]), -1)
+    return {"train_accuracy": float((p.argmax(-1) == tb[1]).double().mean()),
+            "train_confidence": float(p.max(-1).values.mean())}
 
 
 # -- selection ------------------------------------------------------------------------------------
@@ -382,14 +402,23 @@ def candidates(results: dict) -> list[tuple[str, str, str]]:
     one exists) on the default rule, the only one scored on ``val``."""
     any_seed = next(iter(results.values()))["per_seed"][0]
     rules = any_seed["rules"]
-    return ([(r, k, "marglik") for r in rules for k in (*LINKS, "by-K")]
-            + [(r, "val-link", "marglik") for r, v in rules.items() if "val_nll" in v])
+    return ([(r, k, "marglik") for r in rules for k in (*LINKS, "by-K", *MEM_RULES)]
+            + [("default", "map", "map")])
+
+
+HELDOUT = ("default", "heldout", "val")  # the default path with an eval set (issue 46)
 
 
 def chosen_link(res: dict, rule: str, link: str) -> str:
     """The fixed link a candidate's link (or link rule) picks on one task and seed."""
     if link == "by-K":
         return "meanfield" if res["n_classes"] <= K_MEANFIELD_MAX else "probit"
+    if link == "heldout":
+        return res["default"]["heldout"]["link"]
+    if link.startswith("mem"):
+        t, k = link[3:].split("-")
+        acc = res.get("train_accuracy")
+        return "map" if acc is not None and acc < float(t) else k
     if link == "val-link":
         v = res["rules"][rule]["val_nll"]
         return min(("probit", "meanfield"), key=v.get)
@@ -399,7 +428,12 @@ def chosen_link(res: dict, rule: str, link: str) -> str:
 def seed_scores(res: dict, cand: tuple[str, str, str]) -> dict:
     rule, link, tau = cand
     src = res["default"] if rule == "default" else res["rules"][rule]
-    return src["scores"][tau][chosen_link(res, rule, link)]
+    k = chosen_link(res, rule, link)
+    if k == "map":
+        return res["MAP"]
+    if tau == "val" and link == "heldout":
+        return src["heldout"]["scores"]
+    return src["scores"][tau][k]
 
 
 def overconfident(res: dict) -> bool:
@@ -465,8 +499,10 @@ def verdicts(tasks: dict) -> dict:
             continue
         c, _ = select(tasks, rest)
         loto[held] = {"chosen": list(c), "held_out_score": task_score(tasks[held], c)["score"]}
+    heldout = {n: task_score(tasks[n], HELDOUT) for n in names}
     return {"chosen": list(chosen), "worst_score": worst, "loto": loto,
             "shipped": {n: task_score(tasks[n], SHIPPED) for n in names},
+            "heldout": heldout, "heldout_worst": max(h["score"] for h in heldout.values()),
             "ranking": sorted(((max(task_score(tasks[n], c)["score"] for n in names),
                                 max(quality(tasks[n], c) for n in names), list(c))
                                for c in candidates(tasks)), key=lambda r: (max(r[0], 1.0), r[1]))}
@@ -494,6 +530,11 @@ def report(out: dict, info: dict) -> str:
              "laplace-torch's and accuracy ≥ MAP's − 1 point. Score ≤ 1 ⇔ the bar holds.",
              ""]
     lines += shipped_table(v["shipped"])
+    lines += ["", "The default path **with** an eval set (issue 46): tau and link fitted "
+              "jointly on the validation set by the library's held-out fit (tau over "
+              f"{len(HELDOUT_GRID)} grid values and the marglik value, links "
+              f"{', '.join(HELDOUT_LINKS)}); worst score {v['heldout_worst']:.3f}:", ""]
+    lines += shipped_table(v["heldout"])
     if tuple(v["chosen"]) != SHIPPED:
         lines += ["", f"The candidate chosen on all tasks, {v['chosen']}:", ""]
         lines += shipped_table({n: task_score(out["tasks"][n], tuple(v["chosen"]))
@@ -568,6 +609,7 @@ def make_task(name: str, seed: int, a, base):
 
 ALL_TASKS = ["license-fit", "manpage-section", "glyph-digits", "source-small", "docstring-lora",
              "lm-heldout", "encoder-filekind"]
+ALL_TASKS += [n for n in st.NEW_TASKS if n not in ALL_TASKS]  # issue 46's fine-tune tasks
 
 
 def head_layers(model) -> dict:

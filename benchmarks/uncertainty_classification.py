@@ -125,7 +125,6 @@ import ast
 import copy
 import dataclasses
 import datetime
-import inspect
 import math
 import os
 import random
@@ -145,6 +144,7 @@ from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, metrics
 from kfac_stream.app.data import ExampleDataset
 from kfac_stream.query.laplace import probs_from_gaussian
+from kfac_stream.query.prior_choice import NO_HELDOUT_LINK
 
 from _common import (
     conv1d_to_linear,
@@ -853,7 +853,7 @@ def run_seed(task, a) -> dict:
 MAIN = "Laplace stream (default), tau=marglik"
 #: the library's default link of the K-way predictive (`LaplacePosterior.predictive_probs`),
 #: used for every main figure, the OOD scores and the val-NLL choice of tau
-LINK = inspect.signature(LaplacePosterior.predictive_probs).parameters["method"].default
+LINK = NO_HELDOUT_LINK  # `predictive_probs`' link without a stored held-out fit
 KRON = "laplace-torch KronLaplace (default GGN), tau=marglik"
 
 

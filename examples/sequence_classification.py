@@ -107,15 +107,17 @@ train, evalset = ([example(*x) for x in split[k]] for k in ("train", "eval"))
                                    for k in ("eval", "test"))
 
 # 2. train with the callback: K-FAC factors of the blocks' layers (rows: token positions) and
-# of the pooled head, bert.pooler.dense and classifier (rows: sequences); at the end of training
-# the callback fits the prior precision tau on the eval set and stores it beside the snapshot
+# of the pooled head, bert.pooler.dense and classifier (rows: sequences); the Trainer has an
+# eval set, so at the end of training the callback fits the prior precision tau and the link on
+# it (the default, eval_prior_precision="auto"), stores them beside the snapshot and logs its
+# verdict: the eval NLL of MAP and of the chosen posterior
 model = BertForSequenceClassification(BertConfig(
     vocab_size=257, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
     intermediate_size=256, max_position_embeddings=WINDOW + 1, num_labels=len(CLASSES),
     pad_token_id=0))
 kfac = KFACStreamCallback(KFACConfig(
     include=[r"encoder\.layer\.", r"pooler\.dense$", r"^classifier$"], token_fraction=0.25,
-    update_every=5, mc_sequences=8, eval_prior_precision=True))
+    update_every=5, mc_sequences=8))
 trainer = Trainer(
     model=model, train_dataset=train, eval_dataset=evalset, callbacks=[kfac],
     args=TrainingArguments(args.out, max_steps=args.steps, per_device_train_batch_size=32,
@@ -124,21 +126,16 @@ trainer = Trainer(
 trainer.train()
 model.eval()
 
-# 3. the final snapshot, its held-out tau, the posterior
+# 3. the final snapshot and its posterior: LaplacePosterior(model, snap) takes the stored
+# held-out tau and link (without one: the marginal likelihood's tau, mean-field link)
 snap = Snapshot.latest(f"{args.out}/kfac")
 print(f"snapshot of step {snap.step}: {len(snap.layer_names)} layers")
-held = snap.heldout_prior  # None when eval_prior_precision could not run
+post = LaplacePosterior(model, snap)
+held = post.heldout  # the stored fit in use, or None (the callback logged why)
+source = "held-out" if held is not None else "marginal likelihood"
+print(f"posterior: {post.describe()}")
 if held is not None:
-    tau, source = held.tau, "held-out"
-    print(f"tau {held.tau:.4g}: the lowest eval-set NLL of the Laplace predictive over "
-          f"{len(held.grid)} candidates ({held.nll:.4f} on {held.examples} examples; the "
-          f"marginal likelihood's tau {held.marglik_tau:.4g}: {held.marglik_nll:.4f})")
-else:
-    tau, source = "marglik", "marginal likelihood"
-    print("no held-out tau beside the snapshot (eval_prior_precision needs the Trainer's "
-          "eval_dataset and one process; the callback logged why): the marginal likelihood's "
-          "tau instead")
-post = LaplacePosterior(model, snap, prior_precision=tau)
+    print(held.verdict())
 N = post.layer_num_data  # per layer: its rows in the data set, token positions or sequences
 for kind, unit in (("position", "token positions"), ("sequence", "sequences")):
     names = [n for n in N if snap.meta["layers"][n].get("rows", "position") == kind]
@@ -147,14 +144,14 @@ for kind, unit in (("position", "token positions"), ("sequence", "sequences")):
         print(f"N = {N[names[0]]:.0f} {unit} for {shown}")
 
 
-# 4. on the test split: calibrated class probabilities (`predictive_probs`, the mean-field link)
+# 4. on the test split: calibrated class probabilities (`predictive_probs`, the posterior's link)
 # and the Gaussian of the logits (`predictive`), MAP's softmax beside them
 def map_probs(b: dict) -> torch.Tensor:
     with torch.no_grad():
         return model(**b).logits.double().softmax(-1)  # [n, C]
 
 
-laplace = f"Laplace, {source} tau {post.prior_precision:.3g}"
+laplace = f"Laplace, {source} tau {post.prior_precision:.3g} {post.link}"
 rows = {"MAP softmax": map_probs(test), laplace: post.predictive_probs(test)}
 if held is not None:  # the other choice of tau, for comparison
     post.prior_precision = held.marglik_tau

@@ -57,6 +57,7 @@ def _inspect(args) -> int:
     few = sampling_warning("warning", snap.meta)
     if few is not None:
         print(few)
+    print(_prior_line(snap))
     if args.plot:
         from .snapshot.media import plot_spectra
 
@@ -67,6 +68,18 @@ def _inspect(args) -> int:
                                   " must be a writable image path such as spectra.png") from None
         print(f"spectra: {png}")
     return 0
+
+
+def _prior_line(snap) -> str:
+    """``inspect``'s line on the prior precision a query of this snapshot uses by default:
+    the stored held-out fit's verdict, or the rule without held-out data."""
+    from .query.prior_choice import NO_HELDOUT_LINK
+
+    fit = snap.heldout_prior
+    if fit is None:
+        return ("prior precision: no held-out fit stored; queries use the rule without "
+                f"held-out data (tau by marginal likelihood, {NO_HELDOUT_LINK} link)")
+    return f"prior precision: {fit.verdict()} (queries use it by default)"
 
 
 class _RawByte(str):
@@ -110,10 +123,16 @@ def _word_or_number(flag: str, value: str, words: tuple[str, ...], allowed: str
     return x
 
 
-def _prior_precision(value: str) -> float | str:
-    """``--prior-precision``: ``"marglik"`` or a positive finite number."""
-    return _word_or_number("--prior-precision", value, ("marglik",),
-                           "a positive finite number or 'marglik'")
+def _prior_precision(value: str, words: tuple[str, ...] = ("marglik",)) -> float | str:
+    """``--prior-precision``: one of ``words`` or a positive finite number."""
+    return _word_or_number("--prior-precision", value, words,
+                           "a positive finite number or " + " or ".join(map(repr, words)))
+
+
+#: ``query --prior-precision``'s words (`kfac_stream.query.prior_choice`).
+QUERY_PRIOR_WORDS = ("auto", "heldout", "marglik")
+#: ``query --link``: the links `LaplacePosterior.predictive_probs` takes.
+QUERY_LINKS = ("meanfield", "probit", "mc")
 
 
 #: ``--mode``: the per-token whole-vocabulary table, or the top-k next tokens.
@@ -162,7 +181,35 @@ def _check_query_args(args, task: str, arch: str) -> float | str:
         _check_classifier_args(args, arch)
     else:
         _check_lm_args(args)
-    return _prior_precision(args.prior_precision)
+    if args.link is not None and args.link not in QUERY_LINKS:
+        raise QueryInputError(f"--link={args.link!r} is not allowed: must be one of "
+                              f"{', '.join(QUERY_LINKS)} (default: the held-out fit's link when "
+                              "one is stored beside the snapshot)")
+    return _prior_precision(args.prior_precision, QUERY_PRIOR_WORDS)
+
+
+def _posterior(args, model, snap, tau):
+    """The query's `LaplacePosterior` (``--prior-precision``, ``--link``), its choice said on
+    stderr."""
+    from .query.laplace import LaplacePosterior
+
+    if tau == "marglik" or (tau == "auto" and snap.heldout_prior is None):
+        _status(f"choosing the prior precision by marginal likelihood over {len(snap)} layers "
+                "(--prior-precision FLOAT skips it) ...")
+    post = LaplacePosterior(model, snap, prior_precision=tau, link=args.link)
+    _status(post.describe())
+    return post
+
+
+def _prior_meta(post) -> dict:
+    """The JSON fields that say which ``τ`` and link a query used and where they came from,
+    with the held-out fit's verdict when one was used."""
+    meta = {"num_data": float(post.num_data), "prior_precision": float(post.prior_precision),
+            "prior_source": post.prior_source, "link": post.link,
+            "link_source": post.link_source}
+    if post.heldout is not None:
+        meta["heldout"] = {"verdict": post.heldout.verdict(), **post.heldout.to_dict()}
+    return meta
 
 
 #: The flags of a causal LM's query, ``(flag, argparse dest)``: refused with a classifier.
@@ -543,7 +590,6 @@ def _query(args) -> int:
     import torch
 
     from .query import token_table as tt
-    from .query.laplace import LaplacePosterior
 
     _status(f"snapshot {snap.path}: {len(snap)} layers; loading model {_model_shown(args)} ...")
     model = _load_model(args.model, adapter=args.adapter)
@@ -557,13 +603,9 @@ def _query(args) -> int:
         options_from = "snapshot"
         _status(f"options {' '.join(map(repr, args.options))}: the snapshot's answer tokens "
                 "(KFACConfig.answer_tokens; --options overrides them)")
-    if tau == "marglik":
-        _status(f"choosing the prior precision by marginal likelihood over {len(snap)} layers "
-                "(--prior-precision FLOAT skips it) ...")
-    post = LaplacePosterior(model, snap, prior_precision=tau)
+    post = _posterior(args, model, snap, tau)
     meta = {"snapshot": str(snap.path), "step": snap.step, "model": args.model,
-            **_base_meta(args), "text": args.text, "mode": args.mode,
-            "num_data": float(post.num_data), "prior_precision": float(post.prior_precision),
+            **_base_meta(args), "text": args.text, "mode": args.mode, **_prior_meta(post),
             "samples": args.samples, "seed": args.seed}
     decode = lambda i: _decode(tokenizer, i)  # noqa: E731
     answers = None
@@ -609,7 +651,7 @@ def _query(args) -> int:
     else:
         if args.mode == "topk":  # the line that opened the top-k table since issue 15
             print(f"snapshot {snap.path} (step {snap.step}); N = {post.num_data:.0f}, "
-                  f"prior precision = {post.prior_precision:.4g}")
+                  f"{post.describe()}")
         print(table)
         if answers is not None:
             print()
@@ -629,8 +671,8 @@ TEXT_WIDTH = 60
 
 CLASSES_EXPLAINED = (
     "per input: MAP p = softmax of the trained model's logits; Laplace p = the linearised Laplace "
-    "predictive (LaplacePosterior.predictive_probs, mean-field link); logit = the class logit's "
-    "posterior mean ± std; * = the predicted label (the largest Laplace p); H = entropy of "
+    "predictive (LaplacePosterior.predictive_probs, the posterior's link); logit = the class "
+    "logit's posterior mean ± std; * = the predicted label (the largest Laplace p); H = entropy of "
     "Laplace p in nats; sd = the std of the predicted label's logit")
 
 
@@ -726,10 +768,13 @@ def _class_table(records: Sequence[Mapping], names: Sequence[str]) -> str:
 def _class_footer(meta: Mapping, inputs: int) -> str:
     """``snapshot … (step …); Arch, C classes; N = …, prior precision τ = …, meanfield link;
     n inputs; … s``."""
-    return (f"snapshot {meta['snapshot']} (step {meta['step']}); {meta['architecture']}, "
+    line = (f"snapshot {meta['snapshot']} (step {meta['step']}); {meta['architecture']}, "
             f"{len(meta['labels'])} classes; N = {meta['num_data']:.0f}, prior precision τ = "
-            f"{meta['prior_precision']:.4g}, {meta['link']} link; {inputs} "
-            f"input{'s' if inputs != 1 else ''}; {meta['seconds']:.1f} s")
+            f"{meta['prior_precision']:.4g} ({meta['prior_source']}), {meta['link']} link "
+            f"({meta['link_source']}); {inputs} input{'s' if inputs != 1 else ''}; "
+            f"{meta['seconds']:.1f} s")
+    heldout = meta.get("heldout")
+    return line if heldout is None else f"{line}\n{heldout['verdict']}"
 
 
 def _class_document(meta: Mapping, records: Sequence[Mapping]) -> str:
@@ -742,10 +787,6 @@ def _class_document(meta: Mapping, records: Sequence[Mapping]) -> str:
 #: Inputs per forward (and per batched backward) of a classifier's query: memory grows with
 #: it as ``B · C · d_out · d_A`` per layer.
 CLASSIFY_BATCH = 16
-
-#: A classifier's link from the logits' Gaussian to probabilities: `predictive_probs`'s default.
-CLASSIFY_LINK = "meanfield"
-
 
 def _class_batches(ids: list[list[int]], pad_id: int | None) -> list[dict]:
     """The inputs' batches: ``{"input_ids", "attention_mask"}``, each ``[B, T]``, up to
@@ -772,31 +813,26 @@ def _class_batches(ids: list[list[int]], pad_id: int | None) -> list[dict]:
 def _class_predictive(post, batches: list[dict]) -> tuple[Tensor, Tensor, Tensor]:
     """``(mean [B, C], cov [B, C, C], probs [B, C])`` over every input: the linearised
     predictive of all classes (`LaplacePosterior.predictive`) and its probabilities by the
-    documented default link (`probs_from_gaussian`, as `predictive_probs` gives them)."""
+    posterior's link (`probs_from_gaussian`, as `predictive_probs` gives them)."""
     import torch
 
     from .query.laplace import probs_from_gaussian
 
     means, covs = zip(*(post.predictive(b) for b in batches))
     mean, cov = torch.cat(means), torch.cat(covs)
-    return mean, cov, probs_from_gaussian(mean, cov, CLASSIFY_LINK)
+    return mean, cov, probs_from_gaussian(mean, cov, post.link)
 
 
 def _classify(args, tau, arch: str, tokenizer, t0: float) -> int:
     """A sequence classifier's query: per input the MAP and Laplace class probabilities, the
     predicted label and its uncertainty (a table, or ``--json``)."""
-    from .query.laplace import LaplacePosterior
-
     texts = _texts(args)
     _status(f"loading snapshot {args.snapshot} ...")
     snap = _load_snapshot("--snapshot", args.snapshot)
     _status(f"snapshot {snap.path}: {len(snap)} layers; loading {arch} {_model_shown(args)} ...")
     model = _load_model(args.model, CLASSIFIER, args.adapter)
     ids = [_token_ids(args, tokenizer, model, text, where) for text, where in texts]
-    if tau == "marglik":
-        _status(f"choosing the prior precision by marginal likelihood over {len(snap)} layers "
-                "(--prior-precision FLOAT skips it) ...")
-    post = LaplacePosterior(model, snap, prior_precision=tau)
+    post = _posterior(args, model, snap, tau)
     _status(f"{len(ids)} input{'s' if len(ids) != 1 else ''} x {model.config.num_labels} "
             f"classes ({time.perf_counter() - t0:.1f} s so far) ...")
     mean, cov, probs = _class_predictive(post, _class_batches(ids, model.config.pad_token_id))
@@ -805,8 +841,7 @@ def _classify(args, tau, arch: str, tokenizer, t0: float) -> int:
                              probs)
     meta = {"snapshot": str(snap.path), "step": snap.step, "model": args.model,
             **_base_meta(args), "task": CLASSIFIER, "architecture": arch, "file": args.file,
-            "num_data": float(post.num_data), "prior_precision": float(post.prior_precision),
-            "link": CLASSIFY_LINK, "labels": names,
+            **_prior_meta(post), "labels": names,
             "seconds": round(time.perf_counter() - t0, 3)}
     if args.json:
         print(_class_document(meta, records))
@@ -1661,9 +1696,9 @@ def main(argv: list[str] | None = None) -> int:
         "problem_type, num_labels): a causal LM (*ForCausalLM, *LMHeadModel) gets the per-token "
         "table of one --text (or --top-k); a single-label sequence classifier "
         "(*ForSequenceClassification) gets, per input (--text, or --file with one input per "
-        "line), the MAP class probabilities, the Laplace predictive's (mean-field link), the "
-        "predicted label, its entropy and logit std. Other tasks are refused. Without "
-        "tokenizer files, pass --byte-level or --tokenizer DIR.")
+        "line), the MAP class probabilities, the Laplace predictive's (the held-out fit's link, "
+        "or mean-field), the predicted label, its entropy and logit std. Other tasks are "
+        "refused. Without tokenizer files, pass --byte-level or --tokenizer DIR.")
     q.add_argument("--snapshot", required=True, help="snapshot directory (or its parent)")
     q.add_argument("--model", required=True, help="model directory or hub name (a causal LM "
                    "or a sequence classifier)")
@@ -1682,7 +1717,13 @@ def main(argv: list[str] | None = None) -> int:
                    "tokens with mean p +- std (default: topk if --top-k is given, else tokens)")
     q.add_argument("--top-k", type=int, help="causal LMs: next tokens per position (--mode "
                    "topk; default 5)")
-    q.add_argument("--prior-precision", default="marglik", help="a float or 'marglik'")
+    q.add_argument("--prior-precision", default="auto", help="auto (default: the tau and link "
+                   "fitted on the eval set beside the snapshot when stored, else the marginal "
+                   "likelihood), heldout (the stored fit; an error without one), marglik, or "
+                   "a float")
+    q.add_argument("--link", help="the link from the logits' Gaussian to probabilities: "
+                   f"{', '.join(QUERY_LINKS)} (default: the held-out fit's when stored, else "
+                   "meanfield)")
     q.add_argument("--samples", type=int, help="causal LMs: posterior samples (--mode tokens, "
                    f"default {DEFAULT_SAMPLES['tokens']}) or draws per position (--mode topk, "
                    f"default {DEFAULT_SAMPLES['topk']})")

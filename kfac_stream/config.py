@@ -173,18 +173,26 @@ class KFACConfig:
         eigh_threads: CPU threads for snapshot eigendecompositions. ``None``: the cores this
             process may use divided by the processes on the node (``LOCAL_WORLD_SIZE``),
             whatever ``OMP_NUM_THREADS`` the launcher set. (Default: None)
-        eval_prior_precision: At the end of training, when the Trainer has an
-            ``eval_dataset`` and one process trains (no DeepSpeed ZeRO-3), fit the prior
-            precision ``τ`` on it (the lowest held-out NLL of the linearised predictive, mean-
-            field link, over a log grid and the marginal-likelihood value:
-            `kfac_stream.query.heldout_tau.fit_prior_precision`) and store it beside the final
-            snapshot (``snap.heldout_prior.tau``). For a classification head (``labels [B]``;
-            one Jacobian pass over the eval set) and a seq2seq LM (T5, BART: the NLL per label
-            token, by Monte Carlo over draws of the linearised model, about 400 forwards per
-            eval batch), and for a causal LM's answer-token fine-tune with ``answer_tokens``
-            (the eval set's answer positions: each row's first labelled position, whose label
-            must be one of the answer tokens). A causal LM without ``answer_tokens`` is refused
-            at train begin. (Default: False)
+        eval_prior_precision: Fit the prior precision ``τ`` and the K-way link on the
+            Trainer's ``eval_dataset`` at the end of training (one process; the lowest
+            held-out NLL of the linearised predictive over a log grid of ``τ`` and the
+            marginal-likelihood value, jointly with the probit and mean-field links:
+            `kfac_stream.query.heldout_tau.fit_prior_precision`, about ``K + 1`` eval passes
+            for ``K`` classes or answer options) and store the choice beside the final
+            snapshot (``snap.heldout_prior``), where ``LaplacePosterior(model, snap)`` and
+            ``kfac-stream query`` take it by default. The end of training logs its verdict:
+            the eval NLL of MAP and of the chosen posterior, and MAP's confidence gap.
+            ``"auto"`` fits whenever the Trainer has an ``eval_dataset`` and the model's
+            answers are known: a classification head (``labels [B]``), or a language model
+            with ``answer_tokens`` (the eval set's answer positions: each row's first labelled
+            position, whose label must be one of the answer tokens); a language model without
+            ``answer_tokens`` is said once at train begin, with how to get the fit. ``True``
+            also fits a seq2seq LM (T5, BART) without ``answer_tokens`` on its whole targets
+            (the NLL per label token, by Monte Carlo over draws of the linearised model,
+            about 400 forwards per eval batch) and refuses a causal LM without
+            ``answer_tokens`` at train begin; ``False`` never fits. Without a fit, queries use
+            the rule without held-out data (`kfac_stream.query.prior_choice`).
+            (Default: "auto")
         answer_tokens: The answer options of a language model's multiple-choice or
             answer-token fine-tune (e.g. ``[" A", " B", " C", " D"]``): two or more distinct
             token ids, or strings that the Trainer's tokenizer (its ``processing_class``)
@@ -239,7 +247,7 @@ class KFACConfig:
     exchange: str = "auto"
     eigh_device: str = "auto"
     eigh_threads: int | None = None
-    eval_prior_precision: bool = False
+    eval_prior_precision: bool | str = "auto"
     answer_tokens: list[int | str] | None = None
     fail_on_snapshot_error: bool = False
     ekfac: bool = False
@@ -256,8 +264,11 @@ class KFACConfig:
                 raise KFACConfigError(
                     f"KFACConfig.{name}={value!r} is not allowed: must be a positive integer"
                 )
-        for name in ("share_inputs", "fail_on_snapshot_error", "eval_prior_precision",
-                     "ekfac"):
+        if not (isinstance(self.eval_prior_precision, bool)
+                or self.eval_prior_precision == "auto"):
+            raise KFACConfigError(f"KFACConfig.eval_prior_precision={self.eval_prior_precision!r}"
+                                  " is not allowed: must be 'auto', True or False")
+        for name in ("share_inputs", "fail_on_snapshot_error", "ekfac"):
             if not isinstance(getattr(self, name), bool):
                 raise KFACConfigError(f"KFACConfig.{name}={getattr(self, name)!r} is not "
                                       "allowed: must be a bool")

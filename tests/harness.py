@@ -103,3 +103,24 @@ def classifier_posterior(tmp_path, tau: float, num_data: float):
 
     model, snap, _ = tiny_classifier_run(tmp_path)
     return LaplacePosterior(model, snap, tau, num_data)
+
+
+#: The links the held-out fit chooses among, in its tie order (`heldout_tau.LINKS`).
+HELDOUT_LINKS = ("probit", "meanfield")
+
+
+def brute_heldout_choice(post, grid, predictive, y):
+    """``((tau, link), {candidate: mean NLL})`` of the lowest held-out NLL over ``grid`` ×
+    `HELDOUT_LINKS`, by brute force: ``predictive()`` → ``(mean [B, K], cov [B, K, K])`` at
+    every candidate tau set on ``post``; ties: the larger tau, then the link order."""
+    from kfac_stream.query.laplace import probs_from_gaussian
+
+    nll = {}
+    for tau in grid:
+        post.prior_precision = tau
+        mean, cov = predictive()
+        for link in HELDOUT_LINKS:
+            p = probs_from_gaussian(mean, cov, link)
+            nll[(tau, link)] = float(-p[torch.arange(len(y)), y].log().mean())
+    best = min(nll, key=lambda c: (nll[c], -c[0], HELDOUT_LINKS.index(c[1])))
+    return best, nll

@@ -26,8 +26,8 @@ from kfac_stream import (
     answer_distribution,
     fit_prior_precision,
 )
-from kfac_stream.query.laplace import probs_from_gaussian
 
+from harness import brute_heldout_choice
 from models import ListDataset, real_text, tiny_gpt2
 
 ANSWERS = [65, 66, 67, 68]  # the bytes "A" .. "D" of the byte-level model
@@ -152,22 +152,18 @@ def test_positions_given_with_labels_are_refused(answered):
 
 def test_eval_prior_precision_equals_a_grid_search_on_the_answer_positions(answered):
     """The stored tau is the candidate with the lowest held-out NLL, recomputed here by brute
-    force: the prompts, each at its own last position, every candidate, mean-field link."""
+    force: the prompts, each at its own last position, every candidate tau and link."""
     model, snap, held = answered
     prior = snap.heldout_prior
-    assert prior is not None and prior.examples == 10 and prior.link == "meanfield"
+    assert prior is not None and prior.examples == 10
     post = LaplacePosterior(model, snap)
     prompts, last = _prompt_batch(held)
     y = torch.tensor([ANSWERS.index(int(e["labels"][e["labels"] != -100])) for e in held])
-    brute = {}
-    for tau in prior.grid:
-        post.prior_precision = tau
-        mean, cov = post.predictive(prompts, positions=last, token_ids=ANSWERS)
-        p = probs_from_gaussian(mean, cov, "meanfield")
-        brute[tau] = float(-p[torch.arange(10), y].log().mean())
-    best = min(brute, key=lambda t: (brute[t], t))
-    assert prior.tau == best
-    assert prior.nll == pytest.approx(brute[best], rel=1e-9)
+    (tau, link), brute = brute_heldout_choice(
+        post, prior.grid, lambda: post.predictive(prompts, positions=last, token_ids=ANSWERS),
+        y)
+    assert (prior.tau, prior.link) == (tau, link)
+    assert prior.nll == pytest.approx(brute[(tau, link)], rel=1e-9)
     assert len(set(brute.values())) > 1  # the candidates differ: the choice is not trivial
     # and by hand, with the snapshot's answer tokens by default
     again = fit_prior_precision(post, [_stack(held)])

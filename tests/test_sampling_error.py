@@ -28,7 +28,7 @@ from kfac_stream.snapshot import adequacy
 from kfac_stream.snapshot.adequacy import REL_SE_WARN, sampling_problems, sampling_summary
 from kfac_stream.store.factor_store import FactorStore
 
-from harness import ListDataset, factor_errors, run, sum_nll_loss
+from harness import ListDataset, brute_heldout_choice, factor_errors, run, sum_nll_loss
 from models import text_examples, tiny_gpt2
 from reference import expected_fisher_G, reference_factors
 
@@ -308,12 +308,11 @@ def test_enough_samples_give_no_warning(tmp_path):
 
 def test_prior_precision_fitted_on_the_eval_dataset(tmp_path):
     """``eval_prior_precision=True`` on a sequence classifier with an ``eval_dataset``: the
-    stored tau is the candidate with the lowest held-out NLL, recomputed here by brute force
-    (`LaplacePosterior.predictive` at every candidate, mean-field link, per example)."""
+    stored (tau, link) is the candidate with the lowest held-out NLL, recomputed here by brute
+    force (`LaplacePosterior.predictive` at every candidate tau, both links, per example)."""
     from transformers import GPT2Config, GPT2ForSequenceClassification, Trainer, TrainingArguments
 
     from kfac_stream import KFACStreamCallback
-    from kfac_stream.query.laplace import probs_from_gaussian
 
     torch.manual_seed(0)
     model = GPT2ForSequenceClassification(GPT2Config(
@@ -336,7 +335,7 @@ def test_prior_precision_fitted_on_the_eval_dataset(tmp_path):
                 eval_dataset=ListDataset(held), callbacks=[cb]).train()
     snap = Snapshot.load(cb.snapshots[-1])
     prior = snap.heldout_prior
-    assert prior is not None and prior.examples == 10 and prior.link == "meanfield"
+    assert prior is not None and prior.examples == 10
     model.eval()
     # 6 steps × 4 sequences < min_window_sequences: said at train begin only (issue 39), not
     # by the tau fit's own posterior; the user's first posterior says it once more
@@ -345,17 +344,18 @@ def test_prior_precision_fitted_on_the_eval_dataset(tmp_path):
         post = LaplacePosterior(model, snap)
     batch = {k: torch.stack([e[k] for e in held]) for k in ("input_ids", "attention_mask")}
     y = torch.stack([e["labels"] for e in held])
-    brute = {}
-    for tau in prior.grid:
-        post.prior_precision = tau
-        mean, cov = post.predictive(batch)
-        p = probs_from_gaussian(mean, cov, "meanfield")
-        brute[tau] = float(-p[torch.arange(10), y].log().mean())
-    best = min(brute, key=lambda t: (brute[t], t))
-    assert prior.tau == best
-    assert prior.nll == pytest.approx(brute[best], rel=1e-9)
+    (tau, link), brute = brute_heldout_choice(post, prior.grid, lambda: post.predictive(batch), y)
+    assert (prior.tau, prior.link) == (tau, link)
+    assert prior.nll == pytest.approx(brute[(tau, link)], rel=1e-9)
     assert prior.marglik_tau in prior.grid
     assert len(set(brute.values())) > 1  # the candidates differ: the choice is not trivial
+    # MAP's own held-out figures, from the same pass
+    with torch.no_grad():
+        p_map = torch.softmax(model(**batch).logits.double(), -1)
+    assert prior.map_nll == pytest.approx(float(-p_map[torch.arange(10), y].log().mean()),
+                                          rel=1e-6)
+    assert prior.map_accuracy == float((p_map.argmax(-1) == y).double().mean())
+    assert prior.map_confidence == pytest.approx(float(p_map.max(-1).values.mean()), rel=1e-6)
 
 
 def test_eval_prior_precision_without_an_eval_set_warns_once_at_train_begin(tmp_path, caplog):

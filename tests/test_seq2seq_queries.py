@@ -205,8 +205,11 @@ def test_heldout_prior_is_fitted_on_the_eval_sets_label_tokens(run):
                                     batch["labels"].reshape(-1), ignore_index=-100))
     assert prior.grid[-1] == 1e6
     assert prior.grid_nll[-1] == pytest.approx(map_nll, rel=MAP_NLL_TOL)
-    done = [m for _, m in lines if m.startswith("kfac_stream: prior precision fitted on")]
-    assert len(done) == 1 and f"on {tokens} held-out label tokens" in done[0], done
+    done = [m for _, m in lines if m.startswith("kfac_stream: held-out fit on")]
+    assert len(done) == 1 and f"on {tokens} eval label tokens" in done[0], done
+    # the method line before it names what ran: the Monte Carlo per-token fit (no answer tokens)
+    said = [m for _, m in lines if m.startswith("kfac_stream: held-out fit")]
+    assert "Monte Carlo over 16 draws" in said[0] and "Jacobian" not in said[0], said
 
 
 def test_shared_input_probe_runs_on_a_seq2seq_model(run):

@@ -101,7 +101,7 @@ def resolve_answer_tokens(spec: Sequence[int | str] | None, model: nn.Module,
     return {"ids": ids, "texts": texts if shown_texts else None}
 
 
-def check_eval_answer_tokens(eval_prior_precision: bool, answers: dict | None,
+def check_eval_answer_tokens(eval_prior_precision: bool | str, answers: dict | None,
                              model: nn.Module) -> None:
     """At train begin: ``eval_prior_precision`` on a causal language model (a language-model
     head, not an encoder-decoder, whose eval labels hold whole targets) needs the answer
@@ -111,7 +111,7 @@ def check_eval_answer_tokens(eval_prior_precision: bool, answers: dict | None,
         KFACConfigError: a causal LM with ``eval_prior_precision=True`` and no
             ``answer_tokens``.
     """
-    if not eval_prior_precision or answers is not None or output_vocab(model) is None or (
+    if eval_prior_precision is not True or answers is not None or output_vocab(model) is None or (
             seq2seq_lm(model)):
         return
     raise KFACConfigError(

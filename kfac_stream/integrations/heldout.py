@@ -1,4 +1,4 @@
-"""``KFACConfig.eval_prior_precision``: the prior precision fitted on the Trainer's
+"""``KFACConfig.eval_prior_precision``: the prior precision and link fitted on the Trainer's
 ``eval_dataset`` at the final snapshot, stored beside it (`kfac_stream.query.heldout_tau`).
 
 A classification head's eval set gives one label per example; a seq2seq model's (T5, BART) its
@@ -13,14 +13,20 @@ import torch
 from transformers import Trainer
 
 from ..exceptions import QueryInputError
-from ..query.heldout_tau import GRID, TOKEN_SAMPLES, fit_prior_precision
+from ..query.heldout_tau import GRID, LINKS, TOKEN_SAMPLES, fit_prior_precision
 from ..query.inputs import seq2seq_lm
 from ..query.laplace import LaplacePosterior
+from ..query.prior_choice import NO_HELDOUT_LINK, NO_HELDOUT_TAU
 from ..snapshot.heldout_prior import write_heldout_prior
 from ..snapshot.snapshot import Snapshot
+from .answer_tokens import output_vocab
 from .spectrum_monitor import find_on_stack
 
 logger = logging.getLogger("kfac_stream")
+
+#: The rule without held-out data, in words (`kfac_stream.query.prior_choice`).
+NO_HELDOUT_RULE = (f"the rule without held-out data (tau by {NO_HELDOUT_TAU}, {NO_HELDOUT_LINK} "
+                   "link)").replace("by marglik", "by marginal likelihood")
 
 
 def find_trainer(depth: int = 16) -> Trainer | None:
@@ -29,60 +35,80 @@ def find_trainer(depth: int = 16) -> Trainer | None:
     return find_on_stack(Trainer, depth)
 
 
-def check_eval_set(tracker) -> None:
-    """At train begin, on rank 0: one warning line when ``eval_prior_precision`` cannot run
-    (no ``eval_dataset``), or an info line with several ranks (fitted after training by hand)."""
-    if tracker.rank != 0:
-        return
+def plan_heldout_fit(tracker, mode: bool | str, answers: dict | None, model) -> bool:
+    """At train begin: whether the end of training fits ``τ`` and the link on the Trainer's
+    eval set (``KFACConfig.eval_prior_precision`` ``mode``), each reason not to said once,
+    on rank 0 (the other ranks never fit)."""
+    if mode is False:
+        return False
     if tracker.world_size > 1:
-        logger.info("kfac_stream: eval_prior_precision runs in one process only; with %d ranks, "
-                    "fit tau after training with kfac_stream.fit_prior_precision",
-                    tracker.world_size)
-        return
+        if tracker.rank == 0:
+            logger.info("kfac_stream: the held-out fit of tau runs in one process only; with %d "
+                        "ranks, fit it after training with kfac_stream.fit_prior_precision "
+                        "(queries use the rule without held-out data until then)",
+                        tracker.world_size)
+        return False
     trainer = find_trainer()
     if trainer is not None and trainer.eval_dataset is None:
-        logger.warning("kfac_stream: eval_prior_precision=True but the Trainer has no "
-                       "eval_dataset: no tau will be fitted and Snapshot.heldout_prior will be "
-                       "None (pass eval_dataset=..., or call kfac_stream.fit_prior_precision "
-                       "after training)")
+        if mode is True:
+            logger.warning("kfac_stream: eval_prior_precision=True but the Trainer has no "
+                           "eval_dataset: no tau will be fitted and Snapshot.heldout_prior "
+                           "will be None (pass eval_dataset=..., or call "
+                           "kfac_stream.fit_prior_precision after training)")
+        else:
+            logger.info("kfac_stream: no eval_dataset: queries will use %s (pass "
+                        "eval_dataset=... to fit tau and the link on held-out data, the "
+                        "default whenever there is one)", NO_HELDOUT_RULE)
+        return False
+    if mode == "auto" and answers is None and output_vocab(model) is not None:
+        logger.info("kfac_stream: a language model without answer_tokens: tau and the link "
+                    "are not fitted on the eval set (set KFACConfig(answer_tokens=[...]) for an "
+                    "answer-token fine-tune%s); queries will use %s",
+                    ", or eval_prior_precision=True for a seq2seq model's per-token fit"
+                    if seq2seq_lm(model) else "", NO_HELDOUT_RULE)
+        return False
+    return trainer is not None
 
 
 def fit_heldout_prior(callback, model) -> str | None:
-    """Fit ``τ`` on the running Trainer's eval set for the callback's last snapshot and write
-    it beside the snapshot; returns the file, or None (logged why) when it cannot."""
-    if callback.tracker.world_size > 1:  # said at train begin (`check_eval_set`)
-        return None
+    """Fit ``τ`` and the link on the running Trainer's eval set for the callback's last
+    snapshot and write them beside the snapshot; returns the file, or None (logged why) when
+    it cannot. Logs the method used before and the verdict after."""
     trainer = find_trainer()
-    if trainer is None or trainer.eval_dataset is None:  # warned at train begin
+    if trainer is None or trainer.eval_dataset is None:  # said at train begin
         return None
     if not callback.snapshots:
-        logger.warning("kfac_stream: eval_prior_precision: no snapshot was written; tau not "
-                       "fitted")
+        logger.warning("kfac_stream: held-out fit: no snapshot was written; tau not fitted")
         return None
     path = callback.snapshots[-1]
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    seq2seq = seq2seq_lm(model)
-    if seq2seq:  # its cost differs from the classifier's one Jacobian pass: say it
-        logger.info("kfac_stream: eval_prior_precision on a seq2seq model: the held-out NLL per "
+    per_token = seq2seq_lm(model) and callback.tracker.answer_tokens is None
+    if per_token:  # its cost differs from the closed form's one Jacobian pass: say it
+        logger.info("kfac_stream: held-out fit on a seq2seq model's whole targets: the NLL per "
                     "label token of the linearised predictive, by Monte Carlo over %d draws for "
                     "each of %d candidate taus (about %d forwards per eval batch)",
                     TOKEN_SAMPLES, len(GRID) + 1, 2 * TOKEN_SAMPLES * (len(GRID) + 1))
+    else:
+        logger.info("kfac_stream: held-out fit: one Jacobian pass over the eval set (a forward "
+                    "and one backward per class or answer option), then the closed-form "
+                    "%s links at %d candidate taus", " and ".join(LINKS), len(GRID) + 1)
     try:
-        post = LaplacePosterior(model, Snapshot.load(path, show_progress=False))
+        post = LaplacePosterior(model, Snapshot.load(path, show_progress=False),
+                                prior_precision=1.0)
         batches = ({k: v.to(device) for k, v in b.items() if torch.is_tensor(v)}
                    for b in trainer.get_eval_dataloader())
         prior = fit_prior_precision(post, batches)
     except Exception as e:  # an extra at the end of training never fails the run
         kind = "" if isinstance(e, QueryInputError) else f"{type(e).__name__}: "
-        logger.warning("kfac_stream: eval_prior_precision: %s%s; tau not fitted", kind, e)
+        logger.warning("kfac_stream: held-out fit: %s%s; tau not fitted (queries use %s)",
+                       kind, e, NO_HELDOUT_RULE)
         return None
     finally:
         model.train(was_training)
     out = write_heldout_prior(path, prior)
-    logger.info("kfac_stream: prior precision fitted on %d held-out %s: tau %.4g (NLL "
-                "%.4f; marginal likelihood's tau %.4g: NLL %.4f) -> %s", prior.examples,
-                "label tokens" if seq2seq and prior.link == "mc" else "examples",
-                prior.tau, prior.nll, prior.marglik_tau, prior.marglik_nll, out)
+    logger.info("kfac_stream: %s (marginal likelihood's tau %.4g: eval NLL %.4f; fit %.1f s) "
+                "-> %s", prior.verdict(), prior.marglik_tau, prior.marglik_nll, prior.seconds,
+                out)
     return out

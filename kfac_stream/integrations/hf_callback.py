@@ -41,7 +41,7 @@ from ..tracker_state import (
     save_tracker_state,
 )
 from .answer_tokens import check_eval_answer_tokens, resolve_answer_tokens, text_tokenizer
-from .heldout import check_eval_set, fit_heldout_prior
+from .heldout import fit_heldout_prior, plan_heldout_fit
 from .spectrum_monitor import SpectraReporter, find_callback_handler
 from .zero3 import check_deepspeed_device, deepspeed_requested
 
@@ -137,6 +137,7 @@ class KFACStreamCallback(TrainerCallback):
         self.report_spectra = report_spectra
         self._reporter = SpectraReporter(log_every, media=report_media)
         self._worker = SnapshotWorker()
+        self._fit_heldout = False  # the end of training fits tau and link (`plan_heldout_fit`)
         self._comm = LOCAL
         self._final_step = 0  # the run's last step: its snapshot is checked for sample size
         self._last_snapshot_step: int | None = None
@@ -220,8 +221,8 @@ class KFACStreamCallback(TrainerCallback):
                                "run's)", self.output_dir, len(moved),
                                os.path.dirname(moved[0]), self.output_dir)
             logger.info("%s", tracking_summary(self.tracker, self.output_dir))
-        if cfg.eval_prior_precision:
-            check_eval_set(self.tracker)
+        self._fit_heldout = plan_heldout_fit(self.tracker, cfg.eval_prior_precision, answers,
+                                             model)
         if self.tracker.rank == 0:
             if cfg.ema_decay == 1.0 and cfg.final_window > 0:
                 logger.info("kfac_stream: ema_decay=1 is the mean over every update of the run: "
@@ -328,7 +329,7 @@ class KFACStreamCallback(TrainerCallback):
         if self.tracker is not None:
             if self._last_snapshot_step != state.global_step:
                 self.save_snapshot(state.global_step, state.epoch)
-            if self.tracker.config.eval_prior_precision:
+            if self._fit_heldout:
                 self._worker.wait()
                 with said_scope("train"):  # told once in training; the user's posterior too
                     fit_heldout_prior(self, model)

@@ -139,7 +139,8 @@ def check_choice(where: str, arg: str, value: Any, choices: tuple[str, ...]) -> 
 def prior_allowed(n_layers: int, marglik: bool) -> str:
     """What a prior precision may be, for a posterior over ``n_layers`` layers."""
     return (f"a positive finite float, a dict {{layer: positive finite float}} with exactly the "
-            f"posterior's {n_layers} layers" + (", or 'marglik'" if marglik else ""))
+            f"posterior's {n_layers} layers" + (", or one of 'auto', 'heldout', 'marglik'"
+                                                 if marglik else ""))
 
 
 def _names(names: list, most: int = 3) -> str:

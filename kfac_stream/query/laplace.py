@@ -44,6 +44,7 @@ from ..snapshot.weights import compare_weights
 from . import inputs
 from . import kron_eigen as ke
 from .marglik import EvidenceBins
+from .prior_choice import PRIOR_WORDS, resolve_prior
 
 logger = logging.getLogger("kfac_stream")
 
@@ -124,9 +125,14 @@ class LaplacePosterior:
             ``nn.Module`` with whole weights (after DeepSpeed ZeRO-3 training:
             ``kfac_stream.whole_model(trainer, save_dir)``).
         snapshot: A loaded `Snapshot` (``Snapshot.load(path)`` or ``Snapshot.latest(dir)``).
-        prior_precision: ``τ``: a positive finite float, ``{layer: positive finite float}``
-            with exactly the snapshot's layers, or ``"marglik"`` (maximise the Laplace
-            marginal likelihood over one shared ``τ``).
+        prior_precision: ``τ``: ``"auto"`` (default: the ``τ`` fitted on held-out data and
+            stored beside the snapshot, ``snap.heldout_prior``, when there is one and
+            ``layers`` and ``num_data`` are the snapshot's own; else the rule without held-out
+            data, the marginal likelihood: `kfac_stream.query.prior_choice`),
+            ``"heldout"`` (the stored fit, an error without one), ``"marglik"`` (maximise the
+            Laplace marginal likelihood over one shared ``τ``), a positive finite float, or
+            ``{layer: positive finite float}`` with exactly the snapshot's layers. Where it
+            came from: ``prior_source``; `describe`.
         num_data: ``N``, a positive finite number; default (None) `default_num_data`. The
             posterior precision scales with it. ``N`` counts token positions (the expand form
             sums the Fisher over every non-padding position of the training forwards, labelled
@@ -144,6 +150,10 @@ class LaplacePosterior:
             ``"all_linear"``: `kfac_stream.capture.presets`, resolved on ``model``; every layer
             it selects must be in the snapshot), or a list of the snapshot's layer names. Track
             broadly once, query any subset (e.g. ``layers="mlp"``).
+        link: The K-way link of `predictive_probs` and the other probability queries when
+            they are not given one: None (default: the stored held-out fit's link with
+            ``"auto"`` / ``"heldout"``, else ``"meanfield"``), ``"meanfield"``, ``"probit"``
+            or ``"mc"`` (`probs_from_gaussian`). Where it came from: ``link_source``.
 
     Warns:
         UserWarning: the model's tracked weights are not those the snapshot was taken at
@@ -162,9 +172,10 @@ class LaplacePosterior:
     """
 
     def __init__(self, model: nn.Module, snapshot: Snapshot,
-                 prior_precision: float | dict[str, float] | str = 1.0,
+                 prior_precision: float | dict[str, float] | str = "auto",
                  num_data: float | None = None,
-                 layers: str | Sequence[str] | None = None) -> None:
+                 layers: str | Sequence[str] | None = None,
+                 link: str | None = None) -> None:
         where = "LaplacePosterior"
         if not isinstance(model, nn.Module):
             raise inputs.error(where, "model", model, "a torch.nn.Module (the trained model)",
@@ -183,8 +194,15 @@ class LaplacePosterior:
             warnings.warn(few, UserWarning, stacklevel=2)
         self.layer_num_data = layer_num_data(snapshot.meta, self.layer_names, self.num_data,
                                              unit)
-        prior = inputs.check_prior(where, "prior_precision", prior_precision,
+        words = isinstance(prior_precision, str) and prior_precision in PRIOR_WORDS
+        choice = resolve_prior(
+            where, prior_precision if words else None, link, snapshot.heldout_prior,
+            layers is None and num_data is None, PROBS_METHODS)
+        prior = inputs.check_prior(where, "prior_precision",
+                                   choice.tau if words else prior_precision,
                                    self.layer_names, marglik=True)
+        self.link, self.link_source = choice.link, choice.link_source
+        self.prior_source, self.heldout = choice.source, choice.heldout
         self.model, self.snapshot = model, snapshot
         self.modules = _match_layers(model, snapshot, self.layer_names)
         _check_whole_weights(where, model, self.modules)
@@ -205,6 +223,15 @@ class LaplacePosterior:
             self.optimize_prior_precision()
         else:
             self._prior = prior  # type: ignore[assignment]
+        self._sourced = self._prior  # the value prior_source describes
+
+    def describe(self) -> str:
+        """One line: the ``τ`` and link in use and where each came from."""
+        tau = self._prior
+        shown = (f"{tau:.4g}" if isinstance(tau, float) else
+                 f"per layer {min(tau.values()):.3g}..{max(tau.values()):.3g}")
+        source = self.prior_source if tau == self._sourced else "set by hand"
+        return f"tau {shown} ({source}), {self.link} link ({self.link_source})"
 
     # -- prior precision -------------------------------------------------------------------------
 
@@ -446,7 +473,7 @@ class LaplacePosterior:
 
     def predictive_probs(self, batch: dict[str, Tensor],
                          positions: int | Sequence[int] | None = None,
-                         token_ids: TokenIds | None = None, method: str = "meanfield",
+                         token_ids: TokenIds | None = None, method: str | None = None,
                          n_samples: int = 1000, seed: int = 0) -> Tensor:
         """Predictive probabilities over the ``K`` chosen logits (a K-way softmax).
 
@@ -454,7 +481,8 @@ class LaplacePosterior:
             batch: As in `jacobian_features`.
             positions: As in `jacobian_features`.
             token_ids: As in `jacobian_features`.
-            method: ``"meanfield"`` (default): the pairwise mean-field link, which uses the
+            method: None (default): the posterior's ``link`` (the held-out fit's, or
+                ``"meanfield"``); ``"meanfield"``: the pairwise mean-field link, which uses the
                 variances of the logit *differences* (the covariances between the K logits;
                 see `probs_from_gaussian`); ``"probit"``: ``softmax(μ / sqrt(1 + π/8 ·
                 diag Σ))``, laplace-torch's default link; ``"mc"``: the mean of ``softmax(f)``
@@ -466,6 +494,7 @@ class LaplacePosterior:
             ``[B, K]``.
         """
         where = "LaplacePosterior.predictive_probs"
+        method = self.link if method is None else method
         inputs.check_choice(where, "method", method, PROBS_METHODS)
         inputs.check_int(where, "n_samples", n_samples, 1)
         inputs.check_seed(where, "seed", seed)
