@@ -41,21 +41,22 @@ print(f"snapshot of step {snap.step}: {len(snap.layer_names)} layers, "
 name = snap.layer_names[0]
 print(name, "A", tuple(snap[name].A.shape), "G", tuple(snap[name].G.shape))
 
-# 4. Laplace posterior over the tracked weights; the prior precision by marginal likelihood.
-# whole_model saves the trained model (for `kfac-stream query --model`) and returns it; after
-# DeepSpeed ZeRO-3 (weights partitioned across ranks) a whole copy on the main process, None
-# on the other ranks.
+# 4. Laplace posterior over the tracked weights. The default call takes the prior precision
+# and link fitted on the Trainer's eval set when one was given (here none: tau by marginal
+# likelihood, the mean-field link; post.describe() says which). whole_model saves the trained
+# model (for `kfac-stream query --model`) and returns it; after DeepSpeed ZeRO-3 (weights
+# partitioned across ranks) a whole copy on the main process, None on the other ranks.
 model = whole_model(trainer, f"{args.out}/model")
 if model is None:
     raise SystemExit
 model.eval()
-post = LaplacePosterior(model, snap, prior_precision="marglik")
-print(f"prior precision {post.prior_precision:.3g}")
+post = LaplacePosterior(model, snap)
+print(f"posterior: {post.describe()}")
 prompt = torch.tensor([list(b"def f(x):\n    return")])
 batch = {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)}
 next_ids = [ord(c) for c in " x(1"]  # logits of four candidate next bytes
 mean, cov = post.predictive(batch, positions=-1, token_ids=next_ids)  # [1, 4], [1, 4, 4]
-probs = post.predictive_probs(batch, positions=-1, token_ids=next_ids)  # mean-field link
+probs = post.predictive_probs(batch, positions=-1, token_ids=next_ids)  # the posterior's link
 for k, i in enumerate(next_ids):
     print(f"next {chr(i)!r}: logit {mean[0, k]:.2f} ± {cov[0, k, k].sqrt():.2f}, "
           f"p {probs[0, k]:.3f} (among the four)")

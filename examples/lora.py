@@ -111,9 +111,9 @@ with torch.no_grad():
 report("MAP (softmax over the 4 options)", torch.softmax(logits.double(), -1))
 
 # 5. the posterior over the adapters; the answer is read at the last position of each prompt
-post = LaplacePosterior(model, snap, prior_precision="marglik")
+post = LaplacePosterior(model, snap)  # the held-out tau and link when fitted, else marglik
 print(f"N = {post.num_data:,.0f} token positions per epoch (every position of the "
-      f"{len(train)} training questions), tau = {post.prior_precision:.3g}")
+      f"{len(train)} training questions); {post.describe()}")
 probs = post.predictive_probs(test_batch, token_ids=option_ids)
 report("Laplace (N = positions)", probs)
 per_question = LaplacePosterior(model, snap, num_data=len(train), prior_precision="marglik")
