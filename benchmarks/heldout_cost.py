@@ -84,7 +84,8 @@ def main(argv=None) -> None:
         model.eval()
         evals = batches(trainer)
         K = task.n_classes
-        times: dict[str, list[float]] = {"eval_pass": [], "fit": [], "end_of_training": []}
+        times: dict[str, list[float]] = {"eval_pass": [], "jacobian": [], "fit": [],
+                                         "end_of_training": []}
         for _ in range(a.repeats):
             t = time.perf_counter()
             with torch.no_grad():
@@ -92,6 +93,12 @@ def main(argv=None) -> None:
                     model(**{k: v for k, v in b.items() if k != "labels"})
             times["eval_pass"].append(time.perf_counter() - t)
             post = LaplacePosterior(model, Snapshot.load(snap_path, show_progress=False), 1.0)
+            t = time.perf_counter()
+            for b in evals:  # what every candidate shares: the forward, K backwards, features
+                _, feats = post.jacobian_features(b)
+                for _ in feats:
+                    pass
+            times["jacobian"].append(time.perf_counter() - t)
             t = time.perf_counter()
             fit = fit_prior_precision(post, evals)
             times["fit"].append(time.perf_counter() - t)
@@ -103,6 +110,8 @@ def main(argv=None) -> None:
     out = {"task": "encoder-filekind, 200 eval examples", "classes": K, "train_seconds": train_s,
            "eval_examples": fit.examples, "medians": med, "times": times,
            "fit_in_eval_passes": med["fit"] / med["eval_pass"],
+           "jacobian_in_eval_passes": med["jacobian"] / med["eval_pass"],
+           "candidates": len(fit.grid) * len(fit.link_nll),
            "end_in_eval_passes": med["end_of_training"] / med["eval_pass"],
            "target_eval_passes": K + 2, "callback_fit_seconds": stored.seconds,
            "chosen": {"tau": fit.tau, "link": fit.link, "verdict": fit.verdict()},
@@ -113,7 +122,10 @@ def main(argv=None) -> None:
              f"{a.repeats} interleaved repeats:", "",
              "| what | seconds | eval passes |", "|---|---|---|",
              f"| one eval pass (forward over the eval set) | {med['eval_pass']:.3f} | 1 |",
-             f"| the fit (`fit_prior_precision`) | {med['fit']:.3f} | "
+             f"| the Jacobian pass alone (forward, {K} logit backwards, the features) | "
+             f"{med['jacobian']:.3f} | {out['jacobian_in_eval_passes']:.1f} |",
+             f"| the fit (`fit_prior_precision`: the Jacobian pass and {len(fit.grid)} τ × "
+             f"{len(fit.link_nll)} links) | {med['fit']:.3f} | "
              f"{out['fit_in_eval_passes']:.1f} |",
              f"| the end-of-training step (load, posterior, fit, write) | "
              f"{med['end_of_training']:.3f} | {out['end_in_eval_passes']:.1f} |", "",

@@ -158,8 +158,8 @@ def test_bert_file_prints_what_the_api_returns(bert, capsys):
     footer = out.splitlines()[-1]
     assert footer.startswith(f"snapshot {snap.path} (step {snap.step}); "
                              "BertForSequenceClassification, 3 classes; N = "
-                             f"{post.num_data:.0f}, prior precision τ = 2, meanfield link; "
-                             "3 inputs; ")
+                             f"{post.num_data:.0f}, prior precision τ = 2 (given), meanfield "
+                             "link (the default link); 3 inputs; ")
 
     assert cli_main(argv(tmp, "--file", path, "--json")) == 0
     doc = json.loads(capsys.readouterr().out)  # stdout is the document alone
