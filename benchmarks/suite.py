@@ -100,6 +100,11 @@ TAU_GRID = list(HELDOUT_GRID)  # with the marglik value: the val-tau grid (the l
 # accuracy on the training set is >= t (the model memorised its data, so its confidence says
 # nothing about new data), MAP's probabilities otherwise.
 MEM_RULES = tuple(f"mem{t:g}-{k}" for t in (0.9, 0.95) for k in ("meanfield", "probit"))
+# ... and "ep<e>-<link>": MAP's probabilities when the run trained at most e epochs (each example
+# seen a few times at most: the training loss was nearly held-out, so MAP cannot have learnt
+# to be much more confident than it is right), the posterior (marglik tau, that link) after
+# more epochs. Declared before the fine-tune tasks' posteriors were seen (issue 46).
+EPOCH_RULES = tuple(f"ep{e:g}-{k}" for e in (1, 3) for k in ("meanfield", "probit"))
 BAR_LT, BAR_ACC = 1.05, 0.01
 BAR_UNDER = 1.01  # where MAP is underconfident on test, NLL ≤ 1.01 × MAP's (else ≤ MAP's)
 
@@ -328,7 +333,8 @@ def run_seed(task, a, real_default: bool) -> dict:
         res = {"MAP": scores(mp["test"], None, y, a.mc)["map"], "n_classes": mp["test"].shape[-1],
                **train_fit(task, model),
                "updates": len(steps), "sequences_per_update": seqs, "rules": {},
-               "losses": [losses[0], losses[-1]], "train_seconds": [t_rec, t_def]}
+               "losses": [losses[0], losses[-1]], "train_seconds": [t_rec, t_def],
+               "epochs": rec.epoch}
         if snap_def is not None:
             t0 = time.perf_counter()
             res["real_default"] = evaluate_posterior(task, model, snap_def, mp, a.mc, val=False)
@@ -402,7 +408,8 @@ def candidates(results: dict) -> list[tuple[str, str, str]]:
     one exists) on the default rule, the only one scored on ``val``."""
     any_seed = next(iter(results.values()))["per_seed"][0]
     rules = any_seed["rules"]
-    return ([(r, k, "marglik") for r in rules for k in (*LINKS, "by-K", *MEM_RULES)]
+    return ([(r, k, "marglik") for r in rules
+             for k in (*LINKS, "by-K", *MEM_RULES, *EPOCH_RULES)]
             + [("default", "map", "map")])
 
 
@@ -419,6 +426,9 @@ def chosen_link(res: dict, rule: str, link: str) -> str:
         t, k = link[3:].split("-")
         acc = res.get("train_accuracy")
         return "map" if acc is not None and acc < float(t) else k
+    if link.startswith("ep"):
+        e, k = link[2:].split("-")
+        return "map" if res["epochs"] <= float(e) + 1e-9 else k
     if link == "val-link":
         v = res["rules"][rule]["val_nll"]
         return min(("probit", "meanfield"), key=v.get)
@@ -599,6 +609,16 @@ def _mean(xs):
 
 # -- main -----------------------------------------------------------------------------------------
 
+def fill_epochs(tasks: dict, ua) -> None:
+    """Set each seed's ``epochs`` (the Trainer's epoch at the end) where a run recorded before
+    it was stored lacks it: ``steps / ceil(n_train / batch)``, from the task's definition."""
+    for name, t in tasks.items():
+        for r in t["per_seed"]:
+            if r.get("epochs") is None:
+                task = make_task(name, r["seed"], ua, None)  # data only; no model is built
+                r["epochs"] = task.steps / math.ceil(len(task.train_items) / task.batch_size)
+
+
 def make_task(name: str, seed: int, a, base):
     if name == "docstring-lora":
         return st.Docstring(seed, a, base)
@@ -704,19 +724,20 @@ def main(argv=None) -> None:
     probe_name = (f"suite_form-{a.factor_form}{'+head' * a.with_head}" if form_probe
                   else f"suite_lm{a.lm_eval}")
     st.LMHeldout.n_eval = a.lm_eval
+    # the sizes of uncertainty_classification.py's tasks: its own defaults
+    ua = uc_args = argparse.Namespace(
+        train_per_class=48, val_per_class=24, test_per_class=72, ft_steps=500, batch=16,
+        lr=2e-3, man_train_per_class=48, man_val_per_class=32, man_test_per_class=64,
+        man_steps=500, man_lr=2e-3, man_width=64, man_layers=2, kron_batch=32)
     if a.from_json:
         out = json.loads(path.read_text())
+        fill_epochs(out["tasks"], ua)
         out["verdicts"] = verdicts(out["tasks"])
         write_json("suite", out)
         section = report(out, out["machine"])
         print(section)
         write_section(BEGIN, END, section)
         return
-    # the sizes of uncertainty_classification.py's tasks: its own defaults
-    ua = uc_args = argparse.Namespace(
-        train_per_class=48, val_per_class=24, test_per_class=72, ft_steps=500, batch=16,
-        lr=2e-3, man_train_per_class=48, man_val_per_class=32, man_test_per_class=64,
-        man_steps=500, man_lr=2e-3, man_width=64, man_layers=2, kron_batch=32)
     if a.quick:  # two cheap tasks unless named, one seed, 60 steps
         a.seeds, a.mc = a.seeds[:1], 64
         if a.tasks == ALL_TASKS:
@@ -756,9 +777,11 @@ def main(argv=None) -> None:
             out["machine"] = dict(machine({"laplace_torch": "laplace-torch"}),
                                   date=datetime.datetime.now(datetime.timezone.utc)
                                   .isoformat(timespec="seconds"))
+            fill_epochs(out["tasks"], ua)
             out["verdicts"] = verdicts(out["tasks"])
             write_json("suite", out)
     out["total_seconds"] = time.perf_counter() - t0
+    fill_epochs(out["tasks"], ua)
     out["verdicts"] = verdicts(out["tasks"])
     info = dict(machine({"laplace_torch": "laplace-torch"}),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
