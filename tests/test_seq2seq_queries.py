@@ -216,10 +216,11 @@ def test_shared_input_probe_runs_on_a_seq2seq_model(run):
     family, _, cb, _, _, lines = run
     assert not [m for _, m in lines if "probe" in m or "not detected" in m], lines
     # q/k/v of self-attention read one tensor; so do the cross-attention's k/v (the encoder's
-    # output): the probe found them. (By default T5 tracks its decoder blocks, BART its encoder
-    # layers; T5's decoder runs only with decoder inputs, which the probe now builds.)
+    # output): the probe found them. (By default both track their decoder blocks, which run
+    # only with decoder inputs, which the probe builds.)
     groups = {tuple(n.rsplit(".", 1)[-1] for n in g) for g in cb.tracker.plan.groups}
-    want = {("q", "k", "v"), ("k", "v")} if family == "t5" else {("k_proj", "v_proj", "q_proj")}
+    want = {("q", "k", "v"), ("k", "v")} if family == "t5" else {("k_proj", "v_proj", "q_proj"),
+                                                                  ("k_proj", "v_proj")}
     assert groups == want, (family, cb.tracker.plan.groups)
 
 

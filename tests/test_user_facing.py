@@ -24,7 +24,8 @@ from models import text_examples, tiny_gpt2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SUMMARY = re.compile(
-    r"^kfac_stream: tracking (\d+) layers, (\d+) factors \((\d+) dense, (\d+) diagonal\), "
+    r"^kfac_stream: tracking (\d+) layers, (\d+) factors \((\d+) dense, (\d+) diagonal\)"
+    r"(?: in stack [\w.]+ \(\d+ blocks\))?, "
     r"(\w+) Fisher, (\w+) form, token_fraction=\S+, ema_decay=\S+, update_every=\d+; ([\d.]+) "
     r"(KiB|MiB) of (\w+) factors on 1 rank; snapshots every (\d+) steps and at the end into "
     r"(.+)$")

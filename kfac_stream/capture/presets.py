@@ -7,8 +7,9 @@ other way round.
 Every preset starts from the *candidates*: the modules of ``model.named_modules()`` that are a
 supported type (``nn.Linear`` or transformers' ``Conv1D``) with a trainable weight
 (``weight.requires_grad``; a frozen base is left out, as without a preset). The *blocks* are the
-longest ``nn.ModuleList`` of the model (``transformer.h``, ``model.layers``, ...); a candidate's
-*parents* are the name components between the block index and its own name
+longest outermost ``nn.ModuleList`` of the model (``transformer.h``, ``model.layers``, ...; an
+encoder-decoder's decoder stack, ``decoder.block``, ``model.decoder.layers``: `block_stack`); a
+candidate's *parents* are the name components between the block index and its own name
 (``transformer.h.3.attn.c_attn`` → ``attn``; a LoRA adapter
 ``...h.3.attn.c_attn.lora_A.default`` → ``attn``, ``c_attn``, ``lora_A``).
 
@@ -81,13 +82,30 @@ def is_trainable(module: nn.Module) -> bool:
     return isinstance(w, torch.Tensor) and w.requires_grad
 
 
+def block_stack(model: nn.Module) -> tuple[str, int] | None:
+    """``(name, length)`` of the transformer blocks' ``nn.ModuleList``, or None (no list).
+
+    The blocks are the longest *outermost* ``nn.ModuleList`` (first on a tie): one nested in
+    another list's element is a part of a block (T5's ``block.3.layer``, an MoE's experts),
+    never the stack, however long. An encoder-decoder (``config.is_encoder_decoder``: T5,
+    BART, Marian, Whisper, ...) takes its decoder's stack, the lists with a ``decoder`` name
+    component (``decoder.block``, ``model.decoder.layers``), whatever the two stacks' depths;
+    only one without any (T5's encoder-only model) falls back to the longest outermost list.
+    """
+    lists = [(n, len(m)) for n, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) > 0]
+    outer = [(n, k) for n, k in lists
+             if not any(n.startswith(o + ".") for o, _ in lists if o != n)]
+    if bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False)):
+        outer = [(n, k) for n, k in outer if any(
+            c == "decoder" or c.endswith("_decoder") for c in n.split("."))] or outer
+    return max(outer, key=lambda t: t[1], default=None)  # max keeps the first on a tie
+
+
 def block_prefix(model: nn.Module) -> str | None:
-    """Name of the longest ``nn.ModuleList`` (the transformer blocks), or None."""
-    best, best_len = None, 0
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > best_len:
-            best, best_len = name, len(module)
-    return best
+    """Name of the transformer blocks' ``nn.ModuleList`` (`block_stack`), or None."""
+    stack = block_stack(model)
+    return stack[0] if stack is not None else None
 
 
 def _candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -143,8 +161,9 @@ def preset_layers(model: nn.Module, preset: str) -> list[str]:
             preset that selects nothing in ``model`` (the message names both).
     """
     if preset not in LayerPreset:
-        raise KFACConfigError(f"KFACConfig.preset={preset!r} is not allowed: must be None or "
-                              f"one of {tuple(p.value for p in LayerPreset)}")
+        from ..config import unknown_preset_error  # KFACConfig's message, with "did you mean"
+
+        raise unknown_preset_error(preset)
     preset = LayerPreset(preset)
     cls = type(model).__name__
     prefix = block_prefix(model)

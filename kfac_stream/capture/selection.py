@@ -7,8 +7,12 @@ PEFT LoRA layers are containers; their ``lora_A``/``lora_B`` children are plain 
 and are tracked as such, while the frozen ``base_layer`` is left out by the trainable filter.
 
 Default selection (``include=None``): every supported layer with a trainable weight inside the
-transformer blocks, i.e. under the longest ``nn.ModuleList`` of the model (``transformer.h``,
-``model.layers``, ...). The LM head and the embeddings are outside the blocks. A ``preset``
+transformer blocks, i.e. under the longest outermost ``nn.ModuleList`` of the model
+(``transformer.h``, ``model.layers``, ...; a list nested in a block, such as T5's
+``block.0.layer``, is never the stack), and for an encoder-decoder (``config.is_encoder_decoder``:
+T5, BART, ...) under its decoder's stack (``decoder.block``, ``model.decoder.layers``) whatever
+the two stacks' depths (`kfac_stream.capture.presets.block_stack`). The LM head and the
+embeddings are outside the blocks. A ``preset``
 (``last_layer``, ``lora``, ``attention``, ``mlp``, ``all_linear``) names another choice; its
 rules are in `kfac_stream.capture.presets`.
 """

@@ -10,6 +10,7 @@ reporters, see `kfac_stream.integrations.spectrum_monitor` for the names.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -18,6 +19,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..capture.graphs import compile_mode_error
+from ..capture.presets import block_stack
 from ..config import KFACConfig, sequences_per_update, update_sequences
 from ..distributed.context import LOCAL, DistContext, release_process_groups_at_exit
 from ..distributed.fsdp import is_fsdp_sharded
@@ -60,6 +62,23 @@ def _warn_fsdp_not_applied(model) -> None:
                    "of the model is an FSDP2 (fully_shard) shard: on CPU accelerate ignores "
                    "FSDP and trains with DDP, and FSDP1 (fsdp_version: 1) is not supported; "
                    "use fsdp_version: 2 (docs/multinode.md)")
+
+
+def _timed(part: str):
+    """Add the wall time of a Trainer event handler to ``callback_seconds`` and to its
+    ``part`` of ``callback_parts``."""
+    def wrap(handler):
+        @functools.wraps(handler)
+        def timed(self, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return handler(self, *args, **kwargs)
+            finally:
+                spent = time.perf_counter() - started
+                self.callback_seconds += spent
+                self.callback_parts[part] += spent
+        return timed
+    return wrap
 
 
 class KFACStreamCallback(TrainerCallback):
@@ -107,6 +126,17 @@ class KFACStreamCallback(TrainerCallback):
         train_seconds: Wall time from ``on_train_begin`` to ``on_train_end``: the training
             loop, without the engine's start-up before it (DeepSpeed init, ZeRO-3
             partitioning), which ``Trainer.train()``'s own time includes (None before the end).
+        callback_seconds: Wall time the training thread spent inside this callback's Trainer
+            events from ``on_train_begin`` to the end of ``on_train_end`` (`perf_counter`, no
+            device sync): tracking set-up, factor updates, snapshots' hold on the thread,
+            checkpoint state, the end-of-train snapshot (with the wait for the snapshot
+            thread) and held-out fit. Not counted: the forward/backward hooks' row capture and
+            the background snapshot thread's work while training runs.
+        train_end_seconds: Wall time from ``on_train_begin`` to the end of ``on_train_end``
+            (``train_seconds`` plus the callback's own end-of-train work): the base of the
+            end-of-train cost line, ``callback_seconds / train_end_seconds`` (None before).
+        callback_parts: ``callback_seconds`` split into ``"set-up"`` (``on_train_begin``),
+            ``"steps"`` (the events of the training steps) and ``"end"`` (``on_train_end``).
     """
 
     def __init__(self, config: KFACConfig | None = None, background_snapshots: bool = True,
@@ -144,6 +174,9 @@ class KFACStreamCallback(TrainerCallback):
         self._pending_step: int | None = None  # step whose state waits beside its checkpoint
         self.train_started: float | None = None  # perf_counter() at on_train_begin
         self.train_seconds: float | None = None
+        self.callback_seconds = 0.0  # the training thread's time in this callback's events
+        self.callback_parts = dict.fromkeys(("set-up", "steps", "end"), 0.0)
+        self.train_end_seconds: float | None = None
         # the last snapshot's factor copies, reused by the next one (pinned on CUDA)
         self._lent: dict = {}  # the stored factors the last snapshot held (released next)
         #: seconds each snapshot held the training thread (flush, copy, contents, weights)
@@ -162,7 +195,10 @@ class KFACStreamCallback(TrainerCallback):
                         "often tens of seconds without output; tracking begins after it")
         return control
 
+    @_timed("set-up")
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.callback_seconds, self.train_end_seconds = 0.0, None  # `_timed` adds this event
+        self.callback_parts = dict.fromkeys(self.callback_parts, 0.0)
         self.train_started = time.perf_counter()  # after the engine's start (accelerate's
         # prepare: DeepSpeed init, ZeRO-3 partitioning), which is not training time
         if model is None:
@@ -220,7 +256,7 @@ class KFACStreamCallback(TrainerCallback):
                                "Snapshot.latest / kfac-stream inspect / query read this "
                                "run's)", self.output_dir, len(moved),
                                os.path.dirname(moved[0]), self.output_dir)
-            logger.info("%s", tracking_summary(self.tracker, self.output_dir))
+            logger.info("%s", tracking_summary(self.tracker, self.output_dir, model))
         self._fit_heldout = plan_heldout_fit(self.tracker, cfg.eval_prior_precision, answers,
                                              model)
         if self.tracker.rank == 0:
@@ -263,10 +299,12 @@ class KFACStreamCallback(TrainerCallback):
                                step=state.global_step)
             self._pending_step = state.global_step
 
+    @_timed("steps")
     def on_epoch_end(self, args, state, control, **kwargs):
         self._save_pending_state(args, state, control)
         return control
 
+    @_timed("steps")
     def on_save(self, args, state, control, **kwargs):
         """Move the state written before the Trainer's checkpoint into it (rank 0, one
         rename). A save the Trainer decided after the step's events (``save_strategy="best"``
@@ -305,11 +343,13 @@ class KFACStreamCallback(TrainerCallback):
         if self._comm.rank == 0 and directory != os.path.join(checkpoint, STATE_DIR):
             commit_pending_state(checkpoint)  # a crash left it beside the checkpoint
 
+    @_timed("steps")
     def on_step_begin(self, args, state, control, **kwargs):
         if self.tracker is not None:
             self.tracker.begin_step(state.global_step)
         return control
 
+    @_timed("steps")
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if self.tracker is None:
             return control
@@ -324,8 +364,9 @@ class KFACStreamCallback(TrainerCallback):
         return control
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
+        entered = time.perf_counter()  # this event's time is counted by `_log_cost`
         if self.train_started is not None:
-            self.train_seconds = time.perf_counter() - self.train_started
+            self.train_seconds = entered - self.train_started
         if self.tracker is not None:
             if self._last_snapshot_step != state.global_step:
                 self.save_snapshot(state.global_step, state.epoch)
@@ -336,7 +377,22 @@ class KFACStreamCallback(TrainerCallback):
             self.close()
             if self.report_spectra:  # the reporters ended their runs before this event
                 self._reporter.snapshots(self, args, state, control, after_end=True)
+            self._log_cost(entered)
         return control
+
+    def _log_cost(self, entered: float) -> None:
+        """End of ``on_train_end`` (entered at ``entered``): add its time to
+        ``callback_seconds`` and log the callback's cost as a share of the training time from
+        ``on_train_begin`` to now (rank 0)."""
+        if self.train_started is None:
+            return
+        now = time.perf_counter()
+        self.callback_seconds += now - entered
+        self.callback_parts["end"] += now - entered
+        self.train_end_seconds = now - self.train_started
+        if self.tracker is None or self.tracker.rank == 0:
+            logger.info("%s", cost_line(self.callback_seconds, self.train_end_seconds,
+                                        self.callback_parts))
 
     # -- public helpers --------------------------------------------------------------------------
 
@@ -440,10 +496,34 @@ class KFACStreamCallback(TrainerCallback):
         # keep the tracker object for inspection (factors(), counters); its hooks are gone
 
 
-def tracking_summary(tracker: Tracker, output_dir: str) -> str:
+def _seconds(x: float) -> str:
+    return f"{x:.3g}" if x < 1000 else f"{x:.0f}"
+
+
+def cost_line(callback_seconds: float, train_seconds: float,
+              parts: dict[str, float] | None = None) -> str:
+    """The end-of-train line: the callback's seconds on the training thread and their share
+    of the training time (``KFACStreamCallback.callback_seconds``, ``train_end_seconds``),
+    split by ``parts`` (``callback_parts``) when given."""
+    share = 100 * callback_seconds / max(train_seconds, 1e-9)
+    split = "".join(f"; {_seconds(v)} s {k}" for k, v in (parts or {}).items())
+    return (f"kfac_stream: {_seconds(callback_seconds)} s in the callback ({share:.1f}% of "
+            f"{_seconds(train_seconds)} s training, from train begin to this line{split}); "
+            "counted: the training thread inside its Trainer events (set-up, factor updates, "
+            "snapshots' hold, checkpoint state, the end-of-train snapshot with its wait for the "
+            "snapshot thread, the held-out fit), not the forward/backward hooks' row capture "
+            "nor the snapshot thread's work while training runs")
+
+
+def tracking_summary(tracker: Tracker, output_dir: str, model=None) -> str:
     """The one line the callback logs at train begin: layers, factors (dense, diagonal), the
-    Fisher and sampling settings, stored factor memory per rank and the snapshot directory."""
+    stack of blocks they were chosen in (with ``model``, when the blocks chose them: the
+    default selection or a block preset), the Fisher and sampling settings, stored factor
+    memory per rank and the snapshot directory."""
     cfg, own = tracker.config, tracker.ownership
+    stack = block_stack(model) if model is not None and cfg.include is None and \
+        cfg.preset in (None, "all_linear", "attention", "mlp") else None
+    where = f" in stack {stack[0]} ({stack[1]} blocks)" if stack is not None else ""
     diagonal = sum(diag for _, diag in tracker.dims.values())
     per_rank = max(own.bytes_per_rank)
     ranks = tracker.world_size
@@ -451,7 +531,7 @@ def tracking_summary(tracker: Tracker, output_dir: str) -> str:
               + (f" on the fullest of {ranks} ranks ({_mib(sum(own.bytes_per_rank))} in all)"
                  if ranks > 1 else " on 1 rank"))
     return (f"kfac_stream: tracking {len(tracker.specs)} layers, {len(tracker.dims)} factors "
-            f"({len(tracker.dims) - diagonal} dense, {diagonal} diagonal), "
+            f"({len(tracker.dims) - diagonal} dense, {diagonal} diagonal){where}, "
             f"{tracker.curvature.describe()}, token_fraction={cfg.token_fraction:g}, "
             f"ema_decay={cfg.ema_decay:g}, update_every={cfg.update_every}; {memory}; "
             f"snapshots every {cfg.snapshot_every} steps and at the end into {output_dir}")
