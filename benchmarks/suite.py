@@ -428,7 +428,8 @@ def chosen_link(res: dict, rule: str, link: str) -> str:
         return "map" if acc is not None and acc < float(t) else k
     if link.startswith("ep"):
         e, k = link[2:].split("-")
-        return "map" if res["epochs"] <= float(e) + 1e-9 else k
+        ep = res.get("epochs")
+        return "map" if ep is not None and ep <= float(e) + 1e-9 else k
     if link == "val-link":
         v = res["rules"][rule]["val_nll"]
         return min(("probit", "meanfield"), key=v.get)
@@ -437,10 +438,10 @@ def chosen_link(res: dict, rule: str, link: str) -> str:
 
 def seed_scores(res: dict, cand: tuple[str, str, str]) -> dict:
     rule, link, tau = cand
-    src = res["default"] if rule == "default" else res["rules"][rule]
     k = chosen_link(res, rule, link)
     if k == "map":
         return res["MAP"]
+    src = res["default"] if rule == "default" else res["rules"][rule]
     if tau == "val" and link == "heldout":
         return src["heldout"]["scores"]
     return src["scores"][tau][k]

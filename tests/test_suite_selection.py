@@ -17,13 +17,14 @@ def _link(nll, acc=0.5):
     return {"nll": nll, "accuracy": acc, "ece": 0.0, "confidence": 0.5}
 
 
-def seed(map_nll, map_conf, map_acc, links, k=4, val_nll=None, lt=None):
+def seed(map_nll, map_conf, map_acc, links, k=4, val_nll=None, lt=None, train_acc=None,
+         epochs=None):
     """One seed's results: MAP, ``links`` = {link: (nll, accuracy)} under the rule ``r``."""
     rule = {"scores": {"marglik": {k2: _link(*v) for k2, v in links.items()}}}
     if val_nll is not None:
         rule["val_nll"] = val_nll
     out = {"MAP": {"nll": map_nll, "accuracy": map_acc, "ece": 0.0, "confidence": map_conf},
-           "n_classes": k, "rules": {"r": rule}}
+           "n_classes": k, "rules": {"r": rule}, "train_accuracy": train_acc, "epochs": epochs}
     if lt is not None:
         out["kron"] = {"scores": {"probit": _link(lt)}}
     return out
@@ -63,8 +64,34 @@ def test_link_rules_pick_by_classes_and_by_validation_nll():
     assert suite.chosen_link(few, "r", "val-link") == "probit"  # only probit and mean-field
     assert suite.seed_scores(many, ("r", "by-K", "marglik"))["nll"] == 1.5
     cands = suite.candidates({"t": {"per_seed": [few]}})
-    assert ("r", "val-link", "marglik") in cands and ("r", "by-K", "marglik") in cands
-    assert len(cands) == len(suite.LINKS) + 2
+    # none needs held-out data (the held-out default is scored beside, not selected)
+    assert ("r", "by-K", "marglik") in cands and ("default", "map", "map") in cands
+    assert not [c for c in cands if c[1] in ("val-link", "heldout")]
+    assert len(cands) == (len(suite.LINKS) + 1 + len(suite.MEM_RULES) + len(suite.EPOCH_RULES)
+                          + 1)
+
+
+def test_rules_without_held_out_data_switch_to_maps_probabilities():
+    """``mem<t>``: the posterior where MAP's training accuracy is >= t, else MAP's own
+    probabilities; ``ep<e>``: MAP's after at most e epochs, the posterior after more; ``map``:
+    always MAP's."""
+    memorised = seed(2.0, 0.9, 0.5, links(1.0, 1.5), train_acc=0.97, epochs=40.0)
+    brief = seed(2.0, 0.4, 0.5, links(2.5, 3.0), train_acc=0.6, epochs=1.0)
+    for s, mem, ep in ((memorised, 1.0, 1.0), (brief, 2.0, 2.0)):
+        assert suite.seed_scores(s, ("r", "mem0.95-meanfield", "marglik"))["nll"] == mem
+        assert suite.seed_scores(s, ("r", "ep1-meanfield", "marglik"))["nll"] == ep
+        assert suite.seed_scores(s, ("default", "map", "map"))["nll"] == 2.0
+    assert suite.chosen_link(memorised, "r", "mem0.95-probit") == "probit"
+    assert suite.chosen_link(brief, "r", "mem0.9-probit") == "map"
+    assert suite.seed_scores(brief, ("r", "ep3-probit", "marglik"))["nll"] == 2.0
+    assert suite.seed_scores(memorised, ("r", "ep3-probit", "marglik"))["nll"] == 1.5
+
+
+def test_the_held_out_default_scores_its_own_joint_choice():
+    s = seed(2.0, 0.9, 0.5, links(1.0, 1.5))
+    s["default"] = {"heldout": {"tau": 3.0, "link": "probit", "scores": _link(1.2)}}
+    assert suite.chosen_link(s, "default", "heldout") == "probit"
+    assert suite.seed_scores(s, suite.HELDOUT)["nll"] == 1.2
 
 
 def test_leave_one_task_out_scores_the_held_out_task_with_the_others_choice():
