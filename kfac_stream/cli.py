@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from .exceptions import KFACStreamError, QueryInputError
+from .exceptions import KFACStreamError, QueryInputError, did_you_mean
 from .files import local_path_problem
 
 if TYPE_CHECKING:
@@ -42,7 +42,7 @@ def _load_snapshot(arg: str, path: str):
 
 
 def _inspect(args) -> int:
-    from .snapshot.adequacy import sampling_summary, sampling_warning
+    from .snapshot.adequacy import rel_se_verdict, sampling_summary, sampling_warning
     from .snapshot.layer_table import layer_table
 
     snap = _load_snapshot("path", args.path)
@@ -51,9 +51,9 @@ def _inspect(args) -> int:
     if s["max_rel_se"] == s["max_rel_se"]:  # recorded (not NaN)
         window = (f"; final window: {s['window_sequences']:,} sequences (min_window_sequences="
                   f"{s['min_window_sequences']:,})" if s["window_sequences"] else "")
-        print(f"sampling: largest relative standard error of a factor {s['max_rel_se']:.3g} "
-              f"({s['max_rel_se_factor']}), at least {s['min_effective_updates']:.3g} effective "
-              f"updates{window}")
+        print(f"sampling: largest relative standard error of a factor {rel_se_verdict(s)}, "
+              f"factor {s['max_rel_se_factor']}, at least {s['min_effective_updates']:.3g} "
+              f"effective updates{window}")
     few = sampling_warning("warning", snap.meta)
     if few is not None:
         print(few)
@@ -171,6 +171,9 @@ def _check_inputs_given(args) -> None:
     if args.file is None and not args.text:
         raise QueryInputError(f"--text={args.text!r} is not allowed: must be a non-empty text "
                               "(the positions to query)")
+    if args.max_length is not None and args.max_length < 1:
+        raise QueryInputError(f"--max-length={args.max_length} is not allowed: must be a "
+                              "positive number of tokens (at most the model's positions)")
 
 
 def _check_query_args(args, task: str, arch: str) -> float | str:
@@ -460,14 +463,31 @@ def _shown(where: str, text: str) -> str:
     return f"--text={text!r}" if where == "--text" else f"{where} ({text!r})"
 
 
-def _token_ids(args, tokenizer, model, text: str, where: str = "--text") -> list[int]:
+def _token_ids(args, tokenizer, model, text: str, where: str = "--text",
+               keep_end: bool = False) -> list[int]:
     """The ids of one input ``text`` (``where``: ``--text`` or ``--file='f' line n``), checked
-    against the model's vocabulary and positions."""
+    against the model's vocabulary and positions. With ``--max-length N`` a longer input is
+    cut to ``N`` tokens (said on stderr): ``keep_end`` (a causal LM, read at its last
+    positions) keeps its last ``N``, else (a classifier) the first ``N`` are kept, as a
+    tokenizer called with ``truncation=True, max_length=N`` does in training; a tokenizer's
+    special tokens (``[CLS] ... [SEP]``, a BOS) stay."""
     source = args.tokenizer or args.model
+    n = getattr(args, "max_length", None)
+    full = None
     if tokenizer is None:  # --byte-level
         ids = list(text.encode("utf-8"))
+        if n is not None and len(ids) > n:
+            full, ids = len(ids), ids[-n:] if keep_end else ids[:n]
     else:
         ids = list(tokenizer(text)["input_ids"])
+        if n is not None and len(ids) > n:
+            side = tokenizer.truncation_side
+            tokenizer.truncation_side = "left" if keep_end else "right"
+            try:
+                full, ids = len(ids), list(tokenizer(text, truncation=True,
+                                                     max_length=n)["input_ids"])
+            finally:
+                tokenizer.truncation_side = side
         if not ids:
             arg = "--tokenizer" if args.tokenizer else "--model"
             raise QueryInputError(f"{arg}={source!r}: its tokenizer turns {_shown(where, text)} "
@@ -482,9 +502,17 @@ def _token_ids(args, tokenizer, model, text: str, where: str = "--text") -> list
                               "tokenizer (--tokenizer DIR, or --byte-level for the demo's model)")
     limit = getattr(model.config, "n_positions", None) or getattr(
         model.config, "max_position_embeddings", None)
+    if limit is not None and n is not None and n > limit:
+        raise QueryInputError(f"--max-length={n} is more than the model's {limit} positions: "
+                              f"must be at most {limit}")
     if limit is not None and len(ids) > limit:
+        side = "last" if keep_end else "first"
         raise QueryInputError(f"{where} is {len(ids)} tokens long: must be at most {limit} "
-                              "tokens (the model's positions)")
+                              f"tokens (the model's positions); pass --max-length N (at most "
+                              f"{limit}) to keep its {side} N tokens")
+    if full is not None:
+        _status(f"{where}: {full} tokens, truncated to its {'last' if keep_end else 'first'} "
+                f"{len(ids)} (--max-length {n})")
     return ids
 
 
@@ -493,7 +521,7 @@ def _encode(args, model, tokenizer=None) -> tuple[object | None, list[int]]:
     (``tokenizer``: one `_tokenizer` already loaded)."""
     if tokenizer is None:
         tokenizer = _tokenizer(args)
-    return tokenizer, _token_ids(args, tokenizer, model, args.text)
+    return tokenizer, _token_ids(args, tokenizer, model, args.text, keep_end=True)
 
 
 def _texts(args) -> list[tuple[str, str]]:
@@ -567,9 +595,12 @@ def _model_shown(args) -> str:
 
 
 def _base_meta(args) -> dict:
-    """``{"base": ...}`` (the base model of a PEFT adapter directory) for the JSON, or {}."""
+    """``{"base": ...}`` (the base model of a PEFT adapter directory) and ``{"max_length":
+    N}`` (``--max-length``) for the JSON, each only when given."""
     adapter = getattr(args, "adapter", None)
-    return {} if adapter is None else {"base": adapter.base}
+    n = getattr(args, "max_length", None)
+    return {**({} if adapter is None else {"base": adapter.base}),
+            **({} if n is None else {"max_length": n})}
 
 
 def _query(args) -> int:
@@ -1143,8 +1174,10 @@ def _label_id(value: Any, names: Sequence[str], label2id: Mapping, where: str) -
         return int(label2id[text])
     if text.lstrip("-").isdigit():
         return _label_id(int(text), names, label2id, where)
+    hint = did_you_mean(text, dict.fromkeys([*names, *label2id]), repr)
     raise QueryInputError(f"{where}: label {text!r} is not one of the model's labels: must be a "
-                          f"class name ({', '.join(names)}) or an index in [0, {n})")
+                          f"class name ({', '.join(names)}) or an index in [0, {n})"
+                          + (f"; {hint}" if hint else ""))
 
 
 def _influence_queries(args, task: str, model, tokenizer) -> list[_Query]:
@@ -1705,6 +1738,12 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--text", help="the input (exactly one of --text and --file)")
     q.add_argument("--file", metavar="PATH", help="sequence classifiers: a UTF-8 file of "
                    "inputs, one per line (blank lines skipped), batched with padding")
+    q.add_argument("--max-length", type=int, metavar="N", help="cut each input longer than N "
+                   "tokens to N, as training truncated (at most the model's positions): a "
+                   "causal LM keeps the END of the text (its last N tokens: the next token and "
+                   "--options are read at the last position), a sequence classifier its first N "
+                   "(as a tokenizer with truncation=True does; special tokens stay); said on "
+                   "stderr. Default: no truncation (a longer input is refused)")
     q.add_argument("--tokenizer", help="tokenizer directory (default: --model; it must hold "
                    "tokenizer files, else pass --byte-level)")
     q.add_argument("--base", help="the base model of a PEFT (LoRA) adapter directory given as "

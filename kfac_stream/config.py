@@ -6,7 +6,6 @@ in `KFACStreamCallback.on_train_begin`, before the first training step.
 
 from __future__ import annotations
 
-import difflib
 import functools
 import math
 import re
@@ -16,7 +15,7 @@ from typing import Any
 
 from .curvature import Curvature
 from .enums import FactorForm, FisherType, LayerPreset, StorageDtype
-from .exceptions import KFACConfigError
+from .exceptions import KFACConfigError, did_you_mean
 from .replay_draws import replay_counts
 
 
@@ -338,10 +337,7 @@ class KFACConfig:
                     ) from None
         if self.preset is not None:
             if self.preset not in LayerPreset:
-                raise KFACConfigError(
-                    f"KFACConfig.preset={self.preset!r} is not allowed: must be None or one of "
-                    f"{tuple(p.value for p in LayerPreset)}"
-                )
+                raise unknown_preset_error(self.preset)
             if self.include is not None:
                 raise KFACConfigError(
                     f"KFACConfig.preset={self.preset!r} and include={self.include!r} are both "
@@ -372,15 +368,23 @@ def _named_arguments_only(init):
         known = [f.name for f in fields(KFACConfig)]
         for key in kwargs:
             if key not in known:
-                close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
-                hint = (f"did you mean {' or '.join(close)}?" if close else
-                        "the arguments are listed in docs/configuration.md")
+                hint = (did_you_mean(key, known)
+                        or "the arguments are listed in docs/configuration.md")
                 raise TypeError(f"KFACConfig: {key!r} is not an argument: {hint}")
         init(self, *args, **kwargs)
     return __init__
 
 
 KFACConfig.__init__ = _named_arguments_only(KFACConfig.__init__)
+
+
+def unknown_preset_error(preset: Any) -> KFACConfigError:
+    """The error for a ``preset`` that is no `LayerPreset`: the presets, and the closest ones
+    to a misspelt name (``'last-layer'``: did you mean ``'last_layer'``?)."""
+    presets = tuple(p.value for p in LayerPreset)
+    hint = did_you_mean(preset, presets, repr) if isinstance(preset, str) else None
+    return KFACConfigError(f"KFACConfig.preset={preset!r} is not allowed: must be None or one "
+                           f"of {presets}" + (f"; {hint}" if hint else ""))
 
 
 def _check_range(name: str, value: Any, allowed: str, ok) -> None:

@@ -15,6 +15,9 @@ Each message names the offending field, value, key or file. The tree::
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Callable, Iterable
+
 
 class KFACStreamError(Exception):
     """Base class of every error raised by kfac_stream."""
@@ -63,3 +66,12 @@ class PartitionedModelError(QueryInputError):
     """The model given to a query has its weights partitioned across ranks by DeepSpeed ZeRO-3
     (the engine gathers them only inside its own forward); query a whole copy instead
     (`kfac_stream.whole_model`, or the saved model loaded in one process)."""
+
+
+def did_you_mean(word: str, choices: Iterable[str],
+                 shown: Callable[[str], str] = str) -> str | None:
+    """``"did you mean X or Y?"`` naming the (at most 3) ``choices`` closest to a misspelt
+    ``word`` (`difflib.get_close_matches`, cutoff 0.6), each as ``shown`` writes it; None when
+    none is close. Every "did you mean" of kfac_stream's messages comes from here."""
+    close = difflib.get_close_matches(word, list(choices), n=3, cutoff=0.6)
+    return f"did you mean {' or '.join(shown(c) for c in close)}?" if close else None

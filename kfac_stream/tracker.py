@@ -197,6 +197,12 @@ class Tracker:
         """``{name: module}`` of the tracked layers."""
         return dict(self._layers)
 
+    @property
+    def model(self) -> nn.Module:
+        """The model whose layers are tracked (its architecture goes into every snapshot's
+        manifest, `kfac_stream.snapshot.architecture.model_identity`)."""
+        return self._model
+
     def _make_capture(self) -> CaptureHooks:
         plan, fraction, seed, row_dtype, device, sum_dtype = self._capture_args
         hooks = CaptureHooks(self._model, self._layers, plan, fraction, seed, row_dtype, device,

@@ -20,7 +20,6 @@ report     the end-of-run report: uncertainty contrast sizes
 
 from __future__ import annotations
 
-import difflib
 import functools
 import operator
 import types
@@ -32,7 +31,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from ..config import KFACConfig
-from ..exceptions import AppConfigError
+from ..exceptions import AppConfigError, did_you_mean
 
 
 @dataclass
@@ -207,9 +206,8 @@ GROUPS: dict[str, type] = {"model": ModelConf, "data": DataConf, "kfac": KFACCon
 def unknown_key_error(group: str, key: str) -> AppConfigError:
     """``group.key`` is no field of the group's schema: the error, with the closest names."""
     known = [f.name for f in fields(GROUPS[group])]
-    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
-    hint = (f"did you mean {' or '.join(f'{group}.{c}' for c in close)}?" if close else
-            f"the {group} keys are listed by `kfac-stream train --cfg job`")
+    hint = (did_you_mean(key, known, lambda c: f"{group}.{c}")
+            or f"the {group} keys are listed by `kfac-stream train --cfg job`")
     return AppConfigError(f"{group}.{key} is not a key of the {group} config: {hint}")
 
 

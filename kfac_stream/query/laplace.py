@@ -1158,21 +1158,27 @@ def _chosen_layers(where: str, model: nn.Module, snapshot: Snapshot,
 
 def _match_layers(model: nn.Module, snapshot: Snapshot,
                   names: Sequence[str]) -> dict[str, nn.Module]:
+    from .peft_layers import missing_layer_message, other_architecture
+
     modules = dict(model.named_modules())
     out = {}
+    where = f"snapshot {snapshot.path}"
     for name in names:
         info = snapshot[name].meta
-        if name not in modules:  # a LoRA layer of a merged model: says how to load it
-            from .peft_layers import missing_layer_message
-
+        if name not in modules:  # another architecture; a LoRA layer of a merged model
             raise SnapshotMismatchError(
-                missing_layer_message(f"snapshot {snapshot.path}", name, modules))
+                other_architecture(where, snapshot.meta, model, modules, snapshot.layer_names,
+                                   name, "is not a module of the model")
+                or missing_layer_message(where, name, modules))
         spec = layer_spec(name, modules[name])
         want = (info["d_in"], info["d_out"], bool(info["has_bias"]))
         have = (spec.d_in, spec.d_out, spec.has_bias)
         if want != have:
+            shapes = (f"has (d_in, d_out, bias) = {have} in the model but {want} in the "
+                      "snapshot")
             raise SnapshotMismatchError(
-                f"snapshot {snapshot.path}: layer {name!r} has (d_in, d_out, bias) = {have} in "
-                f"the model but {want} in the snapshot")
+                other_architecture(where, snapshot.meta, model, modules, snapshot.layer_names,
+                                   name, shapes)
+                or f"{where}: layer {name!r} {shapes}")
         out[name] = modules[name]
     return out

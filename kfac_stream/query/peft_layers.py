@@ -1,5 +1,8 @@
-"""Why a snapshot's PEFT (LoRA) layer is not a module of the model: the message of
-`LaplacePosterior`'s `SnapshotMismatchError` for the two ways a LoRA model is commonly loaded
+"""Why a snapshot's layer is not a module of the model: the messages of `LaplacePosterior`'s
+`SnapshotMismatchError`. First `other_architecture`: a snapshot of another architecture (the
+class and ``config.model_type`` its manifest records, `kfac_stream.snapshot.architecture`,
+against the model's; a snapshot that records none judged from its layer names), both named.
+Then, for a model of the snapshot's architecture, the two ways a LoRA model is commonly loaded
 so that its adapter layers are missing or renamed.
 
 - Merged: ``merge_and_unload()`` folds ``B A`` into the base weights and removes the
@@ -16,9 +19,12 @@ Either way the way out is ``PeftModel.from_pretrained(base, adapter_dir)``, or t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from torch import nn
+
+from ..snapshot.architecture import describe, model_identity
 
 #: Name components of PEFT LoRA adapter layers (as `kfac_stream.capture.presets.LORA_NAMES`).
 LORA_PARTS = frozenset({"lora_A", "lora_B"})
@@ -33,17 +39,32 @@ RELOAD = ("load the adapter with peft: PeftModel.from_pretrained(base, adapter_d
           "docs/lora.md)")
 
 
+def base_layer_name(name: str) -> str:
+    """The base model's layer that a PEFT adapter layer ``name`` adapts, as a merged model (or
+    the base alone) names it: ``base_model.model.h.0.attn.c_attn.lora_A.default`` →
+    ``h.0.attn.c_attn``; any other name unchanged."""
+    parts = name.removeprefix(PEFT_PREFIX).split(".")
+    for i, part in enumerate(parts):
+        if part in LORA_PARTS or part == "base_layer":
+            return ".".join(parts[:i])
+    return ".".join(parts)
+
+
 def missing_layer_message(where: str, name: str, modules: Mapping[str, nn.Module]) -> str:
     """The one-line message for the snapshot's tracked layer ``name`` that is not in
     ``modules`` (the model's ``dict(named_modules())``); ``where`` opens it (``snapshot
-    <path>``). A LoRA layer of a model that has no LoRA layers (merged, or the base alone) and
-    one found under transformers' names get the way to load the adapter; any other layer the
-    plain mismatch."""
+    <path>``). A LoRA layer of a model that has no LoRA layers but the base layer it adapts
+    (`base_layer_name`: merged, or the base alone) and one found under transformers' names get
+    the way to load the adapter; any other layer the plain mismatch (a snapshot of another
+    architecture is said before this, `kfac_stream.snapshot.architecture`)."""
     parts = set(name.split("."))
     plain = f"{where}: tracked layer {name!r} is not a module of the model"
     if not LORA_PARTS & parts:
         return plain
     if not any(LORA_PARTS & set(n.split(".")) for n in modules):
+        if base_layer_name(name) not in modules:  # not merged: the layer it adapts is not here
+            return (f"{plain}, nor is the layer it adapts, {base_layer_name(name)!r} (the model "
+                    "has no LoRA layers)")
         return (f"{plain}, which has no LoRA layers: the snapshot tracked the PEFT LoRA adapter "
                 f"layers (lora_A/lora_B), and a model merged with merge_and_unload() (the "
                 f"adapters folded into the base weights) or the base model alone has none, so "
@@ -54,3 +75,31 @@ def missing_layer_message(where: str, name: str, modules: Mapping[str, nn.Module
                 f"transformers, AutoModelFor*.from_pretrained(adapter_dir) or load_adapter); "
                 f"{RELOAD}")
     return plain
+
+
+def other_architecture(where: str, meta: Mapping[str, Any], model: nn.Module,
+                       modules: Mapping[str, nn.Module], names: Sequence[str], name: str,
+                       problem: str) -> str | None:
+    """The message for a snapshot (manifest ``meta``, tracked layers ``names``) of another
+    architecture than ``model`` (``modules``: its ``dict(named_modules())``), or None when it
+    is not one (the same recorded class and ``model_type``; for a snapshot that records none,
+    any of its layers, or its base layer, is a module of the model). ``where`` opens it;
+    ``name`` and ``problem`` are the first layer that does not match and how (``"is not a
+    module of the model"``)."""
+    have = model_identity(model)
+    recorded = meta.get("model")
+    if recorded:
+        if (recorded.get("class"), recorded.get("model_type")) == (have["class"],
+                                                                    have["model_type"]):
+            return None
+        return (f"{where} is a snapshot of another architecture: it was taken on a "
+                f"{describe(recorded)}, the model is a {describe(have)} (its tracked layer "
+                f"{name!r} {problem}); pass the model the snapshot was taken on, or a "
+                "snapshot of a run of this model")
+    if any(n in modules or base_layer_name(n) in modules for n in names):
+        return None
+    return (f"{where} is a snapshot of another architecture, it seems: none of its "
+            f"{len(names)} tracked layers (e.g. {names[0]!r}), nor their base layers, is a "
+            f"module of the model, a {describe(have)} (the snapshot, written by an older "
+            "kfac_stream, does not record the model it was taken on); pass the model the "
+            "snapshot was taken on, or a snapshot of a run of this model")

@@ -58,6 +58,25 @@ def sampling_summary(meta: dict[str, Any]) -> dict[str, Any]:
             "in_window": int(counts.get("window_start_step", -1)) >= 0}
 
 
+def rel_se_verdict(summary: dict[str, Any]) -> str:
+    """The largest relative standard error of a `sampling_summary` with its threshold
+    (`REL_SE_WARN`) and verdict, as `kfac-stream inspect` prints it: ``"0.82 (≤ 3: enough
+    samples)"``, ``"4.1 (> 3: too few samples, ...)"``, or, before the final window (the
+    EMA, where the spread is not judged), the figure and why it is not judged."""
+    se = summary["max_rel_se"]
+    if math.isnan(se):
+        return "not recorded"
+    if not summary["in_window"]:
+        return (f"{se:.3g} (not judged: the threshold {REL_SE_WARN:g} applies in the final "
+                "window; before it the spread of the updates measures the curvature's drift "
+                "along training as much as sampling noise)")
+    if se <= REL_SE_WARN:
+        return f"{se:.3g} (≤ {REL_SE_WARN:g}: enough samples)"
+    return (f"{se:.3g} (> {REL_SE_WARN:g}: too few samples, the posterior falls back to the "
+            "prior in most directions; lower update_every or raise mc_sequences or "
+            "final_window)")
+
+
 def sampling_problems(meta: dict[str, Any]) -> list[str]:
     """One sentence per sign that the snapshot's factors rest on too few samples (empty: none
     seen)."""

@@ -538,6 +538,13 @@ ANSWER_TOKENS = Record({
     "texts": Field(Nullable(ListOf(Str(what="an answer's text"), min_len=2))),
 }, what="the answer options (an object with ids and texts)")
 
+#: The model's architecture (`kfac_stream.snapshot.architecture.model_identity`): its class
+#: name and ``config.model_type`` (null where the model has none).
+MODEL = Record({
+    "class": Field(Str(what="a model class name")),
+    "model_type": Field(Nullable(Str(what="a config.model_type"))),
+}, what="the model's architecture (an object with class, model_type)")
+
 #: The whole manifest, formats 1 and 2 (``since=2``: required from format 2 on).
 SCHEMA = Record({
     "format": Field(Str(choices=(FORMAT_NAME,))),
@@ -565,6 +572,7 @@ SCHEMA = Record({
     "weights": Field(MapOf(WEIGHTS, _layer_name_problem, "a module name (non-empty text)",
                            what="an object of weight fingerprints"), since=None),
     "answer_tokens": Field(ANSWER_TOKENS, since=None),
+    "model": Field(MODEL, since=None),  # optional: older snapshots lack it
     "layers": Field(MapOf(LAYER, _layer_name_problem, "a module name (non-empty text)",
                           min_len=1, what="an object of layer entries")),
     "shards": Field(MapOf(SHARD, _shard_name_problem, _SHARD_NAME, min_len=1,

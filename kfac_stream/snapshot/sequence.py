@@ -6,7 +6,8 @@
    before they are released goes into a spare tensor, `kfac_stream.store.factor_store`), the
    shard's tensors and manifest part are made from them
    (`kfac_stream.snapshot.contents.snapshot_contents`) and the weights' fingerprint is read
-   (`kfac_stream.snapshot.weights`). Nothing else touches a factor entry on this thread.
+   (`kfac_stream.snapshot.weights`), with the model's architecture
+   (`kfac_stream.snapshot.architecture`). Nothing else touches a factor entry on this thread.
    With ``KFACConfig(ekfac=True)`` the tracker also hands over the EK-FAC correction it
    accumulated on the previous snapshot's eigenbasis (`kfac_stream.ekfac`) and starts waiting
    for this one's.
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 
+from .architecture import model_identity
 from .contents import merge_manifests, snapshot_contents
 from .eigen_stream import EigenStream
 from .weights import weights_fingerprint
@@ -62,6 +64,9 @@ def capture_snapshot(tracker, step: int, epoch: float | None = None,
     tensors, manifest = snapshot_contents(record, step, epoch,
                                           ekfac=ekfac[:2] if ekfac is not None else None)
     manifest["weights"] = weights_fingerprint(tracker.layers)
+    identity = model_identity(getattr(tracker, "model", None))
+    if identity is not None:  # the architecture: a query on another one says so
+        manifest["model"] = identity
     return CapturedSnapshot(int(step), tensors, manifest,
                             {k: f.data for k, f in record.factors.items()},
                             ekfac[2] if ekfac is not None else None)
