@@ -83,7 +83,8 @@ def raises(fn, *needles, cls=QueryInputError) -> str:
 def prior_allowed(snap, marglik=True):
     n = len(snap.layer_names)
     return (f"must be a positive finite float, a dict {{layer: positive finite float}} with "
-            f"exactly the posterior's {n} layers" + (", or 'marglik'" if marglik else ""))
+            f"exactly the posterior's {n} layers"
+            + (", or one of 'auto', 'heldout', 'marglik'" if marglik else ""))
 
 
 # -- LaplacePosterior(...) -----------------------------------------------------------------------
@@ -341,14 +342,17 @@ def test_method_samples_and_seed_of_predictive_probs(post, forwards):
     raises(lambda: post.predictive_probs(batch, -1, [1, 2], method="exact"),
            f"{where}method='exact' is not allowed: must be one of ('probit', "
            "'meanfield', 'mc')")
-    raises(lambda: post.predictive_probs(batch, -1, [1, 2], method=None),
-           f"{where}method=None (a NoneType) is not allowed: must be one of ('probit', "
+    raises(lambda: post.predictive_probs(batch, -1, [1, 2], method=7),
+           f"{where}method=7 (a int) is not allowed: must be one of ('probit', "
            "'meanfield', 'mc')")
     raises(lambda: post.predictive_probs(batch, -1, [1, 2], method="mc", n_samples=0),
            f"{where}n_samples=0 is not allowed: must be an int >= 1")
     raises(lambda: post.predictive_probs(batch, -1, [1, 2], method="mc", seed="7"),
            f"{where}seed='7' (a str) is not allowed: must be an int (the random seed)")
     assert forwards[0] == 0
+    # None: the posterior's own link (the stored held-out fit's, else mean-field)
+    assert torch.equal(post.predictive_probs(batch, -1, [1, 2], method=None),
+                       post.predictive_probs(batch, -1, [1, 2], method=post.link))
 
 
 def test_probs_from_gaussian():
@@ -596,7 +600,7 @@ def test_cli_query_bad_values(trained, capsys):
     for tau in ("marlik", "-1", "0", "nan", "inf", ""):
         cli_error(capsys, query_argv(tmp, **{"--prior-precision": tau}),
                   f"--prior-precision={tau!r} is not allowed: must be a positive finite number "
-                  "or 'marglik'")
+                  "or 'auto' or 'heldout' or 'marglik'")
     cli_error(capsys, query_argv(tmp, **{"--text": "x" * 65}),
               "--text is 65 tokens long: must be at most 64 tokens (the model's positions)")
     with pytest.raises(SystemExit) as e:  # argparse's own check of the type, also exit code 2
