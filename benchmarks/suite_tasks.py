@@ -483,6 +483,18 @@ NEW_TASKS = {t.name: t for t in (SourceSmall, LicenseFit, GlyphDigits, LMHeldout
                                  EncoderFileKind)}
 
 
+def _finetune_tasks() -> None:
+    """Issue 46's fine-tune tasks (`finetune_tasks`: a pre-trained small model fine-tuned
+    briefly, MAP calibrated or underconfident): ``ft-encoder``, ``ft-lora-mc``,
+    ``ft-seq2seq``. Imported here, after this module's helpers they use exist."""
+    import finetune_tasks
+
+    NEW_TASKS.update(finetune_tasks.TASKS)
+
+
+_finetune_tasks()
+
+
 def updates_per_run(steps: int, update_every: int) -> int:
     """Factor updates in a run of ``steps`` steps (steps 0, k, 2k, ...)."""
     return math.ceil(steps / update_every)
