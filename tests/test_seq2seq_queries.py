@@ -253,7 +253,7 @@ def test_a_batch_with_neither_labels_nor_decoder_inputs_is_one_line_error(run):
 
 def test_answer_token_fit_reads_the_labels_decoder_position(run):
     """One label per row and ``token_ids``: the closed-form predictive at the label's own
-    decoder position (no shift), recomputed here at every candidate (mean-field link)."""
+    decoder position (no shift), recomputed here at every candidate tau and link."""
     from kfac_stream import fit_prior_precision
     from kfac_stream.query.laplace import probs_from_gaussian
 
@@ -264,15 +264,18 @@ def test_answer_token_fit_reads_the_labels_decoder_position(run):
     labels = torch.full((len(held), 3), -100)
     labels[torch.arange(len(held)), at] = answers
     prior = fit_prior_precision(post, [dict(batch, labels=labels)], token_ids=[5, 6, 7])
-    assert prior.link == "meanfield" and prior.examples == len(held) and post.prior_precision == 1
+    assert prior.examples == len(held) and post.prior_precision == 1
+    assert sorted(prior.link_nll) == ["meanfield", "probit"]
+    assert prior.grid_nll == prior.link_nll[prior.link]
     dec = dict(batch, decoder_input_ids=_shift_right(model, labels))  # made by hand
     y = answers - 5
-    for tau, nll in zip(prior.grid, prior.grid_nll):
-        post.prior_precision = tau
-        mean, cov = post.predictive(dec, positions=at, token_ids=[5, 6, 7])
-        p = probs_from_gaussian(mean, cov, "meanfield")
-        assert nll == pytest.approx(float(-p[torch.arange(len(held)), y].log().mean()),
-                                    rel=1e-9), (family, tau)
+    for link, grid_nll in prior.link_nll.items():
+        for tau, nll in zip(prior.grid, grid_nll):
+            post.prior_precision = tau
+            mean, cov = post.predictive(dec, positions=at, token_ids=[5, 6, 7])
+            p = probs_from_gaussian(mean, cov, link)
+            assert nll == pytest.approx(float(-p[torch.arange(len(held)), y].log().mean()),
+                                        rel=1e-9), (family, link, tau)
 
 
 def test_the_probe_runs_on_a_bart_classifier_and_its_training(tmp_path):

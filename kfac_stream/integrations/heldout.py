@@ -86,7 +86,7 @@ def fit_heldout_prior(callback, model) -> str | None:
     model.eval()
     per_token = seq2seq_lm(model) and callback.tracker.answer_tokens is None
     if per_token:  # its cost differs from the closed form's one Jacobian pass: say it
-        logger.info("kfac_stream: held-out fit on a seq2seq model's whole targets: the NLL per "
+        logger.info("kfac_stream: held-out fit: a seq2seq model's whole targets, the NLL per "
                     "label token of the linearised predictive, by Monte Carlo over %d draws for "
                     "each of %d candidate taus (about %d forwards per eval batch)",
                     TOKEN_SAMPLES, len(GRID) + 1, 2 * TOKEN_SAMPLES * (len(GRID) + 1))
