@@ -482,7 +482,9 @@ def json_kind(v):
 SWAPS = [None, [1], {"x": 1}, "eight", True, math.nan, "@HUGE@"]
 # swaps the schema accepts by design (nullable or free-text keys): they must load
 ACCEPTED = {("epoch", "null"), ("config.async_updates", "null"),
-            ("config.output_dir", "string")}
+            ("config.output_dir", "string"),
+            ("config.eval_prior_precision", "bool"),  # "auto", True or False (issue 46)
+            ("model.model_type", "null")}  # a model whose config has no model_type
 
 
 def swap_variants(manifest):
