@@ -1,4 +1,4 @@
-"""The suite's fine-tune tasks (issue 46 item 4): a small model PRE-TRAINED on one corpus, then
+"""The suite's fine-tune tasks: a small model PRE-TRAINED on one corpus, then
 fine-tuned BRIEFLY on a new task, the regime users bring most, where MAP is calibrated or
 underconfident. Three of them, each built as a user builds it, on text of this machine:
 

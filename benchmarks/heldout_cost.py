@@ -1,4 +1,4 @@
-r"""What the held-out fit of ``τ`` and the link costs at the end of training (issue 46).
+r"""What the held-out fit of ``τ`` and the link costs at the end of training.
 
 Usage: ``python benchmarks/heldout_cost.py [--repeats 5]``; ``--quick`` is a smoke run that
 writes nothing. Writes ``benchmarks/results/heldout_cost.json`` and the ``heldout-cost``
@@ -116,7 +116,7 @@ def main(argv=None) -> None:
            "target_eval_passes": K + 2, "callback_fit_seconds": stored.seconds,
            "chosen": {"tau": fit.tau, "link": fit.link, "verdict": fit.verdict()},
            "machine": machine()}
-    lines = [BEGIN, "## The held-out fit's cost (`benchmarks/heldout_cost.py`, issue 46)", "",
+    lines = [BEGIN, "## The held-out fit's cost (`benchmarks/heldout_cost.py`)", "",
              f"{out['task']}, K = {K} classes, a {train_s:.0f} s training run on "
              f"{out['machine']['cpu']} ({out['machine']['cores']} cores); medians of "
              f"{a.repeats} interleaved repeats:", "",

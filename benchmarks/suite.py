@@ -92,7 +92,7 @@ LINKS = ("probit", "meanfield", "mc", "blend")  # blend: `blend_probs`
 LINK_RULES = ("by-K", "val-link")
 K_MEANFIELD_MAX = 4  # by-K: meanfield for K ≤ 4 classes, probit above
 TAU_GRID = list(HELDOUT_GRID)  # with the marglik value: the val-tau grid (the library's)
-# issue 46, fixed before the re-run. The held-out default: (tau, link) of the library's held-out
+# Fixed before the re-run. The held-out default: (tau, link) of the library's held-out
 # fit (`fit_prior_precision`): tau over its grid and the marglik value, jointly with the link
 # among HELDOUT_LINKS, the lowest validation NLL. Rules a user gets WITHOUT held-out data: the
 # marglik tau with each link (and by-K), MAP's own probabilities (Laplace variances for ranking
@@ -103,7 +103,7 @@ MEM_RULES = tuple(f"mem{t:g}-{k}" for t in (0.9, 0.95) for k in ("meanfield", "p
 # ... and "ep<e>-<link>": MAP's probabilities when the run trained at most e epochs (each example
 # seen a few times at most: the training loss was nearly held-out, so MAP cannot have learnt
 # to be much more confident than it is right), the posterior (marglik tau, that link) after
-# more epochs. Declared before the fine-tune tasks' posteriors were seen (issue 46).
+# more epochs. Declared before the fine-tune tasks' posteriors were seen.
 EPOCH_RULES = tuple(f"ep{e:g}-{k}" for e in (1, 3) for k in ("meanfield", "probit"))
 BAR_LT, BAR_ACC = 1.05, 0.01
 BAR_UNDER = 1.01  # where MAP is underconfident on test, NLL ≤ 1.01 × MAP's (else ≤ MAP's)
@@ -413,7 +413,7 @@ def candidates(results: dict) -> list[tuple[str, str, str]]:
             + [("default", "map", "map")])
 
 
-HELDOUT = ("default", "heldout", "val")  # the default path with an eval set (issue 46)
+HELDOUT = ("default", "heldout", "val")  # the default path with an eval set
 
 
 def chosen_link(res: dict, rule: str, link: str) -> str:
@@ -541,7 +541,7 @@ def report(out: dict, info: dict) -> str:
              "laplace-torch's and accuracy ≥ MAP's − 1 point. Score ≤ 1 ⇔ the bar holds.",
              ""]
     lines += shipped_table(v["shipped"])
-    lines += ["", "The default path **with** an eval set (issue 46): tau and link fitted "
+    lines += ["", "The default path **with** an eval set: tau and link fitted "
               "jointly on the validation set by the library's held-out fit (tau over "
               f"{len(HELDOUT_GRID)} grid values and the marglik value, links "
               f"{', '.join(HELDOUT_LINKS)}); worst score {v['heldout_worst']:.3f}:", ""]
@@ -630,7 +630,7 @@ def make_task(name: str, seed: int, a, base):
 
 ALL_TASKS = ["license-fit", "manpage-section", "glyph-digits", "source-small", "docstring-lora",
              "lm-heldout", "encoder-filekind"]
-ALL_TASKS += [n for n in st.NEW_TASKS if n not in ALL_TASKS]  # issue 46's fine-tune tasks
+ALL_TASKS += [n for n in st.NEW_TASKS if n not in ALL_TASKS]  # the pre-train-then-fine-tune tasks
 
 
 def head_layers(model) -> dict:

@@ -484,7 +484,7 @@ NEW_TASKS = {t.name: t for t in (SourceSmall, LicenseFit, GlyphDigits, LMHeldout
 
 
 def _finetune_tasks() -> None:
-    """Issue 46's fine-tune tasks (`finetune_tasks`: a pre-trained small model fine-tuned
+    """The fine-tune tasks (`finetune_tasks`: a pre-trained small model fine-tuned
     briefly, MAP calibrated or underconfident): ``ft-encoder``, ``ft-lora-mc``,
     ``ft-seq2seq``. Imported here, after this module's helpers they use exist."""
     import finetune_tasks

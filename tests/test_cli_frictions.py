@@ -1,4 +1,4 @@
-"""Issue 46 item 5, the trial's frictions, on real runs, files and CLI calls:
+"""The user trial's frictions, on real runs, files and CLI calls:
 
 - ``kfac-stream query --max-length N`` cuts a longer input as training did (a causal LM keeps
   the end of its text, a classifier the start) instead of refusing it, and the refusal names

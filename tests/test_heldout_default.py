@@ -1,4 +1,4 @@
-"""Issue 46: the prior precision and the link come from held-out data by default.
+"""The prior precision and the link come from held-out data by default.
 
 * With an ``eval_dataset`` the callback fits ``τ`` and the link at the end of training
   (``eval_prior_precision="auto"``), logs the method, then one verdict line;

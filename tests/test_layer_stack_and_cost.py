@@ -1,4 +1,4 @@
-"""Issue 46, item 5: an encoder-decoder's default layers are its decoder stack whatever the
+"""An encoder-decoder's default layers are its decoder stack whatever the
 depths (named in the train-begin line), and the end-of-train line gives the callback's own
 seconds and their share of training. Real ``transformers.Trainer`` runs of tiny models built
 from configs, on CPU."""

@@ -483,7 +483,7 @@ SWAPS = [None, [1], {"x": 1}, "eight", True, math.nan, "@HUGE@"]
 # swaps the schema accepts by design (nullable or free-text keys): they must load
 ACCEPTED = {("epoch", "null"), ("config.async_updates", "null"),
             ("config.output_dir", "string"),
-            ("config.eval_prior_precision", "bool"),  # "auto", True or False (issue 46)
+            ("config.eval_prior_precision", "bool"),  # "auto", True or False
             ("model.model_type", "null")}  # a model whose config has no model_type
 
 

@@ -45,11 +45,11 @@ from ..snapshot.heldout_prior import HeldoutPrior
 from . import inputs
 
 #: ``τ`` candidates: a log grid over ten decades; the marginal-likelihood ``τ`` is added.
-#: Fixed before the suite that judged the held-out default (issue 46). At the top (``1e6``)
+#: Fixed before the suite that judged the held-out default. At the top (``1e6``)
 #: the posterior's probabilities equal MAP's (`HeldoutPrior.at_map`).
 GRID = tuple(10.0 ** e for e in range(-4, 7))
 
-#: The links the held-out fit chooses among, jointly with ``τ`` (issue 46; fixed before the
+#: The links the held-out fit chooses among, jointly with ``τ`` (fixed before the
 #: suite): the probit (laplace-torch's default) and the pairwise mean-field link. Both are
 #: closed forms of the same ``[B, K]`` mean and ``[B, K, K]`` covariance, so each adds no
 #: model pass.

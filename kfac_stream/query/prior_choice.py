@@ -9,8 +9,7 @@ and where they came from.
    `kfac_stream.query.heldout_tau.fit_prior_precision`) when there is one and it applies
    (the posterior over the snapshot's layers with its own ``N``: a fit made for those);
 2. otherwise the rule for runs without held-out data (`NO_HELDOUT_TAU`, `NO_HELDOUT_LINK`),
-   chosen across the default-selection suite by its worst case (``benchmarks/suite.py``,
-   issue 46).
+   chosen across the default-selection suite by its worst case (``benchmarks/suite.py``).
 
 ``"heldout"`` insists on 1 (an error when none is stored); ``"marglik"`` and a number skip it.
 ``link=None`` takes the link of the same source (the stored one for the held-out choice,
@@ -25,9 +24,10 @@ from typing import Any
 from ..exceptions import QueryInputError
 from ..snapshot.heldout_prior import HeldoutPrior
 
-#: The ``τ`` rule without held-out data: the Laplace marginal likelihood (issue 46's suite).
+#: The ``τ`` rule without held-out data: the Laplace marginal likelihood (default-selection
+#: suite).
 NO_HELDOUT_TAU = "marglik"
-#: The link without held-out data (issue 46's suite).
+#: The link without held-out data (the default-selection suite).
 NO_HELDOUT_LINK = "meanfield"
 
 #: The words ``prior_precision`` may be, besides a number or a per-layer dict.
