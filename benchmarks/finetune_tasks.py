@@ -327,14 +327,7 @@ class FtLoraMC(_Task):
 
     @staticmethod
     def batch(items):
-        seqs = [mc_prompt(s) for s, _ in items]
-        T = max(map(len, seqs))
-        ids = torch.zeros(len(seqs), T, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, s in enumerate(seqs):
-            ids[i, :len(s)] = torch.tensor(s)
-            mask[i, :len(s)] = 1
-        return {"input_ids": ids, "attention_mask": mask}, torch.tensor([c for _, c in items])
+        return uc.padded_batch([mc_prompt(s) for s, _ in items], [c for _, c in items])
 
     def model(self):
         from peft import LoraConfig, get_peft_model

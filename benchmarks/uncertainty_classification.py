@@ -221,14 +221,19 @@ def train_example(snippet: str, label: int) -> dict[str, torch.Tensor]:
 
 def prompt_batch(items: list[tuple[str, int]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Right-padded prompts (pad 0; byte 0 never occurs in a docstring) and the labels."""
-    seqs = [prompt_ids(s) for s, _ in items]
+    return padded_batch([prompt_ids(s) for s, _ in items], [c for _, c in items])
+
+
+def padded_batch(seqs: list[list[int]], labels: list[int]
+                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``({"input_ids", "attention_mask"} [B, T], labels [B])``: ``seqs`` right-padded with 0."""
     T = max(map(len, seqs))
     ids = torch.zeros(len(seqs), T, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, s in enumerate(seqs):
         ids[i, :len(s)] = torch.tensor(s)
         mask[i, :len(s)] = 1
-    return {"input_ids": ids, "attention_mask": mask}, torch.tensor([c for _, c in items])
+    return {"input_ids": ids, "attention_mask": mask}, torch.tensor(labels)
 
 
 def collate(batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
