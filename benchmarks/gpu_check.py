@@ -418,7 +418,8 @@ def _clocks(device: torch.device, count_steps: int, warmup: int):
     from syncs import CudaSyncCounter, SyncCounter
 
     cuda = device.type == "cuda"
-    state = {"mode": None, "count": 0, "ours": Counter(), "model": 0, "replayed": 0,
+    state = {"mode": None, "count": 0, "ours": Counter(), "model": 0, "model_at": Counter(),
+             "replayed": 0,
              "marks": [], "kfac": None, "updates_at_warmup": None}
 
     class First(TrainerCallback):
@@ -439,6 +440,7 @@ def _clocks(device: torch.device, count_steps: int, warmup: int):
                 state["count"] += mode.count
                 state["ours"].update(mode.ours)
                 state["model"] += sum(mode.model.values())
+                state["model_at"].update(mode.model)
                 state["replayed"] += getattr(mode, "replayed", 0)
             if cuda:
                 ev = torch.cuda.Event(enable_timing=True)
@@ -521,7 +523,8 @@ def one_run(model, data, cfg, setting: dict, sizes: dict, device: torch.device, 
            "mean_s_per_step": statistics.fmean(timed),
            "median_s_per_step": statistics.median(timed),
            "host_syncs": clock["count"], "kfac_host_syncs": dict(clock["ours"]),
-           "model_host_syncs": clock["model"], "replayed_host_syncs": clock["replayed"]}
+           "model_host_syncs": clock["model"], "model_host_syncs_at": dict(clock["model_at"]),
+           "replayed_host_syncs": clock["replayed"]}
     if cuda:  # allocated at the start: the model alone (a leak of the last run would show)
         row.update(peak_bytes=torch.cuda.max_memory_allocated(device),
                    allocated_at_start=allocated)
