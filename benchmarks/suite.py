@@ -44,7 +44,7 @@ Per task and seed:
 Selection (`select`): a candidate is a (rule, link or link rule, tau rule); the link rules
 (`LINK_RULES`) are ``by-K`` (mean-field for K ≤ 4 classes, probit above) and ``val-link`` (the
 link with the lower NLL on the validation set, as a Trainer's eval set would give). The bar
-(issue 37, fixed before the re-run), per task and seed: where MAP is overconfident on the test
+(fixed before the re-run), per task and seed: where MAP is overconfident on the test
 set (mean confidence > accuracy), NLL ≤ MAP's; where it is underconfident, NLL ≤ 1.01 × MAP's;
 on the mean over seeds, NLL ≤ 1.05 × laplace-torch's default predictive and accuracy ≥ MAP's −
 1 point. A task's score is the largest of those ratios (`task_score`): ≤ 1 means the task
@@ -75,7 +75,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, metrics
 from kfac_stream.app.data import ExampleDataset
-from kfac_stream.config import sequences_per_update, window_mc_share
+from kfac_stream.tracking.plan import sequences_per_update, window_mc_share
 from kfac_stream.query.heldout_tau import GRID as HELDOUT_GRID
 from kfac_stream.query.heldout_tau import LINKS as HELDOUT_LINKS
 from kfac_stream.query.laplace import probs_from_gaussian
@@ -87,7 +87,7 @@ from _common import machine, train_and_collect, write_json, write_section
 HERE = Path(__file__).resolve().parent
 BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
 LINKS = ("probit", "meanfield", "mc", "blend")  # blend: `blend_probs`
-# link rules (issue 37), decided before the re-run: the link by the number of classes K, or the
+# link rules, decided before the re-run: the link by the number of classes K, or the
 # link with the lower NLL on the validation set at the marglik tau (the Trainer's eval set)
 LINK_RULES = ("by-K", "val-link")
 K_MEANFIELD_MAX = 4  # by-K: meanfield for K ≤ 4 classes, probit above
@@ -453,7 +453,7 @@ def overconfident(res: dict) -> bool:
 
 
 def task_score(task: dict, cand: tuple[str, str, str]) -> dict:
-    """The issue's bar for one task: per seed, NLL ≤ MAP's where MAP is overconfident on the
+    """The bar for one task: per seed, NLL ≤ MAP's where MAP is overconfident on the
     test set and ≤ `BAR_UNDER` × MAP's where it is underconfident; on the mean over seeds,
     NLL ≤ 1.05 × laplace-torch's default predictive (probit) and accuracy ≥ MAP's − 1 point;
     ``score`` ≤ 1 iff all hold."""
@@ -535,7 +535,7 @@ def report(out: dict, info: dict) -> str:
              f"Per task, the library's default (rule `{out['args']['check_rule']}` rebuilt from "
              f"the recording run; tau by marginal likelihood, link `{LIBRARY_LINK}`) against "
              "MAP and laplace-torch KronLaplace (exact GGN, same layers, its default "
-             "predictive: GLM + probit). The bar (issue 37), per seed: NLL ≤ MAP's where MAP "
+             "predictive: GLM + probit). The bar, per seed: NLL ≤ MAP's where MAP "
              "is overconfident on test (mean confidence > accuracy: **o**), ≤ 1.01 × MAP's "
              "where it is underconfident (**u**); on the mean over seeds, NLL ≤ 1.05 × "
              "laplace-torch's and accuracy ≥ MAP's − 1 point. Score ≤ 1 ⇔ the bar holds.",
@@ -655,7 +655,7 @@ def compare_forms(*probes: str) -> None:
     (the ``suite-probes`` section)."""
     base = json.loads((HERE / "results" / "suite.json").read_text())
     default = base["verdicts"]["shipped"]
-    lines = [PROBES_BEGIN, "## Suite probes: the factor form and the head (issue 38)", "",
+    lines = [PROBES_BEGIN, "## Suite probes: the factor form and the head", "",
              "The shipped default candidate (rule, link, tau rule as in the suite section) "
              "scored per task (<= 1 meets the bar; parts: NLL vs MAP, accuracy vs MAP, NLL vs "
              "laplace-torch), in the default configuration (`factor_form=\"expand\"`, the "

@@ -9,14 +9,11 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .curvature import Curvature
 from .enums import FactorForm, FisherType, LayerPreset, StorageDtype
 from .exceptions import KFACConfigError, did_you_mean
-from .replay_draws import replay_counts
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,16 +53,16 @@ class KFACConfig:
             predictive's NLL was up to 1.3x the trained model's). In `benchmarks/suite.py` (six
             tasks) this rule ties the best worst case of the window rules tried (all within
             0.001), and the plain 10% window is the worst on the sample-starved next-token
-            task. With a share ``mc_sequences`` (the default), a run whose update steps hold
-            too few sequences at that share even over the whole run replays a larger share
-            (`window_mc_share`, logged at train begin and recorded as the snapshot's
-            ``config.mc_sequences``): the same whole number of every update step's sequences,
-            so the window then reaches this minimum whenever the run's update steps offer as
-            many sequences (counted for full micro-batches; the window counts each step's own
-            draw of a share). A run too short to reach it even so uses all its updates, and
-            the tracker warns at train begin; snapshots record the window's sequences and each
-            factor's sampling error (``sampling`` in the manifest). ``0``: the window is
-            ``final_window`` alone, and the share is never raised. (Default: 256)
+            task. With a share ``mc_sequences`` (the default), a run whose update steps hold too few
+            sequences at that share even over the whole run replays a larger share
+            (`kfac_stream.tracking.plan.window_mc_share`, logged at train begin and recorded as the
+            snapshot's ``config.mc_sequences``): the same whole number of every update step's
+            sequences, so the window then reaches this minimum whenever the run's update steps offer
+            as many sequences (counted for full micro-batches; the window counts each step's own
+            draw of a share). A run too short to reach it even so uses all its updates, and the
+            tracker warns at train begin; snapshots record the window's sequences and each factor's
+            sampling error (``sampling`` in the manifest). ``0``: the window is ``final_window``
+            alone, and the share is never raised. (Default: 256)
         update_every: Update the factors on every ``update_every``-th optimizer step (steps
             0, k, 2k, ... counted from 0); other steps cost one Python branch per hook. At
             ``token_fraction=0.05`` the factor GEMMs (``n·d(d+1)`` FLOPs per factor and update)
@@ -396,104 +393,6 @@ def _check_range(name: str, value: Any, allowed: str, ok) -> None:
 def mc_full_batch(spec: int | float | str) -> bool:
     """``mc_sequences`` asks for the whole micro-batch (``"all"`` or the fraction ``1.0``)."""
     return spec == "all" or (isinstance(spec, float) and spec >= 1.0)
-
-
-def mc_sequences_of(spec: int | float | str, batch: int) -> int:
-    """The most sequences of one micro-batch of ``batch`` that the MC pass runs on (``1 ≤ b ≤
-    B`` for ``batch ≥ 1``): all of them for ``"all"``, ``min(k, B)`` for an int, and for a
-    share ``f`` the most systematic sampling can draw from it, ``ceil(f·B)`` (it draws
-    ``f·B`` on average; a micro-batch may also get none)."""
-    if mc_full_batch(spec):
-        return batch
-    if isinstance(spec, float):
-        return max(1, min(batch, math.ceil(round(spec * batch, 9))))
-    return min(int(spec), batch)
-
-
-def sequences_per_update(config: KFACConfig, batch: int, accumulation: int, world: int
-                         ) -> int:
-    """Sequences one factor update's statistics come from, over ``accumulation`` micro-batches
-    of ``batch`` sequences and ``world`` ranks: all of them with the empirical Fisher or
-    ``mc_sequences="all"``, ``min(k, batch)`` per micro-batch for an int ``k``, and for a
-    share ``f`` the expected ``f·batch·accumulation·world`` rounded (at least 1 when
-    ``batch ≥ 1``; the final window counts each step's own draw, `update_sequences`)."""
-    spec, acc, world = config.mc_sequences, max(int(accumulation), 1), max(int(world), 1)
-    replayed = Curvature.of(config).sampled_labels  # the MC replay's share, else every one
-    if not replayed or mc_full_batch(spec) or isinstance(spec, int):
-        per = mc_sequences_of(spec, batch) if replayed else batch
-        return max(int(per), 0) * acc * world
-    if batch <= 0:
-        return 0
-    return max(1, round(float(spec) * batch * acc * world))
-
-
-def update_sequences(config: KFACConfig, batch: int, accumulation: int, world: int
-                     ) -> Callable[[int], int]:
-    """``sequences_at(step)``: the sequences the factor update of optimizer step ``step`` takes
-    its statistics from, over all ranks, for ``accumulation`` full micro-batches of ``batch``
-    sequences on each of ``world`` ranks. `sequences_per_update` for every step, except for a
-    share ``f`` of the MC replay: that step's own draw (`replay_counts`, seeded by ``(seed,
-    step)`` and the same on every rank), ``⌊u + f·batch·accumulation⌋`` on each rank, which
-    the final window is planned on (`FactorUpdater.set_final_window`): the expectation,
-    rounded, would count ``round(4.27) = 4`` sequences for steps that draw 4 or 5 (``f·8``
-    with ``f = 256/480``), and 1 for steps that draw 0 or 1 (``0.05·8``)."""
-    spec = config.mc_sequences
-    per = sequences_per_update(config, batch, accumulation, world)
-    if (not Curvature.of(config).sampled_labels or not isinstance(spec, float)
-            or mc_full_batch(spec) or batch <= 0):
-        return lambda step: per
-    return functools.partial(_share_draws, float(spec), [int(batch)] * max(int(accumulation), 1),
-                             int(config.seed), max(int(world), 1))
-
-
-def _share_draws(share: float, batches: list[int], seed: int, world: int, step: int) -> int:
-    counts, _ = replay_counts(share, batches, seed, step, at_least_one=step == 0)
-    return world * sum(counts)
-
-
-def window_mc_share(config: KFACConfig, batch: int, accumulation: int, world: int,
-                    max_steps: int) -> float | None:
-    """The MC share a short run needs for its final window to reach
-    ``min_window_sequences``, or None when ``config.mc_sequences`` already gets there.
-
-    Only for ``fisher="mc"`` with a share ``f`` in ``(0, 1)``, a final window (``final_window >
-    0`` and ``ema_decay < 1``) and ``min_window_sequences > 0``: the run's
-    ``U = ⌊(max_steps − 1)/update_every⌋ + 1`` update steps offer
-    ``C = U·batch·accumulation·world`` sequences. Extending the window
-    (`FactorUpdater.set_final_window`) costs nothing and comes first: None when the update
-    steps' own draws at ``f`` (`update_sequences`, full micro-batches) hold at least
-    ``min_window_sequences`` over the whole run. Otherwise the share is raised to
-    ``k/(batch·accumulation)`` with ``k = ⌈min_window_sequences/(U·world)⌉``: every update
-    step then replays exactly ``k`` sequences on each rank (a systematic draw of a whole
-    number ``f·batch·accumulation`` never rounds), so the window holds at least
-    ``min_window_sequences`` whenever ``C`` does, at most one sequence per rank and update step
-    more than the minimum needs (the share ``min_window_sequences/C`` reaches it only on
-    average: 4 or 5 of 8 sequences a step, 240 to 300 over 60 steps for 256). ``1`` (every
-    sequence of an update step, ``mc_sequences="all"``) when ``C`` is at most the minimum.
-    This trades replay cost for samples only on runs too short to reach the minimum
-    otherwise; a long run keeps ``f`` and its cost.
-    """
-    spec, need = config.mc_sequences, int(config.min_window_sequences)
-    if (not Curvature.of(config).sampled_labels or not isinstance(spec, float)
-            or mc_full_batch(spec)
-            or config.final_window <= 0 or config.ema_decay == 1.0  # no window: see
-            or need <= 0 or max_steps <= 0 or batch <= 0):  # FactorUpdater.set_final_window
-        return None
-    every, per_rank = int(config.update_every), int(batch) * max(int(accumulation), 1)
-    world = max(int(world), 1)
-    updates = (int(max_steps) - 1) // every + 1
-    sequences_at, held = update_sequences(config, batch, accumulation, world), 0
-    for step in range(0, updates * every, every):
-        held += sequences_at(step)
-        if held >= need:
-            return None
-    k = -(-need // (updates * world))
-    if k >= per_rank:
-        return 1.0
-    share = k / per_rank
-    while share * per_rank < k:  # k/C·C may round below k: the draw would then miss one
-        share = math.nextafter(share, 1.0)
-    return share
 
 
 def _check_answer_tokens(value: Any) -> None:

@@ -15,11 +15,9 @@ reader flushes or the device budget forces it; on CPU the store folds rows itsel
 from __future__ import annotations
 
 import logging
-import math
 import queue
 import threading
 import time
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -30,9 +28,9 @@ from .distributed.context import DistContext
 from .distributed.exchange import PendingExchange, finish_exchange, start_exchange
 from .distributed.ownership import Ownership
 from .folding import Folding, gram_fp32  # noqa: F401 (gram_fp32: re-exported)
-from .settings import Settings
 from .store.factor_store import FactorStore
 from .store.traffic import Traffic
+from .tracking.plan import RunPlan, WindowPlan
 
 logger = logging.getLogger("kfac_stream")
 
@@ -65,24 +63,6 @@ class Counters(Traffic):
     # planned final window holds (0: no window); see KFACConfig.min_window_sequences
     sequences_per_update: int = 0
     window_sequences: int = 0
-
-
-@dataclass(frozen=True)
-class WindowPlan:
-    """What the final window of a run will hold (`FactorUpdater.set_final_window`).
-
-    Attributes:
-        restart_step: The window's first update step.
-        updates: Update steps in the window (skipped or empty updates not foreseen).
-        sequences: Sequences its updates' statistics come from, each update step's own (an MC
-            share's draw of that step) for full micro-batches (0: unknown).
-        sequences_per_update: Per update (0: unknown; an MC share's expectation, rounded).
-    """
-
-    restart_step: int
-    updates: int
-    sequences: int
-    sequences_per_update: int
 
 
 @dataclass
@@ -125,7 +105,7 @@ class FactorUpdater:
     """Applies `UpdateJob` s to this rank's owned factors, on a worker thread or inline.
 
     Args:
-        settings: The tracker's resolved settings (`kfac_stream.settings`; its config's
+        run: The run's plan (`kfac_stream.tracking.plan.RunPlan`; its resolved config's
             ``storage_dtype``, ``ema_decay``, ``exchange`` and the knobs named in the
             slow-worker warning, ``async_updates`` and the device budget).
         dims: ``{key: (side, diagonal)}`` of every factor (all ranks').
@@ -140,10 +120,10 @@ class FactorUpdater:
         store: The `FactorStore` of the factors this rank owns.
     """
 
-    def __init__(self, settings: Settings, dims: dict[str, tuple[int, bool]],
+    def __init__(self, run: RunPlan, dims: dict[str, tuple[int, bool]],
                  ownership: Ownership, dist: DistContext | None, device: torch.device,
                  folding: Folding, counters: Counters) -> None:
-        config = settings.config
+        config = run.config
         self.config, self.dims, self.ownership, self.dist = config, dims, ownership, dist
         self.rank, self.world_size = (dist.rank, dist.world_size) if dist else (0, 1)
         self.device, self.folding = device, folding
@@ -153,7 +133,7 @@ class FactorUpdater:
         on_device = folding.on == "device"
         self.store = FactorStore(config.storage_dtype, config.ema_decay,
                                  device=device if on_device else None,
-                                 device_budget=settings.device_budget, traffic=counters)
+                                 device_budget=run.device_budget, traffic=counters)
         for key in ownership.owned_by(self.rank):
             self.store.add(key, *dims[key])
         self._warned_scale = False
@@ -162,7 +142,7 @@ class FactorUpdater:
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         self._worker_error: BaseException | None = None
-        if settings.async_updates:
+        if run.async_updates:
             self._queue = queue.Queue(maxsize=1)
             self._worker = threading.Thread(target=self._work, name="kfac-stream-ema",
                                             daemon=True)
@@ -299,40 +279,13 @@ class FactorUpdater:
         self.folding.end_update(self.store)
         self.counters.fold_seconds += time.perf_counter() - t1
 
-    def set_final_window(self, max_steps: int, sequences_per_update: int = 0,
-                         sequences_at: Callable[[int], int] | None = None) -> int | None:
-        """Plan the final window of a run of ``max_steps`` optimizer steps (``final_window``):
-        the restart step is the first update step (a multiple of ``update_every``) at or after
-        ``ceil((1 − final_window)·max_steps)``, or the last update step when none is (a short
-        run), moved back by whole updates until the window's updates hold at least
-        ``min_window_sequences`` sequences, ``sequences_at(step)`` for the update of ``step``
-        (`kfac_stream.config.update_sequences`: an MC share's own draw of that step), else
-        ``sequences_per_update`` each (0: unknown, no move), at most to step 0; None (the EMA
-        throughout) when ``final_window`` is 0, ``max_steps`` unknown (``≤ 0``) or
-        ``ema_decay`` is 1 (the exact running mean over every update, which a restart would cut
-        short). Call it after restoring a checkpoint's counters: a window start restored from a
-        run planned with another ``max_steps`` before this plan's restart step is dropped.
-        Returns the restart step; `window_plan` says what it holds."""
-        fw, every = self.config.final_window, self.config.update_every
-        self.restart_step = None
-        self.window_plan = None
-        if fw > 0 and max_steps > 0 and self.config.ema_decay < 1.0:
-            start = math.ceil((1.0 - fw) * max_steps - 1e-9)
-            restart = -(-start // every) * every
-            if restart >= max_steps:
-                restart = ((max_steps - 1) // every) * every
-            last = ((max_steps - 1) // every) * every  # the run's last update step
-            need = self.config.min_window_sequences
-            held = 0
-            if sequences_per_update > 0:
-                count = sequences_at or (lambda step: sequences_per_update)
-                held = sum(count(s) for s in range(restart, last + 1, every))
-                while need > 0 and held < need and restart > 0:
-                    restart -= every
-                    held += count(restart)
-            self.restart_step = restart
-            updates = (last - restart) // every + 1
-            self.window_plan = WindowPlan(restart, updates, held, sequences_per_update)
+    def set_final_window(self, window: WindowPlan | None) -> int | None:
+        """Use the final window ``window`` (`kfac_stream.tracking.plan.plan_window`; None: the
+        EMA throughout). Call it after restoring a checkpoint's counters: a window start
+        restored from a run planned with another ``max_steps`` before this plan's restart step
+        is dropped. Returns the restart step."""
+        self.window_plan = window
+        self.restart_step = None if window is None else window.restart_step
         # a window restored from a checkpoint counts only if it started within this plan's
         # window (a run resumed with another max_steps plans its own; the restart discards
         # the state before it, so the result is that of an uninterrupted run of this plan)

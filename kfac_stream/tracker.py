@@ -41,8 +41,8 @@ from .capture.mc_fisher import (
 from .capture.selection import LayerSpec, select_layers
 from .capture.sharing import FactorPlan, plan_factors, probe_shared_inputs
 from .config import KFACConfig
-from .curvature import Curvature
 from .distributed.context import DistContext
+from .distributed.engines import engine_for
 from .distributed.ownership import Ownership, assign_owners
 from .ekfac import EkfacState
 from .enums import StorageDtype
@@ -50,9 +50,9 @@ from .exceptions import KFACConfigError
 from .factor_updates import Counters, FactorUpdater, UpdateJob
 from .folding import Folding
 from .replay_draws import replay_counts, selection_seed
-from .settings import Settings, resolve_settings
 from .stats.covariance import all_finite, with_bias_column
 from .store.factor_store import FactorState
+from .tracking.plan import RunPlan, plan_window
 
 logger = logging.getLogger("kfac_stream")
 
@@ -127,17 +127,18 @@ class Tracker:
         config: The configuration.
         dist_ctx: Rank and process groups (None: one process).
         plan: The factor plan (default: no shared A; `plan_tracking` finds the sharing).
-        settings: ``config`` with every ``"auto"`` resolved (default: `resolve_settings` for
-            the model's device, without the run's shape; the callback passes the run's).
+        run: The run's plan, ``config`` with every ``"auto"`` resolved (default:
+            `RunPlan.resolve` for the model, without the run's shape; the tracking session
+            passes the run's).
     """
 
     def __init__(self, model: nn.Module, layers: dict[str, nn.Module],
                  specs: dict[str, LayerSpec], config: KFACConfig,
                  dist_ctx: DistContext | None = None, plan: FactorPlan | None = None,
-                 settings: Settings | None = None) -> None:
+                 run: RunPlan | None = None) -> None:
         self.device = _model_device(model)
-        self.settings = settings or resolve_settings(config, self.device)
-        config = self.config = self.settings.config
+        self.run = run or RunPlan.resolve(config, model, device=self.device)
+        config = self.config = self.run.config
         self.specs = specs
         self.plan = plan or plan_factors(specs, config.max_dense_dim)
         self.dist = dist_ctx
@@ -152,13 +153,13 @@ class Tracker:
             _check_same_plan(dist_ctx, self.plan)
             self.run_id = dist_ctx.snapshot_comm.all_gather(self.run_id)[0]
         on_gpu = self.device.type == "cuda"
-        self.fold_on = self.settings.fold_on
+        self.fold_on = self.run.fold_on
         storage = StorageDtype(config.storage_dtype)
         wide = storage.wide_dtype
         self.row_dtype = wide  # rows scaled in this dtype, handed over in `folding.row_dtype`
         self.folding = Folding(self.fold_on, self.device, wide)
         self._model, self._layers = model, layers
-        self.curvature = Curvature.of(config, model)  # the Fisher type and the factor form
+        self.curvature = self.run.curvature  # the Fisher type and the factor form
         seed = config.seed + 1_000_003 * self.rank  # independent streams per rank
         # on a GPU the rows stay in the activations' dtype until `_collect` scales them
         self._capture_args = (self.plan, config.token_fraction, seed, None if on_gpu else wide,
@@ -174,7 +175,7 @@ class Tracker:
             self.ekfac = EkfacState(specs, {n: self.plan.keys_of(n) for n in specs},
                                     self.device, wide)
         self.capture = self._make_capture()
-        self._zero3 = _zero3_enabled()
+        self._backward_in_forward = engine_for(model).allows_backward_in_forward(model)
         self.mc_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
         # the MC sub-batch's sequence sampler: reseeded every update step from (seed, rank,
         # step), so it has no state to checkpoint
@@ -188,7 +189,7 @@ class Tracker:
         self._a_has_bias = {self.plan.a_key[n]: s.has_bias for n, s in specs.items()}
         self._a_members = _a_members(self.plan)
         self.ownership: Ownership = assign_owners(self.dims, self.world_size, storage.itemsize)
-        self.updater = FactorUpdater(self.settings, self.dims, self.ownership, dist_ctx,
+        self.updater = FactorUpdater(self.run, self.dims, self.ownership, dist_ctx,
                                      self.device, self.folding, self.counters)
         self.store = self.updater.store  # this rank's factors
 
@@ -230,7 +231,7 @@ class Tracker:
     def _mc_in_forward_ok(self) -> bool:
         """The MC gradient can be taken inside the training forward: not under DeepSpeed
         ZeRO-3, not with gradient checkpointing (see `mc`)."""
-        if self._zero3:
+        if not self._backward_in_forward:  # the engine's (`allows_backward_in_forward`)
             return False
         model = self._model
         for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
@@ -460,14 +461,22 @@ class Tracker:
                          sequences_at=None) -> int | None:
         """Plan ``final_window`` for a run of ``max_steps`` optimizer steps, each update from
         ``sequences_per_update`` sequences (0: unknown; ``sequences_at(step)``: each update's
-        own, `kfac_stream.config.update_sequences`); returns the step whose update
-        restarts the average (None: the EMA throughout); the plan is in
-        ``updater.window_plan`` and its sequences in the counters. See
+        own, `kfac_stream.tracking.plan.update_sequences`) with
+        `kfac_stream.tracking.plan.plan_window`, and use it (`use_window`)."""
+        return self.use_window(plan_window(self.config, max_steps, sequences_per_update,
+                                           sequences_at), sequences_per_update)
+
+    def use_window(self, window, sequences_per_update: int | None = None) -> int | None:
+        """Use the final window ``window`` (a `WindowPlan`, None: the EMA throughout; the run
+        plan's, `RunPlan.window`); returns the step whose update restarts the average (None:
+        the EMA throughout); the plan is in ``updater.window_plan`` and its sequences, with
+        ``sequences_per_update`` (None: the run plan's), in the counters. See
         `FactorUpdater.set_final_window`."""
-        restart = self.updater.set_final_window(max_steps, sequences_per_update, sequences_at)
-        plan = self.updater.window_plan
-        self.counters.sequences_per_update = int(sequences_per_update)
-        self.counters.window_sequences = plan.sequences if plan is not None else 0
+        restart = self.updater.set_final_window(window)
+        self.counters.sequences_per_update = int(self.run.sequences_per_update
+                                                 if sequences_per_update is None
+                                                 else sequences_per_update)
+        self.counters.window_sequences = window.sequences if window is not None else 0
         return restart
 
     def take_ekfac(self, step: int) -> tuple[dict[str, Tensor], dict[str, dict[str, Any]],
@@ -603,14 +612,6 @@ def _a_members(plan: FactorPlan) -> dict[str, list[str]]:
     for name, key in plan.a_key.items():
         out.setdefault(key, []).append(name)
     return out
-
-
-def _zero3_enabled() -> bool:
-    try:
-        from transformers.integrations import is_deepspeed_zero3_enabled
-    except ImportError:  # pragma: no cover
-        return False
-    return bool(is_deepspeed_zero3_enabled())
 
 
 def _model_device(model: nn.Module) -> torch.device:

@@ -123,7 +123,7 @@ def _issue_worker(rank, world, init_file, q, fold_on="host"):
     from kfac_stream.distributed.context import DistContext
     from kfac_stream.factor_updates import Counters, FactorUpdater, UpdateJob
     from kfac_stream.folding import Folding
-    from kfac_stream.settings import resolve_settings
+    from kfac_stream.tracking.plan import RunPlan
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world)
@@ -141,7 +141,7 @@ def _issue_worker(rank, world, init_file, q, fold_on="host"):
                          fold_on=fold_on)
         own = assign_owners(DIMS, world, 8)
         cpu = torch.device("cpu")
-        settings = resolve_settings(cfg, cpu)
+        settings = RunPlan.resolve(cfg, device=cpu)
         up = FactorUpdater(settings, DIMS, own, DistContext(rank, world, None, None), cpu,
                            Folding(settings.fold_on, cpu, torch.float64), Counters())
         rows = {k: v for k, v in local_rows(rank).items() if not DIMS[k][1]}

@@ -1,4 +1,4 @@
-"""``KFACConfig.final_window`` (issue 16): over the last share of the training steps the factors
+"""``KFACConfig.final_window``: over the last share of the training steps the factors
 are the exact token-weighted mean of the updates (the EMA restarts), so the last snapshot holds
 the curvature near the trained weights. Checked against the brute-force float64 factors of the
 window's forwards (`reference.reference_factors`), with the restart step from the plan's
@@ -12,15 +12,16 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACConfigError, KFACStreamCallback, Snapshot
-from kfac_stream.config import (
-    mc_full_batch,
+from kfac_stream.config import mc_full_batch
+from kfac_stream.factor_updates import Counters, FactorUpdater
+from kfac_stream.replay_draws import replay_counts
+from kfac_stream.snapshot.adequacy import sampling_problems, sampling_summary
+from kfac_stream.tracking.plan import (
+    plan_window,
     sequences_per_update,
     update_sequences,
     window_mc_share,
 )
-from kfac_stream.factor_updates import Counters, FactorUpdater
-from kfac_stream.replay_draws import replay_counts
-from kfac_stream.snapshot.adequacy import sampling_problems, sampling_summary
 
 from harness import factor_errors, run, sum_nll_loss
 from models import ListDataset, text_examples, tiny_gpt2
@@ -29,6 +30,12 @@ from reference import reference_factors
 ORACLE_TOL = 1e-10  # float64 end to end: only summation-order rounding differs
 LAYERS = [f"transformer.h.{i}.{m}" for i in range(2)
           for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+
+def _use_window(up, max_steps, sequences_per_update=0, sequences_at=None):
+    """The updater's window as the run plan plans it (`plan_window`); the restart step."""
+    return up.set_final_window(plan_window(up.config, max_steps, sequences_per_update,
+                                           sequences_at))
+
 
 
 @pytest.mark.parametrize("max_steps,every,window,restart", [
@@ -45,7 +52,7 @@ def test_restart_step_arithmetic(max_steps, every, window, restart):
     cfg = KFACConfig(update_every=every, final_window=window)
     up = FactorUpdater.__new__(FactorUpdater)  # only the planning state
     up.config, up.counters = cfg, Counters()
-    assert up.set_final_window(max_steps) == restart
+    assert _use_window(up, max_steps) == restart
     if restart is not None:
         assert up.decay_at(restart - 1) is None and up.decay_at(restart) == 0.0
         up.counters.window_start_step = restart
@@ -98,7 +105,7 @@ def test_window_restored_from_another_plan_is_dropped(restored, max_steps, kept)
     up = FactorUpdater.__new__(FactorUpdater)
     up.config, up.counters = KFACConfig(update_every=1, final_window=0.1), Counters()
     up.counters.window_start_step = restored
-    up.set_final_window(max_steps)
+    _use_window(up, max_steps)
     assert up.counters.window_start_step == kept
 
 
@@ -111,7 +118,7 @@ def test_ema_decay_one_is_the_mean_over_the_whole_run(tmp_path, caplog):
     assert cfg.final_window == 0.1  # the default, not set by the user
     up = FactorUpdater.__new__(FactorUpdater)
     up.config, up.counters = cfg, Counters()
-    assert up.set_final_window(100) is None and up.window_plan is None
+    assert _use_window(up, 100) is None and up.window_plan is None
     examples = text_examples(8, 12, lengths=[12, 9, 12, 7, 12, 12, 10, 12])
     model = tiny_gpt2(torch.float64)
     with caplog.at_level("INFO", logger="kfac_stream"):
@@ -127,16 +134,16 @@ def test_ema_decay_one_is_the_mean_over_the_whole_run(tmp_path, caplog):
         in caplog.text
 
 
-# -- issue 39: the raised MC share's window reaches min_window_sequences ------------------------
+# -- the raised MC share's window reaches min_window_sequences ----------------------------------
 
 def _planned(cfg, batch, acc, world, max_steps):
     """What the callback plans at train begin: the run's share (`window_mc_share`, as
-    `resolve_settings` applies it) and its final window, each update step's draw counted."""
+    `RunPlan.resolve` applies it) and its final window, each update step's draw counted."""
     share = window_mc_share(cfg, batch, acc, world, max_steps)
     run_cfg = cfg if share is None else replace(cfg, mc_sequences=share)
     up = FactorUpdater.__new__(FactorUpdater)
     up.config, up.counters = run_cfg, Counters()
-    up.set_final_window(max_steps, sequences_per_update(run_cfg, batch, acc, world),
+    _use_window(up, max_steps, sequences_per_update(run_cfg, batch, acc, world),
                         update_sequences(run_cfg, batch, acc, world))
     return run_cfg, up.window_plan
 
@@ -151,11 +158,11 @@ def _replayed(cfg, batch, acc, world, steps):
                for s in steps)
 
 
-def test_the_issue_share_left_its_window_short():
-    """The cause of issue 39's 240 of 256: 600 steps at batch 8, update_every 10: 60 update
-    steps offer 480 sequences; the share was raised to 256/480, which draws 4 or 5 of a step's
-    8 (systematic sampling of 4.27), but the plan counted round(4.27) = 4 a step, 240 in all,
-    and the draws themselves reach 256 only on average (253 with seed 3)."""
+def test_unrounded_share_plans_too_short_a_window():
+    """Why a window meant to hold 256 sequences held 240: 600 steps at batch 8, update_every
+    10: 60 update steps offer 480 sequences; the share was raised to 256/480, which draws 4 or
+    5 of a step's 8 (systematic sampling of 4.27), but the plan counted round(4.27) = 4 a step,
+    240 in all, and the draws themselves reach 256 only on average (253 with seed 3)."""
     old = KFACConfig(mc_sequences=256 / 480)
     assert sequences_per_update(old, 8, 1, 1) * 60 == 240
     totals = [_replayed(replace(old, seed=s), 8, 1, 1, range(0, 600, 10)) for s in range(5)]
@@ -163,7 +170,7 @@ def test_the_issue_share_left_its_window_short():
 
 
 @pytest.mark.parametrize("batch,acc,world,max_steps,seed,share", [
-    (8, 1, 1, 600, 0, 5 / 8),      # the issue: 480 offered; 5 of 8 a step: 52 updates, 260
+    (8, 1, 1, 600, 0, 5 / 8),      # that run: 480 offered; 5 of 8 a step: 52 updates, 260
     (8, 1, 1, 320, 0, 1.0),        # offered exactly 256: every sequence
     (8, 1, 1, 330, 0, 1.0),        # 264 offered: ⌈256/33⌉ = 8 a step, the window 32 updates
     (8, 1, 1, 370, 0, 7 / 8),      # 296 offered: 7 a step, 37 updates, 259
@@ -224,7 +231,7 @@ def _count_replays(monkeypatch):
 
 
 @pytest.mark.parametrize("batch,steps,need,share,start,held", [
-    (8, 60, 256, 5 / 8, 8, 260),  # the issue's numbers: 60 update steps of 8, min 256
+    (8, 60, 256, 5 / 8, 8, 260),  # the short run's numbers: 60 update steps of 8, min 256
     (4, 10, 40, 1.0, 0, 40),      # offered exactly the minimum: every sequence
     (4, 14, 40, 3 / 4, 0, 42),    # 56 offered: 3 of 4 a step, the whole run
 ])
@@ -232,7 +239,7 @@ def test_real_run_window_holds_min_window_sequences(tmp_path, monkeypatch, batch
                                                     share, start, held):
     """A real Trainer run (update_every 1) too short for its window at the share 0.05: the
     snapshot records the raised share and a window of at least ``min_window_sequences``
-    sequences, counted here from the replays the tracker ran (issue 39: 240 of 256)."""
+    sequences, counted here from the replays the tracker ran (the old plan held 240 of 256)."""
     seen, counting = _count_replays(monkeypatch)
     model = tiny_gpt2()
     cfg = {"fisher": "mc", "mc_sequences": 0.05, "update_every": 1, "final_window": 0.1,

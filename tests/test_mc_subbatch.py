@@ -33,8 +33,9 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from kfac_stream import KFACStreamCallback
 from kfac_stream.capture.mc_fisher import select_sequences
-from kfac_stream.config import KFACConfig, mc_sequences_of
+from kfac_stream.config import KFACConfig
 from kfac_stream.replay_draws import selection_seed
+from kfac_stream.tracking.plan import mc_sequences_of
 
 from harness import run
 from models import ListDataset, text_examples, tiny_gpt2

@@ -22,11 +22,11 @@ import torch
 from test_mc_subbatch import _updates
 
 from kfac_stream import KFACConfig, KFACConfigError, LaplacePosterior, Snapshot
-from kfac_stream.config import sequences_per_update, window_mc_share
 from kfac_stream.factor_updates import Counters, FactorUpdater
 from kfac_stream.snapshot import adequacy
 from kfac_stream.snapshot.adequacy import REL_SE_WARN, sampling_problems, sampling_summary
 from kfac_stream.store.factor_store import FactorStore
+from kfac_stream.tracking.plan import plan_window, sequences_per_update, window_mc_share
 
 from harness import ListDataset, brute_heldout_choice, factor_errors, run, sum_nll_loss
 from models import text_examples, tiny_gpt2
@@ -35,6 +35,12 @@ from reference import expected_fisher_G, reference_factors
 ORACLE_TOL = 1e-10  # float64 end to end: only summation-order rounding differs
 LAYERS = [f"transformer.h.{i}.{m}" for i in range(2)
           for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+
+def _use_window(up, max_steps, sequences_per_update=0, sequences_at=None):
+    """The updater's window as the run plan plans it (`plan_window`); the restart step."""
+    return up.set_final_window(plan_window(up.config, max_steps, sequences_per_update,
+                                           sequences_at))
+
 
 
 @pytest.mark.parametrize("max_steps,every,window,seqs,need,restart,updates", [
@@ -51,7 +57,7 @@ def test_window_moves_back_until_it_holds_enough_sequences(max_steps, every, win
     cfg = KFACConfig(update_every=every, final_window=window, min_window_sequences=need)
     up = FactorUpdater.__new__(FactorUpdater)  # only the planning state
     up.config, up.counters = cfg, Counters()
-    assert up.set_final_window(max_steps, seqs) == restart
+    assert _use_window(up, max_steps, seqs) == restart
     assert up.window_plan.updates == updates
     assert up.window_plan.sequences == updates * seqs
 
@@ -70,7 +76,7 @@ def test_sequences_per_update():
 def test_window_mc_share_raises_the_share_only_for_short_runs():
     d = KFACConfig()  # share 0.05, update_every 10, min_window_sequences 256
     # 400 steps at batch 30: 40 update steps offer 1,200 sequences, 60 at 0.05 → 7 of every
-    # step's 30 (⌈256/40⌉; issue 39: 256/1200 draws 6 or 7 of 30, 256 only on average)
+    # step's 30 (⌈256/40⌉; 256/1200 would draw 6 or 7 of 30, 256 only on average)
     assert window_mc_share(d, 30, 1, 1, 400) == 7 / 30
     # 600 steps at batch 8: 60 update steps offer 480 → 5 of 8 (256/480 left 240 planned)
     assert window_mc_share(d, 8, 1, 1, 600) == 5 / 8
@@ -221,7 +227,7 @@ def test_window_mean_against_the_exact_expected_fisher(tmp_path):
 def _short_run(tmp_path, cfg, steps=4, batch=2):
     model = tiny_gpt2()
     examples = text_examples(8, 12)
-    # one sequence of every micro-batch (the default before issue 29 at these batch sizes; the
+    # one sequence of every micro-batch (an earlier default at these batch sizes; the
     # default share 0.05 of 2 sequences would replay on about one update in ten); ema_decay < 1:
     # the harness's exact running mean (ema_decay=1) turns the window off
     cb, _, _ = run(model, examples, {"fisher": "mc", "mc_sequences": 1, "final_window": 0.5,
@@ -244,7 +250,7 @@ def test_short_run_warns_at_query_time_and_in_the_report(tmp_path, capsys, caplo
     assert s["window_sequences"] == 4 * 1  # 4 updates (the whole run) × 1 sequence
     problems = sampling_problems(snap.meta)
     assert any("fewer than min_window_sequences=256" in p for p in problems), problems
-    # issue 39: said once in training (train begin, above) and once more at query time: the
+    # said once in training (train begin, above) and once more at query time: the
     # first posterior built on the run's snapshots in this process, none after it; a later
     # process (the CLI's query) is told once too
     for fresh_process in (False, True):
@@ -262,7 +268,7 @@ def test_short_run_warns_at_query_time_and_in_the_report(tmp_path, capsys, caplo
 
 
 def test_few_samples_said_once_per_run_and_once_at_query_time(tmp_path, caplog):
-    """Issue 39 (the warning appeared four times in one run): a short run with four snapshots
+    """The warning once appeared four times in one run; now a short run with four snapshots
     warns once in its log (train begin; no snapshot repeats it, no UserWarning in training);
     every manifest keeps the figures; posteriors built on each snapshot, twice over, say it
     once between them."""
@@ -337,7 +343,7 @@ def test_prior_precision_fitted_on_the_eval_dataset(tmp_path):
     prior = snap.heldout_prior
     assert prior is not None and prior.examples == 10
     model.eval()
-    # 6 steps × 4 sequences < min_window_sequences: said at train begin only (issue 39), not
+    # 6 steps × 4 sequences < min_window_sequences: said at train begin only, not
     # by the tau fit's own posterior; the user's first posterior says it once more
     assert not [w for w in during if "few samples" in str(w.message)]
     with pytest.warns(UserWarning, match="rests on few samples"):
@@ -359,7 +365,7 @@ def test_prior_precision_fitted_on_the_eval_dataset(tmp_path):
 
 
 def test_eval_prior_precision_without_an_eval_set_warns_once_at_train_begin(tmp_path, caplog):
-    """Issue 38: one warning line before the first step, none at the end; the snapshot then
+    """One warning line before the first step, none at the end; the snapshot then
     has no held-out prior (``heldout_prior`` is None, as documented)."""
     import logging
 

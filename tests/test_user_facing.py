@@ -17,7 +17,7 @@ from transformers import GPT2LMHeadModel, TrainerControl, TrainingArguments
 
 from kfac_stream import KFACConfigError, KFACStreamCallback, whole_model
 from kfac_stream.capture.preset_memory import factor_bytes
-from kfac_stream.integrations.hf_callback import tracking_summary
+from kfac_stream.tracking.lines import tracking_summary
 
 from harness import run
 from models import text_examples, tiny_gpt2

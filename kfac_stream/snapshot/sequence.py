@@ -94,10 +94,10 @@ def take_snapshot(tracker, root: str, step: int, epoch: float | None = None,
                   threads: int | None = None) -> str:
     """`capture_snapshot` then `finish_snapshot` (one process), as the callback's
     ``save_snapshot(step, wait=True)`` does; returns the snapshot directory.
-    ``eigh_device`` None: the tracker's (``settings.eigh_device``); ``threads`` None: its
+    ``eigh_device`` None: the tracker's (``tracker.run.eigh_device``); ``threads`` None: its
     config's ``eigh_threads``."""
     if eigh_device is None:
-        eigh_device = tracker.settings.eigh_device
+        eigh_device = tracker.run.eigh_device
     captured = capture_snapshot(tracker, step, epoch)
     try:
         return finish_snapshot(captured, root, eigh_device=eigh_device,

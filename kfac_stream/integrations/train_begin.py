@@ -1,0 +1,67 @@
+"""What the callback checks and measures around the Trainer's events: the launch (DeepSpeed on
+CPU, an engine asked for but not in use), the run's inputs at train begin (CUDA graphs,
+answer tokens), and the wall time of its event handlers."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+from ..capture.graphs import compile_mode_error
+from ..config import KFACConfig
+from ..distributed.engines import engines_not_applied
+from ..log_setup import show_info_by_default
+from .answer_tokens import check_eval_answer_tokens, resolve_answer_tokens, text_tokenizer
+from .zero3 import check_deepspeed_device, deepspeed_requested
+
+logger = logging.getLogger("kfac_stream")
+
+
+def timed(part: str):
+    """Add a handler's wall time to ``callback_seconds`` and its ``callback_parts[part]``."""
+
+    def wrap(handler):
+        @functools.wraps(handler)
+        def timed(self, *args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return handler(self, *args, **kwargs)
+            finally:
+                spent = time.perf_counter() - started
+                self.callback_seconds += spent
+                self.callback_parts[part] += spent
+        return timed
+    return wrap
+
+
+def check_engine_start(args) -> None:
+    """At the end of ``Trainer.__init__``: refuse DeepSpeed on CPU without ``use_cpu``
+    (`zero3.check_deepspeed_device`) before its engine fails on every rank, and say that its
+    start inside ``trainer.train()`` takes a while."""
+    check_deepspeed_device(args)
+    if deepspeed_requested(args) and getattr(args, "process_index", 0) == 0:
+        show_info_by_default()
+        logger.info("kfac_stream: DeepSpeed starts its engine inside trainer.train() before "
+                    "the first step (ZeRO-3: partitioning the model over the processes), "
+                    "often tens of seconds without output; tracking begins after it")
+
+
+def check_train_begin(config: KFACConfig, args, model, processing_class=None) -> dict | None:
+    """Train begin, before any collective: the config re-validated (it may be a copy), CUDA
+    graphs refused (they would replay stale hooks), the answer tokens resolved with the
+    Trainer's tokenizer and checked against the eval set's needs; returns them."""
+    cfg = KFACConfig(**config.to_dict())
+    error = compile_mode_error(args)
+    if error is not None:
+        raise error
+    answers = resolve_answer_tokens(cfg.answer_tokens, model, text_tokenizer(processing_class))
+    check_eval_answer_tokens(cfg.eval_prior_precision, answers, model)
+    return answers
+
+
+def warn_engines_not_applied(model) -> None:
+    """Warn once per engine the launch asked for that does not manage ``model``
+    (`kfac_stream.distributed.engines.engines_not_applied`)."""
+    for warning in engines_not_applied(model):
+        logger.warning("%s", warning)

@@ -1,0 +1,90 @@
+"""The log lines a tracking run says: at train begin (what is tracked, the plan, the final
+window, a raised MC share) and at train end (the callback's cost). Text only: no state."""
+
+from __future__ import annotations
+
+from ..capture.presets import block_stack
+from .plan import RunPlan
+
+
+def _seconds(x: float) -> str:
+    return f"{x:.3g}" if x < 1000 else f"{x:.0f}"
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.3g} MiB" if n >= 2**20 else f"{n / 2**10:.3g} KiB"
+
+
+def cost_line(callback_seconds: float, train_seconds: float,
+              parts: dict[str, float] | None = None) -> str:
+    """The end-of-train line: the callback's seconds on the training thread and their share
+    of the training time (``KFACStreamCallback.callback_seconds``, ``train_end_seconds``),
+    split by ``parts`` (``callback_parts``) when given."""
+    share = 100 * callback_seconds / max(train_seconds, 1e-9)
+    split = "".join(f"; {_seconds(v)} s {k}" for k, v in (parts or {}).items())
+    return (f"kfac_stream: {_seconds(callback_seconds)} s in the callback ({share:.1f}% of "
+            f"{_seconds(train_seconds)} s training, from train begin to this line{split}); "
+            "counted: the training thread inside its Trainer events (set-up, factor updates, "
+            "snapshots' hold, checkpoint state, the end-of-train snapshot with its wait for the "
+            "snapshot thread, the held-out fit), not the forward/backward hooks' row capture "
+            "nor the snapshot thread's work while training runs")
+
+
+def tracking_summary(tracker, output_dir: str, model=None) -> str:
+    """The one line logged at train begin: layers, factors (dense, diagonal), the stack of
+    blocks they were chosen in (with ``model``, when the blocks chose them: the default
+    selection or a block preset), the Fisher and sampling settings, stored factor memory per
+    rank and the snapshot directory."""
+    cfg, own = tracker.config, tracker.ownership
+    stack = block_stack(model) if model is not None and cfg.include is None and \
+        cfg.preset in (None, "all_linear", "attention", "mlp") else None
+    where = f" in stack {stack[0]} ({stack[1]} blocks)" if stack is not None else ""
+    diagonal = sum(diag for _, diag in tracker.dims.values())
+    per_rank = max(own.bytes_per_rank)
+    ranks = tracker.world_size
+    memory = (f"{_mib(per_rank)} of {cfg.storage_dtype} factors"
+              + (f" on the fullest of {ranks} ranks ({_mib(sum(own.bytes_per_rank))} in all)"
+                 if ranks > 1 else " on 1 rank"))
+    return (f"kfac_stream: tracking {len(tracker.specs)} layers, {len(tracker.dims)} factors "
+            f"({len(tracker.dims) - diagonal} dense, {diagonal} diagonal){where}, "
+            f"{tracker.curvature.describe()}, token_fraction={cfg.token_fraction:g}, "
+            f"ema_decay={cfg.ema_decay:g}, update_every={cfg.update_every}; {memory}; "
+            f"snapshots every {cfg.snapshot_every} steps and at the end into {output_dir}")
+
+
+def raised_share_line(run: RunPlan) -> str:
+    """Says that this run raised the MC share (`kfac_stream.tracking.plan.window_mc_share`;
+    the same on every rank: it depends only on the run's arguments, and on resume as well)."""
+    cfg = run.requested
+    return (f"kfac_stream: mc_sequences {cfg.mc_sequences:g} -> {run.config.mc_sequences:g} "
+            f"for this run: its {run.shape.max_steps} steps at update_every={cfg.update_every} "
+            "offer too few sequences for the final window to hold min_window_sequences="
+            f"{cfg.min_window_sequences} at {cfg.mc_sequences:g} (the replay costs more per "
+            "update step on this short run; set min_window_sequences=0 to keep "
+            f"{cfg.mc_sequences:g})")
+
+
+def window_lines(run: RunPlan) -> list[tuple[str, str]]:
+    """``[(level, line)]`` about the final window at train begin: ``ema_decay=1`` turning it
+    off, the window's restart step and what it holds, and a warning when it holds fewer
+    sequences than ``min_window_sequences``."""
+    cfg, plan, out = run.config, run.window, []
+    if cfg.ema_decay == 1.0 and cfg.final_window > 0:
+        out.append(("info", "kfac_stream: ema_decay=1 is the mean over every update of the "
+                            f"run: final_window={cfg.final_window:g} is off"))
+    if plan is None:
+        return out
+    out.append(("info", f"kfac_stream: final window (final_window={cfg.final_window:g}, "
+                        f"min_window_sequences={cfg.min_window_sequences}): from step "
+                        f"{plan.restart_step} of {run.shape.max_steps} the factors are the mean "
+                        f"of the updates (the EMA before): {plan.updates} updates, "
+                        f"{plan.sequences} sequences"))
+    if 0 < plan.sequences < cfg.min_window_sequences:
+        out.append(("warning", f"kfac_stream: this run's {plan.updates} factor updates hold "
+                               f"{plan.sequences} sequences in all (about "
+                               f"{plan.sequences_per_update} each), fewer than "
+                               f"min_window_sequences={cfg.min_window_sequences}: the final "
+                               "snapshot's factors will rest on few samples, which matters for "
+                               "its posterior only (it may be too wide); lower update_every or "
+                               "raise mc_sequences for more (said once)"))
+    return out

@@ -1,0 +1,306 @@
+"""`TrackingSession`: one training run's tracking, from train begin to the last snapshot.
+
+It owns the run: the `RunPlan` (resolved once, `start`), the `Tracker`, resume and the
+checkpoint protocol (`kfac_stream.tracking.checkpoints`), snapshot scheduling and its error
+handling, the final snapshot, the held-out fit and the spectra media. A front end (the HF
+`KFACStreamCallback`) only translates its events into these calls:
+
+==========================  ====================================================================
+event                       session call
+==========================  ====================================================================
+train begin                 `start` (plan, tracker, resume, final window, log lines)
+step begin / end            `begin_step` / `end_step` (factor update, snapshot when due)
+before a checkpoint         `before_checkpoint` (the tracker state beside it)
+checkpoint saved            `checkpoint_saved` (the state moved into it)
+train end                   `finish` (final snapshot, held-out fit, close)
+==========================  ====================================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..config import KFACConfig
+from ..distributed.context import LOCAL, DistContext, release_process_groups_at_exit
+from ..exceptions import KFACConfigError
+from ..integrations.heldout import fit_heldout_prior, plan_heldout_fit
+from ..snapshot.adequacy import mark_said, said_scope, sampling_warning
+from ..snapshot.background import SnapshotWorker
+from ..snapshot.layout import step_dir_name
+from ..snapshot.media import make_media
+from ..snapshot.sequence import capture_snapshot, finish_snapshot
+from ..snapshot.snapshot import read_manifest
+from ..snapshot.writer import clean_stale_tmp, set_aside_other_runs
+from ..tracker import Tracker, plan_tracking
+from .checkpoints import CheckpointProtocol
+from .lines import raised_share_line, tracking_summary, window_lines
+from .plan import RunPlan, RunShape
+
+logger = logging.getLogger("kfac_stream")
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """How a session runs (the `KFACStreamCallback` arguments besides the config).
+
+    Attributes:
+        background_snapshots: Finish snapshots (eigendecomposition, write) on a thread.
+        resume_from: Checkpoint directory whose ``kfac_stream/`` state to restore when the
+            Trainer resumes (default: the checkpoint of the resumed step).
+        spectra_media: On rank 0, after each snapshot: histograms of log10 eigenvalues and a
+            PNG ``<snapshot>.spectra.png`` (`kfac_stream.snapshot.media`).
+        missing_state: ``"error"`` or ``"fresh"``: a resume from a checkpoint without a
+            complete tracker state raises, or starts the factors from zero.
+        earlier_runs: ``"set_aside"`` or ``"keep"`` another run's snapshots in the directory.
+        gather_shards: Rank 0 writes every shard (node-local disks).
+    """
+
+    background_snapshots: bool = True
+    resume_from: str | None = None
+    spectra_media: bool = True
+    missing_state: str = "error"
+    earlier_runs: str = "set_aside"
+    gather_shards: bool = False
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("missing_state", ("error", "fresh")),
+                              ("earlier_runs", ("set_aside", "keep"))):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise KFACConfigError(
+                    f"KFACStreamCallback({name}={value!r}) is not allowed: must be "
+                    + " or ".join(repr(a) for a in allowed))
+        object.__setattr__(self, "gather_shards", bool(self.gather_shards))
+
+
+class TrackingSession:
+    """One training run's tracking (the module docstring).
+
+    Attributes:
+        config: The user's configuration.
+        plan: The run's `RunPlan` (None before `start`).
+        tracker: The live `Tracker` (None before `start`; kept after `finish` for inspection).
+        output_dir: The snapshot directory (None before `start`).
+        snapshots: Paths of the snapshots written, in order.
+        media: ``{snapshot path: histograms and PNG}`` (rank 0).
+        snapshot_hold_seconds: Seconds each snapshot held the training thread.
+    """
+
+    def __init__(self, config: KFACConfig | None = None,
+                 options: SessionOptions | None = None) -> None:
+        self.config = config or KFACConfig()
+        self.options = options or SessionOptions()
+        self.plan: RunPlan | None = None
+        self.tracker: Tracker | None = None
+        self.output_dir: str | None = None
+        self.snapshots: list[str] = []
+        self.media: dict[str, dict] = {}
+        self.snapshot_hold_seconds: list[float] = []
+        self._worker = SnapshotWorker()
+        self._comm = LOCAL
+        self._checkpoints = CheckpointProtocol(self)
+        self._fit_heldout = False  # the end of training fits tau and link (`plan_heldout_fit`)
+        self._final_step = 0  # the run's last step: its snapshot is checked for sample size
+        self._last_snapshot_step: int | None = None
+        self._lent: dict = {}  # the stored factors the last snapshot holds (released next)
+
+    # -- the run -------------------------------------------------------------------------------
+
+    def start(self, model, args, state, answers: dict | None = None) -> None:
+        """Train begin: plan the run, build the tracker (collective with several processes),
+        restore a resumed run's state, use the final window and say what is tracked."""
+        self.close()
+        cfg = KFACConfig(**self.config.to_dict())  # re-validate (the config may be a copy)
+        specs, factor_plan = plan_tracking(model, cfg)  # collective under ZeRO-3 (probe)
+        modules = dict(model.named_modules())
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        dist_ctx = DistContext.from_torch(device)  # collective with several processes
+        if dist_ctx is not None:  # no gloo worker may outlive the interpreter
+            release_process_groups_at_exit()
+        world = dist_ctx.world_size if dist_ctx else 1
+        self.plan = run = RunPlan.resolve(cfg, model, device=device,
+                                          shape=RunShape.of_trainer(args, state, world))
+        rank0 = dist_ctx is None or dist_ctx.rank == 0
+        if run.mc_share_raised is not None and rank0:
+            logger.info("%s", raised_share_line(run))
+        self.tracker = Tracker(model, {n: modules[n] for n in specs}, specs, run.config,
+                               dist_ctx, factor_plan, run)
+        self.tracker.answer_tokens = answers
+        self._comm = dist_ctx.snapshot_comm if dist_ctx else LOCAL
+        self.output_dir = run.config.output_dir or os.path.join(args.output_dir, "kfac")
+        self._last_snapshot_step = None
+        if state.global_step > 0:  # resuming from a checkpoint
+            self._checkpoints.resume(args, state)
+        self.tracker.use_window(run.window)
+        self._final_step = run.shape.max_steps
+        if rank0:
+            self._prepare_directory()
+            logger.info("%s", tracking_summary(self.tracker, self.output_dir, model))
+        self._fit_heldout = plan_heldout_fit(self.tracker, run.config.eval_prior_precision,
+                                             answers, model)
+        if rank0:
+            self._say_window()
+
+    def _prepare_directory(self) -> None:
+        clean_stale_tmp(self.output_dir)
+        moved = set_aside_other_runs(self.output_dir, self.tracker.run_id) \
+            if self.options.earlier_runs == "set_aside" else []
+        if moved:
+            logger.warning("kfac_stream: %s held %d snapshot(s) of another training run; "
+                           "moved to %s (this run's snapshots go to %s, and "
+                           "Snapshot.latest / kfac-stream inspect / query read this "
+                           "run's)", self.output_dir, len(moved),
+                           os.path.dirname(moved[0]), self.output_dir)
+
+    def _say_window(self) -> None:
+        for level, line in window_lines(self.plan):
+            getattr(logger, level)("%s", line)
+            if level == "warning":
+                mark_said(self.tracker.run_id, self._final_step)
+        # with several ranks the ownership table follows the summary (one rank: DEBUG)
+        logger.log(logging.INFO if self.tracker.world_size > 1 else logging.DEBUG,
+                   "kfac_stream: factor owners (bytes of the stored factors, eigh cost)"
+                   "\n%s", self.tracker.ownership)
+
+    def begin_step(self, step: int) -> None:
+        if self.tracker is not None:
+            self.tracker.begin_step(step)
+
+    def end_step(self, model, step: int, epoch: float | None) -> None:
+        """The step's factor update, and its snapshot when one is due."""
+        if self.tracker is None:
+            return
+        self.tracker.end_step(model)
+        if step % self.config.snapshot_every == 0:
+            self.save_snapshot(step, epoch)
+
+    def before_checkpoint(self, args, step: int) -> None:
+        """The Trainer writes a checkpoint after this event: the tracker state goes first."""
+        if self.tracker is not None:
+            self._checkpoints.before_checkpoint(args, step)
+
+    def checkpoint_saved(self, args, step: int) -> None:
+        """The Trainer has written its checkpoint: the tracker state moves into it."""
+        if self.tracker is not None:
+            self._checkpoints.saved(args, step)
+
+    def finish(self, model, step: int, epoch: float | None) -> None:
+        """Train end: the final snapshot (unless this step's exists), the held-out fit, then
+        `close`."""
+        if self.tracker is None:
+            return
+        if self._last_snapshot_step != step:
+            self.save_snapshot(step, epoch)
+        if self._fit_heldout:
+            self._worker.wait()
+            with said_scope("train"):  # told once in training; the user's posterior too
+                fit_heldout_prior(self, model)
+        self.close()
+
+    # -- snapshots -------------------------------------------------------------------------------
+
+    def save_snapshot(self, step: int, epoch: float | None = None, wait: bool = False) -> str:
+        """Snapshot the factors now as ``<output_dir>/step-<step>/`` and return that path
+        (`KFACStreamCallback.save_snapshot`)."""
+        if self.tracker is None or self.output_dir is None:
+            raise RuntimeError("KFACStreamCallback.save_snapshot: training has not started")
+        # one snapshot in flight at a time: the one before holds the stored factors it was
+        # lent until it is written, then they are released here
+        self._worker.wait()
+        held = time.perf_counter()
+        captured = capture_snapshot(self.tracker, step, epoch, release=self.released())
+        self._lent = captured.lent
+        self.snapshot_hold_seconds.append(time.perf_counter() - held)
+        self._last_snapshot_step = step
+        if self.options.background_snapshots:
+            self._worker.submit(lambda: self._finish_snapshot(captured, step))
+            if wait:
+                self._worker.wait()
+        else:
+            self._finish_snapshot(captured, step)
+        return os.path.join(self.output_dir, step_dir_name(step))
+
+    def _finish_snapshot(self, captured, step: int) -> None:
+        """Every rank: its own factors' eigendecomposition and write; then rank 0's report,
+        sample-size warning and media. A failure is counted and logged (training goes on)
+        unless ``fail_on_snapshot_error``."""
+        comm = self._comm
+        try:
+            path, eigvals = finish_snapshot(captured, self.output_dir, comm,
+                                            self.tracker.run.eigh_device,
+                                            self.tracker.config.eigh_threads,
+                                            gather=self.options.gather_shards)
+        except Exception as e:
+            failures = self.tracker.count_snapshot_failure()
+            if self.config.fail_on_snapshot_error:
+                raise
+            logger.error("kfac_stream: %s; training goes on, earlier snapshots are intact "
+                         "(%d failed so far; fail_on_snapshot_error=True makes this fatal)",
+                         e, failures)
+            return
+        if comm.rank == 0:
+            logger.info("kfac_stream: snapshot %s", path)
+            few = sampling_warning("kfac_stream", read_manifest(path), once=True,
+                                   scope="train") if step == self._final_step else None
+            if few is not None:
+                logger.warning(few)
+            if self.options.spectra_media:
+                self._media(path, eigvals)
+        self.snapshots.append(path)  # last: the monitor sees the path with its media
+
+    def _media(self, path: str, eigvals) -> None:
+        # training on a GPU: the plot in a child process, off the GIL the training thread
+        # needs to keep the GPU fed (on a CPU the child's start-up would cost more)
+        detached = getattr(self.tracker.store.device, "type", None) == "cuda"
+        try:
+            # the eigenvalues just written (rank 0's factors; with others' missing,
+            # make_media loads the snapshot instead)
+            self.media[path] = make_media(path, eigvals=eigvals, detached=detached)
+        except Exception as e:  # monitoring extras never fail a run
+            logger.warning("kfac_stream: spectra media of %s failed: %s", path, e)
+
+    def released(self) -> dict:
+        """The stored factors the last snapshot was lent, to release: call it only after
+        ``wait_for_snapshot`` (that snapshot is written)."""
+        lent, self._lent = self._lent, {}
+        return lent
+
+    def wait_for_snapshot(self) -> None:
+        """Until the snapshot in flight is written (re-raises a fatal snapshot error)."""
+        self._worker.wait()
+
+    @property
+    def snapshot_in_flight(self) -> bool:
+        """Whether a snapshot is still being eigendecomposed or written in the background."""
+        return self._worker.busy
+
+    @property
+    def comm(self):
+        """The snapshot process group's communicator (`LOCAL` with one process)."""
+        return self._comm
+
+    def factors(self):
+        """``{layer: (A, G)}`` of the live tracker (dequantised); with several ranks only the
+        layers whose A and G this rank both owns (snapshots hold every factor)."""
+        if self.tracker is None:
+            raise RuntimeError("KFACStreamCallback.factors: training has not started")
+        return self.tracker.factors()
+
+    def close(self) -> None:
+        """Finish the snapshot in flight, remove hooks, stop the background worker and release
+        the private process groups; re-raises a fatal snapshot error only after all of that."""
+        try:
+            self._worker.wait()
+        finally:
+            if self.tracker is not None:
+                try:
+                    self.tracker.close()
+                finally:
+                    if self.tracker.dist is not None:
+                        self.tracker.dist.destroy()
+        # keep the tracker object for inspection (factors(), counters); its hooks are gone
