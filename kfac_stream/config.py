@@ -12,7 +12,8 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .enums import FactorForm, FisherType, LayerPreset, StorageDtype
+from .curvature import fisher_names
+from .enums import FactorForm, LayerPreset, StorageDtype
 from .exceptions import KFACConfigError, did_you_mean
 
 
@@ -299,10 +300,10 @@ class KFACConfig:
                                   "allowed: must be None or a bool")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise KFACConfigError(f"KFACConfig.seed={self.seed!r} is not allowed: must be an int")
-        if self.fisher not in FisherType:
+        if self.fisher not in fisher_names():
             raise KFACConfigError(
                 f"KFACConfig.fisher={self.fisher!r} is not allowed: "
-                f"must be one of {tuple(f.value for f in FisherType)}"
+                f"must be one of {fisher_names()}"
             )
         if self.factor_form not in FactorForm:
             raise KFACConfigError(

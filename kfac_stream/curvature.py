@@ -60,6 +60,17 @@ def sequence_level_loss(model: nn.Module) -> bool:
     return getattr(getattr(inner, "config", None), "problem_type", None) in SEQUENCE_PROBLEMS
 
 
+#: ``{KFACConfig.fisher name: whether its G comes from labels sampled from the model}``: the
+#: built-in estimators here (a config is checked before they are imported), every other one
+#: added by `kfac_stream.fisher.register_fisher`.
+FISHER_LABELS: dict[str, bool] = {FisherType.EMPIRICAL.value: False, FisherType.MC.value: True}
+
+
+def fisher_names() -> tuple[str, ...]:
+    """The valid ``KFACConfig.fisher`` values (built in, then registered)."""
+    return tuple(FISHER_LABELS)
+
+
 @dataclass(frozen=True)
 class Curvature:
     """The resolved Fisher type and factor form of a tracker.
@@ -80,13 +91,13 @@ class Curvature:
         if form is FactorForm.AUTO:
             form = FactorForm.REDUCE if model is not None and sequence_level_loss(model) \
                 else FactorForm.EXPAND
-        return cls(FisherType(config.fisher).value, form.value)
+        return cls(str(config.fisher), form.value)
 
     @property
     def sampled_labels(self) -> bool:
         """G comes from labels sampled from the model (the MC Fisher), not the training
         backward."""
-        return self.fisher == FisherType.MC.value
+        return FISHER_LABELS[self.fisher]
 
     @property
     def reduces(self) -> bool:

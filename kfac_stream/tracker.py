@@ -30,14 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .capture.hooks import IDLE, CaptureHooks, CaptureMode, CaptureState
-from .capture.mc_fisher import (
-    batch_size,
-    is_encoder_decoder,
-    mc_fisher_pass,
-    mc_grad_in_forward,
-    mc_subbatch_pass,
-)
+from .capture.hooks import IDLE, CaptureHooks, CaptureState
 from .capture.selection import LayerSpec, select_layers
 from .capture.sharing import FactorPlan, plan_factors, probe_shared_inputs
 from .config import KFACConfig
@@ -48,8 +41,8 @@ from .ekfac import EkfacState
 from .enums import StorageDtype
 from .exceptions import KFACConfigError
 from .factor_updates import Counters, FactorUpdater, UpdateJob
+from .fisher import estimator_for
 from .folding import Folding
-from .replay_draws import replay_counts, selection_seed
 from .stats.covariance import all_finite, with_bias_column
 from .store.factor_store import FactorState
 from .tracking.plan import RunPlan, plan_window
@@ -174,6 +167,7 @@ class Tracker:
                     "with one process or set ekfac=False")
             self.ekfac = EkfacState(specs, {n: self.plan.keys_of(n) for n in specs},
                                     self.device, wide)
+        self.fisher = estimator_for(config)(self)  # what the steps capture, which rows count
         self.capture = self._make_capture()
         self._backward_in_forward = engine_for(model).allows_backward_in_forward(model)
         self.mc_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
@@ -219,18 +213,13 @@ class Tracker:
         self.is_update_step = step % self.config.update_every == 0
         if self.ekfac is not None:
             self.ekfac.begin_step()  # a snapshot's eigenbasis that has arrived goes into use
-        mc = self.curvature.sampled_labels
-        in_forward = mc and self.is_update_step and self.config.mc_full_batch and \
-            self._mc_in_forward_ok()
         self.capture.take()
-        self.capture.set_mode(CaptureMode(
-            rows=self.is_update_step and (not mc or in_forward),
-            record_inputs=self.is_update_step and mc, estimate_scale=not mc,
-            keep_outputs=in_forward, on_forward_end=self._mc_in_forward if in_forward else None))
+        self.capture.set_mode(self.fisher.capture_mode(self.is_update_step))
 
-    def _mc_in_forward_ok(self) -> bool:
-        """The MC gradient can be taken inside the training forward: not under DeepSpeed
-        ZeRO-3, not with gradient checkpointing (see `mc`)."""
+    def backward_in_forward_ok(self) -> bool:
+        """A gradient can be taken inside the training forward (the MC Fisher's on whole
+        micro-batches): not under an engine that forbids it (DeepSpeed ZeRO-3), not with
+        gradient checkpointing."""
         if not self._backward_in_forward:  # the engine's (`allows_backward_in_forward`)
             return False
         model = self._model
@@ -242,10 +231,6 @@ class Tracker:
             except AttributeError:
                 continue
         return True
-
-    def _mc_in_forward(self, rec, output) -> None:
-        mc_grad_in_forward(rec, output, self.mc_generator,
-                           shift=not is_encoder_decoder(self._model))
 
     def end_step(self, model: nn.Module) -> bool:
         """Finish the step; returns True if an update was handed to the worker.
@@ -264,27 +249,7 @@ class Tracker:
                 return False
             passes, inputs = self.capture.take()
             self.capture.set_mode(IDLE)
-            cfg = self.config
-            mc = self.curvature.sampled_labels
-            if mc and not cfg.mc_full_batch:  # replays on sub-batches
-                self.select_generator.manual_seed(
-                    selection_seed(cfg.seed, self.rank, int(self.step or 0)))
-                step = int(self.step or 0)
-                counts, share = replay_counts(cfg.mc_sequences,
-                                              [batch_size(k) for k in inputs], cfg.seed, step,
-                                              at_least_one=step == 0)
-                for kwargs, count in zip(inputs, counts):
-                    if count != 0:  # micro-batches the share did not draw are not replayed
-                        mc_subbatch_pass(model, self.capture, kwargs, self.mc_generator,
-                                         self.select_generator, count, cfg.token_fraction,
-                                         share)
-                passes = self.capture.take()[0]
-            elif mc:  # replay what the forward could not take
-                inputs += [rec.inputs for rec in passes if rec.replay]
-                passes = [rec for rec in passes if not rec.replay]
-                for kwargs in inputs:
-                    mc_fisher_pass(model, self.capture, kwargs, self.mc_generator)
-                passes += self.capture.take()[0]
+            passes = self.fisher.passes(model, passes, inputs)
             self.dissolve_groups(self.capture.dissolved)
             job = self._collect(passes)
             if job is None:
