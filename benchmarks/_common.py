@@ -47,9 +47,9 @@ from kfac_stream.app.models import tiny_gpt2
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
-#: The mid-size Llama of issue 36 (4 layers of hidden 1024, intermediate 2816: 44 factors,
-#: 1.29e8 entries) and the tiny stand-in of the scripts' --quick runs; each script sets the
-#: vocabulary of its data (snapshot_scale.py, posterior_scale.py).
+#: The mid-size Llama of the CPU scale benchmarks (4 layers of hidden 1024, intermediate 2816:
+#: 44 factors, 1.29e8 entries) and the tiny stand-in of the scripts' --quick runs; each script
+#: sets the vocabulary of its data (snapshot_scale.py, posterior_scale.py).
 MID_LLAMA = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
                  num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=256)
 QUICK_LLAMA = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2,

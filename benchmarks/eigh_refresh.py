@@ -1,6 +1,6 @@
 """Can a snapshot refresh each eigenbasis from the previous snapshot's instead of a full eigh?
 
-Issue 36's option: as Shampoo/SOAP implementations do, update each factor's eigenbasis by
+The idea: as Shampoo/SOAP implementations do, update each factor's eigenbasis by
 orthogonal-iteration steps started from the previous snapshot's (``Q ← qr(F·Q)``, eigenvalues
 ``diag(Qᵀ F Q)``), falling back to a full ``eigh`` when the residual exceeds a stated bound;
 kept only if it is accurate and faster.

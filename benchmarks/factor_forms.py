@@ -1,5 +1,5 @@
 r"""How close the expand and the reduce K-FAC forms come to the exact GGN of a classifier's
-layers (issue 38): dense float64 matrices on tiny trained models, no sampling.
+layers: dense float64 matrices on tiny trained models, no sampling.
 
 For each tracked Linear of a small BERT-style encoder classifier (pooled head) and a GPT-2
 classifier (last-token head), at weights trained on real text, over ``--n`` sequences:
@@ -166,7 +166,7 @@ def main() -> None:
     xq, _ = windows(1, a.n // CLASSES + 1)
     xq = xq[torch.randperm(len(xq), generator=torch.Generator().manual_seed(0))[:a.n]]
     result = {}
-    lines = [BEGIN, "## Factor forms against the exact GGN (issue 38)", "",
+    lines = [BEGIN, "## Factor forms against the exact GGN", "",
              f"`python benchmarks/factor_forms.py --n {a.n} --steps {a.steps}`: relative "
              "Frobenius error of each form's Kronecker block against the exact GGN block of the "
              f"same layer, float64, over {a.n} held-out sequences of {SEQ} tokens, after "

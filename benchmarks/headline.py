@@ -28,7 +28,7 @@ def load(name: str) -> dict | None:
 
 def overhead_rows(d: dict) -> list[str]:
     """The token_fraction 0.05 rows, labelled by their Fisher; "(the default)" only where the
-    config is `KFACConfig`'s default (a results file from before issue 16 has no
+    config is `KFACConfig`'s default (a results file from before the MC sub-batch default has no
     ``mc_sequences``: its "mc" ran on the whole batch, and its default was empirical)."""
     from kfac_stream import KFACConfig
 
@@ -140,7 +140,7 @@ def cls_rows(d: dict) -> list[str]:
                         f"default predictive (GLM, probit) | {m:.3f} ± {s:.3f} | {n} seeds | "
                         f"{link} |")
         met = sum(c["met"] is True for c in t["acceptance"])
-        rows.append(f"| {t['title']}: issue-16 acceptance criteria met | {met} of "
+        rows.append(f"| {t['title']}: acceptance criteria met | {met} of "
                     f"{len(t['acceptance'])} | {n} seeds | {link} |")
     return rows
 

@@ -17,7 +17,7 @@ its final snapshot, interleaved ``--repeats`` times:
 * the whole end-of-training step the callback adds: loading the snapshot, building the
   posterior, the fit and writing it.
 
-The issue's target: the fit in at most ``K + 2`` eval passes' time for ``K`` classes (a
+The target: the fit in at most ``K + 2`` eval passes' time for ``K`` classes (a
 forward and ``K`` logit backwards is ``≈ K + 1`` passes' work). Medians are reported with their
 ratio to the eval pass measured in the same run.
 """

@@ -1,6 +1,5 @@
 r"""Influence scores from the streamed factors against kronfluence, against exact-curvature
-influence, and what they cost (issue 40: "Exactness", "Against the reference implementation",
-"Cost").
+influence, and what they cost.
 
 Everything is read from the machine (Python's reference documentation, ``pydoc_data.topics``,
 as byte tokens) and every model is built from a config: nothing is downloaded.

@@ -1,5 +1,4 @@
 r"""Do the influence scores from the streamed factors find the training examples that matter?
-(issue 40, "Quality").
 
 Usage: ``python benchmarks/influence_quality.py [--seeds 0 1 2] ...``; ``--quick`` is a smoke
 run (tiny sizes, one seed, well under a minute) that writes nothing. Writes
@@ -79,7 +78,7 @@ retraining is checked to reproduce the tracked run's weights.
 Seeds (``--seeds``, default 0 1 2): each changes the facts, the documentation windows, the
 data order, the initialisation, the Trainer's seed and the tracker's ``seed``.
 
-Acceptance (issue 40): in every seed a planted sequence is in the top 10 for ≥ 80% of the
+Acceptance: in every seed a planted sequence is in the top 10 for ≥ 80% of the
 queries (heuristic damping), and at least as often as with the gradient dot product; in every
 seed, removing the 10 top-scored sequences raises the mean query loss more than removing 10
 random ones (their mean over the draws).
@@ -479,7 +478,7 @@ def report(r: dict, a, info: dict) -> str:
          f"threads); torch {info['torch']}, transformers {info['transformers']}, "
          f"Python {info['python']}",
          f"- command: `{a.command}`; total {r['total_seconds']:.0f} s",
-         f"- planted facts (issue 40): byte-level GPT-2 {a.layers}×{a.width} from scratch, "
+         f"- planted facts: byte-level GPT-2 {a.layers}×{a.width} from scratch, "
          f"{a.real} documentation windows of {a.seq} bytes + {a.facts} invented facts × "
          f"{a.plants} planted sequences (the fact's sentence, then a documentation window; "
          "one template each: " + ", ".join(f"`{t}`" for t in PLANT_TEMPLATES)

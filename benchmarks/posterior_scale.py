@@ -1,4 +1,4 @@
-"""The tuned posterior of the mid-size Llama, after ``Snapshot.load`` (issue 36, CPU).
+"""The tuned posterior of the mid-size Llama, after ``Snapshot.load`` (CPU).
 
 Method: a ``transformers`` Llama built from a ``LlamaConfig`` (hidden 1024, intermediate 2816,
 4 layers, 16 heads, byte vocabulary 256, random init, no download: 28 tracked layers, 44
@@ -11,7 +11,7 @@ snapshot is then, in this one process with the machine's default threads:
 (b) ``LaplacePosterior(model, snap, prior_precision="marglik")`` on a freshly loaded snapshot
     (median of ``--reps``; target <= 2 s);
 (c) unless ``--no-old``: the same with the code of ``git show OLD_REV:`` (``--old-rev``;
-    default the main the issue measured, before its changes) of
+    default: main before the eigenvalue-only ``τ`` search and lazy loading) of
     ``kfac_stream/query/laplace.py`` and ``kfac_stream/snapshot/snapshot.py`` imported as
     temporary modules (once: the old posterior takes about a minute here), with the old and
     new tuned ``τ`` and the exact log evidence at both.
@@ -48,7 +48,7 @@ from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapsh
 
 from _common import MID_LLAMA, QUICK_LLAMA, mid_llama_run_args
 
-#: The code the issue measured (main before its changes): the "old code" figures.
+#: Main before the eigenvalue-only tau search and lazy loading: the "old code" figures.
 OLD_REV = "e9313ca"
 
 HERE = Path(__file__).resolve().parent

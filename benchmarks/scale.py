@@ -1,5 +1,5 @@
-"""Cost model of the tracker at the scale it is for, rebuilt from the code's own accounting
-(issue 35): Llama-2-7B on 8 GPUs, and the ~1.1B TinyLlama-shaped model of the first GPU run.
+"""Cost model of the tracker at the scale it is for, rebuilt from the code's own accounting:
+Llama-2-7B on 8 GPUs, and the ~1.1B TinyLlama-shaped model of the first GPU run.
 
 Method
 ------
@@ -212,7 +212,7 @@ SETUPS = [
     Setup("1.1B bf16 1x2048, H200", "TinyLlama-1.1B", "H200", 1, 1, 2048, 1, "pure bf16",
           7.44 / 70, 20e9),
 ]
-#: The first GPU run's settings (old code, /work/shared/gpu.md and issue 35), for reconciliation
+#: The first GPU run's settings (old code, /work/shared/gpu.md), for reconciliation
 MEASURED = [
     replace(SETUPS[1], key="A: autocast, update_every=4", every=(4,),
             measured="4.97x (2 waits, 12.3 s)"),
@@ -680,7 +680,7 @@ def report(results: dict, recon: list[dict], meas: dict, info: dict, command: st
         f"{CFG.snapshot_every}, fisher mc at the long-run share {CFG.mc_sequences}, "
         f"max_dense_dim {CFG.max_dense_dim}, float16 storage, the auto device budget).",
         "- it predicts the NEW code (device-resident pending statistics, flush streamed through "
-        "the device at snapshots); the GPU figures of issue 35 were measured with the old code "
+        "the device at snapshots); the first GPU run's figures were measured with the old code "
         "(6a379e5), reconciled below with that code's accounting.", "",
         "Rates assumed or measured:", "", *[f"- {x}" for x in SOURCES],
         f"- measured here (one thread, fastest of 5): the old flush's host EMA pass "

@@ -25,7 +25,7 @@ seeded random order each repetition (`interleave`); medians are reported.
    positions=-1, token_ids=range(K))``, K in {1, 4, 16}, batch 2 x 128, vs a no-grad forward
    of the same batch (eval mode). Goal: query <= (K+2) x forward. A query more than 2x over
    its goal triggers a cProfile top list of one call (largest K), printed and kept in the json.
-4. Whole-vocabulary sampled predictive (issue 17): ``sampled_predictive(post, batch, S,
+4. Whole-vocabulary sampled predictive: ``sampled_predictive(post, batch, S,
    labels="next")`` for S in `SAMPLES` on the training batch (BATCH x SEQ tokens, vocabulary
    2048) vs a no-grad forward of the same batch without a key/value cache (``use_cache=False``,
    as the sampled path runs each sample), timed as 16 forwards in a row (per forward), as a
@@ -35,7 +35,7 @@ seeded random order each repetition (`interleave`); medians are reported.
    forward. Checks beside it: the drawn-once calls against a lone forward (whose time depends
    more on the job before it: its median moved by 5% between runs on 2 cores), and the
    default forward (which also builds GPT-2's cache) against the one without.
-5. Exact K-logit predictive vs laplace-torch, side by side (issue 17): probit probabilities of
+5. Exact K-logit predictive vs laplace-torch, side by side: probit probabilities of
    the first K vocabulary logits at the last position of a 2 x 128 batch,
    ``post.predictive_probs`` vs laplace-torch 0.3's ``la(x, pred_type="glm",
    link_approx="probit")`` on ``KronLaplace`` (its default backend) over the same 16 tracked

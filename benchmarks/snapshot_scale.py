@@ -1,4 +1,4 @@
-"""The final snapshot of the mid-size Llama against its unavoidable work (issue 36, CPU).
+"""The final snapshot of the mid-size Llama against its unavoidable work (CPU).
 
 Method: a ``transformers`` Llama built from a ``LlamaConfig`` (hidden 1024, intermediate 2816,
 4 layers, 16 heads, vocabulary 4096, random init, no download: 44 tracked factors, 1.2e8

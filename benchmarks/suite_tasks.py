@@ -35,7 +35,7 @@ five are new:
   the whole-vocabulary (32 symbols) prediction of the last symbol of each 64-symbol window,
   128 test windows.
 * ``encoder-filekind`` — a BERT-style bidirectional encoder classifier with a pooled head
-  (the regime where the mean-field link over-flattened, issue 37): *which of 10 kinds of file
+  (the regime where the mean-field link over-flattened): *which of 10 kinds of file
   is this 64-byte window from?* (Python, C header, license, pydoc, Perl, sh, JSON, CSS,
   locale, HTML), ``[CLS]`` + 64 bytes, 300 training sequences, 400 steps at batch 30 (40
   factor updates), 2 layers × 64 from scratch, BERT's dropout 0.1.
@@ -279,7 +279,7 @@ class LMHeldout:
     steps, batch_size, lr, scheduler, warmup, collate = 600, 8, 1e-3, "cosine", 10, None
     # windows of 64: the whole-vocabulary Jacobian features cost K·B·T·d² per layer, and a
     # posterior is evaluated for every candidate rule
-    # 128 test windows (issue 37: fixed before the re-run's figures were seen)
+    # 128 test windows (fixed before the re-run's figures were seen)
     n_eval, n_kron, seq_len = 128, 64, 64
 
     def __init__(self, seed: int):
@@ -448,14 +448,14 @@ def file_kind_pools(n: int = 64) -> list[list[bytes]]:
 
 
 class EncoderFileKind(_Classifier):
-    """The regime the suite lacked (issue 37): a BERT-style bidirectional encoder with a pooled
+    """The regime the first suite lacked: a BERT-style bidirectional encoder with a pooled
     head, trained from scratch on little data, 10 classes, tens of factor updates. Each
     64-byte window is preceded by a ``[CLS]`` token (id 256) whose pooled state the head
     reads: 65 tokens a sequence, as a BERT user's tokenizer would give.
 
     Its data were chosen by the MAP model alone, before any posterior figure: the first build
     (10 standard-library packages' source) left the encoder at chance on test (10.7%
-    accuracy, train 53%) in all three seeds, outside the regime the issue names (MAP NLL
+    accuracy, train 53%) in all three seeds, outside the regime the task is for (MAP NLL
     1.4-1.8, accuracy ~0.6, overconfident); a probe of 10 file kinds gave test accuracy 0.51,
     NLL 1.81, mean confidence 0.53 (seed 0, the same model and schedule)."""
 

@@ -1,4 +1,4 @@
-r"""Predictive uncertainty of the streamed K-FAC Laplace on real offline text (issue 7, item 2),
+r"""Predictive uncertainty of the streamed K-FAC Laplace on real offline text,
 over seeds.
 
 What it does (``python benchmarks/uncertainty.py [--seeds 0 1 2]``; ``--quick`` = smoke run,

@@ -1,5 +1,5 @@
 r"""Small-data classification, over seeds: MAP vs Laplace from the stream vs post-hoc
-laplace-torch, on two tasks (issue 7 item 3; issue 16 "make the benchmarks decide").
+laplace-torch, on two tasks.
 
 Usage: ``python benchmarks/uncertainty_classification.py [--seeds 0 1 2] [--tasks ...]
 ...``; ``--quick`` is a smoke run (tiny sizes, two seeds) that writes nothing. Writes
@@ -74,10 +74,10 @@ Methods, all on the same test inputs:
   covariance (so the rows differ only by the curvature; laplace-torch's own default link,
   probit, is in the investigation table).
 
-Selective answering (task 1, issue 17; `selective_answers`): on the test prompts, the default
+Selective answering (task 1; `selective_answers`): on the test prompts, the default
 posterior at the marglik tau, ``--answer-samples`` posterior samples (default 32) each answer
 the question (`kfac_stream.answer_distribution`: argmax over the four answer tokens), with
-both sample kinds, each with ``linearized`` passed explicitly (issue 39: the library's default
+both sample kinds, each with ``linearized`` passed explicitly (the library's default
 follows this comparison): weight samples (``linearized=False``: the network at posterior
 weight samples) and linearised samples (``linearized=True``: the linearised model f* + J(θ_s −
 θ*), forward-mode passes, the slow part); and, cheap and labelled apart, the linearised
@@ -104,13 +104,13 @@ uncertainty = 1 − max probability of the method's predictive), and for task 2 
 (ID = test set) by predictive entropy and, for Laplace, by the predictive variance (trace of
 the logits' covariance); the seconds each method needed beyond training.
 
-Investigation of the accuracy drop seen under the MC-sampled predictive (issue 16), for every
+Investigation of the accuracy drop seen under the MC-sampled predictive, for every
 Laplace posterior: accuracy, NLL and ECE of the probit, the mean-field and the MC-sampled
 probabilities (``--mc-samples`` draws, seed 0); how often each one's argmax differs from MAP's;
 and the selective-prediction AURC when MAP's decision is kept and only the Laplace probability
 (default link) of MAP's class serves as confidence.
 
-Acceptance block per task (issue 16), from the measured numbers: the default configuration's
+Acceptance block per task, from the measured numbers: the default configuration's
 Laplace predictive (marglik tau, default link) has test NLL ≤ MAP's in every seed, ECE ≤ ½
 MAP's on average, accuracy within 1 point of MAP's on average, and mean NLL ≤ 1.03 ×
 laplace-torch KronLaplace (default GGN)'s default predictive (``la(x)``: GLM, probit); its
@@ -575,8 +575,8 @@ def kind_rule(lin: bool, n_samples: int) -> str:
 
 def selective_answers(task, post, map_logits: torch.Tensor, cov: torch.Tensor, y: torch.Tensor,
                       a) -> dict:
-    """Selective answering on the test set (issue 17, seed 000's "answers under the
-    posterior"; issue 39: both sample kinds): each rule answers, or abstains when its
+    """Selective answering on the test set (answers under the posterior, both sample
+    kinds): each rule answers, or abstains when its
     uncertainty is high.
 
     * MAP's answer, ranked by MAP's confidence (1 − max softmax of the answer logits);
@@ -679,14 +679,14 @@ KIND_FIGURES = {"accuracy": 1, "agrees_with_map": 1, "nll": -1, "ece": -1, "aurc
 
 
 def sample_kinds(per_seed: list[dict], n_samples: int) -> dict | None:
-    """Weight samples vs linearised samples of `answer_distribution` (issue 39: which default),
+    """Weight samples vs linearised samples of `answer_distribution` (which should be the default),
     from the per-seed selective-answering figures: ``{"per_seed": [{"seed", "weight": {figure:
     value}, "linearised": {...}}], "verdict": {figure: {"every_seed": kind or None, "worst_seed":
     kind or None, "worst": {kind: value}}}}`` for the figures of `KIND_FIGURES`. A kind is
     better on every seed when its figure is strictly better on each seed (None: neither);
     better by the worst seed when its worst value over the seeds is strictly better (the lowest
     accuracy / agreement, the highest NLL / ECE / AURC; None: equal). None when a seed lacks
-    either kind (results of a run from before issue 39)."""
+    either kind (results of a run from before both kinds ran)."""
     names = {k: kind_rule(lin, n_samples) for lin, k in SAMPLE_KINDS.items()}
     if not per_seed or any(n not in r.get("selective", {}) for r in per_seed
                            for n in names.values()):
@@ -903,7 +903,7 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, float]:
 
 
 def acceptance(per_seed: list[dict], summary: dict) -> list[dict]:
-    """Issue 16's four criteria for the default configuration's Laplace predictive (marglik
+    """The four acceptance criteria for the default configuration's Laplace predictive (marglik
     tau, the default link `LINK`) against MAP and laplace-torch, from the measured numbers."""
     main = [r["results"][MAIN] for r in per_seed]
     base = [r["results"]["MAP"] for r in per_seed]
@@ -1046,7 +1046,7 @@ def task_tables(t: dict) -> list[str]:
             mf.append(f"| {m} | {g('acc_meanfield', 100, '.1f')} | "
                       f"{g('flips_meanfield', 100, '.1f')} | {g('nll_meanfield')} | "
                       f"{g('ece_meanfield', 100, '.2f')} |")
-    acc = ["Acceptance (issue 16; the default configuration's Laplace predictive, "
+    acc = ["Acceptance (the default configuration's Laplace predictive, "
            f"tau by marginal likelihood, link {LINK!r}):", ""]
     for c in t["acceptance"]:
         verdict = {True: "met", False: "NOT met", None: "not evaluated"}[c["met"]]
@@ -1064,7 +1064,7 @@ def selective_table(t: dict) -> list[str]:
     sel = t.get("selective")
     if not sel:
         return []
-    rows = ["", "Selective answering (issue 17; answer or abstain; the default posterior at "
+    rows = ["", "Selective answering (answer or abstain; the default posterior at "
             "marglik tau; uncertainty per rule as named; mean ± std over seeds):", "",
             "| rule | accuracy % (all answered) | AURC | acc. @80% cov. % | acc. @50% cov. % | "
             "answer = MAP's % | NLL of its probabilities | ECE % | s |",
@@ -1100,7 +1100,7 @@ def kinds_table(c: dict | None, per_seed: list[dict] | None = None) -> list[str]
     ``per_seed`` (the task's) is given; [] without it."""
     if not c:
         return []
-    rows = ["", f"The two sample kinds of `answer_distribution` (issue 39: which should be the "
+    rows = ["", f"The two sample kinds of `answer_distribution` (which should be the "
             f"default), {c['n_samples']} samples from the run's seed, `linearized` passed "
             "explicitly: weight samples (`linearized=False`, the network at posterior weight "
             "samples) vs linearised samples (`linearized=True`, f* + J(θ_s − θ*) at the same "
@@ -1234,7 +1234,7 @@ def report(r: dict, a, info: dict) -> str:
 #: records (LoRA: 2026-11-26 15:37, man pages: 2026-11-23 21:59; rewrite it when the numbers
 #: change: `--from-json` re-renders)
 INVESTIGATION_NOTE: list[str] = [
-    "**What the investigation found** (issue 16: the accuracy drop under the MC predictive; "
+    "**What the investigation found** (the accuracy drop under the MC predictive; "
     "figures from the tables above: the LoRA task's from the run of 2026-11-26 15:37, the man "
     "pages' from that of 2026-11-23 21:59). The linearised predictive's "
     "mean is MAP's logits, so a Laplace method changes the predicted class only through the "
@@ -1263,7 +1263,7 @@ INVESTIGATION_NOTE: list[str] = [
     "Other observations: against laplace-torch as a user runs it (`la(x)`: GLM, probit) the "
     "default predictive's NLL is 0.824× (LoRA) and 0.883× (man pages) its own; with "
     "laplace-torch's covariance under the same mean-field link the ratios are 0.995 and 1.047 "
-    "(the man-page one above the 3% of issue 16's criterion, which the acceptance block reads "
+    "(the man-page one above the 3% the NLL criterion allows, which the acceptance block reads "
     "as laplace-torch's default predictive). The final window (`final_window=0.1`) is what "
     "made the man-page posterior that of the trained weights: with the EMA over training the "
     "same task gave NLL 1.76 and ECE 28.6% (probit). On both tasks the default (MC) Fisher and "
@@ -1272,8 +1272,8 @@ INVESTIGATION_NOTE: list[str] = [
     "docs) is at chance (AUROC 0.50–0.51) for every method and score: the 41%-accurate "
     "classifier's uncertainty does not separate these inputs.",
     "",
-    "Selective answering and the two sample kinds of `answer_distribution` (LoRA task; issue "
-    "39). The LoRA run used the library as committed at 984e1c0 (a copy on PYTHONPATH: the "
+    "Selective answering and the two sample kinds of `answer_distribution` (LoRA task). "
+    "The LoRA run used the library as committed at 984e1c0 (a copy on PYTHONPATH: the "
     "working tree held other unfinished changes), whose `answer_distribution` defaulted to "
     "weight samples; both kinds were called with `linearized` explicit. Weight samples "
     "(`linearized=False`: the network at 32 posterior weight samples) vote at chance on every "
@@ -1325,7 +1325,7 @@ def main(argv=None) -> None:
                    help="posterior samples of the selective-answering rule (docstring-lora)")
     p.add_argument("--linearised-answers", action="store_true",
                    help="accepted for old commands and ignored: both sample kinds of "
-                        "answer_distribution always run (issue 39)")
+                        "answer_distribution always run")
     p.add_argument("--mc-all", action="store_true",
                    help="also a run with fisher='mc', mc_sequences='all' (the whole-batch MC)")
     p.add_argument("--no-kron", action="store_true", help="skip laplace-torch")

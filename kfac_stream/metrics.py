@@ -257,7 +257,7 @@ def confidence_gap(probs: Tensor, y: Tensor) -> float:
         ``< 0`` underconfident.
 
     What it says about a Laplace predictive, measured on the MAP's probabilities of a held-out
-    set (the docs' "Which link" section; `benchmarks/suite.py`, issue 37): every Laplace
+    set (the docs' "Which link" section; `benchmarks/suite.py`): every Laplace
     predictive adds logit variance and so flattens the probabilities. Where MAP is
     **overconfident** (gap > 0) that flattening is what lowers the NLL, and the default
     posterior (marginal-likelihood ``τ``) is expected to reach an NLL at or below MAP's. Where

@@ -1,5 +1,5 @@
 """A training job with Trainer checkpoints that tests/test_checkpoint_kills.py SIGKILLs and resumes
-(issue 14: the tracker state is never missing from a checkpoint the Trainer considers complete).
+(the tracker state is never missing from a checkpoint the Trainer considers complete).
 
 ``python tests/checkpoint_job.py --out DIR [--resume CHECKPOINT|latest] [--kill-after-state N]``
 

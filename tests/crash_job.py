@@ -1,4 +1,4 @@
-"""A training job that tests/test_crash.py kills with SIGKILL (issue 6, item 1).
+"""A training job that tests/test_crash.py kills with SIGKILL (crash safety of snapshots).
 
 ``python tests/crash_job.py --out DIR [--kill-at MOMENT --kill-snapshot N --kill-rank R]``
 (one process) or ``accelerate launch --config_file launch/cpu_ddp.yaml tests/crash_job.py ...``

@@ -241,7 +241,7 @@ def query(trainer, out: str) -> None:
              for k in ("input_ids", "attention_mask")}
     post = LaplacePosterior(model, snap, prior_precision=1.0)
     mean, cov = post.predictive(batch, token_ids=[32, 101])
-    # issue 40: influence of 4 training windows on 2 queries (heuristic damping), on the
+    # influence of 4 training windows on 2 queries (heuristic damping), on the
     # whole copy like every query
     ex = text_examples(6, 16, seed=9)
     scores = influence_scores(post, stack(ex[:2]), [stack(ex[2:])]).scores

@@ -12,7 +12,7 @@ from models import ListDataset
 from reference import ForwardRecorder
 
 # fisher="empirical": the tests built on `run` check the observed-label factors against
-# `reference.reference_factors` (the default since issue 16 is the MC sub-batch Fisher);
+# `reference.reference_factors` (the default is the MC sub-batch Fisher);
 # final_window=0: the EMA over every update, as the references compute it
 EXACT = dict(token_fraction=1.0, ema_decay=1.0, storage_dtype="float64", update_every=1,
              fisher="empirical", final_window=0.0)

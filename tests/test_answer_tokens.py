@@ -1,4 +1,4 @@
-"""Answer tokens as a setting, and one convention for where an answer is read (issue 39).
+"""Answer tokens as a setting, and one convention for where an answer is read.
 
 * ``KFACConfig(answer_tokens=...)``: resolved at train begin (strings through the Trainer's
   tokenizer, one token each), recorded in every snapshot, the default ``token_ids`` of the
@@ -171,7 +171,7 @@ def test_eval_prior_precision_equals_a_grid_search_on_the_answer_positions(answe
 
 
 def test_one_token_per_example_lists_are_refused_as_ambiguous(answered):
-    """Issue 39: ``tok([" A", " B", " C", " D"]).input_ids`` = ``[[383], [657], [370], [468]]``
+    """``tok([" A", " B", " C", " D"]).input_ids`` = ``[[383], [657], [370], [468]]``
     on a batch of 4 used to be read as one option per example (probabilities all 1)."""
     model, snap, held = answered
     post = LaplacePosterior(model, snap, prior_precision=3.0)

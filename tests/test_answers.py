@@ -1,4 +1,4 @@
-"""Answers under the posterior (issue 17): `answer_distribution` against a brute-force loop over
+"""Answers under the posterior: `answer_distribution` against a brute-force loop over
 ``sampled_weights`` (plain forwards, argmax, counts by `collections.Counter`), for a
 classification head and a language-model head with shared and per-example options, right- and
 left-padded batches; a posterior concentrated on the MAP; `generated_answers` against a loop of

@@ -1,4 +1,4 @@
-"""Issue 5: the Hydra app (`python -m kfac_stream.train`) end to end, in real subprocesses.
+"""The Hydra app (`python -m kfac_stream.train`) end to end, in real subprocesses.
 
 * one process with ``report_to=[wandb, tensorboard]`` (W&B offline): the W&B run files and
   TensorBoard event files are read back (tests/logreaders.py) and every logged spectrum

@@ -1,5 +1,5 @@
-"""The helpers the uncertainty benchmarks rely on (issue 7): the docstring multiple-choice data,
-the per-tau covariance reuse (`LaplacePosterior.predictive_covariances` since issue 13), and the
+"""The helpers the uncertainty benchmarks rely on: the docstring multiple-choice data,
+the per-tau covariance reuse (`LaplacePosterior.predictive_covariances`), and the
 answer-position indexing under right padding."""
 
 import sys

@@ -1,4 +1,4 @@
-"""The exact-curvature helpers of benchmarks/influence_peers.py (issue 40): the GGN from ``d``
+"""The exact-curvature helpers of benchmarks/influence_peers.py: the GGN from ``d``
 rows per position at the LM head's input equals the direct ``V``-row form, the hooks' per-example
 gradients equal autograd's, and the dense solve gives the damped inverse's inner products."""
 

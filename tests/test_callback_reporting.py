@@ -1,4 +1,4 @@
-"""`KFACStreamCallback` reports its spectra by itself (issue 15): a plain ``Trainer`` with
+"""`KFACStreamCallback` reports its spectra by itself: a plain ``Trainer`` with
 ``report_to`` and only the K-FAC callback in ``callbacks``; what the reporters wrote is read
 back from W&B's offline run files and TensorBoard's event files (`logreaders`; nothing mocked).
 

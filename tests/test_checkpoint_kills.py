@@ -1,4 +1,4 @@
-"""Issue 14: SIGKILL a training job at checkpoint writes, resume, and never lose the tracker.
+"""SIGKILL a training job at checkpoint writes, resume, and never lose the tracker.
 
 The Trainer treats a checkpoint as complete once its ``trainer_state.json`` is written, and it
 calls ``on_save`` only after that (and after rotating old checkpoints away). Each chain below

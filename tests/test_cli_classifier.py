@@ -1,4 +1,4 @@
-"""``kfac-stream query`` with a sequence classifier (issue 38): the task comes from the model's
+"""``kfac-stream query`` with a sequence classifier: the task comes from the model's
 config; per input the printed MAP probabilities are the model's softmax, the Laplace ones
 `LaplacePosterior.predictive_probs` (and ``--json`` holds the same); other tasks, a causal
 LM's flags and a missing tokenizer are refused in one line (exit 2)."""

@@ -97,8 +97,8 @@ def test_cli_query_prints_what_the_python_api_returns(tmp_path, capsys):
 
 def test_launch_configs_parse_and_are_self_contained():
     """Every accelerate config in launch/ loads with accelerate's own reader and names no
-    other file (a relative ``deepspeed_config_file`` breaks outside the repository root,
-    issue 15): the DeepSpeed ones set the ZeRO stage of their file name inline. Every DeepSpeed
+    other file (a relative ``deepspeed_config_file`` breaks outside the repository root):
+    the DeepSpeed ones set the ZeRO stage of their file name inline. Every DeepSpeed
     JSON (for the ``deepspeed`` launcher and ``TrainingArguments(deepspeed=...)``) parses and
     names the stage of its file name."""
     import glob

@@ -1,4 +1,4 @@
-"""``kfac-stream influence`` (issue 40): the printed top-k and ``--json`` equal
+"""``kfac-stream influence``: the printed top-k and ``--json`` equal
 `influence_scores` computed here on batches built here from the same training examples (the
 app's windows rebuilt from `kfac_stream.app.data` directly; JSON lines and a ``datasets``
 directory windowed by the documented rule; a classifier's labelled texts); bad arguments exit 2

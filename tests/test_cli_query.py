@@ -1,4 +1,4 @@
-"""``kfac-stream query`` (issue 17): the per-token whole-vocabulary table and ``--json`` print
+"""``kfac-stream query``: the per-token whole-vocabulary table and ``--json`` print
 what the Python API returns for the same text, seed and samples (`sampled_predictive`, a MAP
 forward, `topk_predictive`); the mode's default; bad arguments exit 2 with one line."""
 
@@ -308,7 +308,7 @@ def test_bytes_over_127_print_with_one_backslash(trained, capsys):
 
 def test_another_task_or_a_headless_checkpoint_is_refused_in_one_line(trained, capsys,
                                                                        tmp_path):
-    """Issue 38: never an LM table from a head the checkpoint lacks. A token classifier's
+    """Never an LM table from a head the checkpoint lacks. A token classifier's
     config names its task (neither a causal LM nor a sequence classifier, which
     tests/test_cli_classifier.py answers): refused before any weight loads; a causal LM whose
     checkpoint lacks its (untied) head: refused naming the missing weights."""

@@ -41,7 +41,7 @@ def test_field_errors_name_field_value_and_range(field, value, needle):
 
 
 def test_misspelt_argument_names_the_closest_in_one_line():
-    """Issue 38: a typo is Python's TypeError, with the argument meant named (one line)."""
+    """A typo is Python's TypeError, with the argument meant named (one line)."""
     with pytest.raises(TypeError) as e:
         KFACConfig(eval_prior_precison=True)
     assert str(e.value) == ("KFACConfig: 'eval_prior_precison' is not an argument: did you mean "

@@ -1,4 +1,4 @@
-"""The cost model's formulas equal the tracker's counters on a real run (issue 35).
+"""The cost model's formulas equal the tracker's counters on a real run.
 
 A real ``Trainer`` run of a tiny Llama on the device path (CPU tensors standing in for the
 accelerator) counts what its store did (`Traffic` in the tracker's counters); `kfac_stream.cost`

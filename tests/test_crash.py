@@ -1,4 +1,4 @@
-"""Crash safety of snapshots (issue 6, item 1): training jobs killed with SIGKILL.
+"""Crash safety of snapshots: training jobs killed with SIGKILL.
 
 Every kill is a real ``SIGKILL`` of a real training process (``tests/crash_job.py``: a
 ``transformers.Trainer`` on a tiny float32 GPT-2, a snapshot every step), either sent by the job

@@ -1,4 +1,4 @@
-"""The store's device path (issue 35) with CPU tensors standing in for the accelerator.
+"""The store's device path with CPU tensors standing in for the accelerator.
 
 Pending statistics accumulate on the "device" (`FactorStore.push_device`) and reach the FP16
 host store only through the streamed flush (`device_fold.stream_fold`). Checked against the

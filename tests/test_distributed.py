@@ -1,4 +1,4 @@
-"""Issue 4: 2 processes through the real launchers (``accelerate launch``, gloo on CPU) against
+"""Two processes through the real launchers (``accelerate launch``, gloo on CPU) against
 one process over the same global batches.
 
 Every run is ``tests/dist_job.py`` (a real ``Trainer`` on a float32 GPT-2, SGD, gradient
@@ -7,7 +7,7 @@ sequences per optimizer step. Rows 2 and 3 of the data are pure padding, i.e. ra
 first micro-batch (the uneven-tokens case) in every 2-process run.
 
 Tolerances:
-* ``EXACT_TOL = 1e-6`` (issue 4): fp32 storage with token_fraction 1 and ema_decay 1. The
+* ``EXACT_TOL = 1e-6``: fp32 storage with token_fraction 1 and ema_decay 1. The
   factors accumulate in float64 (row order across ranks does not matter); what is left is the
   float32 training itself (DDP's all-reduce vs one process's sum order changes the weights at
   ~1e-7 relative after the first step): measured ≤1.1e-7.
@@ -105,9 +105,9 @@ class Runs:
         "ddp_mc": ("cpu_ddp", ["--fisher", "mc", *PAD]),
         "ref_bf16": (None, ["--batch", "4", "--bf16", *PAD]),
         "ddp": ("cpu_ddp", PAD),
-        # issue 31: FSDP2 (fully_shard) through accelerate on CPU/gloo; then whole_model + query
+        # FSDP2 (fully_shard) through accelerate on CPU/gloo; then whole_model + query
         "fsdp2": ("cpu_fsdp2", ["--query", *PAD]),
-        # issue 39: a PEFT LoRA Llama; whole_model saves the adapter with its base and reloads
+        # a PEFT LoRA Llama; whole_model saves the adapter with its base and reloads
         "ref_lora": (None, ["--batch", "4", "--model", "llama", "--lora", "--query", *PAD]),
         "zero3_lora": ("cpu_zero3", ["--model", "llama", "--lora", "--query", *PAD]),
         # the default MC estimator: replayed on a sub-batch after the optimizer step
@@ -117,7 +117,7 @@ class Runs:
         "zero2": ("cpu_zero2", PAD),
         "zero3": ("cpu_zero3", PAD),
         "zero3_async_stats": ("cpu_zero3", ["--async-updates", "--strategy", "stats", *PAD]),
-        # issue 12: second moments folded where the rows are, pending sums, both strategies;
+        # second moments folded where the rows are, pending sums, both strategies;
         # Llama: q/k/v and gate/up share one A across the exchange
         "zero3_device_fold": ("cpu_zero3", ["--async-updates", "--fold-on", "device", *PAD]),
         "ddp_device_fold_stats": ("cpu_ddp", ["--fold-on", "device", "--strategy", "stats",
@@ -130,7 +130,7 @@ class Runs:
                                       "device", *PAD]),
         "zero3_fp16": ("cpu_zero3", ["--storage-dtype", "float16", *PAD]),
         "zero3_mc": ("cpu_zero3", ["--fisher", "mc", *PAD]),
-        # issue 38: the reduce form (one row per sequence, N in sequences) across ranks
+        # the reduce form (one row per sequence, N in sequences) across ranks
         "ref_reduce": (None, ["--batch", "4", "--factor-form", "reduce", *PAD]),
         "zero3_reduce": ("cpu_zero3", ["--factor-form", "reduce", "--async-updates", *PAD]),
         "ddp_bf16": ("cpu_ddp", ["--bf16", *PAD]),
@@ -220,7 +220,7 @@ def test_two_ranks_equal_one_process(runs, engine):
 
 
 def test_reduce_form_across_ranks_equals_one_process(runs):
-    """Issue 38: per-sequence rows (the reduce form) through ZeRO-3's partitioned weights and
+    """Per-sequence rows (the reduce form) through ZeRO-3's partitioned weights and
     the exchange; the usable sequences, counted per rank, sum to one process's (rank 1's
     first micro-batch is two all-padding sequences, which count nothing)."""
     errs = errors("zero3_reduce", "ref_reduce", runs)
@@ -337,7 +337,7 @@ def test_sharding_log_and_disk_agree_and_query_matches(runs):
     assert rel(res[1][1], res[0][1]) <= 10 * EXACT_TOL  # the factors' 1e-6, through eigh
 
 
-#: Influence scores (issue 40) of the whole copy `whole_model` gives after 2-rank training
+#: Influence scores of the whole copy `whole_model` gives after 2-rank training
 #: against the one-process run's: the factors' and weights' round-off, as for the predictive
 #: (measured 6.7e-7 after FSDP2, 3.7e-7 after ZeRO-3 with LoRA).
 INFLUENCE_TOL = 10 * EXACT_TOL

@@ -1,4 +1,4 @@
-"""EK-FAC from the stream (``KFACConfig(ekfac=True)``, `kfac_stream.ekfac`; issue 40).
+"""EK-FAC from the stream (``KFACConfig(ekfac=True)``, `kfac_stream.ekfac`).
 
 The reference shares nothing with the tracker but the snapshots' eigenvectors: per-sequence
 gradients by autograd on the layers' PARAMETERS (one backward per sequence, Conv1D weights

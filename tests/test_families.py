@@ -1,5 +1,5 @@
-"""Any Hugging Face model a user brings (issue 28): 15 families with the defaults; and
-(issue 38) 10 sequence classifiers, 7 encoders with a pooled head and 3 decoders with a
+"""Any Hugging Face model a user brings: 15 families with the defaults; and
+10 sequence classifiers, 7 encoders with a pooled head and 3 decoders with a
 ``score`` head, under ``preset="last_layer"`` and ``preset="all_linear"``.
 
 Each family is a tiny model built from its config (hidden 32, 2 layers, byte vocabulary 256,
@@ -224,7 +224,7 @@ def _summed_loss(model, batch, seq2seq: bool) -> torch.Tensor:
 
 
 def _check_influence(post, examples, seq2seq: bool = False) -> None:
-    """Influence scores (issue 40) of 2 queries on 3 training examples: ``[Q, N]``, finite,
+    """Influence scores of 2 queries on 3 training examples: ``[Q, N]``, finite,
     not all zero, under the ``"prior"`` and the default ``"heuristic"`` damping (whose zero
     factors, e.g. an encoder classifier's last block under token sampling, take the prior's
     ``τ/N``); and the gradient-dot limit at a huge damping, against the squared norm of the
@@ -246,7 +246,7 @@ def _check_influence(post, examples, seq2seq: bool = False) -> None:
     assert abs(float(far) - want) <= GRAD_DOT_TOL * want, (float(far), want)
 
 
-# -- sequence classifiers (issue 38): heads on [B, d] are tracked in the sequence row space ----
+# -- sequence classifiers: heads on [B, d] are tracked in the sequence row space ---------------
 
 _CLS = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=HEADS,
             intermediate_size=FFN, max_position_embeddings=SEQ + 4, num_labels=3)

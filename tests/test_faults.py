@@ -1,4 +1,4 @@
-"""Storage faults are logged, counted and non-fatal by default (issue 6, item 4): a full disk
+"""Storage faults are logged, counted and non-fatal by default: a full disk
 while writing a shard, an unwritable snapshot directory, a failed eigendecomposition. The
 previous snapshot stays valid; ``fail_on_snapshot_error=True`` makes the failure stop training.
 """

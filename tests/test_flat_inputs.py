@@ -1,4 +1,4 @@
-r"""Queries on layers that see flattened inputs (issue 28): OPT's fc1/fc2 receive ``[B*T, d]``
+r"""Queries on layers that see flattened inputs: OPT's fc1/fc2 receive ``[B*T, d]``
 rows, not ``[B, T, d]``.
 
 * The exact linearised predictive of a batch equals the predictive of each example alone
@@ -31,7 +31,7 @@ from models import text_examples, tiny_opt
 
 #: float64 model end to end: per-example and batched features differ by round-off only.
 ROUNDOFF_TOL = 1e-10
-#: The acceptance bound of issue 28: within 4 Monte-Carlo standard errors.
+#: The sampled predictive's bound: within 4 Monte-Carlo standard errors.
 MC_Z = 4.0
 MC_SAMPLES = 4000
 VOCAB = 256

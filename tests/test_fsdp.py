@@ -1,4 +1,4 @@
-"""Issue 31, the cheap part: an FSDP launch that did not shard the model is reported.
+"""An FSDP launch that did not shard the model is reported (what a CPU can check of FSDP).
 
 accelerate 1.15 drops its FSDP plugin on CPU (the Trainer then trains with DDP); the callback
 says so at ``on_train_begin`` instead of letting the user believe the run was sharded. The

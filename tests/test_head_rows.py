@@ -1,4 +1,4 @@
-"""A pooler or classification head on ``[B, d]`` (issue 38): one row per sequence.
+"""A pooler or classification head on ``[B, d]``: one row per sequence.
 
 BERT's ``pooler.dense`` and ``classifier`` see one row per sequence (the ``[CLS]`` token, then
 the pooled vector), not the ``B·T`` token positions of the blocks. kfac_stream takes every
@@ -11,7 +11,7 @@ sequences. References, independent of the hooks under test:
 * the posterior's predictive covariance over the head against dense algebra:
   ``J (N_seq·G⊗A + τI)⁻¹ Jᵀ`` with ``N_seq`` the sequences of the epoch, not the tokens;
 * the diagonal factors under the MC sub-batch replay against the dense factors' diagonals
-  (a fix of this issue: the replay's ``1/P(drawn)`` weight now reaches the diagonal sums).
+  (the replay's ``1/P(drawn)`` weight reaches the diagonal sums).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def test_diagonal_factors_under_mc_subbatch_replay_equal_dense_diagonals(tmp_pat
             assert rel_err(d.double(), full.diagonal().double()) <= EXACT_TOL, n
 
 
-# -- the reduce form (issue 38): one row per sequence for a position-space layer -------------
+# -- the reduce form: one row per sequence for a position-space layer ------------------------
 
 BLOCK = "bert.encoder.layer.0.output.dense"  # input [B, T, 32], output [B, T, 16]
 

@@ -1,4 +1,4 @@
-"""The tracker adds no host synchronisation to the training thread (issue 12).
+"""The tracker adds no host synchronisation to the training thread.
 
 A ``TorchDispatchMode`` on the training thread counts every op that makes the host wait for
 a device value: ``_local_scalar_dense`` (``.item()``, ``float(t)``, ``bool(t)``, ``int(t)``),
@@ -73,7 +73,7 @@ def _count(tmp_path, cfg: dict | None, **train_kwargs) -> SyncCounter:
     return mode
 
 
-# the Fisher made explicit (the default is the MC sub-batch replay since issue 16: counted in
+# the Fisher made explicit (the default is the MC sub-batch replay: counted in
 # test_replayed_mc_pass_adds_only_the_models_own_forward_syncs)
 @pytest.mark.parametrize("extra", [{"fisher": "empirical"},
                                    {"fisher": "empirical", "update_every": 1},

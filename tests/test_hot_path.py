@@ -1,6 +1,7 @@
-"""The rest of issue 12's hot path: a worker that falls behind is counted and logged once;
-snapshot eigendecompositions use the threads the user asks for (CPU) or the GPU (one reused
-stream, a failed matrix redone on the CPU alone); CUDA graphs are refused with a clear error.
+"""The training thread's hot path beyond host syncs: a worker that falls behind is counted and
+logged once; snapshot eigendecompositions use the threads the user asks for (CPU) or the GPU
+(one reused stream, a failed matrix redone on the CPU alone); CUDA graphs are refused with a
+clear error.
 CUDA-only tests skip with the reason on machines without one (``make gpu-check`` runs them)."""
 
 import logging

@@ -1,4 +1,4 @@
-"""Influence scores from a snapshot's factors (issue 40), against a dense float64 computation.
+"""Influence scores from a snapshot's factors, against a dense float64 computation.
 
 The reference here shares nothing with `kfac_stream.query.influence` but the snapshot's factor
 matrices: per-example gradients by autograd on the layers' PARAMETERS (one backward per

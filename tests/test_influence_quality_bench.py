@@ -1,4 +1,4 @@
-"""The helpers of `benchmarks/influence_quality.py` (issue 40, "Quality"): the planted-fact
+"""The helpers of `benchmarks/influence_quality.py`: the planted-fact
 task, the exact random baseline, the hit counting and the fixed data order that a removal
 leaves as it was; ``--quick`` end to end under ``-m slow``."""
 

@@ -1,4 +1,4 @@
-"""Issue 15: the project as a user installs it. A wheel is built from a copy of the project's
+"""The project as a user installs it. A wheel is built from a copy of the project's
 files, installed (not editable) into a temporary directory, and its console script
 ``kfac-stream`` runs ``train`` and ``demo`` from an unrelated working directory.
 

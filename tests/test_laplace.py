@@ -1,4 +1,4 @@
-"""LaplacePosterior against dense linear algebra (issue 3): predictive, samples, evidence."""
+"""LaplacePosterior against dense linear algebra: predictive, samples, evidence."""
 
 import math
 
@@ -386,7 +386,7 @@ def test_a_layer_applied_several_times_sums_its_calls(tmp_path):
     """ALBERT applies its one shared layer group at every depth: a tracked Linear runs
     ``num_hidden_layers`` times per forward, and the Jacobian of a logit w.r.t. its weights is
     the sum over the calls (the dense reference: torch.func on the parameters, which sums by
-    itself). Before issue 40 only the last call's features were kept."""
+    itself). Keeping only the last call's features fails here."""
     from transformers import AlbertConfig, AlbertForSequenceClassification
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The Laplace-LoRA recipe end to end (issue 39, PEFT part): a tiny Llama built from a config
+"""The Laplace-LoRA recipe end to end: a tiny Llama built from a config
 with a BPE tokenizer trained offline, a 4-way multiple-choice task on real text (which license
 an excerpt is from: answers " A" … " D", one token each, labels -100 except the answer), PEFT
 LoRA r=8, a real ``transformers.Trainer`` with the callback (``preset="lora"``), then

@@ -1,4 +1,4 @@
-"""Issue 31: two simulated nodes on one machine, through the real launcher.
+"""Two simulated nodes on one machine, through the real launcher.
 
 Each "node" is its own ``accelerate launch`` (its own torchrun agent) with
 ``--num_machines 2 --machine_rank 0|1 --num_processes 2``, one process per node, rendezvous on

@@ -1,4 +1,4 @@
-"""What ``N`` counts (issue 39; docs/queries.md, "What N counts") on an answer-token fine-tune:
+"""What ``N`` counts (docs/queries.md, "What N counts") on an answer-token fine-tune:
 labels -100 on the prompt, one labelled token per example, right padding. Under the expand
 form ``N`` is every non-padding position of the training forwards per epoch, not the labelled
 ones; the output gradient at an unlabelled position is zero only in the layers whose output

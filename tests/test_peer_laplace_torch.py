@@ -1,4 +1,4 @@
-r"""Peer agreement with laplace-torch's ``KronLaplace`` (issue acceptance item "peer agreement").
+r"""Peer agreement with laplace-torch's ``KronLaplace``.
 
 Same tiny model, same data, same weights: a float64 ``tiny_llama`` (every tracked layer a plain
 ``nn.Linear`` without bias, plus ``lm_head``) is "trained" with ``learning_rate=0`` by the

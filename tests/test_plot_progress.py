@@ -1,4 +1,4 @@
-"""Issue 15: the spectra plot readable at 2 to 200 layers, progress on the long steps after
+"""The spectra plot readable at 2 to 200 layers, progress on the long steps after
 training, and the warning when ``num_data`` is far from the snapshot's own count."""
 
 import logging

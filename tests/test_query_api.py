@@ -1,4 +1,4 @@
-"""The query API the benchmarks use instead of private hooks (issue 13): per-row ``token_ids``
+"""The query API the benchmarks use instead of private hooks: per-row ``token_ids``
 and several prior precisions from one Jacobian pass in `LaplacePosterior`."""
 
 import pytest

@@ -1,5 +1,5 @@
 """Bad query inputs fail at the call with one line naming the argument, the value and what is
-allowed (issue 14): `LaplacePosterior` and its methods, `topk_predictive`, `probs_from_gaussian`,
+allowed: `LaplacePosterior` and its methods, `topk_predictive`, `probs_from_gaussian`,
 and the ``kfac-stream query`` / ``inspect`` command line (exit code 2, no traceback).
 
 One tiny byte-level GPT-2 is trained once for the module (float32, saved with

@@ -1,4 +1,4 @@
-"""Resume (issue 6, item 2): the tracker state rides with Trainer checkpoints, and a run that
+"""Resume: the tracker state rides with Trainer checkpoints, and a run that
 is interrupted after a checkpoint and resumed ends with the same factors as an uninterrupted
 one — bit-identical with deterministic data order (the sampler's RNG state is restored too),
 in float32 and in float16 storage. Multi-process resume and re-sharding: test_distributed.py.
@@ -95,7 +95,7 @@ def test_state_of_another_model_is_refused(tmp_path):
         load_tracker_state(cb.tracker, str(tmp_path))
 
 
-# -- issue 14: a checkpoint the Trainer considers complete always carries the tracker state ----
+# -- a checkpoint the Trainer considers complete always carries the tracker state --------------
 
 def _cut_run(tmp_path):
     """An interrupted run (checkpoint at SAVE) and its checkpoint directory."""

@@ -1,4 +1,4 @@
-"""Snapshots tied to their run and model (issue 28).
+"""Snapshots tied to their run and model.
 
 * Every snapshot's manifest names its training run (``run_id``) and fingerprints the tracked
   weights at its step (``weights``: per layer the float64 sum and sum of squares of 4 windows
@@ -115,7 +115,7 @@ def test_snapshots_without_run_id_are_set_aside_too(tmp_path):
     _, first = _train(tmp_path, 2)
     path = tmp_path / "kfac" / "step-00000002"
     manifest = json.loads((path / "manifest.json").read_text())
-    del manifest["run_id"], manifest["weights"]  # as written before issue 28
+    del manifest["run_id"], manifest["weights"]  # as written before manifests named their run
     (path / "manifest.json").write_text(json.dumps(manifest))
     assert Snapshot.load(path).meta.get("run_id") is None  # still loads
     _train(tmp_path, 2, seed=1)

@@ -1,4 +1,4 @@
-"""`sampled_predictive` (issue 17): S posterior weight samples in batched forwards against a
+"""`sampled_predictive`: S posterior weight samples in batched forwards against a
 loop over ``sampled_weights``, the linearised variant against the exact linearised predictive,
 the entropy decomposition, and its argument checks."""
 

@@ -1,4 +1,4 @@
-"""The sampling-error figures come from quantities kept as the updates arrive (issue 36):
+"""The sampling-error figures come from quantities kept as the updates arrive:
 the sketch ``F Z`` rides along with the EMA (``(1-η)·FZ + η·S Z``, the update's own sketch)
 and ``‖F‖²_F`` is computed by the fold that writes the factor. A snapshot's export then makes
 no pass over the factors' entries for them. Checked against the definitions computed from the

@@ -1,4 +1,4 @@
-"""The cost model of ``benchmarks/scale.py`` (issue 35) on hand-derived counts, no measurement:
+"""The cost model of ``benchmarks/scale.py`` on hand-derived counts, no measurement:
 the Llama-2-7B layout on 8 ranks, `kfac_stream.cost` on one owner's factors, the MC draw, the
 exchange bytes, the residency plan against the store's own, and the acceptance (7B x 8 at the
 defaults ≤ 1% of a step) with every term present."""
@@ -49,7 +49,7 @@ def test_layouts_from_the_meta_device(lay7b, lay1b):
     for r in range(8):  # equal sizes: the LPT split is exact, 32 dense + 12 diagonal each
         mine = [dims[k] for k in own.owned_by(r)]
         assert mine.count((D, False)) == 32 and mine.count((DI, True)) == 12
-    # the first GPU run's model: 242 dense factors, 2.65e9 entries (issue 35)
+    # the first GPU run's model: 242 dense factors, 2.65e9 entries
     assert len(lay1b["dims"]) == 242 and all(not g for _, g in lay1b["dims"].values())
     assert sum(d * d for d, _ in lay1b["dims"].values()) == 2_650_013_696
 

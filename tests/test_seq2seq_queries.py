@@ -1,4 +1,4 @@
-"""Queries on seq2seq models (issue 38): T5 and BART, tiny, built from their configs (d_model 32,
+"""Queries on seq2seq models: T5 and BART, tiny, built from their configs (d_model 32,
 one layer each side, vocabulary 96), trained for a few steps by a real ``Seq2SeqTrainer`` with
 ``KFACStreamCallback(eval_prior_precision=True)`` and an eval set.
 

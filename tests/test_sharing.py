@@ -1,4 +1,4 @@
-"""Shared-input A factors and the device fold path (issue 12).
+"""Shared-input A factors and the device fold path.
 
 * Layers that read the same input tensor (q/k/v, gate/up of a Llama block) share one A:
   stored once, and bit for bit the A each of them gets without sharing.

@@ -143,7 +143,7 @@ def test_temporary_directories_are_invisible(snapshots, tmp_path):
 
 
 def test_latest_on_a_run_directory_points_at_its_kfac_folder(snapshots, tmp_path):
-    """Issue 38: ``Snapshot.latest(run_dir)`` names the folder below that holds the snapshots
+    """``Snapshot.latest(run_dir)`` names the folder below that holds the snapshots
     (the app's ``<run>/kfac``); the same call there loads."""
     root, _ = snapshots
     run = tmp_path / "run"
@@ -159,7 +159,7 @@ def test_latest_on_a_run_directory_points_at_its_kfac_folder(snapshots, tmp_path
 
 
 def test_layer_table_prints_long_layer_names_whole(snapshots):
-    """Issue 38: `kfac-stream inspect`'s table no longer cuts names from the left (two LoRA
+    """`kfac-stream inspect`'s table no longer cuts names from the left (two LoRA
     adapters of one module differed only in the cut part); columns stay aligned."""
     from kfac_stream.snapshot.layer_table import layer_table
 

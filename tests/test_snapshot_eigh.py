@@ -1,4 +1,4 @@
-"""Snapshot eigendecompositions one factor at a time (issue 36): the results equal a float64
+"""Snapshot eigendecompositions one factor at a time: the results equal a float64
 reference of the same dequantised factors, in the snapshot format as before (names, dtypes,
 spectrum fields); at most one factor's float64 working copies are alive at a time; on a GPU
 the factors are dequantised and decomposed there and the results land in pinned buffers.

@@ -1,7 +1,7 @@
 """Fuzz the snapshot reader: corrupted variants of one real snapshot, each refused cleanly.
 
 One snapshot is written by a real Trainer run (a 1-block GPT-2, dense and diagonal factors),
-then damaged in every way issue 14 lists and more: wrong types and nonsense values of named
+then damaged in every way listed here: wrong types and nonsense values of named
 keys, a type swap of every key of the manifest (each value replaced by values of the other
 JSON types, a NaN and a 10 001-digit integer), deep nesting, huge integers, duplicate keys,
 truncations and byte flips of the manifest and the shard, shard headers that disagree with
@@ -221,7 +221,7 @@ VARIANTS = [
     *[(f"manifest is {text}", lambda w, text=text: w.save(text),
        [MANIFEST, "not a kfac_stream snapshot manifest", "expected an object"])
       for text in ("null", "5", "true", '"x"', "[]", "[null]")],
-    # the shapes issue 14 names
+    # a mapping written as a list
     ("shards as a list", lambda w: _set(["shards"], list(w.m["shards"].values()))(w),
      ["shards is a list", MANIFEST]),
     ("layers as a list", lambda w: _set(["layers"], list(w.m["layers"].values()))(w),

@@ -1,4 +1,4 @@
-"""benchmarks/snapshot_gpu.py's dry run (issue 36's GPU benchmark on a tiny Llama on the CPU:
+"""benchmarks/snapshot_gpu.py's dry run (the GPU snapshot-cost benchmark on a tiny Llama on the CPU:
 what CI can run of it). The figures of a real run need a GPU (docs/gpu.md); this checks the
 sequence end to end: a periodic snapshot from a step's end, training on until it is complete,
 the final snapshot, its posterior, the reference work, the JSON and the summary (not judged

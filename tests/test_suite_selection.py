@@ -1,4 +1,4 @@
-"""The default-selection suite's verdicts (issue 37, `benchmarks/suite.py`) on hand-made results:
+"""The default-selection suite's verdicts (`benchmarks/suite.py`) on hand-made results:
 the bar (≤ MAP's NLL where MAP is overconfident, ≤ 1.01 × where underconfident; the mean against
 1.05 × laplace-torch's; accuracy within 1 point), the link rules, leave-one-task-out, and the
 blended link. Figures are chosen so each ratio is known by hand."""

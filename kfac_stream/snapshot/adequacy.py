@@ -29,7 +29,7 @@ from typing import Any
 #: Relative sampling error of a factor above which a final-window snapshot is reported as
 #: resting on too few samples. Set from `benchmarks/suite.py`, which prints each rule's largest
 #: value beside its predictive NLL: windows of 4-120 updates (16-240 sequences) gave 0.7-1.5
-#: on six tasks (0.3-1.6 on issue 37's seven), with predictives better than the trained
+#: on six tasks (0.3-1.6 on the first suite run's seven), with predictives better than the trained
 #: model's and laplace-torch's, so the figure alone does not mark a bad posterior; a factor
 #: whose error is several times its size (one or two updates) is flagged.
 REL_SE_WARN = 3.0
