@@ -11,10 +11,10 @@ stores under ``DIR``:
 
 ``--compare A B`` compares two such trees file by file: every tensor of every safetensors file
 bit for bit (same names, dtypes, shapes and bytes), every JSON file value by value after
-flattening it to ``{leaf name path: value}`` (keys that only say when, where or which version wrote, listed in
-``VOLATILE``, are left out and named), and the set of files. Exit status 0 when nothing
-differs. With ``--layout-free`` a JSON leaf is matched by its last key name and value wherever
-it sits, for a manifest whose layout changed (printed as such).
+flattening it to ``{leaf name path: value}`` (keys that only say when, where or which version
+wrote, listed in ``VOLATILE``, are left out and named), and the set of files. Exit status 0 when
+nothing differs. With ``--layout-free`` a JSON leaf is matched by its last key name and value
+wherever it sits, for a manifest whose layout changed (printed as such).
 
 Run the writer from each version's checkout (``PYTHONPATH=<checkout>``) into its own DIR, then
 compare.
@@ -60,10 +60,10 @@ def _lm_run(out: Path) -> None:
 
 def _cls_run(out: Path) -> None:
     import torch
-    from transformers import (GPT2Config, GPT2ForSequenceClassification, Trainer,
-                              TrainingArguments)
+    from transformers import GPT2Config, GPT2ForSequenceClassification, Trainer, TrainingArguments
 
     from kfac_stream import KFACConfig, KFACStreamCallback
+
     from models import ListDataset, text_examples
 
     torch.set_num_threads(1)
@@ -145,9 +145,8 @@ def _compare_values(va, vb, layout_free: bool = False, skipped: Counter | None =
 
 
 def _compare_tensors(a: Path, b: Path) -> list[str]:
-    from safetensors.torch import load_file
-
     from safetensors import safe_open
+    from safetensors.torch import load_file
 
     ta, tb = load_file(str(a)), load_file(str(b))
     meta = []
@@ -190,9 +189,10 @@ def compare(a: Path, b: Path, layout_free: bool = False) -> int:
             jsons += 1
             problems += [f"{rel}: {p}" for p in
                          _compare_json(a / rel, b / rel, layout_free, skipped)]
+    how = " (layout-free: leaves matched by name and value)" if layout_free else ""
     print(f"compared {tensors} safetensors files bit for bit and {jsons} JSON files "
-          f"value by value{' (layout-free: leaves matched by name and value)' if layout_free else ''}; "
-          f"{len(files_a & files_b) - tensors - jsons} other files by name only")
+          f"value by value{how}; {len(files_a & files_b) - tensors - jsons} other files by "
+          "name only")
     if skipped:
         print("left out (when/where/which, not content): " +
               ", ".join(f"{k} x{n}" for k, n in sorted(skipped.items())))

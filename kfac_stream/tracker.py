@@ -45,7 +45,7 @@ from .fisher import estimator_for
 from .folding import Folding
 from .stats.covariance import all_finite, with_bias_column
 from .store.factor_store import FactorState
-from .tracking.plan import RunPlan, plan_window
+from .tracking.plan import RunPlan
 
 logger = logging.getLogger("kfac_stream")
 
@@ -421,15 +421,6 @@ class Tracker:
             self.ekfac.keys_of = {n: plan.keys_of(n) for n in self.specs}
 
     # -- factor arithmetic (worker thread, or the training thread without async_updates) -------
-
-    def set_final_window(self, max_steps: int, sequences_per_update: int = 0,
-                         sequences_at=None) -> int | None:
-        """Plan ``final_window`` for a run of ``max_steps`` optimizer steps, each update from
-        ``sequences_per_update`` sequences (0: unknown; ``sequences_at(step)``: each update's
-        own, `kfac_stream.tracking.plan.update_sequences`) with
-        `kfac_stream.tracking.plan.plan_window`, and use it (`use_window`)."""
-        return self.use_window(plan_window(self.config, max_steps, sequences_per_update,
-                                           sequences_at), sequences_per_update)
 
     def use_window(self, window, sequences_per_update: int | None = None) -> int | None:
         """Use the final window ``window`` (a `WindowPlan`, None: the EMA throughout; the run

@@ -216,17 +216,17 @@ def test_raised_share_reaches_min_window_sequences(batch, acc, world, max_steps,
 
 def _count_replays(monkeypatch):
     """``{step: sequences}`` the MC sub-batch replay ran on, recorded as the tracker calls it."""
-    import kfac_stream.tracker as tracker_module
+    import kfac_stream.fisher.mc_subbatch as replay_module
 
-    seen, real = {}, tracker_module.mc_subbatch_pass
+    seen, real = {}, replay_module.mc_subbatch_pass
 
-    def counting(model, capture, inputs, *args, **kwargs):
-        step = counting.tracker_step()
-        seen[step] = seen.get(step, 0) + int(inputs["input_ids"].shape[0] if args[2] is None
-                                             else args[2])
-        return real(model, capture, inputs, *args, **kwargs)
+    def counting(model, capture, inputs, **kwargs):
+        step, count = counting.tracker_step(), kwargs["count"]
+        seen[step] = seen.get(step, 0) + int(inputs["input_ids"].shape[0] if count is None
+                                             else count)
+        return real(model, capture, inputs, **kwargs)
 
-    monkeypatch.setattr(tracker_module, "mc_subbatch_pass", counting)
+    monkeypatch.setattr(replay_module, "mc_subbatch_pass", counting)
     return seen, counting
 
 

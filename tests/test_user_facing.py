@@ -27,13 +27,14 @@ SUMMARY = re.compile(
     r"^kfac_stream: tracking (\d+) layers, (\d+) factors \((\d+) dense, (\d+) diagonal\)"
     r"(?: in stack [\w.]+ \(\d+ blocks\))?, "
     r"(\w+) Fisher, (\w+) form, token_fraction=\S+, ema_decay=\S+, update_every=\d+; ([\d.]+) "
-    r"(KiB|MiB) of (\w+) factors on 1 rank; snapshots every (\d+) steps and at the end into "
-    r"(.+)$")
+    r"(KiB|MiB) of (\w+) factors on 1 rank; (inline|async) updates, fold on (host|device)"
+    r"(?: \(device budget [^)]+\))?, eigh on [^,]+, (\d+) sequences per update; snapshots "
+    r"every (\d+) steps and at the end into (.+)$")
 
 
 def test_summary_line_at_train_begin(tmp_path, caplog):
-    """One INFO line: layers, factors, stored bytes per rank, snapshot directory; the figures
-    are the tracker's own (layers, factor sides, the store's dtype)."""
+    """One INFO line: layers, factors, stored bytes per rank, the run plan, snapshot directory;
+    the figures are the tracker's own (layers, factor sides, the store's dtype, its plan)."""
     with caplog.at_level("INFO", logger="kfac_stream"):
         cb, _, _ = run(tiny_gpt2(torch.float32), text_examples(4, 12),
                        {"storage_dtype": "float16", "max_dense_dim": 40, "snapshot_every": 7},
@@ -47,10 +48,12 @@ def test_summary_line_at_train_begin(tmp_path, caplog):
     t = cb.tracker
     assert layers == len(t.specs) == 8 and factors == len(t.dims) == dense + diagonal
     assert diagonal == sum(diag for _, diag in t.dims.values()) > 0  # 4·32 = 128 > 40
-    assert m[5] == "empirical" and m[6] == "expand" and m[9] == "float16" and m[10] == "7"
+    assert m[5] == "empirical" and m[6] == "expand" and m[9] == "float16" and m[13] == "7"
+    assert (m[10], m[11], int(m[12])) == ("inline", "host", t.run.sequences_per_update) == \
+        ("inline", "host", 2)  # the CPU's plan: batch 2, every sequence (empirical Fisher)
     scale = 2**10 if m[8] == "KiB" else 2**20
     assert float(m[7]) * scale == pytest.approx(factor_bytes(t.dims, 2), rel=5e-3)
-    assert m[11] == os.path.join(str(tmp_path), "kfac")
+    assert m[14] == os.path.join(str(tmp_path), "kfac")
     assert tracking_summary(t, "somewhere").endswith("into somewhere")
 
 

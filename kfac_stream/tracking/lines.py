@@ -34,7 +34,7 @@ def tracking_summary(tracker, output_dir: str, model=None) -> str:
     """The one line logged at train begin: layers, factors (dense, diagonal), the stack of
     blocks they were chosen in (with ``model``, when the blocks chose them: the default
     selection or a block preset), the Fisher and sampling settings, stored factor memory per
-    rank and the snapshot directory."""
+    rank, the run plan's resolved settings (`RunPlan.describe`) and the snapshot directory."""
     cfg, own = tracker.config, tracker.ownership
     stack = block_stack(model) if model is not None and cfg.include is None and \
         cfg.preset in (None, "all_linear", "attention", "mlp") else None
@@ -49,7 +49,7 @@ def tracking_summary(tracker, output_dir: str, model=None) -> str:
             f"({len(tracker.dims) - diagonal} dense, {diagonal} diagonal){where}, "
             f"{tracker.curvature.describe()}, token_fraction={cfg.token_fraction:g}, "
             f"ema_decay={cfg.ema_decay:g}, update_every={cfg.update_every}; {memory}; "
-            f"snapshots every {cfg.snapshot_every} steps and at the end into {output_dir}")
+            f"{tracker.run.describe()}; snapshots every {cfg.snapshot_every} steps and at the end into {output_dir}")
 
 
 def raised_share_line(run: RunPlan) -> str:
