@@ -250,6 +250,14 @@ class KFACConfig:
     ekfac: bool = False
 
     def __post_init__(self) -> None:
+        self._check_rates()
+        self._check_switches()
+        self._check_sizes()
+        self._check_kinds()
+        self._check_layers()
+
+    def _check_rates(self) -> None:
+        """Validate the rates and step counts."""
         _check_range("token_fraction", self.token_fraction, "in (0, 1]",
                      lambda v: 0.0 < v <= 1.0)
         _check_range("ema_decay", self.ema_decay, "in [0, 1]", lambda v: 0.0 <= v <= 1.0)
@@ -261,6 +269,9 @@ class KFACConfig:
                 raise KFACConfigError(
                     f"KFACConfig.{name}={value!r} is not allowed: must be a positive integer"
                 )
+
+    def _check_switches(self) -> None:
+        """Validate the switches and the device choices."""
         if not (isinstance(self.eval_prior_precision, bool)
                 or self.eval_prior_precision == "auto"):
             raise KFACConfigError(f"KFACConfig.eval_prior_precision={self.eval_prior_precision!r}"
@@ -275,6 +286,9 @@ class KFACConfig:
             if getattr(self, name) not in allowed:
                 raise KFACConfigError(f"KFACConfig.{name}={getattr(self, name)!r} is not "
                                       f"allowed: must be one of {allowed}")
+
+    def _check_sizes(self) -> None:
+        """Validate the sizes and counts."""
         mws = self.min_window_sequences
         if isinstance(mws, bool) or not isinstance(mws, int) or mws < 0:
             raise KFACConfigError(f"KFACConfig.min_window_sequences={mws!r} is not allowed: "
@@ -289,6 +303,9 @@ class KFACConfig:
                                     or threads < 1):
             raise KFACConfigError(f"KFACConfig.eigh_threads={threads!r} is not allowed: must "
                                   "be None or a positive integer")
+
+    def _check_kinds(self) -> None:
+        """Validate the types and the named kinds (Fisher, form, MC share, answers, storage)."""
         if not isinstance(self.fail_on_snapshot_error, bool):
             raise KFACConfigError(f"KFACConfig.fail_on_snapshot_error="
                                   f"{self.fail_on_snapshot_error!r} is not allowed: must be a bool")
@@ -316,6 +333,9 @@ class KFACConfig:
                 f"KFACConfig.storage_dtype={self.storage_dtype!r} is not allowed: "
                 f"must be one of {tuple(d.value for d in StorageDtype)}"
             )
+
+    def _check_layers(self) -> None:
+        """Validate the layer selection (regexes, preset)."""
         for name in ("include", "exclude"):
             patterns = getattr(self, name)
             if patterns is None:

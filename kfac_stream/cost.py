@@ -88,9 +88,10 @@ def update_cost(dims: Mapping[str, tuple[int, bool]], rows: Mapping[str, int], *
         how = "stats" if summed.get(key, diagonal) else "rows"
         out.device_folds += 1
         out.fold_flops += accumulate_flops(how, d, diagonal, m if how == "rows" else 0)
-        out.fold_device_bytes += accumulate_bytes(how, d, diagonal, m if how == "rows" else 0,
-                                                  in_bytes if how == "rows" else acc_bytes,
-                                                  acc_bytes, fused)
+        out.fold_device_bytes += accumulate_bytes(
+            how, d, diagonal, m if how == "rows" else 0,
+            in_bytes=in_bytes if how == "rows" else acc_bytes, acc_bytes=acc_bytes,
+            fused=fused)
         if not resident.get(key, True):
             forced[key] = (d, diagonal)
     if forced:

@@ -345,17 +345,12 @@ class EkfacState:
             receive(key, q)
 
 
-def damped_solve(v: Tensor, q_g: Tensor | None, q_a: Tensor | None, eigvals: Tensor,
-                 damping: float) -> Tensor:
-    """``(Q diag(λ) Qᵀ + damping·I)⁻¹`` applied to each ``V`` of ``v [..., d_out, d_A]`` in the
-    basis ``Q = Q_A ⊗ Q_G`` with the EK-FAC eigenvalues ``λ`` (``[d_out, d_A]``, clamped at 0):
-    ``Q_G [(Q_Gᵀ V Q_A) ⊘ (λ + damping)] Q_Aᵀ``; a None basis is the identity (the influence
-    scores' ``eigenvalues="ekfac"``, `kfac_stream.query.influence`)."""
-    d = eigvals.to(v.device, v.dtype).clamp(min=0) + damping
-    x = v if q_g is None else q_g.T @ v
-    x = (x if q_a is None else x @ q_a) / d
-    x = x if q_g is None else q_g @ x
-    return x if q_a is None else x @ q_a.T
+def ekfac_denominator(eigvals: Tensor, damping: float, like: Tensor) -> Tensor:
+    """The EK-FAC eigenvalues ``λ`` (``[d_out, d_A]``) clamped at 0, plus ``damping``, in
+    ``like``'s dtype and device: the denominator of
+    `kfac_stream.query.kron_eigen.damped_solve` (the influence scores' ``eigenvalues="ekfac"``,
+    `kfac_stream.query.influence`)."""
+    return eigvals.to(like.device, like.dtype).clamp(min=0) + damping
 
 
 def moved_into_basis(eigvals: Tensor, old: tuple[Tensor | None, Tensor | None],

@@ -43,8 +43,8 @@ from .exceptions import KFACConfigError
 from .factor_updates import Counters, FactorUpdater, UpdateJob
 from .fisher import estimator_for
 from .folding import Folding
-from .stats.covariance import all_finite, with_bias_column
 from .store.factor_store import FactorState
+from .tracking.collect import collect_update
 from .tracking.plan import RunPlan
 
 logger = logging.getLogger("kfac_stream")
@@ -155,8 +155,9 @@ class Tracker:
         self.curvature = self.run.curvature  # the Fisher type and the factor form
         seed = config.seed + 1_000_003 * self.rank  # independent streams per rank
         # on a GPU the rows stay in the activations' dtype until `_collect` scales them
-        self._capture_args = (self.plan, config.token_fraction, seed, None if on_gpu else wide,
-                              self.device, wide)
+        self._capture_kwargs = dict(token_fraction=config.token_fraction, seed=seed,
+                                    row_dtype=None if on_gpu else wide, device=self.device,
+                                    sum_dtype=wide, reduce=self.curvature.reduces)
         # EK-FAC from the stream (`kfac_stream.ekfac`), only when asked for: nothing else runs
         self.ekfac: EkfacState | None = None
         if config.ekfac:
@@ -180,11 +181,12 @@ class Tracker:
         self._last_end: float | None = None
         self._step_seconds = 0.0  # EMA of the wall time between end_step calls
         self.dims: dict[str, tuple[int, bool]] = self.plan.dims  # {key: (side, diagonal)}
-        self._a_has_bias = {self.plan.a_key[n]: s.has_bias for n, s in specs.items()}
-        self._a_members = _a_members(self.plan)
+        self.a_has_bias = {self.plan.a_key[n]: s.has_bias for n, s in specs.items()}
+        self.a_members = _a_members(self.plan)
         self.ownership: Ownership = assign_owners(self.dims, self.world_size, storage.itemsize)
         self.updater = FactorUpdater(self.run, self.dims, self.ownership, dist_ctx,
-                                     self.device, self.folding, self.counters)
+                                     device=self.device, folding=self.folding,
+                                     counters=self.counters)
         self.store = self.updater.store  # this rank's factors
 
     @property
@@ -199,9 +201,7 @@ class Tracker:
         return self._model
 
     def _make_capture(self) -> CaptureHooks:
-        plan, fraction, seed, row_dtype, device, sum_dtype = self._capture_args
-        hooks = CaptureHooks(self._model, self._layers, plan, fraction, seed, row_dtype, device,
-                             sum_dtype=sum_dtype, reduce=self.curvature.reduces)
+        hooks = CaptureHooks(self._model, self._layers, self.plan, **self._capture_kwargs)
         hooks.ekfac = self.ekfac
         return hooks
 
@@ -265,116 +265,8 @@ class Tracker:
             self.counters.tracker_seconds += self._last_end - t0
 
     def _collect(self, passes) -> UpdateJob | None:
-        """Weighted, scaled rows (dense factors) and sums (diagonal factors) per factor key;
-        device ops only (no host read). Each part is scaled in the wide dtype and cast to the
-        fold dtype (`Folding.row_dtype`) at once, so at most one part is held wide at a time (a
-        16-bit fold never holds every key's rows in fp32)."""
-        fold = self.folding.row_dtype(_captured_dtype(passes))
-        rows: dict[str, list[Tensor]] = {}
-        sums: dict[str, Tensor] = {}
-        weights: dict[str, Tensor] = {}
-        positions: dict[str, Tensor] = {}
-        bad: list[Tensor] = []
-        residuals: list[Tensor] = []
-        ek_num: dict[str, Tensor] = {}  # EK-FAC: {layer: Σ_n w_n (Q_Gᵀ ∇L_n Q_A)²}, its N
-        ek_den: dict[str, Tensor] = {}
-
-        def count(key: str, w_sum: Tensor, n: Tensor) -> None:
-            weights[key] = weights[key] + w_sum if key in weights else w_sum
-            positions[key] = positions[key] + n if key in positions else n
-
-        def add_sum(key: str, x: Tensor) -> None:
-            sums[key] = sums[key] + x if key in sums else x
-
-        for rec in passes:
-            if not (rec.g_rows or rec.g_sums):
-                continue
-            c = rec.resolve_scale()
-            if c is None or isinstance(c, Tensor):
-                g_live = torch.stack(
-                    [g.abs().sum().to(torch.float64) for gs in rec.g_rows.values() for g in gs]
-                    + [g.sum().to(torch.float64) for gs in rec.g_sums.values() for g in gs]
-                ).sum() > 0
-                if c is None:  # no logits hook fired: fine only if no gradient arrived
-                    bad.append(g_live)
-                    c = 1.0
-                else:
-                    fitted = torch.stack([used > 0 for _, _, used in rec.fits]).any()
-                    bad.append(fitted & ~((c > 0) & torch.isfinite(c)) | (~fitted & g_live))
-                    c = torch.where(fitted, c, torch.ones_like(c))
-                    residuals.append(torch.where(fitted, rec.residual(), 0.0))
-            a_rows, a_sums = self._by_a_key(rec.a_rows), self._by_a_key(rec.a_sums)
-            spaces = {"position": _RowWeights.of(rec.weight, rec.total)}
-            if rec.seq_layers:  # a pooler / head: one row per sequence (`capture.hooks`)
-                spaces["sequence"] = _RowWeights.of(rec.sequence_weight(), rec.seq_total)
-            for key, parts in a_rows.items():
-                w = spaces[self._a_space(key, rec.seq_layers)]
-                for a in parts:
-                    a = a.to(self.row_dtype)
-                    if self._a_has_bias[key]:
-                        a = with_bias_column(a)
-                    rows.setdefault(key, []).append(
-                        torch.where(w.keep, a * w.root.to(a.dtype), 0.0).to(fold))
-                    count(key, w.n, w.n_rows)
-            for key, parts in a_sums.items():
-                w = spaces[self._a_space(key, rec.seq_layers)]
-                for a in parts:  # Σ w a⊙a [d_in]; the bias entry is Σ w·1²
-                    if self._a_has_bias[key]:
-                        a = torch.cat([a, w.w_sum.reshape(1).to(a.dtype)])
-                    add_sum(key, a)
-                    count(key, w.n, w.n_rows)
-            for name, parts in rec.g_rows.items():
-                w = spaces["sequence" if name in rec.seq_layers else "position"]
-                g_root = w.root.to(self.row_dtype) / c  # [m, 1], in the rows' dtype (a
-                # float32 root over a float64 0-dim c would stay float32: float64 rows 1e-7 off)
-                for g in parts:
-                    g = g.to(self.row_dtype)
-                    rows.setdefault(self.plan.g_key(name), []).append(
-                        torch.where(w.keep, g * g_root.to(g.dtype), 0.0).to(fold))
-                    count(self.plan.g_key(name), w.n, w.n_rows)
-            for name, parts in rec.g_sums.items():
-                w = spaces["sequence" if name in rec.seq_layers else "position"]
-                for g in parts:  # Σ w (c·g)⊙(c·g) / c²
-                    add_sum(self.plan.g_key(name), g / (c * c))
-                    count(self.plan.g_key(name), w.n, w.n_rows)
-            for name, parts in rec.ekfac.items():  # (c·g)² / c², each sequence weighted
-                if name in rec.seq_layers:  # N: the sequences (with their weights)
-                    n = rec.seq_total if rec.seq_total is not None else \
-                        rec.sequence_weight().sum()
-                else:  # the usable positions, as the factors' n
-                    n = rec.total if rec.total is not None else \
-                        rec.usable.sum() * rec.seq_scale
-                num = torch.stack(parts).sum(0) * (rec.seq_scale / (c * c))
-                ek_num[name] = ek_num[name] + num if name in ek_num else num
-                n = n * len(parts)
-                ek_den[name] = ek_den[name] + n if name in ek_den else n
-        if not rows and not sums and self.world_size == 1:
-            return None
-        cat = {k: _cat(v) for k, v in rows.items()}
-        ok = all_finite(list(cat.values()) + list(sums.values()))
-        if bad:
-            ok = ok & ~torch.stack(bad).any().to(ok.device)
-        residual = torch.stack(residuals).max() if residuals else None
-        if ek_num:
-            self.ekfac.add(int(self.step or 0), ek_num, ek_den, ok)
-        return UpdateJob(int(self.step or 0), cat, weights, positions, ok, residual, sums=sums)
-
-    def _a_space(self, key: str, seq_layers: set[str]) -> str:
-        """The row space of A factor ``key`` in a pass whose sequence-space layers are
-        ``seq_layers`` (a shared A: its members' one space)."""
-        return "sequence" if seq_layers and not seq_layers.isdisjoint(self._a_members[key]) \
-            else "position"
-
-    def _by_a_key(self, by_layer: dict[str, list[Tensor]]) -> dict[str, list[Tensor]]:
-        """``{A key: rows}`` from a pass's ``{layer: rows}``: a shared A takes its rows once,
-        from the member with the most calls that received a gradient (every member of a group
-        holds the same row tensors, `capture.hooks`)."""
-        out = {}
-        for key, members in self._a_members.items():
-            parts = max((by_layer.get(n, []) for n in members), key=len)
-            if parts:
-                out[key] = parts
-        return out
+        """The update job of ``passes`` (`kfac_stream.tracking.collect.collect_update`)."""
+        return collect_update(self, passes)
 
     def dissolve_groups(self, groups: list[tuple[str, ...]] | tuple = (),
                         copy_state: bool = True) -> None:
@@ -411,12 +303,11 @@ class Tracker:
                 self.store.add(key, *plan.dims[key])
         self.capture.forget_groups(groups)
         self.plan, self.dims = plan, plan.dims
-        self._a_has_bias = {plan.a_key[n]: s.has_bias for n, s in self.specs.items()}
-        self._a_members = _a_members(plan)
+        self.a_has_bias = {plan.a_key[n]: s.has_bias for n, s in self.specs.items()}
+        self.a_members = _a_members(plan)
         self.ownership = assign_owners(self.dims, self.world_size,
                                        StorageDtype(self.config.storage_dtype).itemsize)
         self.updater.dims, self.updater.ownership = self.dims, self.ownership
-        self._capture_args = (plan, *self._capture_args[1:])
         if self.ekfac is not None:  # the basis in use is per layer: unchanged
             self.ekfac.keys_of = {n: plan.keys_of(n) for n in self.specs}
 
@@ -593,42 +484,3 @@ def _set_rng(generator: torch.Generator, state: Tensor, fallback_seed: int) -> N
         logger.warning("kfac_stream: the checkpoint's sampler state is from another device "
                        "type; the sampler is reseeded (factors and counters are restored)")
         generator.manual_seed(fallback_seed)
-
-
-@dataclass(frozen=True)
-class _RowWeights:
-    """How one pass's rows of one row space are weighted (`Tracker._collect`).
-
-    Attributes:
-        keep: ``[m, 1]`` bool, rows with a positive weight.
-        root: ``[m, 1]`` square roots of the weights (a row ``x`` enters as ``√w·x``).
-        w_sum: 0-dim ``Σ w`` (a diagonal A's bias entry).
-        n_rows: 0-dim count of rows kept.
-        n: 0-dim EMA weight of the pass (``Σ w``, or the record's own total).
-    """
-
-    keep: Tensor
-    root: Tensor
-    w_sum: Tensor
-    n_rows: Tensor
-    n: Tensor
-
-    @classmethod
-    def of(cls, weight: Tensor, total: Tensor | None) -> _RowWeights:
-        """From ``[m]`` row weights and the record's total (None: ``Σ w``)."""
-        keep = (weight > 0)[:, None]
-        w_sum = weight.sum()
-        return cls(keep, weight.sqrt()[:, None], w_sum, keep.sum(),
-                   w_sum if total is None else total)
-
-
-def _captured_dtype(passes) -> torch.dtype | None:
-    """The dtype of the first captured rows of ``passes`` (None: no rows)."""
-    for rec in passes:
-        for parts in list(rec.g_rows.values()) + list(rec.a_rows.values()):
-            return parts[0].dtype
-    return None
-
-
-def _cat(parts: list[Tensor]) -> Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -50,7 +50,7 @@ INDEX_FILE = "index.json"
 INDEX_FORMAT = "kfac_stream.tracker_state"
 _FILE_RE = re.compile(r"^state-rank-(\d{5})-of-(\d{5})\.safetensors$")
 _FIELDS = ("scale", "amax", "weight", "updates", "positions", "diagonal", "sq_norm_sum",
-           "weight_sq", "sq_frob")  # sq_frob (and the sketch tensors): states of 0.x and later
+           "weight_sq", "sq_frob")  # each factor's scalars beside its tensor
 
 
 def state_file(rank: int, world_size: int) -> str:
@@ -194,10 +194,6 @@ def load_tracker_state(tracker, directory: str) -> str:
     Returns:
         A one-line description of what was restored (logged by the callback).
     """
-    if os.path.exists(os.path.join(directory, INDEX_FILE)):  # states written before the index
-        why = check_state_dir(directory)                    # existed load without one
-        if why is not None:
-            raise TrackerStateError(f"{directory}: {why}")
     files = {}
     for path in glob.glob(os.path.join(directory, "state-rank-*.safetensors")):
         m = _FILE_RE.match(os.path.basename(path))
@@ -205,6 +201,9 @@ def load_tracker_state(tracker, directory: str) -> str:
             files[int(m.group(1))] = (path, int(m.group(2)))
     if not files:
         raise TrackerStateError(f"{directory}: no kfac_stream state files")
+    why = check_state_dir(directory)  # the index and the files' checksums
+    if why is not None:
+        raise TrackerStateError(f"{directory}: {why}")
     worlds = {w for _, w in files.values()}
     old_world = worlds.pop()
     if worlds or sorted(files) != list(range(old_world)):
@@ -237,7 +236,7 @@ def load_tracker_state(tracker, directory: str) -> str:
         if key not in where:
             raise TrackerStateError(f"{directory}: factor {key!r} is in no state file")
         meta, handle = metas[where[key]]
-        sketch = f"sketch.{key}"  # absent in states of older versions (recomputed then)
+        sketch = f"sketch.{key}"  # absent for a diagonal factor or before its first update
         factors[key] = FactorState(
             handle.get_tensor(f"factor.{key}"), **meta["factors"][key],
             sketch=handle.get_tensor(sketch) if sketch in handle.keys() else None)

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..capture.hooks import logits_of
-from ..ekfac import damped_solve as ekfac_solve
+from ..ekfac import ekfac_denominator
 from ..exceptions import QueryInputError
 from ..progress import progress
 from . import inputs
@@ -259,10 +259,12 @@ class Influence:
         for n, v in grads.items():
             qa, qg = self.post.eigenbases(n)
             if self.corrected[n] is not None:  # EK-FAC: λ_ij in place of γ_i α_j
-                out[n] = ekfac_solve(v, qg, qa, self.corrected[n], self.damping[n])
+                d = ekfac_denominator(self.corrected[n], self.damping[n], like=v)
+                out[n] = ke.damped_solve(v, qg, qa, d)
                 continue
             aval, gval = self.post.eig.eigvals(n, device=v.device)
-            out[n] = ke.damped_solve(v, qg, gval, qa, aval, self.damping[n])
+            out[n] = ke.damped_solve(v, qg, qa,
+                                     ke.kfac_denominator(gval, aval, self.damping[n], like=v))
         return out
 
     # -- scores --------------------------------------------------------------------------------

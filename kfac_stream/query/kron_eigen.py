@@ -68,13 +68,21 @@ def marglik_terms(num_params: int, weight_sq_norm: float, log_det: Tensor,
             - 0.5 * log_det)
 
 
-def damped_solve(v: Tensor, g_eigvecs: Tensor | None, g_eigvals: Tensor,
-                 a_eigvecs: Tensor | None, a_eigvals: Tensor, damping: float) -> Tensor:
-    """``(A⊗G + λI)⁻¹`` applied to each ``V`` of ``v [..., d_out, d_A]``:
-    ``Q_G [(Q_Gᵀ V Q_A) ⊘ (γ αᵀ + λ)] Q_Aᵀ`` (eigenvalues clamped at 0; a None eigenbasis is
-    the identity of a diagonal factor)."""
-    d = (torch.outer(g_eigvals, a_eigvals).clamp(min=0) + damping).to(v.device, v.dtype)
-    x = v if g_eigvecs is None else g_eigvecs.T @ v
-    x = (x if a_eigvecs is None else x @ a_eigvecs) / d
-    x = x if g_eigvecs is None else g_eigvecs @ x
-    return x if a_eigvecs is None else x @ a_eigvecs.T
+def damped_solve(v: Tensor, q_g: Tensor | None, q_a: Tensor | None, denominator: Tensor
+                 ) -> Tensor:
+    """``(Q diag(λ) Qᵀ + δI)⁻¹`` applied to each ``V`` of ``v [..., d_out, d_A]`` in the basis
+    ``Q = Q_A ⊗ Q_G``: ``Q_G [(Q_Gᵀ V Q_A) ⊘ D] Q_Aᵀ`` with ``D = λ + δ`` (``denominator``,
+    ``[d_out, d_A]``, in ``v``'s dtype and device): K-FAC's ``λ = γ αᵀ`` (`kfac_denominator`)
+    or EK-FAC's corrected eigenvalues (`kfac_stream.ekfac.ekfac_denominator`). A None basis is
+    the identity of a diagonal factor."""
+    x = v if q_g is None else q_g.T @ v
+    x = (x if q_a is None else x @ q_a) / denominator
+    x = x if q_g is None else q_g @ x
+    return x if q_a is None else x @ q_a.T
+
+
+def kfac_denominator(g_eigvals: Tensor, a_eigvals: Tensor, damping: float, like: Tensor
+                     ) -> Tensor:
+    """``γ αᵀ`` clamped at 0, plus ``damping``, in ``like``'s dtype and device: `damped_solve`'s
+    denominator for the K-FAC eigenvalues."""
+    return (torch.outer(g_eigvals, a_eigvals).clamp(min=0) + damping).to(like.device, like.dtype)

@@ -49,7 +49,8 @@ def tracking_summary(tracker, output_dir: str, model=None) -> str:
             f"({len(tracker.dims) - diagonal} dense, {diagonal} diagonal){where}, "
             f"{tracker.curvature.describe()}, token_fraction={cfg.token_fraction:g}, "
             f"ema_decay={cfg.ema_decay:g}, update_every={cfg.update_every}; {memory}; "
-            f"{tracker.run.describe()}; snapshots every {cfg.snapshot_every} steps and at the end into {output_dir}")
+            f"{tracker.run.describe()}; snapshots every {cfg.snapshot_every} steps and at the "
+            f"end into {output_dir}")
 
 
 def raised_share_line(run: RunPlan) -> str:

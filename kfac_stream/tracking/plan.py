@@ -148,9 +148,11 @@ class RunPlan:
         per_update = sequences_per_update(resolved, *run)
         window = plan_window(resolved, shape.max_steps, per_update,
                              update_sequences(resolved, *run))
-        return cls(config, resolved, Curvature.of(resolved, model), shape, fold_on,
-                   device if config.eigh_device == "auto" else None, budget, raised,
-                   per_update, window)
+        return cls(requested=config, config=resolved,
+                   curvature=Curvature.of(resolved, model), shape=shape, fold_on=fold_on,
+                   eigh_device=device if config.eigh_device == "auto" else None,
+                   device_budget=budget, mc_share_raised=raised,
+                   sequences_per_update=per_update, window=window)
 
     @property
     def async_updates(self) -> bool:

@@ -129,7 +129,7 @@ class TrackingSession:
         if run.mc_share_raised is not None and rank0:
             logger.info("%s", raised_share_line(run))
         self.tracker = Tracker(model, {n: modules[n] for n in specs}, specs, run.config,
-                               dist_ctx, factor_plan, run)
+                               dist_ctx=dist_ctx, plan=factor_plan, run=run)
         self.tracker.answer_tokens = answers
         self._comm = dist_ctx.snapshot_comm if dist_ctx else LOCAL
         self.output_dir = run.config.output_dir or os.path.join(args.output_dir, "kfac")
