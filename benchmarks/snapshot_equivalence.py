@@ -37,9 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 VOLATILE = frozenset(("created_unix", "run_id", "output_dir", "logging_dir", "format_version",
                       "version", "library_version", "transformers_version", "torch_version",
                       "seconds", "hostname", "pid",
-                      # a checkpoint file's hash covers its header's timings; its tensors and
-                      # header values are compared themselves
-                      "sha256"))
+                      # a checkpoint file's hash and size cover its header's timings; its
+                      # tensors and header values are compared themselves
+                      "sha256", "bytes"))
 
 
 def _lm_run(out: Path) -> None:
