@@ -82,9 +82,9 @@ class CaptureMode:
             with respect to them).
         on_forward_end: Called with ``(record, model output)`` at the end of a captured
             forward (the tracker's in-forward MC Fisher); None: nothing.
-        token_fraction: Slots per position of the passes that follow, instead of the
-            tracker's ``token_fraction`` (the MC sub-batch replay, which takes the slots of a
-            whole micro-batch from a few of its sequences); None: the tracker's.
+        slots: Positions sampled per pass in the passes that follow, instead of the
+            tracker's ``token_fraction`` of them (the MC sub-batch replay, which takes the
+            slots of a whole micro-batch from a few of its sequences); None: the fraction's.
     """
 
     rows: bool = False
@@ -93,7 +93,7 @@ class CaptureMode:
     count_tokens: bool = True
     keep_outputs: bool = False
     on_forward_end: Callable[[PassRecord, Any], None] | None = None
-    token_fraction: float | None = None
+    slots: int | None = None
 
 
 IDLE = CaptureMode()  # between update steps: count tokens, gather nothing
@@ -401,8 +401,7 @@ class CaptureHooks:
                 self.inputs.append(inputs)
             return
         gen = self.generator if self.generator.device == usable.device else None
-        fraction = self.token_fraction if mode.token_fraction is None else mode.token_fraction
-        index, weight = sample_positions(usable, fraction, gen)
+        index, weight = sample_positions(usable, self.token_fraction, gen, slots=mode.slots)
         self.current = PassRecord(index=index, weight=weight, n_positions=shape[0] * shape[1],
                                   inputs=inputs, batch=shape[0], usable=usable)
         self.passes.append(self.current)

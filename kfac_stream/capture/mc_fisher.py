@@ -268,12 +268,9 @@ def mc_subbatch_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, 
                if isinstance(v, Tensor) and v.dim() >= 1 and v.shape[0] == B else v)
            for k, v in inputs.items()}
     m = slots_per_pass(token_fraction, B * T)  # the empirical path's slots of this pass
-    n_sub = b * T
-    # ceil(((m - 1/2)/n)·n) = m exactly, whatever the rounding; m ≥ n: every position
-    fraction = 1.0 if m >= n_sub else (m - 0.5) / n_sub
-    rec = mc_fisher_pass(model, capture, sub, label_generator,
+    rec = mc_fisher_pass(model, capture, sub, label_generator,  # m ≥ b·T: every position
                          CaptureMode(rows=True, estimate_scale=False, count_tokens=False,
-                                     keep_outputs=True, token_fraction=fraction))
+                                     keep_outputs=True, slots=m))
     if rec is None or (share is None and b == B):  # b = B: the full replay, untouched
         return
     scale = 1.0 / share if share is not None else B / b  # × 1/P(sequence drawn)

@@ -39,22 +39,23 @@ def slots_per_pass(fraction: float, n_positions: int) -> int:
     return max(1, min(n_positions, math.ceil(fraction * n_positions)))
 
 
-def sample_positions(usable: Tensor, fraction: float, generator: torch.Generator | None
-                     ) -> tuple[Tensor, Tensor]:
+def sample_positions(usable: Tensor, fraction: float, generator: torch.Generator | None,
+                     slots: int | None = None) -> tuple[Tensor, Tensor]:
     r"""Draw a fixed number of positions among the usable ones, on ``usable.device``, without
     reading anything on the host (no ``nonzero``, no ``.item()``).
 
-    ``m = ceil(fraction·N)`` slots. Every position gets a uniform random key, padding gets key
-    2 (never below a usable one); the ``m`` smallest keys win (``topk``): a uniformly random
-    subset of ``min(m, U)`` of the ``U`` usable positions, plus ``max(0, m − U)`` padding
-    slots. Each usable slot carries the Horvitz–Thompson weight
-    :math:`1/\pi = \max(1, U/m)` (the inverse of its inclusion probability
-    :math:`\pi = \min(1, m/U)`), each padding slot weight 0, so the weights of a pass sum to
-    exactly ``U`` and :math:`\sum_s w_s x_s x_s^\top / \sum_s w_s` is an unbiased estimate of
-    the pass's mean over its usable positions; over several passes it is token-weighted.
+    ``m = ceil(fraction·N)`` slots, or ``slots`` when given (the MC sub-batch replay, which
+    takes the slots of a whole micro-batch from a few of its sequences). Every position gets a
+    uniform random key, padding gets key 2 (never below a usable one); the ``m`` smallest keys
+    win (``topk``): a uniformly random subset of ``min(m, U)`` of the ``U`` usable positions,
+    plus ``max(0, m − U)`` padding slots. Each usable slot carries the Horvitz–Thompson weight
+    :math:`1/\pi = \max(1, U/m)` (the inverse of its inclusion probability :math:`\pi = \min(1,
+    m/U)`), each padding slot weight 0, so the weights of a pass sum to exactly ``U`` and
+    :math:`\sum_s w_s x_s x_s^\top / \sum_s w_s` is an unbiased estimate of the pass's mean over
+    its usable positions; over several passes it is token-weighted.
 
-    ``fraction == 1`` takes every position (``arange``, no draw) with weight 1 on usable and 0
-    on padding: the exact full-batch statistic.
+    ``fraction == 1`` (or ``slots ≥ N``) takes every position (``arange``, no draw) with weight
+    1 on usable and 0 on padding: the exact full-batch statistic.
 
     Args:
         usable: ``[N]`` bool (N = B*T).
@@ -65,9 +66,9 @@ def sample_positions(usable: Tensor, fraction: float, generator: torch.Generator
         ``(index [m] int64 ascending, weight [m] float32)`` on ``usable.device``.
     """
     n = usable.shape[0]
-    if fraction >= 1.0:
+    if (fraction >= 1.0) if slots is None else (slots >= n):
         return torch.arange(n, device=usable.device), usable.to(torch.float32)
-    m = slots_per_pass(fraction, n)
+    m = slots_per_pass(fraction, n) if slots is None else int(slots)
     keys = torch.rand(n, generator=generator, device=usable.device)
     keys = torch.where(usable, keys, 2.0)
     index = torch.topk(keys, m, largest=False, sorted=False).indices.sort().values  # [m]
