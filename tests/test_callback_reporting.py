@@ -154,15 +154,6 @@ def test_report_spectra_off_logs_no_kfac_key(tmp_path):
     assert not [k for k in wandb_keys | set(run["tb"]) if "kfac" in k]
 
 
-def test_spectrum_monitor_is_a_deprecated_alias_without_double_reports():
-    from kfac_stream.integrations.spectrum_monitor import SpectrumMonitor
-
-    kfac = KFACStreamCallback()
-    with pytest.warns(DeprecationWarning, match="reports the spectra itself"):
-        SpectrumMonitor(kfac)
-    assert kfac.report_spectra is False  # the monitor's report is the only one
-
-
 def test_log_every_and_report_media_off(tmp_path):
     run = train(tmp_path, ["wandb"], log_every=3, report_media=False)
     rows = run["wandb"]

@@ -17,7 +17,7 @@ import torch
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback, LayerFactors, Snapshot
-from kfac_stream.integrations.spectrum_monitor import SpectrumMonitor, snapshot_metrics
+from kfac_stream.integrations.spectrum_monitor import SpectraReporter, snapshot_metrics
 from kfac_stream.snapshot.media import log10_histograms
 from kfac_stream.stats.spectrum import spectrum_stats
 
@@ -51,16 +51,15 @@ def run(tmp_path_factory):
         # one MC sequence of every micro-batch: every step updates (the default share 0.05 of
         # 2 sequences would replay on step 0 and about one step in ten)
         kfac = KFACStreamCallback(KFACConfig(token_fraction=1.0, update_every=1, mc_sequences=1,
-                                             snapshot_every=3, ema_decay=0.95))
-        monitor = SpectrumMonitor(kfac, log_every=LOG_EVERY)
+                                             snapshot_every=3, ema_decay=0.95),
+                                  log_every=LOG_EVERY)
         args = TrainingArguments(
             str(root / "out"), per_device_train_batch_size=2, max_steps=STEPS,
             learning_rate=1e-3, report_to=["wandb", "tensorboard"], run_name="monitor-test",
             logging_steps=LOG_EVERY, save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0)
         trainer = Trainer(model=tiny_gpt2(dtype=torch.float32), args=args,
                           train_dataset=ListDataset(text_examples(16, 32)),
-                          callbacks=[kfac, monitor])
-        monitor.bind(trainer)
+                          callbacks=[kfac])
         try:
             trainer.train()
         finally:
@@ -148,17 +147,19 @@ def test_step_metrics_and_trainer_loss_logs_kept(run):
             assert live == pytest.approx(trace, rel=REL), (layer, f)
 
 
-def test_unbound_monitor_logs_scalars_to_active_wandb_run(run, tmp_path, monkeypatch):
+def test_reporter_without_a_trainer_logs_scalars_to_active_wandb_run(run, tmp_path,
+                                                                     monkeypatch):
     import wandb
 
     for key, value in offline_wandb_env(tmp_path).items():
         monkeypatch.setenv(key, value)
     kfac = KFACStreamCallback()
     kfac.snapshots.extend(run["paths"])  # as if this callback had written them
-    monitor = SpectrumMonitor(kfac, media=False)
+    reporter = SpectraReporter(media=False)
+    reporter.start(None, 0)  # no Trainer's callback handler: no reporters
     wandb.init()
     try:
-        monitor.on_train_end(None, TrainerState(), TrainerControl())
+        reporter.snapshots(kfac, None, TrainerState(), TrainerControl(), after_end=True)
     finally:
         finish_wandb()
     rows = read_wandb_offline(latest_wandb_run_dir(str(tmp_path)))
@@ -167,17 +168,6 @@ def test_unbound_monitor_logs_scalars_to_active_wandb_run(run, tmp_path, monkeyp
         assert row == pytest.approx({**snapshot_metrics(snap.meta), "_step": row["_step"],
                                      "_runtime": row["_runtime"],
                                      "_timestamp": row["_timestamp"]})
-
-
-def test_monitor_before_kfac_is_refused(tmp_path):
-    kfac = KFACStreamCallback(KFACConfig(token_fraction=1.0))
-    monitor = SpectrumMonitor(kfac, media=False)
-    args = TrainingArguments(str(tmp_path), max_steps=1, report_to=[], use_cpu=True,
-                             save_strategy="no", disable_tqdm=True)
-    trainer = Trainer(model=tiny_gpt2(dtype=torch.float32), args=args,
-                      train_dataset=ListDataset(text_examples(2, 8)), callbacks=[monitor, kfac])
-    with pytest.raises(ValueError, match="after its KFACStreamCallback"):
-        monitor.bind(trainer).on_train_begin(args, trainer.state, trainer.control)
 
 
 def manifest(spectra: dict[str, tuple[dict, dict]]) -> dict:
@@ -213,7 +203,8 @@ def test_snapshot_metrics_summaries_on_hand_built_manifest():
 def test_log10_histograms_count_positive_eigenvalues():
     a = torch.tensor([0.0, 0.0, 1e-6, 1e-3, 1.0, 10.0])
     g = torch.zeros(3)
-    layer = LayerFactors("lin", torch.diag(a), torch.diag(g), {"has_bias": False}, a, None, g, None)
+    layer = LayerFactors("lin", torch.diag(a), torch.diag(g), {"has_bias": False},
+                         A_eigvals=a, G_eigvals=g)
     hists = log10_histograms(Snapshot("unused", {"step": 1}, {"lin": layer}), bins=8)
     assert list(hists) == ["lin/A"]  # a factor without a positive eigenvalue is left out
     counts, edges = hists["lin/A"]

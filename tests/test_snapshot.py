@@ -239,3 +239,45 @@ def test_manifest_alone_is_checked_against_the_schema(snapshots, tmp_path):
     with pytest.raises(SnapshotError, match=r"manifest\.json: counts\.tokens_seen is -1000; "
                                             r"expected an integer ≥ 0"):
         read_manifest(newest)
+
+
+def test_manifest_dataclasses_hold_every_key_written(snapshots):
+    """The manifest a run writes reads into `Manifest` and serialises back to the same JSON:
+    every key written is a field of the dataclasses the schema is generated from."""
+    import dataclasses
+
+    from kfac_stream.snapshot.manifest_types import SCHEMA, Manifest
+    from kfac_stream.snapshot.schema import MapOf, Record
+
+    root, _ = snapshots
+    meta = Snapshot.latest(root).meta
+    assert Manifest.from_json(meta).to_json() == meta
+
+    def unknown(value, rule, path):
+        if isinstance(rule, MapOf):
+            return [k for name, v in value.items() for k in unknown(v, rule.value, path)]
+        if not isinstance(rule, Record) or not isinstance(value, dict):
+            return []
+        return [f"{path}.{k}" for k in value if k not in rule.fields] + [
+            k for key, f in rule.fields.items() if key in value
+            for k in unknown(value[key], f.rule, f"{path}.{key}")]
+
+    assert unknown(meta, SCHEMA, "") == []
+    assert [f.name for f in dataclasses.fields(Manifest)] == list(SCHEMA.fields)
+
+
+def test_manifest_counts_are_the_tracker_counters():
+    """`Counts` is the tracker's `Counters` without ``skipped_steps`` (beside the counts in
+    the manifest), the store's `Traffic` fields included, each one required by the schema."""
+    import dataclasses
+
+    from kfac_stream.factor_updates import Counters
+    from kfac_stream.snapshot.manifest_types import SCHEMA, Counts
+    from kfac_stream.store.traffic import Traffic
+
+    counts = {f.name for f in dataclasses.fields(Counts)}
+    assert counts == {f.name for f in dataclasses.fields(Counters)} - {"skipped_steps"}
+    assert {f.name for f in dataclasses.fields(Traffic)} <= counts
+    record = SCHEMA.fields["counts"].rule
+    assert set(record.fields) == counts and all(f.required for f in record.fields.values())
+    assert record.fields["device_budget"].rule.lo == -1  # -1: not decided yet

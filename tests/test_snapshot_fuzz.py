@@ -41,6 +41,7 @@ from safetensors.torch import load_file, save_file
 from kfac_stream import Snapshot, SnapshotError
 
 from harness import run
+from manifest_swaps import set_at, swap_variants
 from models import text_examples, tiny_gpt2
 
 HANG_S = 10  # watchdog per load: a load still running then counts as a hang
@@ -270,16 +271,31 @@ VARIANTS = [
     ("fingerprint not hex", _set(["fingerprint"], "xyz"), ['fingerprint is "xyz"']),
     ("format other", _set(["format"], "other"), ['format is "other"']),
     ("format_version 3", _set(["format_version"], 3), ["unknown format_version 3"]),
+    ("format_version 1 (never released)", _set(["format_version"], 1),
+     ["unknown format_version 1", "reads 2"]),
     ("format_version true", _set(["format_version"], True), ["unknown format_version true"]),
     ('format_version "2"', _set(["format_version"], "2"), ['unknown format_version "2"']),
-    ("format 2 without key", _set(["layers", "{L}", "A", "key"], DELETE),
+    ("factor entry without key", _set(["layers", "{L}", "A", "key"], DELETE),
      ["{L}.A.key is missing"]),
+    ("factor entry without shard", _set(["layers", "{L}", "G", "shard"], DELETE),
+     ["{L}.G.shard is missing"]),
+    ("factor entry without owner", _set(["layers", "{L}", "A", "owner"], DELETE),
+     ["{L}.A.owner is missing"]),
+    ("counts without a store counter", _set(["counts", "flush_syncs"], DELETE),
+     ["counts.flush_syncs is missing"]),
+    ("counts without sequences_seen", _set(["counts", "sequences_seen"], DELETE),
+     ["counts.sequences_seen is missing"]),
+    ("device_budget -2", _set(["counts", "device_budget"], -2),
+     ["counts.device_budget is -2; expected an integer ≥ -1"]),
+    ("ownership missing", _set(["ownership"], DELETE), ["ownership is missing"]),
+    ("shard entry without rank", lambda w: _set(["shards", w.shard_name, "rank"], DELETE)(w),
+     ["shards['{S}'].rank is missing"]),
     ("key of another layer, no group", lambda w: _set(
         ["layers", "{L}", "A", "key"], list(w.m["layers"])[1] + ".A")(w), ["{L}.A.key is"]),
     ("key of no layer", _set(["layers", "{L}", "G", "key"], "nowhere.G"), ["{L}.G.key is"]),
     ("shared_inputs names no layer", _set(["shared_inputs"], [["x", "y"]]),
      ['shared_inputs[0][0] is "x"']),
-    ("shared_inputs missing (format 2)", _set(["shared_inputs"], DELETE),
+    ("shared_inputs missing", _set(["shared_inputs"], DELETE),
      ["shared_inputs is missing"]),
     ("factor shard not listed", _set(["layers", "{L}", "A", "shard"],
                                      "shard-00001-of-00002.safetensors"), ["{L}.A.shard is"]),
@@ -441,73 +457,6 @@ def _truncations_and_flips(pristine):
     return out
 
 
-# ---------------------------------------------------------------- type swaps -----------------
-
-NAMED = ("layers", "shards")  # objects whose keys are names: their paths read ['name']
-
-
-def child(path, key, named=False):
-    if isinstance(key, int):
-        return f"{path}[{key}]"
-    if named or not key.isidentifier():
-        return f"{path}[{key!r}]"
-    return f"{path}.{key}" if path else key
-
-
-def walk(value, path="", keys=()):
-    """``(path string, key tuple)`` of every value below the top of the manifest."""
-    if isinstance(value, dict):
-        for k, v in value.items():
-            p = child(path, k, named=path in NAMED)
-            yield p, (*keys, k)
-            yield from walk(v, p, (*keys, k))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            p = child(path, i)
-            yield p, (*keys, i)
-            yield from walk(v, p, (*keys, i))
-
-
-def json_kind(v):
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "bool"
-    if isinstance(v, (int, float)):
-        return "number"
-    return {str: "string", list: "list", dict: "object"}[type(v)]
-
-
-# replacement values of every JSON type, a NaN and a 10 001-digit integer ("@HUGE@")
-SWAPS = [None, [1], {"x": 1}, "eight", True, math.nan, "@HUGE@"]
-# swaps the schema accepts by design (nullable or free-text keys): they must load
-ACCEPTED = {("epoch", "null"), ("config.async_updates", "null"),
-            ("config.output_dir", "string"),
-            ("config.eval_prior_precision", "bool"),  # "auto", True or False
-            ("model.model_type", "null")}  # a model whose config has no model_type
-
-
-def swap_variants(manifest):
-    out = []
-    for path, keys in walk(manifest):
-        obj = manifest
-        for k in keys:
-            obj = obj[k]
-        for new in SWAPS:
-            kind = "number" if new == "@HUGE@" or new is math.nan else json_kind(new)
-            if kind == json_kind(obj) and not (new is math.nan or new == "@HUGE@"):
-                continue
-            out.append((path, keys, new, (path, kind) in ACCEPTED))
-    return out
-
-
-def set_at(m, keys, new):
-    obj = m
-    for k in keys[:-1]:
-        obj = obj[k]
-    obj[keys[-1]] = new
-
-
 # ---------------------------------------------------------------- the tests ------------------
 
 
@@ -578,20 +527,21 @@ def fill_in(text, fill):
 
 
 def test_valid_variants_load(pristine, guard, tmp_path):
-    """The checks refuse only what is wrong: the pristine copy, format 1 (no keys, no
-    shared_inputs), unknown extra keys, and a symlinked snapshot directory given by the user
-    all load, opening nothing outside the snapshot directory."""
+    """The checks refuse only what is wrong: the pristine copy, unknown extra keys (at the top
+    and in a record), the optional keys left out, and a symlinked snapshot directory given by
+    the user all load, opening nothing outside the snapshot directory."""
     src, manifest = pristine
     w = Work(pristine, tmp_path / "ok")
     snap, msg, _ = guard.load(w.dir, w.dir)
     assert msg is None and len(snap.layer_names) == 4
     reference = {n: snap[n].A.clone() for n in snap.layer_names}
 
-    w.m["format_version"] = 1
-    w.m.pop("shared_inputs")
+    for optional in ("run_id", "weights", "model"):  # absent without a run id or a model
+        w.m.pop(optional)
     for entry in w.m["layers"].values():
         for f in ("A", "G"):
-            entry[f].pop("key")
+            entry[f].pop("sampling", None)  # absent where not recorded
+            entry[f]["added_by_a_later_writer"] = 1
     w.m["added_by_a_later_writer"] = {"anything": [1, 2.5, None]}
     w.save()
     snap1, msg, _ = guard.load(w.dir, w.dir)

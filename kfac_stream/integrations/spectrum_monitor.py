@@ -67,8 +67,6 @@ Conventions:
 * The reporters are found on the call stack of the Trainer's ``on_train_begin`` event (the
   Trainer's callback handler; callbacks are not given the Trainer). Where there is none
   (callback events called by hand), the scalars go only to an active W&B run.
-* `SpectrumMonitor`, the separate callback of earlier versions, is deprecated: it switches the
-  K-FAC callback's own reporting off and reports the same names through a bound Trainer.
 """
 
 from __future__ import annotations
@@ -77,10 +75,8 @@ import inspect
 import math
 import statistics
 import sys
-import warnings
 from typing import TYPE_CHECKING, Any
 
-from transformers import TrainerCallback
 from transformers.integrations import INTEGRATION_TO_CALLBACK, TensorBoardCallback, WandbCallback
 from transformers.trainer_callback import CallbackHandler
 
@@ -185,8 +181,7 @@ def find_on_stack(kind: type, depth: int) -> object | None:
 
 class SpectraReporter:
     """Sends one `KFACStreamCallback`'s snapshot and step metrics to the Trainer's reporters
-    (see the module's docstring); the callback and `SpectrumMonitor` drive it from their
-    events.
+    (see the module's docstring); the callback drives it from its events.
 
     Args:
         log_every: Step metrics every this many steps; None: at the Trainer's logging steps
@@ -283,73 +278,6 @@ class SpectraReporter:
             row["train/global_step"] = state.global_step
         if row:
             run.log(row)
-
-
-class SpectrumMonitor(TrainerCallback):
-    """Deprecated: `KFACStreamCallback` reports its spectra itself (``report_spectra``,
-    ``log_every``); this separate callback is kept for existing code. It turns the K-FAC
-    callback's own reporting off and reports the same metrics through a bound Trainer.
-
-    Place it after ``kfac`` in the Trainer's callbacks (the final snapshot is finished in the
-    K-FAC callback's ``on_train_end``) and bind the Trainer (``bind`` or ``trainer=``) so
-    scalars reach its reporters; unbound, they go to the active W&B run, if any.
-
-    Args:
-        kfac: The `KFACStreamCallback` whose snapshots are logged.
-        trainer: The ``transformers.Trainer`` to report through (or call `bind` later).
-        log_every: Also log `step_metrics` every this many steps (0: never).
-        media: With an active W&B run, log the log10-eigenvalue histograms and the spectra
-            PNG that ``kfac`` made on its snapshot thread (``spectra_media``).
-        prefix: First component of every metric name.
-    """
-
-    def __init__(self, kfac: KFACStreamCallback, trainer=None, log_every: int = 0,
-                 media: bool = True, prefix: str = "kfac") -> None:
-        warnings.warn("SpectrumMonitor is deprecated: KFACStreamCallback reports the spectra "
-                      "itself (report_spectra=True, log_every=...); remove the monitor. It "
-                      "turns the callback's own reporting off.", DeprecationWarning,
-                      stacklevel=2)
-        kfac.report_spectra = False  # one report of each snapshot, this monitor's
-        self.kfac = kfac
-        self.trainer = trainer
-        self.log_every = int(log_every)
-        self.media = media
-        self.prefix = prefix
-        self.reporter = SpectraReporter(self.log_every, media, prefix)
-        self.reporter.handler = None if trainer is None else trainer.callback_handler
-
-    @property
-    def logged(self) -> int:
-        """How many of ``kfac.snapshots`` have been handled."""
-        return self.reporter.logged
-
-    def bind(self, trainer) -> SpectrumMonitor:
-        """Report through ``trainer``'s reporters from now on; returns ``self``."""
-        self.trainer = trainer
-        self.reporter.handler = trainer.callback_handler
-        return self
-
-    # -- Trainer events --------------------------------------------------------------------------
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        handler = self.reporter.handler
-        self.reporter.start(handler, self.reporter.logged)
-        if handler is not None:
-            callbacks = handler.callbacks
-            if self.kfac in callbacks and self in callbacks and (
-                    callbacks.index(self) < callbacks.index(self.kfac)):
-                raise ValueError("SpectrumMonitor must come after its KFACStreamCallback in "
-                                 "the Trainer's callbacks (it logs the snapshots that one "
-                                 "finishes, the last one in its on_train_end)")
-        return control
-
-    def on_step_end(self, args, state, control, **kwargs):
-        self.reporter.step(self.kfac, args, state, control)
-        return control
-
-    def on_train_end(self, args, state, control, **kwargs):
-        self.reporter.snapshots(self.kfac, args, state, control, after_end=True)
-        return control
 
 
 def _active_wandb_run():

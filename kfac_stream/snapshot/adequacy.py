@@ -38,7 +38,7 @@ REL_SE_WARN = 3.0
 def sampling_summary(meta: dict[str, Any]) -> dict[str, Any]:
     """``{"max_rel_se", "max_rel_se_factor", "min_effective_updates", "window_sequences",
     "min_window_sequences", "in_window"}`` of a manifest (NaN / 0 / None where the snapshot
-    did not record them: written by an older version, or no final window)."""
+    did not record them: no update, or no final window)."""
     worst, worst_key, k_min = math.nan, None, math.nan
     for name, entry in meta.get("layers", {}).items():
         for factor in ("A", "G"):

@@ -6,8 +6,8 @@ any wrapper, a ``peft.PeftModel``'s base model included, so an adapter model, it
 base share one). When a model's layers do not match a snapshot's (a tracked layer missing, or
 of another shape), `kfac_stream.query.peft_layers.other_architecture` says first whether the
 snapshot is of another architecture, naming both (`describe`), before any finer hint (a merged
-LoRA model): a snapshot written before the field existed is judged from its layer names (none
-of them, nor their base layers, in the model).
+LoRA model): a snapshot without the field (written without a model) is judged from its layer
+names (none of them, nor their base layers, in the model).
 """
 
 from __future__ import annotations

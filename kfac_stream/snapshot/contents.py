@@ -1,9 +1,10 @@
-"""What goes into a snapshot: the owned factors as shard tensors and the manifest fields."""
+"""What goes into a snapshot: the owned factors as shard tensors and the manifest part, filled
+into the manifest's dataclasses (`kfac_stream.snapshot.manifest_types`) and sent on as JSON
+(the eigendecomposition adds each factor's ``spectrum``, the ranks exchange their parts)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import time
 from typing import Any
@@ -11,10 +12,24 @@ from typing import Any
 import torch
 
 from ..factor_keys import FACTOR_KINDS
-from .layout import FORMAT_NAME, FORMAT_VERSION, layer_fingerprint, shard_name
+from .layout import layer_fingerprint, shard_name
+from .manifest_types import (
+    AnswerTokens,
+    Counts,
+    Ekfac,
+    FactorEntry,
+    LayerEntry,
+    Manifest,
+    ModelIdentity,
+    Ownership,
+    Sampling,
+    WeightsFingerprint,
+)
 
 
-def snapshot_contents(record, step: int, epoch: float | None = None, ekfac=None
+def snapshot_contents(record, step: int, epoch: float | None = None, ekfac=None,
+                      weights: dict[str, dict[str, Any]] | None = None,
+                      model: dict[str, Any] | None = None
                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Shard tensors and manifest part (without ``shards``) for a tracker's owned factors.
 
@@ -34,65 +49,75 @@ def snapshot_contents(record, step: int, epoch: float | None = None, ekfac=None
             of the layer's G factor and ``layers[<layer>]["ekfac"]`` in the manifest (basis
             step, update steps, ``N``); None or empty: neither (the snapshot is as without
             EK-FAC).
+        weights: The tracked weights' fingerprint (`kfac_stream.snapshot.weights`), or None.
+        model: The model's architecture (`kfac_stream.snapshot.architecture`), or None.
+
+    Returns:
+        ``(tensors, manifest)``: the shard's tensors by name and the manifest part as JSON
+        (`manifest_types.Manifest.to_json`).
     """
-    cfg = record.config
     tensors: dict[str, torch.Tensor] = {}
     for key, f in record.factors.items():
         tensors[key] = f.data
         tensors[f"{key}.scale"] = torch.tensor([f.scale], dtype=torch.float32)
-    layers: dict[str, Any] = {}
-    world = record.world_size
-    for name, spec in record.specs.items():
-        entry: dict[str, Any] = {"kind": spec.kind, "d_in": spec.d_in, "d_out": spec.d_out,
-                                 "has_bias": spec.has_bias}
-        if record.row_space.get(name) == "sequence":  # a pooler / head: N counts sequences
-            entry["rows"] = "sequence"
-        for factor, key in zip(FACTOR_KINDS, record.plan.keys_of(name)):
-            dim, diagonal = record.dims[key]
-            owner = record.ownership.owner[key]
-            entry[factor] = {"key": key, "dim": dim, "diagonal": diagonal, "owner": owner,
-                             "shard": shard_name(owner, world)}
-            f = record.factors.get(key)
-            if f is not None:  # owned here; other ranks' parts fill in theirs (merge)
-                entry[factor].update({"weight": f.weight, "updates": f.updates,
-                                      "positions": f.positions,
-                                      "dtype": str(f.data.dtype).removeprefix("torch.")})
-                rel_se, k_eff = f.sampling_error()
-                if not math.isnan(rel_se):  # not recorded (a state from an older version)
-                    entry[factor]["sampling"] = {"rel_se": rel_se, "effective_updates": k_eff}
-        if ekfac is not None and name in ekfac[1]:
+    layers = {name: _layer_entry(record, name) for name in record.specs}
+    for name in record.specs if ekfac is not None else ():
+        if name in ekfac[1]:
             tensors[f"{name}.ekfac"] = ekfac[0][name]
-            entry["ekfac"] = dict(ekfac[1][name])
-        layers[name] = entry
+            layers[name].ekfac = Ekfac(**ekfac[1][name])
+    manifest = _manifest(record, step, epoch, layers)
+    manifest.weights = None if weights is None else {
+        name: WeightsFingerprint(**w) for name, w in weights.items()}
+    if model is not None:
+        manifest.model = ModelIdentity(class_name=model["class"],
+                                       model_type=model["model_type"])
+    return tensors, manifest.to_json()
+
+
+def _layer_entry(record, name: str) -> LayerEntry:
+    """Layer ``name``'s entry: its shape, and its factors (statistics where owned here)."""
+    spec = record.specs[name]
+    factors = {}
+    for factor, key in zip(FACTOR_KINDS, record.plan.keys_of(name)):
+        dim, diagonal = record.dims[key]
+        owner = record.ownership.owner[key]
+        entry = FactorEntry(key=key, dim=dim, diagonal=diagonal, owner=owner,
+                            shard=shard_name(owner, record.world_size))
+        f = record.factors.get(key)
+        if f is not None:  # owned here; other ranks' parts fill in theirs (merge)
+            entry.weight, entry.updates, entry.positions = f.weight, f.updates, f.positions
+            entry.dtype = str(f.data.dtype).removeprefix("torch.")
+            rel_se, k_eff = f.sampling_error()
+            if not math.isnan(rel_se):  # not recorded: no update yet
+                entry.sampling = Sampling(rel_se=rel_se, effective_updates=k_eff)
+        factors[factor] = entry
+    # "sequence": a pooler / head, N counts sequences; absent: one row per token position
+    rows = "sequence" if record.row_space.get(name) == "sequence" else None
+    return LayerEntry(kind=spec.kind, d_in=spec.d_in, d_out=spec.d_out,
+                      has_bias=spec.has_bias, rows=rows, **factors)
+
+
+def _manifest(record, step: int, epoch: float | None,
+              layers: dict[str, LayerEntry]) -> Manifest:
+    """The manifest part of ``record`` at ``step`` around ``layers`` (no shards yet)."""
+    cfg = record.config
     counters = dataclasses.asdict(record.counters)
-    counters.pop("skipped_steps", None)
+    counters.pop("skipped_steps")  # beside the counts, as a list of steps
     counters["comm_bytes"] = [counters["comm_bytes"]]  # per rank, filled in by the merge
-    manifest = {
-        "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
-        "step": int(step),
-        "epoch": epoch,
-        "created_unix": time.time(),
-        "world_size": world,
-        "rank": record.rank,
-        "ownership": {"bytes_per_rank": list(record.ownership.bytes_per_rank),
-                      "eigh_flops_per_rank": list(record.ownership.eigh_flops_per_rank)},
-        "fisher": cfg.fisher,
-        "ema_decay": cfg.ema_decay,
-        "token_fraction": cfg.token_fraction,
-        "update_every": cfg.update_every,
-        "storage_dtype": cfg.storage_dtype,
-        "config": cfg.to_dict(),
-        "counts": counters,
-        "skipped_steps": list(record.counters.skipped_steps),
-        "shared_inputs": record.plan.describe(),
-        **({"run_id": record.run_id} if record.run_id else {}),
-        **({"answer_tokens": dict(record.answer_tokens)} if record.answer_tokens else {}),
-        "fingerprint": layer_fingerprint(
+    answers = record.answer_tokens
+    return Manifest(
+        step=int(step), epoch=epoch, created_unix=time.time(), world_size=record.world_size,
+        rank=record.rank,
+        ownership=Ownership(bytes_per_rank=list(record.ownership.bytes_per_rank),
+                            eigh_flops_per_rank=list(record.ownership.eigh_flops_per_rank)),
+        fisher=cfg.fisher, ema_decay=cfg.ema_decay, token_fraction=cfg.token_fraction,
+        update_every=cfg.update_every, storage_dtype=cfg.storage_dtype, config=cfg.to_dict(),
+        counts=Counts(**counters), skipped_steps=list(record.counters.skipped_steps),
+        shared_inputs=record.plan.describe(), run_id=record.run_id or None,
+        answer_tokens=AnswerTokens(**answers) if answers else None,
+        fingerprint=layer_fingerprint(
             {n: (s.d_in, s.d_out, s.has_bias) for n, s in record.specs.items()}),
-        "layers": layers,
-    }
-    return tensors, manifest
+        layers=layers)
 
 
 def merge_manifests(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -100,26 +125,24 @@ def merge_manifests(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
     Each factor's statistics (weight, updates, positions, dtype, spectrum) come from its
     owner's part; ``tokens_seen`` and ``sequences_seen`` (counted per rank) are summed;
-    ``tracker_seconds``, ``exchange_seconds`` and ``fold_seconds`` are the slowest rank's;
-    ``comm_bytes`` lists every rank's. Everything else is the same on all ranks and is taken
-    from rank 0.
+    ``tracker_seconds``, ``exchange_seconds``, ``fold_seconds`` and ``wait_seconds`` are the
+    slowest rank's; ``comm_bytes`` lists every rank's. Everything else is the same on all
+    ranks and is taken from rank 0.
     """
-    out = json.loads(json.dumps(parts[0]))  # deep copy
-    for part in parts[1:]:
-        for name, entry in part["layers"].items():
+    ranks = [Manifest.from_json(p) for p in parts]
+    out = Manifest.from_json(parts[0])  # its own objects: the parts are left as they are
+    for part in ranks[1:]:
+        for name, entry in part.layers.items():
             for factor in FACTOR_KINDS:
-                if entry[factor]["owner"] == part["rank"]:
-                    out["layers"][name][factor] = entry[factor]
-    counts = out["counts"]
-    counts["tokens_seen"] = sum(p["counts"]["tokens_seen"] for p in parts)
-    if all("sequences_seen" in p["counts"] for p in parts):
-        counts["sequences_seen"] = sum(p["counts"]["sequences_seen"] for p in parts)
-    for part in parts[1:]:  # a layer's row space, as the first rank that captured it saw it
-        for name, entry in part["layers"].items():
-            if "rows" in entry:
-                out["layers"][name]["rows"] = entry["rows"]
+                if getattr(entry, factor).owner == part.rank:
+                    setattr(out.layers[name], factor, getattr(entry, factor))
+            if entry.rows is not None:  # a layer's row space, as a rank that captured it saw it
+                out.layers[name].rows = entry.rows
+    counts = out.counts
+    counts.tokens_seen = sum(p.counts.tokens_seen for p in ranks)
+    counts.sequences_seen = sum(p.counts.sequences_seen for p in ranks)
     for key in ("tracker_seconds", "exchange_seconds", "fold_seconds", "wait_seconds"):
-        counts[key] = max(p["counts"][key] for p in parts)
-    counts["comm_bytes"] = [b for p in parts for b in p["counts"]["comm_bytes"]]
-    out.pop("rank", None)
-    return out
+        setattr(counts, key, max(getattr(p.counts, key) for p in ranks))
+    counts.comm_bytes = [b for p in ranks for b in p.counts.comm_bytes]
+    out.rank = None
+    return out.to_json()

@@ -25,7 +25,7 @@ import torch
 
 from ..enums import StorageDtype
 from ..exceptions import EigendecompositionError
-from ..factor_keys import FACTOR_KINDS, factor_key
+from ..factor_keys import FACTOR_KINDS
 from ..stats.spectrum import eigh_stored
 from .writer import Deferred, resolved, write_order
 
@@ -66,9 +66,9 @@ class EigenStream:
         self.dtype = StorageDtype(manifest["storage_dtype"]).wide_dtype
         self.eigvals: dict[str, torch.Tensor] = {}
         self._entries: dict[str, list[dict]] = {}  # key -> manifest factor entries
-        for name, entry in manifest["layers"].items():
+        for entry in manifest["layers"].values():
             for factor in FACTOR_KINDS:
-                key = entry[factor].get("key", factor_key(name, factor))
+                key = entry[factor]["key"]
                 if key in tensors and f"{key}.scale" in tensors:  # owned here
                     self._entries.setdefault(key, []).append(entry[factor])
         for key in self._entries:

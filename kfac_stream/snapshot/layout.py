@@ -9,15 +9,16 @@
 
 Tensor keys in a shard: ``"<layer>.A"`` / ``"<layer>.G"`` (storage dtype; ``[d, d]`` or ``[d]``
 for diagonal factors) and ``"<layer>.A.scale"`` / ``"<layer>.G.scale"`` (float32 ``[1]``;
-the factor is ``scale · data``). Format 2: a layer whose A is shared with other layers (same
-input, `capture.sharing`) names the stored key in its manifest entry (``layers[name]["A"]
-["key"]``, the group leader's ``"<leader>.A"``); the manifest's ``shared_inputs`` lists the
-groups. Format 1 (no ``key``, no sharing) is still read. A snapshot is first written to
+the factor is ``scale · data``). Every factor entry of the manifest names its stored key
+(``layers[name]["A"]["key"]``): a layer whose A is shared with other layers (same input,
+`capture.sharing`) names the group leader's ``"<leader>.A"``; the manifest's
+``shared_inputs`` lists the groups. A snapshot is first written to
 ``.step-XXXXXXXX.tmp-<tag>`` and renamed when complete, so a directory under a final name
 is always whole.
 
-The manifest's full schema (every key, its type and range) is `kfac_stream.snapshot.manifest`;
-the limits below bound what a reader accepts before it reads or parses anything.
+The manifest's keys are the dataclasses of `kfac_stream.snapshot.manifest_types` (its schema,
+every key's type and range, is generated from them; `kfac_stream.snapshot.manifest` checks
+it); the limits below bound what a reader accepts before it reads or parses anything.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import hashlib
 import re
 
 FORMAT_NAME = "kfac_stream.snapshot"
+#: The format written and the only one read (0.1.0 is the first release: no earlier format
+#: was shipped).
 FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 #: Where a new training run sets the snapshots of earlier runs aside (``<root>/earlier-runs/
 #: <run id>/step-*``, `writer.set_aside_other_runs`).

@@ -40,11 +40,12 @@ from .writer import write_snapshot
 class CapturedSnapshot:
     """What the training thread hands to the background: ``tensors`` (the shard's: stored
     factors ``[d, d]``/``[d]`` and their scales, sketches), ``manifest`` (this rank's part,
-    with ``weights``), ``step``, and ``lent`` (``{key: stored factor}``: the tracker's own
-    tensors, unchanged until passed back with the next `capture_snapshot`'s ``release``,
-    once this snapshot is written). ``basis_sink``: with ``KFACConfig(ekfac=True)``, where
-    the eigenvectors go as they are computed (the tracker's next EK-FAC basis,
-    `kfac_stream.ekfac.EkfacState.sink`), else None."""
+    with ``weights``, as JSON: `kfac_stream.snapshot.manifest_types.Manifest.to_json`; the
+    eigendecomposition adds the spectra), ``step``, and ``lent`` (``{key: stored factor}``:
+    the tracker's own tensors, unchanged until passed back with the next
+    `capture_snapshot`'s ``release``, once this snapshot is written). ``basis_sink``: with
+    ``KFACConfig(ekfac=True)``, where the eigenvectors go as they are computed (the tracker's
+    next EK-FAC basis, `kfac_stream.ekfac.EkfacState.sink`), else None."""
 
     step: int
     tensors: dict[str, Any]
@@ -61,12 +62,11 @@ def capture_snapshot(tracker, step: int, epoch: float | None = None,
     tracker.release(release or {})  # before the flush: it writes those factors in place
     record = tracker.export(lend=True)
     ekfac = tracker.take_ekfac(step)  # None without KFACConfig(ekfac=True)
-    tensors, manifest = snapshot_contents(record, step, epoch,
-                                          ekfac=ekfac[:2] if ekfac is not None else None)
-    manifest["weights"] = weights_fingerprint(tracker.layers)
-    identity = model_identity(getattr(tracker, "model", None))
-    if identity is not None:  # the architecture: a query on another one says so
-        manifest["model"] = identity
+    tensors, manifest = snapshot_contents(
+        record, step, epoch, ekfac=ekfac[:2] if ekfac is not None else None,
+        weights=weights_fingerprint(tracker.layers),
+        # the architecture: a query on another one says so
+        model=model_identity(getattr(tracker, "model", None)))
     return CapturedSnapshot(int(step), tensors, manifest,
                             {k: f.data for k, f in record.factors.items()},
                             ekfac[2] if ekfac is not None else None)
@@ -82,8 +82,8 @@ def finish_snapshot(captured: CapturedSnapshot, root: str, comm=None,
     stream = EigenStream(captured.tensors, captured.manifest, eigh_device, threads,
                          on_result=captured.basis_sink)
     try:
-        path = write_snapshot(root, captured.step, captured.tensors, captured.manifest, comm,
-                              merge_manifests, gather=gather)
+        path = write_snapshot(root, captured.step, captured.tensors, captured.manifest,
+                              comm=comm, merge=merge_manifests, gather=gather)
     finally:
         stream.close()
     return path, stream.eigvals

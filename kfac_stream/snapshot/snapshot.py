@@ -9,7 +9,8 @@ check it).
    and must be a regular file: a symlink (to anywhere, also inside), FIFO, device or
    directory in its place is refused before it is opened;
 2. reads ``manifest.json`` (at most `layout.MAX_MANIFEST_BYTES`) and checks it against the
-   schema, `manifest.validate_manifest`, before any shard is opened;
+   schema, `manifest.validate_manifest`, before any shard is opened (the checked manifest is
+   read as a `manifest_types.Manifest`; ``meta`` keeps the JSON dict);
 3. for each shard listed: checks its size against the manifest's ``bytes`` and against the
    size of the tensors the manifest places in it before reading, reads it once, hashing each
    chunk as it is read, checks the sha256 of exactly the bytes read, parses the safetensors
@@ -43,7 +44,9 @@ from ..exceptions import SnapshotError
 from ..factor_keys import FACTOR_KINDS
 from ..progress import progress
 from .layout import MANIFEST, MAX_MANIFEST_BYTES, MAX_SAFETENSORS_HEADER_BYTES, STEP_DIR_RE
-from .manifest import TensorSpec, implied_tensors, parse_json, stored_key, validate_manifest
+from .manifest import TensorSpec, checked_manifest, implied_tensors
+from .manifest_json import parse_json
+from .manifest_types import Manifest, ShardEntry
 
 
 class LayerFactors:
@@ -194,41 +197,26 @@ class Snapshot(LayerView):
         """
         path = _path_arg(path, "Snapshot.load", "path")
         with _SnapshotDir(path) as d:
-            meta = _read_manifest_in(d)
-            implied = implied_tensors(meta)
+            meta, manifest = _read_manifest_in(d)
+            implied = implied_tensors(manifest)
             tensors: dict[str, torch.Tensor] = {}
             origin: dict[str, str] = {}  # tensor name -> shard path, for messages
-            total = sum(info["bytes"] for info in meta["shards"].values())
+            total = sum(info.bytes for info in manifest.shards.values())
             with progress(total=total, desc=f"loading snapshot {os.path.basename(path)}",
                           unit="B", unit_scale=True, unit_divisor=1024,
                           show=show_progress) as bar:
-                for fname, info in meta["shards"].items():
-                    found = _read_shard(d, fname, info, implied, tensors)
+                for fname, info in manifest.shards.items():
+                    found = _read_shard(d, fname, info, implied)
                     tensors.update(found)
                     origin.update(dict.fromkeys(found, os.path.join(path, fname)))
-                    bar.update(info["bytes"])
+                    bar.update(info.bytes)
         for name, spec in implied.items():
             if name not in tensors:
-                where = f"shard {spec.shard!r}" if spec.shard else "the shards"
-                raise SnapshotError(f"{path}: tensor {name!r} is missing from {where}; "
-                                    f"expected it, as the manifest says ({spec.source})")
+                raise SnapshotError(f"{path}: tensor {name!r} is missing from shard "
+                                    f"{spec.shard!r}; expected it, as the manifest says "
+                                    f"({spec.source})")
         _check_values(tensors, origin)
-        layers = {}
-        values: dict[str, _Dequantised] = {}  # one per stored key (a shared A: once)
-        for name, info in meta["layers"].items():
-            parts: dict[str, Any] = {}
-            for factor in FACTOR_KINDS:
-                key = stored_key(meta, name, factor)  # format 2: a shared A's leader key
-                if key not in values:
-                    values[key] = _Dequantised(tensors[key], tensors[f"{key}.scale"])
-                parts[factor] = values[key]
-                parts[f"{factor}_eigvals"] = tensors[f"{key}.eigvals"]
-                parts[f"{factor}_eigvecs"] = tensors.get(f"{key}.eigvecs")
-            layers[name] = LayerFactors(name, parts["A"], parts["G"], info,
-                                        parts["A_eigvals"], parts["A_eigvecs"],
-                                        parts["G_eigvals"], parts["G_eigvecs"],
-                                        tensors.get(f"{name}.ekfac"))
-        return cls(path, meta, layers)
+        return cls(path, meta, _layers(manifest, meta, tensors))
 
     @classmethod
     def latest(cls, root: str | os.PathLike, show_progress: bool | None = None) -> Snapshot:
@@ -257,13 +245,34 @@ class Snapshot(LayerView):
         raise SnapshotError(f"{root}: no complete snapshot found{detail}")
 
 
+def _layers(manifest: Manifest, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
+            ) -> dict[str, LayerFactors]:
+    """Every layer's `LayerFactors` from the verified ``tensors`` (``meta``: the manifest's
+    dict, whose layer entries the layers keep)."""
+    layers = {}
+    values: dict[str, _Dequantised] = {}  # one per stored key (a shared A: once)
+    for name, entry in manifest.layers.items():
+        parts: dict[str, Any] = {}
+        eigen: dict[str, torch.Tensor | None] = {}
+        for factor in FACTOR_KINDS:
+            key = getattr(entry, factor).key  # a shared A: its group leader's key
+            if key not in values:
+                values[key] = _Dequantised(tensors[key], tensors[f"{key}.scale"])
+            parts[factor] = values[key]
+            eigen[f"{factor}_eigvals"] = tensors[f"{key}.eigvals"]
+            eigen[f"{factor}_eigvecs"] = tensors.get(f"{key}.eigvecs")
+        layers[name] = LayerFactors(name, parts["A"], parts["G"], meta["layers"][name],
+                                    ekfac_eigvals=tensors.get(f"{name}.ekfac"), **eigen)
+    return layers
+
+
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     """The checked ``manifest.json`` of a snapshot directory (schema and agreement, see
-    `manifest.validate_manifest`) without reading the shards; raises `SnapshotError` like
-    `Snapshot.load`."""
+    `manifest.validate_manifest`) without reading the shards, as its JSON dict; raises
+    `SnapshotError` like `Snapshot.load`."""
     path = _path_arg(path, "read_manifest", "path")
     with _SnapshotDir(path) as d:
-        return _read_manifest_in(d)
+        return _read_manifest_in(d)[0]
 
 
 def _path_arg(value: Any, func: str, name: str) -> str:
@@ -356,7 +365,8 @@ class _SnapshotDir:
         return buf
 
 
-def _read_manifest_in(d: _SnapshotDir) -> dict[str, Any]:
+def _read_manifest_in(d: _SnapshotDir) -> tuple[dict[str, Any], Manifest]:
+    """The directory's checked manifest: its JSON dict and its `Manifest`."""
     mpath = os.path.join(d.path, MANIFEST)
 
     def check_size(size: int) -> None:
@@ -365,7 +375,8 @@ def _read_manifest_in(d: _SnapshotDir) -> dict[str, Any]:
                                 f"{MAX_MANIFEST_BYTES} (layout.MAX_MANIFEST_BYTES)")
 
     data = d.read(MANIFEST, f"{mpath}: missing (snapshot incomplete)", check_size)
-    return validate_manifest(parse_json(data, mpath), mpath)
+    meta = parse_json(data, mpath)
+    return meta, checked_manifest(meta, mpath)
 
 
 # ---------------------------------------------------------------- shards ---------------------
@@ -376,37 +387,32 @@ _CHECK_CHUNK = 1 << 22  # elements per finiteness check (bounds its temporary)
 _ST_DTYPES = {"F16": "float16", "BF16": "bfloat16", "F32": "float32", "F64": "float64"}
 
 
-def _read_shard(d: _SnapshotDir, fname: str, info: dict[str, Any],
-                implied: dict[str, TensorSpec], done: dict[str, torch.Tensor]
-                ) -> dict[str, torch.Tensor]:
+def _read_shard(d: _SnapshotDir, fname: str, info: ShardEntry,
+                implied: dict[str, TensorSpec]) -> dict[str, torch.Tensor]:
     """The tensors of shard ``fname`` (listed in the manifest with ``info``), verified."""
     fpath = os.path.join(d.path, fname)
     ipath = f"shards[{fname!r}]"
-    # the tensors this shard may hold: those the manifest places in it, and those of format-1
-    # entries that name no shard (any shard) not found yet
-    allowed = {k: s for k, s in implied.items()
-               if s.shard == fname or (s.shard is None and k not in done)}
-    placed = sum(s.nbytes for s in allowed.values() if s.shard == fname)
-    free = sum(s.nbytes for s in allowed.values() if s.shard is None)
-    lo, hi = 8 + 2 + placed, 8 + MAX_SAFETENSORS_HEADER_BYTES + placed + free
-    if not lo <= info["bytes"] <= hi:
-        raise SnapshotError(f"{d.path}: {ipath}.bytes is {info['bytes']}; expected {lo} to "
-                            f"{hi}: the {placed + free} bytes of the tensors the manifest "
+    allowed = {k: s for k, s in implied.items() if s.shard == fname}  # what it may hold
+    placed = sum(s.nbytes for s in allowed.values())
+    lo, hi = 8 + 2 + placed, 8 + MAX_SAFETENSORS_HEADER_BYTES + placed
+    if not lo <= info.bytes <= hi:
+        raise SnapshotError(f"{d.path}: {ipath}.bytes is {info.bytes}; expected {lo} to "
+                            f"{hi}: the {placed} bytes of the tensors the manifest "
                             "places in it, plus a safetensors header")
 
     def check_size(size: int) -> None:
-        if size != info["bytes"]:
+        if size != info.bytes:
             raise SnapshotError(f"{fpath}: size/sha256 mismatch (file altered or truncated): "
                                 f"it has {size} bytes; expected {ipath}.bytes = "
-                                f"{info['bytes']}")
+                                f"{info.bytes}")
 
     hasher = hashlib.sha256()
     buf = d.read(fname, f"{d.path}: shard {fname!r} listed in the manifest is missing",
                  check_size, hasher)
     digest = hasher.hexdigest()
-    if digest != info["sha256"]:
+    if digest != info.sha256:
         raise SnapshotError(f"{fpath}: sha256 mismatch (file altered or truncated): it is "
-                            f"{digest}; expected {ipath}.sha256 = {info['sha256']}")
+                            f"{digest}; expected {ipath}.sha256 = {info.sha256}")
     return _safetensors(buf, fpath, allowed)
 
 

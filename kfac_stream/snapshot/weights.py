@@ -5,9 +5,10 @@ flattened in its own layout: ``[d_out, d_in]`` for ``nn.Linear``, ``[d_in, d_out
 transformers' ``Conv1D``): ``numel`` (of the whole weight), and the float64 ``sum`` and
 ``sumsq`` (sum of squares) of the `WINDOWS` windows of `WINDOW` entries that start at
 ``i·numel/WINDOWS`` (the whole weight when it has at most ``WINDOWS·WINDOW`` entries).
-Writing it costs one host read per snapshot; under DeepSpeed ZeRO-3 each layer's weight is
-gathered (collectively, one layer at a time, as a forward does) for the read, and so is an
-FSDP2 ``DTensor`` weight (``full_tensor()``).
+Writing it costs one host read per snapshot; a weight a distributed engine shards is gathered
+for the read by the layer's engine adapter (`kfac_stream.distributed.engines`: under
+DeepSpeed ZeRO-3 collectively, one layer at a time, as a forward does; an FSDP2 ``DTensor``
+weight with ``full_tensor()``).
 
 `compare_weights` tells a model from the one a snapshot was taken at: a weight that moved by
 one optimizer step changes the sum of squares of 256 entries by far more than `WEIGHTS_RTOL`,
@@ -16,14 +17,13 @@ the same weights read on another device or from a partitioned copy agree to ~1e-
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Mapping
 
 import torch
 from torch import Tensor, nn
 
-from ..distributed.fsdp import full_weight
+from ..distributed.engines import engine_for
 
 #: Windows per layer, and entries per window.
 WINDOWS, WINDOW = 4, 64
@@ -46,24 +46,17 @@ def _sums(weight: Tensor) -> Tensor:
     return torch.stack([vals.sum(), vals.square().sum()])
 
 
-def _gathered(weight: nn.Parameter):
-    """The whole ``weight`` inside the block: DeepSpeed ZeRO-3 gathers it (collective)."""
-    if hasattr(weight, "ds_numel"):
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters([weight], modifier_rank=None)
-    return contextlib.nullcontext()
-
-
 def weights_fingerprint(layers: Mapping[str, nn.Module]) -> dict[str, dict[str, float | int]]:
     """``{layer: {"numel", "sum", "sumsq"}}`` of the tracked ``layers``' weights (module
-    docstring). Collective under ZeRO-3 and FSDP2: every rank calls it at the same point."""
+    docstring). Collective under a sharding engine (ZeRO-3, FSDP2): every rank calls it at the
+    same point; each layer's weight is read whole inside its engine's ``gathered``."""
     sums, numels = [], []
     for module in layers.values():
         w = module.weight
-        with _gathered(w):
-            numels.append(int(getattr(w, "ds_numel", w.numel())))
-            sums.append(_sums(full_weight(w)))
+        engine = engine_for(module)
+        with engine.gathered([w]):
+            numels.append(engine.full_numel(w))
+            sums.append(_sums(engine.full_tensor(w)))
     values = torch.stack([s.to(sums[0].device) for s in sums]).cpu().tolist() if sums \
         else []  # one host read for all layers
     return {name: {"numel": n, "sum": v[0], "sumsq": v[1]}

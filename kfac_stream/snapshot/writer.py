@@ -42,7 +42,9 @@ from .layout import (
     step_dir_name,
     tmp_dir_name,
 )
-from .manifest import parse_json, validate_manifest
+from .manifest import validate_manifest
+from .manifest_json import parse_json
+from .manifest_types import Manifest, ShardEntry, to_json
 from .snapshot import Snapshot, read_manifest
 
 #: safetensors' dtype names in the order of its ``Dtype`` enum (safetensors 0.4-0.8): the file
@@ -238,11 +240,11 @@ def set_aside_other_runs(root: str, run_id: str) -> list[str]:
     starts), so that ``root``'s ``step-*`` are this run's only: `Snapshot.latest`, ``kfac-stream
     inspect`` and ``query`` never pair a model with an earlier run's curvature.
 
-    A ``step-*`` directory whose manifest names another ``run_id``, names none (written before
-    run ids existed) or does not load moves to ``<root>/earlier-runs/<its run id>/step-*``
-    (``unknown-<time>`` without a readable id), with the files beside it (its spectra PNG);
-    nothing is deleted. A resumed run keeps its id
-    (checkpoints carry it), so its own snapshots stay.
+    A ``step-*`` directory whose manifest names another ``run_id``, names none (written from a
+    tracker record without a run) or does not load moves to ``<root>/earlier-runs/<its run
+    id>/step-*`` (``unknown-<time>`` without a readable id), with the files beside it (its
+    spectra PNG); nothing is deleted. A resumed run keeps its id (checkpoints carry it), so its
+    own snapshots stay.
 
     Returns:
         The new paths of the snapshots moved.
@@ -277,8 +279,9 @@ def set_aside_other_runs(root: str, run_id: str) -> list[str]:
 
 
 def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor | Deferred],
-                   manifest: dict, comm=None, merge: Callable[[list[dict]], dict] | None = None,
-                   tag: str = "0", local_error: str | None = None, gather: bool = False) -> str:
+                   manifest: Manifest | dict, comm=None,
+                   merge: Callable[[list[dict]], dict] | None = None, tag: str = "0",
+                   local_error: str | None = None, gather: bool = False) -> str:
     """Write a snapshot: every rank its shard, rank 0 the manifest, then one rename.
 
     Protocol (``comm`` is a `kfac_stream.distributed.context.JsonComm`; None = one process):
@@ -303,7 +306,8 @@ def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor | Defer
         tensors: This rank's shard contents (see ``layout``); empty: no shard. A `Deferred`
             entry is computed when the shard's writer reaches it (it may fill in
             ``manifest``: the part is sent to rank 0 only after the shard is written).
-        manifest: This rank's manifest part; ``shards`` is filled in here.
+        manifest: This rank's manifest part (a `manifest_types.Manifest`, or its JSON);
+            ``shards`` is filled in here.
         comm: Collective helper; None for one process.
         merge: Combines the ranks' manifest parts (rank order) into one; default: rank 0's.
         tag: Suffix of the temporary directory name.
@@ -318,49 +322,15 @@ def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor | Defer
         The final directory path.
     """
     comm = comm or LOCAL
-    rank, world = comm.rank, comm.world_size
     final = os.path.join(root, step_dir_name(step))
     tmp = os.path.join(root, tmp_dir_name(step, tag))
-    prepared = None
-    if rank == 0:
-        try:
-            os.makedirs(root, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        except OSError as e:
-            prepared = f"rank 0: {type(e).__name__}: {e}"
-    ready = comm.all_gather({"root": os.path.abspath(root), "error": prepared})
-    errors = [r["error"] for r in ready if r["error"]]
-    roots = sorted({r["root"] for r in ready})
-    if len(roots) > 1:
-        errors.append(f"the ranks were given different snapshot directories {roots}: every "
-                      "rank must write into the same (shared) directory")
-    if errors:
-        raise SnapshotError(f"snapshot of step {step} failed: {errors[0]}")
-    report: dict = {"rank": rank}
-    blob = b""
-    gather = gather and world > 1
-    try:
-        if local_error:
-            raise RuntimeError(local_error)
-        if tensors and gather:
-            blob, report["shard"] = shard_bytes(tensors, rank, world)
-        elif tensors:
-            if not os.path.isdir(tmp):
-                raise SnapshotError(
-                    f"the directory rank 0 created, {tmp}, does not exist on this rank's "
-                    "machine: the snapshot directory must be on a filesystem every node "
-                    "shares, or pass KFACStreamCallback(gather_shards=True) for node-local "
-                    "directories (docs/multinode.md)")
-            report["shard"] = write_shard(tmp, tensors, rank, world)
-        report["manifest"] = manifest
-    except Exception as e:  # reported to rank 0, which abandons the snapshot
-        report = {"rank": rank, "error": f"rank {rank}: {type(e).__name__}: {e}"}
-        blob = b""
+    _prepare(root, tmp, step, comm)
+    gather = gather and comm.world_size > 1
+    report, blob = _write_part(tmp, tensors, manifest, comm, local_error, gather)
     reports = comm.all_gather(report)
     blobs = comm.gather_bytes(blob) if gather else None
     outcome = None
-    if rank == 0:
+    if comm.rank == 0:
         errors = [r["error"] for r in reports if "error" in r]
         try:
             if not errors:
@@ -381,6 +351,56 @@ def write_snapshot(root: str, step: int, tensors: dict[str, torch.Tensor | Defer
     return final
 
 
+def _prepare(root: str, tmp: str, step: int, comm) -> None:
+    """Step 1 of `write_snapshot`: rank 0 creates the temporary directory ``tmp``; every rank
+    learns whether it did and that all were given the same ``root``, else raises."""
+    prepared = None
+    if comm.rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as e:
+            prepared = f"rank 0: {type(e).__name__}: {e}"
+    ready = comm.all_gather({"root": os.path.abspath(root), "error": prepared})
+    errors = [r["error"] for r in ready if r["error"]]
+    roots = sorted({r["root"] for r in ready})
+    if len(roots) > 1:
+        errors.append(f"the ranks were given different snapshot directories {roots}: every "
+                      "rank must write into the same (shared) directory")
+    if errors:
+        raise SnapshotError(f"snapshot of step {step} failed: {errors[0]}")
+
+
+def _write_part(tmp: str, tensors: dict[str, torch.Tensor | Deferred],
+                manifest: Manifest | dict, comm, local_error: str | None,
+                gather: bool) -> tuple[dict, bytes]:
+    """Step 2 of `write_snapshot`: this rank's shard written into ``tmp`` (or, with
+    ``gather``, serialised to send to rank 0) and its report ``{"rank", "shard", "manifest"}``
+    (the manifest part as JSON, sent after the shard: a `Deferred` may fill it in), or
+    ``{"rank", "error"}``; returns ``(report, the shard's bytes to send or b"")``."""
+    rank, world = comm.rank, comm.world_size
+    report: dict = {"rank": rank}
+    blob = b""
+    try:
+        if local_error:
+            raise RuntimeError(local_error)
+        if tensors and gather:
+            blob, report["shard"] = shard_bytes(tensors, rank, world)
+        elif tensors:
+            if not os.path.isdir(tmp):
+                raise SnapshotError(
+                    f"the directory rank 0 created, {tmp}, does not exist on this rank's "
+                    "machine: the snapshot directory must be on a filesystem every node "
+                    "shares, or pass KFACStreamCallback(gather_shards=True) for node-local "
+                    "directories (docs/multinode.md)")
+            report["shard"] = write_shard(tmp, tensors, rank, world)
+        report["manifest"] = manifest.to_json() if isinstance(manifest, Manifest) else manifest
+    except Exception as e:  # reported to rank 0, which abandons the snapshot
+        return {"rank": rank, "error": f"rank {rank}: {type(e).__name__}: {e}"}, b""
+    return report, blob
+
+
 def _finish(root: str, tmp: str, final: str, reports: list[dict],
             merge: Callable[[list[dict]], dict] | None,
             written_here: set[str] | frozenset[str] = frozenset()) -> None:
@@ -398,10 +418,10 @@ def _finish(root: str, tmp: str, final: str, reports: list[dict],
                 else sha256_of(path) != info["sha256"]):
             raise SnapshotError(f"shard {info['file']} of rank {r['rank']} is missing or "
                                 f"differs from what rank {r['rank']} wrote")
-        shards[info["file"]] = {"sha256": info["sha256"], "bytes": info["bytes"],
-                                "rank": r["rank"]}
+        shards[info["file"]] = ShardEntry(sha256=info["sha256"], bytes=info["bytes"],
+                                          rank=r["rank"])
     parts = [r["manifest"] for r in reports]
-    manifest = dict(merge(parts) if merge else parts[0], shards=shards)
+    manifest = dict(merge(parts) if merge else parts[0], shards=to_json(shards))
     if manifest.get("format") == FORMAT_NAME:  # the reader's schema, checked before writing:
         try:  # writer and reader share one definition of a manifest (snapshot/manifest.py)
             validate_manifest(parse_json(json.dumps(manifest).encode(), MANIFEST), MANIFEST)
