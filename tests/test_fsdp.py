@@ -12,7 +12,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback
-from kfac_stream.distributed.fsdp import is_fsdp_sharded, unsharded_class
+from kfac_stream.distributed.engines.fsdp2 import is_fsdp_sharded, unsharded_class
 
 from models import ListDataset, text_examples, tiny_gpt2
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..distributed.engines import engine_for
 from ..exceptions import KFACConfigError, UnsupportedModuleError
 from .presets import SUPPORTED_TYPES, Conv1D, block_prefix, is_trainable, preset_layers
 
@@ -74,8 +75,8 @@ def layer_spec(name: str, module: nn.Module) -> LayerSpec:
 def _conv1d_dims(module: nn.Module) -> tuple[int, int]:
     d_out = int(module.nf)
     w = module.weight
-    # Under DeepSpeed ZeRO-3 the local weight is a placeholder; ds_shape keeps the full shape.
-    shape = tuple(getattr(w, "ds_shape", None) or w.shape)
+    # The whole shape from the engine (ZeRO-3's local weight is a placeholder of numel 0).
+    shape = engine_for(module).full_shape(w)
     return int(shape[0]), d_out
 
 

@@ -31,20 +31,16 @@ needs ``TrainingArguments(use_cpu=True)``; the callback checks it when the Train
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 
 from torch import nn
 
-from ..distributed.fsdp import gather_full_state_dict, is_fsdp_sharded, unsharded_class
+from ..distributed.engines import EngineAdapter, engine_for
 from ..exceptions import KFACConfigError, PartitionedModelError
 from .peft_adapter import adapter_location, is_peft_model, load_adapter, save_base
 
 logger = logging.getLogger("kfac_stream")
-
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                 "pytorch_model.bin.index.json")
 
 
 def deepspeed_requested(args) -> bool:
@@ -75,11 +71,6 @@ def check_deepspeed_device(args) -> None:
             "fails on every rank")
 
 
-def is_zero3_partitioned(model: nn.Module) -> bool:
-    """True if DeepSpeed ZeRO-3 manages any parameter of ``model`` (it sets ``ds_numel``)."""
-    return any(hasattr(p, "ds_numel") for p in model.parameters())
-
-
 def whole_model(trainer, save_dir: str, device=None) -> nn.Module | None:
     """The trained model of ``trainer`` with whole weights, for `LaplacePosterior`.
 
@@ -96,7 +87,9 @@ def whole_model(trainer, save_dir: str, device=None) -> nn.Module | None:
     class ``fully_shard`` replaced, saves it to ``save_dir`` (``save_pretrained``) and returns
     it in eval mode; the other ranks return None.
 
-    Without ZeRO-3 or FSDP2 the model is saved the same way as under ZeRO-3
+    Which of the two a model takes is its engine adapter's ``whole_copy``
+    (`kfac_stream.distributed.engines`: ``"save"`` for ZeRO-3, ``"state_dict"`` for FSDP2).
+    Without a sharding engine the model is saved the same way as under ZeRO-3
     (``trainer.save_model(save_dir)``: the main process writes it, for ``kfac-stream query
     --model save_dir``) and the unwrapped trained model itself is returned on every rank
     (``device`` is ignored).
@@ -121,55 +114,73 @@ def whole_model(trainer, save_dir: str, device=None) -> nn.Module | None:
             ``stage3_gather_16bit_weights_on_model_save: true``).
     """
     model = trainer.accelerator.unwrap_model(trainer.model)
-    if is_fsdp_sharded(model):
-        return _whole_fsdp2(trainer, model, save_dir, device)
-    peft = is_peft_model(model)
-    if not is_zero3_partitioned(model):
-        trainer.save_model(save_dir)  # the main process writes; DDP ranks return at once
-        if peft and trainer.args.should_save:
-            if _peft_base_problem(model) is None:
-                save_base(model, model.state_dict(), save_dir, _tokenizer_of(trainer))
-            else:
-                logger.warning("kfac_stream: whole_model saved only the PEFT adapter in %s: %s",
-                               save_dir, _peft_base_problem(model))
-        return model
-    if peft:
-        return _whole_peft_zero3(trainer, model, save_dir, device)
+    engine = engine_for(model)
+    if not engine.is_sharded(model):
+        return _whole_unsharded(trainer, model, save_dir)
+    if engine.whole_copy == "state_dict":
+        return _whole_gathered(trainer, model, engine, save_dir, device)
+    if is_peft_model(model):
+        return _whole_peft_saved(trainer, model, engine, save_dir, device)
+    return _whole_saved(trainer, model, engine, save_dir, device)
+
+
+def _whole_unsharded(trainer, model: nn.Module, save_dir: str) -> nn.Module:
+    """`whole_model` of a model no engine shards: saved (with a PEFT model's base), returned."""
+    trainer.save_model(save_dir)  # the main process writes; DDP ranks return at once
+    if is_peft_model(model) and trainer.args.should_save:
+        problem = _peft_base_problem(model)
+        if problem is None:
+            save_base(model, model.state_dict(), save_dir, _tokenizer_of(trainer))
+        else:
+            logger.warning("kfac_stream: whole_model saved only the PEFT adapter in %s: %s",
+                           save_dir, problem)
+    return model
+
+
+def _require_pretrained(engine: EngineAdapter, cls: type) -> None:
+    """Refuse a sharded model of class ``cls`` that is no transformers ``PreTrainedModel``."""
     from transformers import PreTrainedModel
 
-    if not isinstance(model, PreTrainedModel):
+    if not issubclass(cls, PreTrainedModel):
         raise PartitionedModelError(
-            f"whole_model: the ZeRO-3 model is a {type(model).__name__}, not a transformers "
-            "PreTrainedModel; save it with trainer.save_model(dir) and load it in a process "
-            "without DeepSpeed with its own loader")
+            f"whole_model: the {engine.name} model is a {cls.__name__}, not a transformers "
+            f"PreTrainedModel; {engine.manual_copy_hint}")
+
+
+def _settle(trainer) -> None:
+    """Two barriers before the other ranks return (and usually exit at once).
+
+    gloo's worker thread destroys a finished barrier's work after waking the caller; that work
+    released tensors with Python objects (core dump of the abort: ProcessGroupGloo::runLoop →
+    ~AsyncBarrierWork → ~AsyncWork → decref_pyobject → take_gil → pthread_exit →
+    std::terminate), so a rank that had begun interpreter shutdown by then aborted
+    ("terminate called without an active exception", SIGABRT): the ZeRO-3 quickstart test in
+    3 of 7 runs on a loaded 2-core machine. The worker destroys the first barrier's work before
+    it runs the second, while this thread waits without the GIL: 0 aborts in 16 runs under the
+    same load."""
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.wait_for_everyone()
+
+
+def _whole_saved(trainer, model: nn.Module, engine: EngineAdapter, save_dir: str,
+                 device) -> nn.Module | None:
+    """`whole_model` through the engine's own save (ZeRO-3): ``save_model`` gathers the
+    weights into files, the main process loads them outside the engine."""
+    _require_pretrained(engine, type(model))
     trainer.save_model(save_dir)  # collective under ZeRO-3: gathers the 16-bit weights
-    trainer.accelerator.wait_for_everyone()
-    # A second barrier before the other ranks return (and usually exit at once). gloo's worker
-    # thread destroys a finished barrier's work after waking the caller; that work released
-    # tensors with Python objects (core dump of the abort: ProcessGroupGloo::runLoop →
-    # ~AsyncBarrierWork → ~AsyncWork → decref_pyobject → take_gil → pthread_exit →
-    # std::terminate), so a rank that had begun interpreter shutdown by then aborted
-    # ("terminate called without an active exception", SIGABRT): the ZeRO-3 quickstart test
-    # in 3 of 7 runs on a loaded 2-core machine. The worker destroys the first barrier's work
-    # before it runs the second, while this thread waits without the GIL: 0 aborts in 16 runs
-    # under the same load.
-    trainer.accelerator.wait_for_everyone()
+    _settle(trainer)
     if not trainer.is_world_process_zero():
         return None
-    found = [f for f in _WEIGHT_FILES if os.path.exists(os.path.join(save_dir, f))]
-    if not found or _only_empty_weights(save_dir):
-        raise PartitionedModelError(
-            f"whole_model: trainer.save_model({save_dir!r}) wrote no whole weights: set "
-            "stage3_gather_16bit_weights_on_model_save: true in the DeepSpeed config (accelerate "
-            "yaml: zero3_save_16bit_model: true, as launch/'s ZeRO-3 configs do)")
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
+    problem = engine.saved_weights_problem(save_dir)
+    if problem is not None:
+        raise PartitionedModelError(f"whole_model: trainer.save_model({save_dir!r}) {problem}")
+    engine.before_local_load()
     copy = type(model).from_pretrained(save_dir)
     return copy.to(trainer.args.device if device is None else device).eval()
 
 
-def _whole_peft_zero3(trainer, model: nn.Module, save_dir: str, device) -> nn.Module | None:
+def _whole_peft_saved(trainer, model: nn.Module, engine: EngineAdapter, save_dir: str,
+                      device) -> nn.Module | None:
     """`whole_model` of a PeftModel under ZeRO-3: the adapter (``save_model``, which gathers the
     trainable parameters alone), then the whole state dict gathered once more for the base
     model's copy in ``save_dir/base``; the main process loads both outside DeepSpeed."""
@@ -183,19 +194,14 @@ def _whole_peft_zero3(trainer, model: nn.Module, save_dir: str, device) -> nn.Mo
     except ValueError:  # the same on every rank: the DeepSpeed config gathers no weights
         raise PartitionedModelError(
             f"whole_model: the base model of the PEFT model in {save_dir!r} cannot be saved "
-            "whole: set stage3_gather_16bit_weights_on_model_save: true in the DeepSpeed config "
-            "(accelerate yaml: zero3_save_16bit_model: true, as launch/'s ZeRO-3 configs do)"
-        ) from None
+            f"whole: {engine.save_gather_hint}") from None
     if trainer.is_world_process_zero():
         save_base(model, state, save_dir, _tokenizer_of(trainer))
     del state
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.wait_for_everyone()  # see the second barrier in `whole_model`
+    _settle(trainer)
     if not trainer.is_world_process_zero():
         return None
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
-
-    unset_hf_deepspeed_config()
+    engine.before_local_load()
     location = adapter_location(save_dir)
     base = type(model.get_base_model()).from_pretrained(location.base)
     copy = load_adapter(location, base)
@@ -223,38 +229,18 @@ def _tokenizer_of(trainer):
     return getattr(getattr(trainer, "data_collator", None), "tokenizer", None)
 
 
-def _whole_fsdp2(trainer, model: nn.Module, save_dir: str, device) -> nn.Module | None:
-    """`whole_model` under FSDP2: gather, load into an unsharded copy on the main process."""
-    from transformers import PreTrainedModel
-
-    cls = unsharded_class(model)
-    if not issubclass(cls, PreTrainedModel):
-        raise PartitionedModelError(
-            f"whole_model: the FSDP2 model is a {cls.__name__}, not a transformers "
-            "PreTrainedModel; gather its weights with torch.distributed.checkpoint's "
-            "get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)) and "
-            "load them into an unsharded instance")
-    state = gather_full_state_dict(model)  # collective: every rank, the main one receives
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.wait_for_everyone()  # see the second barrier in `whole_model`
+def _whole_gathered(trainer, model: nn.Module, engine: EngineAdapter, save_dir: str,
+                    device) -> nn.Module | None:
+    """`whole_model` by the engine's state-dict gather (FSDP2): the main process loads it into
+    an unsharded copy, saves that and returns it."""
+    cls = engine.unsharded_class(model)
+    _require_pretrained(engine, cls)
+    state = engine.gather_full_state_dict(model)  # collective: every rank, the main one receives
+    _settle(trainer)
     if not trainer.is_world_process_zero():
         return None
+    engine.before_local_load()
     copy = cls(model.config)
     copy.load_state_dict(state)
     copy.save_pretrained(save_dir)
     return copy.to(trainer.args.device if device is None else device).eval()
-
-
-def _only_empty_weights(save_dir: str) -> bool:
-    """True if the saved weight files hold no values (what ``save_model`` writes under ZeRO-3
-    without the 16-bit gather)."""
-    files = glob.glob(os.path.join(save_dir, "*.safetensors"))
-    if not files:
-        return False
-    from safetensors import safe_open
-
-    for path in files:
-        with safe_open(path, "pt") as f:
-            if any(f.get_slice(k).get_shape() not in ([], [0]) for k in f.keys()):
-                return False
-    return True

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from ..capture.hooks import logits_of
 from ..capture.presets import preset_layers
 from ..capture.selection import layer_spec
-from ..distributed.fsdp import is_dtensor
+from ..distributed.engines import engine_for
 from ..enums import LayerPreset
 from ..exceptions import (
     KFACConfigError,
@@ -973,28 +973,16 @@ def _warn_other_weights(where: str, snapshot: Snapshot, modules: dict[str, nn.Mo
 
 
 def _check_whole_weights(where: str, model: nn.Module, modules: dict[str, nn.Module]) -> None:
-    """The model holds its whole weights in this process and keeps them: not managed by
-    DeepSpeed ZeRO-3 (whose parameters carry ``ds_numel``; even when gathered right after
-    ``trainer.train()``, the engine partitions them again after the next forward), no FSDP2
-    ``DTensor`` parameter (its shape is the whole one, its values are not here), and every
-    tracked weight of its full size."""
+    """The model holds its whole weights in this process and keeps them: no parameter its
+    distributed engine shards (`EngineAdapter.sharded_parameter_problem`: DeepSpeed ZeRO-3
+    partitions them again after the next forward even when gathered right after
+    ``trainer.train()``; an FSDP2 ``DTensor``'s values are not here), and every tracked weight
+    of its full size."""
+    engine = engine_for(model)
     for pname, p in model.named_parameters():
-        if hasattr(p, "ds_numel"):
-            raise PartitionedModelError(
-                f"{where}: the model's weights are partitioned across ranks by DeepSpeed ZeRO-3 "
-                f"({pname!r} holds {p.numel()} of its {p.ds_numel} values in this process, and "
-                "the engine gathers them only inside its own forward): query a whole copy: "
-                "model = kfac_stream.whole_model(trainer, save_dir) on every rank (it saves the "
-                "model and loads it on the main process), or save it with "
-                "trainer.save_model(dir) and load it with from_pretrained(dir) in a process "
-                "without DeepSpeed")
-        if is_dtensor(p):
-            raise PartitionedModelError(
-                f"{where}: the model's weights are sharded across ranks by FSDP2 (fully_shard): "
-                f"{pname!r} is a DTensor whose values this process holds only in part, gathered "
-                "inside the model's own forward and backward on every rank at once: query a "
-                "whole copy: model = kfac_stream.whole_model(trainer, save_dir) on every rank "
-                "(it gathers the weights and returns a plain model on the main process)")
+        problem = engine.sharded_parameter_problem(where, pname, p)
+        if problem is not None:
+            raise PartitionedModelError(problem)
     for name, m in modules.items():
         spec = layer_spec(name, m)
         w = m.weight
