@@ -49,7 +49,7 @@ from transformers import (
 
 from kfac_stream import KFACConfig, KFACStreamCallback
 from kfac_stream.ekfac import correction_bytes, correction_flops
-from kfac_stream.tracker import plan_tracking
+from kfac_stream.tracking.tracker import plan_tracking
 
 from _common import BATCH, MODEL, SEQ, machine, make_data, write_json
 

@@ -118,7 +118,7 @@ from torch import nn
 
 from kfac_stream import KFACConfig
 from kfac_stream.capture.selection import select_layers
-from kfac_stream.tracker import Tracker
+from kfac_stream.tracking.tracker import Tracker
 
 from _common import (
     BATCH,

@@ -79,7 +79,7 @@ from kfac_stream.distributed.ownership import assign_owners
 from kfac_stream.settings import device_budget_from_memory
 from kfac_stream.stats.rows import slots_per_pass
 from kfac_stream.store.fold_cost import CHUNK_ENTRIES, entries
-from kfac_stream.tracker import plan_tracking
+from kfac_stream.tracking.tracker import plan_tracking
 
 from _common import machine, write_json, write_section
 

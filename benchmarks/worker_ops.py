@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-import kfac_stream.factor_updates as factor_updates
+import kfac_stream.tracking.factor_updates as factor_updates
 from kfac_stream import KFACConfig, KFACStreamCallback
 
 from _common import RandomTokens, log, machine, write_json

@@ -19,7 +19,7 @@ LAYERS = {
     "log_setup": 0, "curvature": 0, "replay_draws": 0,
     "stats": 1, "metrics": 1, "settings": 1, "ekfac": 1,
     "capture": 2, "store": 2, "distributed": 2, "snapshot": 2, "fisher": 2,
-    "tracker": 3, "factor_updates": 3, "tracker_state": 3, "query": 3, "folding": 3, "cost": 3,
+    "query": 3, "folding": 3, "cost": 3,
     "integrations": 4, "tracking": 4,
     "app": 5, "train": 5, "cli": 5, "": 5,  # "": the package's __init__
 }

@@ -95,7 +95,7 @@ def _state_factors(checkpoint: str) -> dict[str, torch.Tensor]:
     find it (inside the checkpoint, or beside it if the kill came before ``on_save``)."""
     from safetensors import safe_open
 
-    from kfac_stream.tracker_state import find_tracker_state
+    from kfac_stream.tracking.tracker_state import find_tracker_state
 
     directory, reasons = find_tracker_state(checkpoint)
     assert directory is not None, (checkpoint, reasons)

@@ -389,8 +389,8 @@ def test_resume_with_another_world_size_reshards(runs):
     exactly, the counters carry over and tokens_seen is the sum of both ranks'."""
     from kfac_stream import KFACConfig
     from kfac_stream.capture.selection import select_layers
-    from kfac_stream.tracker import Tracker
-    from kfac_stream.tracker_state import load_tracker_state
+    from kfac_stream.tracking.tracker import Tracker
+    from kfac_stream.tracking.tracker_state import load_tracker_state
 
     model = tiny_gpt2(torch.float32, n_embd=32, n_layer=2, n_head=2, attn_implementation="eager")
     specs = select_layers(model)

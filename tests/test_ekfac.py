@@ -352,7 +352,7 @@ def test_config_and_several_ranks_refused():
     with pytest.raises(KFACConfigError, match="ekfac"):
         KFACConfig(ekfac="yes")
     assert "ekfac" not in KFACConfig().to_dict() and KFACConfig(ekfac=True).to_dict()["ekfac"]
-    from kfac_stream.tracker import Tracker, plan_tracking
+    from kfac_stream.tracking.tracker import Tracker, plan_tracking
 
     model = tiny_gpt2()
     cfg = KFACConfig(ekfac=True)

@@ -121,8 +121,8 @@ def _issue_worker(rank, world, init_file, q, fold_on="host"):
     import kfac_stream.distributed.exchange as exchange
     from kfac_stream.config import KFACConfig
     from kfac_stream.distributed.context import DistContext
-    from kfac_stream.factor_updates import Counters, FactorUpdater, UpdateJob
     from kfac_stream.folding import Folding
+    from kfac_stream.tracking.factor_updates import Counters, FactorUpdater, UpdateJob
     from kfac_stream.tracking.plan import RunPlan
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,

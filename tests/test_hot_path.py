@@ -148,7 +148,7 @@ def test_gpu_eigh_matches_float64_cpu():
 
 @CUDA
 def test_bf16_tensor_core_fold_matches_float64():
-    from kfac_stream.factor_updates import gram_fp32
+    from kfac_stream.tracking.factor_updates import gram_fp32
 
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(819, 512, generator=gen, dtype=torch.float64)

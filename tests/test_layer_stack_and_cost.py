@@ -15,7 +15,7 @@ from transformers import Trainer, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback
 from kfac_stream.capture.presets import block_prefix
-from kfac_stream.tracker import Tracker
+from kfac_stream.tracking.tracker import Tracker
 
 from harness import run
 from models import ListDataset, text_examples, tiny_gpt2

@@ -13,7 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from kfac_stream import KFACConfig
 from kfac_stream.capture.selection import select_layers
-from kfac_stream.tracker import Tracker
+from kfac_stream.tracking.tracker import Tracker
 
 EXACT_TOL = 1e-12  # float64 throughout; 1.3e-7 before the fix
 

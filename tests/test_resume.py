@@ -14,7 +14,11 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from kfac_stream.tracker_state import TrackerStateError, check_state_dir, load_tracker_state
+from kfac_stream.tracking.tracker_state import (
+    TrackerStateError,
+    check_state_dir,
+    load_tracker_state,
+)
 
 from harness import run
 from models import text_examples, tiny_gpt2

@@ -22,10 +22,10 @@ import torch
 from test_mc_subbatch import _updates
 
 from kfac_stream import KFACConfig, KFACConfigError, LaplacePosterior, Snapshot
-from kfac_stream.factor_updates import Counters, FactorUpdater
 from kfac_stream.snapshot import adequacy
 from kfac_stream.snapshot.adequacy import REL_SE_WARN, sampling_problems, sampling_summary
 from kfac_stream.store.factor_store import FactorStore
+from kfac_stream.tracking.factor_updates import Counters, FactorUpdater
 from kfac_stream.tracking.plan import plan_window, sequences_per_update, window_mc_share
 
 from harness import ListDataset, brute_heldout_choice, factor_errors, run, sum_nll_loss

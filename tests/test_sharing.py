@@ -16,7 +16,7 @@ from kfac_stream import LaplacePosterior, Snapshot
 from kfac_stream.capture.selection import select_layers
 from kfac_stream.capture.sharing import plan_factors, probe_shared_inputs
 from kfac_stream.config import KFACConfig
-from kfac_stream.tracker import Tracker, plan_tracking
+from kfac_stream.tracking.tracker import Tracker, plan_tracking
 
 from harness import factor_errors, run, sum_nll_loss
 from models import lora_gpt2, text_examples, tiny_biogpt, tiny_gpt2, tiny_llama, tiny_opt

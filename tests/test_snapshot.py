@@ -271,9 +271,9 @@ def test_manifest_counts_are_the_tracker_counters():
     the manifest), the store's `Traffic` fields included, each one required by the schema."""
     import dataclasses
 
-    from kfac_stream.factor_updates import Counters
     from kfac_stream.snapshot.manifest_types import SCHEMA, Counts
     from kfac_stream.store.traffic import Traffic
+    from kfac_stream.tracking.factor_updates import Counters
 
     counts = {f.name for f in dataclasses.fields(Counts)}
     assert counts == {f.name for f in dataclasses.fields(Counters)} - {"skipped_steps"}

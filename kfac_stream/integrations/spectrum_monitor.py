@@ -137,7 +137,7 @@ def step_metrics(tracker, prefix: str = "kfac", steps: int | None = None) -> dic
     is read without waiting for the update in flight).
 
     Args:
-        tracker: A `kfac_stream.tracker.Tracker` (``KFACStreamCallback.tracker``).
+        tracker: A `kfac_stream.tracking.tracker.Tracker` (``KFACStreamCallback.tracker``).
         prefix: First component of every name.
         steps: Training steps the tracker has timed (``end_step`` calls) since it was made;
             ``ms_per_step`` (``tracker_seconds / steps``) is left out without it.

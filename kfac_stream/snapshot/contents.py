@@ -40,13 +40,13 @@ def snapshot_contents(record, step: int, epoch: float | None = None, ekfac=None,
     copies only and can run anywhere.
 
     Args:
-        record: A `kfac_stream.tracker.TrackerRecord` with factors (``Tracker.export()``); its
-            factor tensors become the shard's (not copied again).
+        record: A `kfac_stream.tracking.tracker.TrackerRecord` with factors
+            (``Tracker.export()``); its factor tensors become the shard's (not copied again).
         step: Optimizer step.
         epoch: Trainer epoch (fractional), recorded for the data-size estimate.
         ekfac: ``({layer: λ [d_out, d_A]}, {layer: entry})``, the EK-FAC correction
-            (`kfac_stream.tracker.Tracker.take_ekfac`): tensor ``<layer>.ekfac`` in the shard
-            of the layer's G factor and ``layers[<layer>]["ekfac"]`` in the manifest (basis
+            (`kfac_stream.tracking.tracker.Tracker.take_ekfac`): tensor ``<layer>.ekfac`` in the
+            shard of the layer's G factor and ``layers[<layer>]["ekfac"]`` in the manifest (basis
             step, update steps, ``N``); None or empty: neither (the snapshot is as without
             EK-FAC).
         weights: The tracked weights' fingerprint (`kfac_stream.snapshot.weights`), or None.

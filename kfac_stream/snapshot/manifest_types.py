@@ -175,8 +175,8 @@ def counter_rule(f: dataclasses.Field, hint: Any) -> Rule:
 
 @dataclass(kw_only=True)
 class Counts(Traffic):
-    """The tracker's counters at the snapshot (`kfac_stream.factor_updates.Counters`, without
-    ``skipped_steps``, which the manifest holds beside them): the store's `Traffic` fields
+    """The tracker's counters at the snapshot (`kfac_stream.tracking.factor_updates.Counters`,
+    without ``skipped_steps``, which the manifest holds beside them): the store's `Traffic` fields
     (inherited), and the tracker's own below. Made with ``Counts(**counters)``, so a counter
     the tracker adds and this class lacks fails the snapshot instead of going missing.
     ``comm_bytes`` lists each rank's (the merge gathers them); ``tokens_seen`` and

@@ -2,7 +2,7 @@
 
 1. `capture_snapshot`, on the training thread: the tracker flushes its factors (on a GPU
    the flush streams them through the device, each entry written once) and lends the stored
-   tensors themselves (`kfac_stream.tracker.Tracker.export` with ``lend``: no copy; a write
+   tensors themselves (`kfac_stream.tracking.tracker.Tracker.export` with ``lend``: no copy; a write
    before they are released goes into a spare tensor, `kfac_stream.store.factor_store`), the
    shard's tensors and manifest part are made from them
    (`kfac_stream.snapshot.contents.snapshot_contents`) and the weights' fingerprint is read
@@ -110,7 +110,7 @@ def take_snapshot(tracker, root: str, step: int, epoch: float | None = None,
 def write_record(record, root: str, step: int, epoch: float | None = None,
                  eigh_device: torch.device | str | None = None,
                  threads: int | None = None) -> str:
-    """A snapshot of ``record`` (a `kfac_stream.tracker.TrackerRecord` with factors; no
+    """A snapshot of ``record`` (a `kfac_stream.tracking.tracker.TrackerRecord` with factors; no
     weights fingerprint: no model here), eigendecomposed and written in one process;
     returns the snapshot directory."""
     tensors, manifest = snapshot_contents(record, step, epoch)

@@ -13,7 +13,7 @@ import logging
 import os
 
 from ..exceptions import TrackerStateError
-from ..tracker_state import (
+from .tracker_state import (
     STATE_DIR,
     commit_pending_state,
     find_tracker_state,

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..factor_updates import UpdateJob
 from ..stats.covariance import all_finite, with_bias_column
+from .factor_updates import UpdateJob
 
 
 @dataclass(frozen=True)

@@ -36,10 +36,10 @@ from ..snapshot.media import make_media
 from ..snapshot.sequence import capture_snapshot, finish_snapshot
 from ..snapshot.snapshot import read_manifest
 from ..snapshot.writer import clean_stale_tmp, set_aside_other_runs
-from ..tracker import Tracker, plan_tracking
 from .checkpoints import CheckpointProtocol
 from .lines import raised_share_line, tracking_summary, window_lines
 from .plan import RunPlan, RunShape
+from .tracker import Tracker, plan_tracking
 
 logger = logging.getLogger("kfac_stream")
 

@@ -12,7 +12,7 @@ parameter *values* or *shapes* outside the forward asks the model's adapter:
 - layer shapes (`kfac_stream.capture.selection`): `full_shape`;
 - queries, which refuse a sharded model (`kfac_stream.query.laplace`):
   `sharded_parameter_problem`;
-- the MC gradient taken inside the training forward (`kfac_stream.tracker`):
+- the MC gradient taken inside the training forward (`kfac_stream.tracking.tracker`):
   `allows_backward_in_forward`;
 - the Trainer callback's warning when the launch asked for an engine that did not take the
   model (`kfac_stream.integrations.hf_callback`): `launch_not_applied`, through
@@ -99,7 +99,7 @@ class EngineAdapter:
 
     def allows_backward_in_forward(self, model: nn.Module) -> bool:
         """True if a second backward may run inside the training forward of ``model`` (the
-        MC gradient taken in the forward, `kfac_stream.tracker.Tracker`)."""
+        MC gradient taken in the forward, `kfac_stream.tracking.tracker.Tracker`)."""
         return True
 
     def launch_not_applied(self, model: nn.Module) -> str | None:

@@ -2,9 +2,10 @@
 the factors' owners and folds it into the CPU store.
 
 The training thread hands one `UpdateJob` per update step to `FactorUpdater.submit` (see
-`kfac_stream.tracker`). Everything in a job is still on the rows' device; the updater reads its
-flags once (is it finite, how much weight per factor), on its own thread and CUDA stream when
-``async_updates`` is on (the default on CUDA), after the event recorded at the end of the step.
+`kfac_stream.tracking.tracker`). Everything in a job is still on the rows' device; the updater
+reads its flags once (is it finite, how much weight per factor), on its own thread and CUDA
+stream when ``async_updates`` is on (the default on CUDA), after the event recorded at the end of
+the step.
 With several ranks it exchanges rows or partial statistics with the owners
 (`distributed.exchange`; a non-finite statistic on any rank skips the update on all of them),
 then folds the second moments where `kfac_stream.folding.Folding` says (on the GPU into
@@ -24,13 +25,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .distributed.context import DistContext
-from .distributed.exchange import PendingExchange, finish_exchange, start_exchange
-from .distributed.ownership import Ownership
-from .folding import Folding, gram_fp32  # noqa: F401 (gram_fp32: re-exported)
-from .store.factor_store import FactorStore
-from .store.traffic import Traffic
-from .tracking.plan import RunPlan, WindowPlan
+from ..distributed.context import DistContext
+from ..distributed.exchange import PendingExchange, finish_exchange, start_exchange
+from ..distributed.ownership import Ownership
+from ..folding import Folding, gram_fp32  # noqa: F401 (gram_fp32: re-exported)
+from ..store.factor_store import FactorStore
+from ..store.traffic import Traffic
+from .plan import RunPlan, WindowPlan
 
 logger = logging.getLogger("kfac_stream")
 

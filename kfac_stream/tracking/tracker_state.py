@@ -37,17 +37,17 @@ import shutil
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .capture.hooks import CaptureState
-from .distributed.context import LOCAL, JsonComm
-from .exceptions import TrackerStateError
-from .factor_keys import split_factor_key
-from .files import fsync_path, sha256_of, write_json_atomic
-from .store.factor_store import FactorState
+from ..capture.hooks import CaptureState
+from ..distributed.context import LOCAL, JsonComm
+from ..exceptions import TrackerStateError
+from ..factor_keys import split_factor_key
+from ..files import fsync_path, sha256_of, write_json_atomic
+from ..store.factor_store import FactorState
 
 STATE_DIR = "kfac_stream"  # inside a checkpoint
 PENDING_ROOT = "kfac_stream-pending"  # beside the checkpoints: states not yet moved in
 INDEX_FILE = "index.json"
-INDEX_FORMAT = "kfac_stream.tracker_state"
+INDEX_FORMAT = "kfac_stream.tracking.tracker_state"
 _FILE_RE = re.compile(r"^state-rank-(\d{5})-of-(\d{5})\.safetensors$")
 _FIELDS = ("scale", "amax", "weight", "updates", "positions", "diagonal", "sq_norm_sum",
            "weight_sq", "sq_frob")  # each factor's scalars beside its tensor
@@ -73,7 +73,7 @@ def save_tracker_state(record, directory: str, comm: JsonComm = LOCAL,
     the index is on disk, so the state is complete on every rank's return.
 
     Args:
-        record: A `kfac_stream.tracker.TrackerRecord` with factors (``Tracker.export()``).
+        record: A `kfac_stream.tracking.tracker.TrackerRecord` with factors (``Tracker.export()``).
         directory: The state directory (a checkpoint's ``kfac_stream/`` or its pending twin).
         comm: The ranks' JSON communicator (`DistContext.snapshot_comm`).
         step: The checkpoint's step (the Trainer's ``global_step``), written into the index

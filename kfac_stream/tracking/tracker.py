@@ -5,7 +5,7 @@ update step (``k % update_every == 0``); the micro-batches' forward/backward pas
 rows; ``end_step(model)`` runs the MC passes (``fisher="mc"``: a replay on a random sub-batch
 of each micro-batch's sequences, or the whole micro-batch with ``mc_sequences="all"``), weights
 and scales the rows (sampling weights, the pass's loss scale ``c``) and hands an `UpdateJob` to
-the `FactorUpdater` (`kfac_stream.factor_updates`: exchange with the owners, fold into the
+the `FactorUpdater` (`kfac_stream.tracking.factor_updates`: exchange with the owners, fold into the
 store).
 
 The training thread never reads a device value on the host (tests/test_host_syncs.py counts):
@@ -30,22 +30,22 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .capture.hooks import IDLE, CaptureHooks, CaptureState
-from .capture.selection import LayerSpec, select_layers
-from .capture.sharing import FactorPlan, plan_factors, probe_shared_inputs
-from .config import KFACConfig
-from .distributed.context import DistContext
-from .distributed.engines import engine_for
-from .distributed.ownership import Ownership, assign_owners
-from .ekfac import EkfacState
-from .enums import StorageDtype
-from .exceptions import KFACConfigError
+from ..capture.hooks import IDLE, CaptureHooks, CaptureState
+from ..capture.selection import LayerSpec, select_layers
+from ..capture.sharing import FactorPlan, plan_factors, probe_shared_inputs
+from ..config import KFACConfig
+from ..distributed.context import DistContext
+from ..distributed.engines import engine_for
+from ..distributed.ownership import Ownership, assign_owners
+from ..ekfac import EkfacState
+from ..enums import StorageDtype
+from ..exceptions import KFACConfigError
+from ..fisher import estimator_for
+from ..folding import Folding
+from ..store.factor_store import FactorState
+from .collect import collect_update
 from .factor_updates import Counters, FactorUpdater, UpdateJob
-from .fisher import estimator_for
-from .folding import Folding
-from .store.factor_store import FactorState
-from .tracking.collect import collect_update
-from .tracking.plan import RunPlan
+from .plan import RunPlan
 
 logger = logging.getLogger("kfac_stream")
 
