@@ -45,7 +45,9 @@ SWAPS = [None, [1], {"x": 1}, "eight", True, math.nan, "@HUGE@"]
 ACCEPTED = {("epoch", "null"), ("config.async_updates", "null"),
             ("config.output_dir", "string"),
             ("config.eval_prior_precision", "bool"),  # "auto", True or False
-            ("model.model_type", "null")}  # a model whose config has no model_type
+            ("model.model_type", "null"),  # a model whose config has no model_type
+            ("run_plan.device_budget", "null"),  # "auto" on CUDA: decided at the first update
+            ("run_plan.eigh_device", "null")}  # eigh_device="cpu": float64 on the CPU
 
 
 def swap_variants(manifest):

@@ -9,7 +9,7 @@ than the tolerance (the test can fail)."""
 import pytest
 import torch
 
-from kfac_stream import KFACConfig, KFACConfigError
+from kfac_stream import KFACConfig, KFACConfigError, Snapshot
 from kfac_stream.capture.hooks import CaptureMode
 from kfac_stream.fisher import FisherEstimator, register_fisher, unregister_fisher
 
@@ -66,3 +66,5 @@ def test_registered_estimator_makes_the_factors_of_its_passes(tmp_path, toy_fish
     assert max(errs.values()) <= ORACLE_TOL, errs
     every, _ = reference_factors(model, records, LAYERS)  # the plain empirical Fisher's
     assert max(factor_errors(cb, every).values()) > 1e-3
+    snap = Snapshot.load(cb.snapshots[-1])  # the manifest knows the registered name
+    assert snap.meta["fisher"] == snap.meta["run_plan"]["fisher"] == "first_micro_batch"

@@ -22,8 +22,10 @@ from .manifest_types import (
     Manifest,
     ModelIdentity,
     Ownership,
+    RunPlanEntry,
     Sampling,
     WeightsFingerprint,
+    WindowEntry,
 )
 
 
@@ -115,9 +117,17 @@ def _manifest(record, step: int, epoch: float | None,
         counts=Counts(**counters), skipped_steps=list(record.counters.skipped_steps),
         shared_inputs=record.plan.describe(), run_id=record.run_id or None,
         answer_tokens=AnswerTokens(**answers) if answers else None,
+        run_plan=_run_plan(getattr(record, "run_plan", None)),
         fingerprint=layer_fingerprint(
             {n: (s.d_in, s.d_out, s.has_bias) for n, s in record.specs.items()}),
         layers=layers)
+
+
+def _run_plan(plan: dict[str, Any] | None) -> RunPlanEntry | None:
+    if not plan:
+        return None
+    window = plan.get("window")
+    return RunPlanEntry(**{**plan, "window": WindowEntry(**window) if window else None})
 
 
 def merge_manifests(parts: list[dict[str, Any]]) -> dict[str, Any]:

@@ -26,7 +26,7 @@ import typing
 from dataclasses import MISSING, dataclass
 from typing import Any, ClassVar
 
-from ..enums import FisherType
+from ..curvature import fisher_names
 from ..store.traffic import Traffic
 from .layout import FORMAT_NAME, FORMAT_VERSION
 from .schema import (
@@ -39,6 +39,7 @@ from .schema import (
     SHARD_NAME,
     STORAGE_DTYPES,
     Bool,
+    Ctx,
     Field,
     Int,
     ListOf,
@@ -241,6 +242,52 @@ class ModelIdentity:
     model_type: str | None = json_field(Nullable(Str(what="a config.model_type")))
 
 
+class FisherName(Rule):
+    """A registered Fisher estimator's name (`kfac_stream.curvature.fisher_names`, read when
+    a manifest is checked: an estimator registered by the user is known then)."""
+
+    @property
+    def expected(self) -> str:
+        return Str(choices=fisher_names()).expected
+
+    def check(self, value: Any, path: str, ctx: Ctx) -> None:
+        Str(choices=fisher_names()).check(value, path, ctx)
+
+
+@dataclass(kw_only=True)
+class WindowEntry:
+    """The final window the run planned (`kfac_stream.tracking.plan.WindowPlan`)."""
+
+    WHAT: ClassVar[str] = "the planned final window"
+    restart_step: int = json_field(COUNT)
+    updates: int = json_field(COUNT)
+    sequences: int = json_field(COUNT)
+    sequences_per_update: int = json_field(COUNT)
+
+
+@dataclass(kw_only=True)
+class RunPlanEntry:
+    """The run's plan as resolved at train begin (`kfac_stream.tracking.plan.RunPlan.to_dict`):
+    the curvature, the run's shape, where the fold and the eigendecompositions run, the device
+    budget (None: decided at the first update), the MC share a short run raised (None: kept),
+    the sequences per update and the final window (absent: the EMA throughout)."""
+
+    WHAT: ClassVar[str] = "the run plan"
+    fisher: str = json_field(FisherName())
+    form: str = json_field(Str(choices=("expand", "reduce")))
+    batch: int = json_field(COUNT)
+    accumulation: int = json_field(COUNT)
+    world: int = json_field(Int(1, MAX_WORLD_SIZE))
+    max_steps: int = json_field(COUNT)
+    fold_on: str = json_field(Str(choices=("device", "host")))
+    eigh_device: str | None = json_field(Nullable(Str(what="a device")))
+    device_budget: int | None = json_field(Nullable(COUNT))
+    async_updates: bool = json_field(Bool())
+    mc_share_raised: float | None = json_field(Nullable(Num(0.0, 1.0, lo_open=True)))
+    sequences_per_update: int = json_field(COUNT)
+    window: WindowEntry | None = json_field(optional=True)
+
+
 @dataclass(kw_only=True)
 class ShardEntry:
     """A shard file: its sha256 and size as written, and the rank whose factors it holds."""
@@ -347,7 +394,7 @@ class Manifest:
     world_size: int = json_field(Int(1, MAX_WORLD_SIZE))
     rank: int | None = json_field(_RANK, optional=True)
     ownership: Ownership = json_field()
-    fisher: str = json_field(Str(choices=tuple(f.value for f in FisherType)))
+    fisher: str = json_field(FisherName())
     ema_decay: float = json_field(Num(0.0, 1.0))
     token_fraction: float = json_field(Num(0.0, 1.0, lo_open=True))
     update_every: int = json_field(Int(1))
@@ -364,6 +411,7 @@ class Manifest:
               what="an object of weight fingerprints"), optional=True)
     answer_tokens: AnswerTokens | None = json_field(optional=True)
     model: ModelIdentity | None = json_field(optional=True)
+    run_plan: RunPlanEntry | None = json_field(optional=True)
     layers: dict[str, LayerEntry] = json_field(
         MapOf(record_of(LayerEntry), layer_name_problem, _LAYER_NAME, min_len=1,
               what="an object of layer entries"))

@@ -166,16 +166,18 @@ class RunPlan:
         return update_sequences(self.config, shape.batch, shape.accumulation, shape.world)(step)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON, as written into every snapshot's manifest (``"run_plan"``)."""
-        return {"curvature": {"fisher": self.curvature.fisher, "form": self.curvature.form},
-                "shape": asdict(self.shape), "fold_on": self.fold_on,
-                "eigh_device": None if self.eigh_device is None else str(self.eigh_device),
-                "device_budget": self.device_budget,
-                "async_updates": self.async_updates,
-                "mc_sequences": self.config.mc_sequences,
-                "mc_share_raised": self.mc_share_raised,
-                "sequences_per_update": self.sequences_per_update,
-                "window": None if self.window is None else asdict(self.window)}
+        """Plain JSON, as written into every snapshot's manifest (``"run_plan"``,
+        `kfac_stream.snapshot.manifest_types.RunPlanEntry`; the resolved config is the
+        manifest's ``config``)."""
+        out = {"fisher": self.curvature.fisher, "form": self.curvature.form,
+               **asdict(self.shape), "fold_on": self.fold_on,
+               "eigh_device": None if self.eigh_device is None else str(self.eigh_device),
+               "device_budget": self.device_budget, "async_updates": self.async_updates,
+               "mc_share_raised": self.mc_share_raised,
+               "sequences_per_update": self.sequences_per_update}
+        if self.window is not None:
+            out["window"] = asdict(self.window)
+        return out
 
     def describe(self) -> str:
         """The plan's part of the train-begin line."""

@@ -73,6 +73,7 @@ class TrackerRecord:
             or head on ``[B, d]``, `capture.hooks`); the others' rows are token positions.
         answer_tokens: ``{"ids": [K], "texts": [K] or None}``: ``KFACConfig.answer_tokens``
             resolved at train begin, or None.
+        run_plan: The run's `RunPlan` as plain JSON (`RunPlan.to_dict`).
     """
 
     step: int | None
@@ -90,6 +91,7 @@ class TrackerRecord:
     run_id: str = ""
     row_space: Mapping[str, str] = field(default_factory=dict)
     answer_tokens: Mapping[str, list] | None = None
+    run_plan: Mapping[str, Any] | None = None
 
     @property
     def dims(self) -> dict[str, tuple[int, bool]]:
@@ -375,7 +377,7 @@ class Tracker:
             run_id=self.run_id, row_space={n: space for n, space in
                                            self.capture.row_space.items()
                                            if space == "sequence"},
-            answer_tokens=self.answer_tokens)
+            answer_tokens=self.answer_tokens, run_plan=self.run.to_dict())
 
     def release(self, lent: Mapping[str, Tensor]) -> None:
         """Give back ``{key: tensor}`` a lending `export` handed out, no longer read (its
