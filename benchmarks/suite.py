@@ -75,9 +75,9 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, metrics
 from kfac_stream.app.data import ExampleDataset
+from kfac_stream.query.calibration import probs_from_gaussian
 from kfac_stream.query.heldout_tau import GRID as HELDOUT_GRID
 from kfac_stream.query.heldout_tau import LINKS as HELDOUT_LINKS
-from kfac_stream.query.laplace import probs_from_gaussian
 from kfac_stream.snapshot.sequence import write_record
 from kfac_stream.store.factor_store import FactorState, FactorStore
 from kfac_stream.tracking.plan import sequences_per_update, window_mc_share

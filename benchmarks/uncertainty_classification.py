@@ -143,7 +143,7 @@ from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, metrics
 from kfac_stream.app.data import ExampleDataset
-from kfac_stream.query.laplace import probs_from_gaussian
+from kfac_stream.query.calibration import probs_from_gaussian
 from kfac_stream.query.prior_choice import NO_HELDOUT_LINK
 
 from _common import (

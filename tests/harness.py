@@ -113,7 +113,7 @@ def brute_heldout_choice(post, grid, predictive, y):
     """``((tau, link), {candidate: mean NLL})`` of the lowest held-out NLL over ``grid`` ×
     `HELDOUT_LINKS`, by brute force: ``predictive()`` → ``(mean [B, K], cov [B, K, K])`` at
     every candidate tau set on ``post``; ties: the larger tau, then the link order."""
-    from kfac_stream.query.laplace import probs_from_gaussian
+    from kfac_stream.query.calibration import probs_from_gaussian
 
     nll = {}
     for tau in grid:

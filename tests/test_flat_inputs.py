@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from kfac_stream import LaplacePosterior, Snapshot, UnsupportedLayoutError
-from kfac_stream.query.laplace import per_example_inputs
+from kfac_stream.query.per_example import per_example_inputs
 from kfac_stream.query.sampled import sampled_predictive
 
 from harness import run

@@ -24,8 +24,8 @@ from transformers import Trainer, TrainingArguments
 from kfac_stream import KFACConfig, KFACConfigError, KFACStreamCallback, LaplacePosterior, Snapshot
 from kfac_stream.cli import main as cli_main
 from kfac_stream.exceptions import QueryInputError
+from kfac_stream.query.calibration import probs_from_gaussian
 from kfac_stream.query.heldout_tau import GRID, LINKS
-from kfac_stream.query.laplace import probs_from_gaussian
 from kfac_stream.query.prior_choice import NO_HELDOUT_LINK
 from kfac_stream.snapshot.heldout_prior import HeldoutPrior, read_heldout_prior, write_heldout_prior
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch.func import functional_call, jacrev
 
-from kfac_stream import QueryInputError, Snapshot
+from kfac_stream import QueryInputError, Snapshot, SnapshotMismatchError
 from kfac_stream.query.kron_eigen import sample_block
-from kfac_stream.query.laplace import LaplacePosterior, SnapshotMismatchError
+from kfac_stream.query.laplace import LaplacePosterior
 
 from harness import run, sum_nll_loss
 from models import text_examples, tiny_gpt2
@@ -163,7 +163,7 @@ def test_sampled_weights_are_the_same_draws_and_restore_exactly(trained):
 
 
 def test_probit_and_mc_probabilities_agree():
-    from kfac_stream.query.laplace import probs_from_gaussian
+    from kfac_stream.query.calibration import probs_from_gaussian
 
     mean = torch.tensor([[1.0, 0.0, -1.0]], dtype=torch.float64)
     cov = torch.tensor([[[0.5, 0.1, 0.0], [0.1, 0.3, 0.0], [0.0, 0.0, 0.2]]], dtype=torch.float64)
@@ -179,7 +179,7 @@ def test_meanfield_link_against_closed_forms_and_mc():
     """The pairwise mean-field link: softmax(μ) under no or fully shared noise (where probit
     moves), the probit sigmoid of the difference at K = 2, and the MC predictive at moderate
     variances (an approximation: within 2e-2, like probit's)."""
-    from kfac_stream.query.laplace import probs_from_gaussian
+    from kfac_stream.query.calibration import probs_from_gaussian
 
     mean = torch.tensor([[1.0, 0.0, -1.0]], dtype=torch.float64)
     soft = torch.softmax(mean, -1)
@@ -211,7 +211,7 @@ def test_mismatched_model_names_the_first_mismatch(trained):
 
 
 def test_fit_confidence_beta_recovers_the_generating_beta():
-    from kfac_stream.query.laplace import fit_confidence_beta
+    from kfac_stream.query.calibration import fit_confidence_beta
 
     gen = torch.Generator().manual_seed(0)
     var = torch.rand(200_000, generator=gen, dtype=torch.float64) * 4
@@ -292,7 +292,7 @@ def test_sequence_classification_head(tmp_path):
     probs = post.predictive_probs(batch, method="probit")
     assert torch.allclose(probs.sum(-1), torch.ones(2, dtype=torch.float64))
     # the default link is the mean-field one, on the dense reference covariance
-    from kfac_stream.query.laplace import probs_from_gaussian
+    from kfac_stream.query.calibration import probs_from_gaussian
     assert rel_err(post.predictive_probs(batch), probs_from_gaussian(mean, ref, "meanfield")) \
         <= DENSE_TOL
     heldout = [{"batch": batch, "token_ids": [0, 1, 2, 3], "labels": torch.tensor([0, 1])}]

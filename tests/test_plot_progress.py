@@ -17,7 +17,7 @@ from kfac_stream import LaplacePosterior, Snapshot
 from kfac_stream import progress as qprogress
 from kfac_stream.app.contrast import uncertainty_contrast, uncertainty_contrasts
 from kfac_stream.cli import main as cli_main
-from kfac_stream.query.laplace import NUM_DATA_WARN_FACTOR, default_num_data
+from kfac_stream.query.num_data import NUM_DATA_WARN_FACTOR, default_num_data
 from kfac_stream.query.topk import topk_predictive
 from kfac_stream.snapshot import media
 from kfac_stream.snapshot.snapshot import LayerFactors

@@ -13,7 +13,8 @@ import torch
 from kfac_stream import LaplacePosterior, Snapshot
 from kfac_stream.query import kron_eigen as ke
 from kfac_stream.query import marglik
-from kfac_stream.query.laplace import _minimise_over_log_range, _source_key
+from kfac_stream.query.calibration import minimise_over_log_range as _minimise_over_log_range
+from kfac_stream.query.eigen_cache import source_key as _source_key
 from kfac_stream.snapshot.snapshot import _Dequantised
 
 from harness import run

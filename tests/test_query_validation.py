@@ -21,7 +21,7 @@ from kfac_stream import (
     Snapshot,
 )
 from kfac_stream.cli import main as cli_main
-from kfac_stream.query.laplace import fit_confidence_beta, probs_from_gaussian
+from kfac_stream.query.calibration import fit_confidence_beta, probs_from_gaussian
 from kfac_stream.query.topk import topk_predictive
 
 from harness import run

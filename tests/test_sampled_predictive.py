@@ -100,7 +100,7 @@ def mc_z_scores(f, mean, cov):
 def test_batched_samples_equal_a_loop_over_sampled_weights(request, monkeypatch, head, slices):
     """``slices="many"``: the statistics over row slices of 5 positions (7 + 1 partial over the
     36 positions; on a CPU the slices are cache-sized, one per sample in these tiny models)."""
-    from kfac_stream.query.sampled import _Accumulator
+    from kfac_stream.query.sample_stats import PredictiveAccumulator as _Accumulator
 
     post = request.getfixturevalue(head)
     if slices == "many":
@@ -397,7 +397,7 @@ def test_statistics_with_minus_infinite_logits_and_many_samples(monkeypatch, dty
     float64 sum; the 3 positions in one row slice, or in slices of 2 (+ 1) or 1. Reference:
     the statistics in float64 by ``xlogy``. float32 work: 1e-6 (float32 log-softmax and
     sums, ~1e-7 per entry, summed over 6 classes and ≤ 32 samples per block)."""
-    from kfac_stream.query.sampled import _Accumulator
+    from kfac_stream.query.sample_stats import PredictiveAccumulator as _Accumulator
 
     assert _Accumulator.FLUSH == 32  # the two cases: inside one block, across blocks
     if rows is not None:

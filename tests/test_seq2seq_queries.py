@@ -255,7 +255,7 @@ def test_answer_token_fit_reads_the_labels_decoder_position(run):
     """One label per row and ``token_ids``: the closed-form predictive at the label's own
     decoder position (no shift), recomputed here at every candidate tau and link."""
     from kfac_stream import fit_prior_precision
-    from kfac_stream.query.laplace import probs_from_gaussian
+    from kfac_stream.query.calibration import probs_from_gaussian
 
     family, model, _, snap, held, _ = run
     post = LaplacePosterior(model, snap, prior_precision=1.0)

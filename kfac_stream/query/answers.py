@@ -34,7 +34,7 @@ Agreement takes only the values ``c/S``, so many examples tie; the metrics avera
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,47 +196,19 @@ def answer_distribution(post: LaplacePosterior, batch: Mapping[str, Tensor],
             forward), or a model whose output holds no logits.
     """
     where = "answer_distribution"
-    if not isinstance(post, LaplacePosterior):
-        raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
-    size, length = inputs.check_batch(where, "batch", batch, inputs.input_vocab(post.model))
-    batch = inputs.query_batch(where, "batch", batch, post.model)  # seq2seq: decoder inputs
-    if options is None:
-        options = post.answer_tokens  # the run's KFACConfig.answer_tokens, or None
-    ids = inputs.check_token_ids(where, "options", options, size, options=True)
-    length, _ = inputs.output_positions(batch, length)  # an encoder-decoder's: decoder's
-    pos = inputs.answer_positions(where, "positions", positions, batch, size, length,
-                                  shift=not inputs.seq2seq_lm(post.model))
-    n_samples = inputs.check_int(where, "n_samples", n_samples, 2)
-    seed = inputs.check_seed(where, "seed", seed)
-    if chunk is not None:
-        chunk = inputs.check_int(where, "chunk", chunk, 1)
-    inputs.check_flag(where, "linearized", linearized)
-    if show_progress is not None:
-        inputs.check_flag(where, "show_progress", show_progress)
-
-    model_inputs = inputs.forward_inputs(batch, post.model)
+    q = _check_options_query(where, post, batch, options, positions, n_samples=n_samples,
+                             seed=seed, chunk=chunk, linearized=linearized,
+                             show_progress=show_progress)
     with torch.no_grad():
-        map_logits = logits_of(post.model(**model_inputs))
-    select = _Selector(where, map_logits, batch, size, pos, positions, ids, options)
+        map_logits = logits_of(post.model(**inputs.forward_inputs(q.batch, post.model)))
+    select = _Selector(where, map_logits, q.batch, size=q.size, pos=q.pos,
+                       positions_given=positions, ids=q.ids, options_given=q.options)
     map_answer = select(map_logits[None])[0].argmax(-1)  # [B]
-
-    answers, prob_sum = [], None
-    for _, logits in iter_sample_logits(post, batch, n_samples, seed, chunk,
-                                        linearized=linearized, show_progress=show_progress):
-        f = select(logits)  # [S_c, B, K]
-        answers.append(f.argmax(-1))
-        p = torch.softmax(f.double(), dim=-1).sum(0)
-        prob_sum = p if prob_sum is None else prob_sum + p
-    sample_answers = torch.cat(answers)  # [S, B]
-    k = select.options.shape[1]
-    counts = F.one_hot(sample_answers, k).sum(0)  # [B, K] int64
-    majority, top = _majority(counts, map_answer)
-    return AnswerDistribution(
-        options=select.options, sample_answers=sample_answers, counts=counts,
-        frequencies=counts.double() / n_samples, probs=prob_sum / n_samples,
-        map_answer=map_answer, majority=majority, agreement=top.double() / n_samples,
-        map_agrees=majority == map_answer, n_samples=n_samples, seed=seed,
-        linearized=linearized)
+    sample_answers, prob_sum = _sample_answers(select, iter_sample_logits(
+        post, q.batch, q.n_samples, q.seed, q.chunk, linearized=linearized,
+        show_progress=show_progress))
+    return _distribution(select.options, sample_answers, prob_sum, map_answer,
+                         n_samples=q.n_samples, seed=q.seed, linearized=linearized)
 
 
 def generated_answers(post: LaplacePosterior, input_ids: Tensor, n_samples: int = 16,
@@ -280,6 +252,117 @@ def generated_answers(post: LaplacePosterior, input_ids: Tensor, n_samples: int 
             ``attention_mask`` included), checked before any generation.
     """
     where = "generated_answers"
+    mask, n_samples, seed, max_new_tokens = _check_generation(
+        where, post, input_ids, attention_mask, n_samples=n_samples, seed=seed,
+        max_new_tokens=max_new_tokens, generate_kwargs=generate_kwargs)
+    model, length = post.model, input_ids.shape[1]
+    kwargs, eos_ids = _greedy_kwargs(model, generate_kwargs, max_new_tokens)
+    with torch.no_grad():
+        map_rows = _continuations(model.generate(input_ids, attention_mask=mask, **kwargs),
+                                  length, eos_ids)
+    with sample_rows(post, n_samples, seed):
+        rows = _continuations(model.generate(input_ids.repeat(n_samples, 1),
+                                             attention_mask=mask.repeat(n_samples, 1),
+                                             **kwargs), length, eos_ids)
+    return _counted_answers(rows, map_rows, n_samples=n_samples, seed=seed,
+                            max_new_tokens=max_new_tokens)
+
+
+def abstain(agreement: Tensor, threshold: float) -> Tensor:
+    """``[B]`` bool: where to abstain, ``agreement < threshold`` (answer where at least the
+    fraction ``threshold`` of the samples agree; ``threshold`` a float in ``[0, 1]``)."""
+    where = "abstain"
+    if not isinstance(agreement, Tensor) or not agreement.is_floating_point():
+        raise inputs.error(where, "agreement", agreement, "a floating tensor (e.g. "
+                           "AnswerDistribution.agreement)", typed=not isinstance(agreement,
+                                                                                 Tensor))
+    allowed = "a float in [0, 1] (the least share of samples that must agree)"
+    threshold = inputs.check_finite(where, "threshold", threshold, allowed)
+    if not 0 <= threshold <= 1:
+        raise inputs.error(where, "threshold", threshold, allowed)
+    return agreement < threshold
+
+
+# -- answer_distribution ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _OptionsQuery:
+    """The checked arguments of `answer_distribution`."""
+
+    batch: Mapping[str, Tensor]  # the batch the model runs on (seq2seq: with decoder inputs)
+    size: int  # B
+    options: object  # as given, or the snapshot's answer tokens for None
+    ids: Tensor | None  # [K] or [B, K] int64; None: all classes of a classification head
+    pos: int | list[int]  # the answer positions
+    n_samples: int
+    seed: int
+    chunk: int | None
+
+
+def _check_options_query(where: str, post: object, batch: object, options: object,
+                         positions: object, *, n_samples: object, seed: object,
+                         chunk: object, linearized: object,
+                         show_progress: object) -> _OptionsQuery:
+    """`answer_distribution`'s arguments, checked before any model call."""
+    if not isinstance(post, LaplacePosterior):
+        raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
+    size, length = inputs.check_batch(where, "batch", batch, inputs.input_vocab(post.model))
+    batch = inputs.query_batch(where, "batch", batch, post.model)  # seq2seq: decoder inputs
+    if options is None:
+        options = post.answer_tokens  # the run's KFACConfig.answer_tokens, or None
+    ids = inputs.check_token_ids(where, "options", options, size, options=True)
+    length, _ = inputs.output_positions(batch, length)  # an encoder-decoder's: decoder's
+    pos = inputs.answer_positions(where, "positions", positions, batch, size, length,
+                                  shift=not inputs.seq2seq_lm(post.model))
+    n_samples = inputs.check_int(where, "n_samples", n_samples, 2)
+    seed = inputs.check_seed(where, "seed", seed)
+    if chunk is not None:
+        chunk = inputs.check_int(where, "chunk", chunk, 1)
+    inputs.check_flag(where, "linearized", linearized)
+    if show_progress is not None:
+        inputs.check_flag(where, "show_progress", show_progress)
+    return _OptionsQuery(batch=batch, size=size, options=options, ids=ids, pos=pos,
+                         n_samples=n_samples, seed=seed, chunk=chunk)
+
+
+def _sample_answers(select: _Selector, chunks: Iterable[tuple[int, Tensor]]
+                    ) -> tuple[Tensor, Tensor | None]:
+    """``(answers [S, B], Σ_s softmax(f_s) [B, K] float64)`` of the samples' logits, chunk by
+    chunk (``(first, logits [S_c, *P, V])``, `iter_sample_logits`)."""
+    answers, prob_sum = [], None
+    for _, logits in chunks:
+        f = select(logits)  # [S_c, B, K]
+        answers.append(f.argmax(-1))
+        p = torch.softmax(f.double(), dim=-1).sum(0)
+        prob_sum = p if prob_sum is None else prob_sum + p
+    return torch.cat(answers), prob_sum  # [S, B]
+
+
+def _distribution(options: Tensor, sample_answers: Tensor, prob_sum: Tensor,
+                  map_answer: Tensor, *, n_samples: int, seed: int,
+                  linearized: bool) -> AnswerDistribution:
+    """The `AnswerDistribution` of the samples' answers ``[S, B]`` (indices into ``options
+    [B, K]``), their summed option probabilities ``[B, K]`` and the MAP answer ``[B]``."""
+    k = options.shape[1]
+    counts = F.one_hot(sample_answers, k).sum(0)  # [B, K] int64
+    majority, top = _majority(counts, map_answer)
+    return AnswerDistribution(
+        options=options, sample_answers=sample_answers, counts=counts,
+        frequencies=counts.double() / n_samples, probs=prob_sum / n_samples,
+        map_answer=map_answer, majority=majority, agreement=top.double() / n_samples,
+        map_agrees=majority == map_answer, n_samples=n_samples, seed=seed,
+        linearized=linearized)
+
+
+# -- generated_answers --------------------------------------------------------------------------
+
+
+def _check_generation(where: str, post: object, input_ids: object, attention_mask: object, *,
+                      n_samples: object, seed: object, max_new_tokens: object,
+                      generate_kwargs: Mapping[str, Any]) -> tuple[Tensor, int, int, int]:
+    """``(attention mask, S, seed, max_new_tokens)``: `generated_answers`' arguments, checked
+    before any generation."""
     if not isinstance(post, LaplacePosterior):
         raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
     model = post.model
@@ -295,7 +378,6 @@ def generated_answers(post: LaplacePosterior, input_ids: Tensor, n_samples: int 
     if vocab is not None:
         inputs.check_id_range(where, "input_ids", input_ids, input_ids, vocab,
                               f"the model's {vocab} input embeddings")
-    size, length = input_ids.shape
     mask = _check_left_padding(where, attention_mask, input_ids)
     n_samples = inputs.check_int(where, "n_samples", n_samples, 2)
     seed = inputs.check_seed(where, "seed", seed)
@@ -305,7 +387,14 @@ def generated_answers(post: LaplacePosterior, input_ids: Tensor, n_samples: int 
         if not (given is False if value is False else inputs.is_int(given) and given == value):
             raise inputs.error(where, key, given, f"{value} (the decoding is greedy and fixed: "
                                "the posterior sample is the only randomness)")
+    return mask, n_samples, seed, max_new_tokens
 
+
+def _greedy_kwargs(model: Any, generate_kwargs: Mapping[str, Any],
+                   max_new_tokens: int) -> tuple[dict[str, Any], list[int]]:
+    """``(keyword arguments of model.generate, end-of-sequence ids)``: the caller's with the
+    greedy decoding (`GREEDY`), ``max_new_tokens`` and, when neither they nor the generation
+    config give one, the first end-of-sequence id as ``pad_token_id``."""
     gen_config = getattr(model, "generation_config", None)
     eos = generate_kwargs.get("eos_token_id", getattr(gen_config, "eos_token_id", None))
     if eos is None:
@@ -315,21 +404,25 @@ def generated_answers(post: LaplacePosterior, input_ids: Tensor, n_samples: int 
     if kwargs.get("pad_token_id") is None and eos_ids and (
             getattr(gen_config, "pad_token_id", None) is None):
         kwargs["pad_token_id"] = eos_ids[0]
+    return kwargs, eos_ids
 
-    def continuations(out: Any) -> list[tuple[int, ...]]:
-        seqs = out if isinstance(out, Tensor) else out.sequences
-        rows = []
-        for row in seqs[:, length:].tolist():
-            cut = next((i for i, t in enumerate(row) if t in eos_ids), len(row))
-            rows.append(tuple(row[:cut]))
-        return rows
 
-    with torch.no_grad():
-        map_rows = continuations(model.generate(input_ids, attention_mask=mask, **kwargs))
-    with sample_rows(post, n_samples, seed):
-        rows = continuations(model.generate(input_ids.repeat(n_samples, 1),
-                                            attention_mask=mask.repeat(n_samples, 1), **kwargs))
+def _continuations(out: Any, length: int, eos_ids: list[int]) -> list[tuple[int, ...]]:
+    """The generated tokens of each row of ``generate``'s output (its sequences past the
+    ``length`` prompt columns), cut before the first end-of-sequence id."""
+    seqs = out if isinstance(out, Tensor) else out.sequences
+    rows = []
+    for row in seqs[:, length:].tolist():
+        cut = next((i for i, t in enumerate(row) if t in eos_ids), len(row))
+        rows.append(tuple(row[:cut]))
+    return rows
 
+
+def _counted_answers(rows: list[tuple[int, ...]], map_rows: list[tuple[int, ...]], *,
+                     n_samples: int, seed: int, max_new_tokens: int) -> GeneratedAnswers:
+    """The `GeneratedAnswers` of the samples' continuations ``rows`` (``S·B``, sample-major)
+    and the MAP's ``map_rows`` (``B``)."""
+    size = len(map_rows)
     samples, answers, index = [], [], torch.empty(n_samples, size, dtype=torch.long)
     for b in range(size):
         mine = [rows[s * size + b] for s in range(n_samples)]
@@ -349,21 +442,6 @@ def generated_answers(post: LaplacePosterior, input_ids: Tensor, n_samples: int 
         map_answer=tuple(map_rows),
         map_agrees=torch.tensor([m == a for m, a in zip(majority, map_rows)], dtype=torch.bool),
         n_samples=n_samples, seed=seed, max_new_tokens=max_new_tokens)
-
-
-def abstain(agreement: Tensor, threshold: float) -> Tensor:
-    """``[B]`` bool: where to abstain, ``agreement < threshold`` (answer where at least the
-    fraction ``threshold`` of the samples agree; ``threshold`` a float in ``[0, 1]``)."""
-    where = "abstain"
-    if not isinstance(agreement, Tensor) or not agreement.is_floating_point():
-        raise inputs.error(where, "agreement", agreement, "a floating tensor (e.g. "
-                           "AnswerDistribution.agreement)", typed=not isinstance(agreement,
-                                                                                 Tensor))
-    allowed = "a float in [0, 1] (the least share of samples that must agree)"
-    threshold = inputs.check_finite(where, "threshold", threshold, allowed)
-    if not 0 <= threshold <= 1:
-        raise inputs.error(where, "threshold", threshold, allowed)
-    return agreement < threshold
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -397,8 +475,8 @@ class _Selector:
                                            "[B, T, V])")
             self.index = torch.tensor(inputs.position_index(
                 where, "positions", positions_given,
-                inputs.output_positions(batch, logits.shape[1])[1], size, logits.shape[1], pos),
-                dtype=torch.long, device=dev)
+                inputs.output_positions(batch, logits.shape[1])[1], size=size,
+                length=logits.shape[1], positions=pos), dtype=torch.long, device=dev)
         inputs.check_id_range(where, "options", options_given, ids, vocab, what)
         if ids.dim() == 1:
             ids = ids[None].expand(size, -1)

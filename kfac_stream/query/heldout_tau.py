@@ -34,7 +34,9 @@ times ``S`` linearised forwards (about ``2·S`` forwards each); ``link`` is then
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -43,6 +45,7 @@ from ..exceptions import QueryInputError
 from ..metrics import nll_per_example
 from ..snapshot.heldout_prior import HeldoutPrior
 from . import inputs
+from .calibration import PROBS_METHODS, probs_from_gaussian
 
 #: ``τ`` candidates: a log grid over ten decades; the marginal-likelihood ``τ`` is added.
 #: Fixed before the suite that judged the held-out default. At the top (``1e6``)
@@ -152,12 +155,39 @@ def fit_prior_precision(post, batches: Iterable[Mapping[str, Tensor]], *,
     Returns:
         A `HeldoutPrior`; ``post.prior_precision`` is left as it was.
     """
-    import time
-
-    from .laplace import PROBS_METHODS, probs_from_gaussian
-
     where = "fit_prior_precision"
     t0 = time.perf_counter()
+    spec = _check_fit(where, post, token_ids=token_ids, link=link, n_samples=n_samples,
+                      seed=seed)
+    before = post.prior_precision
+    tau_ml = post.optimize_prior_precision(show_progress=False)
+    post.prior_precision = before
+    taus = sorted({float(t) for t in grid} | {tau_ml})
+    sums = _HeldoutNLL(spec.links, len(taus))
+    try:
+        for batch in batches:
+            sums.add(post, batch, taus, spec)
+    finally:
+        post.prior_precision = before
+    return sums.best(where, taus, tau_ml, t0)
+
+
+@dataclass(frozen=True)
+class _FitSpec:
+    """The checked arguments of `fit_prior_precision`."""
+
+    where: str
+    links: tuple[str, ...]  # the candidate links
+    token_ids: list[int] | None  # the K answer tokens of a language-model head
+    seq2seq: bool  # an encoder-decoder LM (`inputs.seq2seq_lm`)
+    n_samples: int  # draws per candidate of the per-token NLL
+    seed: int
+
+
+def _check_fit(where: str, post, *, token_ids: object, link: object, n_samples: object,
+               seed: object) -> _FitSpec:
+    """`fit_prior_precision`'s arguments, checked (``token_ids`` None: the snapshot's
+    answer tokens)."""
     links = LINKS if link is None else (inputs.check_choice(where, "link", link,
                                                             PROBS_METHODS),)
     if token_ids is None:
@@ -170,53 +200,66 @@ def fit_prior_precision(post, batches: Iterable[Mapping[str, Tensor]], *,
         token_ids = token_ids.tolist()
     n_samples = inputs.check_int(where, "n_samples", n_samples, 2)
     seed = inputs.check_seed(where, "seed", seed)
-    seq2seq = inputs.seq2seq_lm(post.model)
-    before = post.prior_precision
-    tau_ml = post.optimize_prior_precision(show_progress=False)
-    post.prior_precision = before
-    taus = sorted({float(t) for t in grid} | {tau_ml})
-    total = {k: torch.zeros(len(taus), dtype=torch.float64) for k in links}
-    map_nll = map_correct = map_conf = 0.0
-    n = 0
-    per_token = False
-    try:
-        for batch in batches:
-            if "labels" not in batch:
-                raise QueryInputError(f"{where}: a held-out batch has no labels")
-            labels = batch["labels"]
-            if seq2seq and token_ids is None and isinstance(labels, Tensor) and \
-                    labels.dim() == 2:  # a whole target per row: the NLL per label token
-                inputs.check_batch(where, "batch", batch, inputs.input_vocab(post.model))
-                part, count = _token_nll(post, batch, labels, taus, n_samples, seed)
-                total = {"mc": total.get("mc", torch.zeros_like(part)) + part}
-                n += count
-                per_token = True
-                continue
-            y = _targets(where, labels.cpu(), token_ids)
-            mean, covs = post.predictive_covariances(batch, None, token_ids,  # at the labels
-                                                     prior_precisions=taus)
-            y = y.to(mean.device)
-            for k in links:
-                for i in range(len(taus)):
-                    total[k][i] += nll_per_example(probs_from_gaussian(mean, covs[i], k),
-                                                   y).sum().cpu()
-            p_map = torch.softmax(mean.double(), -1)
-            map_nll += float(nll_per_example(p_map, y).sum())
-            map_correct += float((p_map.argmax(-1) == y).sum())
-            map_conf += float(p_map.max(-1).values.sum())
-            n += len(y)
-    finally:
-        post.prior_precision = before
-    if n == 0:
-        raise QueryInputError(f"{where}: no held-out examples")
-    link_nll = {k: (v / n).tolist() for k, v in total.items()}
-    # the lowest NLL; ties: the larger tau (nearer MAP), then the order of `links`
-    k_best, best = min(((k, i) for k in link_nll for i in range(len(taus))),
-                       key=lambda c: (link_nll[c[0]][c[1]], -taus[c[1]]))
-    ml = taus.index(tau_ml)
-    chosen = link_nll[k_best]
-    maps = (None, None, None) if per_token else (map_nll / n, map_correct / n, map_conf / n)
-    return HeldoutPrior(taus[best], chosen[best], tau_ml, chosen[ml], n, k_best, tuple(taus),
-                        tuple(chosen), *maps,
-                        link_nll={k: tuple(v) for k, v in link_nll.items()},
-                        seconds=time.perf_counter() - t0)
+    return _FitSpec(where=where, links=links, token_ids=token_ids,
+                    seq2seq=inputs.seq2seq_lm(post.model), n_samples=n_samples, seed=seed)
+
+
+class _HeldoutNLL:
+    """The held-out NLL summed per link and candidate ``τ`` over the batches, with MAP's own
+    NLL, correct answers and confidence (`fit_prior_precision`)."""
+
+    def __init__(self, links: Sequence[str], candidates: int) -> None:
+        self.total = {k: torch.zeros(candidates, dtype=torch.float64) for k in links}
+        self.map_nll = self.map_correct = self.map_conf = 0.0
+        self.n = 0
+        self.per_token = False
+
+    def add(self, post, batch: Mapping[str, Tensor], taus: Sequence[float],
+            spec: _FitSpec) -> None:
+        """One held-out batch: a seq2seq target per row by the per-token NLL (`_token_nll`),
+        else the closed-form links of one Jacobian pass at every candidate."""
+        where, token_ids = spec.where, spec.token_ids
+        if "labels" not in batch:
+            raise QueryInputError(f"{where}: a held-out batch has no labels")
+        labels = batch["labels"]
+        if spec.seq2seq and token_ids is None and isinstance(labels, Tensor) and \
+                labels.dim() == 2:  # a whole target per row: the NLL per label token
+            inputs.check_batch(where, "batch", batch, inputs.input_vocab(post.model))
+            part, count = _token_nll(post, batch, labels, taus, spec.n_samples, spec.seed)
+            self.total = {"mc": self.total.get("mc", torch.zeros_like(part)) + part}
+            self.n += count
+            self.per_token = True
+            return
+        y = _targets(where, labels.cpu(), token_ids)
+        mean, covs = post.predictive_covariances(batch, None, token_ids,  # at the labels
+                                                 prior_precisions=taus)
+        y = y.to(mean.device)
+        for k in spec.links:
+            for i in range(len(taus)):
+                self.total[k][i] += nll_per_example(probs_from_gaussian(mean, covs[i], k),
+                                                    y).sum().cpu()
+        p_map = torch.softmax(mean.double(), -1)
+        self.map_nll += float(nll_per_example(p_map, y).sum())
+        self.map_correct += float((p_map.argmax(-1) == y).sum())
+        self.map_conf += float(p_map.max(-1).values.sum())
+        self.n += len(y)
+
+    def best(self, where: str, taus: list[float], tau_ml: float, t0: float) -> HeldoutPrior:
+        """The `HeldoutPrior` of the lowest mean NLL (``t0``: when the fit began)."""
+        n = self.n
+        if n == 0:
+            raise QueryInputError(f"{where}: no held-out examples")
+        link_nll = {k: (v / n).tolist() for k, v in self.total.items()}
+        # the lowest NLL; ties: the larger tau (nearer MAP), then the order of `links`
+        k_best, best = min(((k, i) for k in link_nll for i in range(len(taus))),
+                           key=lambda c: (link_nll[c[0]][c[1]], -taus[c[1]]))
+        ml = taus.index(tau_ml)
+        chosen = link_nll[k_best]
+        maps = ((None, None, None) if self.per_token else
+                (self.map_nll / n, self.map_correct / n, self.map_conf / n))
+        return HeldoutPrior(tau=taus[best], nll=chosen[best], marglik_tau=tau_ml,
+                            marglik_nll=chosen[ml], examples=n, link=k_best, grid=tuple(taus),
+                            grid_nll=tuple(chosen), map_nll=maps[0], map_accuracy=maps[1],
+                            map_confidence=maps[2],
+                            link_nll={k: tuple(v) for k, v in link_nll.items()},
+                            seconds=time.perf_counter() - t0)

@@ -61,7 +61,8 @@ from ..exceptions import QueryInputError
 from ..progress import progress
 from . import inputs
 from . import kron_eigen as ke
-from .laplace import LaplacePosterior, layer_calls, per_example_inputs
+from .laplace import LaplacePosterior
+from .per_example import layer_calls, per_example_inputs
 
 logger = logging.getLogger("kfac_stream")
 

@@ -18,12 +18,12 @@ Each pair is represented by its bin's centre, within ``w`` of its ``log λ``, so
 ``log(λ + τ)`` is within ``w`` (its slope in ``log λ`` is ``λ/(λ+τ) ≤ 1``) and each
 ``λ/(λ+τ)`` within ``w/4``: the surrogate ``F`` is within ``P·w/2`` of the exact one, with
 ``w = BIN_WIDTH``. The grid and golden-section search of
-`laplace._minimise_over_log_range` runs on that surrogate (cost: the number of non-empty bins
-per evaluation, not the number of pairs), and `newton_polish` then takes Newton steps on the
-*exact* ``F'`` (one pass over the pairs each, ``λ`` recomputed per layer from the eigenvalues,
-never stored) until the step is below `POLISH_TOL`; a step of the surrogate's error ``δ`` leaves
-``O(δ²)``, so the tuned ``τ`` is the exact maximiser to ~1e-8 relative (tests/
-test_posterior_scale.py checks it against the dense search).
+`calibration.minimise_over_log_range` runs on that surrogate (cost: the number of non-empty
+bins per evaluation, not the number of pairs; `EvidenceBins.maximise`), and `newton_polish`
+then takes Newton steps on the *exact* ``F'`` (one pass over the pairs each, ``λ`` recomputed
+per layer from the eigenvalues, never stored) until the step is below `POLISH_TOL`; a step of
+the surrogate's error ``δ`` leaves ``O(δ²)``, so the tuned ``τ`` is the exact maximiser to
+~1e-8 relative (tests/test_posterior_scale.py checks it against the dense search).
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from ..progress import progress
+from .calibration import minimise_over_log_range
 
 #: Width ``w`` (natural-log units) of the per-factor eigenvalue bins.
 BIN_WIDTH = 1.0 / 256
@@ -140,3 +143,24 @@ class EvidenceBins:
             if step < POLISH_TOL:
                 break
         return t, passes
+
+    def maximise(self, lower: float, upper: float, grid: int, iters: int, *,
+                 show_progress: bool | None = None) -> tuple[float, int]:
+        """The shared ``τ`` in ``[lower, upper]`` maximising the evidence: ``grid`` log-spaced
+        points and ``iters`` golden-section steps on the surrogate (`minimise_over_log_range`,
+        ``grid + iters + 2`` evaluations, counted by a progress bar: `kfac_stream.progress`),
+        then `newton_polish` on the exact slope. Returns ``(τ, exact passes)``."""
+        bar = progress(total=grid + iters + 2, desc=f"marglik prior precision "
+                       f"({len(self.eigvals)} layers)", unit="eval", show=show_progress)
+
+        def negative_evidence(log_tau: float) -> float:
+            value = -self.surrogate(log_tau)
+            bar.update()
+            return value
+
+        try:
+            start = minimise_over_log_range(negative_evidence, lower, upper, grid, iters)
+        finally:
+            bar.close()
+        log_tau, passes = self.newton_polish(math.log(start), lower, upper)
+        return math.exp(log_tau), passes

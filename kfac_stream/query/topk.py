@@ -80,14 +80,14 @@ def topk_predictive(post: LaplacePosterior, input_ids: Tensor, k: int = 5,
             means, covs = post.predictive(rows, positions=ts, token_ids=top_all[ts])
             for j, t in enumerate(ts):
                 out.append(_row(t, top_all[t].tolist(), logits[t], means[j], covs[j],
-                                n_samples, gen))
+                                n_samples=n_samples, gen=gen))
             bar.update(len(ts))
     finally:
         bar.close()
     return out
 
 
-def _row(t: int, top: list[int], logits: Tensor, mean: Tensor, cov: Tensor, n_samples: int,
+def _row(t: int, top: list[int], logits: Tensor, mean: Tensor, cov: Tensor, *, n_samples: int,
          gen: torch.Generator) -> dict:
     """One position's entry of `topk_predictive` from its MAP logits ``[V]`` and the
     predictive ``mean [k]``, ``cov [k, k]`` of its top-k logits."""
