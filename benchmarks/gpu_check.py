@@ -617,7 +617,7 @@ def exchange_main(device: torch.device, out: Path) -> int:
     """A one-rank exchange, issued from a side stream as the tracker issues it."""
     import torch.distributed as dist
 
-    from kfac_stream.distributed.exchange import finish_exchange, start_exchange
+    from kfac_stream.distributed.exchange import ExchangeRequest, finish_exchange, start_exchange
     from kfac_stream.distributed.ownership import assign_owners
 
     cuda = device.type == "cuda"
@@ -637,15 +637,15 @@ def exchange_main(device: torch.device, out: Path) -> int:
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
-                pending = start_exchange(rows, dims, own, 0, 1, None, "rows", device=device,
-                                         sums=sums, plan_group=plan,
-                                         weights={"d.A": torch.tensor(40.0, device=device)},
-                                         positions={"d.A": 40})
+                pending = start_exchange(ExchangeRequest(
+                    rows, dims, own, 0, 1, strategy="rows", device=device, sums=sums,
+                    plan_group=plan, weights={"d.A": torch.tensor(40.0, device=device)},
+                    positions={"d.A": 40}))
                 ex = finish_exchange(pending)
         else:
-            ex = finish_exchange(start_exchange(rows, dims, own, 0, 1, None, "rows",
-                                                device=device, sums=sums, weights={"d.A": 40.0},
-                                                positions={"d.A": 40}))
+            ex = finish_exchange(start_exchange(ExchangeRequest(
+                rows, dims, own, 0, 1, strategy="rows", device=device, sums=sums,
+                weights={"d.A": 40.0}, positions={"d.A": 40})))
         secs = time.perf_counter() - t
         exact = bool(all(torch.equal(ex.owned[k][1], rows[k]) for k in rows)
                      and torch.equal(ex.owned["d.A"][1][0], sums["d.A"].float()) and ex.ok)

@@ -68,7 +68,7 @@ class Folding:
         """A rank's partial ``Σ rowsᵀrows`` for the exchange's statistics strategy."""
         return gram_fp32(rows, diagonal)
 
-    def deliver(self, store: FactorStore, key: str, how: str, payload, n: float,
+    def deliver(self, store: FactorStore, key: str, how: str, payload, *, n: float,
                 positions: int, decay: float | None) -> None:
         """Fold one update of factor ``key`` into ``store``.
 

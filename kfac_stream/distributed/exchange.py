@@ -21,6 +21,7 @@ This module (with ``ownership``) is the only place that calls ``torch.distribute
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,13 +51,6 @@ def choose_strategy(counts: Sequence[int], owner: int, d: int, diagonal: bool,
     rb = rows_bytes(counts, owner, d, elem_bytes)
     sb = stats_bytes(len(counts), d, diagonal, elem_bytes)
     return "rows" if rb <= sb else "stats"
-
-
-def all_ranks_agree(flag: bool, group=None) -> bool:
-    """True only if ``flag`` is True on every rank (e.g. "my statistics are finite")."""
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return bool(t.item())
 
 
 @dataclass
@@ -166,40 +160,11 @@ class PendingExchange:
     keep: list = field(default_factory=list)  # send buffers, alive until the works finish
 
 
-def exchange_to_owners(*args, **kwargs) -> Exchanged:
-    """Bring every factor's rows (or partial sums) to its owner: `start_exchange` then
-    `finish_exchange` on the calling thread (the arguments are `start_exchange`'s)."""
-    return finish_exchange(start_exchange(*args, **kwargs))
+@dataclass
+class ExchangeRequest:
+    """One exchange, as every rank issues it (`start_exchange`).
 
-
-def start_exchange(local: dict[str, Tensor], dims: dict[str, tuple[int, bool]],
-                   ownership: Ownership, rank: int, world_size: int, group=None,
-                   strategy: str | None = None, ok: bool | Tensor = True,
-                   transport: torch.dtype | None = None,
-                   dtype: torch.dtype | None = None,
-                   weights: dict[str, float | Tensor] | None = None,
-                   positions: dict[str, int | Tensor] | None = None,
-                   device: torch.device | None = None,
-                   gram_fn: Callable[[Tensor, bool], Tensor] | None = None,
-                   sums: dict[str, Tensor] | None = None,
-                   plan_group=None) -> PendingExchange:
-    """Issue every collective of one exchange, reading no device value on the host.
-
-    Collective: every rank calls it with the same keys (``dims``), in the same order, from
-    the same thread relative to the training's own collectives (the tracker issues it from the
-    training thread at the end of an update step, so NCCL kernels of this group and of
-    DDP/ZeRO are launched in the same order on every rank). First one blocking ``all_gather``
-    of a small host table over ``plan_group`` (gloo: row counts and dtypes, which the host
-    knows from the tensors' shapes), so all ranks agree on the strategy, the padding and the
-    wire dtype; then, all asynchronous on ``group``: an ``all_gather`` of a ``[3K + 1]``
-    device table (weights, positions, fp16 transport exponents, ``ok``), **one**
-    ``all_to_all`` of every rows-strategy factor (each rank's piece for an owner is that
-    owner's factors' rows, padded to the largest ``m_r``, flattened) and one ``reduce`` per
-    owner of the statistics-strategy factors' partial sums. The same code runs on gloo with
-    CPU tensors and on NCCL with device tensors (``device``); on CUDA the collectives run
-    after the current stream's work (issue it under the stream that may wait for them).
-
-    Args:
+    Attributes:
         local: ``{key: rows [m_r, d]}`` on this rank (a missing key means ``m_r = 0``); A rows
             already carry their bias column and every row its sampling weight; one float
             dtype, on ``device``.
@@ -230,76 +195,166 @@ def start_exchange(local: dict[str, Tensor], dims: dict[str, tuple[int, bool]],
         plan_group: A gloo group for the host table (default: ``group``, which must then be
             gloo; the tracker passes its own for an NCCL ``group``).
     """
-    keys = list(dims)
-    device = device or torch.device("cpu")
-    gram_fn = gram_fn or _default_gram
-    weights, positions, sums = weights or {}, positions or {}, sums or {}
+
+    local: dict[str, Tensor]
+    dims: dict[str, tuple[int, bool]]
+    ownership: Ownership
+    rank: int
+    world_size: int
+    group: object = None
+    strategy: str | None = None
+    ok: bool | Tensor = True
+    transport: torch.dtype | None = None
+    dtype: torch.dtype | None = None
+    weights: dict[str, float | Tensor] | None = None
+    positions: dict[str, int | Tensor] | None = None
+    device: torch.device | None = None
+    gram_fn: Callable[[Tensor, bool], Tensor] | None = None
+    sums: dict[str, Tensor] | None = None
+    plan_group: object = None
+
+
+@dataclass
+class _Agreed:
+    """What every rank agreed from the host table (the same on every rank)."""
+
+    slots: Tensor  # [W, 2K + 2]: slots | summed | rows' dtype | float64 sums of every rank
+    summed_any: Tensor  # [K]: some rank sent a reduced sum
+    wire_rows: torch.dtype  # the rows' dtype
+    wide: torch.dtype  # the partial statistics' dtype
+    scaled: bool  # fp16 transport of the rows
+    wire: torch.dtype  # the rows' dtype on the wire
+    esize: int  # its bytes per entry
+
+
+def exchange_to_owners(*args, **kwargs) -> Exchanged:
+    """Bring every factor's rows (or partial sums) to its owner: `start_exchange` then
+    `finish_exchange` on the calling thread (the arguments are `ExchangeRequest`'s fields)."""
+    return finish_exchange(start_exchange(ExchangeRequest(*args, **kwargs)))
+
+
+def start_exchange(request: ExchangeRequest) -> PendingExchange:
+    """Issue every collective of one exchange (`ExchangeRequest`), reading no device value on
+    the host.
+
+    Collective: every rank calls it with the same keys (``dims``), in the same order, from
+    the same thread relative to the training's own collectives (the tracker issues it from the
+    training thread at the end of an update step, so NCCL kernels of this group and of
+    DDP/ZeRO are launched in the same order on every rank). First one blocking ``all_gather``
+    of a small host table over ``plan_group`` (gloo: row counts and dtypes, which the host
+    knows from the tensors' shapes), so all ranks agree on the strategy, the padding and the
+    wire dtype; then, all asynchronous on ``group``: an ``all_gather`` of a ``[3K + 1]``
+    device table (weights, positions, fp16 transport exponents, ``ok``), **one**
+    ``all_to_all`` of every rows-strategy factor (each rank's piece for an owner is that
+    owner's factors' rows, padded to the largest ``m_r``, flattened) and one ``reduce`` per
+    owner of the statistics-strategy factors' partial sums. The same code runs on gloo with
+    CPU tensors and on NCCL with device tensors (``device``); on CUDA the collectives run
+    after the current stream's work (issue it under the stream that may wait for them).
+    """
+    req = dataclasses.replace(
+        request, device=request.device or torch.device("cpu"),
+        gram_fn=request.gram_fn or _default_gram, weights=request.weights or {},
+        positions=request.positions or {}, sums=request.sums or {})
+    keys = list(req.dims)
+    agreed = _agree(req, keys)
+    row, exps = _device_row(req, keys, agreed)
+    table = [torch.zeros_like(row) for _ in range(req.world_size)]
+    works = [dist.all_gather(table, row, group=req.group, async_op=True)]
+    result = Exchanged(ok=True)
+    plans = _plan_factors(req, keys, agreed, result)
+    pending = PendingExchange(
+        result=result, works=works, table=table, keys=keys,
+        rows_plans=[p for p in plans if p.how == "rows"],
+        stats_plans=[p for p in plans if p.how == "stats"], recv=None, reduced=[],
+        dtype=agreed.wire_rows, scaled=agreed.scaled, rank=req.rank, world=req.world_size,
+        wide=agreed.wide)
+    if pending.rows_plans:
+        _issue_rows(pending, exps, agreed.wire, req.group, agreed.esize, req.device)
+    if pending.stats_plans:
+        _issue_stats(pending, req.group, req.gram_fn)
+    return pending
+
+
+def _agree(req: ExchangeRequest, keys: list[str]) -> _Agreed:
+    """The blocking ``all_gather`` of the host table (row counts and dtypes of every rank)
+    and what all ranks decide from it."""
+    local, sums = req.local, req.sums
     k = len(keys)
     counts = [0] * (2 * k + 2)  # host table: slots | summed | rows' dtype | float64 sums
     for j, key in enumerate(keys):
         counts[j] = 1 if key in sums else (local[key].shape[0] if key in local else 0)
         counts[k + j] = int(key in sums)
-    mine_dtype = dtype or next((t.dtype for t in local.values()), None)
+    mine_dtype = req.dtype or next((t.dtype for t in local.values()), None)
     counts[2 * k] = _dtype_code(mine_dtype) if any(key in local for key in keys) else 0
     counts[2 * k + 1] = int(any(t.dtype == torch.float64 for t in sums.values()))
     host = torch.tensor(counts, dtype=torch.int64)
-    every = [torch.zeros_like(host) for _ in range(world_size)]
-    dist.all_gather(every, host, group=plan_group if plan_group is not None else group)
+    every = [torch.zeros_like(host) for _ in range(req.world_size)]
+    dist.all_gather(every, host,
+                    group=req.plan_group if req.plan_group is not None else req.group)
     slots = torch.stack(every)  # [W, 2K + 2]
     summed_any = slots[:, k:2 * k].amax(0) > 0  # [K]: some rank sent a reduced sum
     wire_rows = _agreed_dtype(slots[:, 2 * k].tolist())
     # partial statistics: float32 (bf16/fp16/fp32 rows), float64 if any rank's are
     wide = torch.float64 if wire_rows == torch.float64 or bool(slots[:, 2 * k + 1].max()) \
         else torch.float32
-    scaled = transport is not None and wire_rows in (torch.float32, torch.float64)
-    wire = transport if scaled else wire_rows
+    scaled = req.transport is not None and wire_rows in (torch.float32, torch.float64)
+    wire = req.transport if scaled else wire_rows
     esize = torch.tensor([], dtype=wire).element_size()
-    # the device table: weights | positions | exponents | ok, filled with device ops only
+    return _Agreed(slots=slots, summed_any=summed_any, wire_rows=wire_rows, wide=wide,
+                   scaled=scaled, wire=wire, esize=esize)
+
+
+def _device_row(req: ExchangeRequest, keys: list[str], agreed: _Agreed
+                ) -> tuple[Tensor, dict[str, Tensor]]:
+    """This rank's ``[3K + 1]`` device table (weights | positions | exponents | ok), filled
+    with device ops only, and the fp16 transport exponents ``{key: e}``."""
+    local, sums, device = req.local, req.sums, req.device
+    k = len(keys)
     row = torch.zeros(3 * k + 1, dtype=torch.float64, device=device)
     exps: dict[str, Tensor] = {}
     for j, key in enumerate(keys):
         if key in sums or key in local:
             m = 1 if key in sums else local[key].shape[0]
-            row[j] = _as_device(weights.get(key, m), device)
-            row[k + j] = _as_device(positions.get(key, m), device)
-        if scaled and key in local and key not in sums and local[key].numel():
+            row[j] = _as_device(req.weights.get(key, m), device)
+            row[k + j] = _as_device(req.positions.get(key, m), device)
+        if agreed.scaled and key in local and key not in sums and local[key].numel():
             amax = local[key].detach().abs().max().to(torch.float64)
             e = torch.where(amax > 0, torch.ceil(torch.log2(amax / FP16_TARGET)),
                             torch.zeros_like(amax))
             exps[key] = e
             row[2 * k + j] = e
-    row[3 * k] = _as_device(ok, device)
-    table = [torch.zeros_like(row) for _ in range(world_size)]
-    works = [dist.all_gather(table, row, group=group, async_op=True)]
-    result = Exchanged(ok=True)
+    row[3 * k] = _as_device(req.ok, device)
+    return row, exps
+
+
+def _plan_factors(req: ExchangeRequest, keys: list[str], agreed: _Agreed,
+                  result: Exchanged) -> list[_Plan]:
+    """Every factor's part of the exchange (its strategy and this rank's rows or sum); counts
+    the totals and the bytes of either strategy into ``result``."""
+    world_size, device, esize = req.world_size, req.device, agreed.esize
     plans: list[_Plan] = []
     for j, key in enumerate(keys):
-        d, diagonal = dims[key]
-        owner = ownership.owner[key]
-        per_rank = slots[:, j].tolist()
+        d, diagonal = req.dims[key]
+        owner = req.ownership.owner[key]
+        per_rank = agreed.slots[:, j].tolist()
         total = sum(per_rank)
         result.totals[key] = total
         if total == 0:
             continue
-        if bool(summed_any[j]):  # already reduced: only the statistics strategy makes sense
-            zero = torch.zeros(d if diagonal else (d, d), dtype=wide, device=device)
-            plans.append(_Plan(key, j, d, diagonal, owner, per_rank, "stats",
-                               sums.get(key, zero), summed=True))
+        common = {"key": key, "index": j, "d": d, "diagonal": diagonal, "owner": owner,
+                  "per_rank": per_rank}
+        if bool(agreed.summed_any[j]):  # already reduced: only the statistics strategy
+            zero = torch.zeros(d if diagonal else (d, d), dtype=agreed.wide, device=device)
+            plans.append(_Plan(**common, how="stats", rows=req.sums.get(key, zero),
+                               summed=True))
             result.bytes_stats += stats_bytes(world_size, d, diagonal, 4)
             continue
-        rows = local.get(key, torch.zeros(0, d, dtype=wire_rows, device=device))
+        rows = req.local.get(key, torch.zeros(0, d, dtype=agreed.wire_rows, device=device))
         result.bytes_rows += rows_bytes(per_rank, owner, d, esize)
         result.bytes_stats += stats_bytes(world_size, d, diagonal, max(4, rows.element_size()))
-        how = strategy or choose_strategy(per_rank, owner, d, diagonal, esize)
-        plans.append(_Plan(key, j, d, diagonal, owner, per_rank, how, rows))
-    pending = PendingExchange(result, works, table, keys, [p for p in plans if p.how == "rows"],
-                              [p for p in plans if p.how == "stats"], None, [], wire_rows,
-                              scaled, rank, world_size, wide)
-    if pending.rows_plans:
-        _issue_rows(pending, exps, wire, group, esize, device)
-    if pending.stats_plans:
-        _issue_stats(pending, group, gram_fn)
-    return pending
+        how = req.strategy or choose_strategy(per_rank, owner, d, diagonal, esize)
+        plans.append(_Plan(**common, how=how, rows=rows))
+    return plans
 
 
 def finish_exchange(pending: PendingExchange) -> Exchanged:

@@ -164,8 +164,9 @@ def accumulate(p: DevicePending, payload: Tensor, how: str, eta: float, n: float
     p.empty = False
     traffic.device_folds += 1
     traffic.fold_flops += accumulate_flops(how, d, diagonal, m)
-    traffic.fold_device_bytes += accumulate_bytes(how, d, diagonal, m, payload.element_size(),
-                                                  acc.element_size(), fused)
+    traffic.fold_device_bytes += accumulate_bytes(how, d, diagonal, m,
+                                                  in_bytes=payload.element_size(),
+                                                  acc_bytes=acc.element_size(), fused=fused)
 
 
 def _add(acc: Tensor, term: Tensor, coef: float, overwrite: bool) -> None:

@@ -214,10 +214,11 @@ class FactorStore:
             else:
                 data = self._alloc(tuple(f.data.shape))
                 data.copy_(f.data)
-            out[key] = FactorState(data, f.scale, f.amax, f.weight, f.updates, f.positions,
-                                   f.diagonal, float(f.sq_norm_sum), f.weight_sq,
-                                   self._spread(key, f), self._sq_frob(f),
-                                   None if f.fz is None else f.fz.to("cpu", torch.float64))
+            out[key] = FactorState(
+                data, f.scale, f.amax, weight=f.weight, updates=f.updates,
+                positions=f.positions, diagonal=f.diagonal, sq_norm_sum=float(f.sq_norm_sum),
+                weight_sq=f.weight_sq, spread=self._spread(key, f), sq_frob=self._sq_frob(f),
+                sketch=None if f.fz is None else f.fz.to("cpu", torch.float64))
         return out
 
     def _spread(self, key: str, f: StoredFactor) -> float:
@@ -380,11 +381,13 @@ class FactorStore:
                            None if sz is None else sz / float(n))
         try:
             p = self._pending_of(f, payload.device)
-            accumulate(p, payload, how, eta, float(n), f.diagonal, self.traffic)
+            accumulate(p, payload, how, eta, float(n), diagonal=f.diagonal,
+                       traffic=self.traffic)
         except torch.OutOfMemoryError:
             self._residency.shrink(key, self.flush)
             p = self._pending_of(f, payload.device)
-            accumulate(p, payload, how, eta, float(n), f.diagonal, self.traffic)
+            accumulate(p, payload, how, eta, float(n), diagonal=f.diagonal,
+                       traffic=self.traffic)
         if not f.resident:
             self.traffic.budget_flushes += 1
             self._queue_fold(f)
@@ -428,8 +431,8 @@ class FactorStore:
                                       for g in self._factors.values()])
         src = f.data
         dst = self._own(f, keep=False)  # src itself unless a snapshot holds it
-        result = stream_fold(src, f.scale, f.amax, p, f.diagonal, self._lanes, self.traffic,
-                             out=None if dst is src else dst)
+        result = stream_fold(src, f.scale, f.amax, p, diagonal=f.diagonal, lanes=self._lanes,
+                             traffic=self.traffic, out=None if dst is src else dst)
         self._queued.append((f, result))
         p.empty, p.updates, p.s, p.alpha = True, 0, 1.0, 1.0
         self.traffic.factor_flushes += 1

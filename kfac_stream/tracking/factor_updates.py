@@ -26,7 +26,12 @@ import torch
 from torch import Tensor
 
 from ..distributed.context import DistContext
-from ..distributed.exchange import PendingExchange, finish_exchange, start_exchange
+from ..distributed.exchange import (
+    ExchangeRequest,
+    PendingExchange,
+    finish_exchange,
+    start_exchange,
+)
 from ..distributed.ownership import Ownership
 from ..folding import Folding, gram_fp32  # noqa: F401 (gram_fp32: re-exported)
 from ..store.factor_store import FactorStore
@@ -192,13 +197,17 @@ class FactorUpdater:
         c, every = self.counters, self.config.update_every
         per_update = (c.exchange_seconds + c.fold_seconds) / max(c.updates, 1)
         logger.warning(
-            "kfac_stream: step %s waited %.3f s for the factor worker: one update takes "
-            "%.3f s (exchange %.3f s, fold %.3f s per update) but arrives every %d step(s) of "
-            "%.3f s. Raise update_every (now %d), lower token_fraction (now %g) or "
-            "max_dense_dim (now %d, larger factors are kept diagonal). Waits are counted in "
-            "counts.waits / counts.wait_seconds; logged once.", step, waited, per_update,
-            c.exchange_seconds / max(c.updates, 1), c.fold_seconds / max(c.updates, 1), every,
-            step_seconds, every, self.config.token_fraction, self.config.max_dense_dim)
+            "kfac_stream: step %(step)s waited %(waited).3f s for the factor worker: one update "
+            "takes %(per_update).3f s (exchange %(exchange).3f s, fold %(fold).3f s per update) "
+            "but arrives every %(every)d step(s) of %(step_seconds).3f s. Raise update_every "
+            "(now %(every)d), lower token_fraction (now %(fraction)g) or max_dense_dim (now "
+            "%(max_dense)d, larger factors are kept diagonal). Waits are counted in "
+            "counts.waits / counts.wait_seconds; logged once.",
+            {"step": step, "waited": waited, "per_update": per_update,
+             "exchange": c.exchange_seconds / max(c.updates, 1),
+             "fold": c.fold_seconds / max(c.updates, 1), "every": every,
+             "step_seconds": step_seconds, "fraction": self.config.token_fraction,
+             "max_dense": self.config.max_dense_dim})
 
     def _start_exchange(self, job: UpdateJob) -> PendingExchange:
         """Issue ``job``'s exchange (training thread; no host read of a device value): on CUDA
@@ -208,12 +217,13 @@ class FactorUpdater:
             if job.event is not None:
                 self._stream.wait_event(job.event)
             transport = torch.float16 if self.config.storage_dtype == "float16" else None
-            return start_exchange(
+            return start_exchange(ExchangeRequest(
                 job.rows, self.dims, self.ownership, self.rank, self.world_size,
-                self.dist.exchange_group, None if self.config.exchange == "auto"
-                else self.config.exchange, job.ok, transport, None, job.weights,
-                job.positions, self.device, self.folding.partial_gram, job.sums,
-                self.dist.plan_group)
+                group=self.dist.exchange_group,
+                strategy=None if self.config.exchange == "auto" else self.config.exchange,
+                ok=job.ok, transport=transport, weights=job.weights, positions=job.positions,
+                device=self.device, gram_fn=self.folding.partial_gram, sums=job.sums,
+                plan_group=self.dist.plan_group))
 
     def _apply(self, job: UpdateJob) -> None:
         """Read the job's flags (the one host read of an update), exchange (several ranks),
@@ -276,7 +286,7 @@ class FactorUpdater:
             if n <= 0:
                 continue
             self.folding.deliver(self.store, key, how, payload if how == "rows" else payload[0],
-                                 n, pos, decay)
+                                 n=n, positions=pos, decay=decay)
         self.folding.end_update(self.store)
         self.counters.fold_seconds += time.perf_counter() - t1
 
