@@ -122,9 +122,10 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
     if trainer.is_world_process_zero() and kfac.snapshots:
         from .app.report import end_of_run_report
 
-        result.update(end_of_run_report(cfg, model, tokenizer, seq_len, kfac, wall,
-                                        heldout_docs, ood_docs, args.world_size,
-                                        os.path.join(out, "model")))
+        result.update(end_of_run_report(
+            cfg, model, tokenizer, seq_len=seq_len, kfac=kfac, wall=wall,
+            heldout_docs=heldout_docs, ood_docs=ood_docs, world_size=args.world_size,
+            model_dir=os.path.join(out, "model")))
     return result
 
 
