@@ -135,3 +135,46 @@ def test_every_error_class_lives_in_exceptions():
     assert len(errors) >= 7
     assert all(issubclass(e, exceptions.KFACStreamError) for e in errors)
     assert {e.__name__ for e in errors} <= set(kfac_stream.__all__)
+
+
+# -- size limits: no module does several things ---------------------------------------------
+
+MAX_MODULE_LINES, MAX_FUNCTION_LINES, MAX_POSITIONAL = 600, 80, 6
+#: what is still over a limit, with why; a new offender, or one of these grown past its
+#: figure, fails the test (remove an entry once it is split)
+KNOWN_OVER_LIMIT: dict[str, int] = {}
+
+
+def _over_limits(path: pathlib.Path, name: str) -> dict[str, int]:
+    """``{what: size}`` of what in ``path`` (called ``name``) is over a limit: the module
+    (``name``: lines), a function (``name:function``: lines), a call (``name:line call``:
+    positional arguments)."""
+    src = path.read_text()
+    out = {}
+    if src.count("\n") > MAX_MODULE_LINES:
+        out[name] = src.count("\n")
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            n = node.end_lineno - node.lineno + 1
+            if n > MAX_FUNCTION_LINES:
+                out[f"{name}:{node.name}"] = n
+        if isinstance(node, ast.Call) and len(node.args) > MAX_POSITIONAL:
+            out[f"{name}:{node.lineno} call"] = len(node.args)
+    return out
+
+
+def test_modules_functions_and_calls_stay_small():
+    found = {k: v for p in sorted(PACKAGE.rglob("*.py"))
+             for k, v in _over_limits(p, p.relative_to(PACKAGE.parent).as_posix()).items()}
+    new = {k: v for k, v in found.items()
+           if v > KNOWN_OVER_LIMIT.get(k if not k.endswith(" call") else k.split(":")[0] + ":call",
+                                       0)}
+    assert new == {}, f"over {MAX_MODULE_LINES} lines per module, {MAX_FUNCTION_LINES} per " \
+                      f"function or {MAX_POSITIONAL} positional arguments per call: {new}"
+
+
+def test_the_size_check_finds_an_offender(tmp_path):
+    big = tmp_path / "big.py"
+    body = "\n".join(f"    x{i} = {i}" for i in range(90))
+    big.write_text(f"def f():\n{body}\n\n\nf(1, 2, 3, 4, 5, 6, 7)\n")
+    assert _over_limits(big, "big") == {"big:f": 91, "big:94 call": 7}
