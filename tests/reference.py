@@ -29,6 +29,8 @@ Public API
 * ``expected_fisher_G(model, kwargs, layer_names, state=None) -> dict[str, Tensor]``
 * ``summed_nll(logits, labels) -> Tensor``;  ``labels_of(kwargs) -> Tensor``
 * ``rel_err(x, ref) -> float``
+* ``moved_into_basis(eigvals, old, new) -> Tensor`` — an EK-FAC correction moved into another
+  eigenbasis
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ __all__ = [
     "reference_factors",
     "expected_fisher_G",
     "rel_err",
+    "moved_into_basis",
 ]
 
 _HOOK_DICTS = (
@@ -381,3 +384,29 @@ def rel_err(x: Tensor, ref: Tensor) -> float:
     x = x.detach().to(torch.float64)
     ref = ref.detach().to(torch.float64)
     return float(torch.linalg.norm(x - ref) / torch.linalg.norm(ref))
+
+
+def moved_into_basis(eigvals: Tensor, old: tuple[Tensor | None, Tensor | None],
+                     new: tuple[Tensor | None, Tensor | None]) -> Tensor:
+    """A correction ``λ`` measured on the basis ``old = (Q_A, Q_G)`` (a snapshot's
+    ``ekfac_eigvals``, on its ``basis_step`` snapshot's eigenvectors) moved into ``new`` (the
+    snapshot's own): the diagonal in ``new`` of the EK-FAC Fisher it defines on ``old``,
+    ``(R_G∘R_G) λ (R_A∘R_A)ᵀ`` with ``R = Q_newᵀ Q_old`` (None: the identity). It removes the
+    basis' part of the staleness (measured in tests/test_ekfac.py, docs/computed.md); it needs
+    the previous snapshot's eigenvectors, which a snapshot does not hold."""
+    out = eigvals.double()
+    (oa, og), (na, ng) = old, new
+    if ng is not None or og is not None:
+        rg = _rotation(ng, og, out.shape[0])
+        out = rg.square() @ out
+    if na is not None or oa is not None:
+        ra = _rotation(na, oa, out.shape[1])
+        out = out @ ra.square().T
+    return out.to(eigvals.dtype)
+
+
+def _rotation(new: Tensor | None, old: Tensor | None, d: int) -> Tensor:
+    eye = torch.eye(d, dtype=torch.float64)
+    n = eye if new is None else new.double()
+    o = eye if old is None else old.double()
+    return n.T @ o

@@ -23,13 +23,13 @@ from kfac_stream import KFACConfig, Snapshot
 from kfac_stream.ekfac import (
     correction_flops,
     correction_order,
-    moved_into_basis,
     sequence_correction,
 )
 from kfac_stream.exceptions import KFACConfigError
 
 from harness import run
 from models import text_examples, tiny_gpt2, tiny_llama
+from reference import moved_into_basis
 
 EXACT_TOL = 1e-9  # float64 end to end
 LENGTHS = [12, 9, 12, 7, 10, 12]  # padding in most batches
