@@ -47,7 +47,7 @@ from ..store.factor_store import FactorState
 STATE_DIR = "kfac_stream"  # inside a checkpoint
 PENDING_ROOT = "kfac_stream-pending"  # beside the checkpoints: states not yet moved in
 INDEX_FILE = "index.json"
-INDEX_FORMAT = "kfac_stream.tracking.tracker_state"
+INDEX_FORMAT = "kfac_stream.tracker_state"  # the format's name, not the module's path
 _FILE_RE = re.compile(r"^state-rank-(\d{5})-of-(\d{5})\.safetensors$")
 _FIELDS = ("scale", "amax", "weight", "updates", "positions", "diagonal", "sq_norm_sum",
            "weight_sq", "sq_frob")  # each factor's scalars beside its tensor
