@@ -59,7 +59,7 @@ _STARTED = time.perf_counter()
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-import kfac_stream.integrations.hf_callback as hf_callback  # noqa: E402
+import kfac_stream.tracking.session as session_module  # noqa: E402
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot  # noqa: E402
 from kfac_stream.snapshot.eigen_stream import EigenStream  # noqa: E402
 
@@ -156,14 +156,14 @@ class Driver(TrainerCallback):
         return control
 
 
-#: The callback's calls timed in the background: ``{phase: name in hf_callback}``.
+#: The callback's calls timed in the background: ``{phase: name in the tracking session module}``.
 PHASES = {"finish_s": "finish_snapshot", "media_s": "make_media"}
 
 
 def _timed_phases(log: dict):
     """Wrap the callback's background calls (`PHASES`) to time them, and record each
     `EigenStream`'s split (decomposition seconds, the writer's waits); returns the undo."""
-    real = {phase: getattr(hf_callback, name) for phase, name in PHASES.items()}
+    real = {phase: getattr(session_module, name) for phase, name in PHASES.items()}
     real_close = EigenStream.close
 
     def timed(phase):
@@ -181,12 +181,12 @@ def _timed_phases(log: dict):
         return real_close(self)
 
     for phase, name in PHASES.items():
-        setattr(hf_callback, name, timed(phase))
+        setattr(session_module, name, timed(phase))
     EigenStream.close = close
 
     def undo():
         for phase, name in PHASES.items():
-            setattr(hf_callback, name, real[phase])
+            setattr(session_module, name, real[phase])
         EigenStream.close = real_close
     return undo
 
