@@ -15,7 +15,7 @@ stored factor       float16 ``q`` with ``F = scale · q`` (scale a power of two,
                     float32 / float64 as is
 ==================  ======================================================================
 
-Two ways in, by where the statistics are folded (`kfac_stream.settings.Settings.fold_on`):
+Two ways in, by where the statistics are folded (`kfac_stream.tracking.plan.RunPlan.fold_on`):
 
 * **host** (`push_rows`, CPU training): the weighted rows of an update, folded here on the
   CPU with the deferred fold below;
