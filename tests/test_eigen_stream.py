@@ -9,13 +9,9 @@ import time
 import pytest
 import torch
 from safetensors.torch import load
-from test_snapshot_eigh import _shard
+from test_snapshot_eigh import _shard, add_eigendecompositions
 
-from kfac_stream.snapshot.eigen_stream import (
-    EigendecompositionError,
-    EigenStream,
-    add_eigendecompositions,
-)
+from kfac_stream.snapshot.eigen_stream import EigendecompositionError, EigenStream
 from kfac_stream.snapshot.writer import Deferred, write_safetensors
 from kfac_stream.stats import spectrum
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 from test_hot_path import EIGH_BACKWARD_C, FP32_UNIT_ROUNDOFF, _eigh_excess
 
-from kfac_stream.snapshot.eigen_stream import EigendecompositionError, add_eigendecompositions
+from kfac_stream.snapshot.eigen_stream import EigendecompositionError, EigenStream
+from kfac_stream.snapshot.writer import Deferred, resolved, write_order
 from kfac_stream.stats import spectrum
 from kfac_stream.stats.spectrum import safe_psd_eigh, spectrum_stats
 
@@ -47,6 +48,19 @@ def _shard(storage: str = "float16", seed: int = 0):
 
 def _dequantised(tensors, key) -> torch.Tensor:
     return tensors[key].double() * float(tensors[f"{key}.scale"])
+
+
+def add_eigendecompositions(tensors, manifest, device=None, threads=None) -> None:
+    """Every factor's ``<key>.eigvals`` / ``<key>.eigvecs`` and spectrum statistics, in place
+    and at once: `EigenStream`'s deferred results resolved in the writer's order (what a
+    snapshot streams into its shard, every result held here)."""
+    stream = EigenStream(tensors, manifest, device, threads)
+    try:
+        for name in write_order(tensors):
+            if isinstance(tensors[name], Deferred):
+                tensors[name] = resolved(tensors[name])
+    finally:
+        stream.close()
 
 
 def _old_add_eigendecompositions(tensors, manifest) -> None:

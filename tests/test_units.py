@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kfac_stream.distributed.ownership import assign_owners
-from kfac_stream.stats.covariance import second_moment, with_bias_column
+from kfac_stream.stats.covariance import gram, with_bias_column
 from kfac_stream.stats.loss_scale import FIT_ROWS, cross_entropy_scale
 from kfac_stream.stats.rows import sample_positions, usable_positions
 
@@ -92,14 +92,14 @@ def test_sampling_weights_make_an_unbiased_estimator():
     assert err <= 4 * float(draws.std()) / 3000**0.5, err  # 4 standard errors
 
 
-def test_second_moment_with_bias_and_diagonal():
+def test_gram_with_bias_and_diagonal():
     x = torch.randn(5, 3, dtype=torch.float64)
     xb = with_bias_column(x)
-    dense = second_moment(xb)
+    dense = gram(xb) / 5
     manual = sum(torch.outer(r, r) for r in xb) / 5
     assert torch.allclose(dense, manual, rtol=1e-14, atol=1e-15)
     assert torch.allclose(dense[-1, -1], torch.tensor(1.0, dtype=torch.float64))
-    assert torch.allclose(second_moment(xb, diagonal=True), manual.diagonal(), rtol=1e-14)
+    assert torch.allclose(gram(xb, diagonal=True) / 5, manual.diagonal(), rtol=1e-14)
 
 
 def test_assign_owners_balances_bytes_and_is_deterministic():

@@ -27,7 +27,7 @@ from ..enums import StorageDtype
 from ..exceptions import EigendecompositionError
 from ..factor_keys import FACTOR_KINDS
 from ..stats.spectrum import eigh_stored
-from .writer import Deferred, resolved, write_order
+from .writer import Deferred, write_order
 
 #: Factors the producer may run ahead of the writer (their results held on the host).
 AHEAD = 2
@@ -153,22 +153,3 @@ class EigenStream:
             self._thread.join()
         self._ready.clear()
         self._stored = []
-
-
-def add_eigendecompositions(tensors: dict[str, Any], manifest: dict[str, Any],
-                            device: torch.device | str | None = None,
-                            threads: int | None = None) -> None:
-    """Add ``<key>.eigvals`` / ``<key>.eigvecs`` and per-factor spectrum statistics, in place
-    and at once (every result held: for tests and small shards; snapshots stream them into
-    the shard with `EigenStream`). The same decompositions as `EigenStream`: each factor as
-    stored (dequantised), one at a time, float64 on the CPU with ``threads`` threads or
-    float32 on ``device`` (a factor that fails there is redone on the CPU); diagonal factors
-    get eigenvalues only; a shared A is decomposed once and its spectrum written into every
-    layer entry that uses it."""
-    stream = EigenStream(tensors, manifest, device, threads)
-    try:
-        for name in write_order(tensors):
-            if isinstance(tensors[name], Deferred):
-                tensors[name] = resolved(tensors[name])
-    finally:
-        stream.close()

@@ -46,11 +46,6 @@ def weighted_squares(rows: Tensor, weight: Tensor, dtype: torch.dtype) -> Tensor
     return torch.where(keep, rows.to(dtype).square(), 0.0).mul_(weight[:, None].to(dtype)).sum(0)
 
 
-def second_moment(rows: Tensor, diagonal: bool = False) -> Tensor:
-    """Mean outer product of rows, ``XᵀX / n`` (``n ≥ 1``); see `gram`."""
-    return gram(rows, diagonal).div_(rows.shape[0])
-
-
 def all_finite(tensors: list[Tensor]) -> Tensor:
     """0-dim bool tensor: every entry of every tensor is finite; one reduction per tensor and
     nothing read on the host (the caller's worker reads it). On the first tensor's device.

@@ -217,11 +217,11 @@ class FactorStore:
             out[key] = FactorState(
                 data, f.scale, f.amax, weight=f.weight, updates=f.updates,
                 positions=f.positions, diagonal=f.diagonal, sq_norm_sum=float(f.sq_norm_sum),
-                weight_sq=f.weight_sq, spread=self._spread(key, f), sq_frob=self._sq_frob(f),
+                weight_sq=f.weight_sq, spread=self._spread(f), sq_frob=self._sq_frob(f),
                 sketch=None if f.fz is None else f.fz.to("cpu", torch.float64))
         return out
 
-    def _spread(self, key: str, f: StoredFactor) -> float:
+    def _spread(self, f: StoredFactor) -> float:
         """``Q/w − ‖F Z‖²/p`` (diagonal: ``Q/w − ‖F‖²``), NaN before any recorded update;
         ``F Z`` is the kept sketch (``[d, p]``): no pass over the factor's entries."""
         q = float(f.sq_norm_sum)
@@ -229,14 +229,12 @@ class FactorStore:
             return math.nan
         if f.diagonal:
             return q / f.weight - self._sq_frob(f)
-        if f.fz is None:  # a state restored from an older version: from the stored entries
-            return q / f.weight - _sq_norm(f.data, f.scale, probes(key, f.data.shape[0]))
         return q / f.weight - float(f.fz.double().square().sum()) / f.fz.shape[1]
 
     @staticmethod
     def _sq_frob(f: StoredFactor) -> float:
         """``‖F‖²_F`` of the stored factor (from its last fold; computed for a factor never
-        folded here, e.g. restored from an older state)."""
+        folded here)."""
         if math.isnan(f.sq_frob):
             f.sq_frob = _sq_norm(f.data, f.scale)
         return f.sq_frob
@@ -247,7 +245,8 @@ class FactorStore:
 
         Raises:
             KeyError: an owned factor is missing from ``states``.
-            ValueError: a state of another shape or diagonality.
+            ValueError: a state of another shape or diagonality, or a dense factor's state
+                with updates but no sketch (``F Z``, kept since the first update).
         """
         for key, f in self._factors.items():
             if key not in states:
@@ -257,6 +256,8 @@ class FactorStore:
                 raise ValueError(f"factor {key!r}: state of shape {tuple(st.data.shape)} "
                                  f"(diagonal={st.diagonal}), stored {tuple(f.data.shape)} "
                                  f"(diagonal={f.diagonal})")
+            if st.sketch is None and not st.diagonal and st.weight > 0:
+                raise ValueError(f"factor {key!r}: state with updates but no sketch")
         self._settle()
         for key, f in self._factors.items():
             st = states[key]
@@ -266,10 +267,6 @@ class FactorStore:
             f.sq_norm_sum, f.weight_sq = float(st.sq_norm_sum), float(st.weight_sq)
             f.sq_frob = float(st.sq_frob)
             f.fz = None if st.sketch is None else st.sketch.to(torch.float64).clone()
-            if f.fz is None and not f.diagonal and f.weight > 0:  # an older state: F_stored Z
-                z = probes(key, f.data.shape[0])
-                f.fz = torch.cat([f.data[i:i + CHUNK_ROWS].double() * f.scale @ z
-                                  for i in range(0, f.data.shape[0], CHUNK_ROWS)])
             f.pending = []
             if f.device is not None:
                 f.device.empty = True

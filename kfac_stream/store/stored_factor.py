@@ -47,10 +47,10 @@ class FactorState:
             from which `sampling_error` follows. ``F Z`` is the `sketch`, kept as the updates
             arrive: no pass over the factor's entries.
         sq_frob: ``‖F‖²_F`` of the stored factor, computed by the fold that wrote it (NaN:
-            not recorded, a state from an older version: computed from ``data`` when needed).
+            not recorded: computed from ``data`` when needed).
         sketch: ``F Z`` (``[d, p]`` float64) of the EMA, updated with every update as
             ``(1-η)·FZ + η·S Z`` from the update's own sketch ``S Z`` (the EMA is linear);
-            None for a diagonal factor or a state from an older version.
+            None for a diagonal factor or before the first update.
     """
 
     data: Tensor
@@ -81,9 +81,9 @@ class FactorState:
         probes as ``Q``), whose expectation is ``(1 − R/w²) tr Var(S)``. So ``SE² = spread ·
         (R/w²) / (1 − R/w²)`` and the relative error is ``SE/‖F‖_F`` (Frobenius). Effective
         updates: ``w²/R`` (the number of equal-weight updates with the same variance). NaN
-        when not recorded (no update, or a state from before these sums were kept); infinite
-        with one effective update (no spread to measure). Tested against replicated runs and
-        the exact expected Fisher in ``tests/test_sampling_error.py``.
+        when not recorded (no update); infinite with one effective update (no spread to
+        measure). Tested against replicated runs and the exact expected Fisher in
+        ``tests/test_sampling_error.py``.
         """
         w, r, spread = float(self.weight), float(self.weight_sq), float(self.spread)
         if w <= 0.0 or r <= 0.0:
