@@ -27,8 +27,8 @@ Method
   16-bit rows on CUDA (``in_bytes=2``, not fused: ``gram_mm`` + add), fp32 pending statistics;
   ``flush_cost`` (bytes each way, chunks, copies, syncs of a flush); exchange bytes from
   `distributed.exchange` (``choose_strategy``, ``rows_bytes``); the budget from
-  `settings.device_budget_from_memory` and the residency plan of ``FactorStore._plan_residency``
-  (largest first, less ``_work_space``).
+  `settings.device_budget_from_memory` and the residency plan of ``store.residency.Residency.plan``
+  (largest first, less ``work_space``).
 * Terms outside the store's counters, derived here from shapes by reading the code (named
   "code reading" below): the row scaling in
   ``Tracker._collect`` (bf16 → fp32, × weight, ``where``, → bf16, finiteness sum: 30 bytes per
@@ -255,7 +255,7 @@ def draws(s: Setup) -> list[tuple[float, int]]:
 
 
 def residency(dims: dict, budget: int) -> dict[str, bool]:
-    """``FactorStore._plan_residency``: largest first, while the fp32 pending statistics fit
+    """``store.residency.Residency.plan``: largest first, while the fp32 pending statistics fit
     the budget less the work space (the largest factor's fp32 Gram and the flush's slots)."""
     work = 4 * max((entries(d, g) for d, g in dims.values()), default=0) + 4 * CHUNK_ENTRIES * 4
     out, used = {}, 0

@@ -102,7 +102,7 @@ def test_exchange_bytes_of_one_rank(lay7b):
 
 
 def test_residency_plan_is_the_stores():
-    """`scale.residency` decides as `FactorStore._plan_residency` (largest first, less the
+    """`scale.residency` decides as `Residency.plan` of the store (largest first, less the
     work space) on a CPU stand-in store."""
     dims = {"a": (64, False), "b": (48, False), "c": (32, False), "d": (40, True)}
     work = 4 * 64 * 64 + 4 * scale.CHUNK_ENTRIES * 4
