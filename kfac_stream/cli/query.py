@@ -322,7 +322,7 @@ def _lm_query(args, tau, tokenizer, t0: float) -> int:
     if args.json:
         print(tt.document(meta, records, answers))
     else:
-        if args.mode == "topk":  # the line that has always opened the top-k table
+        if args.mode == "topk":  # the top-k table opens with the snapshot and its posterior
             print(f"snapshot {snap.path} (step {snap.step}); N = {post.num_data:.0f}, "
                   f"{post.describe()}")
         print(table)
