@@ -84,6 +84,18 @@ class Folding:
         else:
             store.update(key, payload.cpu().div_(n), n, positions, decay)
 
+    def deliver_group(self, store: FactorStore, keys: tuple[str, ...], rows: Tensor, *,
+                      n: float, positions: int, decay: float | None) -> None:
+        """Fold one update of the factors ``keys``, whose rows come stacked (``[G, m, d]``,
+        the same weight for each): on the device as one group (`FactorStore.push_group`),
+        on the host per factor."""
+        if self.on == "device":
+            store.push_group(keys, rows, n, positions, decay)
+            return
+        host = rows.cpu()
+        for i, key in enumerate(keys):
+            store.push_rows(key, host[i], n, positions, decay)
+
     def end_update(self, store: FactorStore) -> None:
         """After every factor of an update was delivered (device path: read forced folds and
         the live traces, `FactorStore.end_update`)."""

@@ -168,10 +168,29 @@ def gather_rows(x: Tensor, index: Tensor | None, n_rows: int, dtype: torch.dtype
         ``[n, d]`` detached rows (``[n_rows, d]`` with ``index`` None).
     """
     d = x.shape[-1]
-    flat = x.detach().reshape(-1, d)  # [n_rows, d]
-    if flat.shape[0] != n_rows:
+    if x.numel() != n_rows * d:
         raise RuntimeError(
-            f"kfac_stream: a tracked layer's gradient has {flat.shape[0]} rows where its input "
-            f"had {n_rows}: kfac_stream needs a layer's output rows to match its input rows")
-    rows = flat if index is None else flat.index_select(0, index)
+            f"kfac_stream: a tracked layer's gradient has {x.numel() // max(d, 1)} rows where "
+            f"its input had {n_rows}: kfac_stream needs a layer's output rows to match its "
+            "input rows")
+    with torch.no_grad():  # one device op per call: the rows, already detached
+        if index is None:
+            rows = x.detach().reshape(-1, d)
+        elif x.dim() == 3:
+            rows = x[_batch_and_time(index, x.shape[1])]  # [n, d]
+        else:
+            rows = x.reshape(-1, d).index_select(0, index)
     return rows if dtype is None else rows.to(dtype)
+
+
+#: The last flat index split into ``(batch, time)`` indices: ``(index, T, (b, t))`` (every
+#: layer of a pass gathers the same positions, so the split is made once per pass).
+_SPLIT: list = [None]
+
+
+def _batch_and_time(index: Tensor, time: int) -> tuple[Tensor, Tensor]:
+    """``(index // T, index % T)``: the flat indices into ``B*T`` as batch and time indices."""
+    held = _SPLIT[0]
+    if held is None or held[0] is not index or held[1] != time:
+        held = _SPLIT[0] = (index, time, (index // time, index % time))
+    return held[2]

@@ -55,6 +55,7 @@ from ..enums import StorageDtype
 from ..stats.ema import ema_step
 from ..stats.fp16 import fp16_exponent
 from .device_fold import DevicePending, FlushLanes, FoldResult, accumulate, make_lanes, stream_fold
+from .device_groups import DeviceGroup, batched_16bit
 from .fold_cost import host_fold_entries
 from .residency import Residency
 from .stored_factor import CHUNK_ROWS, FactorState, StoredFactor, probes, sketch_sq_norm
@@ -96,6 +97,7 @@ class FactorStore:
                                     self.compute_dtype, self.traffic)
         self._queued: list[tuple[StoredFactor, FoldResult]] = []  # folds issued, not read
         self._lanes: FlushLanes | None = None
+        self._groups: dict[tuple[str, ...], DeviceGroup] = {}  # `push_group`'s, by keys
 
     @property
     def device_budget(self) -> int | None:
@@ -177,7 +179,9 @@ class FactorStore:
         self._factors[key] = dataclasses.replace(
             f, data=data, pending=list(f.pending), lent=False, spare=None,
             device=None if f.device is None else f.device.clone(),
-            fz=None if f.fz is None else f.fz.clone())
+            fz=None if f.fz is None else f.fz.clone(),
+            sq_norm_sum=f.sq_norm_sum.clone() if isinstance(f.sq_norm_sum, Tensor)
+            else f.sq_norm_sum)
         self._residency.planned = False
         self._residency.count()
 
@@ -381,7 +385,7 @@ class FactorStore:
             accumulate(p, payload, how, eta, float(n), diagonal=f.diagonal,
                        traffic=self.traffic)
         except torch.OutOfMemoryError:
-            self._residency.shrink(key, self.flush)
+            self._shrink(key)
             p = self._pending_of(f, payload.device)
             accumulate(p, payload, how, eta, float(n), diagonal=f.diagonal,
                        traffic=self.traffic)
@@ -390,6 +394,59 @@ class FactorStore:
             self._queue_fold(f)
             f.device = None  # a temporary: freed once its chunks are queued
             self._residency.count()
+
+    def push_group(self, keys: tuple[str, ...], rows: Tensor, n: float, positions: int,
+                   decay: float | None = None) -> None:
+        """Record one update of the dense factors ``keys`` of one side, given as one stack of
+        weighted rows ``[G, m, d]`` (member ``i``: ``S_i = rows[i]ᵀ rows[i] / n``), folded
+        together (`device_groups.DeviceGroup`): the values of `push_device` per member, a
+        fixed number of device ops. A member the budget leaves off the device, or a diagonal
+        one, is pushed on its own.
+
+        Args:
+            keys: The members, in the order of the rows' first axis.
+            rows: ``[G, m, d]`` on the store's device.
+            n, positions, decay: As `push_device`'s (the same for every member).
+        """
+        self._residency.plan()
+        members = [self._factors[k] for k in keys]
+        if any(f.diagonal or not f.resident for f in members):
+            self._groups.pop(keys, None)
+            for i, key in enumerate(keys):
+                self.push_device(key, rows[i], "rows", n, positions, decay)
+            return
+        for f in members:
+            if f.pending:
+                self._flush(f)  # rows and device statistics never pend together
+        try:
+            group = self._group_of(keys, rows.shape[-1], rows.device)
+            group.link(members)
+        except torch.OutOfMemoryError:
+            self._shrink(keys[0])
+            for i, key in enumerate(keys):
+                self.push_device(key, rows[i], "rows", n, positions, decay)
+            return
+        lam = self.ema_decay if decay is None else decay
+        group.accumulate(members, rows, float(n), positions, lam, self.traffic,
+                         rows.is_cuda and batched_16bit(rows.device))
+
+    def _group_of(self, keys: tuple[str, ...], d: int, device: torch.device) -> DeviceGroup:
+        """The group of ``keys`` (made at its first update: a member of another group leaves
+        it; the other group is dropped, its members keep their slices until re-grouped)."""
+        group = self._groups.get(keys)
+        if group is None:
+            for other in [k for k in self._groups if not set(k).isdisjoint(keys)]:
+                del self._groups[other]
+            z = torch.stack([probes(k, d) for k in keys])  # [G, d, p]
+            group = self._groups[keys] = DeviceGroup(keys, d, self.compute_dtype, device, z)
+            self._residency.count()
+        return group
+
+    def _shrink(self, key: str) -> None:
+        """The device ran out of memory: drop the groups, fold and free every pending sum and
+        halve the budget (`Residency.shrink`)."""
+        self._groups.clear()
+        self._residency.shrink(key, self.flush)
 
     def _sq_norm_of(self, key: str, payload: Tensor, how: str, diagonal: bool
                     ) -> tuple[Tensor, Tensor | None]:
@@ -463,13 +520,25 @@ class FactorStore:
         and refresh the live traces of the resident factors (one read of their pending
         traces), so `traces` sees the update. On the updater's worker (CUDA: its stream)."""
         self._settle()
-        live = [f for f in self._factors.values() if f.device_updates]
-        if not live:
+        live, parts = [], []
+        grouped: set[str] = set()
+        for keys, group in self._groups.items():  # one [G] trace per group
+            members = [self._factors[k] for k in keys]
+            if all(f.device is not None and f.device.data is v
+                   for f, v in zip(members, group.acc_views)):
+                live += members
+                parts.append(group.traces())
+                grouped.update(keys)
+        single = [f for k, f in self._factors.items() if f.device_updates and k not in grouped]
+        live += single
+        parts += [(f.device.data if f.diagonal else f.device.data.diagonal())
+                  .sum().to(torch.float64).reshape(1) for f in single]
+        if not parts:
             return
-        vals = torch.stack([(f.device.data if f.diagonal else f.device.data.diagonal())
-                            .sum().to(torch.float64) for f in live]).tolist()
+        vals = torch.cat(parts).tolist()
         for f, v in zip(live, vals):
-            f.live_trace = f.device.alpha * f.folded_trace + f.device.s * v
+            if f.device_updates:
+                f.live_trace = f.device.alpha * f.folded_trace + f.device.s * v
 
     def _probes_on(self, key: str, like: Tensor) -> Tensor:
         """`probes` of ``key`` on ``like``'s device, made once per factor and device."""

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..stats.covariance import all_finite, with_bias_column
-from .factor_updates import UpdateJob
+from ..stats.covariance import all_finite
+from .factor_updates import RowGroup, UpdateJob
 
 
 @dataclass(frozen=True)
@@ -44,9 +44,21 @@ class RowWeights:
 
 
 @dataclass
-class _Parts:
-    """What one update collects, per factor key (layer for EK-FAC)."""
+class _Group:
+    """Rows of factors of one side stacked over the passes: ``rows`` ``[[G, m_i, d]]``, with
+    each pass's weight and rows kept (``n``, ``n_rows``: 0-dim each)."""
 
+    rows: list[Tensor] = field(default_factory=list)
+    n: list[Tensor] = field(default_factory=list)
+    n_rows: list[Tensor] = field(default_factory=list)
+
+
+@dataclass
+class _Parts:
+    """What one update collects: stacks of rows by factor group, and per factor key (layer
+    for EK-FAC) what does not stack."""
+
+    groups: dict[tuple[str, ...], _Group] = field(default_factory=dict)
     rows: dict[str, list[Tensor]] = field(default_factory=dict)
     sums: dict[str, Tensor] = field(default_factory=dict)
     weights: dict[str, Tensor] = field(default_factory=dict)
@@ -63,6 +75,42 @@ class _Parts:
     def add_sum(self, key: str, x: Tensor) -> None:
         self.sums[key] = self.sums[key] + x if key in self.sums else x
 
+    def add_rows(self, keys: tuple[str, ...], rows: Tensor, w: RowWeights) -> None:
+        """One pass's rows ``[G, m, d]`` of the factors ``keys`` (weight ``w.n``)."""
+        group = self.groups.setdefault(keys, _Group())
+        group.rows.append(rows)
+        group.n.append(w.n)
+        group.n_rows.append(w.n_rows)
+
+    def settle(self) -> None:
+        """Groups whose keys another group or a key's own rows also hold are taken apart into
+        those keys' own rows (a layer called in several row spaces or shapes), so every key
+        has one place."""
+        seen: dict[str, int] = {}
+        for keys in self.groups:
+            for k in keys:
+                seen[k] = seen.get(k, 0) + 1
+        for keys in [ks for ks in self.groups
+                     if any(seen[k] > 1 or k in self.rows for k in ks)]:
+            group = self.groups.pop(keys)
+            for rows, n, n_rows in zip(group.rows, group.n, group.n_rows):
+                for key, r in zip(keys, rows.unbind(0)):
+                    self.rows.setdefault(key, []).append(r)
+                    self.count(key, n, n_rows)
+
+    def stacked(self) -> list[RowGroup]:
+        """The groups as `RowGroup` s (passes concatenated), their keys' weights and
+        positions recorded."""
+        out = []
+        for keys, group in self.groups.items():
+            n, n_rows = group.n[0], group.n_rows[0]
+            for more, more_rows in zip(group.n[1:], group.n_rows[1:]):
+                n, n_rows = n + more, n_rows + more_rows
+            for key in keys:
+                self.weights[key], self.positions[key] = n, n_rows
+            out.append(RowGroup(keys, _cat(group.rows, dim=1)))
+        return out
+
 
 def collect_update(tracker, passes) -> UpdateJob | None:
     """The `UpdateJob` of ``passes`` (the records the tracker's Fisher estimator yielded) for
@@ -72,33 +120,70 @@ def collect_update(tracker, passes) -> UpdateJob | None:
     for rec in passes:
         if not (rec.g_rows or rec.g_sums):
             continue
-        c = _loss_scale(rec, parts)
         spaces = {"position": RowWeights.of(rec.weight, rec.total)}
         if rec.seq_layers:  # a pooler / head: one row per sequence (`capture.hooks`)
             spaces["sequence"] = RowWeights.of(rec.sequence_weight(), rec.seq_total)
+        g_layer = {tracker.plan.g_key(name): name for name in rec.g_rows}
+        g_stacks = _stacks({key: rec.g_rows[name] for key, name in g_layer.items()},
+                           {key: "sequence" if name in rec.seq_layers else "position"
+                            for key, name in g_layer.items()})
+        c = _loss_scale(rec, parts, g_stacks)
         _add_a(tracker, rec, spaces, fold, parts)
-        _add_g(tracker, rec, spaces, c, fold, parts)
+        _add_g(tracker, rec, spaces, g_stacks, c, fold, parts)
         _add_ekfac(rec, c, parts)
-    if not parts.rows and not parts.sums and tracker.world_size == 1:
+    if not parts.rows and not parts.sums and not parts.groups and tracker.world_size == 1:
         return None
+    parts.settle()
+    groups = parts.stacked()
     cat = {k: _cat(v) for k, v in parts.rows.items()}
-    ok = all_finite(list(cat.values()) + list(parts.sums.values()))
+    ok = all_finite([g.rows for g in groups] + list(cat.values()) + list(parts.sums.values()))
     if parts.bad:
         ok = ok & ~torch.stack(parts.bad).any().to(ok.device)
     residual = torch.stack(parts.residuals).max() if parts.residuals else None
     step = int(tracker.step or 0)
     if parts.ek_num:
         tracker.ekfac.add(step, parts.ek_num, parts.ek_den, ok)
-    return UpdateJob(step, cat, parts.weights, parts.positions, ok, residual, sums=parts.sums)
+    return UpdateJob(step, cat, parts.weights, parts.positions, ok, residual, sums=parts.sums,
+                     groups=groups)
 
 
-def _loss_scale(rec, parts: _Parts):
+@dataclass
+class _Stack:
+    """One pass's captured rows of factors of one shape and row space: ``keys`` and their
+    rows ``[G, m, d]`` (``rows`` None: one key whose layer was called several times,
+    ``calls`` its rows per call)."""
+
+    keys: tuple[str, ...]
+    space: str
+    rows: Tensor | None
+    calls: list[Tensor] = field(default_factory=list)
+
+
+def _stacks(by_key: dict[str, list[Tensor]], space_of: dict[str, str]) -> list[_Stack]:
+    """``by_key``'s rows stacked by row space (``space_of``: per key), shape and dtype (one op
+    per stack); a key with several calls keeps its own."""
+    buckets: dict[tuple, list[tuple[str, Tensor]]] = {}
+    out = []
+    for key, found in by_key.items():
+        if len(found) == 1:
+            t = found[0]
+            buckets.setdefault((space_of[key], tuple(t.shape), t.dtype), []).append((key, t))
+        else:
+            out.append(_Stack((key,), space_of[key], None, list(found)))
+    for (space, _, _), members in buckets.items():
+        keys = tuple(k for k, _ in members)
+        out.append(_Stack(keys, space, torch.stack([t for _, t in members])))
+    return out
+
+
+def _loss_scale(rec, parts: _Parts, g_stacks: list[_Stack]):
     """The pass's loss scale ``c`` (a float, or a 0-dim tensor), noting in ``parts`` whether
     it is unusable (``bad``) and the fit's residual."""
     c = rec.resolve_scale()
     if c is None or isinstance(c, Tensor):
         g_live = torch.stack(
-            [g.abs().sum().to(torch.float64) for gs in rec.g_rows.values() for g in gs]
+            [t.abs().sum().to(torch.float64) for st in g_stacks
+             for t in ([st.rows] if st.rows is not None else st.calls)]
             + [g.sum().to(torch.float64) for gs in rec.g_sums.values() for g in gs]
         ).sum() > 0
         if c is None:  # no logits hook fired: fine only if no gradient arrived
@@ -112,18 +197,32 @@ def _loss_scale(rec, parts: _Parts):
     return c
 
 
+def _weighted(rows: Tensor, w: RowWeights, root: Tensor, fold) -> Tensor:
+    """``rows`` (``[m, d]`` or ``[G, m, d]``) times ``root`` (``[m, 1]``) where ``w`` keeps
+    a row, zero elsewhere, in the fold dtype."""
+    return torch.where(w.keep, rows * root.to(rows.dtype), 0.0).to(fold)
+
+
 def _add_a(tracker, rec, spaces: dict[str, RowWeights], fold, parts: _Parts) -> None:
     """The pass's A rows (``√w·a``, a bias column appended) and diagonal A sums."""
     a_rows, a_sums = _by_a_key(tracker, rec.a_rows), _by_a_key(tracker, rec.a_sums)
-    for key, found in a_rows.items():
-        w = spaces[_a_space(tracker, key, rec.seq_layers)]
-        for a in found:
-            a = a.to(tracker.row_dtype)
-            if tracker.a_has_bias[key]:
-                a = with_bias_column(a)
-            parts.rows.setdefault(key, []).append(
-                torch.where(w.keep, a * w.root.to(a.dtype), 0.0).to(fold))
-            parts.count(key, w.n, w.n_rows)
+    space_of = {key: _a_space(tracker, key, rec.seq_layers) for key in a_rows}
+    bias = [k for k in a_rows if tracker.a_has_bias[k]]
+    plain = {k: v for k, v in a_rows.items() if not tracker.a_has_bias[k]}
+    for stacks in (_stacks(plain, space_of),
+                   _stacks({k: a_rows[k] for k in bias}, space_of)):
+        for st in stacks:
+            w = spaces[st.space]
+            for rows in ([st.rows] if st.rows is not None else st.calls):
+                rows = rows.to(tracker.row_dtype)
+                if tracker.a_has_bias[st.keys[0]]:  # a trailing column of ones
+                    rows = torch.nn.functional.pad(rows, (0, 1), value=1.0)
+                rows = _weighted(rows, w, w.root, fold)
+                if st.rows is not None:
+                    parts.add_rows(st.keys, rows, w)
+                else:
+                    parts.rows.setdefault(st.keys[0], []).append(rows)
+                    parts.count(st.keys[0], w.n, w.n_rows)
     for key, found in a_sums.items():
         w = spaces[_a_space(tracker, key, rec.seq_layers)]
         for a in found:  # Σ w a⊙a [d_in]; the bias entry is Σ w·1²
@@ -133,17 +232,22 @@ def _add_a(tracker, rec, spaces: dict[str, RowWeights], fold, parts: _Parts) -> 
             parts.count(key, w.n, w.n_rows)
 
 
-def _add_g(tracker, rec, spaces: dict[str, RowWeights], c, fold, parts: _Parts) -> None:
+def _add_g(tracker, rec, spaces: dict[str, RowWeights], g_stacks: list[_Stack], c, fold,
+           parts: _Parts) -> None:
     """The pass's G rows (``√w·g/c``) and diagonal G sums (``Σ w g⊙g / c²``)."""
-    for name, found in rec.g_rows.items():
-        w = spaces["sequence" if name in rec.seq_layers else "position"]
-        g_root = w.root.to(tracker.row_dtype) / c  # [m, 1], in the rows' dtype (a
-        # float32 root over a float64 0-dim c would stay float32: float64 rows 1e-7 off)
-        for g in found:
-            g = g.to(tracker.row_dtype)
-            parts.rows.setdefault(tracker.plan.g_key(name), []).append(
-                torch.where(w.keep, g * g_root.to(g.dtype), 0.0).to(fold))
-            parts.count(tracker.plan.g_key(name), w.n, w.n_rows)
+    roots: dict[str, Tensor] = {}
+    for st in g_stacks:
+        w = spaces[st.space]
+        if st.space not in roots:  # [m, 1], in the rows' dtype (a float32 root over a
+            # float64 0-dim c would stay float32: float64 rows 1e-7 off)
+            roots[st.space] = w.root.to(tracker.row_dtype) / c
+        for rows in ([st.rows] if st.rows is not None else st.calls):
+            rows = _weighted(rows.to(tracker.row_dtype), w, roots[st.space], fold)
+            if st.rows is not None:
+                parts.add_rows(st.keys, rows, w)
+            else:
+                parts.rows.setdefault(st.keys[0], []).append(rows)
+                parts.count(st.keys[0], w.n, w.n_rows)
     for name, found in rec.g_sums.items():
         w = spaces["sequence" if name in rec.seq_layers else "position"]
         for g in found:  # Σ w (c·g)⊙(c·g) / c²
@@ -192,5 +296,5 @@ def _captured_dtype(passes) -> torch.dtype | None:
     return None
 
 
-def _cat(parts: list[Tensor]) -> Tensor:
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+def _cat(parts: list[Tensor], dim: int = 0) -> Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)

@@ -71,6 +71,20 @@ class Counters(Traffic):
     window_sequences: int = 0
 
 
+@dataclass(frozen=True)
+class RowGroup:
+    """Rows of dense factors of one side, stacked, with one weight and count (the update's
+    ``weights`` / ``positions`` entry of each key is the same 0-dim tensor).
+
+    Attributes:
+        keys: The factors, in the order of the first axis.
+        rows: ``[G, m, d]`` weighted rows (see `UpdateJob.rows`).
+    """
+
+    keys: tuple[str, ...]
+    rows: Tensor
+
+
 @dataclass
 class UpdateJob:
     """One update step's local contribution, handed from the training thread to the updater.
@@ -93,6 +107,8 @@ class UpdateJob:
         issue_seconds: Time the training thread took to issue them.
         sums: ``{factor key: Σ_s w_s x_s⊙x_s [d]}`` of the diagonal factors (float32, float64
             for float64 storage): reduced in the hooks, they never travel as rows.
+        groups: Rows of dense factors of one side stacked (`RowGroup`; their keys are not in
+            ``rows``): folded as one group on the device path.
     """
 
     step: int
@@ -105,6 +121,14 @@ class UpdateJob:
     sums: dict[str, Tensor] = field(default_factory=dict)
     exchange: PendingExchange | None = None
     issue_seconds: float = 0.0
+    groups: list[RowGroup] = field(default_factory=list)
+
+    def all_rows(self) -> dict[str, Tensor]:
+        """``{factor key: rows [m, d]}`` of every factor with rows, the groups' as views."""
+        out = dict(self.rows)
+        for group in self.groups:
+            out.update(zip(group.keys, group.rows.unbind(0)))
+        return out
 
 
 class FactorUpdater:
@@ -218,7 +242,7 @@ class FactorUpdater:
                 self._stream.wait_event(job.event)
             transport = torch.float16 if self.config.storage_dtype == "float16" else None
             return start_exchange(ExchangeRequest(
-                job.rows, self.dims, self.ownership, self.rank, self.world_size,
+                job.all_rows(), self.dims, self.ownership, self.rank, self.world_size,
                 group=self.dist.exchange_group,
                 strategy=None if self.config.exchange == "auto" else self.config.exchange,
                 ok=job.ok, transport=transport, weights=job.weights, positions=job.positions,
@@ -239,18 +263,20 @@ class FactorUpdater:
                     self._stream.synchronize()  # job tensors are free to reuse afterwards
 
     def _apply_on_stream(self, job: UpdateJob) -> None:
-        keys = list(job.rows) + list(job.sums)
-        scalars = [job.ok.to(torch.float64)] + [job.weights[k].to(torch.float64) for k in keys] \
-            + [job.positions[k].to(torch.float64) for k in keys]
-        if job.residual is not None:
-            scalars.append(job.residual.to(torch.float64))
-        values = torch.stack([v.to(self.device) for v in scalars]).tolist()  # one read
-        ok = values[0] > 0
-        weights = dict(zip(keys, values[1:1 + len(keys)]))
-        positions = {k: int(v) for k, v in zip(keys, values[1 + len(keys):1 + 2 * len(keys)])}
-        if job.residual is not None and ok:
-            self._warn_scale(values[-1])
+        keys = list(job.rows) + [k for g in job.groups for k in g.keys] + list(job.sums)
+        read = _Read(self.device)  # one host read of every flag and weight
+        ok_at = read.add(job.ok)
+        weight_at = {k: read.add(job.weights[k]) for k in keys}
+        position_at = {k: read.add(job.positions[k]) for k in keys}
+        residual_at = read.add(job.residual) if job.residual is not None else None
+        values = read.values()
+        ok = values[ok_at] > 0
+        weights = {k: values[i] for k, i in weight_at.items()}
+        positions = {k: int(values[i]) for k, i in position_at.items()}
+        if residual_at is not None and ok:
+            self._warn_scale(values[residual_at])
         t0 = time.perf_counter()
+        groups: list[RowGroup] = []
         if self.dist is None:
             if not ok:
                 self._skip(job.step)
@@ -258,6 +284,12 @@ class FactorUpdater:
             delivered = {k: ("rows", v) for k, v in job.rows.items() if k in self.store}
             delivered.update({k: ("stats", (v, weights[k])) for k, v in job.sums.items()
                               if k in self.store})
+            for group in job.groups:
+                if all(k in self.store for k in group.keys):
+                    groups.append(group)
+                else:
+                    delivered.update((k, ("rows", r)) for k, r in
+                                     zip(group.keys, group.rows.unbind(0)) if k in self.store)
             total_pos = max(positions.values(), default=0)
         else:
             assert job.exchange is not None, "submit issues the exchange"
@@ -281,6 +313,13 @@ class FactorUpdater:
         decay = self.decay_at(job.step)
         if decay == 0.0:  # the final window's restart (every factor of this update)
             self.counters.window_start_step = int(job.step)
+        if self.dist is not None:
+            groups, delivered = regroup(delivered, weights, positions)
+        for group in groups:
+            n, pos = weights[group.keys[0]], positions[group.keys[0]]
+            if n > 0:
+                self.folding.deliver_group(self.store, group.keys, group.rows, n=n,
+                                           positions=pos, decay=decay)
         for key, (how, payload) in delivered.items():
             n, pos = weights[key], positions[key]
             if n <= 0:
@@ -375,3 +414,39 @@ class FactorUpdater:
                 "kfac_stream: the logits' gradient is not a scaled cross-entropy gradient "
                 "(relative residual %.2e): label smoothing or per-token loss weights make the "
                 "empirical-Fisher G scale approximate", residual)
+
+
+class _Read:
+    """Device scalars read on the host in one go, each distinct tensor once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._at: dict[int, int] = {}
+        self._tensors: list[Tensor] = []
+
+    def add(self, t: Tensor) -> int:
+        """Queue ``t`` (0-dim); returns its place in `values`."""
+        if id(t) not in self._at:
+            self._at[id(t)] = len(self._tensors)
+            self._tensors.append(t)
+        return self._at[id(t)]
+
+    def values(self) -> list[float]:
+        return torch.stack([t.to(device=self.device, dtype=torch.float64)
+                            for t in self._tensors]).tolist()
+
+
+def regroup(delivered: dict[str, tuple[str, object]], weights: dict[str, float],
+            positions: dict[str, int]) -> tuple[list[RowGroup], dict[str, tuple[str, object]]]:
+    """The delivered dense rows (``{key: ("rows", [m, d])}``) of one shape, dtype, weight and
+    count stacked into `RowGroup` s (one op per group); the rest as they were."""
+    buckets: dict[tuple, list[str]] = {}
+    for key, (how, payload) in delivered.items():
+        if how == "rows" and payload.dim() == 2:
+            sig = (tuple(payload.shape), payload.dtype, weights[key], positions[key])
+            buckets.setdefault(sig, []).append(key)
+    groups, rest = [], dict(delivered)
+    for keys in buckets.values():
+        if len(keys) > 1:
+            groups.append(RowGroup(tuple(keys), torch.stack([rest.pop(k)[1] for k in keys])))
+    return groups, rest

@@ -1,0 +1,219 @@
+r"""The device path's fold batched by shape: the dense factors one update delivers as one stack
+of rows (``[G, m, d]``: ``G`` factors of side ``d``, ``m`` rows each) are folded together, a
+fixed handful of device ops per group whatever ``G`` (`DeviceGroup.accumulate`).
+
+A group owns one ``[G, d, d]`` tensor of pending sums ``P'`` (each member's
+`device_fold.DevicePending` holds its slice as ``data``), one ``[G, d, p]`` float64 tensor of
+the members' sketches ``F Z`` and one ``[G]`` float64 tensor of their ``Σ λ…‖S Z‖²/p`` sums
+(`StoredFactor.fz` and ``sq_norm_sum`` are views of them). Per member, an update is exactly
+what `device_fold.accumulate` and `FactorStore._record` do for one factor:
+
+* ``P' ← keep·P' + c·XᵀX`` with ``c = η/(n·s)`` (``keep``: 0 for an empty pending sum or the
+  window's restart, ``s·(1-η)`` when ``s`` is renormalised, else 1): one ``baddbmm`` for the
+  group (16-bit rows on CUDA: tensor cores with float32 output where torch has that kernel);
+* ``F Z ← (1-η)·F Z + η·Xᵀ(XZ)/n``: two ``bmm`` and one fused add for the group;
+* ``Σ ← λ·Σ + ‖Xᵀ(XZ)‖²/(p·n)``.
+
+The host bookkeeping (``η``, ``s``, ``α``, counts) stays per member in Python: no device op.
+Members whose coefficients differ (their histories differ, e.g. after a budget flush) take
+per-member coefficient vectors: a few more ops, the same values. A member whose slices were
+replaced from outside (a load, a per-factor fold, a copied factor) is re-linked at its next
+group update: its values are copied into the group's slices first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from ..stats.ema import ema_step
+from .device_fold import RENORM, DevicePending
+from .fold_cost import accumulate_bytes, accumulate_flops
+from .stored_factor import StoredFactor
+from .traffic import Traffic
+
+#: `batched_16bit` per device, probed once.
+_BATCHED_16BIT: dict[str, bool] = {}
+
+
+def batched_16bit(device: torch.device) -> bool:
+    """Whether ``torch.baddbmm(acc, Xᵀ, X, out_dtype=float32, out=acc)`` with 16-bit ``X``
+    runs on ``device`` and equals the float32 fold (probed once per device; the CPU build has
+    no such kernel)."""
+    key = str(device)
+    if key not in _BATCHED_16BIT:
+        _BATCHED_16BIT[key] = _probe_batched_16bit(device)
+    return _BATCHED_16BIT[key]
+
+
+def _probe_batched_16bit(device: torch.device) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    try:
+        x = torch.randn(2, 64, 48, generator=gen).to(device=device, dtype=torch.bfloat16)
+        acc = torch.randn(2, 48, 48, generator=gen).to(device)
+        xf = x.float()
+        want = acc + 2.0 * (xf.mT @ xf)
+        torch.baddbmm(acc, x.mT, x, beta=1.0, alpha=2.0, out_dtype=torch.float32, out=acc)
+        fresh = torch.full_like(acc, math.nan)  # beta=0 must ignore what the output held
+        torch.baddbmm(fresh, x.mT, x, beta=0.0, alpha=2.0, out_dtype=torch.float32, out=fresh)
+        # fp32 accumulation of 64 exact products: far inside 1e-4 of entries of order 10
+        return bool(torch.allclose(acc, want, rtol=1e-5, atol=1e-4)
+                    and torch.allclose(fresh, 2.0 * (xf.mT @ xf), rtol=1e-5, atol=1e-4))
+    except (RuntimeError, TypeError):  # NotImplementedError is a RuntimeError
+        return False
+
+
+def _one_or_vector(values: list[float], like: Tensor) -> float | Tensor:
+    """``values[0]`` when every value is the same, else a ``[G, 1, 1]`` tensor of them."""
+    if all(v == values[0] for v in values):
+        return values[0]
+    return torch.tensor(values, dtype=like.dtype).to(like.device, non_blocking=True)[:, None,
+                                                                                     None]
+
+
+class DeviceGroup:
+    """The pending sums, sketches and sketch norms of ``G`` dense factors of side ``d``.
+
+    Args:
+        keys: The members' keys, in the order of the rows' first axis.
+        d: Their side.
+        compute_dtype: The pending sums' dtype.
+        device: Where they live.
+        z: The members' probes ``[G, d, p]`` (float64).
+    """
+
+    def __init__(self, keys: tuple[str, ...], d: int, compute_dtype: torch.dtype,
+                 device: torch.device, z: Tensor) -> None:
+        g, p = len(keys), z.shape[-1]
+        self.keys = keys
+        self.acc = torch.zeros(g, d, d, dtype=compute_dtype, device=device)  # P' [G, d, d]
+        self.fz = torch.zeros(g, d, p, dtype=torch.float64, device=device)  # F Z [G, d, p]
+        self.sq = torch.zeros(g, dtype=torch.float64, device=device)  # Σ λ…‖S Z‖²/p [G]
+        self.z = z.to(device)  # [G, d, p] float64
+        self._z_as: dict[torch.dtype, Tensor] = {torch.float64: self.z}
+        self.acc_views = self.acc.unbind(0)
+        self.fz_views = self.fz.unbind(0)
+        self.sq_views = self.sq.unbind(0)
+
+    def probes_as(self, dtype: torch.dtype) -> Tensor:
+        """The probes in ``dtype`` (made once)."""
+        if dtype not in self._z_as:
+            self._z_as[dtype] = self.z.to(dtype)
+        return self._z_as[dtype]
+
+    def link(self, members: list[StoredFactor]) -> None:
+        """Make every member's pending sum, sketch and sketch norm the group's slices, copying
+        in the values of a member whose own were set elsewhere."""
+        stale_sq: list[tuple[int, float | Tensor]] = []
+        for i, f in enumerate(members):
+            p = f.device
+            if p is None:
+                f.device = DevicePending(self.acc_views[i])
+            elif p.data is not self.acc_views[i]:
+                if not p.empty:
+                    self.acc_views[i].copy_(p.data)
+                p.data = self.acc_views[i]
+            if f.fz is not self.fz_views[i]:
+                if f.fz is None:
+                    self.fz_views[i].zero_()
+                else:
+                    self.fz_views[i].copy_(f.fz)
+                f.fz = self.fz_views[i]
+            if f.sq_norm_sum is not self.sq_views[i]:
+                stale_sq.append((i, f.sq_norm_sum))
+                f.sq_norm_sum = self.sq_views[i]
+        if stale_sq:
+            self._write_sq(stale_sq)
+
+    def _write_sq(self, stale: list[tuple[int, float | Tensor]]) -> None:
+        if len(stale) == len(self.keys) and all(isinstance(v, float) for _, v in stale):
+            self.sq.copy_(torch.tensor([v for _, v in stale], dtype=torch.float64),
+                          non_blocking=True)
+            return
+        for i, v in stale:
+            self.sq_views[i].copy_(torch.as_tensor(v, dtype=torch.float64))
+
+    def accumulate(self, members: list[StoredFactor], rows: Tensor, n: float, positions: int,
+                   lam: float, traffic: Traffic, fused_16bit: bool) -> None:
+        """One update of weight ``n`` (``λ``: ``lam``) whose member ``i`` has the weighted rows
+        ``rows[i]`` (``[G, m, d]``: ``S_i = rows[i]ᵀ rows[i] / n``), folded into the pending
+        sums, sketches and norms; the members' host bookkeeping advanced."""
+        keep, coef, eta = [], [], []
+        for f in members:
+            f.weight, e = ema_step(f.weight, n, lam)
+            f.weight_sq = f.weight_sq * lam * lam + n * n
+            f.updates += 1
+            f.positions += int(positions)
+            p = f.device
+            beta = 1.0 - e
+            if p.empty or beta == 0.0:
+                k, s_new = 0.0, 1.0
+            elif p.s * beta < RENORM:
+                k, s_new = p.s * beta, 1.0
+            else:
+                k, s_new = 1.0, p.s * beta
+            keep.append(k)
+            coef.append(e / (n * s_new))
+            eta.append(e)
+            p.s = s_new
+            p.alpha = beta if p.empty else p.alpha * beta
+            p.updates = 1 if p.empty else p.updates + 1
+            p.empty = False
+        wide = torch.float64 if rows.dtype == torch.float64 else torch.float32
+        x = rows.to(wide)  # [G, m, d]: 16-bit rows copied once, for the sketch (and the Gram
+        # where no 16-bit batched kernel writes float32)
+        self._sketch(x, n, lam, eta)
+        self._gram(rows, x, keep, coef, fused_16bit)
+        self._count(rows, traffic)
+
+    def _sketch(self, x: Tensor, n: float, lam: float, eta: list[float]) -> None:
+        """``F Z ← (1-η)·F Z + η·Xᵀ(XZ)/n`` and ``Σ ← λ·Σ + ‖Xᵀ(XZ)‖²/(p·n)`` from the rows
+        ``x`` ``[G, m, d]`` in float32 (float64)."""
+        wide = x.dtype
+        sz = torch.bmm(x.mT, torch.bmm(x, self.probes_as(wide)))  # [G, d, p] = n·S Z
+        p = sz.shape[-1]
+        self.sq.mul_(lam).add_(sz.square().sum((1, 2), dtype=torch.float64), alpha=1.0 / (p * n))
+        keep = _one_or_vector([1.0 - e for e in eta], self.fz)
+        step = _one_or_vector([e / n for e in eta], self.fz)
+        if isinstance(step, float):
+            self.fz.mul_(keep).add_(sz, alpha=step)
+        else:
+            self.fz.mul_(keep).addcmul_(sz, step)
+
+    def _gram(self, rows: Tensor, x: Tensor, keep: list[float], coef: list[float],
+              fused_16bit: bool) -> None:
+        """``P' ← keep·P' + c·XᵀX`` for the group, the Gram accumulated into ``P'`` by the
+        GEMM itself (16-bit ``rows`` on the tensor cores where torch has the batched kernel,
+        else their wide copy ``x``)."""
+        acc = self.acc
+        k = _one_or_vector(keep, acc)
+        beta = 1.0
+        if isinstance(k, float) and k == 0.0:
+            beta = 0.0  # baddbmm ignores what P' held
+        elif not (isinstance(k, float) and k == 1.0):
+            acc.mul_(k)
+        c = _one_or_vector(coef, acc)
+        sixteen = rows.is_cuda and rows.element_size() == 2
+        if isinstance(c, float) and sixteen and fused_16bit and acc.dtype == torch.float32:
+            torch.baddbmm(acc, rows.mT, rows, beta=beta, alpha=c, out_dtype=torch.float32,
+                          out=acc)
+            return
+        x = x.to(acc.dtype)
+        if not isinstance(c, float):
+            x = x * c.sqrt()  # each member's rows scaled by √c_i: P' += (√c X)ᵀ(√c X)
+            c = 1.0
+        acc.baddbmm_(x.mT, x, beta=beta, alpha=c)
+
+    def _count(self, rows: Tensor, traffic: Traffic) -> None:
+        g, m, d = rows.shape
+        traffic.device_folds += g
+        traffic.fold_flops += g * accumulate_flops("rows", d, False, m)
+        traffic.fold_device_bytes += g * accumulate_bytes(
+            "rows", d, False, m, in_bytes=rows.element_size(),
+            acc_bytes=self.acc.element_size(), fused=True)
+
+    def traces(self) -> Tensor:
+        """``[G]`` traces of the pending sums ``P'`` (float64)."""
+        return self.acc.diagonal(dim1=1, dim2=2).sum(-1, dtype=torch.float64)
