@@ -17,13 +17,14 @@ from .store.fold_cost import (
     flush_bytes,
     flush_chunks,
     host_fold_entries,
+    pending_rmw_bytes,
 )
 from .store.traffic import Traffic
 
 #: The fields that add up over operations (the rest are gauges).
 ADDITIVE = ("device_folds", "fold_flops", "fold_device_bytes", "bytes_to_host",
             "bytes_to_device", "host_entries", "flushes", "factor_flushes", "budget_flushes",
-            "flush_chunks", "flush_copies", "flush_syncs")
+            "flush_chunks", "flush_copies", "flush_syncs", "deferred_folds")
 
 
 def add(total: Traffic, part: Traffic, times: int = 1) -> Traffic:
@@ -51,11 +52,22 @@ def flush_cost(dims: Mapping[str, tuple[int, bool]], itemsize: int) -> Traffic:
     return out
 
 
+def held_fold_cost(dims: Mapping[str, tuple[int, bool]], acc_bytes: int = 4) -> Traffic:
+    """One fold of held rows into the pending sums of the dense factors in ``dims`` (the
+    deferred Gram, `kfac_stream.store.device_groups`): one read-modify-write of each."""
+    out = Traffic()
+    for d, diagonal in dims.values():
+        if not diagonal:
+            out.deferred_folds += 1
+            out.fold_device_bytes += pending_rmw_bytes(d, diagonal, acc_bytes)
+    return out
+
+
 def update_cost(dims: Mapping[str, tuple[int, bool]], rows: Mapping[str, int], *,
                 fold_on: str = "device", resident: Mapping[str, bool] | None = None,
                 itemsize: int = 2, in_bytes: int = 2, acc_bytes: int = 4,
                 fused: bool = False, summed: Mapping[str, bool] | None = None,
-                host_folds: Mapping[str, bool] | None = None) -> Traffic:
+                host_folds: Mapping[str, bool] | None = None, defer: int = 1) -> Traffic:
     """One update of the factors in ``dims`` this rank owns.
 
     Args:
@@ -72,6 +84,9 @@ def update_cost(dims: Mapping[str, tuple[int, bool]], rows: Mapping[str, int], *
             are not fused).
         summed: ``{key: True}`` for factors whose payload is a summed statistic (diagonal
             factors; the exchange's statistics strategy) instead of rows.
+        defer: Updates per deferred fold (`RunPlan.fold_defer`): above 1 a resident dense
+            factor's rows are held, their read-modify-write counted by `held_fold_cost`
+            once per fold instead of here.
     """
     out = Traffic()
     resident = resident or {}
@@ -88,10 +103,11 @@ def update_cost(dims: Mapping[str, tuple[int, bool]], rows: Mapping[str, int], *
         how = "stats" if summed.get(key, diagonal) else "rows"
         out.device_folds += 1
         out.fold_flops += accumulate_flops(how, d, diagonal, m if how == "rows" else 0)
+        held = defer > 1 and how == "rows" and not diagonal and resident.get(key, True)
         out.fold_device_bytes += accumulate_bytes(
             how, d, diagonal, m if how == "rows" else 0,
             in_bytes=in_bytes if how == "rows" else acc_bytes, acc_bytes=acc_bytes,
-            fused=fused)
+            fused=fused or held, deferred=held)
         if not resident.get(key, True):
             forced[key] = (d, diagonal)
     if forced:

@@ -9,8 +9,9 @@ in advance (``batch · seq · accumulation``), so prediction and count must agre
 
 import pytest
 
-from kfac_stream.cost import ADDITIVE, add, flush_cost, update_cost
+from kfac_stream.cost import ADDITIVE, add, flush_cost, held_fold_cost, update_cost
 from kfac_stream.store.traffic import Traffic
+from kfac_stream.tracking.plan import FOLD_DEFER
 
 from harness import run
 from models import text_examples, tiny_llama
@@ -24,9 +25,12 @@ def _predicted(cb, resident: bool) -> Traffic:
     rows = dict.fromkeys(owned, BATCH * SEQ * ACCUM)  # every position of the update, no padding
     updates = -(-STEPS // EVERY)
     per_update = update_cost(owned, rows, resident=dict.fromkeys(owned, resident),
-                             itemsize=2, in_bytes=4, acc_bytes=4, fused=True)
+                             itemsize=2, in_bytes=4, acc_bytes=4, fused=True,
+                             defer=FOLD_DEFER)
     total = add(Traffic(), per_update, updates)
-    if resident:  # the end-of-training snapshot flushes every factor once
+    if resident:  # the held rows fold every FOLD_DEFER updates and at the end-of-training
+        # snapshot's flush, which then flushes every factor once
+        add(total, held_fold_cost(owned, acc_bytes=4), -(-updates // FOLD_DEFER))
         add(total, flush_cost(owned, itemsize=2))
     return total
 

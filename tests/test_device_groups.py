@@ -160,3 +160,51 @@ def _steady_ops(g: int) -> int:
 def test_a_group_update_takes_the_same_ops_for_any_number_of_members():
     few, many = _steady_ops(2), _steady_ops(24)
     assert few == many <= 24, (few, many)
+
+
+@pytest.mark.parametrize("defer", [2, 3, 8])
+def test_deferred_gram_equals_the_closed_form_and_the_undeferred_fold(defer):
+    """Rows of up to ``defer`` updates held and folded in one GEMM: the float64 closed-form
+    EMA, and the undeferred group's state, with a member updated on its own, a flush, the
+    window's restart and a load in between (each of which folds what is held first)."""
+    (held, undeferred), keys = _pair(decay=0.8)
+    held.defer = defer
+    stats = collections.defaultdict(list)
+    counts = []
+    for step, (x, n) in enumerate(_stacks(23, len(keys), 6, seed=5)):
+        if step == 4:  # member 2 alone
+            for s in (held, undeferred):
+                s.push_device(keys[2], x[2], "rows", n, x.shape[1])
+                s.end_update()
+            continue
+        if step == 13:
+            _same_state(held, undeferred, 1e-12)
+        if step == 16:
+            state = undeferred.state_dict()
+            for s in (held, undeferred):
+                s.load_state_dict(state)
+        decay = 0.0 if step == 10 else None
+        for s in (held, undeferred):
+            s.push_group(keys, x, n, x.shape[1], decay)
+            s.end_update()
+        assert held.traces() == pytest.approx(undeferred.traces(), rel=1e-12)
+        if step >= 10:  # from the restart on: the closed form of these updates alone
+            for i, k in enumerate(keys):
+                stats[k].append(x[i].T @ x[i] / n)
+            counts.append(n)
+    assert held.traffic.deferred_folds > 0
+    values = held.values()
+    for k in keys:
+        # the restart at step 10 drops all before it; decay 0.8 after it
+        assert rel(values[k], ema_closed_form(stats[k], counts, 0.8)) <= 1e-13
+    _same_state(held, undeferred, 1e-12)
+
+
+def test_held_rows_stay_inside_the_device_budget():
+    (store, _), keys = _pair(g=2, d=6)
+    store.defer = 8
+    # the resident sums and work space fit; one update's rows [2, m, 6] float64 do not
+    store.device_budget = store._work_space() + 2 * 36 * 8 + 16
+    for x, n in _stacks(5, len(keys), 6, seed=6):
+        store.push_group(keys, x, n, x.shape[1])
+        assert not store._groups[keys].held  # folded at once: no room to hold them

@@ -269,8 +269,9 @@ class WindowEntry:
 class RunPlanEntry:
     """The run's plan as resolved at train begin (`kfac_stream.tracking.plan.RunPlan.to_dict`):
     the curvature, the run's shape, where the fold and the eigendecompositions run, the device
-    budget (None: decided at the first update), the MC share a short run raised (None: kept),
-    the sequences per update and the final window (absent: the EMA throughout)."""
+    budget (None: decided at the first update), the updates per deferred fold, the MC share a
+    short run raised (None: kept), the sequences per update and the final window (absent: the
+    EMA throughout)."""
 
     WHAT: ClassVar[str] = "the run plan"
     fisher: str = json_field(FisherName())
@@ -282,6 +283,7 @@ class RunPlanEntry:
     fold_on: str = json_field(Str(choices=("device", "host")))
     eigh_device: str | None = json_field(Nullable(Str(what="a device")))
     device_budget: int | None = json_field(Nullable(COUNT))
+    fold_defer: int = json_field(Int(1, 1 << 20))
     async_updates: bool = json_field(Bool())
     mc_share_raised: float | None = json_field(Nullable(Num(0.0, 1.0, lo_open=True)))
     sequences_per_update: int = json_field(COUNT)

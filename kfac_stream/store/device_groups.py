@@ -14,6 +14,14 @@ what `device_fold.accumulate` and `FactorStore._record` do for one factor:
 * ``F Z ← (1-η)·F Z + η·Xᵀ(XZ)/n``: two ``bmm`` and one fused add for the group;
 * ``Σ ← λ·Σ + ‖Xᵀ(XZ)‖²/(p·n)``.
 
+Deferred Gram (``defer = K > 1``): the rows of up to ``K`` updates are held (``[G, m, d]``
+each, as delivered) and added to ``P'`` in one GEMM over their concatenation, each update's
+rows scaled by ``√(c_k · Π_{j>k} keep_j)`` and ``P'`` by ``Π_k keep_k``: the closed form of the
+``K`` sequential updates, with one read-modify-write of the ``G·d²`` pending entries instead of
+``K``. The sketch stays per update (its norm is not linear in the statistic); so does the
+trace of what is held (``c·‖X‖²``, for the live traces). A reader (`fold_held`, called by every
+flush and before any per-factor op on a member) folds what is held first.
+
 The host bookkeeping (``η``, ``s``, ``α``, counts) stays per member in Python: no device op.
 Members whose coefficients differ (their histories differ, e.g. after a budget flush) take
 per-member coefficient vectors: a few more ops, the same values. A member whose slices were
@@ -30,7 +38,7 @@ from torch import Tensor
 
 from ..stats.ema import ema_step
 from .device_fold import RENORM, DevicePending
-from .fold_cost import accumulate_bytes, accumulate_flops
+from .fold_cost import accumulate_bytes, accumulate_flops, pending_rmw_bytes
 from .stored_factor import StoredFactor
 from .traffic import Traffic
 
@@ -96,6 +104,16 @@ class DeviceGroup:
         self.acc_views = self.acc.unbind(0)
         self.fz_views = self.fz.unbind(0)
         self.sq_views = self.sq.unbind(0)
+        self.defer = 1  # updates whose Gram is held before one fold (`FactorStore.defer`)
+        self.held: list[Tensor] = []  # [G, m_k, d] rows of the held updates
+        self.held_coef: list[list[float]] = []  # per held update, per member: c_k Π_{j>k} keep_j
+        self.base = [1.0] * g  # per member: Π keep over the held updates (P' ← base·P' + …)
+        self.held_trace = torch.zeros(g, dtype=torch.float64, device=device)  # Σ c‖X‖² held
+
+    @property
+    def held_bytes(self) -> int:
+        """Device bytes of the held rows."""
+        return sum(r.numel() * r.element_size() for r in self.held)
 
     def probes_as(self, dtype: torch.dtype) -> Tensor:
         """The probes in ``dtype`` (made once)."""
@@ -165,8 +183,59 @@ class DeviceGroup:
         x = rows.to(wide)  # [G, m, d]: 16-bit rows copied once, for the sketch (and the Gram
         # where no 16-bit batched kernel writes float32)
         self._sketch(x, n, lam, eta)
-        self._gram(rows, x, keep, coef, fused_16bit)
-        self._count(rows, traffic)
+        if self.defer <= 1 and not self.held:
+            self._gram(rows, x, keep, coef, fused_16bit)
+            self._count(rows, traffic, deferred=False)
+            return
+        for held in self.held_coef:  # an earlier held update is scaled by this one's keep
+            held[:] = [c * k for c, k in zip(held, keep)]
+        self.base = [b * k for b, k in zip(self.base, keep)]
+        self.held.append(rows)
+        self.held_coef.append(coef)
+        norms = x.square().sum((1, 2), dtype=torch.float64)  # [G] ‖X_i‖²
+        held_keep = _one_or_vector(keep, self.held_trace)
+        c = _one_or_vector(coef, self.held_trace)
+        self.held_trace.mul_(held_keep.flatten() if isinstance(held_keep, Tensor) else held_keep)
+        if isinstance(c, float):
+            self.held_trace.add_(norms, alpha=c)
+        else:
+            self.held_trace.addcmul_(norms, c.flatten())
+        self._count(rows, traffic, deferred=True)
+        if len(self.held) >= self.defer:
+            self.fold_held(fused_16bit, traffic)
+
+    def fold_held(self, fused_16bit: bool, traffic: Traffic) -> None:
+        """Add the held updates' Grams to ``P'`` (one GEMM over their rows, each scaled by
+        its coefficient; ``P'`` by the product of their keeps) and drop them."""
+        if not self.held:
+            return
+        parts = []
+        for rows, coef in zip(self.held, self.held_coef):
+            if any(c != 0.0 for c in coef):
+                root = _one_or_vector([math.sqrt(c) for c in coef], self.acc)
+                parts.append(rows * (root if isinstance(root, float) else root.to(rows.dtype)))
+        base = self.base
+        self.held, self.held_coef, self.base = [], [], [1.0] * len(self.keys)
+        self.held_trace.zero_()
+        g, d = len(self.keys), self.acc.shape[-1]
+        traffic.deferred_folds += g
+        traffic.fold_device_bytes += g * pending_rmw_bytes(d, False, self.acc.element_size())
+        if not parts:
+            self._keep(base)
+            return
+        x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [G, Σm, d]
+        wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+        self._gram(x, x.to(wide), base, [1.0] * g, fused_16bit)
+
+    def _keep(self, keep: list[float]) -> None:
+        k = _one_or_vector(keep, self.acc)
+        if not (isinstance(k, float) and k == 1.0):
+            self.acc.mul_(k)
+
+    def drop_held(self) -> None:
+        """Forget the held updates (the pending sums are being dropped: a load)."""
+        self.held, self.held_coef, self.base = [], [], [1.0] * len(self.keys)
+        self.held_trace.zero_()
 
     def _sketch(self, x: Tensor, n: float, lam: float, eta: list[float]) -> None:
         """``F Z ← (1-η)·F Z + η·Xᵀ(XZ)/n`` and ``Σ ← λ·Σ + ‖Xᵀ(XZ)‖²/(p·n)`` from the rows
@@ -206,14 +275,21 @@ class DeviceGroup:
             c = 1.0
         acc.baddbmm_(x.mT, x, beta=beta, alpha=c)
 
-    def _count(self, rows: Tensor, traffic: Traffic) -> None:
+    def _count(self, rows: Tensor, traffic: Traffic, deferred: bool) -> None:
         g, m, d = rows.shape
         traffic.device_folds += g
         traffic.fold_flops += g * accumulate_flops("rows", d, False, m)
         traffic.fold_device_bytes += g * accumulate_bytes(
             "rows", d, False, m, in_bytes=rows.element_size(),
-            acc_bytes=self.acc.element_size(), fused=True)
+            acc_bytes=self.acc.element_size(), fused=True, deferred=deferred)
 
     def traces(self) -> Tensor:
-        """``[G]`` traces of the pending sums ``P'`` (float64)."""
-        return self.acc.diagonal(dim1=1, dim2=2).sum(-1, dtype=torch.float64)
+        """``[G]`` traces of the pending sums ``P'`` with the held updates (float64): what
+        ``P'`` will be once they are folded (``base·P'``: an emptied ``P'`` still holds stale
+        entries until then)."""
+        tr = self.acc.diagonal(dim1=1, dim2=2).sum(-1, dtype=torch.float64)
+        if not self.held:
+            return tr
+        base = _one_or_vector(self.base, self.held_trace)
+        return tr.mul_(base.flatten() if isinstance(base, Tensor) else base).add_(
+            self.held_trace)

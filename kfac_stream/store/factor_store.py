@@ -79,11 +79,14 @@ class FactorStore:
             at the first `push_device` (`kfac_stream.settings.cuda_budget`).
         traffic: Where the store counts its work (`Traffic`; the tracker passes its
             `Counters`).
+        defer: Device path, factors folded as a group (`push_group`): updates whose rows are
+            held before one fold into the pending sums (`device_groups`; 1: fold each), fewer
+            while the held rows would leave the device budget.
     """
 
     def __init__(self, storage_dtype: str, ema_decay: float, flush_every: int = 8,
                  device: torch.device | None = None, device_budget: int | None = 0,
-                 traffic: Traffic | None = None) -> None:
+                 traffic: Traffic | None = None, defer: int = 1) -> None:
         dtype = StorageDtype(storage_dtype)
         self.storage_dtype = dtype.torch_dtype
         self.compute_dtype = dtype.compute_dtype
@@ -98,6 +101,8 @@ class FactorStore:
         self._queued: list[tuple[StoredFactor, FoldResult]] = []  # folds issued, not read
         self._lanes: FlushLanes | None = None
         self._groups: dict[tuple[str, ...], DeviceGroup] = {}  # `push_group`'s, by keys
+        self._group_by_key: dict[str, DeviceGroup] = {}
+        self.defer = max(1, int(defer))
 
     @property
     def device_budget(self) -> int | None:
@@ -173,6 +178,7 @@ class FactorStore:
         counts and pending updates (not folded here, so both fold on the schedule they would
         have had apart, bit for bit), for a shared A split into its members' own
         (`Tracker.dissolve_groups`)."""
+        self._fold_held(source)
         f = self._factors[source]
         data = self._alloc(tuple(f.data.shape))
         data.copy_(f.data)
@@ -263,6 +269,8 @@ class FactorStore:
             if st.sketch is None and not st.diagonal and st.weight > 0:
                 raise ValueError(f"factor {key!r}: state with updates but no sketch")
         self._settle()
+        for group in self._groups.values():
+            group.drop_held()
         for key, f in self._factors.items():
             st = states[key]
             self._own(f, keep=False).copy_(st.data)
@@ -377,6 +385,7 @@ class FactorStore:
         self._residency.plan()
         if f.pending:
             self._flush(f)  # rows and device statistics never pend together
+        self._fold_held(key)
         sq, sz = self._sq_norm_of(key, payload, how, f.diagonal)
         eta = self._record(f, n, positions, decay, sq / (float(n) ** 2),
                            None if sz is None else sz / float(n))
@@ -411,7 +420,10 @@ class FactorStore:
         self._residency.plan()
         members = [self._factors[k] for k in keys]
         if any(f.diagonal or not f.resident for f in members):
-            self._groups.pop(keys, None)
+            self._fold_held(keys[0])
+            if self._groups.pop(keys, None) is not None:
+                for k in keys:
+                    self._group_by_key.pop(k, None)
             for i, key in enumerate(keys):
                 self.push_device(key, rows[i], "rows", n, positions, decay)
             return
@@ -427,8 +439,20 @@ class FactorStore:
                 self.push_device(key, rows[i], "rows", n, positions, decay)
             return
         lam = self.ema_decay if decay is None else decay
-        group.accumulate(members, rows, float(n), positions, lam, self.traffic,
-                         rows.is_cuda and batched_16bit(rows.device))
+        fused = rows.is_cuda and batched_16bit(rows.device)
+        group.accumulate(members, rows, float(n), positions, lam, self.traffic, fused)
+        if sum(g.held_bytes for g in self._groups.values()) > self._residency.spare:
+            group.fold_held(fused, self.traffic)  # held rows stay inside the device budget
+
+    def _fold_held(self, key: str | None = None) -> None:
+        """Fold the held rows of ``key``'s group (None: of every group) into its pending
+        sums: before a reader or a per-factor op on a member."""
+        groups = self._groups.values() if key is None else \
+            [g for g in [self._group_by_key.get(key)] if g is not None]
+        for group in groups:
+            if group.held:
+                group.fold_held(group.acc.is_cuda and batched_16bit(group.acc.device),
+                                self.traffic)
 
     def _group_of(self, keys: tuple[str, ...], d: int, device: torch.device) -> DeviceGroup:
         """The group of ``keys`` (made at its first update: a member of another group leaves
@@ -436,17 +460,23 @@ class FactorStore:
         group = self._groups.get(keys)
         if group is None:
             for other in [k for k in self._groups if not set(k).isdisjoint(keys)]:
+                self._fold_held(other[0])
+                for k in other:
+                    self._group_by_key.pop(k, None)
                 del self._groups[other]
             z = torch.stack([probes(k, d) for k in keys])  # [G, d, p]
             group = self._groups[keys] = DeviceGroup(keys, d, self.compute_dtype, device, z)
+            group.defer = self.defer
+            self._group_by_key.update(dict.fromkeys(keys, group))
             self._residency.count()
         return group
 
     def _shrink(self, key: str) -> None:
         """The device ran out of memory: drop the groups, fold and free every pending sum and
         halve the budget (`Residency.shrink`)."""
-        self._groups.clear()
         self._residency.shrink(key, self.flush)
+        self._groups.clear()
+        self._group_by_key.clear()
 
     def _sq_norm_of(self, key: str, payload: Tensor, how: str, diagonal: bool
                     ) -> tuple[Tensor, Tensor | None]:
@@ -552,6 +582,7 @@ class FactorStore:
     def flush(self) -> None:
         """Fold every pending update into the stored factors (device path: one flush, one
         host read, for all of them)."""
+        self._fold_held()
         for f in self._factors.values():
             self._flush(f)
             self._queue_fold(f)

@@ -61,15 +61,27 @@ def accumulate_flops(how: str, d: int, diagonal: bool, m: int) -> int:
     return 2 * n + 2 * n * p
 
 
+def pending_rmw_bytes(d: int, diagonal: bool, acc_bytes: int) -> int:
+    """Device bytes of one read-modify-write of a pending sum (``2·acc_bytes·entries``)."""
+    return 2 * acc_bytes * entries(d, diagonal)
+
+
 def accumulate_bytes(how: str, d: int, diagonal: bool, m: int, in_bytes: int,
-                     acc_bytes: int, fused: bool) -> int:
+                     acc_bytes: int, fused: bool, deferred: bool = False) -> int:
     """Device memory traffic of one accumulation: the pending sum read and written once
     (``2·acc_bytes·entries``), the payload read (rows ``m·d``, twice for ``XᵀX``; a summed
     statistic once), unless the Gram is fused into the pending sum (``fused``: a float32
     ``addmm_``) its float32 result written and read back (``8·entries``), and the sketch:
     16-bit rows copied to float32 (``m·d·(in_bytes + 4)``) and read twice (``8·m·d``) for
-    ``Xᵀ(XZ)``, or a summed statistic read once more for ``S Z``."""
+    ``Xᵀ(XZ)``, or a summed statistic read once more for ``S Z``. ``deferred`` (rows held
+    for a later fold, `device_groups`): no read-modify-write now (`pending_rmw_bytes`, counted
+    once per held fold) but the held rows read, scaled and written once more
+    (``2·m·d·in_bytes``) and their norms read (``m·d·4``)."""
     n = entries(d, diagonal)
+    if deferred:
+        held = 2 * m * d * in_bytes + 4 * m * d
+        return accumulate_bytes(how, d, diagonal, m, in_bytes, acc_bytes, fused) \
+            - pending_rmw_bytes(d, diagonal, acc_bytes) + held
     payload = 2 * m * d * in_bytes if how == "rows" else n * in_bytes
     temp = 0 if (fused or how != "rows") else 8 * n
     if how == "rows":

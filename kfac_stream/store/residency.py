@@ -39,6 +39,7 @@ class Residency:
         self.compute_dtype = compute_dtype
         self.traffic = traffic
         self.planned = False  # residency planned (`plan`)
+        self.spare = 0  # budget bytes left after the resident statistics and the work space
 
     def plan(self) -> None:
         """Decide once (and again after factors are added) which factors keep their pending
@@ -56,6 +57,7 @@ class Residency:
             need = f.data.numel() * esize
             f.resident = used + need <= budget
             used += need if f.resident else 0
+        self.spare = max(0, budget - used)  # what held rows may take (`FactorStore.defer`)
         self.traffic.device_budget = int(self.budget)
         self.planned = True
 

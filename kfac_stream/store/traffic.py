@@ -34,6 +34,9 @@ class Traffic:
         resident_bytes: Bytes of pending statistics resident on the device now
             (``peak_resident_bytes``: the most so far).
         device_budget: The budget the residency was planned under (bytes; -1: not decided).
+        deferred_folds: Factors whose held rows were folded into their pending sums (one
+            read-modify-write of the factor's entries each; one GEMM per group,
+            `device_groups`).
     """
 
     device_folds: int = 0
@@ -51,6 +54,7 @@ class Traffic:
     resident_bytes: int = 0
     peak_resident_bytes: int = 0
     device_budget: int = -1
+    deferred_folds: int = 0
 
     def traffic(self) -> dict[str, int]:
         """The fields above as a dict (a copy)."""

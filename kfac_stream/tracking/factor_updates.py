@@ -163,7 +163,8 @@ class FactorUpdater:
         on_device = folding.on == "device"
         self.store = FactorStore(config.storage_dtype, config.ema_decay,
                                  device=device if on_device else None,
-                                 device_budget=run.device_budget, traffic=counters)
+                                 device_budget=run.device_budget, traffic=counters,
+                                 defer=run.fold_defer)
         for key in ownership.owned_by(self.rank):
             self.store.add(key, *dims[key])
         self._warned_scale = False
