@@ -109,8 +109,9 @@ class SyncCounter(TorchDispatchMode):
 
     ``count``: all of them. ``ours``: kfac_stream's, ``{"<op> at <file>:<line>": n}``.
     ``model``: everyone else's (the model's, the Trainer's), keyed the same way, those inside
-    kfac_stream's MC replay forward included; ``replayed``: how many of ``model``'s those are.
-    ``count == sum(ours.values()) + sum(model.values())``.
+    kfac_stream's MC replay forward included; ``replayed``: how many of ``model``'s those are,
+    ``replays``: those, keyed the same way. ``count == sum(ours.values()) +
+    sum(model.values())``.
     """
 
     def __init__(self) -> None:
@@ -119,6 +120,7 @@ class SyncCounter(TorchDispatchMode):
         self.ours: collections.Counter = collections.Counter()
         self.model: collections.Counter = collections.Counter()
         self.replayed = 0  # the model's own syncs inside kfac_stream's MC replay forward
+        self.replays: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -138,7 +140,9 @@ class SyncCounter(TorchDispatchMode):
         where = f"{what} at {frame.filename}:{frame.lineno}" if frame is not None else \
             f"{what} (no frame outside torch)"
         (self.ours if whose == "ours" else self.model)[where] += 1
-        self.replayed += whose == "replayed"
+        if whose == "replayed":
+            self.replayed += 1
+            self.replays[where] += 1
 
 
 def _blocking_d2h(packet, args, kwargs) -> bool:

@@ -39,7 +39,7 @@ Three ways:
   the forward breaks its partitioning, brief §4), with gradient checkpointing (the extra
   backward would recompute every block) and under fp16 autocast (the in-forward gradient
   would be fp16 without a loss scale); that forward makes whatever host syncs the model's
-  forward makes.
+  forward makes (a Llama-family one without ``attention_mask``: none, `mc_fisher_pass`).
 
 Replays run on every rank for the same micro-batch indices of an update step (an int
 ``mc_sequences``: every one; a share: those `replay_counts` draws, the same on every rank with
@@ -50,6 +50,7 @@ forward gathers parameters collectively.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -158,6 +159,47 @@ def mc_grad_in_forward(rec: PassRecord, output: Any, generator: torch.Generator,
     return True
 
 
+def _cache_keyword(model: nn.Module) -> str | None:
+    """The model's own name for its KV-cache argument (``cache`` from transformers 5.2x,
+    ``past_key_values`` before), when its ``forward`` names one (None: it does not, e.g. a
+    wrapper whose ``forward`` takes only ``**kwargs``)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return None
+    return next((k for k in ("cache", "past_key_values") if k in params), None)
+
+
+def sync_free_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The replay's forward kwargs, with an empty ``DynamicCache`` added where that spares
+    the model's mask builder its one data-dependent host check (`mc_fisher_pass`);
+    ``kwargs`` unchanged otherwise.
+
+    Only for a decoder-only model with ``sdpa`` or ``eager`` attention whose ``forward``
+    names its cache argument, and a batch with no ``attention_mask``, no ``position_ids``
+    (explicit positions may be packed sequences, which that check must see) and no cache of
+    its own. The forward is then the same computation: the mask is still skipped (SDPA's
+    ``is_causal``) or built causal, and the layers attend to ``cat([empty, k])``, the same
+    values (under gradient checkpointing the layers drop the cache, with transformers'
+    one-time "Caching is incompatible with gradient checkpointing" warning).
+    """
+    config = getattr(model, "config", None)
+    if config is None or is_encoder_decoder(model) or \
+            getattr(config, "_attn_implementation", None) not in ("sdpa", "eager") or \
+            any(kwargs.get(k) is not None for k in ("attention_mask", "position_ids", "cache",
+                                                     "past_key_values")):
+        return kwargs
+    keyword = _cache_keyword(model)
+    if keyword is None:
+        return kwargs
+    try:
+        from transformers import DynamicCache
+        cache = DynamicCache(config=config)
+    except Exception:  # noqa: BLE001 - an older or unusual transformers: the plain forward
+        return kwargs
+    return {**kwargs, keyword: cache}
+
+
 def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Tensor],
                    generator: torch.Generator, mode: CaptureMode = MC_REPLAY
                    ) -> PassRecord | None:
@@ -165,6 +207,27 @@ def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Te
 
     Labels are drawn at every position and the loss masked to the loss-bearing ones (a
     masked SUM): the same gradient as a loss over the selected rows, with no host read.
+
+    Host syncs of the model's own forward. The HF Trainer sets ``use_cache=False``, so a
+    Llama-family forward builds its causal mask with no cache; it makes ``position_ids``
+    itself when they are not given, and transformers' ``create_causal_mask`` then looks for
+    packed sequences in them whenever ``attention_mask`` is None:
+    ``find_packed_sequence_indices`` ends in ``if ... (packed_sequence_mask[:, -1] ==
+    0).all()``, one host read per forward (transformers 5.17 ``masking_utils.py:755``, 5.24
+    ``:761``; run only when ``position_ids is not None and attention_mask is None and cache
+    is None``, 5.17 ``:855``, 5.24 ``:869``). Dropping ``position_ids`` does not avoid it
+    (the model makes its own). For a batch without ``attention_mask`` or ``position_ids``
+    the replay hands the model an empty ``DynamicCache`` (`sync_free_kwargs`): the check is
+    skipped, and the forward's logits and gradients are bit-identical (the default
+    positions are never packed; with SDPA the mask is still skipped for ``is_causal``, with
+    eager it is the same causal mask). Zero host syncs in the replay's forward, with and
+    without gradient checkpointing, on 5.17 and 5.24 (sdpa and eager). Not removed: with
+    an ``attention_mask``, SDPA's ``_ignore_causal_mask_sdpa`` reads it, ``fast_all(
+    padding_mask)`` (5.17 ``:269``, 5.24 ``:292``) and, when it has padding, ``fast_all(
+    padding_mask[:, :q_length])`` (5.17 ``:275``, 5.24 ``:298``): 1 sync without padding, 2
+    with (eager attention: none). A precomputed 4D mask would skip both, but it turns
+    SDPA's ``is_causal`` kernel into a masked one on a batch without padding, which only
+    the host can tell apart.
 
     Returns:
         The pass's record (None if the forward was not captured).
@@ -180,7 +243,8 @@ def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Te
     rec = None
     with capture.using(mode), torch.enable_grad():
         try:
-            out = model(**kwargs)
+            # the ModelOutput goes at once: the cache it carries holds every layer's k/v
+            logits = logits_of(model(**sync_free_kwargs(model, kwargs)))
             rec = capture.current
             if rec is None:
                 return None
@@ -193,7 +257,7 @@ def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Te
                     "(the transformers default) or fisher='empirical'")
             # an all-padding micro-batch gives a zero loss: the backward still runs, so every
             # rank of a ZeRO-3 run takes part in the same parameter gathers
-            loss = sampled_label_loss(logits_of(out), inputs, generator, shift=not seq2seq)
+            loss = sampled_label_loss(logits, inputs, generator, shift=not seq2seq)
             outputs = rec.outputs
             if any(o.grad_fn is None for o in outputs):
                 raise RuntimeError("kfac_stream MC Fisher: a tracked output has no graph")
