@@ -130,7 +130,7 @@ def test_a_member_off_the_device_folds_on_its_own():
         grouped.end_update()
         single.end_update()
     assert sum(grouped.is_resident(k) for k in keys) == 2
-    assert not grouped._groups
+    assert not grouped._grouped.groups
     _same_state(grouped, single, 1e-12)
 
 
@@ -207,4 +207,4 @@ def test_held_rows_stay_inside_the_device_budget():
     store.device_budget = store._work_space() + 2 * 36 * 8 + 16
     for x, n in _stacks(5, len(keys), 6, seed=6):
         store.push_group(keys, x, n, x.shape[1])
-        assert not store._groups[keys].held  # folded at once: no room to hold them
+        assert not store._grouped.groups[keys].held  # folded at once: no room to hold them

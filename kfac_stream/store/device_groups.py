@@ -39,7 +39,7 @@ from torch import Tensor
 from ..stats.ema import ema_step
 from .device_fold import RENORM, DevicePending
 from .fold_cost import accumulate_bytes, accumulate_flops, pending_rmw_bytes
-from .stored_factor import StoredFactor
+from .stored_factor import StoredFactor, probes
 from .traffic import Traffic
 
 #: `batched_16bit` per device, probed once.
@@ -154,7 +154,7 @@ class DeviceGroup:
             self.sq_views[i].copy_(torch.as_tensor(v, dtype=torch.float64))
 
     def accumulate(self, members: list[StoredFactor], rows: Tensor, n: float, positions: int,
-                   lam: float, traffic: Traffic, fused_16bit: bool) -> None:
+                   *, lam: float, traffic: Traffic, fused_16bit: bool) -> None:
         """One update of weight ``n`` (``λ``: ``lam``) whose member ``i`` has the weighted rows
         ``rows[i]`` (``[G, m, d]``: ``S_i = rows[i]ᵀ rows[i] / n``), folded into the pending
         sums, sketches and norms; the members' host bookkeeping advanced."""
@@ -293,3 +293,83 @@ class DeviceGroup:
         base = _one_or_vector(self.base, self.held_trace)
         return tr.mul_(base.flatten() if isinstance(base, Tensor) else base).add_(
             self.held_trace)
+
+
+class GroupRegistry:
+    """A store's groups (`FactorStore.push_group`), by their keys and by member.
+
+    Args:
+        compute_dtype: The pending sums' dtype.
+        traffic: Where the folds are counted.
+        defer: Updates a group holds before one fold (`DeviceGroup.defer`).
+    """
+
+    def __init__(self, compute_dtype: torch.dtype, traffic: Traffic, defer: int = 1) -> None:
+        self.compute_dtype = compute_dtype
+        self.traffic = traffic
+        self.defer = max(1, int(defer))
+        self.groups: dict[tuple[str, ...], DeviceGroup] = {}
+        self._by_key: dict[str, DeviceGroup] = {}
+
+    def group_of(self, keys: tuple[str, ...], d: int, device: torch.device) -> DeviceGroup:
+        """The group of ``keys``, made at its first update (a member of another group leaves
+        it: that group is folded and dropped, its members keep their slices until grouped
+        again)."""
+        group = self.groups.get(keys)
+        if group is None:
+            for other in [k for k in self.groups if not set(k).isdisjoint(keys)]:
+                self.drop(other)
+            z = torch.stack([probes(k, d) for k in keys])  # [G, d, p]
+            group = self.groups[keys] = DeviceGroup(keys, d, self.compute_dtype, device, z)
+            group.defer = self.defer
+            self._by_key.update(dict.fromkeys(keys, group))
+        return group
+
+    def accumulate(self, group: DeviceGroup, members: list[StoredFactor], rows: Tensor, *,
+                   n: float, positions: int, lam: float, spare: int) -> None:
+        """`DeviceGroup.accumulate`, then a fold of its held rows if every group's together
+        would pass ``spare`` bytes (the device budget's room)."""
+        fused = rows.is_cuda and batched_16bit(rows.device)
+        group.accumulate(members, rows, n, positions, lam=lam, traffic=self.traffic,
+                         fused_16bit=fused)
+        if sum(g.held_bytes for g in self.groups.values()) > spare:
+            group.fold_held(fused, self.traffic)  # held rows stay inside the device budget
+
+    def fold_held(self, key: str | None = None) -> None:
+        """Fold the held rows of ``key``'s group (None: every group's)."""
+        groups = self.groups.values() if key is None else \
+            [g for g in [self._by_key.get(key)] if g is not None]
+        for group in groups:
+            if group.held:
+                group.fold_held(group.acc.is_cuda and batched_16bit(group.acc.device),
+                                self.traffic)
+
+    def drop(self, keys: tuple[str, ...]) -> None:
+        """Fold the group of ``keys``'s held rows and forget the group."""
+        group = self.groups.pop(keys, None)
+        if group is not None:
+            group.fold_held(group.acc.is_cuda and batched_16bit(group.acc.device), self.traffic)
+            for k in keys:
+                self._by_key.pop(k, None)
+
+    def drop_held(self) -> None:
+        """Forget every group's held rows (a load drops what is pending)."""
+        for group in self.groups.values():
+            group.drop_held()
+
+    def clear(self) -> None:
+        self.groups.clear()
+        self._by_key.clear()
+
+    def live_traces(self, factors: dict[str, StoredFactor]
+                    ) -> tuple[list[StoredFactor], list[Tensor]]:
+        """The members of every group still linked to it and their traces (``[G]`` per
+        group, `DeviceGroup.traces`)."""
+        live, parts = [], []
+        for keys, group in self.groups.items():
+            members = [factors[k] for k in keys]
+            if all(f.device is not None and f.device.data is v
+                   for f, v in zip(members, group.acc_views)):
+                live += members
+                parts.append(group.traces())
+        return live, parts

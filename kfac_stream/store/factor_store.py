@@ -53,10 +53,9 @@ from torch import Tensor
 
 from ..enums import StorageDtype
 from ..stats.ema import ema_step
-from ..stats.fp16 import fp16_exponent
+from . import host_fold
 from .device_fold import DevicePending, FlushLanes, FoldResult, accumulate, make_lanes, stream_fold
-from .device_groups import DeviceGroup, batched_16bit
-from .fold_cost import host_fold_entries
+from .device_groups import DeviceGroup, GroupRegistry
 from .residency import Residency
 from .stored_factor import CHUNK_ROWS, FactorState, StoredFactor, probes, sketch_sq_norm
 from .stored_factor import sq_norm as _sq_norm  # the pass over the entries (tests replace it)
@@ -100,9 +99,7 @@ class FactorStore:
                                     self.compute_dtype, self.traffic)
         self._queued: list[tuple[StoredFactor, FoldResult]] = []  # folds issued, not read
         self._lanes: FlushLanes | None = None
-        self._groups: dict[tuple[str, ...], DeviceGroup] = {}  # `push_group`'s, by keys
-        self._group_by_key: dict[str, DeviceGroup] = {}
-        self.defer = max(1, int(defer))
+        self._grouped = GroupRegistry(self.compute_dtype, self.traffic, defer)  # push_group's
 
     @property
     def device_budget(self) -> int | None:
@@ -269,8 +266,7 @@ class FactorStore:
             if st.sketch is None and not st.diagonal and st.weight > 0:
                 raise ValueError(f"factor {key!r}: state with updates but no sketch")
         self._settle()
-        for group in self._groups.values():
-            group.drop_held()
+        self._grouped.drop_held()
         for key, f in self._factors.items():
             st = states[key]
             self._own(f, keep=False).copy_(st.data)
@@ -363,6 +359,15 @@ class FactorStore:
 
     # -- device path -----------------------------------------------------------------------------
 
+    @property
+    def defer(self) -> int:
+        """Updates a group holds before one fold (`GroupRegistry.defer`)."""
+        return self._grouped.defer
+
+    @defer.setter
+    def defer(self, value: int) -> None:
+        self._grouped.defer = max(1, int(value))
+
     def push_device(self, key: str, payload: Tensor, how: str, n: float, positions: int,
                     decay: float | None = None) -> None:
         """Record one update on the device path: device kernels only, nothing read on the
@@ -420,10 +425,7 @@ class FactorStore:
         self._residency.plan()
         members = [self._factors[k] for k in keys]
         if any(f.diagonal or not f.resident for f in members):
-            self._fold_held(keys[0])
-            if self._groups.pop(keys, None) is not None:
-                for k in keys:
-                    self._group_by_key.pop(k, None)
+            self._grouped.drop(keys)
             for i, key in enumerate(keys):
                 self.push_device(key, rows[i], "rows", n, positions, decay)
             return
@@ -439,35 +441,19 @@ class FactorStore:
                 self.push_device(key, rows[i], "rows", n, positions, decay)
             return
         lam = self.ema_decay if decay is None else decay
-        fused = rows.is_cuda and batched_16bit(rows.device)
-        group.accumulate(members, rows, float(n), positions, lam, self.traffic, fused)
-        if sum(g.held_bytes for g in self._groups.values()) > self._residency.spare:
-            group.fold_held(fused, self.traffic)  # held rows stay inside the device budget
+        self._grouped.accumulate(group, members, rows, n=float(n), positions=positions,
+                                 lam=lam, spare=self._residency.spare)
 
     def _fold_held(self, key: str | None = None) -> None:
         """Fold the held rows of ``key``'s group (None: of every group) into its pending
         sums: before a reader or a per-factor op on a member."""
-        groups = self._groups.values() if key is None else \
-            [g for g in [self._group_by_key.get(key)] if g is not None]
-        for group in groups:
-            if group.held:
-                group.fold_held(group.acc.is_cuda and batched_16bit(group.acc.device),
-                                self.traffic)
+        self._grouped.fold_held(key)
 
     def _group_of(self, keys: tuple[str, ...], d: int, device: torch.device) -> DeviceGroup:
-        """The group of ``keys`` (made at its first update: a member of another group leaves
-        it; the other group is dropped, its members keep their slices until re-grouped)."""
-        group = self._groups.get(keys)
-        if group is None:
-            for other in [k for k in self._groups if not set(k).isdisjoint(keys)]:
-                self._fold_held(other[0])
-                for k in other:
-                    self._group_by_key.pop(k, None)
-                del self._groups[other]
-            z = torch.stack([probes(k, d) for k in keys])  # [G, d, p]
-            group = self._groups[keys] = DeviceGroup(keys, d, self.compute_dtype, device, z)
-            group.defer = self.defer
-            self._group_by_key.update(dict.fromkeys(keys, group))
+        """The group of ``keys`` (`GroupRegistry.group_of`; the residency counted anew)."""
+        fresh = keys not in self._grouped.groups
+        group = self._grouped.group_of(keys, d, device)
+        if fresh:
             self._residency.count()
         return group
 
@@ -475,8 +461,7 @@ class FactorStore:
         """The device ran out of memory: drop the groups, fold and free every pending sum and
         halve the budget (`Residency.shrink`)."""
         self._residency.shrink(key, self.flush)
-        self._groups.clear()
-        self._group_by_key.clear()
+        self._grouped.clear()
 
     def _sq_norm_of(self, key: str, payload: Tensor, how: str, diagonal: bool
                     ) -> tuple[Tensor, Tensor | None]:
@@ -550,16 +535,9 @@ class FactorStore:
         and refresh the live traces of the resident factors (one read of their pending
         traces), so `traces` sees the update. On the updater's worker (CUDA: its stream)."""
         self._settle()
-        live, parts = [], []
-        grouped: set[str] = set()
-        for keys, group in self._groups.items():  # one [G] trace per group
-            members = [self._factors[k] for k in keys]
-            if all(f.device is not None and f.device.data is v
-                   for f, v in zip(members, group.acc_views)):
-                live += members
-                parts.append(group.traces())
-                grouped.update(keys)
-        single = [f for k, f in self._factors.items() if f.device_updates and k not in grouped]
+        live, parts = self._grouped.live_traces(self._factors)
+        grouped = {id(f) for f in live}
+        single = [f for f in self._factors.values() if f.device_updates and id(f) not in grouped]
         live += single
         parts += [(f.device.data if f.diagonal else f.device.data.diagonal())
                   .sum().to(torch.float64).reshape(1) for f in single]
@@ -605,52 +583,10 @@ class FactorStore:
 
     def _fold(self, f: StoredFactor, alpha: float, *, y: Tensor | None = None,
               stat: Tensor | None = None) -> None:
-        """``F ← alpha·F + YᵀY`` (``y``: ``[m, d]``) or ``F ← alpha·F + stat`` on the host.
-
-        Both terms and ``F`` are PSD, so ``max|F_ij| = max_i F_ii``: the FP16 scale is chosen
-        from the diagonals alone. The dense update is one fused ``addmm`` per chunk of rows
-        (``beta·F + gamma·YᵀY``, the rescaling folded into ``beta``/``gamma``) over the upper
-        triangle only, mirrored below: half the flops of a full ``YᵀY``, and a stored factor
-        that is exactly symmetric.
-        """
-        cd = self.compute_dtype
+        """``F ← alpha·F + YᵀY`` or ``F ← alpha·F + stat`` on the host (`host_fold.fold`)."""
         self._own(f)  # in place from here: a lent data is copied first
-        term_diag = y.square().sum(0) if y is not None else (
-            stat if f.diagonal else stat.diagonal())  # [d]
-        bound = alpha * f.amax + float(term_diag.abs().max())
-        fp16 = self.storage_dtype == torch.float16
-        new_scale = 2.0 ** fp16_exponent(bound) if fp16 and bound > 0 else 1.0
-        beta, gamma = f.scale * alpha / new_scale, 1.0 / new_scale
-        self.traffic.host_entries += host_fold_entries(f.data.shape[0], f.diagonal)
-        sq = torch.zeros((), dtype=torch.float64)  # Σ data² of what this fold writes
-        if f.diagonal:
-            new = f.data.to(cd).mul_(beta).add_(term_diag, alpha=gamma)  # [d]
-            f.data.copy_(new)
-            sq += f.data.to(cd).square().sum(dtype=torch.float64)
-        elif y is not None:
-            d = f.data.shape[0]
-            for start in range(0, d, CHUNK_ROWS):
-                stop = min(start + CHUNK_ROWS, d)
-                # upper block row only (half the GEMM flops), then mirrored below the diagonal
-                cur = f.data[start:stop, start:].to(cd)  # [c, d-start]
-                cur = torch.addmm(cur, y[:, start:stop].T, y[:, start:], beta=beta, alpha=gamma)
-                blk = cur[:, :stop - start]  # diagonal block: made exactly symmetric
-                cur[:, :stop - start] = blk.triu() + blk.triu(1).T
-                f.data[start:stop, start:].copy_(cur)  # rounds to the storage dtype
-                wrote = f.data[start:stop, start:].to(cd)  # each entry above the diagonal
-                sq += 2 * wrote.square().sum(dtype=torch.float64) - wrote[  # block counts
-                    :, :stop - start].square().sum(dtype=torch.float64)  # twice, inside once
-                if stop < d:
-                    f.data[stop:, start:stop].copy_(f.data[start:stop, stop:].T)
-        else:
-            for start in range(0, f.data.shape[0], CHUNK_ROWS):
-                rows = slice(start, min(start + CHUNK_ROWS, f.data.shape[0]))
-                f.data[rows].copy_(f.data[rows].to(cd) * beta + stat[rows] * gamma)
-                sq += f.data[rows].to(cd).square().sum(dtype=torch.float64)
-        f.sq_frob = float(sq) * new_scale * new_scale
-        diag = f.data if f.diagonal else f.data.diagonal()
-        f.scale, f.amax = new_scale, float(diag.to(cd).abs().max()) * new_scale
-        f.recompute_trace()  # one float assignment: readers see the old or the new trace
+        host_fold.fold(f, alpha, y=y, stat=stat, compute_dtype=self.compute_dtype,
+                       storage_dtype=self.storage_dtype, traffic=self.traffic)
 
     def values(self) -> dict[str, Tensor]:
         """All factors, flushed and dequantised (float32, or float64 for float64 storage)."""

@@ -80,7 +80,8 @@ def accumulate_bytes(how: str, d: int, diagonal: bool, m: int, in_bytes: int,
     n = entries(d, diagonal)
     if deferred:
         held = 2 * m * d * in_bytes + 4 * m * d
-        return accumulate_bytes(how, d, diagonal, m, in_bytes, acc_bytes, fused) \
+        return accumulate_bytes(how, d, diagonal, m, in_bytes=in_bytes, acc_bytes=acc_bytes,
+                                fused=fused) \
             - pending_rmw_bytes(d, diagonal, acc_bytes) + held
     payload = 2 * m * d * in_bytes if how == "rows" else n * in_bytes
     temp = 0 if (fused or how != "rows") else 8 * n

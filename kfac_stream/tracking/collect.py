@@ -129,7 +129,7 @@ def collect_update(tracker, passes) -> UpdateJob | None:
                             for key, name in g_layer.items()})
         c = _loss_scale(rec, parts, g_stacks)
         _add_a(tracker, rec, spaces, fold, parts)
-        _add_g(tracker, rec, spaces, g_stacks, c, fold, parts)
+        _add_g(tracker, rec, spaces, g_stacks, c=c, fold=fold, parts=parts)
         _add_ekfac(rec, c, parts)
     if not parts.rows and not parts.sums and not parts.groups and tracker.world_size == 1:
         return None
@@ -232,7 +232,7 @@ def _add_a(tracker, rec, spaces: dict[str, RowWeights], fold, parts: _Parts) -> 
             parts.count(key, w.n, w.n_rows)
 
 
-def _add_g(tracker, rec, spaces: dict[str, RowWeights], g_stacks: list[_Stack], c, fold,
+def _add_g(tracker, rec, spaces: dict[str, RowWeights], g_stacks: list[_Stack], *, c, fold,
            parts: _Parts) -> None:
     """The pass's G rows (``√w·g/c``) and diagonal G sums (``Σ w g⊙g / c²``)."""
     roots: dict[str, Tensor] = {}
