@@ -40,10 +40,11 @@ Method
   ops and the flush chunks' dispatches (the update path's own op counts are COUNTED by
   ``benchmarks/worker_ops.py``, `OPS`),
   the worker's host reads (flags, exchange table, live traces, stream synchronize), the flush's
-  device pass (~60 bytes per entry), the snapshot export on the training thread
-  (``state_dict`` + ``_spread`` + ``sampling_error``: host passes over every stored entry; rate
-  measured here), the MC replay (4·P FLOPs per replayed token at the training step's FLOP
-  rate) and the snapshot eigh (power law through the two GPU measurements).
+  device pass (~60 bytes per entry), the snapshot's hold of the training thread (MEASURED on
+  the H200 by benchmarks/snapshot_gpu.py, `SNAPSHOT_HOLD`, scaled by the stored entries: a
+  snapshot lends the stored tensors, no host copy; its flush is also counted on its own, so
+  the flush is counted twice: an upper bound), the MC replay (4·P FLOPs per replayed token at
+  the training step's FLOP rate) and the snapshot eigh (power law through the two GPU measurements).
 * Seconds: FLOPs and bytes over the stated rates (`GPUS`, `RATES`, sources in `SOURCES`). No
   overlap is credited: every GPU term is added to the step (the fold on the updater's stream
   and the NCCL exchange compete with training), and a FLOP term and a byte term of one kernel
@@ -109,6 +110,10 @@ GPUS = {  # datasheet figures (SOURCES)
 #: gpu-check part 3 on the H200 (main at 6a379e5, /work/shared/gpu.md): gram_fp32 of [6560, 4096]
 #: bf16 rows in 0.59 ms, the tensor-core Gram the device path runs
 GRAM_MEASURED = (6560, 4096, 0.59e-3)
+#: benchmarks/snapshot_gpu.py on the H200 (results/snapshot_gpu.json): a periodic snapshot of
+#: the ~1.1B model (242 factors, 2.65 G stored entries) held the training thread 0.553 s (the
+#: flush, the lent export, the queueing of the write): entries, seconds
+SNAPSHOT_HOLD = (2.65e9, 0.553)
 #: gpu-check part 2 on the H200: float32 GPU eigh of one factor, side -> seconds
 EIGH_MEASURED = {4096: 0.231, 11008: 1.599}
 RATES = {
@@ -410,7 +415,8 @@ def predict(s: Setup, lay: dict) -> dict:
     pending = {k: v for k, v in owned.items() if resident[k]}  # the rest flushed per update
     snap = flush_seconds(flush_cost(pending, 2), gpu)
     eigh = sum(eigh_seconds(d) for d, g in owned.values() if not g)
-    export = sum(entries(*v) for v in owned.values()) / RATES["export_eps"]
+    export = sum(entries(*v) for v in owned.values()) * SNAPSHOT_HOLD[1] / SNAPSHOT_HOLD[0]
+    old_export = sum(entries(*v) for v in owned.values()) / RATES["export_eps"]  # it copied
     snap_interval = CFG.snapshot_every * step
     res = {"setup": s.key, "model": s.model, "gpu": gpu["name"], "world": world, "rank": rank,
            "precision": s.precision, "batch": s.batch, "seq": s.seq, "accum": s.accum,
@@ -443,7 +449,8 @@ def predict(s: Setup, lay: dict) -> dict:
             "mc_share": expect["MC replay"] / interval,
             "eigh_on_gpu": eigh / snap_interval,
             "waits": big["worker_s"] > 2 * interval}
-        res["every"][every]["old"] = old_code(s, lay, own, rank, mix, step, every, export)
+        res["every"][every]["old"] = old_code(s, lay, own, rank, mix, step, every,
+                                              old_export)
     return res
 
 
@@ -594,7 +601,7 @@ def term_rows(r: dict) -> list[tuple[str, str, str]]:
          f"{tr['flush_copies']} copies, {tr['flush_syncs']} read (H2D and D2H overlapped; "
          f"serial: {fs(r['snapshot']['flush']['serial_pcie_s'])})", "flush_cost"),
         ("snapshot export (training thread)", f"{r['owned_entries'] / 1e9:.3g} G entries",
-         "measured rate"),
+         "measured hold (snapshot_gpu)"),
         ("snapshot eigh (snapshot thread)", fs(r["snapshot"]["eigh_s"]), "eigh model"),
     ]
 
@@ -707,9 +714,13 @@ def report(results: dict, recon: list[dict], meas: dict, info: dict, command: st
         "(6a379e5), reconciled below with that code's accounting.", "",
         "Rates assumed or measured:", "", *[f"- {x}" for x in SOURCES],
         f"- measured here (one thread, fastest of 5): the old flush's host EMA pass "
-        f"{meas['host_ema_eps'] / 1e9:.2f} G entries/s; the snapshot export's host passes "
-        f"(`state_dict` + `sampling_error`) {meas['export_eps'] / 1e6:.0f} M entries/s "
-        f"({meas['d']}² factor)", "",
+        f"{meas['host_ema_eps'] / 1e9:.2f} G entries/s; a copying export (`state_dict` + "
+        f"`sampling_error`, the old code's) {meas['export_eps'] / 1e6:.0f} M entries/s "
+        f"({meas['d']}² factor)",
+        f"- a snapshot's hold of the training thread: {SNAPSHOT_HOLD[1]} s for "
+        f"{SNAPSHOT_HOLD[0] / 1e9:.2f} G stored entries, MEASURED on the H200 "
+        "(benchmarks/snapshot_gpu.py), scaled by the rank's stored entries (the snapshot lends "
+        "the stored tensors: no host pass over them)", "",
         "Per-step overhead, fraction of the plain step:", "", over, "", verdict, "",
         "Every term (per rank, the rank with the most stored bytes; \"per update that replays\" "
         "is one update whose MC draw is not empty, the seconds are the expectation over the "

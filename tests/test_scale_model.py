@@ -1,7 +1,7 @@
 """The cost model of ``benchmarks/scale.py`` on hand-derived counts, no measurement:
 the Llama-2-7B layout on 8 ranks, `kfac_stream.cost` on one owner's factors, the MC draw, the
 exchange bytes, the residency plan against the store's own, and the acceptance (7B x 8 at the
-defaults ≤ 1% of a step) with every term present."""
+defaults ≤ 0.5% of a step) with every term present."""
 
 import math
 import sys
@@ -74,10 +74,17 @@ def test_update_cost_on_the_7b_rank_is_the_hand_count(lay7b):
     assert rank.fold_flops == 32 * one.fold_flops + 12 * 4 * DI
     assert rank.fold_device_bytes == 32 * one.fold_device_bytes + 12 * (2 * 4 * DI + 8 * DI)
     assert rank.bytes_to_host == rank.host_entries == rank.budget_flushes == 0  # all resident
-    # the script counts the same update
+    # the script counts the update the code makes: the batched Gram fused into the pending
+    # sums (fp32 output), the rows of FOLD_DEFER updates held (read, scaled and written once
+    # more: 4md; their norms read: 4md) and one read-modify-write of the pending sums per
+    # FOLD_DEFER updates
     a = scale.update_amounts(dims, assign_owners(dims, 8, 2), 0, 8, SLOTS,
                              dict.fromkeys(owned, True))
-    assert a["traffic"] == rank and a["gram_flops"] == 32 * 2 * M * D**2
+    held = 2 * M * D * 2 + 2 * M * D * 2 + 14 * M * D + 4 * M * D  # per dense factor
+    assert a["traffic"].fold_flops == rank.fold_flops
+    assert a["traffic"].fold_device_bytes == 32 * held + 12 * (2 * 4 * DI + 8 * DI) \
+        + 32 * 2 * 4 * D**2 // scale.FOLD_DEFER
+    assert a["gram_flops"] == 32 * 2 * M * D**2
 
 
 def test_the_mc_draw_and_the_rows_it_gives():
@@ -113,15 +120,15 @@ def test_residency_plan_is_the_stores():
         assert scale.residency(dims, budget) == {k: store.is_resident(k) for k in dims}
 
 
-def test_7b_x_8_at_the_defaults_within_1_percent_with_every_term(r7b):
+def test_7b_x_8_at_the_defaults_within_half_a_percent_with_every_term(r7b):
     e10, e1 = r7b["every"][10], r7b["every"][1]
-    assert e10["overhead"] <= 0.01  # the acceptance
+    assert e10["overhead"] <= 0.005  # the acceptance
     assert r7b["step_s"] == pytest.approx(6 * 6_738_415_616 * 16384 / (989e12 * 0.4))
     assert r7b["budget"] == device_budget_from_memory(80 * 2**30, 40e9)
     assert r7b["resident_factors"] == r7b["owned"] == 44
     per = r7b["per_update_s"]
     positive = ["fold FLOPs (tensor cores)", "fold FLOPs (fp32: sketch, add)",
-                "fold device bytes", "row scaling (Tracker._collect)",
+                "fold device bytes", "row scaling (tracking.collect)",
                 "exchange (NCCL)", "MC replay", "host dispatch (training thread)",
                 "gloo host table (training thread)"]
     assert all(per[name] > 0 for name in positive)
