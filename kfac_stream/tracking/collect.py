@@ -75,9 +75,15 @@ class _Parts:
     def add_sum(self, key: str, x: Tensor) -> None:
         self.sums[key] = self.sums[key] + x if key in self.sums else x
 
-    def add_rows(self, keys: tuple[str, ...], rows: Tensor, w: RowWeights) -> None:
-        """One pass's rows ``[G, m, d]`` of the factors ``keys`` (weight ``w.n``)."""
-        group = self.groups.setdefault(keys, _Group())
+    def add_rows(self, st: _Stack, rows: Tensor, w: RowWeights) -> None:
+        """One pass's weighted rows of the stack ``st``: ``[G, m, d]`` of its keys (one call
+        of one key's layer, ``[m, d]``, when its layer was called several times), of weight
+        ``w.n``."""
+        if st.rows is None:
+            self.rows.setdefault(st.keys[0], []).append(rows)
+            self.count(st.keys[0], w.n, w.n_rows)
+            return
+        group = self.groups.setdefault(st.keys, _Group())
         group.rows.append(rows)
         group.n.append(w.n)
         group.n_rows.append(w.n_rows)
@@ -217,12 +223,7 @@ def _add_a(tracker, rec, spaces: dict[str, RowWeights], fold, parts: _Parts) -> 
                 rows = rows.to(tracker.row_dtype)
                 if tracker.a_has_bias[st.keys[0]]:  # a trailing column of ones
                     rows = torch.nn.functional.pad(rows, (0, 1), value=1.0)
-                rows = _weighted(rows, w, w.root, fold)
-                if st.rows is not None:
-                    parts.add_rows(st.keys, rows, w)
-                else:
-                    parts.rows.setdefault(st.keys[0], []).append(rows)
-                    parts.count(st.keys[0], w.n, w.n_rows)
+                parts.add_rows(st, _weighted(rows, w, w.root, fold), w)
     for key, found in a_sums.items():
         w = spaces[_a_space(tracker, key, rec.seq_layers)]
         for a in found:  # Σ w a⊙a [d_in]; the bias entry is Σ w·1²
@@ -242,12 +243,8 @@ def _add_g(tracker, rec, spaces: dict[str, RowWeights], g_stacks: list[_Stack], 
             # float64 0-dim c would stay float32: float64 rows 1e-7 off)
             roots[st.space] = w.root.to(tracker.row_dtype) / c
         for rows in ([st.rows] if st.rows is not None else st.calls):
-            rows = _weighted(rows.to(tracker.row_dtype), w, roots[st.space], fold)
-            if st.rows is not None:
-                parts.add_rows(st.keys, rows, w)
-            else:
-                parts.rows.setdefault(st.keys[0], []).append(rows)
-                parts.count(st.keys[0], w.n, w.n_rows)
+            parts.add_rows(st, _weighted(rows.to(tracker.row_dtype), w, roots[st.space], fold),
+                           w)
     for name, found in rec.g_sums.items():
         w = spaces["sequence" if name in rec.seq_layers else "position"]
         for g in found:  # Σ w (c·g)⊙(c·g) / c²
