@@ -305,6 +305,7 @@ def update_amounts(dims: dict, own, rank: int, world: int, m_r: int, resident: d
     rows = dict.fromkeys(owned, world * m_r)
     a["traffic"] = update_cost(owned, rows, resident=resident, itemsize=2, in_bytes=2,
                                acc_bytes=4, fused=True, defer=FOLD_DEFER,
+                               kinds_apart=world == 1,
                                summed={k: g for k, (_, g) in owned.items()})
     if m_r:  # the deferred Gram's fold of the held rows, once per FOLD_DEFER updates
         held = held_fold_cost({k: v for k, v in owned.items() if resident[k]}, acc_bytes=4)

@@ -24,7 +24,7 @@ from .store.traffic import Traffic
 #: The fields that add up over operations (the rest are gauges).
 ADDITIVE = ("device_folds", "fold_flops", "fold_device_bytes", "bytes_to_host",
             "bytes_to_device", "host_entries", "flushes", "factor_flushes", "budget_flushes",
-            "flush_chunks", "flush_copies", "flush_syncs", "deferred_folds")
+            "flush_chunks", "flush_copies", "flush_syncs", "deferred_folds", "group_folds")
 
 
 def add(total: Traffic, part: Traffic, times: int = 1) -> Traffic:
@@ -67,7 +67,8 @@ def update_cost(dims: Mapping[str, tuple[int, bool]], rows: Mapping[str, int], *
                 fold_on: str = "device", resident: Mapping[str, bool] | None = None,
                 itemsize: int = 2, in_bytes: int = 2, acc_bytes: int = 4,
                 fused: bool = False, summed: Mapping[str, bool] | None = None,
-                host_folds: Mapping[str, bool] | None = None, defer: int = 1) -> Traffic:
+                host_folds: Mapping[str, bool] | None = None, defer: int = 1,
+                kinds_apart: bool = True) -> Traffic:
     """One update of the factors in ``dims`` this rank owns.
 
     Args:
@@ -87,6 +88,10 @@ def update_cost(dims: Mapping[str, tuple[int, bool]], rows: Mapping[str, int], *
         defer: Updates per deferred fold (`RunPlan.fold_defer`): above 1 a resident dense
             factor's rows are held, their read-modify-write counted by `held_fold_cost`
             once per fold instead of here.
+        kinds_apart: The resident dense factors with rows fold as groups of one side and
+            kind (A or G: one process, where `tracking.collect` stacks them), or of one side
+            (False: several ranks, where the owner stacks what the exchange delivered):
+            ``group_folds`` counts them.
     """
     out = Traffic()
     resident = resident or {}
@@ -110,6 +115,10 @@ def update_cost(dims: Mapping[str, tuple[int, bool]], rows: Mapping[str, int], *
             fused=fused or held, deferred=held)
         if not resident.get(key, True):
             forced[key] = (d, diagonal)
+    out.group_folds = len({(key[-1] if kinds_apart else "", d) for key, (d, diagonal)
+                           in dims.items() if int(rows.get(key, 0)) > 0 and not diagonal
+                           and not summed.get(key, False) and resident.get(key, True)
+                           and fold_on == "device"})
     if forced:
         add(out, flush_cost(forced, itemsize))
         out.budget_flushes += len(forced)

@@ -277,6 +277,7 @@ class DeviceGroup:
 
     def _count(self, rows: Tensor, traffic: Traffic, deferred: bool) -> None:
         g, m, d = rows.shape
+        traffic.group_folds += 1
         traffic.device_folds += g
         traffic.fold_flops += g * accumulate_flops("rows", d, False, m)
         traffic.fold_device_bytes += g * accumulate_bytes(

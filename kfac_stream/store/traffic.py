@@ -34,6 +34,8 @@ class Traffic:
         resident_bytes: Bytes of pending statistics resident on the device now
             (``peak_resident_bytes``: the most so far).
         device_budget: The budget the residency was planned under (bytes; -1: not decided).
+        group_folds: Updates of factor groups (`device_groups`: a fixed number of device ops
+            each, however many factors the group holds; `device_folds` counts the factors).
         deferred_folds: Factors whose held rows were folded into their pending sums (one
             read-modify-write of the factor's entries each; one GEMM per group,
             `device_groups`).
@@ -55,6 +57,7 @@ class Traffic:
     peak_resident_bytes: int = 0
     device_budget: int = -1
     deferred_folds: int = 0
+    group_folds: int = 0
 
     def traffic(self) -> dict[str, int]:
         """The fields above as a dict (a copy)."""

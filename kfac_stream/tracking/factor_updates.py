@@ -448,6 +448,5 @@ def regroup(delivered: dict[str, tuple[str, object]], weights: dict[str, float],
             buckets.setdefault(sig, []).append(key)
     groups, rest = [], dict(delivered)
     for keys in buckets.values():
-        if len(keys) > 1:
-            groups.append(RowGroup(tuple(keys), torch.stack([rest.pop(k)[1] for k in keys])))
+        groups.append(RowGroup(tuple(keys), torch.stack([rest.pop(k)[1] for k in keys])))
     return groups, rest
