@@ -38,8 +38,8 @@ Three ways:
   a fresh forward of the stored inputs. Used under DeepSpeed ZeRO-3 (a second backward inside
   the forward breaks its partitioning, brief §4), with gradient checkpointing (the extra
   backward would recompute every block) and under fp16 autocast (the in-forward gradient
-  would be fp16 without a loss scale); that forward makes whatever host syncs the model's
-  forward makes (a Llama-family one without ``attention_mask``: none, `mc_fisher_pass`).
+  would be fp16 without a loss scale); the replay's forward is made free of the model's
+  host syncs where that is exact (a Llama-family one: none, `replay_forward`).
 
 Replays run on every rank for the same micro-batch indices of an update step (an int
 ``mc_sequences``: every one; a share: those `replay_counts` draws, the same on every rank with
@@ -50,7 +50,9 @@ forward gathers parameters collectively.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -200,6 +202,113 @@ def sync_free_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]
     return {**kwargs, keyword: cache}
 
 
+#: transformers families whose causal-LM forward hands its 2-D ``attention_mask`` to the
+#: decoder, where only ``create_causal_mask`` reads it (the positions never depend on it), and
+#: whose layers are full causal attention unless the config says otherwise
+#: (`full_causal_sdpa_decoder`); each one checked bit for bit in tests/test_host_syncs.py
+MASK_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def full_causal_sdpa_decoder(model: nn.Module) -> nn.Module | None:
+    """The decoder of ``model`` (its ``base_model``) when a prebuilt 4-D boolean mask gives
+    exactly the mask transformers would build from a 2-D ``attention_mask``
+    (`padded_causal_mask`), else None.
+
+    That is: a transformers ``*ForCausalLM`` of one of `MASK_FAMILIES` (the library's own
+    class, not a subclass defined elsewhere nor a wrapper such as PEFT's), decoder-only,
+    ``config.is_causal`` not False, ``sdpa`` attention, every layer full causal attention (no
+    ``sliding_window``, every ``layer_types`` entry ``"full_attention"``, no
+    ``attention_chunk_size``), and torch ≥ 2.5 (before it, transformers' ``sdpa_mask``
+    unmasks fully masked rows).
+    """
+    config = getattr(model, "config", None)
+    try:
+        from transformers import PreTrainedModel
+    except Exception:  # noqa: BLE001 - no transformers: nothing to hand a mask to
+        return None
+    family = getattr(config, "model_type", None)
+    if not isinstance(model, PreTrainedModel) or family not in MASK_FAMILIES or \
+            is_encoder_decoder(model) or \
+            getattr(config, "_attn_implementation", None) != "sdpa" or \
+            getattr(config, "is_causal", True) is False or \
+            not type(model).__name__.endswith("ForCausalLM") or \
+            not type(model).__module__.startswith(f"transformers.models.{family}.") or \
+            torch.__version__ < "2.5":
+        return None
+    if getattr(config, "sliding_window", None) is not None or \
+            getattr(config, "use_sliding_window", False) or \
+            getattr(config, "attention_chunk_size", None) is not None or \
+            any(t != "full_attention" for t in (getattr(config, "layer_types", None) or ())):
+        return None
+    decoder = model.base_model
+    return decoder if decoder is not model else None
+
+
+def padded_causal_mask(attention_mask: Tensor) -> Tensor:
+    """The causal mask of a padded batch, as transformers' ``sdpa_mask`` builds it for a full
+    causal layer without cache: ``mask[b, 0, q, k] = (k <= q) & attention_mask[b, k]``,
+    ``[B, 1, T, T]`` bool, with device ops only (no host read). A query with no key (a left
+    pad) keeps its all-False row, as there: neither transformers 5.17 nor 5.24 alters it
+    (``allow_torch_fix`` has no effect), so SDPA gets the same row either way (zeros from
+    torch 2.13's CPU kernel).
+
+    Args:
+        attention_mask: ``[B, T]`` (nonzero: a real token).
+    """
+    idx = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    causal = idx[None, :] <= idx[:, None]  # [T(q), T(k)]: k <= q
+    return causal[None, None] & attention_mask.to(torch.bool)[:, None, None, :]
+
+
+def _mask_swap(model: nn.Module, kwargs: dict[str, Any]
+               ) -> tuple[nn.Module, Tensor, Tensor] | None:
+    """``(decoder, the batch's 2-D mask, its 4-D form)`` when the replay can hand the decoder
+    the prebuilt mask (`replay_forward`), else None."""
+    mask = kwargs.get("attention_mask")
+    ref = kwargs.get("input_ids")
+    if ref is None:
+        ref = kwargs.get("inputs_embeds")
+    if not isinstance(mask, Tensor) or mask.dim() != 2 or not isinstance(ref, Tensor) or \
+            ref.dim() < 2 or tuple(ref.shape[:2]) != tuple(mask.shape) or \
+            any(kwargs.get(k) is not None for k in ("position_ids", "cache", "past_key_values")):
+        return None
+    decoder = full_causal_sdpa_decoder(model)
+    if decoder is None:
+        return None
+    return decoder, mask, padded_causal_mask(mask.to(ref.device))
+
+
+@contextlib.contextmanager
+def _decoder_mask(decoder: nn.Module, mask: Tensor, mask4d: Tensor) -> Iterator[None]:
+    """While open, a call of ``decoder`` given exactly ``mask`` as its ``attention_mask`` gets
+    ``mask4d`` instead (a pre-hook registered after any other: the model's own pre-hooks, the
+    capture's among them, still see the 2-D mask)."""
+    def swap(module: nn.Module, args: tuple, kw: dict[str, Any]):
+        if kw.get("attention_mask") is mask:
+            return args, {**kw, "attention_mask": mask4d}
+        return None
+
+    handle = decoder.register_forward_pre_hook(swap, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def replay_forward(model: nn.Module, kwargs: dict[str, Any]) -> Any:
+    """``model(**kwargs)`` in the form that makes no host sync where an exact one exists
+    (`mc_fisher_pass`): `sync_free_kwargs` for a batch without ``attention_mask``; for a
+    batch with a 2-D ``attention_mask`` (and no ``position_ids`` or cache of its own) on a
+    full causal SDPA model (`full_causal_sdpa_decoder`), its decoder gets the prebuilt
+    `padded_causal_mask` in place of the 2-D mask. Otherwise the plain call."""
+    kwargs = sync_free_kwargs(model, kwargs)
+    swap = _mask_swap(model, kwargs)
+    if swap is None:
+        return model(**kwargs)
+    with _decoder_mask(*swap):
+        return model(**kwargs)
+
+
 def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Tensor],
                    generator: torch.Generator, mode: CaptureMode = MC_REPLAY
                    ) -> PassRecord | None:
@@ -221,13 +330,28 @@ def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Te
     skipped, and the forward's logits and gradients are bit-identical (the default
     positions are never packed; with SDPA the mask is still skipped for ``is_causal``, with
     eager it is the same causal mask). Zero host syncs in the replay's forward, with and
-    without gradient checkpointing, on 5.17 and 5.24 (sdpa and eager). Not removed: with
-    an ``attention_mask``, SDPA's ``_ignore_causal_mask_sdpa`` reads it, ``fast_all(
-    padding_mask)`` (5.17 ``:269``, 5.24 ``:292``) and, when it has padding, ``fast_all(
-    padding_mask[:, :q_length])`` (5.17 ``:275``, 5.24 ``:298``): 1 sync without padding, 2
-    with (eager attention: none). A precomputed 4D mask would skip both, but it turns
-    SDPA's ``is_causal`` kernel into a masked one on a batch without padding, which only
-    the host can tell apart.
+    without gradient checkpointing, on 5.17 and 5.24 (sdpa and eager).
+
+    With a 2-D ``attention_mask``, SDPA's ``_ignore_causal_mask_sdpa`` reads it on the host
+    to choose ``is_causal``: ``fast_all(padding_mask)`` (5.17 ``:269``, 5.24 ``:292``) and,
+    when it has padding, ``fast_all(padding_mask[:, :q_length])`` (5.17 ``:275``, 5.24
+    ``:298``): 1 sync without padding, 2 with (eager attention: none). Where padding is
+    found, ``sdpa_mask`` builds ``causal_mask_function`` (``kv_idx <= q_idx``, 5.24 ``:78``)
+    and ``padding_mask_function`` (``padding_mask[batch_idx, kv_idx]``, ``:175``), ANDed
+    (``:526``, built at ``:537``; 5.17 ``:81``, ``:178``, ``:506``, ``:517``), nothing else
+    for a full causal layer without cache (no fully-masked-row fix: ``allow_torch_fix`` has
+    no effect). For a full causal SDPA model (`full_causal_sdpa_decoder`) and a batch with
+    no ``position_ids`` or cache of its own, the replay builds that mask on the device
+    (`padded_causal_mask`) and hands it to the decoder in place of the 2-D one
+    (`replay_forward`); a 4-D mask is returned as is (``_preprocess_mask_arguments``, 5.17
+    ``:812``, 5.24 ``:818``), so nothing is read, and the positions (``arange(T)``, never
+    from the mask) are the same. A padded batch: the same boolean mask reaches SDPA, the
+    logits and gradients are bit-identical. A batch without padding: the plain forward calls
+    SDPA with ``is_causal=True`` and no mask, the replay with the explicit causal mask
+    (another kernel: on a GPU not the flash one; equal up to rounding), since only the host
+    can tell the two batches apart. Still read: a model with a sliding window, chunked or
+    other non-full layers (`full_causal_sdpa_decoder` refuses it), or of a family not in
+    `MASK_FAMILIES`, or wrapped (a PEFT model): 1–2 per forward with SDPA.
 
     Returns:
         The pass's record (None if the forward was not captured).
@@ -244,7 +368,7 @@ def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Te
     with capture.using(mode), torch.enable_grad():
         try:
             # the ModelOutput goes at once: the cache it carries holds every layer's k/v
-            logits = logits_of(model(**sync_free_kwargs(model, kwargs)))
+            logits = logits_of(replay_forward(model, kwargs))
             rec = capture.current
             if rec is None:
                 return None
