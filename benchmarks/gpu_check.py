@@ -21,12 +21,14 @@ and writes ``benchmarks/results/gpu_check.json``. Parts:
 3. ``train_fp32_autocast`` / ``train_bf16``: a ~1.1B Llama built from a config (TinyLlama's
    shapes, random weights and tokens: nothing downloaded), (a) fp32 weights + bf16 autocast,
    micro-batch 4 x 1024, gradient accumulation 2; (b) pure bf16 weights, 1 x 2048. One
-   process and one model per setting (the build and CUDA start paid once), four Trainer runs
-   on it: plain, the callback at the defaults (``update_every=10``), at ``update_every=1``,
-   plain again (plain before and after the tracked runs: drift shows). Each run 10 warm-up +
-   30 timed optimizer steps (whole update cycles); per-step time from a CUDA event recorded at
-   every step's end (no host sync added). The s/step compared is the **mean** over the timed
-   steps (the median is printed too, but at ``update_every=10`` it is that of the steps
+   process and one model per setting (the build and CUDA start paid once), the runs of `RUNS`
+   in interleaved blocks (plain, the callback at the defaults (``update_every=10``), at
+   ``update_every=1``, and the ablation at ``update_every=1``: the replay without the fold,
+   the fold without a replay), ``blocks`` times (3 on a GPU), then plain once more (drift
+   shows). Each run 10 warm-up + 10 timed optimizer steps (whole update cycles); per-step
+   time from a CUDA event recorded at every step's end (no host sync added). A run's ratio is
+   the **median over the blocks** of its mean s/step over the same block's plain run's (the
+   median step is printed too, but at ``update_every=10`` it is that of the steps
    without an update, so it cannot show an update's cost).
 
    The tracked runs use ``KFACConfig(min_window_sequences=0, snapshot_every=10**6)``, and the
@@ -128,20 +130,32 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             num_key_value_heads=2, vocab_size=256)
 FULL = {"eigh": (4096, 11008), "fold_rows": 6560, "fold_d": 4096,
         "store_d": 4096, "store_rows": 6560, "store_updates": 20,
-        "steps": 30, "warmup": 10, "llama": TINYLLAMA,
+        "steps": 10, "warmup": 10, "blocks": 3, "llama": TINYLLAMA,
         "settings": {"fp32_autocast": dict(batch=4, seq=1024, accumulation=2,
                                            weights="float32", autocast=True),
                      "bf16": dict(batch=1, seq=2048, accumulation=1, weights="bfloat16",
                                   autocast=False)}}
 DRY = {"eigh": (64, 96), "fold_rows": 64, "fold_d": 128,
        "store_d": 128, "store_rows": 64, "store_updates": 5,
-       "steps": 10, "warmup": 10, "llama": TINY,
+       "steps": 10, "warmup": 10, "blocks": 1, "llama": TINY,
        "settings": {"fp32_autocast": dict(batch=2, seq=32, accumulation=2,
                                           weights="float32", autocast=True),
                     "bf16": dict(batch=1, seq=64, accumulation=1, weights="bfloat16",
                                  autocast=False)}}
-#: The runs of one training setting, in order: plain before and after the tracked ones.
-RUNS = {"plain": None, "defaults": {}, "update_every=1": {"update_every": 1}, "plain-2": None}
+#: The runs of one training setting, in the order of each block (``sizes["blocks"]`` blocks,
+#: interleaved: plain and tracked runs alternate, so a drift of the card's speed shows in each
+#: block's plain run instead of in a ratio), then one plain run after the last block. The
+#: ablation at ``update_every=1``: "replay only" runs the MC replay, the capture hooks and the
+#: collection of the rows but drops each update before the worker (`ABLATION_DROP`); "fold
+#: only" is the empirical Fisher (its rows captured in the training backward: no replay;
+#: hooks, collection and fold), whose updates fold more rows (every sequence's sampled
+#: positions) than the MC share's.
+RUNS = {"plain": None, "defaults": {}, "update_every=1": {"update_every": 1},
+        "replay only": {"update_every": 1, "ablation": "replay only"},
+        "fold only": {"update_every": 1, "fisher": "empirical"}}
+FINAL_RUN = "plain-2"
+#: The ablation key of a run's config: not a KFACConfig field.
+ABLATION_DROP = "replay only"
 #: Every tracked run: the long-run MC share on a short run, no snapshot inside the steps.
 TRACKED = dict(min_window_sequences=0, snapshot_every=10**6)
 #: Steps at the start of a run in which host syncs on the training thread are counted.
@@ -496,6 +510,8 @@ def one_run(model, data, cfg, setting: dict, sizes: dict, device: torch.device, 
     warmup = sizes["warmup"]
     first, last, clock = _clocks(device, SYNC_COUNT_STEPS, warmup)
     kfac = None
+    cfg = dict(cfg) if cfg is not None else None
+    ablation = cfg.pop("ablation", None) if cfg is not None else None
     if cfg is not None:
         # on CPU the device path with the CPU standing in for the device, and the worker on,
         # as on CUDA (the CPU defaults are the host fold on the training thread)
@@ -513,8 +529,16 @@ def one_run(model, data, cfg, setting: dict, sizes: dict, device: torch.device, 
         logging_nan_inf_filter=False, max_grad_norm=0.0)
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       callbacks=[first, *([kfac] if kfac else []), last])
+    from kfac_stream.tracking.factor_updates import FactorUpdater
+
+    submit = FactorUpdater.submit
+    if ablation == ABLATION_DROP:  # the update job is made, then dropped before the worker
+        FactorUpdater.submit = lambda self, job, step_seconds: None
     t0 = time.perf_counter()
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        FactorUpdater.submit = submit
     wall = time.perf_counter() - t0
     secs = last.step_seconds()
     timed = timed_steps(secs, warmup)
@@ -528,7 +552,7 @@ def one_run(model, data, cfg, setting: dict, sizes: dict, device: torch.device, 
     if cuda:  # allocated at the start: the model alone (a leak of the last run would show)
         row.update(peak_bytes=torch.cuda.max_memory_allocated(device),
                    allocated_at_start=allocated)
-    if kfac is not None and kfac.final is not None:
+    if kfac is not None and kfac.final is not None and ablation is None:
         row.update(_breakdown(kfac.final))
         every = kfac.tracker.config.update_every
         p = update_probability({**TRACKED, **cfg}, setting)
@@ -593,12 +617,18 @@ def train_main(which: str, sizes: dict, device: torch.device, out: Path) -> int:
     result: dict = {"setting": setting, "params": sum(p.numel() for p in model.parameters()),
                     "build_seconds": time.perf_counter() - t0, "runs": {}}
     _write(out, result)
+    order = [(b, name) for b in range(sizes["blocks"]) for name in RUNS] + \
+        [(sizes["blocks"] - 1, FINAL_RUN)]
+    result["blocks"] = {}
     with tempfile.TemporaryDirectory(prefix="kfac-gpu-check-") as tmp:
-        for name, cfg in RUNS.items():
-            row = one_run(model, data, cfg, setting, sizes, device, Path(tmp), name)
-            result["runs"][name] = row
+        for block, name in order:
+            row = one_run(model, data, RUNS.get(name), setting, sizes, device, Path(tmp),
+                          f"{name}-{block}")
+            row["block"] = block
+            result["blocks"].setdefault(name, []).append(row)
+            result["runs"][name] = row  # the last block's (the JSON keeps every block's)
             _write(out, result)
-            print(f"{name}: {row['mean_s_per_step'] * 1e3:.1f} ms/step mean, "
+            print(f"block {block} {name}: {row['mean_s_per_step'] * 1e3:.1f} ms/step mean, "
                   f"{row['median_s_per_step'] * 1e3:.1f} median over the timed steps"
                   + (f", {row['updates_in_timed_steps']} updates in them (expected "
                      f"{row['expected_updates_in_timed_steps']:.1f})"
@@ -806,7 +836,8 @@ def summarise(report: dict, dry: bool) -> list[dict]:
         t = parts.get(key, {})
         st = t.get("status", "missing")
         runs = t.get("runs", {})
-        plains = [runs[n] for n in ("plain", "plain-2") if n in runs]
+        blocks = t.get("blocks", {name: [row] for name, row in runs.items()})
+        plains = blocks.get("plain", []) + blocks.get(FINAL_RUN, [])
         if not plains:
             add(f"{label} plain", st, "not reached")
             continue
@@ -818,7 +849,7 @@ def summarise(report: dict, dry: bool) -> list[dict]:
                + " before / after)" if len(plains) > 1 else "")
             + f", median {plains[0]['median_s_per_step'] * 1e3:.1f}"
             + (f", peak {_gb(peak_plain)}" if peak_plain is not None else ""))
-        every1 = runs.get("update_every=1")
+        ratio_of = {name: block_ratio(blocks, name) for name in RUNS if name != "plain"}
         for name, target in (("defaults", RATIO_DEFAULTS), ("update_every=1", RATIO_EVERY_STEP)):
             r = runs.get(name)
             tgt = f"≤ {target:.2f}x" + (" (and projected), no waits" if name == "defaults"
@@ -827,7 +858,7 @@ def summarise(report: dict, dry: bool) -> list[dict]:
             if r is None:
                 add(f"{label} {name}", st, "not reached", tgt)
                 continue
-            ratio = r["mean_s_per_step"] / plain
+            ratio = ratio_of[name] or r["mean_s_per_step"] / plain
             extra = r["peak_bytes"] - peak_plain if "peak_bytes" in r and \
                 peak_plain is not None else None
             n_upd = r.get("updates_in_timed_steps")
@@ -836,11 +867,13 @@ def summarise(report: dict, dry: bool) -> list[dict]:
             # the defaults' ratio projected from update_every=1's (every step an update step,
             # 10x the update steps: lower variance): 1 + (r1 - 1)/update_every
             projected = None
-            if name == "defaults" and every1 is not None and r.get("update_every"):
-                projected = 1 + (every1["mean_s_per_step"] / plain - 1) / r["update_every"]
+            if name == "defaults" and ratio_of["update_every=1"] and r.get("update_every"):
+                projected = 1 + (ratio_of["update_every=1"] - 1) / r["update_every"]
             r.update(ratio_to_plain=ratio, extra_peak_bytes=extra,
                      extra_seconds_per_update=per_update, projected_ratio=projected)
             fig = (f"{r['mean_s_per_step'] * 1e3:.1f} ms/step = {ratio:.3f}x"
+                   + (f" (median of {len(blocks[name])} blocks' ratios)"
+                      if len(blocks.get(name, [])) > 1 else "")
                    + (f" (projected from update_every=1: {projected:.3f}x)"
                       if projected is not None else "")
                    + f" (median {r['median_s_per_step'] * 1e3:.1f}), {n_upd} updates in the"
@@ -870,6 +903,11 @@ def summarise(report: dict, dry: bool) -> list[dict]:
             else:
                 add(f"{label} {name}", st, fig, tgt, perf_ok and mem_ok and sync_ok)
 
+        for name in ("replay only", "fold only"):  # the ablation: figures, no target
+            if ratio_of.get(name):
+                add(f"{label} {name}", st, f"{ratio_of[name]:.3f}x plain at update_every=1 "
+                    f"(update_every=1 with both: {ratio_of['update_every=1'] or 0:.3f}x)")
+
     x = parts.get("exchange", {})
     st = x.get("status", "missing")
     fig = (f"{x.get('backend', '?')}: {x.get('exchange_seconds', 0) * 1e3:.1f} ms, rows back "
@@ -881,6 +919,16 @@ def summarise(report: dict, dry: bool) -> list[dict]:
         if row["status"] != "ok" and row["part"] != "total" and row["verdict"].startswith("PASS"):
             row["verdict"] = "MISS"
     return rows
+
+
+def block_ratio(blocks: dict[str, list[dict]], name: str) -> float | None:
+    """The median over the blocks of run ``name``'s mean step time over the same block's
+    plain run's (None: not run)."""
+    plain = {row["block"]: row["mean_s_per_step"] for row in blocks.get("plain", [])
+             if "block" in row}
+    ratios = [row["mean_s_per_step"] / plain[row["block"]] for row in blocks.get(name, [])
+              if row.get("block") in plain]
+    return statistics.median(ratios) if ratios else None
 
 
 def print_table(rows: list[dict]) -> None:

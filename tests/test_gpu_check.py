@@ -57,7 +57,8 @@ def test_gpu_check_dry_run(tmp_path):
     for row in ("1 CUDA tests", "2 eigh", "2 fold", "2 store device path",
                 "3a fp32+autocast plain", "3a fp32+autocast defaults",
                 "3a fp32+autocast update_every=1", "3b bf16 plain", "3b bf16 defaults",
-                "3b bf16 update_every=1", "4 exchange", "total"):
+                "3b bf16 update_every=1", "3a fp32+autocast replay only",
+                "3a fp32+autocast fold only", "4 exchange", "total"):
         assert f"\n{row}" in table, row
     assert "MISS" not in table
 
@@ -67,7 +68,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert set(r["parts"]) == {p.name for p in gc.PARTS}
     assert all(p["status"] == "ok" for p in r["parts"].values()), \
         {k: p["status"] for k, p in r["parts"].items()}
-    assert len(r["summary"]) == 12
+    assert len(r["summary"]) == 16  # with the ablation's two rows per training setting
 
     tests = r["parts"]["cuda_tests"]
     assert "tests/test_hot_path.py" in tests["files"] and tests["collected"] > 0
@@ -84,7 +85,9 @@ def test_gpu_check_dry_run(tmp_path):
 
     for setting in ("train_fp32_autocast", "train_bf16"):
         runs = r["parts"][setting]["runs"]
-        assert set(runs) == {"plain", "defaults", "update_every=1", "plain-2"}
+        assert set(runs) == {*gc.RUNS, gc.FINAL_RUN}
+        assert all(len(rows) == gc.DRY["blocks"] for name, rows in
+                   r["parts"][setting]["blocks"].items() if name != gc.FINAL_RUN)
         for name, row in runs.items():
             assert row["mean_s_per_step"] > 0 and row["median_s_per_step"] > 0
             assert len(row["step_seconds"]) == row["steps"] - 1
