@@ -300,22 +300,7 @@ def replay_forward(model: nn.Module, kwargs: dict[str, Any]) -> Any:
     (`mc_fisher_pass`): `sync_free_kwargs` for a batch without ``attention_mask``; for a
     batch with a 2-D ``attention_mask`` (and no ``position_ids`` or cache of its own) on a
     full causal SDPA model (`full_causal_sdpa_decoder`), its decoder gets the prebuilt
-    `padded_causal_mask` in place of the 2-D mask. Otherwise the plain call."""
-    kwargs = sync_free_kwargs(model, kwargs)
-    swap = _mask_swap(model, kwargs)
-    if swap is None:
-        return model(**kwargs)
-    with _decoder_mask(*swap):
-        return model(**kwargs)
-
-
-def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Tensor],
-                   generator: torch.Generator, mode: CaptureMode = MC_REPLAY
-                   ) -> PassRecord | None:
-    """Run one MC Fisher forward/backward for one stored micro-batch (adds one PassRecord).
-
-    Labels are drawn at every position and the loss masked to the loss-bearing ones (a
-    masked SUM): the same gradient as a loss over the selected rows, with no host read.
+    `padded_causal_mask` in place of the 2-D mask. Otherwise the plain call.
 
     Host syncs of the model's own forward. The HF Trainer sets ``use_cache=False``, so a
     Llama-family forward builds its causal mask with no cache; it makes ``position_ids``
@@ -352,6 +337,25 @@ def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Te
     can tell the two batches apart. Still read: a model with a sliding window, chunked or
     other non-full layers (`full_causal_sdpa_decoder` refuses it), or of a family not in
     `MASK_FAMILIES`, or wrapped (a PEFT model): 1–2 per forward with SDPA.
+    """
+    kwargs = sync_free_kwargs(model, kwargs)
+    swap = _mask_swap(model, kwargs)
+    if swap is None:
+        return model(**kwargs)
+    with _decoder_mask(*swap):
+        return model(**kwargs)
+
+
+def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Tensor],
+                   generator: torch.Generator, mode: CaptureMode = MC_REPLAY
+                   ) -> PassRecord | None:
+    """Run one MC Fisher forward/backward for one stored micro-batch (adds one PassRecord).
+
+    Labels are drawn at every position and the loss masked to the loss-bearing ones (a
+    masked SUM): the same gradient as a loss over the selected rows, with no host read.
+
+    The forward is `replay_forward`'s: no host sync of the model's own where an exact
+    sync-free form exists (its docstring says which, and what is still read).
 
     Returns:
         The pass's record (None if the forward was not captured).
