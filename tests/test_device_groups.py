@@ -208,3 +208,34 @@ def test_held_rows_stay_inside_the_device_budget():
     for x, n in _stacks(5, len(keys), 6, seed=6):
         store.push_group(keys, x, n, x.shape[1])
         assert not store._grouped.groups[keys].held  # folded at once: no room to hold them
+
+
+#: bf16 rows on CUDA, deferred: the reference is the float64 EMA of the rows as rounded to
+#: bf16; left are the fp16 storage rounding (2^-11), the held rows' rescaling in bf16 (≤ 2^-9
+#: per entry, so ≤ 2·2^-9 on a Gram entry when every error has one sign: a loose bound) and
+#: the tensor cores' fp32 accumulation (1.8e-5 measured, gpu-check)
+CUDA_BF16_TOL = 2.0**-11 + 2 * 2.0**-9
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_bf16_group_deferred_equals_the_float64_ema_of_the_rounded_rows():
+    dev = torch.device("cuda")
+    store = FactorStore("float16", 0.9, device=dev, device_budget=1 << 30, defer=4)
+    keys = tuple(f"l{i}.G" for i in range(3))
+    for k in keys:
+        store.add(k, 256, False)
+    stats = collections.defaultdict(list)
+    counts = []
+    for x, n in _stacks(10, len(keys), 256, seed=7):
+        rows = x.to(device=dev, dtype=torch.bfloat16)
+        store.push_group(keys, rows, n, x.shape[1])
+        store.end_update()
+        for i, k in enumerate(keys):
+            r = rows[i].double().cpu()
+            stats[k].append(r.T @ r / n)
+        counts.append(n)
+    assert store.traffic.deferred_folds > 0 and store.traffic.group_folds == 10
+    values = store.values()
+    for k in keys:
+        ref = ema_closed_form(stats[k], counts, 0.9)
+        assert rel(values[k].cpu(), ref) <= CUDA_BF16_TOL, k

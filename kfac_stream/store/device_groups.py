@@ -109,6 +109,10 @@ class DeviceGroup:
         self.held_coef: list[list[float]] = []  # per held update, per member: c_k Π_{j>k} keep_j
         self.base = [1.0] * g  # per member: Π keep over the held updates (P' ← base·P' + …)
         self.held_trace = torch.zeros(g, dtype=torch.float64, device=device)  # Σ c‖X‖² held
+        # rows folded or dropped, kept referenced until the next update: the worker's stream
+        # may still read them (they were allocated on the training's stream, which could
+        # reuse their memory at once); the worker synchronises its stream after each update
+        self._retired: list[Tensor] = []
 
     @property
     def held_bytes(self) -> int:
@@ -158,6 +162,7 @@ class DeviceGroup:
         """One update of weight ``n`` (``λ``: ``lam``) whose member ``i`` has the weighted rows
         ``rows[i]`` (``[G, m, d]``: ``S_i = rows[i]ᵀ rows[i] / n``), folded into the pending
         sums, sketches and norms; the members' host bookkeeping advanced."""
+        self._retired = []
         keep, coef, eta = [], [], []
         for f in members:
             f.weight, e = ema_step(f.weight, n, lam)
@@ -206,7 +211,9 @@ class DeviceGroup:
 
     def fold_held(self, fused_16bit: bool, traffic: Traffic) -> None:
         """Add the held updates' Grams to ``P'`` (one GEMM over their rows, each scaled by
-        its coefficient; ``P'`` by the product of their keeps) and drop them."""
+        its coefficient; ``P'`` by the product of their keeps) and drop them. The scaling is
+        in the rows' dtype: 16-bit rows are rounded once more (≤ 2⁻⁹ relative per entry in
+        bf16, the size of their own rounding when they were captured)."""
         if not self.held:
             return
         parts = []
@@ -215,6 +222,7 @@ class DeviceGroup:
                 root = _one_or_vector([math.sqrt(c) for c in coef], self.acc)
                 parts.append(rows * (root if isinstance(root, float) else root.to(rows.dtype)))
         base = self.base
+        self._retired += self.held
         self.held, self.held_coef, self.base = [], [], [1.0] * len(self.keys)
         self.held_trace.zero_()
         g, d = len(self.keys), self.acc.shape[-1]
@@ -224,8 +232,7 @@ class DeviceGroup:
             self._keep(base)
             return
         x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)  # [G, Σm, d]
-        wide = torch.float64 if x.dtype == torch.float64 else torch.float32
-        self._gram(x, x.to(wide), base, [1.0] * g, fused_16bit)
+        self._gram(x, None, base, [1.0] * g, fused_16bit)
 
     def _keep(self, keep: list[float]) -> None:
         k = _one_or_vector(keep, self.acc)
@@ -234,6 +241,7 @@ class DeviceGroup:
 
     def drop_held(self) -> None:
         """Forget the held updates (the pending sums are being dropped: a load)."""
+        self._retired += self.held
         self.held, self.held_coef, self.base = [], [], [1.0] * len(self.keys)
         self.held_trace.zero_()
 
@@ -251,11 +259,11 @@ class DeviceGroup:
         else:
             self.fz.mul_(keep).addcmul_(sz, step)
 
-    def _gram(self, rows: Tensor, x: Tensor, keep: list[float], coef: list[float],
+    def _gram(self, rows: Tensor, x: Tensor | None, keep: list[float], coef: list[float],
               fused_16bit: bool) -> None:
         """``P' ← keep·P' + c·XᵀX`` for the group, the Gram accumulated into ``P'`` by the
         GEMM itself (16-bit ``rows`` on the tensor cores where torch has the batched kernel,
-        else their wide copy ``x``)."""
+        else their wide copy ``x``, made here when None)."""
         acc = self.acc
         k = _one_or_vector(keep, acc)
         beta = 1.0
@@ -269,7 +277,7 @@ class DeviceGroup:
             torch.baddbmm(acc, rows.mT, rows, beta=beta, alpha=c, out_dtype=torch.float32,
                           out=acc)
             return
-        x = x.to(acc.dtype)
+        x = (rows if x is None else x).to(acc.dtype)
         if not isinstance(c, float):
             x = x * c.sqrt()  # each member's rows scaled by √c_i: P' += (√c X)ᵀ(√c X)
             c = 1.0
