@@ -55,7 +55,7 @@ from ..enums import StorageDtype
 from ..stats.ema import ema_step
 from . import host_fold
 from .device_fold import DevicePending, FlushLanes, FoldResult, accumulate, make_lanes, stream_fold
-from .device_groups import DeviceGroup, GroupRegistry
+from .device_groups import GroupRegistry
 from .residency import Residency
 from .stored_factor import CHUNK_ROWS, FactorState, StoredFactor, probes, sketch_sq_norm
 from .stored_factor import sq_norm as _sq_norm  # the pass over the entries (tests replace it)
@@ -433,8 +433,11 @@ class FactorStore:
             if f.pending:
                 self._flush(f)  # rows and device statistics never pend together
         try:
-            group = self._group_of(keys, rows.shape[-1], rows.device)
+            fresh = keys not in self._grouped.groups
+            group = self._grouped.group_of(keys, rows.shape[-1], rows.device)
             group.link(members)
+            if fresh:
+                self._residency.count()  # the members' pending sums are the group's now
         except torch.OutOfMemoryError:
             self._shrink(keys[0])
             for i, key in enumerate(keys):
@@ -448,14 +451,6 @@ class FactorStore:
         """Fold the held rows of ``key``'s group (None: of every group) into its pending
         sums: before a reader or a per-factor op on a member."""
         self._grouped.fold_held(key)
-
-    def _group_of(self, keys: tuple[str, ...], d: int, device: torch.device) -> DeviceGroup:
-        """The group of ``keys`` (`GroupRegistry.group_of`; the residency counted anew)."""
-        fresh = keys not in self._grouped.groups
-        group = self._grouped.group_of(keys, d, device)
-        if fresh:
-            self._residency.count()
-        return group
 
     def _shrink(self, key: str) -> None:
         """The device ran out of memory: drop the groups, fold and free every pending sum and
