@@ -94,20 +94,23 @@ def fused_16bit(device: torch.device) -> bool:
     return _FUSED_16BIT[key]
 
 
-def _probe_fused_16bit(device: torch.device) -> bool:
+def _probe_fused_16bit(device: torch.device, batch: tuple[int, ...] = ()) -> bool:
+    """Probe ``addmm`` (``batch`` ``()``) or ``baddbmm`` (``batch`` ``(b,)``, the groups'
+    fold) with 16-bit ``X`` and float32 output into the accumulator on ``device``."""
     gen = torch.Generator().manual_seed(0)
+    fold = torch.baddbmm if batch else torch.addmm
     try:
-        x = torch.randn(64, 48, generator=gen).to(device=device, dtype=torch.bfloat16)
-        acc = torch.randn(48, 48, generator=gen).to(device)
+        x = torch.randn(*batch, 64, 48, generator=gen).to(device=device, dtype=torch.bfloat16)
+        acc = torch.randn(*batch, 48, 48, generator=gen).to(device)
         xf = x.float()
-        want = acc * 0.5 + 2.0 * (xf.T @ xf)
-        torch.addmm(acc, x.T, x, beta=0.5, alpha=2.0, out_dtype=torch.float32, out=acc)
+        want = acc * 0.5 + 2.0 * (xf.mT @ xf)
+        fold(acc, x.mT, x, beta=0.5, alpha=2.0, out_dtype=torch.float32, out=acc)
         # beta=0 must ignore what the output held (a pending sum's stale entries), NaN too
         fresh = torch.full_like(acc, math.nan)
-        torch.addmm(fresh, x.T, x, beta=0.0, alpha=2.0, out_dtype=torch.float32, out=fresh)
+        fold(fresh, x.mT, x, beta=0.0, alpha=2.0, out_dtype=torch.float32, out=fresh)
         # fp32 accumulation of 64 exact products: far inside 1e-4 of entries of order 10
         return bool(torch.allclose(acc, want, rtol=1e-5, atol=1e-4)
-                    and torch.allclose(fresh, 2.0 * (xf.T @ xf), rtol=1e-5, atol=1e-4))
+                    and torch.allclose(fresh, 2.0 * (xf.mT @ xf), rtol=1e-5, atol=1e-4))
     except (RuntimeError, TypeError):  # NotImplementedError is a RuntimeError
         return False
 

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from ..stats.ema import ema_step
-from .device_fold import RENORM, DevicePending
+from .device_fold import RENORM, DevicePending, _probe_fused_16bit
 from .fold_cost import accumulate_bytes, accumulate_flops, pending_rmw_bytes
 from .stored_factor import StoredFactor, probes
 from .traffic import Traffic
@@ -52,25 +52,8 @@ def batched_16bit(device: torch.device) -> bool:
     no such kernel)."""
     key = str(device)
     if key not in _BATCHED_16BIT:
-        _BATCHED_16BIT[key] = _probe_batched_16bit(device)
+        _BATCHED_16BIT[key] = _probe_fused_16bit(device, batch=(2,))
     return _BATCHED_16BIT[key]
-
-
-def _probe_batched_16bit(device: torch.device) -> bool:
-    gen = torch.Generator().manual_seed(0)
-    try:
-        x = torch.randn(2, 64, 48, generator=gen).to(device=device, dtype=torch.bfloat16)
-        acc = torch.randn(2, 48, 48, generator=gen).to(device)
-        xf = x.float()
-        want = acc + 2.0 * (xf.mT @ xf)
-        torch.baddbmm(acc, x.mT, x, beta=1.0, alpha=2.0, out_dtype=torch.float32, out=acc)
-        fresh = torch.full_like(acc, math.nan)  # beta=0 must ignore what the output held
-        torch.baddbmm(fresh, x.mT, x, beta=0.0, alpha=2.0, out_dtype=torch.float32, out=fresh)
-        # fp32 accumulation of 64 exact products: far inside 1e-4 of entries of order 10
-        return bool(torch.allclose(acc, want, rtol=1e-5, atol=1e-4)
-                    and torch.allclose(fresh, 2.0 * (xf.mT @ xf), rtol=1e-5, atol=1e-4))
-    except (RuntimeError, TypeError):  # NotImplementedError is a RuntimeError
-        return False
 
 
 def _one_or_vector(values: list[float], like: Tensor) -> float | Tensor:
