@@ -90,11 +90,11 @@ def fused_16bit(device: torch.device) -> bool:
     host read; the CPU build has no such kernel)."""
     key = str(device)
     if key not in _FUSED_16BIT:
-        _FUSED_16BIT[key] = _probe_fused_16bit(device)
+        _FUSED_16BIT[key] = probe_fused_16bit(device)
     return _FUSED_16BIT[key]
 
 
-def _probe_fused_16bit(device: torch.device, batch: tuple[int, ...] = ()) -> bool:
+def probe_fused_16bit(device: torch.device, batch: tuple[int, ...] = ()) -> bool:
     """Probe ``addmm`` (``batch`` ``()``) or ``baddbmm`` (``batch`` ``(b,)``, the groups'
     fold) with 16-bit ``X`` and float32 output into the accumulator on ``device``."""
     gen = torch.Generator().manual_seed(0)

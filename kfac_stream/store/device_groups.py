@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from ..stats.ema import ema_step
-from .device_fold import RENORM, DevicePending, _probe_fused_16bit
+from .device_fold import RENORM, DevicePending, probe_fused_16bit
 from .fold_cost import accumulate_bytes, accumulate_flops, pending_rmw_bytes
 from .stored_factor import StoredFactor, probes
 from .traffic import Traffic
@@ -52,7 +52,7 @@ def batched_16bit(device: torch.device) -> bool:
     no such kernel)."""
     key = str(device)
     if key not in _BATCHED_16BIT:
-        _BATCHED_16BIT[key] = _probe_fused_16bit(device, batch=(2,))
+        _BATCHED_16BIT[key] = probe_fused_16bit(device, batch=(2,))
     return _BATCHED_16BIT[key]
 
 
