@@ -57,11 +57,12 @@ def batched_16bit(device: torch.device) -> bool:
 
 
 def _one_or_vector(values: list[float], like: Tensor) -> float | Tensor:
-    """``values[0]`` when every value is the same, else a ``[G, 1, 1]`` tensor of them."""
+    """``values[0]`` when every value is the same, else a tensor of them shaped to scale
+    ``like`` member by member (``[G]`` for ``[G]``, ``[G, 1, 1]`` for ``[G, a, b]``)."""
     if all(v == values[0] for v in values):
         return values[0]
-    return torch.tensor(values, dtype=like.dtype).to(like.device, non_blocking=True)[:, None,
-                                                                                     None]
+    t = torch.tensor(values, dtype=like.dtype).to(like.device, non_blocking=True)
+    return t.reshape(-1, *[1] * (like.dim() - 1))
 
 
 class DeviceGroup:
@@ -183,11 +184,11 @@ class DeviceGroup:
         norms = x.square().sum((1, 2), dtype=torch.float64)  # [G] ‖X_i‖²
         held_keep = _one_or_vector(keep, self.held_trace)
         c = _one_or_vector(coef, self.held_trace)
-        self.held_trace.mul_(held_keep.flatten() if isinstance(held_keep, Tensor) else held_keep)
+        self.held_trace.mul_(held_keep)
         if isinstance(c, float):
             self.held_trace.add_(norms, alpha=c)
         else:
-            self.held_trace.addcmul_(norms, c.flatten())
+            self.held_trace.addcmul_(norms, c)
         self._count(rows, traffic, deferred=True)
         if len(self.held) >= self.defer:
             self.fold_held(fused_16bit, traffic)
@@ -283,8 +284,7 @@ class DeviceGroup:
         if not self.held:
             return tr
         base = _one_or_vector(self.base, self.held_trace)
-        return tr.mul_(base.flatten() if isinstance(base, Tensor) else base).add_(
-            self.held_trace)
+        return tr.mul_(base).add_(self.held_trace)
 
 
 class GroupRegistry:

@@ -367,6 +367,8 @@ class FactorStore:
     @defer.setter
     def defer(self, value: int) -> None:
         self._grouped.defer = max(1, int(value))
+        for group in self._grouped.groups.values():  # the groups made so far too
+            group.defer = self._grouped.defer
 
     def push_device(self, key: str, payload: Tensor, how: str, n: float, positions: int,
                     decay: float | None = None) -> None:
