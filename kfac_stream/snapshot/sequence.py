@@ -72,6 +72,32 @@ def capture_snapshot(tracker, step: int, epoch: float | None = None,
                             ekfac[2] if ekfac is not None else None)
 
 
+def queue_capture(tracker, step: int, epoch: float | None = None,
+                  release: Mapping[str, torch.Tensor] | None = None
+                  ) -> Callable[[], CapturedSnapshot]:
+    """`capture_snapshot` with the flush off the training thread: the weights' fingerprint
+    and the counters are read now (they belong to this step), the fold and the lending are
+    queued behind this step's update (`kfac_stream.tracking.tracker.Tracker.queue_export`:
+    the training thread only enqueues), and the returned call waits for them and makes the
+    contents (call it on the snapshot's thread). With ``KFACConfig(ekfac=True)`` it is
+    `capture_snapshot` (the correction is taken with the factors, on this thread)."""
+    if getattr(tracker, "ekfac", None) is not None:
+        captured = capture_snapshot(tracker, step, epoch, release)
+        return lambda: captured
+    weights = weights_fingerprint(tracker.layers)  # collective under ZeRO-3 and FSDP2
+    model = model_identity(getattr(tracker, "model", None))
+    pending = tracker.queue_export(release)
+
+    def contents() -> CapturedSnapshot:
+        record = pending.result()
+        tensors, manifest = snapshot_contents(record, step, epoch, weights=weights,
+                                              model=model)
+        return CapturedSnapshot(int(step), tensors, manifest,
+                                {k: f.data for k, f in record.factors.items()})
+
+    return contents
+
+
 def finish_snapshot(captured: CapturedSnapshot, root: str, comm=None,
                     eigh_device: torch.device | str | None = None, threads: int | None = None,
                     gather: bool = False) -> tuple[str, dict[str, torch.Tensor]]:

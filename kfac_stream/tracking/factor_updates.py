@@ -19,6 +19,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -173,6 +175,7 @@ class FactorUpdater:
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         self._worker_error: BaseException | None = None
+        self._task: Future | None = None  # inline: the ordered task in flight (`run_in_order`)
         if run.async_updates:
             self._queue = queue.Queue(maxsize=1)
             self._worker = threading.Thread(target=self._work, name="kfac-stream-ema",
@@ -205,6 +208,7 @@ class FactorUpdater:
             job.exchange = self._start_exchange(job)
             job.issue_seconds = time.perf_counter() - t0  # counted by the applying thread
         if self._queue is None:
+            self.settle()
             self._apply(job)
             return
         self._raise_worker_error()
@@ -363,6 +367,33 @@ class FactorUpdater:
                        "skipped for the factors (%d skipped so far)", step, where,
                        self.counters.skipped_updates)
 
+    def run_in_order(self, task: Callable[[], object]) -> Future:
+        """Run ``task`` after every update submitted so far and before any submitted later,
+        and return its `Future` (its result or its error; the training thread does not wait).
+
+        With ``async_updates`` it is an item of the worker's queue, run on the worker thread
+        (the training thread only enqueues it; the updates after it wait in the queue).
+        Inline, it runs on a thread of its own, and the next `submit`, `wait` or `flush`
+        (anything that touches the store) waits for it first. ``task`` may call `fold_now`
+        (not `flush`: that waits for the queue the task is in)."""
+        future: Future = Future()
+        if self._queue is not None:
+            self._raise_worker_error()
+            self._queue.put(_Task(task, future))
+            return future
+        self.settle()
+        self._task = future
+        threading.Thread(target=_Task(task, future).run, name="kfac-stream-capture",
+                         daemon=True).start()
+        return future
+
+    def settle(self) -> None:
+        """Inline: wait for the task `run_in_order` started, if any (its error stays in its
+        future, for whoever asked for it)."""
+        task, self._task = self._task, None
+        if task is not None:
+            task.exception()  # waits
+
     def _work(self) -> None:
         assert self._queue is not None
         if self.device.type == "cuda":
@@ -372,7 +403,9 @@ class FactorUpdater:
             try:
                 if job is None:
                     return
-                if self._worker_error is None:
+                if isinstance(job, _Task):
+                    job.run()
+                elif self._worker_error is None:
                     self._apply(job)
             except BaseException as e:  # surfaced on the training thread at the next call
                 self._worker_error = e
@@ -385,6 +418,7 @@ class FactorUpdater:
 
     def wait(self) -> None:
         """Wait until every submitted update is in the store (pending folds stay pending)."""
+        self.settle()
         if self._queue is not None:
             self._queue.join()
         self._raise_worker_error()
@@ -392,6 +426,12 @@ class FactorUpdater:
     def flush(self) -> None:
         """Wait until every submitted update is in the store, folded."""
         self.wait()
+        self.fold_now()
+
+    def fold_now(self) -> None:
+        """Fold every pending statistic into the store now, on this thread (under the
+        updater's stream), without waiting for the queue: `flush` after the wait, or a task of
+        `run_in_order` (which the queue has reached)."""
         t0 = time.perf_counter()
         ctx = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
         with ctx:  # the pending statistics were accumulated on the updater's stream
@@ -415,6 +455,22 @@ class FactorUpdater:
                 "kfac_stream: the logits' gradient is not a scaled cross-entropy gradient "
                 "(relative residual %.2e): label smoothing or per-token loss weights make the "
                 "empirical-Fisher G scale approximate", residual)
+
+
+@dataclass
+class _Task:
+    """A `FactorUpdater.run_in_order` task and the future its outcome goes to."""
+
+    fn: Callable[[], object]
+    future: Future
+
+    def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return
+        try:
+            self.future.set_result(self.fn())
+        except BaseException as e:  # for whoever waits on the future
+            self.future.set_exception(e)
 
 
 class _Read:

@@ -33,7 +33,7 @@ from ..snapshot.adequacy import mark_said, said_scope, sampling_warning
 from ..snapshot.background import SnapshotWorker
 from ..snapshot.layout import step_dir_name
 from ..snapshot.media import make_media
-from ..snapshot.sequence import capture_snapshot, finish_snapshot
+from ..snapshot.sequence import finish_snapshot, queue_capture
 from ..snapshot.snapshot import read_manifest
 from ..snapshot.writer import clean_stale_tmp, set_aside_other_runs
 from .checkpoints import CheckpointProtocol
@@ -213,24 +213,28 @@ class TrackingSession:
         # lent until it is written, then they are released here
         self._worker.wait()
         held = time.perf_counter()
-        captured = capture_snapshot(self.tracker, step, epoch, release=self.released())
-        self._lent = captured.lent
+        # the training thread reads this step's weights and counters and queues the fold
+        # behind this step's update; the snapshot's thread waits for it
+        contents = queue_capture(self.tracker, step, epoch, release=self.released())
         self.snapshot_hold_seconds.append(time.perf_counter() - held)
         self._last_snapshot_step = step
         if self.options.background_snapshots:
-            self._worker.submit(lambda: self._finish_snapshot(captured, step))
+            self._worker.submit(lambda: self._finish_snapshot(contents, step))
             if wait:
                 self._worker.wait()
         else:
-            self._finish_snapshot(captured, step)
+            self._finish_snapshot(contents, step)
         return os.path.join(self.output_dir, step_dir_name(step))
 
-    def _finish_snapshot(self, captured, step: int) -> None:
-        """Every rank: its own factors' eigendecomposition and write; then rank 0's report,
+    def _finish_snapshot(self, contents, step: int) -> None:
+        """Every rank: its own factors' capture (``contents()``: the queued fold), the
+        eigendecomposition or the spectra estimates, and the write; then rank 0's report,
         sample-size warning and media. A failure is counted and logged (training goes on)
         unless ``fail_on_snapshot_error``."""
         comm = self._comm
         try:
+            captured = contents()
+            self._lent = captured.lent  # released by the next snapshot, once this is written
             path, eigvals = finish_snapshot(captured, self.output_dir, comm,
                                             self.tracker.run.eigh_device,
                                             self.tracker.config.eigh_threads,

@@ -24,6 +24,7 @@ import logging
 import time
 import uuid
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -43,6 +44,7 @@ from ..exceptions import KFACConfigError
 from ..fisher import estimator_for
 from ..folding import Folding
 from ..store.factor_store import FactorState
+from ..store.traffic import Traffic
 from .collect import collect_update
 from .factor_updates import Counters, FactorUpdater, UpdateJob
 from .plan import RunPlan
@@ -366,13 +368,39 @@ class Tracker:
         """
         if factors:
             self.flush()
+        else:
+            self.updater.settle()
+        return self._record(factors=self.store.state_dict(lend) if factors else {})
+
+    def queue_export(self, release: Mapping[str, Tensor] | None = None) -> Future:
+        """A lending `export` (a snapshot's) queued behind the updates submitted so far: the
+        training thread reads the counters and samplers now and returns; the updater
+        (`FactorUpdater.run_in_order`: its worker, or a thread of its own inline) then
+        releases ``release`` (the previous snapshot's lent factors, written), folds every
+        pending update and lends the stored factors. The future's `TrackerRecord` equals
+        ``export(lend=True)`` at this point of the run; later updates wait for it."""
+        record = self._record(factors={})  # the training thread's state, now
+
+        def fold_and_lend() -> TrackerRecord:
+            if release:
+                self.store.release(release)
+            self.updater.fold_now()
+            now = self.counters  # the fold's traffic and time, as `export` would count them
+            folded = {f.name: getattr(now, f.name) for f in fields(Traffic)}
+            return replace(record, factors=self.store.state_dict(True),
+                           traces=self.store.traces(),
+                           counters=replace(record.counters, **folded,
+                                            flush_seconds=now.flush_seconds))
+
+        return self.updater.run_in_order(fold_and_lend)
+
+    def _record(self, factors: dict) -> TrackerRecord:
         counters = self.read_counters()
         return TrackerRecord(
             step=self.step, rank=self.rank, world_size=self.world_size, config=self.config,
             specs=dict(self.specs), plan=self.plan, ownership=self.ownership,
             counters=replace(counters, skipped_steps=list(counters.skipped_steps)),
-            factors=self.store.state_dict(lend) if factors else {},
-            traces=self.store.traces(),
+            factors=factors, traces=self.store.traces(),
             capture=self.capture.state_dict(), mc_sampler=self.mc_generator.get_state(),
             run_id=self.run_id, row_space={n: space for n, space in
                                            self.capture.row_space.items()
