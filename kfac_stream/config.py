@@ -167,6 +167,15 @@ class KFACConfig:
         eigh_device: Where snapshots eigendecompose the factors: ``"auto"`` (the owner's GPU
             when training on one, one factor at a time, float32 with a float64 CPU fallback for a
             factor that fails; else the CPU in float64) or ``"cpu"``. (Default: "auto")
+        eigendecompose: When snapshots eigendecompose their factors
+            (`kfac_stream.snapshot.eigen_rule`). Every snapshot holds the exact factors and
+            their spectra estimated by Lanczos; the eigendecomposition of a periodic one runs
+            ``"auto"``: in the run only when its predicted share of the snapshot interval is
+            at most 1%, else at its first use (``Snapshot.load(..., eigen=True)``, a
+            posterior, the CLI), cached beside it; ``"always"``: in the run; ``"final"``:
+            only the final snapshot in the run. The final snapshot is always decomposed.
+            With ``ekfac=True`` every snapshot is (its eigenbasis is the next correction's):
+            ``"final"`` is refused. (Default: "auto")
         eigh_threads: CPU threads for snapshot eigendecompositions. ``None``: the cores this
             process may use divided by the processes on the node (``LOCAL_WORLD_SIZE``),
             whatever ``OMP_NUM_THREADS`` the launcher set. (Default: None)
@@ -244,6 +253,7 @@ class KFACConfig:
     exchange: str = "auto"
     eigh_device: str = "auto"
     eigh_threads: int | None = None
+    eigendecompose: str = "auto"
     eval_prior_precision: bool | str = "auto"
     answer_tokens: list[int | str] | None = None
     fail_on_snapshot_error: bool = False
@@ -282,10 +292,16 @@ class KFACConfig:
                                       "allowed: must be a bool")
         for name, allowed in (("fold_on", ("auto", "device", "host")),
                               ("exchange", ("auto", "rows", "stats")),
-                              ("eigh_device", ("auto", "cpu"))):
+                              ("eigh_device", ("auto", "cpu")),
+                              ("eigendecompose", ("auto", "always", "final"))):
             if getattr(self, name) not in allowed:
                 raise KFACConfigError(f"KFACConfig.{name}={getattr(self, name)!r} is not "
                                       f"allowed: must be one of {allowed}")
+        if self.ekfac and self.eigendecompose == "final":
+            raise KFACConfigError("KFACConfig.eigendecompose='final' is not allowed with "
+                                  "ekfac=True: each snapshot's eigenbasis is the next EK-FAC "
+                                  "correction's, so every snapshot is decomposed in the run "
+                                  "(use 'auto' or 'always')")
 
     def _check_sizes(self) -> None:
         """Validate the sizes and counts."""

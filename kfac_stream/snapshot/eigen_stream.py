@@ -51,6 +51,10 @@ class EigenStream:
         on_result: Called with ``(key, eigvecs [d, d] | None)`` for each factor as its
             decomposition is done, on the producer's thread (the tracker's next EK-FAC basis,
             `kfac_stream.ekfac.EkfacState.sink`); None: nothing.
+        report: The manifest part's ``eigen`` entry: its ``seconds`` (the decompositions'
+            time so far) and ``finished_unix`` are kept current as results arrive (the part
+            goes to rank 0 once the shard is written, so it then holds the last); None:
+            nothing.
 
     ``eigvals`` (``{key: [d]}``, kept: they are small) holds every factor's eigenvalues once
     the shard is written; `close` stops the producer (call it in ``finally``).
@@ -60,9 +64,9 @@ class EigenStream:
 
     def __init__(self, tensors: dict[str, Any], manifest: dict[str, Any],
                  device: torch.device | str | None = None, threads: int | None = None,
-                 ahead: int = AHEAD, on_result=None) -> None:
+                 ahead: int = AHEAD, on_result=None, report: dict | None = None) -> None:
         self.manifest, self.device, self.threads = manifest, device, threads
-        self.on_result = on_result
+        self.on_result, self.report = on_result, report
         self.dtype = StorageDtype(manifest["storage_dtype"]).wide_dtype
         self.eigvals: dict[str, torch.Tensor] = {}
         self._entries: dict[str, list[dict]] = {}  # key -> manifest factor entries
@@ -112,6 +116,8 @@ class EigenStream:
             self.eigvals[got] = w
             for entry in self._entries[got]:
                 entry["spectrum"] = stats
+            if self.report is not None:
+                self.report.update(seconds=self.eigh_seconds, finished_unix=time.time())
         parts = self._ready[key]
         out, parts[part] = parts[part], None
         if all(p is None for p in parts):

@@ -24,12 +24,16 @@ it); the limits below bound what a reader accepts before it reads or parses anyt
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 
 FORMAT_NAME = "kfac_stream.snapshot"
-#: The format written and the only one read (0.1.0 is the first release: no earlier format
-#: was shipped).
-FORMAT_VERSION = 2
+#: The format written. 3: a snapshot may defer its eigendecomposition (the manifest's
+#: ``eigen``: then its shards hold no eigenvalues or eigenvectors, and each factor's spectrum is
+#: estimated) and its shards may carry chunk digests.
+FORMAT_VERSION = 3
+#: The formats read: 2 (every snapshot eigendecomposed) and 3.
+READ_VERSIONS = (2, 3)
 MANIFEST = "manifest.json"
 #: Where a new training run sets the snapshots of earlier runs aside (``<root>/earlier-runs/
 #: <run id>/step-*``, `writer.set_aside_other_runs`).
@@ -99,3 +103,25 @@ def layer_fingerprint(layers: dict[str, tuple[int, int, bool]]) -> str:
     text = "\n".join(f"{n}:{d_in}:{d_out}:{int(b)}" for n, (d_in, d_out, b) in layers.items())
     return hashlib.sha256(text.encode()).hexdigest()
 
+
+def snapshot_roots_below(root: str, depth: int = 2) -> list[str]:
+    """Folders up to ``depth`` levels below ``root`` that hold ``step-*`` entries (a run
+    directory's ``kfac/``, a Trainer output's ``<run>/kfac``), in sorted order."""
+    found, level = [], [root]
+    for _ in range(depth):
+        nxt = []
+        for d in level:
+            try:
+                subs = sorted(e.path for e in os.scandir(d) if e.is_dir(follow_symlinks=False))
+            except OSError:
+                continue
+            for sub in subs:
+                try:
+                    if any(STEP_DIR_RE.match(e) for e in os.listdir(sub)):
+                        found.append(sub)
+                        continue
+                except OSError:
+                    continue
+                nxt.append(sub)
+        level = nxt
+    return found[:3]

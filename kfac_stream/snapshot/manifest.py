@@ -31,7 +31,7 @@ from typing import Any
 from ..enums import StorageDtype
 from ..exceptions import SnapshotError
 from ..factor_keys import FACTOR_KINDS, factor_key, split_factor_key
-from .layout import FORMAT_NAME, FORMAT_VERSION
+from .layout import FORMAT_NAME, READ_VERSIONS
 from .manifest_json import child_path, parse_json
 from .manifest_types import SCHEMA, FactorEntry, Manifest
 from .schema import Ctx, show
@@ -56,9 +56,9 @@ def checked_manifest(meta: Any, file: str) -> Manifest:
         raise SnapshotError(f"{file}: not a kfac_stream snapshot manifest: format is "
                             f"{show(meta.get('format'))}; expected {json.dumps(FORMAT_NAME)}")
     version = meta.get("format_version")
-    if isinstance(version, bool) or version != FORMAT_VERSION:
+    if isinstance(version, bool) or version not in READ_VERSIONS:
         raise SnapshotError(f"{file}: unknown format_version {show(version)} (this "
-                            f"kfac_stream reads {FORMAT_VERSION})")
+                            f"kfac_stream reads {' and '.join(map(str, READ_VERSIONS))})")
     ctx = Ctx(file)
     SCHEMA.check(meta, "", ctx)
     manifest = Manifest.from_json(meta)
@@ -196,13 +196,33 @@ class TensorSpec:
         return math.prod(self.shape) * {"float16": 2, "float32": 4, "float64": 8}[self.dtype]
 
 
+def decomposed(m: Manifest) -> bool:
+    """Whether the snapshot's shards hold its eigendecomposition (format 2: always; format 3:
+    as its ``eigen`` entry says)."""
+    return m.eigen is None or m.eigen.in_run
+
+
+def eigen_tensors(key: str, d: int, diagonal: bool, wide: str, shard: str, src: str
+                  ) -> dict[str, TensorSpec]:
+    """``K.eigvals`` ``[d]`` and, dense, ``K.eigvecs`` ``[d, d]`` of stored factor ``key``."""
+    out = {f"{key}.eigvals": TensorSpec(wide, (d,), shard, f"{src}.dim")}
+    if not diagonal:
+        out[f"{key}.eigvecs"] = TensorSpec(wide, (d, d), shard, f"{src}.dim")
+    return out
+
+
+def wide_dtype_name(m: Manifest) -> str:
+    """The eigen tensors' dtype name: float32 (float64 for float64 storage)."""
+    return str(StorageDtype(m.storage_dtype).wide_dtype).removeprefix("torch.")
+
+
 def implied_tensors(m: Manifest) -> dict[str, TensorSpec]:
     """Every tensor the (checked) manifest implies, by name: per stored factor key ``K``,
     ``K`` (``[d, d]`` or ``[d]`` diagonal, in the factor's dtype), ``K.scale`` (float32
     ``[1]``), ``K.eigvals`` (``[d]``) and, for a dense factor, ``K.eigvecs`` (``[d, d]``), the
     eigen tensors in float32 (float64 for float64 storage); per layer with an ``ekfac`` entry,
     ``<layer>.ekfac`` (``[d_out, d_A]``, in that dtype, in its G factor's shard)."""
-    wide = str(StorageDtype(m.storage_dtype).wide_dtype).removeprefix("torch.")
+    wide = wide_dtype_name(m)
     out: dict[str, TensorSpec] = {}
     for name, entry in m.layers.items():
         for factor in FACTOR_KINDS:
@@ -214,9 +234,8 @@ def implied_tensors(m: Manifest) -> dict[str, TensorSpec]:
             out[key] = TensorSpec(f.dtype, (d,) if f.diagonal else (d, d), f.shard,
                                   f"{src}.dim/.diagonal/.dtype")
             out[f"{key}.scale"] = TensorSpec("float32", (1,), f.shard, src)
-            out[f"{key}.eigvals"] = TensorSpec(wide, (d,), f.shard, f"{src}.dim")
-            if not f.diagonal:
-                out[f"{key}.eigvecs"] = TensorSpec(wide, (d, d), f.shard, f"{src}.dim")
+            if decomposed(m):
+                out.update(eigen_tensors(key, d, f.diagonal, wide, f.shard, src))
         if entry.ekfac is not None:
             src = f"{child_path('layers', name, named=True)}.ekfac"
             out[f"{name}.ekfac"] = TensorSpec(wide, (entry.G.dim, entry.A.dim), entry.G.shard,

@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 
 from ..curvature import fisher_names
 from ..store.traffic import Traffic
-from .layout import FORMAT_NAME, FORMAT_VERSION
+from .layout import FORMAT_NAME, FORMAT_VERSION, READ_VERSIONS
 from .schema import (
     CONFIG,
     COUNT,
@@ -86,14 +86,33 @@ def json_name(f: dataclasses.Field) -> str:
 
 
 @dataclass(kw_only=True)
+class Density:
+    """An estimated spectral density: ``counts[i]`` eigenvalues (estimated, summing to the
+    side) with log10 in ``[lo + i·w, lo + (i+1)·w)``, ``w = (hi - lo) / len(counts)``."""
+
+    WHAT: ClassVar[str] = "a spectral density"
+    lo: float = json_field(Num(lo=-math.inf))
+    hi: float = json_field(Num(lo=-math.inf))
+    counts: list[float] = json_field(ListOf(NONNEG, min_len=1))
+
+
+@dataclass(kw_only=True)
 class Spectrum:
-    """A factor's spectrum statistics (`kfac_stream.stats.spectrum.spectrum_stats`)."""
+    """A factor's spectrum statistics (`kfac_stream.stats.spectrum.spectrum_stats`), exact
+    from its eigenvalues, or ``estimated`` (a snapshot whose eigendecomposition is deferred:
+    `kfac_stream.stats.lanczos`): then ``max`` within ``max_error`` (the top Ritz pair's
+    residual), ``eff_rank`` and ``cond`` estimated (stated relative error of ``eff_rank``:
+    ``eff_rank_error``), ``trace`` exact, and ``density`` the estimated density."""
 
     WHAT: ClassVar[str] = "spectrum statistics"
     max: float = json_field(NONNEG)
     trace: float = json_field(NONNEG)
     cond: float = json_field(Num(lo=1.0, inf=True))  # Infinity: a zero factor
     eff_rank: float = json_field(NONNEG)
+    estimated: bool | None = json_field(Bool(), optional=True)
+    max_error: float | None = json_field(NONNEG, optional=True)
+    eff_rank_error: float | None = json_field(NONNEG, optional=True)
+    density: Density | None = json_field(optional=True)
 
 
 @dataclass(kw_only=True)
@@ -291,6 +310,28 @@ class RunPlanEntry:
 
 
 @dataclass(kw_only=True)
+class EigenEntry:
+    """Whether and where a snapshot's eigendecomposition ran (`kfac_stream.snapshot.eigen_rule`).
+
+    ``in_run``: its shards hold every factor's eigenvalues and eigenvectors (else they are
+    computed at its first use and cached beside it, `kfac_stream.snapshot.eigen_sidecar`);
+    ``policy``: ``KFACConfig.eigendecompose``; ``final``: the run's last snapshot; ``share``:
+    the predicted share of the snapshot interval (None when not predicted); ``reason``: the
+    rule's verdict in words; ``device``, ``finished_unix``, ``seconds``: where, when and how
+    long (this rank's, rank 0's in the merged manifest; None when deferred)."""
+
+    WHAT: ClassVar[str] = "an eigendecomposition entry"
+    in_run: bool = json_field(Bool())
+    policy: str = json_field(Str(choices=("auto", "always", "final")))
+    final: bool = json_field(Bool())
+    share: float | None = json_field(Nullable(NONNEG))
+    reason: str = json_field(Str(what="text"))
+    device: str | None = json_field(Nullable(Str(what="a device name")))
+    finished_unix: float | None = json_field(Nullable(NONNEG))
+    seconds: float | None = json_field(Nullable(NONNEG))
+
+
+@dataclass(kw_only=True)
 class ShardEntry:
     """A shard file: its sha256 and size as written, and the rank whose factors it holds."""
 
@@ -383,13 +424,15 @@ class Manifest:
     configuration, ``KFACConfig.to_dict()``, is ``config``), ``counts``, ``skipped_steps``.
     The factors: ``fingerprint`` (of the tracked layers' shapes, `layout.layer_fingerprint`),
     ``shared_inputs`` (groups of layers storing one A under the first one's key),
-    ``ownership``, ``layers`` (by module name, sorted) and ``shards`` (by file name; filled
-    in by the writer).
+    ``ownership``, ``eigen`` (whether the shards hold the eigendecomposition; absent in
+    format 2, where they always do), ``layers`` (by module name, sorted) and ``shards``
+    (by file name; filled in by the writer).
     """
 
     WHAT: ClassVar[str] = "a kfac_stream snapshot manifest"
     format: str = json_field(Str(choices=(FORMAT_NAME,)), default=FORMAT_NAME)
-    format_version: int = json_field(Int(FORMAT_VERSION, FORMAT_VERSION), default=FORMAT_VERSION)
+    format_version: int = json_field(Int(min(READ_VERSIONS), FORMAT_VERSION),
+                                     default=FORMAT_VERSION)
     step: int = json_field(COUNT)
     epoch: float | None = json_field(Nullable(NONNEG))
     created_unix: float = json_field(NONNEG)
@@ -414,6 +457,7 @@ class Manifest:
     answer_tokens: AnswerTokens | None = json_field(optional=True)
     model: ModelIdentity | None = json_field(optional=True)
     run_plan: RunPlanEntry | None = json_field(optional=True)
+    eigen: EigenEntry | None = json_field(optional=True)
     layers: dict[str, LayerEntry] = json_field(
         MapOf(record_of(LayerEntry), layer_name_problem, _LAYER_NAME, min_len=1,
               what="an object of layer entries"))

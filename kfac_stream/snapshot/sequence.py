@@ -29,9 +29,12 @@ from typing import Any
 
 import torch
 
+from ..distributed.context import LOCAL
 from .architecture import model_identity
 from .contents import merge_manifests, snapshot_contents
+from .eigen_rule import EigenDecision, EighRate, decide
 from .eigen_stream import EigenStream
+from .spectra_estimate import estimate_spectra
 from .weights import weights_fingerprint
 from .writer import write_snapshot
 
@@ -98,21 +101,64 @@ def queue_capture(tracker, step: int, epoch: float | None = None,
     return contents
 
 
+@dataclasses.dataclass
+class EigenPlan:
+    """What decides whether a snapshot eigendecomposes in the run (`eigen_rule.decide`):
+    ``policy`` (``KFACConfig.eigendecompose``), ``final`` (the run's last snapshot),
+    ``step_seconds`` (measured; 0: unknown), ``snapshot_every`` and ``rate`` (seconds per
+    ``d³``, updated by each decomposition this run makes)."""
+
+    policy: str
+    final: bool
+    step_seconds: float
+    snapshot_every: int
+    rate: EighRate
+
+
 def finish_snapshot(captured: CapturedSnapshot, root: str, comm=None,
                     eigh_device: torch.device | str | None = None, threads: int | None = None,
-                    gather: bool = False) -> tuple[str, dict[str, torch.Tensor]]:
-    """Eigendecompose and write ``captured`` under ``root`` (every rank of ``comm`` calls
-    it); returns ``(snapshot directory, {key: eigenvalues [d]} of this rank's factors)``.
-    A failed eigendecomposition or write raises `kfac_stream.exceptions.SnapshotError` on
-    every rank, and nothing is left under the snapshot's name."""
+                    gather: bool = False, eigen: EigenPlan | None = None
+                    ) -> tuple[str, dict[str, torch.Tensor]]:
+    """Eigendecompose (or estimate the spectra of) and write ``captured`` under ``root`` (every
+    rank of ``comm`` calls it); returns ``(snapshot directory, {key: eigenvalues [d]} of this
+    rank's factors)`` (deferred: the estimated density's quantiles).
+
+    ``eigen`` None: decomposed in the run; else as `eigen_rule.decide` says, on the busiest
+    rank's predicted seconds and rank 0's step time (every rank decides the same). A failed
+    eigendecomposition or write raises `kfac_stream.exceptions.SnapshotError` on every rank,
+    and nothing is left under the snapshot's name."""
+    comm = comm if comm is not None else LOCAL
+    sides = [int(t.shape[0]) for k, t in captured.tensors.items()
+             if f"{k}.scale" in captured.tensors and t.dim() == 2]
+    decision = _agree(eigen, sides, comm)
+    report = {**decision.to_json(), "device": None, "finished_unix": None, "seconds": None}
+    captured.manifest["eigen"] = report
+    if not decision.decompose:
+        eigvals = estimate_spectra(captured.tensors, captured.manifest, eigh_device)
+        path = write_snapshot(root, captured.step, captured.tensors, captured.manifest,
+                              comm=comm, merge=merge_manifests, gather=gather)
+        return path, eigvals
+    report["device"] = "cpu" if eigh_device is None else str(torch.device(eigh_device))
     stream = EigenStream(captured.tensors, captured.manifest, eigh_device, threads,
-                         on_result=captured.basis_sink)
+                         on_result=captured.basis_sink, report=report)
     try:
         path = write_snapshot(root, captured.step, captured.tensors, captured.manifest,
                               comm=comm, merge=merge_manifests, gather=gather)
     finally:
         stream.close()
+    if eigen is not None:
+        eigen.rate.measured(sides, stream.eigh_seconds)
     return path, stream.eigvals
+
+
+def _agree(eigen: EigenPlan | None, sides: list[int], comm) -> EigenDecision:
+    """The rule's decision, the same on every rank (collective with several)."""
+    if eigen is None:
+        return decide("always", final=False)
+    mine = [eigen.rate.seconds(sides), eigen.step_seconds]
+    every = comm.all_gather(mine) if comm.world_size > 1 else [mine]
+    return decide(eigen.policy, eigen.final, max(e[0] for e in every), every[0][1],
+                  eigen.snapshot_every, rate=eigen.rate.source)
 
 
 def take_snapshot(tracker, root: str, step: int, epoch: float | None = None,

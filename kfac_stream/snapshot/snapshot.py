@@ -43,8 +43,14 @@ import torch
 from ..exceptions import SnapshotError
 from ..factor_keys import FACTOR_KINDS
 from ..progress import progress
-from .layout import MANIFEST, MAX_MANIFEST_BYTES, MAX_SAFETENSORS_HEADER_BYTES, STEP_DIR_RE
-from .manifest import TensorSpec, checked_manifest, implied_tensors
+from .layout import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    MAX_SAFETENSORS_HEADER_BYTES,
+    STEP_DIR_RE,
+    snapshot_roots_below,
+)
+from .manifest import TensorSpec, checked_manifest, decomposed, implied_tensors
 from .manifest_json import parse_json
 from .manifest_types import Manifest, ShardEntry
 
@@ -70,21 +76,38 @@ class LayerFactors:
             (``KFACConfig(ekfac=False)``, the first snapshot of a run).
 
     ``A`` and ``G`` may be given as tensors or as zero-argument callables returning one (called
-    once, at the first access).
+    once, at the first access). The eigen attributes of a snapshot whose eigendecomposition
+    was deferred are computed (or read from its cache) at the first access of any of them
+    (`Snapshot.eigen`).
     """
 
-    __slots__ = ("name", "_A", "_G", "meta", "A_eigvals", "A_eigvecs", "G_eigvals",
-                 "G_eigvecs", "ekfac_eigvals")
+    __slots__ = ("name", "_A", "_G", "meta", "_eigen", "_deferred", "_keys", "ekfac_eigvals")
 
     def __init__(self, name: str, A: Any, G: Any, meta: dict[str, Any],
                  A_eigvals: torch.Tensor | None = None, A_eigvecs: torch.Tensor | None = None,
                  G_eigvals: torch.Tensor | None = None,
                  G_eigvecs: torch.Tensor | None = None,
-                 ekfac_eigvals: torch.Tensor | None = None) -> None:
+                 ekfac_eigvals: torch.Tensor | None = None,
+                 deferred: Any = None, keys: dict[str, str] | None = None) -> None:
         self.name, self._A, self._G, self.meta = name, A, G, meta
-        self.A_eigvals, self.A_eigvecs = A_eigvals, A_eigvecs
-        self.G_eigvals, self.G_eigvecs = G_eigvals, G_eigvecs
+        self._eigen = {"A_eigvals": A_eigvals, "A_eigvecs": A_eigvecs,
+                       "G_eigvals": G_eigvals, "G_eigvecs": G_eigvecs}
+        # a deferred eigendecomposition: ``deferred()`` gives {"<key>.eigvals": ...} (once
+        # computed or read from its cache, `Snapshot.eigen`), ``keys`` the stored keys
+        self._deferred, self._keys = deferred, keys or {}
         self.ekfac_eigvals = ekfac_eigvals
+
+    def _eig(self, part: str) -> torch.Tensor | None:
+        value = self._eigen[part]
+        if value is None and self._deferred is not None:
+            factor, what = part.split("_")
+            value = self._eigen[part] = self._deferred().get(f"{self._keys[factor]}.{what}")
+        return value
+
+    A_eigvals = property(lambda self: self._eig("A_eigvals"), doc="See the class docstring.")
+    A_eigvecs = property(lambda self: self._eig("A_eigvecs"), doc="See the class docstring.")
+    G_eigvals = property(lambda self: self._eig("G_eigvals"), doc="See the class docstring.")
+    G_eigvecs = property(lambda self: self._eig("G_eigvecs"), doc="See the class docstring.")
 
     @property
     def A(self) -> torch.Tensor:
@@ -181,13 +204,42 @@ class Snapshot(LayerView):
     def __repr__(self) -> str:
         return f"Snapshot({self.path!r}, step={self.step}, layers={len(self)})"
 
+    @property
+    def in_run_eigen(self) -> bool:
+        """Whether the snapshot was eigendecomposed in the run (its shards hold the
+        eigenvalues and eigenvectors); False: deferred to its first use (`eigen`)."""
+        return decomposed(self._manifest)
+
+    def eigen(self, device: torch.device | str | None = "auto",
+              threads: int | None = None) -> dict[str, torch.Tensor]:
+        """The eigendecomposition of a snapshot whose eigendecomposition was deferred:
+        ``{"<key>.eigvals": [d], "<key>.eigvecs": [d, d]}``, read from its cache beside it or
+        computed (on ``device``: ``"auto"`` the GPU when there is one, else the CPU in
+        float64; ``threads`` CPU threads) and cached (`kfac_stream.snapshot.eigen_sidecar`);
+        once per `Snapshot`, also when several threads ask. The layers' eigen attributes call
+        it at their first access. Empty for a snapshot eigendecomposed in the run."""
+        if self.in_run_eigen:
+            return {}
+        with self._eigen_lock:
+            if self._eigen_tensors is None:
+                from .eigen_sidecar import cached_or_computed
+
+                if device == "auto":
+                    device = "cuda" if torch.cuda.is_available() else None
+                self._eigen_tensors, self.eigen_record = cached_or_computed(
+                    self.path, self._manifest, self._stored, device, threads)
+        return self._eigen_tensors
+
     @classmethod
-    def load(cls, path: str | os.PathLike, show_progress: bool | None = None) -> Snapshot:
+    def load(cls, path: str | os.PathLike, show_progress: bool | None = None,
+             eigen: bool = False) -> Snapshot:
         """Load and verify a snapshot directory (the steps in the module docstring).
 
         A progress bar counts the shard bytes read and verified (``show_progress`` as in
         `kfac_stream.progress`: by default on a terminal only); a 7B model's snapshot is
-        several GB.
+        several GB. ``eigen``: a snapshot whose eigendecomposition was deferred is
+        decomposed now (or its cache read: `eigen`), not at the first access of an
+        eigenvalue.
 
         Raises:
             SnapshotError: missing, invalid or oversized manifest, unknown format version, a
@@ -216,7 +268,19 @@ class Snapshot(LayerView):
                                     f"{spec.shard!r}; expected it, as the manifest says "
                                     f"({spec.source})")
         _check_values(tensors, origin)
-        return cls(path, meta, _layers(manifest, meta, tensors))
+        snap = cls(path, meta, {})
+        snap._manifest, snap._eigen_tensors, snap.eigen_record = manifest, None, None
+        snap._eigen_lock = threading.Lock()
+        snap._stored = {spec_key: (tensors[spec_key], tensors[f"{spec_key}.scale"])
+                        for spec_key in implied if f"{spec_key}.scale" in implied}
+        deferred = None if decomposed(manifest) else snap._deferred_tensors
+        snap._layers = _layers(manifest, meta, tensors, deferred)
+        if eigen:
+            snap.eigen()
+        return snap
+
+    def _deferred_tensors(self) -> dict[str, torch.Tensor]:
+        return self.eigen()
 
     @classmethod
     def latest(cls, root: str | os.PathLike, show_progress: bool | None = None) -> Snapshot:
@@ -238,17 +302,18 @@ class Snapshot(LayerView):
                 errors.append(str(e))
         detail = f"; skipped: {'; '.join(errors)}" if errors else ""
         if not steps:
-            inner = _snapshot_roots_below(root)
+            inner = snapshot_roots_below(root)
             if inner:
                 detail += (f"; snapshots are in {' and '.join(inner)} (a run directory holds "
                            "them in its kfac/ folder): pass that")
         raise SnapshotError(f"{root}: no complete snapshot found{detail}")
 
 
-def _layers(manifest: Manifest, meta: dict[str, Any], tensors: dict[str, torch.Tensor]
-            ) -> dict[str, LayerFactors]:
+def _layers(manifest: Manifest, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
+            deferred=None) -> dict[str, LayerFactors]:
     """Every layer's `LayerFactors` from the verified ``tensors`` (``meta``: the manifest's
-    dict, whose layer entries the layers keep)."""
+    dict, whose layer entries the layers keep; ``deferred``: the eigendecomposition's
+    provider when the shards hold none)."""
     layers = {}
     values: dict[str, _Dequantised] = {}  # one per stored key (a shared A: once)
     for name, entry in manifest.layers.items():
@@ -259,10 +324,12 @@ def _layers(manifest: Manifest, meta: dict[str, Any], tensors: dict[str, torch.T
             if key not in values:
                 values[key] = _Dequantised(tensors[key], tensors[f"{key}.scale"])
             parts[factor] = values[key]
-            eigen[f"{factor}_eigvals"] = tensors[f"{key}.eigvals"]
+            eigen[f"{factor}_eigvals"] = tensors.get(f"{key}.eigvals")
             eigen[f"{factor}_eigvecs"] = tensors.get(f"{key}.eigvecs")
+        keys = {f: getattr(entry, f).key for f in FACTOR_KINDS}
         layers[name] = LayerFactors(name, parts["A"], parts["G"], meta["layers"][name],
-                                    ekfac_eigvals=tensors.get(f"{name}.ekfac"), **eigen)
+                                    ekfac_eigvals=tensors.get(f"{name}.ekfac"),
+                                    deferred=deferred, keys=keys, **eigen)
     return layers
 
 
@@ -273,6 +340,35 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     path = _path_arg(path, "read_manifest", "path")
     with _SnapshotDir(path) as d:
         return _read_manifest_in(d)[0]
+
+
+def read_small_file(path: str, name: str, max_bytes: int) -> bytearray:
+    """The bytes of the regular file ``name`` in directory ``path`` (at most ``max_bytes``),
+    read as `Snapshot.load` reads a manifest: no symlink followed, `SnapshotError` otherwise
+    (the eigen cache's record, `kfac_stream.snapshot.eigen_sidecar`)."""
+    fpath = os.path.join(path, name)
+
+    def check_size(size: int) -> None:
+        if size > max_bytes:
+            raise SnapshotError(f"{fpath}: is {size} bytes; expected at most {max_bytes}")
+
+    with _SnapshotDir(path) as d:
+        return d.read(name, f"{fpath}: missing", check_size)
+
+
+def read_tensor_file(path: str, name: str, info: ShardEntry,
+                     allowed: dict[str, TensorSpec]) -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file ``name`` in directory ``path``, verified as a shard
+    is (size and digest as ``info`` says, header against ``allowed`` — every tensor there
+    must be present —, finite values, eigenvalues ≥ 0); `SnapshotError` otherwise."""
+    with _SnapshotDir(path) as d:
+        tensors = _read_shard(d, name, info, allowed)
+    for key, spec in allowed.items():
+        if key not in tensors:
+            raise SnapshotError(f"{os.path.join(path, name)}: tensor {key!r} is missing; "
+                                f"expected it ({spec.source})")
+    _check_values(tensors, dict.fromkeys(tensors, os.path.join(path, name)))
+    return tensors
 
 
 def _path_arg(value: Any, func: str, name: str) -> str:
@@ -500,26 +596,3 @@ def _check_values(tensors: dict[str, torch.Tensor], origin: dict[str, str]) -> N
         if name.endswith((".scale", ".eigvals", ".ekfac")) and bool((t < 0).any()):
             raise SnapshotError(f"{origin[name]}: tensor {name!r} has negative values "
                                 f"(min {float(t.min()):g}); expected ≥ 0")
-
-
-def _snapshot_roots_below(root: str, depth: int = 2) -> list[str]:
-    """Folders up to ``depth`` levels below ``root`` that hold ``step-*`` entries (a run
-    directory's ``kfac/``, a Trainer output's ``<run>/kfac``), in sorted order."""
-    found, level = [], [root]
-    for _ in range(depth):
-        nxt = []
-        for d in level:
-            try:
-                subs = sorted(e.path for e in os.scandir(d) if e.is_dir(follow_symlinks=False))
-            except OSError:
-                continue
-            for sub in subs:
-                try:
-                    if any(STEP_DIR_RE.match(e) for e in os.listdir(sub)):
-                        found.append(sub)
-                        continue
-                except OSError:
-                    continue
-                nxt.append(sub)
-        level = nxt
-    return found[:3]

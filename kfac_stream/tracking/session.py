@@ -31,11 +31,13 @@ from ..exceptions import KFACConfigError
 from ..integrations.heldout import fit_heldout_prior, plan_heldout_fit
 from ..snapshot.adequacy import mark_said, said_scope, sampling_warning
 from ..snapshot.background import SnapshotWorker
+from ..snapshot.eigen_rule import EighRate
 from ..snapshot.layout import step_dir_name
 from ..snapshot.media import make_media
-from ..snapshot.sequence import finish_snapshot, queue_capture
+from ..snapshot.sequence import EigenPlan, finish_snapshot, queue_capture
 from ..snapshot.snapshot import read_manifest
 from ..snapshot.writer import clean_stale_tmp, set_aside_other_runs
+from ..stats.spectrum import default_eigh_threads
 from .checkpoints import CheckpointProtocol
 from .lines import raised_share_line, tracking_summary, window_lines
 from .plan import RunPlan, RunShape
@@ -108,6 +110,7 @@ class TrackingSession:
         self._final_step = 0  # the run's last step: its snapshot is checked for sample size
         self._last_snapshot_step: int | None = None
         self._lent: dict = {}  # the stored factors the last snapshot holds (released next)
+        self._eigh_rate = EighRate(None)  # this run's eigendecomposition rate (`start`)
 
     # -- the run -------------------------------------------------------------------------------
 
@@ -134,6 +137,8 @@ class TrackingSession:
         self._comm = dist_ctx.snapshot_comm if dist_ctx else LOCAL
         self.output_dir = run.config.output_dir or os.path.join(args.output_dir, "kfac")
         self._last_snapshot_step = None
+        self._eigh_rate = EighRate(run.eigh_device, run.config.eigh_threads
+                                   or default_eigh_threads())
         if state.global_step > 0:  # resuming from a checkpoint
             self._checkpoints.resume(args, state)
         self.tracker.use_window(run.window)
@@ -195,7 +200,7 @@ class TrackingSession:
         if self.tracker is None:
             return
         if self._last_snapshot_step != step:
-            self.save_snapshot(step, epoch)
+            self.save_snapshot(step, epoch, final=True)
         if self._fit_heldout:
             self._worker.wait()
             with said_scope("train"):  # told once in training; the user's posterior too
@@ -204,9 +209,11 @@ class TrackingSession:
 
     # -- snapshots -------------------------------------------------------------------------------
 
-    def save_snapshot(self, step: int, epoch: float | None = None, wait: bool = False) -> str:
+    def save_snapshot(self, step: int, epoch: float | None = None, wait: bool = False,
+                      final: bool = False) -> str:
         """Snapshot the factors now as ``<output_dir>/step-<step>/`` and return that path
-        (`KFACStreamCallback.save_snapshot`)."""
+        (`KFACStreamCallback.save_snapshot`). ``final``: the run's last (always
+        eigendecomposed; so is the snapshot of the planned last step)."""
         if self.tracker is None or self.output_dir is None:
             raise RuntimeError("KFACStreamCallback.save_snapshot: training has not started")
         # one snapshot in flight at a time: the one before holds the stored factors it was
@@ -218,15 +225,20 @@ class TrackingSession:
         contents = queue_capture(self.tracker, step, epoch, release=self.released())
         self.snapshot_hold_seconds.append(time.perf_counter() - held)
         self._last_snapshot_step = step
+        cfg = self.tracker.config
+        eigen = EigenPlan("always" if cfg.ekfac else cfg.eigendecompose,
+                          final=final or step == self._final_step,
+                          step_seconds=self.tracker.step_seconds,
+                          snapshot_every=cfg.snapshot_every, rate=self._eigh_rate)
         if self.options.background_snapshots:
-            self._worker.submit(lambda: self._finish_snapshot(contents, step))
+            self._worker.submit(lambda: self._finish_snapshot(contents, step, eigen))
             if wait:
                 self._worker.wait()
         else:
-            self._finish_snapshot(contents, step)
+            self._finish_snapshot(contents, step, eigen)
         return os.path.join(self.output_dir, step_dir_name(step))
 
-    def _finish_snapshot(self, contents, step: int) -> None:
+    def _finish_snapshot(self, contents, step: int, eigen: EigenPlan) -> None:
         """Every rank: its own factors' capture (``contents()``: the queued fold), the
         eigendecomposition or the spectra estimates, and the write; then rank 0's report,
         sample-size warning and media. A failure is counted and logged (training goes on)
@@ -238,7 +250,7 @@ class TrackingSession:
             path, eigvals = finish_snapshot(captured, self.output_dir, comm,
                                             self.tracker.run.eigh_device,
                                             self.tracker.config.eigh_threads,
-                                            gather=self.options.gather_shards)
+                                            gather=self.options.gather_shards, eigen=eigen)
         except Exception as e:
             failures = self.tracker.count_snapshot_failure()
             if self.config.fail_on_snapshot_error:

@@ -236,6 +236,12 @@ class Tracker:
                 continue
         return True
 
+    @property
+    def step_seconds(self) -> float:
+        """The step time as `end_step` measures it (an EMA of the time between its calls;
+        0.0 before two steps)."""
+        return self._step_seconds
+
     def end_step(self, model: nn.Module) -> bool:
         """Finish the step; returns True if an update was handed to the worker.
 
