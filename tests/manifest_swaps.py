@@ -47,7 +47,10 @@ ACCEPTED = {("epoch", "null"), ("config.async_updates", "null"),
             ("config.eval_prior_precision", "bool"),  # "auto", True or False
             ("model.model_type", "null"),  # a model whose config has no model_type
             ("run_plan.device_budget", "null"),  # "auto" on CUDA: decided at the first update
-            ("run_plan.eigh_device", "null")}  # eigh_device="cpu": float64 on the CPU
+            ("run_plan.eigh_device", "null"),  # eigh_device="cpu": float64 on the CPU
+            # a deferred eigendecomposition has no device, time or seconds
+            ("eigen.device", "null"), ("eigen.finished_unix", "null"),
+            ("eigen.seconds", "null")}
 
 
 def swap_variants(manifest):

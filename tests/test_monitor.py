@@ -51,7 +51,8 @@ def run(tmp_path_factory):
         # one MC sequence of every micro-batch: every step updates (the default share 0.05 of
         # 2 sequences would replay on step 0 and about one step in ten)
         kfac = KFACStreamCallback(KFACConfig(token_fraction=1.0, update_every=1, mc_sequences=1,
-                                             snapshot_every=3, ema_decay=0.95),
+                                             snapshot_every=3, ema_decay=0.95,
+                                             eigendecompose="final"),
                                   log_every=LOG_EVERY)
         args = TrainingArguments(
             str(root / "out"), per_device_train_batch_size=2, max_steps=STEPS,
@@ -93,8 +94,16 @@ def test_every_snapshot_logged_once_final_included(run):
 
 
 def test_wandb_and_tensorboard_scalars_match_recomputed_spectra(run):
+    """A snapshot decomposed in the run logs its exact statistics (recomputed here from its
+    eigenvalues); a deferred one logs its manifest's Lanczos estimates, flagged."""
     rows = snapshot_rows(run)
+    assert any(not s.in_run_eigen for s in run["snapshots"])  # both kinds are checked
     for i, snap in enumerate(run["snapshots"]):
+        assert rows[i]["train/kfac/spectra_estimated"] == float(not snap.in_run_eigen)
+        if not snap.in_run_eigen:
+            for key, value in snapshot_metrics(snap.meta).items():
+                assert rows[i][f"train/{key}"] == pytest.approx(value, rel=1e-12), key
+            continue
         for key, value in recomputed(snap).items():
             assert rows[i][f"train/{key}"] == pytest.approx(value, rel=REL), (snap.step, key)
             logged = run["tb"][f"train/{key}"]
@@ -196,8 +205,9 @@ def test_snapshot_metrics_summaries_on_hand_built_manifest():
     assert m["kfac/summary/G/trace_median"] == 2.0 and m["kfac/summary/G/eff_rank_min"] == 0.0
     assert (m["kfac/summary/G/log10_cond_min"],
             m["kfac/summary/G/log10_cond_median"]) == pytest.approx((1.0, 3.0))
+    assert m["kfac/spectra_estimated"] == 0.0  # no eigen entry: format 2, decomposed
     per_factor = 3 * 2 * 4 - 1
-    assert len(m) == per_factor + 2 * 4 * 3 + 1
+    assert len(m) == per_factor + 2 * 4 * 3 + 2
 
 
 def test_log10_histograms_count_positive_eigenvalues():

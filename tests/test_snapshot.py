@@ -40,7 +40,7 @@ def test_round_trip_is_bit_identical_and_eigendecomposition_reconstructs(snapsho
     root, cb = snapshots
     snap = Snapshot.latest(root)
     live = cb.factors()
-    assert snap.step == 4 and snap.meta["format_version"] == 2
+    assert snap.step == 4 and snap.meta["format_version"] == 3
     n_diag = 0
     for name in snap.layer_names:
         lf = snap[name]

@@ -28,8 +28,15 @@ name                                       when                       value
                                                                       ``median``, ``max`` of
                                                                       ``<stat>`` over layers
 ``kfac/snapshot_step``                     every snapshot             the snapshot's step
+``kfac/spectra_estimated``                 every snapshot             1: the statistics above
+                                                                      are Lanczos estimates (a
+                                                                      periodic snapshot whose
+                                                                      eigendecomposition is
+                                                                      deferred), 0: exact
 ``kfac_hist/<layer>/<F>``                  every snapshot, W&B only   ``wandb.Histogram`` of
                                                                       log10 eigenvalues > 0
+                                                                      (estimated: the density's
+                                                                      quantiles)
 ``kfac_media/spectra``                     every snapshot, W&B only   ``wandb.Image`` of the
                                                                       spectra PNG
 ``kfac/<layer>/<F>/live_trace``            every ``log_every`` steps  trace of the stored
@@ -126,6 +133,9 @@ def snapshot_metrics(meta: dict[str, Any], prefix: str = "kfac") -> dict[str, fl
                 out.update({f"{prefix}/summary/{f}/{stat}_{name}": float(agg(values))
                             for name, agg in AGGREGATES.items()})
     out[f"{prefix}/snapshot_step"] = float(meta["step"])
+    # 1: the snapshot's eigendecomposition was deferred, its statistics are Lanczos estimates
+    # (`kfac_stream.snapshot.spectra_estimate`); 0: exact, from its eigenvalues
+    out[f"{prefix}/spectra_estimated"] = float(not (meta.get("eigen") or {}).get("in_run", True))
     return out
 
 
