@@ -116,8 +116,8 @@ def decide(policy: str, final: bool, eigh_seconds: float | None = None,
         return EigenDecision(False, policy, final)
     interval = snapshot_every * step_seconds
     share = eigh_seconds / interval
-    return EigenDecision(share <= IN_RUN_SHARE, policy, final, share, eigh_seconds, interval,
-                         rate)
+    return EigenDecision(share <= IN_RUN_SHARE, policy, final, share=share,
+                         eigh_seconds=eigh_seconds, interval_seconds=interval, rate=rate)
 
 
 def dense_sides(dims: dict[str, tuple[int, bool]], keys: Iterable[str]) -> list[int]:

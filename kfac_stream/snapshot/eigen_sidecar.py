@@ -62,7 +62,7 @@ from .manifest_types import (
     to_json,
 )
 from .schema import HEX64, NONNEG, Ctx, Int, MapOf, Str, layer_name_problem
-from .snapshot import read_small_file, read_tensor_file
+from .snapshot import Snapshot, read_small_file, read_tensor_file
 from .writer import write_shard
 
 logger = logging.getLogger("kfac_stream")
@@ -207,3 +207,6 @@ def _write(path: str, tensors: dict[str, torch.Tensor], record: EigenCacheRecord
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+Snapshot.eigen_source = staticmethod(cached_or_computed)  # `Snapshot.eigen` calls it

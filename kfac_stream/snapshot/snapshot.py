@@ -173,7 +173,14 @@ class LayerView:
 
 
 class Snapshot(LayerView):
-    """A verified, immutable snapshot: ``snap.meta``, ``snap.layer_names``, ``snap[name]``."""
+    """A verified, immutable snapshot: ``snap.meta``, ``snap.layer_names``, ``snap[name]``.
+
+    ``eigen_source``: what computes or reads a deferred eigendecomposition (`eigen`), set by
+    `kfac_stream.snapshot.eigen_sidecar` (the package imports it; it writes with the writer,
+    which reads snapshots: it cannot be imported from here).
+    """
+
+    eigen_source: Any = None
 
     @property
     def heldout_prior(self):
@@ -212,21 +219,18 @@ class Snapshot(LayerView):
 
     def eigen(self, device: torch.device | str | None = "auto",
               threads: int | None = None) -> dict[str, torch.Tensor]:
-        """The eigendecomposition of a snapshot whose eigendecomposition was deferred:
-        ``{"<key>.eigvals": [d], "<key>.eigvecs": [d, d]}``, read from its cache beside it or
-        computed (on ``device``: ``"auto"`` the GPU when there is one, else the CPU in
-        float64; ``threads`` CPU threads) and cached (`kfac_stream.snapshot.eigen_sidecar`);
-        once per `Snapshot`, also when several threads ask. The layers' eigen attributes call
-        it at their first access. Empty for a snapshot eigendecomposed in the run."""
+        """A deferred eigendecomposition, ``{"<key>.eigvals": [d], "<key>.eigvecs": [d, d]}``:
+        read from its cache or computed (on ``device``: ``"auto"`` the GPU if there is one,
+        else the CPU in float64) and cached (`kfac_stream.snapshot.eigen_sidecar`); once per
+        `Snapshot`. The layers' eigen attributes call it at their first access. Empty for a
+        snapshot eigendecomposed in the run."""
         if self.in_run_eigen:
             return {}
         with self._eigen_lock:
             if self._eigen_tensors is None:
-                from .eigen_sidecar import cached_or_computed
-
                 if device == "auto":
                     device = "cuda" if torch.cuda.is_available() else None
-                self._eigen_tensors, self.eigen_record = cached_or_computed(
+                self._eigen_tensors, self.eigen_record = Snapshot.eigen_source(
                     self.path, self._manifest, self._stored, device, threads)
         return self._eigen_tensors
 
@@ -273,14 +277,11 @@ class Snapshot(LayerView):
         snap._eigen_lock = threading.Lock()
         snap._stored = {spec_key: (tensors[spec_key], tensors[f"{spec_key}.scale"])
                         for spec_key in implied if f"{spec_key}.scale" in implied}
-        deferred = None if decomposed(manifest) else snap._deferred_tensors
-        snap._layers = _layers(manifest, meta, tensors, deferred)
+        snap._layers = _layers(manifest, meta, tensors,
+                               None if decomposed(manifest) else snap.eigen)
         if eigen:
             snap.eigen()
         return snap
-
-    def _deferred_tensors(self) -> dict[str, torch.Tensor]:
-        return self.eigen()
 
     @classmethod
     def latest(cls, root: str | os.PathLike, show_progress: bool | None = None) -> Snapshot:
