@@ -83,6 +83,7 @@ from kfac_stream.cost import flush_cost, held_fold_cost, update_cost
 from kfac_stream.distributed.exchange import choose_strategy, rows_bytes
 from kfac_stream.distributed.ownership import assign_owners
 from kfac_stream.settings import device_budget_from_memory
+from kfac_stream.snapshot.eigen_rule import GPU_SINGLE_EIGH, EighRate, decide
 from kfac_stream.stats.rows import slots_per_pass
 from kfac_stream.store.fold_cost import CHUNK_ENTRIES, entries
 from kfac_stream.tracking.plan import FOLD_DEFER
@@ -115,7 +116,7 @@ GRAM_MEASURED = (6560, 4096, 0.59e-3)
 #: flush, the lent export, the queueing of the write): entries, seconds
 SNAPSHOT_HOLD = (2.65e9, 0.553)
 #: gpu-check part 2 on the H200: float32 GPU eigh of one factor, side -> seconds
-EIGH_MEASURED = {4096: 0.231, 11008: 1.599}
+EIGH_MEASURED = GPU_SINGLE_EIGH
 RATES = {
     "gemm_fraction": 2 * GRAM_MEASURED[0] * GRAM_MEASURED[1] ** 2 / GRAM_MEASURED[2] / 989e12,
     "fp32_fraction": 0.5,  # the sketch's skinny fp32 GEMMs on CUDA cores
@@ -283,9 +284,20 @@ def residency(dims: dict, budget: int) -> dict[str, bool]:
 
 
 def eigh_seconds(d: int) -> float:
-    """GPU float32 eigh of one side-``d`` factor: power law through `EIGH_MEASURED`."""
-    (d1, t1), (d2, t2) = sorted(EIGH_MEASURED.items())
-    return t1 * (d / d1) ** (math.log(t2 / t1) / math.log(d2 / d1))
+    """GPU float32 eigh of one side-``d`` factor: the eigendecompose rule's prior
+    (`kfac_stream.snapshot.eigen_rule.EighRate`; its power law is through `EIGH_MEASURED`)."""
+    return EighRate("cuda").seconds([d])
+
+
+def in_run_rule(dims: dict, own, world: int, step: float) -> dict:
+    """Whether a periodic snapshot decomposes in the run under ``eigendecompose="auto"``
+    (`kfac_stream.snapshot.eigen_rule`, its own GPU rate): the busiest rank's predicted eigh
+    seconds over ``snapshot_every`` steps of ``step`` seconds."""
+    rate = EighRate("cuda")
+    per_rank = [rate.seconds([dims[k][0] for k in own.owned_by(r) if not dims[k][1]])
+                for r in range(world)]
+    d = decide("auto", False, max(per_rank), step, CFG.snapshot_every, rate=rate.source)
+    return {**d.to_json(), "eigh_s_busiest_rank": max(per_rank)}
 
 
 # -- one update, counted -----------------------------------------------------------------------
@@ -419,6 +431,7 @@ def predict(s: Setup, lay: dict) -> dict:
     export = sum(entries(*v) for v in owned.values()) * SNAPSHOT_HOLD[1] / SNAPSHOT_HOLD[0]
     old_export = sum(entries(*v) for v in owned.values()) / RATES["export_eps"]  # it copied
     snap_interval = CFG.snapshot_every * step
+    auto = in_run_rule(dims, own, world, step)
     res = {"setup": s.key, "model": s.model, "gpu": gpu["name"], "world": world, "rank": rank,
            "precision": s.precision, "batch": s.batch, "seq": s.seq, "accum": s.accum,
            "step_s": step, "params": lay["params"], "factors": len(dims), "owned": len(owned),
@@ -430,14 +443,18 @@ def predict(s: Setup, lay: dict) -> dict:
            "work_space": 4 * max(entries(*v) for v in owned.values()) + 16 * CHUNK_ENTRIES,
            "replay": _amounts_json(big), "per_update_s": expect, "worker_s": worker,
            "snapshot": {"flush": snap, "flush_traffic": flush_cost(pending, 2).traffic(),
-                        "export_s": export, "eigh_s": eigh, "interval_s": snap_interval}}
+                        "export_s": export, "eigh_s": eigh, "interval_s": snap_interval,
+                        "auto": auto}}
     res["transient_bytes"] = _transient(big["amounts"], dims, owned, world)
     res["every"] = {}
     for every in s.every:
         interval = every * step
         gpu_s = sum(expect.values())
         excess = max(0.0, worker - interval)
-        snap_part = (snap["total_s"] + export + max(0.0, eigh - snap_interval)) / snap_interval
+        # the eigh's GPU-seconds count in full when a periodic snapshot decomposes in the run
+        # (the GPU has no idle capacity: snapshot_gpu's 28.6% rise), else not at all
+        in_run_eigh = eigh / snap_interval if auto["in_run"] else 0.0
+        snap_part = (snap["total_s"] + export) / snap_interval + in_run_eigh
         res["every"][every] = {
             "interval_s": interval, "excess_s": excess,
             "terms": {n: v / interval for n, v in expect.items()},
@@ -445,6 +462,7 @@ def predict(s: Setup, lay: dict) -> dict:
             "snapshot flush (training thread)": snap["total_s"] / snap_interval,
             "snapshot export (training thread)": export / snap_interval,
             "snapshot eigh beyond its interval": max(0.0, eigh - snap_interval) / snap_interval,
+            "snapshot eigh in the run (auto)": in_run_eigh,
             "overhead": (gpu_s + excess) / interval + snap_part,
             "between_snapshots": (gpu_s + excess) / interval,
             "mc_share": expect["MC replay"] / interval,

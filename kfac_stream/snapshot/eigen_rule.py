@@ -22,6 +22,7 @@ back-transformation of the eigenvectors; diagonal factors cost nothing.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -41,6 +42,11 @@ GPU_SECONDS_PER_D3 = 18.5 / 1.29e13
 CPU_THREAD_SECONDS_PER_D3 = 33.0 * 2 / 3.0e11
 #: A GPU eigh's fixed cost (launches, the host copy): small factors are not free.
 GPU_SECONDS_PER_FACTOR = 2e-3
+#: Single float32 eighs timed on the H200 (benchmarks/scale.py ``EIGH_MEASURED``): ``{side:
+#: seconds}``. The prior takes, per factor, the larger of ``c · d³`` and the power law through
+#: these two (side 4096: 2.5x the ``c · d³`` figure): a rule that must not slow training
+#: errs towards deferring.
+GPU_SINGLE_EIGH = {4096: 0.231, 11008: 1.599}
 POLICIES = ("auto", "always", "final")
 
 
@@ -57,6 +63,9 @@ class EighRate:
     def seconds(self, sides: Iterable[int]) -> float:
         """Predicted seconds to decompose dense factors of these ``sides``."""
         sides = list(sides)
+        if self.on_gpu and self.source == "prior":
+            return sum(max(self.per_d3 * float(d) ** 3 + GPU_SECONDS_PER_FACTOR,
+                           single_eigh_seconds(d)) for d in sides)
         fixed = GPU_SECONDS_PER_FACTOR * len(sides) if self.on_gpu else 0.0
         return self.per_d3 * sum(float(d) ** 3 for d in sides) + fixed
 
@@ -67,6 +76,12 @@ class EighRate:
         fixed = GPU_SECONDS_PER_FACTOR * len(sides) if self.on_gpu else 0.0
         if work > 0 and seconds > fixed:
             self.per_d3, self.source = (seconds - fixed) / work, "measured"
+
+
+def single_eigh_seconds(d: int) -> float:
+    """One float32 GPU eigh of side ``d``: the power law through `GPU_SINGLE_EIGH`."""
+    (d1, t1), (d2, t2) = sorted(GPU_SINGLE_EIGH.items())
+    return t1 * (d / d1) ** (math.log(t2 / t1) / math.log(d2 / d1))
 
 
 @dataclasses.dataclass(frozen=True)
