@@ -12,8 +12,11 @@ check it).
    schema, `manifest.validate_manifest`, before any shard is opened (the checked manifest is
    read as a `manifest_types.Manifest`; ``meta`` keeps the JSON dict);
 3. for each shard listed: checks its size against the manifest's ``bytes`` and against the
-   size of the tensors the manifest places in it before reading, reads it once, hashing each
-   chunk as it is read, checks the sha256 of exactly the bytes read, parses the safetensors
+   size of the tensors the manifest places in it before reading, reads it once and checks the
+   digests of exactly the bytes read: with chunked digests (``chunks``, `manifest_types.
+   ShardEntry`) into a buffer that is never zero-filled, each chunk hashed on a thread pool
+   while the next is read (`files.read_verified`), every chunk's sha256 checked; without
+   them (older snapshots), one sha256 streamed with the read. It then parses the safetensors
    header from the same bytes and checks every tensor's dtype and shape against
    `manifest.implied_tensors` (no other tensor may be there), then takes the tensors from
    those bytes (no second open; raw tensor data only, never a Python object);
@@ -29,6 +32,7 @@ Anything else raises `SnapshotError` naming the file, the key and what was expec
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import math
@@ -36,12 +40,14 @@ import os
 import stat
 import sys
 import threading
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, BinaryIO
 
 import torch
 
 from ..exceptions import SnapshotError
 from ..factor_keys import FACTOR_KINDS
+from ..files import read_verified
 from ..progress import progress
 from .layout import MANIFEST, MAX_MANIFEST_BYTES, MAX_SAFETENSORS_HEADER_BYTES, STEP_DIR_RE
 from .manifest import TensorSpec, checked_manifest, implied_tensors
@@ -321,12 +327,11 @@ class _SnapshotDir:
     def __exit__(self, *exc: object) -> None:
         os.close(self.fd)
 
-    def read(self, name: str, missing: str, check_size, digest: Any = None) -> bytearray:
-        """The bytes of the regular file ``name`` in this directory, read once through one
-        descriptor opened without following symlinks. ``check_size(size)`` runs before the
-        file is opened (it raises to refuse); ``missing``: the message if there is no file;
-        ``digest`` (a hashlib object), when given, is updated with each chunk as it arrives
-        (the hash streams with the read: no second pass over the bytes)."""
+    @contextlib.contextmanager
+    def open(self, name: str, missing: str, check_size) -> Iterator[tuple[BinaryIO, int]]:
+        """``(unbuffered file, size)`` of the regular file ``name`` in this directory, through
+        one descriptor opened without following symlinks. ``check_size(size)`` runs before the
+        file is opened (it raises to refuse); ``missing``: the message if there is no file."""
         fpath = os.path.join(self.path, name)
         try:
             st = os.stat(name, dir_fd=self.fd, follow_symlinks=False)
@@ -352,7 +357,14 @@ class _SnapshotDir:
             if (now.st_dev, now.st_ino, now.st_size) != (st.st_dev, st.st_ino, st.st_size):
                 raise SnapshotError(f"{fpath}: changed while being opened; expected a "
                                     "snapshot no one is writing")
-            buf = bytearray(now.st_size)
+            yield f, now.st_size
+
+    def read(self, name: str, missing: str, check_size, digest: Any = None) -> bytearray:
+        """The bytes of the regular file ``name`` in this directory, read once (`open`).
+        ``digest`` (a hashlib object), when given, is updated with each chunk as it arrives
+        (the hash streams with the read: no second pass over the bytes)."""
+        with self.open(name, missing, check_size) as (f, size):
+            buf = bytearray(size)
             with memoryview(buf) as view:
                 n = 0
                 while n < len(buf) and (got := f.readinto(view[n:n + _READ_CHUNK])):
@@ -360,9 +372,20 @@ class _SnapshotDir:
                         digest.update(view[n:n + got])
                     n += got
             if n != len(buf) or f.read(1):
-                raise SnapshotError(f"{fpath}: changed size while being read; expected a "
-                                    "snapshot no one is writing")
+                raise SnapshotError(f"{os.path.join(self.path, name)}: changed size while "
+                                    "being read; expected a snapshot no one is writing")
         return buf
+
+    def read_chunked(self, name: str, missing: str, check_size, info: ShardEntry,
+                     key: str) -> memoryview:
+        """The bytes of the regular file ``name`` (`open`), read into a buffer that is never
+        zero-filled, each of the chunks ``info`` lists hashed in parallel as the next is read
+        and checked (`files.read_verified`; ``key``: where the manifest lists them)."""
+        assert info.chunks is not None and info.chunk_bytes is not None
+        with self.open(name, missing, check_size) as (f, size):
+            buf = read_verified(f, size, info.chunks, info.chunk_bytes,
+                                name=os.path.join(self.path, name), key=key)
+        return memoryview(buf.numpy())
 
 
 def _read_manifest_in(d: _SnapshotDir) -> tuple[dict[str, Any], Manifest]:
@@ -406,9 +429,12 @@ def _read_shard(d: _SnapshotDir, fname: str, info: ShardEntry,
                                 f"it has {size} bytes; expected {ipath}.bytes = "
                                 f"{info.bytes}")
 
-    hasher = hashlib.sha256()
-    buf = d.read(fname, f"{d.path}: shard {fname!r} listed in the manifest is missing",
-                 check_size, hasher)
+    missing = f"{d.path}: shard {fname!r} listed in the manifest is missing"
+    if info.chunks is not None:  # chunked digests: hashed in parallel as it is read
+        return _safetensors(d.read_chunked(fname, missing, check_size, info, f"{ipath}.chunks"),
+                            fpath, allowed)
+    hasher = hashlib.sha256()  # one sha256 of the whole file (written before chunked digests)
+    buf = d.read(fname, missing, check_size, hasher)
     digest = hasher.hexdigest()
     if digest != info.sha256:
         raise SnapshotError(f"{fpath}: sha256 mismatch (file altered or truncated): it is "
@@ -416,10 +442,11 @@ def _read_shard(d: _SnapshotDir, fname: str, info: ShardEntry,
     return _safetensors(buf, fpath, allowed)
 
 
-def _safetensors(buf: bytearray, fpath: str, allowed: dict[str, TensorSpec]
+def _safetensors(buf: bytearray | memoryview, fpath: str, allowed: dict[str, TensorSpec]
                  ) -> dict[str, torch.Tensor]:
-    """Tensors of the safetensors file in ``buf``, each checked against ``allowed`` (dtype,
-    shape) before it is made; the data offsets must tile the data section exactly."""
+    """Tensors of the safetensors file in ``buf`` (views of it), each checked against
+    ``allowed`` (dtype, shape) before it is made; the data offsets must tile the data section
+    exactly."""
     bad = f"{fpath}: not a readable safetensors file"
     if len(buf) < 10:
         raise SnapshotError(f"{bad}: {len(buf)} bytes; expected at least 10 (header length "
