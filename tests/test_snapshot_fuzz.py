@@ -361,6 +361,14 @@ VARIANTS = [
      ["'{K}.scale' has negative values", "{S}"]),
     ("factor with NaN", lambda w: w.retensor(
         lambda t: t[w.key].view(-1).__setitem__(0, math.nan)), ["'{K}' has non-finite"]),
+    ("factor with -Infinity last", lambda w: w.retensor(
+        lambda t: t[w.key].view(-1).__setitem__(-1, -math.inf)), ["'{K}' has non-finite"]),
+    ("eigenvectors with Infinity", lambda w: w.retensor(
+        lambda t: t[f"{w.key}.eigvecs"].view(-1).__setitem__(5, math.inf)),
+     ["'{K}.eigvecs' has non-finite"]),
+    ("eigenvectors with a negative NaN", lambda w: w.retensor(
+        lambda t: t[f"{w.key}.eigvecs"].view(-1).__setitem__(7, -torch.tensor(math.nan))),
+     ["'{K}.eigvecs' has non-finite"]),
     ("eigenvalues negative", lambda w: w.retensor(
         lambda t: t[f"{w.key}.eigvals"].__setitem__(0, -1.0)),
      ["'{K}.eigvals' has negative values"]),

@@ -515,13 +515,33 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+#: Per stored float dtype: the integer of its width, the mask of every bit but the sign, and
+#: the bits of +Infinity (the exponent all ones). A value is finite exactly when its bits
+#: without the sign are below +Infinity's (Infinity and every NaN are at or above them).
+_FLOAT_BITS = {torch.float16: (torch.int16, 0x7FFF, 0x7C00),
+               torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
+               torch.float32: (torch.int32, 0x7FFF_FFFF, 0x7F80_0000),
+               torch.float64: (torch.int64, 0x7FFF_FFFF_FFFF_FFFF, 0x7FF0_0000_0000_0000)}
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite, checked in chunks of the stored values (a
+    bounded temporary): on their bits as integers (`_FLOAT_BITS`; ``torch.isfinite`` on
+    float16 runs at a tenth of the speed on a CPU), ``torch.isfinite`` for other dtypes."""
+    flat = t.reshape(-1)
+    if t.dtype not in _FLOAT_BITS:
+        return all(bool(torch.isfinite(flat[i:i + _CHECK_CHUNK]).all())
+                   for i in range(0, flat.numel(), _CHECK_CHUNK))
+    ints, magnitude, inf = _FLOAT_BITS[t.dtype]
+    bits = flat.view(ints)
+    return all(int((bits[i:i + _CHECK_CHUNK] & magnitude).max()) < inf
+               for i in range(0, bits.numel(), _CHECK_CHUNK))
+
+
 def _check_values(tensors: dict[str, torch.Tensor], origin: dict[str, str]) -> None:
-    """Every tensor finite (checked in chunks of the stored values: no float copy, a bounded
-    temporary); every scale and eigenvalue ≥ 0."""
+    """Every tensor finite (`_all_finite`: no float copy); every scale and eigenvalue ≥ 0."""
     for name, t in tensors.items():
-        flat = t.reshape(-1)
-        if not all(bool(torch.isfinite(flat[i:i + _CHECK_CHUNK]).all())
-                   for i in range(0, flat.numel(), _CHECK_CHUNK)):
+        if not _all_finite(t):
             raise SnapshotError(f"{origin[name]}: tensor {name!r} has non-finite values; "
                                 "expected finite numbers")
         if name.endswith((".scale", ".eigvals", ".ekfac")) and bool((t < 0).any()):
