@@ -6,7 +6,11 @@ keys, a type swap of every key of the manifest (each value replaced by values of
 JSON types, a NaN and a 10 001-digit integer), deep nesting, huge integers, duplicate keys,
 truncations and byte flips of the manifest and the shard, shard headers that disagree with
 the manifest under a matching sha256, names that leave the directory, symlinks in and out of
-it, FIFOs and directories in a file's place, and a pickle disguised as a shard.
+it, FIFOs and directories in a file's place, and a pickle disguised as a shard. The shards'
+chunked digests (one sha256 per chunk and their root) are fuzzed on a shard of several
+chunks (`chunked_pristine`): a byte flipped in each chunk, chunk digests swapped, missing,
+extra or malformed, a wrong ``chunk_bytes``, a root that does not match, truncations and
+extensions; and the older single-sha256 form (no chunk digests) is fuzzed and still loads.
 
 For every variant:
 
@@ -38,8 +42,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kfac_stream import Snapshot, SnapshotError
+from kfac_stream import Snapshot, SnapshotError, files
+from kfac_stream.snapshot import writer
 
+from chunk_digests import chunked, root_of
 from harness import run
 from manifest_swaps import set_at, swap_variants
 from models import text_examples, tiny_gpt2
@@ -167,11 +173,29 @@ class Work:
     def save(self, text=None):
         (self.dir / MANIFEST).write_text(dump(self.m) if text is None else text)
 
+    @property
+    def entry(self):
+        return self.m["shards"][self.shard_name]
+
     def rehash(self):
-        """Make the manifest's sha256 and bytes match the shard as it is now."""
+        """Make the manifest's digests (chunked, or the one sha256 of an entry without chunks)
+        and bytes match the shard as it is now."""
         data = self.shard.read_bytes()
-        self.m["shards"][self.shard_name].update(sha256=hashlib.sha256(data).hexdigest(),
-                                                 bytes=len(data))
+        if "chunks" in self.entry:
+            self.entry.update(chunked(data, self.entry["chunk_bytes"]))
+        else:
+            self.entry.update(sha256=hashlib.sha256(data).hexdigest(), bytes=len(data))
+        self.save()
+
+    def single_sha256(self):
+        """The shard entry in the form written before chunked digests: the file's sha256."""
+        self.entry.pop("chunk_bytes")
+        self.entry.pop("chunks")
+        self.rehash()
+
+    def reroot(self):
+        """Make the entry's sha256 the root over its chunk digests as they are now."""
+        self.entry["sha256"] = root_of(self.entry["chunks"])
         self.save()
 
     def retensor(self, change):
@@ -337,6 +361,14 @@ VARIANTS = [
      ["'{K}.scale' has negative values", "{S}"]),
     ("factor with NaN", lambda w: w.retensor(
         lambda t: t[w.key].view(-1).__setitem__(0, math.nan)), ["'{K}' has non-finite"]),
+    ("factor with -Infinity last", lambda w: w.retensor(
+        lambda t: t[w.key].view(-1).__setitem__(-1, -math.inf)), ["'{K}' has non-finite"]),
+    ("eigenvectors with Infinity", lambda w: w.retensor(
+        lambda t: t[f"{w.key}.eigvecs"].view(-1).__setitem__(5, math.inf)),
+     ["'{K}.eigvecs' has non-finite"]),
+    ("eigenvectors with a negative NaN", lambda w: w.retensor(
+        lambda t: t[f"{w.key}.eigvecs"].view(-1).__setitem__(7, -torch.tensor(math.nan))),
+     ["'{K}.eigvecs' has non-finite"]),
     ("eigenvalues negative", lambda w: w.retensor(
         lambda t: t[f"{w.key}.eigvals"].__setitem__(0, -1.0)),
      ["'{K}.eigvals' has negative values"]),
@@ -360,8 +392,17 @@ VARIANTS = [
     ("bytes far beyond the tensors", lambda w: _set(["shards", w.shard_name, "bytes"],
                                                     10**15)(w),
      ["shards['{S}'].bytes is 1000000000000000"]),
-    ("sha256 of another file", lambda w: _set(["shards", w.shard_name, "sha256"],
-                                              "0" * 64)(w), ["{S}: sha256 mismatch"]),
+    ("single sha256 of another file", lambda w: (w.single_sha256(), _set(
+        ["shards", w.shard_name, "sha256"], "0" * 64)(w)), ["{S}: sha256 mismatch"]),
+    ("single sha256, byte flipped", lambda w: (w.single_sha256(), w.shard_bytes(
+        lambda b: flip(b, len(b) // 2))), ["{S}: sha256 mismatch", "it is"]),
+    ("single sha256, cut", lambda w: (w.single_sha256(), w.shard_bytes(lambda b: b[:-1])),
+     ["{S}: size/sha256 mismatch"]),
+    ("root of another file", lambda w: _set(["shards", w.shard_name, "sha256"], "0" * 64)(w),
+     ["shards['{S}'].sha256 is", "the root over shards['{S}'].chunks"]),
+    ("root: the whole file's sha256", lambda w: _set(
+        ["shards", w.shard_name, "sha256"], hashlib.sha256(w.shard.read_bytes()).hexdigest())(w),
+     ["shards['{S}'].sha256 is", "the root over"]),
     ("shard missing", lambda w: w.shard.unlink(), ["shard '{S}' listed in the manifest is "
                                                     "missing"]),
     ("shard empty", lambda w: (w.shard.write_bytes(b""), w.rehash()), ["{S}"]),
@@ -460,38 +501,52 @@ def _truncations_and_flips(pristine):
 # ---------------------------------------------------------------- the tests ------------------
 
 
-def test_every_corrupted_variant_is_refused(pristine, guard, tmp_path, capsys):
-    src, manifest = pristine
-    problems, tried, slowest = [], 0, 0.0
+class Tally:
+    """Loads of damaged copies, each of which must raise `SnapshotError` with a message that
+    holds every needle; what went otherwise is in ``problems`` (accepted: loaded; silent: no
+    message)."""
 
-    def attempt(name, path, inside, needles):
-        nonlocal tried, slowest
-        tried += 1
-        snap, msg, seconds = guard.load(path, inside)
-        slowest = max(slowest, seconds)
+    def __init__(self, guard):
+        self.guard = guard
+        self.problems: list[str] = []
+        self.tried, self.accepted, self.silent, self.slowest = 0, 0, 0, 0.0
+
+    def attempt(self, name, path, inside, needles):
+        self.tried += 1
+        snap, msg, seconds = self.guard.load(path, inside)
+        self.slowest = max(self.slowest, seconds)
         if seconds > SLOW_S:
-            problems.append(f"{name}: took {seconds:.1f} s")
+            self.problems.append(f"{name}: took {seconds:.1f} s")
         if snap is not None:
-            problems.append(f"{name}: loaded instead of raising SnapshotError")
+            self.accepted += 1
+            self.problems.append(f"{name}: loaded instead of raising SnapshotError")
         elif not msg or not msg.strip():
-            problems.append(f"{name}: SnapshotError without a message")
+            self.silent += 1
+            self.problems.append(f"{name}: SnapshotError without a message")
         else:
             if os.environ.get("FUZZ_DUMP"):
                 with open(os.environ["FUZZ_DUMP"], "a") as f:
                     f.write(f"{name}\t{msg}\n")
             missing = [n for n in needles if n not in msg]
             if missing:
-                problems.append(f"{name}: message lacks {missing}: {msg}")
+                self.problems.append(f"{name}: message lacks {missing}: {msg}")
 
-    variants = VARIANTS + _truncations_and_flips(pristine)
-    for i, (name, damage, needles) in enumerate(variants):
-        w = Work(pristine, tmp_path / f"v{i}")
-        damage(w)
-        fill = {"{L}": layer_path(w), "{K}": w.key, "{S}": w.shard_name}
-        needles = [fill_in(n, fill) for n in needles]
-        attempt(name, w.dir, w.dir, needles)
-        shutil.rmtree(tmp_path / f"v{i}")
-    n_named = tried
+    def damaged_copies(self, pristine, variants, tmp_path):
+        """Each variant's damage on a fresh copy of ``pristine``, attempted."""
+        for i, (name, damage, needles) in enumerate(variants):
+            w = Work(pristine, tmp_path / f"v{i}")
+            damage(w)
+            fill = {"{L}": layer_path(w), "{K}": w.key, "{S}": w.shard_name}
+            self.attempt(name, w.dir, w.dir, [fill_in(n, fill) for n in needles])
+            shutil.rmtree(tmp_path / f"v{i}")
+
+
+def test_every_corrupted_variant_is_refused(pristine, guard, tmp_path, capsys):
+    src, manifest = pristine
+    tally = Tally(guard)
+    attempt = tally.attempt
+    tally.damaged_copies(pristine, VARIANTS + _truncations_and_flips(pristine), tmp_path)
+    n_named = tally.tried
 
     # a type swap of every key: one working copy, the manifest rewritten each time
     w = Work(pristine, tmp_path / "swaps")
@@ -504,19 +559,21 @@ def test_every_corrupted_variant_is_refused(pristine, guard, tmp_path, capsys):
         if ok:
             snap, _, _ = guard.load(w.dir, w.dir)
             if snap is None:
-                problems.append(f"{label}: refused, but the schema allows it")
+                tally.problems.append(f"{label}: refused, but the schema allows it")
             accepted.append(label)
             continue
         attempt(label, w.dir, w.dir, [MANIFEST, path])
     w.save(dump(manifest))
     assert guard.load(w.dir, w.dir)[0] is not None  # the copy itself was fine all along
 
-    assert not problems, f"{len(problems)} of {tried} variants:\n" + "\n".join(problems)
+    tried = tally.tried
+    assert not tally.problems, (f"{len(tally.problems)} of {tried} variants:\n"
+                                + "\n".join(tally.problems))
     assert tried >= 50
     with capsys.disabled():
         print(f"\nsnapshot fuzz: {tried} corrupted variants ({n_named} hand-made, "
               f"{tried - n_named} type swaps of every manifest key) all refused with "
-              f"SnapshotError, slowest {slowest * 1e3:.0f} ms; {len(accepted)} swaps "
+              f"SnapshotError, slowest {tally.slowest * 1e3:.0f} ms; {len(accepted)} swaps "
               "allowed by the schema loaded")
 
 
@@ -561,3 +618,204 @@ def test_latest_skips_a_symlinked_step_directory(pristine, tmp_path):
     os.symlink(src, root / "step-99999999")  # newer, valid, but a link
     assert Snapshot.latest(root).step == json.loads((src / MANIFEST).read_text())["step"]
     assert Snapshot.latest(root).path.endswith("step-00000001")
+
+
+# ---------------------------------------------------------------- chunked digests ------------
+
+CHUNK = 1 << 20  # the chunk size the chunked snapshot is written with (the smallest allowed)
+BIG_DIM = 640  # its first layer's A: fp16 [640, 640] and float32 eigenvectors, 2.4 MB
+
+
+@pytest.fixture(scope="module")
+def chunked_pristine(pristine, tmp_path_factory):
+    """The real snapshot with its first layer's A widened to `BIG_DIM` (random values),
+    written by kfac_stream's writer with 1 MiB chunk digests: a shard of 3 chunks, the last
+    one shorter; its manifest; the tensors written."""
+    src, manifest = pristine
+    meta = json.loads(json.dumps(manifest))
+    meta.pop("shards")
+    layer = next(iter(meta["layers"]))
+    entry = meta["layers"][layer]
+    key = entry["A"]["key"]
+    assert key == f"{layer}.A" and not entry["A"]["diagonal"] and "ekfac" not in entry
+    entry["d_in"], entry["A"]["dim"] = BIG_DIM - entry["has_bias"], BIG_DIM
+    tensors = load_file(next(src.glob("*.safetensors")))
+    g = torch.Generator().manual_seed(0)
+    tensors.update({key: torch.randn(BIG_DIM, BIG_DIM, generator=g).half(),
+                    f"{key}.eigvals": torch.rand(BIG_DIM, generator=g),
+                    f"{key}.eigvecs": torch.randn(BIG_DIM, BIG_DIM, generator=g)})
+    root = tmp_path_factory.mktemp("chunked") / "kfac"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(files, "HASH_CHUNK_BYTES", CHUNK)
+        path = pathlib.Path(writer.write_snapshot(str(root), meta["step"], tensors, meta))
+    return path, json.loads((path / MANIFEST).read_text()), tensors
+
+
+def _chunk_variants(big):
+    """Damage to the chunked digests of a 3-chunk shard of ``size`` bytes."""
+    size = next(big.glob("*.safetensors")).stat().st_size
+    assert 2 * CHUNK < size < 3 * CHUNK
+    bad = "shards['{S}']"
+    out = [(f"byte {at} flipped (chunk {at // CHUNK})", lambda w, at=at: w.shard_bytes(
+        lambda b: flip(b, at)), ["{S}: sha256 mismatch", f"chunk {at // CHUNK} ",
+                                 f"{bad}.chunks[{at // CHUNK}]"])
+           for at in (0, CHUNK // 2, CHUNK - 1, CHUNK, CHUNK + 77, 2 * CHUNK,
+                      (2 * CHUNK + size) // 2, size - 1)]
+
+    def chunks(change, reroot=True):
+        def damage(w):
+            w.entry["chunks"] = change(list(w.entry["chunks"]))
+            w.reroot() if reroot else w.save()
+        return damage
+
+    out += [
+        ("digests 0 and 1 swapped", chunks(lambda c: [c[1], c[0], c[2]]),
+         ["{S}: sha256 mismatch", "chunk 0 "]),
+        ("digests 1 and 2 swapped", chunks(lambda c: [c[0], c[2], c[1]]), ["chunk 1 "]),
+        ("digests swapped, root kept", chunks(lambda c: [c[1], c[0], c[2]], reroot=False),
+         [f"{bad}.sha256 is", "the root over"]),
+        ("digest 1 a copy of 0", chunks(lambda c: [c[0], c[0], c[2]]), ["chunk 1 "]),
+        ("last digest missing", chunks(lambda c: c[:2]), [f"{bad}.bytes is", "lists 2 chunk"]),
+        ("first digest missing", chunks(lambda c: c[1:]), [f"{bad}.bytes is", "lists 2 chunk"]),
+        ("an extra digest", chunks(lambda c: c + c[-1:]), [f"{bad}.bytes is", "lists 4 chunk"]),
+        ("an extra digest, root kept", chunks(lambda c: c + c[-1:], reroot=False),
+         [f"{bad}.bytes is"]),
+        ("one digest only", chunks(lambda c: c[:1]), [f"{bad}.bytes is", "lists 1 chunk "]),
+        ("no digests", chunks(lambda c: []), [f"{bad}.chunks is a list of 0 items"]),
+        ("a digest uppercase", chunks(lambda c: [c[0], c[1].upper(), c[2]], reroot=False),
+         [f"{bad}.chunks[1] is", "64 lowercase hex"]),
+        ("a digest of 63 digits", chunks(lambda c: [c[0], c[1], c[2][:63]], reroot=False),
+         [f"{bad}.chunks[2] is"]),
+        ("a digest null", chunks(lambda c: [None, c[1], c[2]], reroot=False),
+         [f"{bad}.chunks[0] is null"]),
+        ("chunks a string", lambda w: _set(["shards", w.shard_name, "chunks"], "ab" * 32)(w),
+         [f"{bad}.chunks is"]),
+        ("chunks missing", lambda w: (w.entry.pop("chunks"), w.save()),
+         [f"{bad}.chunks is missing", "chunk_bytes"]),
+        ("chunk_bytes missing", lambda w: (w.entry.pop("chunk_bytes"), w.save()),
+         [f"{bad}.chunk_bytes is missing"]),
+        ("chunk fields missing, sha256 the root", lambda w: (
+            w.entry.pop("chunks"), w.entry.pop("chunk_bytes"), w.save()),
+         ["{S}: sha256 mismatch", f"{bad}.sha256"]),
+        ("root zeros", lambda w: _set(["shards", w.shard_name, "sha256"], "0" * 64)(w),
+         [f"{bad}.sha256 is", "the root over"]),
+        ("chunk_bytes 2 MiB (3 digests)", _chunk_bytes(2 * CHUNK),
+         [f"{bad}.bytes is", "chunk_bytes=2097152"]),
+        ("chunk_bytes 512 KiB, digests remade for it", _chunk_bytes(CHUNK // 2, remake=True),
+         [f"{bad}.chunk_bytes is 524288", "a power of two in [1048576, 1073741824]"]),
+        ("chunk_bytes 3 MiB, digests remade for it", _chunk_bytes(3 * CHUNK, remake=True),
+         [f"{bad}.chunk_bytes is 3145728", "a power of two"]),
+        *[(f"chunk_bytes {v!r}", _chunk_bytes(v), [f"{bad}.chunk_bytes is"])
+          for v in (0, -CHUNK, 2**31, 2**40, CHUNK + 1, float(CHUNK), str(CHUNK), True, None,
+                    [CHUNK])],
+        ("appended a byte", lambda w: w.shard_bytes(lambda b: b + b"\0"),
+         ["{S}: size/sha256 mismatch"]),
+        ("appended a byte, bytes updated", lambda w: (w.shard_bytes(lambda b: b + b"\0"), _set(
+            ["shards", w.shard_name, "bytes"], size + 1)(w)), ["{S}: sha256 mismatch",
+                                                              "chunk 2 "]),
+        ("appended a chunk, digests remade", lambda w: (
+            w.shard_bytes(lambda b: b + b"\0" * CHUNK), w.rehash()),
+         ["{S}: not a readable safetensors file"]),
+        ("file chunks 0 and 1 swapped, digests to match", lambda w: (w.shard_bytes(
+            lambda b: b[CHUNK:2 * CHUNK] + b[:CHUNK] + b[2 * CHUNK:]),
+            chunks(lambda c: [c[1], c[0], c[2]])(w)), ["{S}: not a readable safetensors"]),
+    ]
+    for at in (0, 8, CHUNK - 1, CHUNK, CHUNK + 5, 2 * CHUNK, 2 * CHUNK + 1, size - 1):
+        out += [(f"cut at {at}", lambda w, at=at: w.shard_bytes(lambda b: b[:at]),
+                 ["{S}: size/sha256 mismatch"]),
+                (f"cut at {at}, bytes updated", lambda w, at=at: (
+                    w.shard_bytes(lambda b: b[:at]),
+                    _set(["shards", w.shard_name, "bytes"], at)(w)), ["{S}"]),
+                (f"cut at {at}, digests remade", lambda w, at=at: (
+                    w.shard_bytes(lambda b: b[:at]), w.rehash()), ["{S}"])]
+    return out
+
+
+def _chunk_bytes(value, remake=False):
+    def damage(w):
+        w.entry["chunk_bytes"] = value
+        if remake:
+            w.entry.update(chunked(w.shard.read_bytes(), value))
+        w.save()
+    return damage
+
+
+def _single_sha256_variants(big):
+    """Damage to the older form (one sha256 of the file) of the same shard."""
+    size = next(big.glob("*.safetensors")).stat().st_size
+    out = [(f"single sha256, byte {at} flipped", lambda w, at=at: (
+        w.single_sha256(), w.shard_bytes(lambda b: flip(b, at))), ["{S}: sha256 mismatch"])
+           for at in (0, CHUNK, 2 * CHUNK + 3, size - 1)]
+    out += [(f"single sha256, cut at {at}", lambda w, at=at: (
+        w.single_sha256(), w.shard_bytes(lambda b: b[:at])), ["{S}: size/sha256 mismatch"])
+            for at in (CHUNK, size - 1)]
+    out.append(("single sha256 with a chunk_bytes", lambda w: (
+        w.single_sha256(), _set(["shards", w.shard_name, "chunk_bytes"], CHUNK)(w)),
+        ["shards['{S}'].chunks is missing"]))
+    return out
+
+
+def test_every_chunk_digest_corruption_is_refused(chunked_pristine, guard, tmp_path, capsys):
+    """0 accepted, 0 silent: every damage to a 3-chunk shard or its digests raises
+    `SnapshotError` naming the file and what differs (the chunk, or the manifest key)."""
+    big, manifest, _ = chunked_pristine
+    entry = next(iter(manifest["shards"].values()))
+    assert entry["chunk_bytes"] == CHUNK and len(entry["chunks"]) == 3
+    tally = Tally(guard)
+    variants = _chunk_variants(big) + _single_sha256_variants(big)
+    tally.damaged_copies(chunked_pristine[:2], variants, tmp_path)
+    assert (tally.accepted, tally.silent) == (0, 0) and not tally.problems, (
+        f"{len(tally.problems)} of {tally.tried} variants:\n" + "\n".join(tally.problems))
+    assert tally.tried == len(variants) >= 60
+    with capsys.disabled():
+        print(f"\nchunked digests fuzz: {tally.tried} corrupted variants, 0 accepted, 0 silent, "
+              f"slowest {tally.slowest * 1e3:.0f} ms")
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_chunked_round_trip(chunked_pristine, guard, monkeypatch, threads):
+    """A shard of several chunks (the last one shorter) loads with every tensor equal to what
+    was written, as views of one buffer; the manifest's digests are those of the file."""
+    big, manifest, tensors = chunked_pristine
+    monkeypatch.setattr(files, "HASH_THREADS", threads)
+    ((name, entry),) = manifest["shards"].items()
+    data = (big / name).read_bytes()
+    assert len(data) % CHUNK and entry == dict(chunked(data, CHUNK), rank=0)
+    snap, msg, _ = guard.load(big, big)
+    assert msg is None
+    layer = snap.layer_names[0]
+    key = manifest["layers"][layer]["A"]["key"]
+    lf = snap[layer]
+    assert lf.A_eigvecs.shape == (BIG_DIM, BIG_DIM)
+    assert torch.equal(lf.A, tensors[key].float() * tensors[f"{key}.scale"])
+    assert torch.equal(lf.A_eigvals, tensors[f"{key}.eigvals"])
+    assert torch.equal(lf.A_eigvecs, tensors[f"{key}.eigvecs"])
+    reference = load_file(big / name)  # safetensors' own reader
+    for n in snap.layer_names:
+        for f in ("A", "G"):
+            k = manifest["layers"][n][f]["key"]
+            assert torch.equal(getattr(snap[n], f"{f}_eigvals"), reference[f"{k}.eigvals"])
+    header = json.loads(data[8:8 + int.from_bytes(data[:8], "little")])
+    start = {k: v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
+    assert (lf.A_eigvecs.data_ptr() - lf.A_eigvals.data_ptr()
+            == start[f"{key}.eigvecs"] - start[f"{key}.eigvals"])  # views of one buffer
+
+
+def test_single_sha256_form_and_other_chunk_sizes_load(chunked_pristine, pristine, guard,
+                                                       tmp_path):
+    """A snapshot written before chunked digests (each shard's sha256 over the whole file, no
+    chunk keys) still loads, to the same tensors; so does any chunk size within limits."""
+    big, manifest, _ = chunked_pristine
+    want = Snapshot.load(big)
+    for i, (src, change) in enumerate([
+            (chunked_pristine[:2], Work.single_sha256), (pristine, Work.single_sha256),
+            (chunked_pristine[:2], _chunk_bytes(2 * CHUNK, remake=True)),
+            (chunked_pristine[:2], _chunk_bytes(1 << 30, remake=True))]):
+        w = Work(src, tmp_path / f"ok{i}")
+        change(w)
+        snap, msg, _ = guard.load(w.dir, w.dir)
+        assert msg is None, msg
+        assert ("chunks" in w.entry) == (i >= 2)
+        if src[0] == big:
+            for n in want.layer_names:
+                assert torch.equal(snap[n].A, want[n].A) and torch.equal(snap[n].G, want[n].G)

@@ -1,5 +1,6 @@
-"""Writing a shard in one pass (the safetensors bytes hashed as they are written) and the
-spectra media from the eigenvalues in memory."""
+"""Writing a shard in one pass (the safetensors bytes hashed as they are written, by chunks,
+in parallel), reading it back verified, and the spectra media from the eigenvalues in
+memory."""
 
 import hashlib
 import io
@@ -12,13 +13,22 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from kfac_stream.files import sha256_of, write_hashed
+from kfac_stream import files
+from kfac_stream.exceptions import SnapshotError
+from kfac_stream.files import (
+    file_chunk_digests,
+    hash_chunked,
+    read_verified,
+    write_chunk_hashed,
+    write_hashed,
+)
 from kfac_stream.snapshot import writer
 from kfac_stream.snapshot.manifest import stored_key
 from kfac_stream.snapshot.media import Spectra, log10_histograms, make_media
 from kfac_stream.snapshot.snapshot import Snapshot, read_manifest
 from kfac_stream.snapshot.writer import safetensors_chunks, write_safetensors, write_shard
 
+from chunk_digests import chunked, root_of
 from harness import run
 from models import text_examples, tiny_gpt2
 
@@ -66,12 +76,14 @@ def test_shard_on_disk_is_safetensors_and_its_sha256(tmp_path, monkeypatch):
     tensors["big"] = torch.randn(1000, 700)  # several write chunks with a small chunk size
     tensors["big64"] = torch.randn(333, 77, dtype=torch.float64)
     monkeypatch.setattr(writer, "WRITE_CHUNK", 4096 + 2)  # not a multiple of 4 or 8
+    monkeypatch.setattr(files, "HASH_CHUNK_BYTES", 1 << 20)  # 3 chunks, pieces straddling them
     info = write_shard(str(tmp_path), tensors, 0, 1)
     path = tmp_path / info["file"]
     data = path.read_bytes()
     assert data == save(tensors)
-    assert info["sha256"] == sha256_of(str(path)) == hashlib.sha256(data).hexdigest()
-    assert info["bytes"] == len(data) == os.path.getsize(path)
+    assert info == dict(chunked(data, 1 << 20), file=info["file"])
+    assert len(info["chunks"]) == 3 and info["bytes"] == len(data) == os.path.getsize(path)
+    assert file_chunk_digests(str(path), 1 << 20).root == info["sha256"]
     with safe_open(str(path), "pt") as f:
         assert set(f.keys()) == set(tensors)
         for k in f.keys():
@@ -108,13 +120,61 @@ def test_write_hashed_counts_and_hashes_every_chunk():
     assert (digest, size) == (hashlib.sha256(out.getvalue()).hexdigest(), len(out.getvalue()))
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_chunk_digests_of_pieces_of_any_size(threads):
+    """Pieces of any sizes (empty, straddling chunk boundaries, ending on one) give the
+    digests of the byte stream's fixed-size chunks, written in order."""
+    rng = random.Random(threads)
+    data = rng.randbytes(10 * 1000 + 17)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(len(data)), rng.randint(0, 12)) + [1000, 3000])
+        pieces = [memoryview(data)[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+        pieces.insert(rng.randint(0, len(pieces)), b"")
+        out = io.BytesIO()
+        got = write_chunk_hashed(out, pieces, 1000, threads)
+        ref = chunked(data, 1000)
+        assert out.getvalue() == data
+        assert (list(got.chunks), got.root, got.size) == (ref["chunks"], ref["sha256"],
+                                                          len(data))
+    empty = hash_chunked([b"", b""], chunk_bytes=1000)
+    assert (empty.chunks, empty.size, empty.root) == ((), 0, root_of([]))
+
+
+def test_read_verified_refuses_any_chunk_altered():
+    """Every chunk checked: a flipped byte in any chunk names that chunk; a file shorter or
+    longer than its size, or a root that does not match the chunks, is refused."""
+    data = random.Random(1).randbytes(5 * 1024 + 300)
+    ref = chunked(data, 1024)
+    buf = read_verified(io.BytesIO(data), len(data), ref["chunks"], 1024, name="f",
+                        root=ref["sha256"], threads=2)
+    assert buf.dtype == torch.uint8 and bytes(buf.numpy()) == data
+    for i, at in enumerate((0, 1024 + 5, 2048 + 1023, 3072 + 500, 4096, len(data) - 1)):
+        bad = bytearray(data)
+        bad[at] ^= 0x10
+        with pytest.raises(SnapshotError, match=rf"f: sha256 mismatch .*chunk {i} "
+                                                rf".*expected key\[{i}\]"):
+            read_verified(io.BytesIO(bytes(bad)), len(data), ref["chunks"], 1024, name="f",
+                          key="key")
+    for other in (data[:-1], data + b"\0"):
+        with pytest.raises(SnapshotError, match="f: changed size while being read"):
+            read_verified(io.BytesIO(other), len(data), ref["chunks"], 1024, name="f")
+    with pytest.raises(SnapshotError, match="the root over chunks"):
+        read_verified(io.BytesIO(data), len(data), ref["chunks"], 1024, name="f",
+                      root="0" * 64)
+    with pytest.raises(ValueError, match="5 chunk digests"):
+        read_verified(io.BytesIO(data), len(data), ref["chunks"][:-1], 1024, name="f")
+
+
 def test_finish_trusts_only_what_it_hashed_itself(tmp_path, monkeypatch):
     """Rank 0 does not re-read its own shard; another rank's shard on the shared filesystem is
-    re-hashed and a difference abandons the snapshot."""
+    re-hashed (by chunks; an old single-sha256 report by its sha256) and a difference abandons
+    the snapshot."""
     root = tmp_path / "kfac"
     reads = []
-    real = writer.sha256_of
+    real, real_chunked = writer.sha256_of, writer.file_chunk_digests
     monkeypatch.setattr(writer, "sha256_of", lambda p: reads.append(p) or real(p))
+    monkeypatch.setattr(writer, "file_chunk_digests",
+                        lambda p, c: reads.append(p) or real_chunked(p, c))
     final = writer.write_snapshot(str(root), 3, {"a": torch.ones(3)}, {"step": 3})
     assert reads == [] and sorted(os.listdir(final)) == [
         "manifest.json", "shard-00000-of-00001.safetensors"]
@@ -128,6 +188,16 @@ def test_finish_trusts_only_what_it_hashed_itself(tmp_path, monkeypatch):
         writer._finish(str(root), str(tmp), str(root / "step-5"), reports, None,
                        {mine["file"]})
     assert reads == [str(tmp / theirs["file"])]  # rank 0's own shard was not read
+    for step, old in ((6, True), (7, False)):  # an old single-sha256 report, a chunked one
+        other = tmp_path / f"tmp{step}"
+        other.mkdir()
+        info = write_shard(str(other), {"b": torch.ones(2)}, 1, 2)
+        if old:
+            info = {"file": info["file"], "bytes": info["bytes"],
+                    "sha256": hashlib.sha256((other / info["file"]).read_bytes()).hexdigest()}
+        writer._finish(str(root), str(other), str(root / f"step-{step}"),
+                       [{"rank": 1, "shard": info, "manifest": {"step": step}}], None, set())
+        assert os.path.isdir(root / f"step-{step}") and reads[-1].endswith(info["file"])
     os.truncate(tmp / mine["file"], 10)  # its own shard is still checked for its size
     with pytest.raises(Exception, match="rank 0 is missing or differs"):
         writer._finish(str(root), str(tmp), str(root / "step-5"), reports[:1], None,

@@ -61,8 +61,9 @@ from .manifest_types import (
     record_of,
     to_json,
 )
+from .reading import read_small_file, read_tensor_file
 from .schema import HEX64, NONNEG, Ctx, Int, MapOf, Str, layer_name_problem
-from .snapshot import Snapshot, read_small_file, read_tensor_file
+from .snapshot import Snapshot
 from .writer import write_shard
 
 logger = logging.getLogger("kfac_stream")

@@ -18,6 +18,12 @@ where ``<key>`` is a path into the document: ``step``, ``counts.tokens_seen``,
 ``layers['h.0.attn'].A.dim``, ``shards['shard-00000-of-00001.safetensors'].sha256``,
 ``shared_inputs[0][1]`` (`manifest_json.child_path`).
 
+A shard entry with chunked digests (``chunk_bytes``, ``chunks``: one sha256 per
+``chunk_bytes`` of the file, the last chunk shorter) must list exactly ``ceil(bytes /
+chunk_bytes)`` of them, and its ``sha256`` is their root: the sha256 of the raw 32-byte chunk
+digests concatenated in order (`kfac_stream.files.chunk_root`, recomputed here). Without them,
+``sha256`` is the whole file's (snapshots written before chunked digests; both forms load).
+
 Keys the schema does not know are kept in ``Snapshot.meta`` but never used.
 """
 
@@ -31,9 +37,10 @@ from typing import Any
 from ..enums import StorageDtype
 from ..exceptions import SnapshotError
 from ..factor_keys import FACTOR_KINDS, factor_key, split_factor_key
+from ..files import chunk_count, chunk_root
 from .layout import FORMAT_NAME, READ_VERSIONS
 from .manifest_json import child_path, parse_json
-from .manifest_types import SCHEMA, FactorEntry, Manifest
+from .manifest_types import SCHEMA, FactorEntry, Manifest, ShardEntry
 from .schema import Ctx, show
 
 __all__ = ["TensorSpec", "checked_manifest", "implied_tensors", "parse_json", "stored_key",
@@ -84,6 +91,7 @@ def _check_agreement(m: Manifest, ctx: Ctx) -> None:
         if info.rank >= world:
             raise SnapshotError(f"{file}: shards[{sname!r}].rank is {info.rank}; expected "
                                 f"a rank below world_size={world}")
+        _check_chunks(child_path("shards", sname, named=True), info, ctx)
     for name in m.weights or {}:
         if name not in m.layers:
             raise SnapshotError(f"{file}: weights[{name!r}] names no tracked layer; expected "
@@ -109,6 +117,29 @@ def _check_agreement(m: Manifest, ctx: Ctx) -> None:
             else:
                 by_key[f.key] = (fpath, f)
     _check_groups(m, ctx)
+
+
+def _check_chunks(spath: str, info: ShardEntry, ctx: Ctx) -> None:
+    """A shard entry's chunked digests, if any, agree with its size and its sha256 (the root
+    over them); ``spath``: the entry's key."""
+    if (info.chunks is None) != (info.chunk_bytes is None):
+        have, lack = ("chunks", "chunk_bytes") if info.chunk_bytes is None else (
+            "chunk_bytes", "chunks")
+        raise SnapshotError(f"{ctx.file}: {spath}.{lack} is missing; expected it with "
+                            f"{spath}.{have} (chunked digests give both)")
+    if info.chunks is None or info.chunk_bytes is None:
+        return
+    n, c = len(info.chunks), info.chunk_bytes
+    if chunk_count(info.bytes, c) != n:
+        raise SnapshotError(f"{ctx.file}: {spath}.bytes is {info.bytes}; expected "
+                            f"{(n - 1) * c + 1} to {n * c}, as {spath}.chunks lists {n} "
+                            f"chunk digest{'s' * (n != 1)} of {spath}.chunk_bytes={c} bytes "
+                            "(the last chunk shorter)")
+    root = chunk_root(info.chunks)
+    if info.sha256 != root:
+        raise SnapshotError(f"{ctx.file}: {spath}.sha256 is {show(info.sha256)}; expected "
+                            f"{root}, the root over {spath}.chunks (the sha256 of the chunk "
+                            "digests concatenated)")
 
 
 def _check_factor(m: Manifest, f: FactorEntry, fpath: str, want: tuple[int, str],

@@ -30,6 +30,7 @@ from ..curvature import fisher_names
 from ..store.traffic import Traffic
 from .layout import FORMAT_NAME, FORMAT_VERSION, READ_VERSIONS
 from .schema import (
+    CHUNK_BYTES,
     CONFIG,
     COUNT,
     HEX64,
@@ -333,12 +334,23 @@ class EigenEntry:
 
 @dataclass(kw_only=True)
 class ShardEntry:
-    """A shard file: its sha256 and size as written, and the rank whose factors it holds."""
+    """A shard file: its sha256 and size as written, and the rank whose factors it holds.
+
+    Chunked digests (``chunk_bytes`` and ``chunks``, both or neither): ``chunks[i]`` is the
+    sha256 of the file's bytes ``[i * chunk_bytes, (i + 1) * chunk_bytes)`` (the last chunk
+    shorter; ``ceil(bytes / chunk_bytes)`` digests), and ``sha256`` is then the **root** over
+    them: the sha256 of the 32-byte digests concatenated in order (`kfac_stream.files.
+    chunk_root`), not the sha256 of the file. The writer writes them (the chunks are hashed in
+    parallel, as written and as read); without them (snapshots written before), ``sha256`` is
+    the sha256 of the whole file, read and checked as one stream.
+    """
 
     WHAT: ClassVar[str] = "a shard entry"
     sha256: str = json_field(HEX64)
     bytes: int = json_field(COUNT)
     rank: int = json_field(_RANK)
+    chunk_bytes: int | None = json_field(CHUNK_BYTES, optional=True)
+    chunks: list[str] | None = json_field(ListOf(HEX64, min_len=1), optional=True)
 
 
 # ---------------------------------------------------------------- the schema ----------------

@@ -94,6 +94,20 @@ class Int(Rule):
 
 
 @dataclass(frozen=True)
+class PowerOfTwo(Int):
+    """An integer in ``[lo, hi]`` that is a power of two."""
+
+    @property
+    def expected(self) -> str:
+        return f"a power of two in [{self.lo}, {self.hi}]"
+
+    def check(self, value: Any, path: str, ctx: Ctx) -> None:
+        super().check(value, path, ctx)
+        if value & (value - 1):
+            fail(ctx, path, value, self.expected)
+
+
+@dataclass(frozen=True)
 class Num(Rule):
     """A finite number (an integer is one) in ``[lo, hi]`` (``(lo, hi]`` if ``lo_open``);
     ``inf``: +Infinity is also allowed."""
@@ -298,6 +312,8 @@ SHARD_NAME = "a plain shard file name inside the snapshot directory (shard-RRRRR
     ".safetensors)"
 HEX64 = Str(pattern=re.compile(r"[0-9a-f]{64}"), what="64 lowercase hex digits (a sha256)")
 STORAGE_DTYPES = tuple(d.value for d in StorageDtype)
+#: A shard's ``chunk_bytes``: 1 MiB to 1 GiB, a power of two (written: `files.HASH_CHUNK_BYTES`).
+CHUNK_BYTES = PowerOfTwo(1 << 20, 1 << 30)
 
 
 class ShardName(Rule):

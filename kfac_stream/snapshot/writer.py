@@ -5,18 +5,19 @@ every shard is on disk and verified (see `write_snapshot`). With ``gather`` (sna
 directories local to each machine) the ranks send their shards' bytes to rank 0, which writes
 them all.
 
-A shard is written in one pass (`write_safetensors`: the safetensors format, streamed tensor by
-tensor, hashed as the bytes go to the file; never the whole shard in memory, never re-read by
-the process that wrote it). Every file is fsynced before the manifest (which lists each
-shard's sha256) is written, and the manifest is fsynced before the rename; the parent
-directory is fsynced after it. A crash at any point leaves either the previous snapshots or a
-hidden ``.step-*.tmp-*`` directory that readers ignore and the next writer removes.
+A shard is written in one pass (`write_safetensors_chunked`: the safetensors format, streamed
+tensor by tensor, hashed as the bytes go to the file, one sha256 per `files.HASH_CHUNK_BYTES`
+chunk on a few threads; never the whole shard in memory, never re-read by the process that
+wrote it). Every file is fsynced before the manifest (which lists each shard's chunk digests
+and their root, `manifest_types.ShardEntry`) is written, and the manifest is fsynced before
+the rename; the parent directory is fsynced after it. A crash at any point leaves either the
+previous snapshots or a hidden ``.step-*.tmp-*`` directory that readers ignore and the next
+writer removes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -31,7 +32,15 @@ from safetensors.torch import save
 
 from ..distributed.context import LOCAL
 from ..exceptions import SnapshotError
-from ..files import fsync_path, sha256_of, write_hashed
+from ..files import (
+    ChunkDigests,
+    file_chunk_digests,
+    fsync_path,
+    hash_chunked,
+    sha256_of,
+    write_chunk_hashed,
+    write_hashed,
+)
 from .layout import (
     EARLIER_RUNS_DIR,
     FORMAT_NAME,
@@ -152,49 +161,65 @@ def safetensors_chunks(tensors: dict[str, torch.Tensor | Deferred],
 def write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor | Deferred],
                       metadata: dict[str, str] | None = None) -> tuple[str, int]:
     """Write ``tensors`` in the safetensors format to the binary file ``f`` in one pass,
-    hashing the bytes as they are written; returns ``(hex sha256, bytes written)``."""
+    hashing the bytes as they are written; returns ``(hex sha256, bytes written)`` (one
+    sha256 of the whole file: the form of shards written before chunked digests)."""
     return write_hashed(f, safetensors_chunks(tensors, metadata))
+
+
+def write_safetensors_chunked(f: BinaryIO, tensors: dict[str, torch.Tensor | Deferred],
+                              metadata: dict[str, str] | None = None) -> ChunkDigests:
+    """`write_safetensors` with chunked digests (`files.write_chunk_hashed`: one sha256 per
+    `files.HASH_CHUNK_BYTES`, hashed in parallel as the bytes go to the file)."""
+    return write_chunk_hashed(f, safetensors_chunks(tensors, metadata))
+
+
+def shard_record(name: str, digests: ChunkDigests) -> dict[str, object]:
+    """A shard's record as the ranks report it: ``{"file", "sha256" (the root), "bytes",
+    "chunk_bytes", "chunks"}`` (`manifest_types.ShardEntry`'s keys)."""
+    return {"file": name, "sha256": digests.root, "bytes": digests.size,
+            "chunk_bytes": digests.chunk_bytes, "chunks": list(digests.chunks)}
 
 
 def write_shard(tmp_dir: str, tensors: dict[str, torch.Tensor | Deferred], rank: int,
                 world_size: int) -> dict[str, object]:
-    """Write this rank's shard into ``tmp_dir`` and fsync it; returns ``{"file", "sha256",
-    "bytes"}``, the sha256 of the bytes as they were written (one pass, no re-read; the
-    file is the one ``safetensors.torch.save_file`` would write)."""
+    """Write this rank's shard into ``tmp_dir`` and fsync it; returns its `shard_record`, the
+    chunk digests of the bytes as they were written (one pass, no re-read; the file is the
+    one ``safetensors.torch.save_file`` would write)."""
     name = shard_name(rank, world_size)
     path = os.path.join(tmp_dir, name)
     with open(path, "wb") as f:
-        digest, size = write_safetensors(f, tensors)
+        digests = write_safetensors_chunked(f, tensors)
         f.flush()
         os.fsync(f.fileno())
-    return {"file": name, "sha256": digest, "bytes": size}
+    return shard_record(name, digests)
 
 
 def shard_bytes(tensors: dict[str, torch.Tensor | Deferred], rank: int,
                 world_size: int) -> tuple[bytes, dict[str, object]]:
-    """This rank's shard serialised in memory (to send to rank 0) and its record
-    ``{"file", "sha256", "bytes"}``, the same bytes `write_shard` would put on disk."""
+    """This rank's shard serialised in memory (to send to rank 0) and its `shard_record`
+    (chunk digests hashed in parallel), the same bytes and record `write_shard` would make."""
     data = save({k: resolved(v).contiguous() for k, v in tensors.items()})
-    return data, {"file": shard_name(rank, world_size),
-                  "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    return data, shard_record(shard_name(rank, world_size), hash_chunked([data]))
 
 
 def _write_gathered(tmp_dir: str, blobs: list[bytes], reports: list[dict]) -> set[str]:
     """Rank 0 with ``gather``: every rank's shard bytes into ``tmp_dir`` (fsynced), each
-    hashed as it is written and checked against the sha256 its sender computed. Returns the
-    files so verified (`_finish` does not read them again)."""
+    hashed as it is written (chunked digests) and checked against the digests its sender
+    computed. Returns the files so verified (`_finish` does not read them again)."""
     verified = set()
     for blob, report in zip(blobs, reports):
         if "shard" in report:
             info = report["shard"]
             path = os.path.join(tmp_dir, info["file"])
             with open(path, "wb") as f:
-                digest, size = write_hashed(f, _slices(memoryview(blob), WRITE_CHUNK))
+                written = write_chunk_hashed(f, _slices(memoryview(blob), WRITE_CHUNK),
+                                             info.get("chunk_bytes"))
                 f.flush()
                 os.fsync(f.fileno())
+            digest, size = written.root, written.size
             if digest != info["sha256"] or size != info["bytes"]:
                 raise SnapshotError(f"shard {info['file']} of rank {report['rank']} arrived "
-                                    f"altered: sha256 {digest} ({size} bytes), rank "
+                                    f"altered: root sha256 {digest} ({size} bytes), rank "
                                     f"{report['rank']} sent {info['sha256']} "
                                     f"({info['bytes']} bytes)")
             verified.add(info["file"])
@@ -204,6 +229,16 @@ def _write_gathered(tmp_dir: str, blobs: list[bytes], reports: list[dict]) -> se
 def _slices(data: memoryview, chunk: int) -> Iterator[memoryview]:
     for start in range(0, len(data), chunk):
         yield data[start:start + chunk]
+
+
+def _hashes_as_reported(path: str, info: dict) -> bool:
+    """Whether the file at ``path`` has the digests of its report ``info``: its chunk
+    digests and their root (hashed in parallel), or the one sha256 of a report without
+    chunks."""
+    if "chunks" not in info:
+        return sha256_of(path) == info["sha256"]
+    found = file_chunk_digests(path, info["chunk_bytes"])
+    return list(found.chunks) == info["chunks"] and found.root == info["sha256"]
 
 
 def clean_stale_tmp(root: str) -> None:
@@ -406,7 +441,8 @@ def _finish(root: str, tmp: str, final: str, reports: list[dict],
             written_here: set[str] | frozenset[str] = frozenset()) -> None:
     """Rank 0: verify every shard on disk, write the manifest last, rename. A shard in
     ``written_here`` (this process wrote it and hashed the bytes as they went to disk) is
-    checked for presence and size only; every other shard is re-hashed on disk."""
+    checked for presence and size only; every other shard is re-hashed on disk
+    (`_hashes_as_reported`)."""
     shards = {}
     for r in reports:
         if "shard" not in r:
@@ -415,11 +451,12 @@ def _finish(root: str, tmp: str, final: str, reports: list[dict],
         path = os.path.join(tmp, info["file"])
         if not os.path.isfile(path) or (
                 os.path.getsize(path) != info["bytes"] if info["file"] in written_here
-                else sha256_of(path) != info["sha256"]):
+                else not _hashes_as_reported(path, info)):
             raise SnapshotError(f"shard {info['file']} of rank {r['rank']} is missing or "
                                 f"differs from what rank {r['rank']} wrote")
         shards[info["file"]] = ShardEntry(sha256=info["sha256"], bytes=info["bytes"],
-                                          rank=r["rank"])
+                                          rank=r["rank"], chunk_bytes=info.get("chunk_bytes"),
+                                          chunks=info.get("chunks"))
     parts = [r["manifest"] for r in reports]
     manifest = dict(merge(parts) if merge else parts[0], shards=to_json(shards))
     if manifest.get("format") == FORMAT_NAME:  # the reader's schema, checked before writing:
