@@ -50,7 +50,7 @@ from ..exceptions import SnapshotError
 from ..files import fsync_path
 from ..stats.spectrum import eigh_stored
 from .layout import MANIFEST, MAX_MANIFEST_BYTES
-from .manifest import eigen_tensors, wide_dtype_name
+from .manifest import check_chunks, eigen_tensors, wide_dtype_name
 from .manifest_json import parse_json
 from .manifest_types import (
     Manifest,
@@ -138,6 +138,10 @@ def read_cache(path: str, manifest: Manifest, digest: str
     meta = parse_json(read_small_file(where, RECORD, MAX_MANIFEST_BYTES), rpath)
     record_of(EigenCacheRecord).check(meta, "", Ctx(rpath))
     record = from_json(EigenCacheRecord, meta)
+    check_chunks("tensors", record.tensors, Ctx(rpath))  # the root over the chunk digests
+    if record.tensors.chunks is None:
+        raise SnapshotError(f"{rpath}: tensors.chunks is missing; expected the chunk digests "
+                            "the cache is written with")
     if record.manifest_sha256 != digest:
         raise SnapshotError(f"{rpath}: manifest_sha256 is {record.manifest_sha256}; expected "
                             f"{digest}, the sha256 of {os.path.join(path, MANIFEST)} (a cache "

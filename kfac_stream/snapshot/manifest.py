@@ -91,7 +91,7 @@ def _check_agreement(m: Manifest, ctx: Ctx) -> None:
         if info.rank >= world:
             raise SnapshotError(f"{file}: shards[{sname!r}].rank is {info.rank}; expected "
                                 f"a rank below world_size={world}")
-        _check_chunks(child_path("shards", sname, named=True), info, ctx)
+        check_chunks(child_path("shards", sname, named=True), info, ctx)
     for name in m.weights or {}:
         if name not in m.layers:
             raise SnapshotError(f"{file}: weights[{name!r}] names no tracked layer; expected "
@@ -119,7 +119,7 @@ def _check_agreement(m: Manifest, ctx: Ctx) -> None:
     _check_groups(m, ctx)
 
 
-def _check_chunks(spath: str, info: ShardEntry, ctx: Ctx) -> None:
+def check_chunks(spath: str, info: ShardEntry, ctx: Ctx) -> None:
     """A shard entry's chunked digests, if any, agree with its size and its sha256 (the root
     over them); ``spath``: the entry's key."""
     if (info.chunks is None) != (info.chunk_bytes is None):
