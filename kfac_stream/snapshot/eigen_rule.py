@@ -42,6 +42,10 @@ GPU_SECONDS_PER_D3 = 18.5 / 1.29e13
 CPU_THREAD_SECONDS_PER_D3 = 33.0 * 2 / 3.0e11
 #: A GPU eigh's fixed cost (launches, the host copy): small factors are not free.
 GPU_SECONDS_PER_FACTOR = 2e-3
+#: A CPU eigh's fixed cost (the float64 copy, symmetrising, the thread switch): 7 ms per factor
+#: measured on the 2-core CPU for the 22 factors of side 64-256 of benchmarks/
+#: snapshot_periodic.py --quick.
+CPU_SECONDS_PER_FACTOR = 5e-3
 #: Single float32 eighs timed on the H200 (benchmarks/scale.py ``EIGH_MEASURED``): ``{side:
 #: seconds}``. The prior takes, per factor, the larger of ``c · d³`` and the power law through
 #: these two (side 4096: 2.5x the ``c · d³`` figure): a rule that must not slow training
@@ -58,22 +62,22 @@ class EighRate:
         self.on_gpu = device is not None and torch.device(device).type == "cuda"
         self.per_d3 = GPU_SECONDS_PER_D3 if self.on_gpu else \
             CPU_THREAD_SECONDS_PER_D3 / max(1, threads or torch.get_num_threads())
+        self.fixed = GPU_SECONDS_PER_FACTOR if self.on_gpu else CPU_SECONDS_PER_FACTOR
         self.source = "prior"  # "prior": the figures above; "measured": this run's
 
     def seconds(self, sides: Iterable[int]) -> float:
         """Predicted seconds to decompose dense factors of these ``sides``."""
         sides = list(sides)
         if self.on_gpu and self.source == "prior":
-            return sum(max(self.per_d3 * float(d) ** 3 + GPU_SECONDS_PER_FACTOR,
-                           single_eigh_seconds(d)) for d in sides)
-        fixed = GPU_SECONDS_PER_FACTOR * len(sides) if self.on_gpu else 0.0
-        return self.per_d3 * sum(float(d) ** 3 for d in sides) + fixed
+            return sum(max(self.per_d3 * float(d) ** 3 + self.fixed, single_eigh_seconds(d))
+                       for d in sides)
+        return self.per_d3 * sum(float(d) ** 3 for d in sides) + self.fixed * len(sides)
 
     def measured(self, sides: Iterable[int], seconds: float) -> None:
         """A decomposition of ``sides`` took ``seconds``: use its rate from now on."""
         sides = list(sides)
         work = sum(float(d) ** 3 for d in sides)
-        fixed = GPU_SECONDS_PER_FACTOR * len(sides) if self.on_gpu else 0.0
+        fixed = self.fixed * len(sides)
         if work > 0 and seconds > fixed:
             self.per_d3, self.source = (seconds - fixed) / work, "measured"
 
