@@ -254,9 +254,9 @@ def _orthonormal_block(w: Tensor, basis: Tensor, ref: float) -> Tensor:
     through the ``[b, b]`` Gram matrix (float64 on the CPU), dropping the directions whose norm
     is below the rounding level relative to ``ref`` (``‖F‖_F``; 1 for the start block)."""
     w = w.clone()
-    for _ in range(2):
+    for _ in range(2):  # (wᵀ basis)ᵀ, not basisᵀ w: a column slice's transpose is a slow GEMM
         if basis.shape[1]:
-            w -= basis @ (basis.T @ w)  # [d, b]
+            w -= basis @ (w.T @ basis).T  # [d, b]
     gram = (w.T @ w).to("cpu", torch.float64)  # [b, b]
     sq, u = torch.linalg.eigh((gram + gram.T) * 0.5)  # [b], [b, b]
     eps = torch.finfo(w.dtype).eps
@@ -266,7 +266,7 @@ def _orthonormal_block(w: Tensor, basis: Tensor, ref: float) -> Tensor:
     u = (u[:, keep] / sq[keep].sqrt()).to(w.device, w.dtype)  # [b, b']
     x = w @ u  # [d, b'] nearly orthonormal
     if basis.shape[1]:
-        x -= basis @ (basis.T @ x)
+        x -= basis @ (x.T @ basis).T
     return torch.linalg.qr(x).Q  # [d, b']
 
 
