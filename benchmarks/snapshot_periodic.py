@@ -8,9 +8,10 @@ update_every=2, snapshot_every=4, min_window_sequences=0))``, everything else th
 (``eigendecompose="auto"``), in one process. Counted: every factor eigendecomposition (calls
 of the CPU path's ``safe_psd_eigh``, on any thread) while each snapshot is finished, from the
 manifests' ``eigen`` entries and the counts. Timed: ``snapshot_hold_seconds`` (the training
-thread's part of each snapshot), then for the last periodic snapshot ``Snapshot.load`` without
-eigendecomposition, with ``eigen=True`` the first time (decomposed and cached beside it) and
-again (the cache read), median of ``--reps`` (3) loads for the plain and the cached ones.
+thread's part of each snapshot) and the training thread's whole ``save_snapshot`` (with its
+wait for the snapshot before, if that one is still being finished), then for the last periodic
+snapshot ``Snapshot.load`` without eigendecomposition, with ``eigen=True`` the first time
+(decomposed and cached beside it) and again (the cache read), median of ``--reps`` (3) loads for the plain and the cached ones.
 
 Prints the figures and writes ``benchmarks/results/snapshot_periodic.json``. Targets: a
 periodic snapshot launches no eigh at the default rule and holds the training thread
@@ -33,6 +34,7 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
+import kfac_stream.tracking.session as session_module
 from kfac_stream import KFACConfig, KFACStreamCallback, Snapshot
 from kfac_stream.stats import spectrum
 
@@ -73,19 +75,32 @@ def run(a, cfg: dict, tmp: str) -> dict:
                              per_device_train_batch_size=4, max_steps=a.steps)
     eighs: list[int] = []
     undo = counted_eighs(eighs)
+    saves: list[float] = []  # the training thread's whole save_snapshot: a wait included
+    real_save = session_module.TrackingSession.save_snapshot
+
+    def save(self, *args, **kw):
+        t = time.perf_counter()
+        try:
+            return real_save(self, *args, **kw)
+        finally:
+            saves.append(time.perf_counter() - t)
+
+    session_module.TrackingSession.save_snapshot = save
     try:
         Trainer(model=model, args=args, train_dataset=RandomTokens(4 * a.steps, a.seq,
                                                                    cfg["vocab_size"]),
                 callbacks=[kfac]).train()
     finally:
         undo()
+        session_module.TrackingSession.save_snapshot = real_save
     metas = [json.loads(Path(p, "manifest.json").read_text()) for p in kfac.snapshots]
     factors = len({e[f]["key"] for e in metas[-1]["layers"].values() for f in ("A", "G")})
     periodic = [m for m in metas if not m["eigen"]["final"]]
     in_run = [m for m in metas if m["eigen"]["in_run"]]
     last = kfac.snapshots[len(periodic) - 1]
     out = {"snapshots": [{"step": m["step"], **m["eigen"]} for m in metas],
-           "hold_s": kfac.snapshot_hold_seconds, "factors": factors,
+           "hold_s": kfac.snapshot_hold_seconds, "save_snapshot_s": saves,
+           "factors": factors,
            # the final snapshot decomposes every factor once; the rest came from periodic ones
            "eighs_total": len(eighs),
            "eighs_in_periodic": len(eighs) - factors * sum(m["eigen"]["final"] for m in in_run),
@@ -118,6 +133,8 @@ def main(argv=None) -> None:
                 "hold": max(periodic_holds) <= HOLD_S}
     for s in r["snapshots"]:
         print(f"step {s['step']}: in_run={s['in_run']} ({s['reason']})")
+    print(f"save_snapshot on the training thread (a wait for the previous one included): "
+          f"{', '.join(f'{h:.2f} s' for h in r['save_snapshot_s'])}")
     print(f"holds {', '.join(f'{h * 1e3:.1f} ms' for h in r['hold_s'])} (target <= "
           f"{HOLD_S * 1e3:.0f} ms); eigh calls {r['eighs_total']} for {r['factors']} factors, "
           f"{r['eighs_in_periodic']} in periodic snapshots")
