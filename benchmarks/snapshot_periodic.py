@@ -11,7 +11,8 @@ manifests' ``eigen`` entries and the counts. Timed: ``snapshot_hold_seconds`` (t
 thread's part of each snapshot) and the training thread's whole ``save_snapshot`` (with its
 wait for the snapshot before, if that one is still being finished), then for the last periodic
 snapshot ``Snapshot.load`` without eigendecomposition, with ``eigen=True`` the first time
-(decomposed and cached beside it) and again (the cache read), median of ``--reps`` (3) loads for the plain and the cached ones.
+(decomposed and cached beside it) and again (the cache read), median of ``--reps`` (3) loads
+for the plain and the cached ones.
 
 Prints the figures and writes ``benchmarks/results/snapshot_periodic.json``. Targets: a
 periodic snapshot launches no eigh at the default rule and holds the training thread
