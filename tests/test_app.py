@@ -111,13 +111,24 @@ def test_app_logs_spectra_to_wandb_and_tensorboard(single_run):
         tb_order = [v for _, v in tb["train/kfac/snapshot_step"]]
         assert tb_order.count(snap.step) == 1
         j = tb_order.index(snap.step)
+        estimated = not snap.in_run_eigen  # deferred: Lanczos estimates, flagged
+        assert logged[0]["train/kfac/spectra_estimated"] == float(estimated)
         for key, value in want.items():
-            assert logged[0][f"train/{key}"] == pytest.approx(value, rel=RTOL), key
-            assert tb[f"train/{key}"][j][1] == pytest.approx(value, rel=RTOL), key
+            rel = RTOL
+            if estimated:  # the stated errors: λ_max 1e-3, eff. rank 2%; the trace is the
+                # diagonal sum, the eigenvalues' after clipping fp16-rounding negatives at 0
+                if key.endswith("log10_cond"):  # λ_min is not estimated to any bound
+                    continue
+                rel = {"max": 1e-3, "trace": 1e-4, "eff_rank": 0.02}[key.rsplit("/", 1)[1]]
+            assert logged[0][f"train/{key}"] == pytest.approx(value, rel=rel), key
+            assert tb[f"train/{key}"][j][1] == pytest.approx(value, rel=max(rel, RTOL)), key
         for f in ("A", "G"):  # the across-layer summary is that of the per-layer values
             vals = sorted(v for k, v in want.items() if k.endswith(f"/{f}/trace"))
-            assert logged[0][f"train/kfac/summary/{f}/trace_max"] == pytest.approx(vals[-1])
-            assert logged[0][f"train/kfac/summary/{f}/trace_min"] == pytest.approx(vals[0])
+            rel = 1e-4 if estimated else 1e-6
+            assert logged[0][f"train/kfac/summary/{f}/trace_max"] == pytest.approx(vals[-1],
+                                                                                    rel=rel)
+            assert logged[0][f"train/kfac/summary/{f}/trace_min"] == pytest.approx(vals[0],
+                                                                                    rel=rel)
     media = [r for r in rows if any(k.startswith("kfac_hist/") for k in r)]
     assert len(media) == len(snaps) and all("kfac_media/spectra" in r for r in media)
     assert any("train/kfac/tracker/positions_sampled" in r for r in rows)  # cheap, in between
