@@ -377,13 +377,21 @@ class FactorUpdater:
         (anything that touches the store) waits for it first. ``task`` may call `fold_now`
         (not `flush`: that waits for the queue the task is in)."""
         future: Future = Future()
+
+        def on_stream() -> object:  # where the pending statistics were accumulated
+            if self._stream is None:
+                return task()
+            torch.cuda.set_device(self.device)
+            with torch.cuda.stream(self._stream):
+                return task()
+
         if self._queue is not None:
             self._raise_worker_error()
-            self._queue.put(_Task(task, future))
+            self._queue.put(_Task(on_stream, future))
             return future
         self.settle()
         self._task = future
-        threading.Thread(target=_Task(task, future).run, name="kfac-stream-capture",
+        threading.Thread(target=_Task(on_stream, future).run, name="kfac-stream-capture",
                          daemon=True).start()
         return future
 
