@@ -98,7 +98,9 @@ def cached_or_computed(path: str, manifest: Manifest, stored: dict[str, tuple],
                        ) -> tuple[dict[str, torch.Tensor], EigenCacheRecord]:
     """``({<key>.eigvals / <key>.eigvecs: tensor}, record)`` of snapshot ``path``: read from its
     cache, else computed (``stored``: ``{key: (data, scale)}``, the snapshot's stored factors,
-    decomposed on ``device``, None: the CPU in float64) and cached (module docstring)."""
+    decomposed on ``device``, None: the CPU in float64) and cached (module docstring). A
+    record whose ``file`` is empty was not cached (an unwritable snapshot directory): its
+    ``tensors`` entry holds no digest."""
     digest = hashlib.sha256(read_small_file(path, MANIFEST, MAX_MANIFEST_BYTES)).hexdigest()
     found = read_cache(path, manifest, digest)
     if found is not None:
