@@ -25,8 +25,8 @@ import torch
 
 from ..enums import StorageDtype
 from ..exceptions import EigendecompositionError
-from ..factor_keys import FACTOR_KINDS
 from ..stats.spectrum import eigh_stored
+from .spectra_estimate import owned_entries
 from .writer import Deferred, write_order
 
 #: Factors the producer may run ahead of the writer (their results held on the host).
@@ -69,12 +69,7 @@ class EigenStream:
         self.on_result, self.report = on_result, report
         self.dtype = StorageDtype(manifest["storage_dtype"]).wide_dtype
         self.eigvals: dict[str, torch.Tensor] = {}
-        self._entries: dict[str, list[dict]] = {}  # key -> manifest factor entries
-        for entry in manifest["layers"].values():
-            for factor in FACTOR_KINDS:
-                key = entry[factor]["key"]
-                if key in tensors and f"{key}.scale" in tensors:  # owned here
-                    self._entries.setdefault(key, []).append(entry[factor])
+        self._entries = owned_entries(tensors, manifest)  # key -> manifest factor entries
         for key in self._entries:
             d = tuple(tensors[key].shape)
             tensors[f"{key}.eigvals"] = Deferred(self.dtype, d[:1], self._getter(key, 0))
