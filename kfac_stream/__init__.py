@@ -40,7 +40,8 @@ _LAZY = {
     "whole_model": "integrations.zero3",
     "fit_prior_precision": "query.heldout_tau", "HeldoutPrior": "snapshot.heldout_prior",
     "influence_scores": "query.influence", "Influence": "query.influence",
-    "InfluenceScores": "query.influence",
+    "InfluenceScores": "query.influence", "self_influence": "query.influence",
+    "influence_memory": "query.influence",
 }
 
 
@@ -76,7 +77,7 @@ __all__ = [
     "answer_distribution", "generated_answers", "AnswerDistribution", "GeneratedAnswers",
     "abstain",
     "fit_prior_precision", "HeldoutPrior",
-    "influence_scores", "Influence", "InfluenceScores",
+    "influence_scores", "Influence", "InfluenceScores", "self_influence", "influence_memory",
     "whole_model",
     # enums
     "FisherType",

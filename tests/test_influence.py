@@ -10,7 +10,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kfac_stream import Influence, LaplacePosterior, QueryInputError, Snapshot, influence_scores
+from kfac_stream import (
+    Influence,
+    LaplacePosterior,
+    QueryInputError,
+    Snapshot,
+    influence_memory,
+    influence_scores,
+    self_influence,
+)
 from kfac_stream.query.influence import HEURISTIC_FACTOR
 
 from harness import run, sum_nll_loss
@@ -184,3 +192,116 @@ def test_batches_without_labels_are_refused(lm):
         influence_scores(lm, bare, [batch])
     with pytest.raises(QueryInputError, match="no training examples"):
         influence_scores(lm, batch, [])
+
+
+# -- self-influence and many queries in one pass ------------------------------------------------
+
+SELF_TOL = 1e-10  # float64 end to end (factors stored in float64, float64 eigh): roundoff only
+
+
+def test_self_influence_equals_the_dense_solve(lm):
+    """``I(z, z)`` of every training example: the diagonal of the dense ``[N, N]`` solve, in
+    the order of the batches, through the method and the package function."""
+    train = text_examples(6, 12, seed=7, lengths=[12, 8, 11, 12, 5, 9])
+    inf = Influence(lm)
+    got = inf.self_scores([_stack(train[:4]), _stack(train[4:])])
+    want = _dense_scores(lm, inf.damping, train, train, _lm_loss).diagonal()
+    print(f"self-influence: rel err {_rel(got, want):.2e}")
+    assert got.shape == (6,) and got.dtype == torch.float64
+    assert _rel(got, want) <= SELF_TOL
+    assert (got > 0).all()  # ⟨g, (F + λ)⁻¹ g⟩ of a non-zero gradient
+    same = self_influence(lm, [_stack(train)], damping=inf.damping[lm.layer_names[0]])
+    want = _dense_scores(lm, dict.fromkeys(lm.layer_names, inf.damping[lm.layer_names[0]]),
+                         train, train, _lm_loss).diagonal()
+    assert _rel(same, want) <= SELF_TOL
+
+
+def test_self_influence_of_a_classifier_equals_the_dense_solve(tmp_path):
+    model, snap, ex = tiny_classifier_run(tmp_path)
+    model.eval()
+    post = LaplacePosterior(model, snap, 1.0)
+    inf = Influence(post, "prior")
+    got = inf.self_scores([_stack(ex)])
+    want = _dense_scores(post, inf.damping, ex, ex, _clf_loss).diagonal()
+    assert _rel(got, want) <= SELF_TOL
+
+
+class _Counted:
+    """Training batches that count how often each example is handed out."""
+
+    def __init__(self, batches):
+        self.batches, self.reads = batches, 0
+
+    def __len__(self):
+        return len(self.batches)
+
+    def __iter__(self):
+        for b in self.batches:
+            self.reads += len(b["input_ids"])
+            yield b
+
+
+def test_many_queries_read_each_training_example_once_and_equal_one_query_at_a_time(lm):
+    """Eight queries in one call: each training example read once (counted by the batches
+    handed out and by the model's forwards on training inputs), the scores equal to eight
+    one-query calls (each of which reads the whole set) and to the dense solve."""
+    queries = text_examples(8, 10, seed=11)
+    train = text_examples(7, 12, seed=13, lengths=[12, 9, 12, 7, 12, 10, 12])
+    batches = _Counted([_stack(train[:3]), _stack(train[3:6]), _stack(train[6:])])
+    seen = []
+    hook = lm.model.register_forward_hook(lambda m, a, k, o: seen.append(len(k["input_ids"])),
+                                          with_kwargs=True)
+    try:
+        inf = Influence(lm)
+        got = inf.scores([_stack(queries[:5]), _stack(queries[5:])], batches)
+    finally:
+        hook.remove()
+    assert batches.reads == 7 and got.examples_read == 7
+    assert seen == [5, 3, 3, 3, 1]  # two query batches, then each training batch once
+    one = torch.stack([inf.scores(_stack([q]), batches.batches).scores[0] for q in queries])
+    print(f"8 queries at once vs one by one: max abs diff "
+          f"{float((got.scores - one).abs().max()):.2e}")
+    assert _rel(got.scores, one) <= SELF_TOL
+    assert _rel(got.scores, _dense_scores(lm, inf.damping, queries, train, _lm_loss)) <= SELF_TOL
+    assert got.query_bytes == 8 * influence_memory(lm, 1, 1, 1)["query_rows"]
+    assert got.query_bytes_on_host == 0
+
+
+def test_a_device_cap_on_the_query_rows_keeps_the_scores(lm):
+    """On the CPU the model's device is the host: nothing moves, the scores are the same."""
+    queries = _stack(text_examples(3, 10, seed=3))
+    train = [_stack(text_examples(4, 12, seed=4))]
+    inf = Influence(lm)
+    full = inf.scores(queries, train)
+    capped = inf.scores(queries, train, query_device_bytes=0)
+    assert capped.query_bytes == full.query_bytes > 0 and capped.query_bytes_on_host == 0
+    assert torch.equal(capped.scores, full.scores)
+    with pytest.raises(QueryInputError, match="query_device_bytes"):
+        inf.scores(queries, train, query_device_bytes=-1)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: query rows past the "
+                    "device cap wait in host memory only when the model is on a GPU")
+def test_query_rows_past_the_device_cap_wait_on_the_host_with_the_same_scores(lm):
+    post = LaplacePosterior(lm.model.cuda(), lm.snapshot, 2.0)
+    try:
+        queries = {k: v.cuda() for k, v in _stack(text_examples(3, 10, seed=3)).items()}
+        train = [{k: v.cuda() for k, v in _stack(text_examples(4, 12, seed=4)).items()}]
+        inf = Influence(post)
+        full = inf.scores(queries, train)
+        half = full.query_bytes // 2
+        capped = inf.scores(queries, train, query_device_bytes=half)
+        assert 0 < capped.query_bytes_on_host <= full.query_bytes
+        assert full.query_bytes - capped.query_bytes_on_host <= half
+        assert _rel(capped.scores, full.scores) <= SELF_TOL
+    finally:
+        lm.model.cpu()
+
+
+def test_influence_memory_counts_the_tracked_weights(lm):
+    """``W``: every tracked layer's weight and bias entries (the model's own parameters)."""
+    modules = dict(lm.model.named_modules())
+    want = sum(p.numel() for n in lm.layer_names for p in modules[n].parameters())
+    mem = influence_memory(lm, rows=64, batch=8, tokens=12)
+    assert mem["tracked_weights"] == want
+    assert mem["query_rows"] == 64 * want * 8  # float64: 8 bytes

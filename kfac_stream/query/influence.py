@@ -33,15 +33,34 @@ the corrected eigenvalues ``λ_ij`` in place of ``γ_i α_j`` (and ``"heuristic"
 ``"ekfac"``: the corrected ones, an error if a layer has none. A run that asked for the
 correction gets it; one that did not is unchanged.
 
-Cost and memory. The query gradients are preconditioned once (``R × Σ_l d_out·d_A`` numbers for
-``R`` query rows: the queries, or their completion tokens for the per-token split). A training
-batch runs one forward and one backward of its summed loss (its examples are independent, so
-each row's output gradients are its own); per layer the hooks' factors give the per-example
-gradient ``Σ_t g_t ā_tᵀ`` either as a dense ``[B, d_out, d_A]`` (cost ``B·T·d_out·d_A``, then
-``R·B·d_out·d_A`` for the inner products) or, when cheaper (``R·T < T + R``: one query row),
-never formed: ``Σ_t g_tᵀ P ā_t`` directly. Memory does not grow with the training set: only
-the ``[R, N]`` scores are kept. Everything runs on the model's device, in the model's precision
-(float64 models: float64), scores accumulated in float64.
+Self-influence (`Influence.self_scores`, `self_influence`): ``I(z, z) = Σ_l ∇_l L(z)ᵀ
+(F_l + λ_l I)⁻¹ ∇_l L(z)``, each training example against itself, one forward and backward per
+batch and no queries: the score that ranks mislabelled or atypical examples first (its value is
+large where the model needed a large, poorly explained step for that example alone).
+
+Cost and memory. Each training example is read once, whatever the number of queries: the
+query gradients are preconditioned once, before the training set is read (``R`` rows: the
+queries, or their completion tokens for the per-token split), and every training batch runs one
+forward and one backward of its summed loss (its examples are independent, so each row's output
+gradients are its own) and is scored against every row (`InfluenceScores.examples_read` counts
+what was read). Per layer the hooks' factors give the per-example gradient ``Σ_t g_t ā_tᵀ``
+either as a dense ``[B, d_out, d_A]`` (cost ``B·T·d_out·d_A``, then ``R·B·d_out·d_A`` for the
+inner products) or, when cheaper (``R·T < T + R``: one query row), never formed:
+``Σ_t g_tᵀ P ā_t`` directly. Peak memory beyond the model's own forward and backward, with
+``W = Σ_l d_out·d_A`` the tracked weights (bias columns included) and ``s`` the feature dtype's
+bytes (`influence_memory`):
+
+* the preconditioned query rows, ``R·W·s`` (64 queries on a 1.1B Llama's ~0.97e9 tracked weights
+  in bf16: 124 GB); ``query_device_bytes`` caps their share on the model's device, the rest is
+  held in host memory (pinned on CUDA) and copied to the device a layer at a time for each
+  training batch (each training gradient is still formed once; the copy is ``R·W·s`` bytes per
+  batch, so larger training batches amortise it);
+* one training batch's hooks (``B·T·Σ_l (d_A + d_out)·s``) and one layer's per-example
+  gradients (``B·max_l d_out·d_A·s``);
+* the ``[R, N]`` float64 scores on the host: nothing else grows with the training set.
+
+Everything runs on the model's device, in the model's precision (float64 models: float64),
+scores accumulated in float64.
 """
 
 from __future__ import annotations
@@ -89,6 +108,10 @@ class InfluenceScores:
             ``labels`` (``-1`` past its tokens); None with ``token_scores``.
         damping: ``{layer: λ_l}``.
         layers: The layers summed over.
+        examples_read: Training examples read (each once: one forward and backward per
+            batch, scored against every query row).
+        query_bytes: Bytes of the preconditioned query rows (``R·W·s``, module docstring).
+        query_bytes_on_host: The part of them held in host memory (``query_device_bytes``).
     """
 
     scores: Tensor
@@ -96,6 +119,9 @@ class InfluenceScores:
     token_positions: Tensor | None
     damping: dict[str, float]
     layers: tuple[str, ...]
+    examples_read: int = 0
+    query_bytes: int = 0
+    query_bytes_on_host: int = 0
 
     def top_k(self, k: int = 10) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
         """``((helpful indices [Q, k], scores [Q, k]), (harmful indices, scores))``: the
@@ -298,23 +324,85 @@ class Influence:
             pos = torch.cat([F.pad(p, (0, width - p.shape[1]), value=-1) for p in positions])
         return {n: torch.cat(v) for n, v in parts.items()}, rows_per_query, pos
 
-    def _train_scores(self, q: dict[str, Tensor], batch: Mapping[str, Tensor]) -> Tensor:
-        """``[R, B]`` float64: the query rows' inner products with the batch's per-example
-        gradients, layer by layer in the cheaper of the dense and the factored form."""
+    def _train_scores(self, q: dict[str, Tensor], batch: Mapping[str, Tensor]
+                      ) -> tuple[Tensor, int]:
+        """``([R, B] float64, B)``: the query rows' inner products with the batch's
+        per-example gradients, layer by layer in the cheaper of the dense and the factored
+        form (rows held on the host are copied to the batch's device first, a layer at a
+        time)."""
         a, g, _, _ = self._io("influence_scores", batch, per_token=False)
         total = None
+        size = 0
         for n, p in q.items():
             rows, steps = p.shape[0], a[n].shape[1]
+            size = a[n].shape[0]
+            p = p.to(a[n].device, non_blocking=True)
             if rows * steps < steps + rows:  # one query row: Σ_t g_tᵀ P ā_t, no dense grad
                 s = torch.einsum("bti,rij,btj->rb", g[n], p, a[n])
             else:
                 s = torch.einsum("rij,bij->rb", p, torch.einsum("bti,btj->bij", g[n], a[n]))
             total = s.double() if total is None else total + s.double()
-        return total
+        if total is None:  # no tracked layer ran: every score is 0
+            size = inputs.check_batch("influence_scores", "batch", batch,
+                                      inputs.input_vocab(self.model))[0]
+            total = torch.zeros(len(next(iter(q.values()))), size, dtype=torch.float64)
+        return total, size
+
+    @staticmethod
+    def _place(q: dict[str, Tensor], device_bytes: int | None) -> int:
+        """Move the rows of the layers past ``device_bytes`` (in order) to host memory
+        (pinned when they come from CUDA); the bytes moved."""
+        used = moved = 0
+        for n, p in q.items():
+            size = p.numel() * p.element_size()
+            if device_bytes is not None and used + size > device_bytes and p.device.type != \
+                    "cpu":
+                q[n] = p.to("cpu").pin_memory() if p.is_cuda else p.to("cpu")
+                moved += size
+            else:
+                used += size
+        return moved
+
+    def self_scores(self, train: Iterable[Mapping[str, Tensor]], *,
+                    show_progress: bool | None = None) -> Tensor:
+        """Self-influence ``I(z_n, z_n)`` of every training example (module docstring):
+        ``[N]`` float64 on the CPU, in the order of ``train`` (an iterable of batches with
+        ``labels``, on the model's device; read once). Higher: the example is explained
+        worse by the rest of the curvature (mislabelled or atypical examples rank first)."""
+        out = []
+        for batch in self._batches(train, "self-influence", show_progress):
+            a, g, _, counts = self._io("self_influence", batch, per_token=False)
+            total = torch.zeros(len(counts), dtype=torch.float64)
+            for n in a:
+                v = torch.einsum("bti,btj->bij", g[n], a[n])  # [B, d_out, d_A]
+                p = self.precondition({n: v})[n]
+                total += (v * p).sum((1, 2)).double().cpu()
+            out.append(total)
+        if not out:
+            raise QueryInputError("self_influence: no training examples")
+        return torch.cat(out)
+
+    @staticmethod
+    def _batches(train: Iterable[Mapping[str, Tensor]], desc: str,
+                 show_progress: bool | None):
+        """``train``'s batches, with a progress bar over them."""
+        total = None
+        try:
+            total = len(train)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+        bar = progress(total=total, desc=desc, unit="batch", show=show_progress)
+        try:
+            for batch in train:
+                yield batch
+                bar.update(1)
+        finally:
+            bar.close()
 
     def scores(self, queries: Mapping[str, Tensor] | Iterable[Mapping[str, Tensor]],
                train: Iterable[Mapping[str, Tensor]], *, per_token: bool = False,
-               show_progress: bool | None = None) -> InfluenceScores:
+               show_progress: bool | None = None,
+               query_device_bytes: int | None = None) -> InfluenceScores:
         """The influence of every training example on every query.
 
         Args:
@@ -328,6 +416,9 @@ class Influence:
                 the preconditioned rows' memory).
             show_progress: A progress bar over the training batches: None (on a terminal),
                 True or False.
+            query_device_bytes: At most this many bytes of preconditioned query rows stay on
+                the model's device; the rest wait in host memory and are copied a layer at a
+                time for each training batch (module docstring). None: all on the device.
 
         Returns:
             An `InfluenceScores`.
@@ -335,20 +426,17 @@ class Influence:
         if isinstance(queries, Mapping):
             queries = [queries]
         inputs.check_flag("influence_scores", "per_token", per_token)
+        if query_device_bytes is not None:
+            inputs.check_int("influence_scores", "query_device_bytes", query_device_bytes, 0)
         q, rows_per_query, pos = self._query_rows(queries, per_token)
+        query_bytes = sum(p.numel() * p.element_size() for p in q.values())
+        on_host = self._place(q, query_device_bytes)
         cols = []
-        total = None
-        try:
-            total = len(train)  # type: ignore[arg-type]
-        except TypeError:
-            pass
-        bar = progress(total=total, desc="influence", unit="batch", show=show_progress)
-        try:
-            for batch in train:
-                cols.append(self._train_scores(q, batch).cpu())
-                bar.update(1)
-        finally:
-            bar.close()
+        read = 0
+        for batch in self._batches(train, "influence", show_progress):
+            col, size = self._train_scores(q, batch)
+            cols.append(col.cpu())
+            read += size
         if not cols:
             raise QueryInputError("influence_scores: no training examples")
         rows = torch.cat(cols, dim=1)  # [R, N]
@@ -367,7 +455,8 @@ class Influence:
                 start += r
         return InfluenceScores(scores=scores, token_scores=token_scores,
                                token_positions=pos, damping=dict(self.damping),
-                               layers=self.layers)
+                               layers=self.layers, examples_read=read,
+                               query_bytes=query_bytes, query_bytes_on_host=on_host)
 
 
 def influence_scores(post: LaplacePosterior,
@@ -379,3 +468,28 @@ def influence_scores(post: LaplacePosterior,
     of every training example on every query (module docstring; arguments as there)."""
     return Influence(post, damping, eigenvalues).scores(queries, train, per_token=per_token,
                                            show_progress=show_progress)
+
+
+def self_influence(post: LaplacePosterior, train: Iterable[Mapping[str, Tensor]], *,
+                   damping: float | str = "heuristic", eigenvalues: str = "auto",
+                   show_progress: bool | None = None) -> Tensor:
+    """`Influence` ``(post, damping, eigenvalues).self_scores(train)``: ``[N]`` float64, each
+    training example's influence on itself (module docstring), in the order of ``train``."""
+    return Influence(post, damping, eigenvalues).self_scores(train, show_progress=show_progress)
+
+
+def influence_memory(post: LaplacePosterior, rows: int, batch: int, tokens: int,
+                     itemsize: int | None = None) -> dict[str, int]:
+    """The bytes `Influence.scores` holds beyond the model's forward and backward (module
+    docstring), for ``rows`` query rows and training batches of ``batch`` examples of
+    ``tokens`` positions: ``{"query_rows": R·W·s, "batch_hooks": B·T·Σ(d_A + d_out)·s,
+    "batch_gradients": B·max d_out·d_A·s, "tracked_weights": W}`` (``s``: ``itemsize``, by
+    default the posterior's feature dtype's)."""
+    s = itemsize or torch.empty((), dtype=post.feature_dtype).element_size()
+    metas = [post.snapshot[n].meta for n in post.layer_names]
+    shapes = [(int(m["d_out"]), int(m["d_in"]) + bool(m["has_bias"])) for m in metas]
+    weights = sum(o * a for o, a in shapes)
+    return {"query_rows": rows * weights * s,
+            "batch_hooks": batch * tokens * sum(o + a for o, a in shapes) * s,
+            "batch_gradients": batch * max((o * a for o, a in shapes), default=0) * s,
+            "tracked_weights": weights}
