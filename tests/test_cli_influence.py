@@ -18,9 +18,9 @@ import re
 import pytest
 import torch
 
-from kfac_stream import Influence, LaplacePosterior, Snapshot, influence_scores
+from kfac_stream import Influence, LaplacePosterior, Snapshot, influence_scores, self_influence
 from kfac_stream.app import data as appdata
-from kfac_stream.cli import INFLUENCE_EXPLAINED, TEXT_WIDTH
+from kfac_stream.cli import INFLUENCE_EXPLAINED, SELF_INFLUENCE_EXPLAINED, TEXT_WIDTH
 from kfac_stream.cli import main as cli_main
 from kfac_stream.query.token_table import show_token
 
@@ -393,6 +393,14 @@ def test_classifier_queries_and_labelled_texts(classifier, capsys, tmp_path):
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     assert "query 0: 'def f(x):' label 'neg'" in out and "label 'pos'" in out
+    own = ["influence", "--snapshot", str(tmp / "kfac"), "--model", str(tmp / "model"),
+           "--byte-level", "--train", str(train), "--seq-len", "8", "--self"]
+    assert cli_main([*own, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    want = self_influence(LaplacePosterior(model, snap, 1.0), [pad(examples)])
+    assert doc["scores"] == pytest.approx(want.tolist(), rel=JSON_RTOL)
+    assert [(r["index"], r["label"]) for r in doc["ranked"]] == [
+        (j, LABELS[examples[j][1]]) for j in want.sort(descending=True).indices.tolist()]
 
 
 def test_bad_arguments_exit_2_with_one_line(app_run, classifier, capsys, tmp_path):
@@ -483,3 +491,31 @@ def test_train_app_without_a_run_config(app_run, capsys, tmp_path):
     cli_error(capsys, args, "--train app: no run config found", "pass --app-config")
     assert cli_main([*args, "--app-config", str(run_dir), "--max-train", "4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["train_examples"] == 4
+
+
+def test_self_influence_ranks_the_training_examples(app_run, capsys):
+    """``--self``: the table's top 4 and ``--json``'s every score equal `self_influence` on the
+    app's windows (rebuilt here, batched otherwise); a query is refused beside it."""
+    run_dir, model, snap = app_run
+    n = 30
+    base = ["influence", "--snapshot", str(run_dir / "kfac"), "--model", str(run_dir / "model"),
+            "--train", "app", "--max-train", str(n), "--self"]
+    assert cli_main([*base, "--json", "--batch-size", "7"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    want = self_influence(LaplacePosterior(model, snap, 1.0), stack(app_windows(n), 10))
+    assert doc["self_influence"] is True and "queries" not in doc
+    assert doc["scores"] == pytest.approx(want.tolist(), rel=JSON_RTOL)
+    order = want.sort(descending=True).indices.tolist()
+    assert [r["index"] for r in doc["ranked"]] == order[:5]  # --top-k 5 by default
+    assert [r["rank"] for r in doc["ranked"]] == [1, 2, 3, 4, 5]
+    assert cli_main([*base, "--top-k", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == SELF_INFLUENCE_EXPLAINED
+    assert out[1].split() == ["rank", "example", "self-influence", "text"]
+    rows = [line.split()[:3] for line in out[2:6]]
+    assert [int(r[1]) for r in rows] == order[:4]
+    for (_, j, score) in rows:
+        assert float(score) == pytest.approx(float(want[int(j)]), rel=PRINTED_RTOL)
+    assert "self-influence;" in out[-1]
+    cli_error(capsys, [*base, "--query", "x", "--completion", "y"], "--query",
+              "is not allowed with --self")

@@ -15,11 +15,11 @@ from ..exceptions import KFACStreamError
 from .demo import add_demo_parser, run_demo
 from .influence import add_influence_parser, run_influence
 from .inspect import add_inspect_parser, run_inspect
-from .output import INFLUENCE_EXPLAINED, TEXT_WIDTH
+from .output import INFLUENCE_EXPLAINED, SELF_INFLUENCE_EXPLAINED, TEXT_WIDTH
 from .query import add_query_parser, run_query
 from .train import add_train_parser, run_train
 
-__all__ = ["INFLUENCE_EXPLAINED", "TEXT_WIDTH", "main"]
+__all__ = ["INFLUENCE_EXPLAINED", "SELF_INFLUENCE_EXPLAINED", "TEXT_WIDTH", "main"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,7 +37,12 @@ from .loading import (
     parse_prior_precision,
     word_or_number,
 )
-from .output import influence_footer, influence_status, influence_table
+from .output import (
+    influence_footer,
+    influence_status,
+    influence_table,
+    self_influence_table,
+)
 
 # -- `kfac-stream influence`: influence scores of training examples on queries -----
 # ``kfac-stream influence``: which training examples made the model say this.
@@ -88,8 +93,13 @@ def add_influence_parser(sub) -> None:
         "--query-file with JSON lines {\"prompt\", \"completion\"}); a sequence classifier's is "
         "a text and its label (--query TEXT --label NAME|ID, or {\"text\", \"label\"} lines). "
         "Prints the top-K most helpful and most harmful training examples per query "
-        "(docs/influence.md).")
+        "(docs/influence.md). --self instead ranks the training examples by their influence on "
+        "themselves (grad L(example)^T (F + damping)^-1 grad L(example)): mislabelled and "
+        "atypical examples first.")
     p.add_argument("--snapshot", required=True, help="snapshot directory (or its parent)")
+    p.add_argument("--self", dest="self_influence", action="store_true", help="no queries: "
+                   "rank the training examples by self-influence (highest first: mislabelled "
+                   "or atypical examples); --top-k of them shown, --json holds every score")
     p.add_argument("--model", required=True, help="model directory, PEFT adapter directory or "
                    "hub name (a causal LM or a sequence classifier)")
     p.add_argument("--train", required=True, metavar="DATA", help="the training examples: "
@@ -161,12 +171,19 @@ def _check_influence_ints(args) -> None:
 
 def _check_influence_args(args) -> None:
     """The queries' flags, before the model's task is known; ``--train`` and the files."""
-    if args.query_file is not None and (args.query or args.completion or args.label):
+    if args.self_influence:
+        given = [f for f, v in (("--query", args.query), ("--completion", args.completion),
+                                ("--label", args.label), ("--query-file", args.query_file),
+                                ("--per-token", args.per_token)) if v]
+        if given:
+            raise QueryInputError(f"{given[0]} is not allowed with --self: self-influence "
+                                  "scores each training example against itself (no queries)")
+    elif args.query_file is not None and (args.query or args.completion or args.label):
         raise QueryInputError("--query-file is not allowed with --query, --completion or "
                               "--label: pass the queries one way")
-    if args.query_file is None and not args.query:
+    if not args.self_influence and args.query_file is None and not args.query:
         raise QueryInputError("one of --query (with --completion for a causal LM, --label for "
-                              "a classifier) or --query-file FILE is required")
+                              "a classifier), --query-file FILE or --self is required")
     if args.query_file is not None:
         _check_file("--query-file", args.query_file, "a JSON-lines file of queries")
     if args.train != "app":
@@ -301,7 +318,7 @@ def run_influence(args) -> int:
     influence_status(f"snapshot {snap.path}: {len(snap)} layers; loading {TASK_NAMES[task]} "
                      f"{model_shown(args)} ...")
     model = load_model(args.model, task, args.adapter)
-    queries = influence_queries(args, task, model, tokenizer)
+    queries = [] if args.self_influence else influence_queries(args, task, model, tokenizer)
     train = load_train_set(args, task, model, tokenizer)
     model.to(device)
     post, inf = _influence_posterior(args, model, snap, damping, tau)
@@ -309,48 +326,61 @@ def run_influence(args) -> int:
     size = args.batch_size
     if task == CLASSIFIER and pad_id is None:
         size = 1  # GPT-2's classifier finds each input's last token by the pad id
-    qbatches = [collate([q], 0 if pad_id is None else pad_id, device) for q in queries]
     batches = _Batches(train.examples, size, 0 if pad_id is None else pad_id, device)
-    influence_status(f"{len(queries)} quer{'ies' if len(queries) != 1 else 'y'} x "
-                     f"{len(train.examples):,} training examples ({len(batches)} batches of "
-                     f"{size}) on {device}, damping {args.damping} "
+    what = ("self-influence of" if args.self_influence else
+            f"{len(queries)} quer{'ies' if len(queries) != 1 else 'y'} x")
+    influence_status(f"{what} {len(train.examples):,} training examples ({len(batches)} "
+                     f"batches of {size}) on {device}, damping {args.damping} "
                      f"({time.perf_counter() - t0:.1f} s so far) ...")
-    t1 = time.perf_counter()
-    result = inf.scores(qbatches, batches, per_token=args.per_token)
-    scoring = time.perf_counter() - t1
-    records = _influence_records(result, queries, train, tokenizer, args.top_k)
     names = (label_names(model.config.id2label, model.config.num_labels)
              if task == CLASSIFIER else None)
-    for rec in records:
-        for side in ("helpful", "harmful"):
-            for r in rec[side]:
-                if names is not None and "label_id" in r:
-                    r["label"] = names[r["label_id"]]
     meta = {"snapshot": str(snap.path), "step": snap.step, "model": args.model,
             **base_meta(args), "task": task, "architecture": arch, "train": args.train,
             "train_rule": TRAIN_RULES[train.kind], "train_described": train.described,
             "app_config": train.config, "seq_len": train.seq_len,
             "train_examples": len(train.examples), "damping": damping,
-            "damping_per_layer": dict(result.damping), "layers": list(result.layers),
+            "damping_per_layer": dict(inf.damping), "layers": list(inf.layers),
             "eigenvalues": args.eigenvalues,
             "ekfac_layers": [n for n, v in inf.corrected.items() if v is not None],
-            "top_k": min(args.top_k, len(train.examples)), "per_token": args.per_token,
-            "device": str(device), "batch_size": size,
-            "queries_given": [q.record for q in queries]}
+            "top_k": min(args.top_k, len(train.examples)), "device": str(device),
+            "batch_size": size}
     if tau is not None:
         meta["prior_precision"] = float(post.prior_precision)
+    t1 = time.perf_counter()
+    if args.self_influence:
+        values = inf.self_scores(batches)
+        records = _self_records(values, train, tokenizer, args.top_k, names)
+        meta["self_influence"] = True
+    else:
+        qbatches = [collate([q], 0 if pad_id is None else pad_id, device) for q in queries]
+        result = inf.scores(qbatches, batches, per_token=args.per_token)
+        records = _influence_records(result, queries, train, tokenizer, args.top_k, names)
+        meta.update(per_token=args.per_token, queries_given=[q.record for q in queries])
+    scoring = time.perf_counter() - t1
     meta.update({"seconds": round(time.perf_counter() - t0, 3),
                  "scoring_seconds": round(scoring, 3),
                  "seconds_per_train_example": scoring / len(train.examples)})
+    _print_influence(args, meta, records, names, values if args.self_influence else None)
+    influence_status(f"done in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _print_influence(args, meta: dict, records: list[dict], names, values) -> None:
+    """The table and its footer, or ``--json``: the metadata with the records (``--self``:
+    ``ranked``, and every example's score in ``scores``; else ``queries``)."""
     if args.json:
         doc = {k: v for k, v in meta.items() if k != "queries_given"}
-        doc["queries"] = records
+        if values is not None:
+            doc["ranked"], doc["scores"] = records, [float(v) for v in values.tolist()]
+        else:
+            doc["queries"] = records
         print(json.dumps(doc, indent=1, allow_nan=False))
+    elif values is not None:
+        print(self_influence_table(records, names))
+        print(influence_footer(meta))
     else:
         print(influence_table(records, names))
         print(influence_footer(meta))
-    influence_status(f"done in {time.perf_counter() - t0:.1f} s")
-    return 0
 
 
 def _example_text(tokenizer, ex: TrainExample) -> str:
@@ -373,8 +403,24 @@ def _influence_side(scores, ranked, values, train: TrainSet, tokenizer, token_sc
     return out
 
 
+def _self_records(values, train: TrainSet, tokenizer, k: int, names) -> list[dict]:
+    """The ``k`` training examples of highest self-influence, highest first."""
+    top = values.topk(min(k, len(values)))
+    out = []
+    for rank, (j, v) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1):
+        ex = train.examples[j]
+        rec = {"rank": rank, "index": j, "score": float(v), "text": _example_text(tokenizer, ex),
+               "source": ex.source}
+        if not isinstance(ex.labels, list):
+            rec["label_id"] = ex.labels
+            if names is not None:
+                rec["label"] = names[ex.labels]
+        out.append(rec)
+    return out
+
+
 def _influence_records(result, queries: Sequence[InfluenceQuery], train: TrainSet, tokenizer,
-                       k: int) -> list[dict]:
+                       k: int, names) -> list[dict]:
     (hi, hv), (lo, lv) = result.top_k(k)
     out = []
     for q, query in enumerate(queries):
@@ -383,5 +429,9 @@ def _influence_records(result, queries: Sequence[InfluenceQuery], train: TrainSe
                                          token_scores=result.token_scores, query=query, q=q)
         rec["harmful"] = _influence_side(result.scores, lo[q], lv[q], train, tokenizer,
                                          token_scores=result.token_scores, query=query, q=q)
+        for side in ("helpful", "harmful"):
+            for r in rec[side]:
+                if names is not None and "label_id" in r:
+                    r["label"] = names[r["label_id"]]
         out.append(rec)
     return out

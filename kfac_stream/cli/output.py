@@ -138,14 +138,42 @@ def influence_table(records: Sequence[Mapping], names: Sequence[str] | None = No
     return "\n".join(out)
 
 
+#: The first line of ``kfac-stream influence --self``'s table.
+SELF_INFLUENCE_EXPLAINED = (
+    "self-influence = ∇L(example)ᵀ (F + λI)⁻¹ ∇L(example) over the snapshot's layers (F: its "
+    "K-FAC factors; L: the example's summed loss); highest first: the examples the rest of the "
+    "data explains worst (mislabelled or atypical ones)")
+
+
+def self_influence_table(records: Sequence[Mapping], names: Sequence[str] | None = None) -> str:
+    """The training examples of highest self-influence (rank, example index, score, text and,
+    for a classifier, its label)."""
+    from ..query.token_table import pad, show_token, width
+
+    heads = ["rank", "example", "self-influence", "text"]
+    rows = []
+    for r in records:
+        text = show_token(r["text"], TEXT_WIDTH)
+        if names is not None and "label_id" in r:
+            text += f" label {names[r['label_id']]!r}"
+        rows.append([str(r["rank"]), str(r["index"]), f"{r['score']:.4e}", text])
+    widths = [max(width(h), *(width(row[j]) for row in rows)) for j, h in enumerate(heads)]
+    return "\n".join([SELF_INFLUENCE_EXPLAINED] + [
+        ("    " + "  ".join(pad(c, w, j == 3) for j, (c, w) in enumerate(zip(cells, widths))))
+        .rstrip() for cells in [heads, *rows]])
+
+
 def influence_footer(meta: Mapping) -> str:
     lam = list(meta["damping_per_layer"].values())
     rule = meta["damping"]
     rule = f"{rule:g}" if isinstance(rule, float) else rule
-    n, q = meta["train_examples"], len(meta["queries_given"])
+    n = meta["train_examples"]
+    q = len(meta.get("queries_given", ()))
+    what = "self-influence" if meta.get("self_influence") else \
+        f"{q} quer{'ies' if q != 1 else 'y'}"
     return (f"snapshot {meta['snapshot']} (step {meta['step']}); {n:,} training example"
             f"{'s' if n != 1 else ''} ({meta['train_described']}); damping {rule} (λ "
-            f"{min(lam):.3g} … {max(lam):.3g} over {len(lam)} layers); {q} quer"
-            f"{'ies' if q != 1 else 'y'}; scoring {meta['scoring_seconds']:.1f} s "
+            f"{min(lam):.3g} … {max(lam):.3g} over {len(lam)} layers); {what}; "
+            f"scoring {meta['scoring_seconds']:.1f} s "
             f"({1000 * meta['seconds_per_train_example']:.3g} ms per training example); "
             f"{meta['seconds']:.1f} s")
