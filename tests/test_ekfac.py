@@ -478,14 +478,20 @@ def test_influence_uses_the_corrected_eigenvalues(exact):
     gq = [_dense_grads(model, post.layer_names, q, _lm_loss) for q in queries]
     gt = [_dense_grads(model, post.layer_names, t, _lm_loss) for t in train]
     want = torch.zeros(len(queries), len(train), dtype=torch.float64)
+    want_self = torch.zeros(len(train), dtype=torch.float64)
     for n in post.layer_names:
         q = torch.kron(snap[n].G_eigvecs.double(), snap[n].A_eigvecs.double())
         lam = snap[n].ekfac_eigvals.double().reshape(-1)
         h = q @ torch.diag(lam + inf.damping[n]) @ q.T
         sol = torch.linalg.solve(h, torch.stack([x[n] for x in gt]).T)
         want += torch.stack([x[n] for x in gq]) @ sol
+        want_self += (torch.stack([x[n] for x in gt]) * sol.T).sum(1)
     err = float((got - want).abs().max() / want.abs().max())
     print(f"EK-FAC influence vs the dense solve: rel err {err:.2e}")
+    assert err <= 1e-6
+    own = inf.self_scores([_stack(train[:2]), _stack(train[2:])])
+    err = float((own - want_self).abs().max() / want_self.abs().max())
+    print(f"EK-FAC self-influence vs the dense solve: rel err {err:.2e}")
     assert err <= 1e-6
     auto = Influence(post).scores(_stack(queries), [_stack(train)]).scores
     assert torch.allclose(auto, got, rtol=1e-12, atol=0)

@@ -285,14 +285,23 @@ class Influence:
         out = {}
         for n, v in grads.items():
             qa, qg = self.post.eigenbases(n)
-            if self.corrected[n] is not None:  # EK-FAC: λ_ij in place of γ_i α_j
-                d = ekfac_denominator(self.corrected[n], self.damping[n], like=v)
-                out[n] = ke.damped_solve(v, qg, qa, d)
-                continue
-            aval, gval = self.post.eig.eigvals(n, device=v.device)
-            out[n] = ke.damped_solve(v, qg, qa,
-                                     ke.kfac_denominator(gval, aval, self.damping[n], like=v))
+            out[n] = ke.damped_solve(v, qg, qa, self._denominator(n, v))
         return out
+
+    def _denominator(self, name: str, like: Tensor) -> Tensor:
+        """``[d_out, d_A]``: the layer's eigenvalues (EK-FAC's ``λ_ij`` when corrected, else
+        ``γ_i α_j``), clamped at 0, plus its damping, in ``like``'s dtype and device."""
+        if self.corrected[name] is not None:  # EK-FAC: λ_ij in place of γ_i α_j
+            return ekfac_denominator(self.corrected[name], self.damping[name], like=like)
+        aval, gval = self.post.eig.eigvals(name, device=like.device)
+        return ke.kfac_denominator(gval, aval, self.damping[name], like=like)
+
+    def _self_products(self, name: str, v: Tensor) -> Tensor:
+        """``[B]``: ``vec(V)ᵀ (F + λI)⁻¹ vec(V)`` of each ``V`` of ``v [B, d_out, d_A]``, one
+        rotation into the eigenbasis: ``Σ_ij (Q_Gᵀ V Q_A)_ij² / D_ij``."""
+        qa, qg = self.post.eigenbases(name)
+        x = ke.rotate(v if qg is None else qg.T @ v, qa)
+        return (x.square() / self._denominator(name, v)).sum((1, 2))
 
     # -- scores --------------------------------------------------------------------------------
 
@@ -375,8 +384,7 @@ class Influence:
             total = torch.zeros(len(counts), dtype=torch.float64)
             for n in a:
                 v = torch.einsum("bti,btj->bij", g[n], a[n])  # [B, d_out, d_A]
-                p = self.precondition({n: v})[n]
-                total += (v * p).sum((1, 2)).double().cpu()
+                total += self._self_products(n, v).double().cpu()
             out.append(total)
         if not out:
             raise QueryInputError("self_influence: no training examples")
