@@ -26,12 +26,17 @@ $(STAMP): pyproject.toml
 # Test-only peer for tests/test_peer_laplace_torch.py. --no-deps: laplace-torch and backpack
 # declare torchvision, which nothing we run imports (and which would drag another torch).
 # If this fails (no registry), the peer test skips and says why.
+# dattri and scikit-learn (with its small deps, pinned) for benchmarks/influence_lds.py and
+# tests/test_influence_lds_bench.py; --no-deps too: dattri's pretty_midi is only for a music
+# example, and nothing here may pull torch.
 PEERS := $(VENV)/.peers
 PEER_PKGS := laplace-torch==0.3 asdfghjkl==0.1a4 backpack-for-pytorch==1.7.1 \
 	curvlinops-for-pytorch==3.0.1 einops unfoldNd einconv linear_operator opt-einsum \
-	torchmetrics lightning-utilities scipy
+	torchmetrics lightning-utilities scipy \
+	dattri==0.3.0 scikit-learn==1.9.1 joblib==1.6.0 threadpoolctl==3.8.0 cloudpickle==3.1.2 \
+	narwhals==2.29.0
 
-$(PEERS): $(STAMP)
+$(PEERS): $(STAMP) Makefile
 	-$(PY) -m pip install -q --no-deps $(PEER_PKGS) && touch $(PEERS)
 
 venv: $(STAMP)  ## create or reuse .venv and install the project with its test, lint and docs extras

@@ -1,0 +1,302 @@
+"""The two tasks of `benchmarks/influence_lds.py` and their one training recipe.
+
+* ``digits``: scikit-learn's 8×8 digits (``sklearn.datasets.load_digits``, shipped inside the
+  package), rows as tokens: 8 positions, each row's 8 pixel values / 16 as the first 8 of the
+  ``width`` input features (``inputs_embeds``, the rest zero), through a GPT-2 sequence
+  classifier (its last position's hidden state to 10 classes); a fixed split (seeded 0) of
+  the 1,797 images into the training pool and the query pool.
+* ``text``: a byte-level GPT-2 language model on non-overlapping windows of Python's reference
+  documentation (``pydoc_data.topics``); training windows and query windows disjoint, drawn
+  once (seeded 0); every next-byte position labelled.
+
+The recipe (`Recipe`): AdamW (betas 0.9/0.999, eps 1e-8, no weight decay), cosine schedule with
+5% warm-up, gradient norm clipped at 1.0, ``epochs`` passes of batch ``batch`` over the
+training examples in a fixed order per seed (`stream`: epoch ``e`` is a seeded permutation of
+the whole training set from which the examples outside the subset are dropped, so a subset
+keeps the others' relative order), i.e. ``ceil(epochs·n/batch)`` steps for ``n`` examples.
+`train_tracked` runs it as a real ``transformers.Trainer`` (``optim="adamw_torch"``, the same
+settings); `train_fast` is the same loop in plain torch (no Trainer), used for the
+retrainings: on the full set it reproduces the Trainer's weights (checked by the benchmark).
+No dropout anywhere; eager attention (dattri's IF-CG takes second derivatives, which the
+CPU's fused attention kernel does not have).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+import torch.nn.functional as F
+from transformers import (
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+    get_scheduler,
+)
+
+from kfac_stream import KFACConfig, KFACStreamCallback
+from kfac_stream.app import data as app_data
+
+TASKS = ("digits", "text")
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One task's model and training recipe (module docstring)."""
+
+    layers: int
+    width: int
+    heads: int
+    batch: int
+    lr: float
+    epochs: int
+
+
+#: Fixed by the models' held-out accuracy / loss (docstring of influence_lds.py), not by LDS.
+RECIPES = {"digits": Recipe(layers=2, width=32, heads=4, batch=64, lr=5e-3, epochs=15),
+           "text": Recipe(layers=2, width=32, heads=4, batch=32, lr=3e-3, epochs=10)}
+TEXT_SEQ = 64
+
+
+# -- data ---------------------------------------------------------------------------------------
+
+@cache
+def digits_arrays() -> tuple[torch.Tensor, torch.Tensor]:
+    """``(pixels [1797, 8, 8] float in [0, 1], labels [1797])``."""
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    return (torch.tensor(x, dtype=torch.float32).view(-1, 8, 8) / 16.0,
+            torch.tensor(y, dtype=torch.long))
+
+
+def digits_example(pixels: torch.Tensor, label: int, width: int) -> dict[str, torch.Tensor]:
+    return {"inputs_embeds": F.pad(pixels, (0, width - pixels.shape[-1])),
+            "labels": torch.tensor(int(label))}
+
+
+@cache
+def text_windows(seq: int = TEXT_SEQ) -> list[bytes]:
+    """Every non-overlapping ``seq``-byte window of the documentation, in order."""
+    text = "\n\n".join(app_data.pydoc_documents()).encode("utf-8")
+    return [text[s:s + seq] for s in range(0, len(text) - seq + 1, seq)]
+
+
+def lm_example(ids: list[int]) -> dict[str, torch.Tensor]:
+    x = torch.tensor(ids, dtype=torch.long)
+    return {"input_ids": x, "labels": x.clone()}
+
+
+def build_data(task: str, n_train: int, n_query: int, noise: float = 0.0,
+               noise_seed: int = 0) -> dict:
+    """``{"train": [examples], "queries": [examples], "noisy": [N] bool}``: the task's
+    training and query examples (module docstring); ``noise``: that share of the training
+    examples corrupted (digits: the label replaced by another class drawn uniformly; text:
+    the window's bytes shuffled), drawn from ``noise_seed``."""
+    rng = random.Random(0)
+    if task == "digits":
+        x, y = digits_arrays()
+        order = list(range(len(y)))
+        rng.shuffle(order)
+        if n_train + n_query > len(order):
+            raise SystemExit(f"digits: {n_train} + {n_query} > {len(order)} images")
+        tr, qu = order[:n_train], order[len(order) - n_query:]
+        width = RECIPES["digits"].width
+        labels = [int(y[i]) for i in tr]
+        noisy = [False] * n_train
+        nr = random.Random(10_000 + noise_seed)
+        for i in sorted(nr.sample(range(n_train), round(noise * n_train))):
+            labels[i] = nr.choice([c for c in range(10) if c != labels[i]])
+            noisy[i] = True
+        train = [digits_example(x[i], c, width) for i, c in zip(tr, labels)]
+        queries = [digits_example(x[i], int(y[i]), width) for i in qu]
+    elif task == "text":
+        wins = text_windows()
+        picked = rng.sample(range(len(wins)), n_train + n_query)
+        train_ids = [list(wins[i]) for i in picked[:n_train]]
+        noisy = [False] * n_train
+        nr = random.Random(10_000 + noise_seed)
+        for i in sorted(nr.sample(range(n_train), round(noise * n_train))):
+            nr.shuffle(train_ids[i])
+            noisy[i] = True
+        train = [lm_example(ids) for ids in train_ids]
+        queries = [lm_example(list(wins[i])) for i in picked[n_train:]]
+    else:
+        raise ValueError(task)
+    return {"train": train, "queries": queries, "noisy": noisy}
+
+
+def collate(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([e[k] for e in examples]) for k in examples[0]}
+
+
+def batches(examples: list[dict], size: int) -> list[dict[str, torch.Tensor]]:
+    return [collate(examples[i:i + size]) for i in range(0, len(examples), size)]
+
+
+# -- models -------------------------------------------------------------------------------------
+
+def new_model(task: str, seed: int) -> torch.nn.Module:
+    """The task's GPT-2 (`RECIPES`), initialised from ``seed``, float32, train mode."""
+    r = RECIPES[task]
+    common = dict(n_embd=r.width, n_layer=r.layers, n_head=r.heads, resid_pdrop=0.0,
+                  embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    if task == "digits":
+        cfg = GPT2Config(vocab_size=1, n_positions=8, pad_token_id=0, num_labels=10, **common)
+        cls = GPT2ForSequenceClassification
+    else:
+        cfg = GPT2Config(vocab_size=256, n_positions=TEXT_SEQ, **common)
+        cls = GPT2LMHeadModel
+    cfg._attn_implementation = "eager"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(cfg)
+    return model.float().train()
+
+
+def tracked_layers(model: torch.nn.Module) -> list[str]:
+    """The Conv1D layers inside the blocks (kfac_stream's default selection)."""
+    return [n for n, m in model.named_modules()
+            if ".h." in n and type(m).__name__ in ("Conv1D", "Linear")]
+
+
+def example_losses(model: torch.nn.Module, examples: list[dict], size: int = 256
+                   ) -> torch.Tensor:
+    """``[n]`` float64: each example's loss, the classifier's cross-entropy or the LM's summed
+    next-byte NLL (kfac_stream's per-example loss)."""
+    out = []
+    was = model.training
+    model.eval()
+    with torch.no_grad():
+        for b in batches(examples, size):
+            if "inputs_embeds" in b:
+                logits = model(inputs_embeds=b["inputs_embeds"]).logits
+                out.append(F.cross_entropy(logits.double(), b["labels"], reduction="none"))
+            else:
+                logits = model(input_ids=b["input_ids"]).logits[:, :-1]
+                nll = F.cross_entropy(logits.transpose(1, 2).double(), b["labels"][:, 1:],
+                                      reduction="none")
+                out.append(nll.sum(1))
+    model.train(was)
+    return torch.cat(out)
+
+
+def accuracy(model: torch.nn.Module, examples: list[dict]) -> float:
+    """Digits: share of correct top-1 classes; text: mean next-byte accuracy."""
+    model.eval()
+    with torch.no_grad():
+        b = collate(examples)
+        if "inputs_embeds" in b:
+            return float((model(inputs_embeds=b["inputs_embeds"]).logits.argmax(1)
+                          == b["labels"]).float().mean())
+        logits = model(input_ids=b["input_ids"]).logits[:, :-1]
+        return float((logits.argmax(-1) == b["labels"][:, 1:]).float().mean())
+
+
+# -- the recipe ---------------------------------------------------------------------------------
+
+def steps_for(task: str, n: int) -> int:
+    r = RECIPES[task]
+    return math.ceil(r.epochs * n / r.batch)
+
+
+def stream(n_all: int, subset: list[int] | None, total: int, seed: int) -> list[int]:
+    """The first ``total`` indices of the training stream (module docstring)."""
+    keep = None if subset is None else set(subset)
+    out: list[int] = []
+    e = 0
+    while len(out) < total:
+        order = torch.randperm(n_all, generator=torch.Generator().manual_seed(
+            seed * 100_003 + e)).tolist()
+        out += [i for i in order if keep is None or i in keep]
+        e += 1
+    return out[:total]
+
+
+class StreamDataset(torch.utils.data.IterableDataset):
+    def __init__(self, examples: list[dict], order: list[int]):
+        self.examples, self.order = examples, order
+
+    def __iter__(self):
+        return (self.examples[i] for i in self.order)
+
+
+def train_fast(task: str, examples: list[dict], subset: list[int] | None, seed: int,
+               init_seed: int | None = None) -> torch.nn.Module:
+    """The recipe in plain torch on ``examples[subset]`` (None: all), model initialised from
+    ``init_seed`` (default ``seed``), data order from ``seed``; returns the model (eval)."""
+    r = RECIPES[task]
+    n = len(examples) if subset is None else len(subset)
+    steps = steps_for(task, n)
+    order = stream(len(examples), subset, steps * r.batch, seed)
+    model = new_model(task, seed if init_seed is None else init_seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=r.lr, betas=(0.9, 0.999), eps=1e-8,
+                            weight_decay=0.0)
+    sched = get_scheduler("cosine", opt, num_warmup_steps=max(steps // 20, 1),
+                          num_training_steps=steps)
+    for s in range(steps):
+        b = collate([examples[i] for i in order[s * r.batch:(s + 1) * r.batch]])
+        if "input_ids" in b:  # as the Trainer does: the loss's sum over the labelled tokens
+            b["num_items_in_batch"] = (b["labels"][:, 1:] != -100).sum()
+        model(**b).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    return model.eval()
+
+
+class Checkpoints(TrainerCallback):
+    """Copies of the weights and the learning rate at the given optimizer steps."""
+
+    def __init__(self, model: torch.nn.Module, steps: set[int]):
+        self.model, self.steps = model, steps
+        self.states: list[dict[str, torch.Tensor]] = []
+        self.lrs: list[float] = []
+        self.at: list[int] = []
+
+    def on_step_end(self, args, state, control, optimizer=None, lr_scheduler=None, **kw):
+        if state.global_step in self.steps:
+            self.states.append({k: v.detach().clone() for k, v in self.model.state_dict().items()})
+            self.lrs.append(float(lr_scheduler.get_last_lr()[0]) if lr_scheduler is not None
+                            else float("nan"))
+            self.at.append(state.global_step)
+
+
+def train_tracked(task: str, examples: list[dict], seed: int, out: str, *,
+                  ekfac: bool = False, snapshots: int = 4) -> dict:
+    """The recipe as a real ``transformers.Trainer`` run with one `KFACStreamCallback`
+    (default `KFACConfig` but for ``output_dir``, ``seed``, ``snapshot_every`` = steps /
+    ``snapshots`` and ``ekfac``) and a copy of the weights at each snapshot step. Returns
+    ``{"model" (eval), "kfac_dir", "ckpt": Checkpoints, "train_s", "steps"}``."""
+    r = RECIPES[task]
+    steps = steps_for(task, len(examples))
+    every = max(math.ceil(steps / snapshots), 1)
+    model = new_model(task, seed)
+    args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=r.batch,
+                             learning_rate=r.lr, lr_scheduler_type="cosine",
+                             warmup_steps=max(steps // 20, 1), weight_decay=0.0,
+                             optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999,
+                             adam_epsilon=1e-8, max_grad_norm=1.0,
+                             logging_steps=max(steps // 4, 1), save_strategy="no",
+                             report_to="none", disable_tqdm=True, use_cpu=True, seed=seed,
+                             dataloader_num_workers=0)
+    kdir = os.path.join(out, "kfac")
+    cb = KFACStreamCallback(KFACConfig(output_dir=kdir, snapshot_every=every, seed=seed,
+                                       ekfac=ekfac))
+    ck = Checkpoints(model, set(range(every, steps + 1, every)) | {steps})
+    data = StreamDataset(examples, stream(len(examples), None, steps * r.batch, seed))
+    trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[ck, cb])
+    t0 = time.perf_counter()
+    trainer.train()
+    model.eval()
+    return {"model": model, "kfac_dir": kdir, "ckpt": ck, "train_s": time.perf_counter() - t0,
+            "steps": steps, "snapshot_every": every}
