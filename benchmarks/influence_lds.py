@@ -246,8 +246,8 @@ def dattri_scores(task: str, model, states: dict, d: dict, ifcg_reg: float, a,
         att = TracInAttributor(t, weight_list=torch.tensor(lrs), normalized_grad=False,
                                layer_name=dt.params, projector_kwargs=dict(proj))
         if self_only:
-            return att.self_attribute(loader(train, 64))
-        return att.attribute(loader(train, 64), loader(test, len(test))).T
+            return att.self_attribute(loader(train, n))
+        return att.attribute(loader(train, n), loader(test, len(test))).T
 
     def trak(k):
         def f():
@@ -255,8 +255,8 @@ def dattri_scores(task: str, model, states: dict, d: dict, ifcg_reg: float, a,
             att = TRAKAttributor(t, correct_probability_func=dt.prob, layer_name=dt.params,
                                  projector_kwargs=dict(proj))
             if self_only:  # its cached path has no training gradients in dattri 0.3.0
-                return att.self_attribute(loader(train, 64)).flatten()
-            att.cache(loader(train, 64))
+                return att.self_attribute(loader(train, n)).flatten()
+            att.cache(loader(train, n))
             return att.attribute(loader(test, len(test))).T
         return f
 
@@ -264,7 +264,7 @@ def dattri_scores(task: str, model, states: dict, d: dict, ifcg_reg: float, a,
         t = AttributionTask(loss_func=dt.per_example, model=model, checkpoints=states["trak"][0])
         att = IFAttributorCG(t, layer_name=dt.params, regularization=ifcg_reg * dt.tokens)
         att.cache(loader(train, n))  # one batch: its inverse-HVP is per cached batch
-        return att.attribute(loader(train, n), loader(test, a.ifcg_batch)).T
+        return att.attribute(loader(train, n), loader(test, a.ifcg_batch[task])).T
 
     run("dattri_tracin", tracin)
     run("dattri_trak1", trak(1))
@@ -554,7 +554,8 @@ def main(argv=None) -> None:
     p.add_argument("--trak-models", type=int, default=10)
     p.add_argument("--proj-dim", type=int, default=512,
                    help="dattri's random projection (TracIn, TRAK); 512 is its default")
-    p.add_argument("--ifcg-batch", type=int, default=5,
+    p.add_argument("--ifcg-batch", type=int, nargs=2, default=[50, 5],
+                   metavar=("DIGITS", "TEXT"),
                    help="queries per IF-CG solve (memory: the whole training set's HVP per "
                    "query in the batch)")
     p.add_argument("--noise", type=float, default=0.1)
@@ -570,6 +571,7 @@ def main(argv=None) -> None:
         a.seeds, a.subsets, a.trak_models, a.proj_dim = a.seeds[:1], 6, 2, 16
         a.digits_n, a.digits_q, a.text_n, a.text_q = 64, 6, 32, 4
     a.sizes = {"digits": (a.digits_n, a.digits_q), "text": (a.text_n, a.text_q)}
+    a.ifcg_batch = dict(zip(T.TASKS, a.ifcg_batch))
     info = dict(machine({"dattri": "dattri", "sklearn": "scikit-learn"}),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     t0 = time.perf_counter()
@@ -594,9 +596,9 @@ def main(argv=None) -> None:
                         f"{k} AUC {v['auc']:.3f} top20 {v['recall_top20']:.2f}"
                         for k, v in nz["detect"].items()) + f" ({time.perf_counter() - t0:.0f} s)",
                         flush=True)
-            if not (a.quick or a.no_write):  # what is done so far, in case the run is cut
-                r["total_seconds"] = time.perf_counter() - t0
-                finish(r, a, info, quiet=True)
+                if not (a.quick or a.no_write):  # what is done so far, in case the run is cut
+                    r["total_seconds"] = time.perf_counter() - t0
+                    finish(r, a, info, quiet=True)
     r["total_seconds"] = time.perf_counter() - t0
     finish(r, a, info)
 

@@ -274,9 +274,10 @@ class Checkpoints(TrainerCallback):
 def train_tracked(task: str, examples: list[dict], seed: int, out: str, *,
                   ekfac: bool = False, snapshots: int = 4) -> dict:
     """The recipe as a real ``transformers.Trainer`` run with one `KFACStreamCallback`
-    (default `KFACConfig` but for ``output_dir``, ``seed``, ``snapshot_every`` = steps /
-    ``snapshots`` and ``ekfac``) and a copy of the weights at each snapshot step. Returns
-    ``{"model" (eval), "kfac_dir", "ckpt": Checkpoints, "train_s", "steps"}``."""
+    (default `KFACConfig` but for ``output_dir``, ``seed``, ``snapshot_every`` = ⌈steps /
+    ``snapshots``⌉ and ``ekfac``; no spectra PNG per snapshot) and a copy of the weights at
+    each snapshot step. Returns ``{"model" (eval), "kfac_dir", "ckpt": Checkpoints,
+    "train_s", "steps", "snapshot_every"}``."""
     r = RECIPES[task]
     steps = steps_for(task, len(examples))
     every = max(math.ceil(steps / snapshots), 1)
@@ -291,7 +292,7 @@ def train_tracked(task: str, examples: list[dict], seed: int, out: str, *,
                              dataloader_num_workers=0)
     kdir = os.path.join(out, "kfac")
     cb = KFACStreamCallback(KFACConfig(output_dir=kdir, snapshot_every=every, seed=seed,
-                                       ekfac=ekfac))
+                                       ekfac=ekfac), spectra_media=False)
     ck = Checkpoints(model, set(range(every, steps + 1, every)) | {steps})
     data = StreamDataset(examples, stream(len(examples), None, steps * r.batch, seed))
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[ck, cb])
