@@ -106,7 +106,9 @@ def test_gpu_check_dry_run(tmp_path):
         assert runs["defaults"]["projected_ratio"] is not None
 
     assert r["parts"]["exchange"]["backend"] == "gloo" and r["parts"]["exchange"]["exact"]
-    assert took < 120, took  # a dry run is quick (~30 s here)
+    # not a timing claim: only catches a dry run that ran the GPU sizes (~30 s alone here, 196 s
+    # once on 2 cores shared with other jobs; the real sizes take hours on a CPU)
+    assert took < 900, took
 
 
 def test_a_part_past_its_limit_is_killed_and_the_table_says_so():
