@@ -17,10 +17,10 @@ Tasks and recipe (`lds_tasks`; fixed by whether the models train, before any sco
   lr 5e-3, batch 64, 15 epochs (235 steps on 1,000): 100% of the query images right in seed
   0's probe. A query's output: its cross-entropy.
 * ``text``: a byte-level GPT-2 LM of 2 layers × 32 (4 heads) on ``--text-n`` (600)
-  non-overlapping 64-byte windows of Python's reference documentation (``pydoc_data.topics``),
+  non-overlapping 32-byte windows of Python's reference documentation (``pydoc_data.topics``),
   ``--text-q`` (50) other windows as queries; AdamW lr 3e-3, batch 32, 10 epochs (188 steps);
   query NLL 2.6 nats/byte after training (5.5 untrained). A query's output: its NLL summed over
-  its 63 labelled next-byte positions.
+  its 31 labelled next-byte positions.
 * Both: cosine schedule, 5% warm-up, gradient norm clipped at 1, no dropout, a fixed data order
   per seed (epoch ``e`` a seeded permutation from which the examples outside a subset are
   dropped). The scored model is trained by a real ``transformers.Trainer`` with one
@@ -79,6 +79,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import datetime
+import json
 import math
 import multiprocessing
 import os
@@ -561,6 +562,11 @@ def main(argv=None) -> None:
     p.add_argument("--noise", type=float, default=0.1)
     p.add_argument("--skip-noisy", action="store_true")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--json", metavar="PATH",
+                   help="write this run's results to PATH only (a part for --combine)")
+    p.add_argument("--combine", nargs="+", metavar="PATH",
+                   help="merge the parts written with --json (tasks and seeds side by side, "
+                   "in seed order) into the results and the RESULTS.md section; runs nothing")
     p.add_argument("--quick", action="store_true", help="smoke run; writes nothing")
     p.add_argument("--no-write", action="store_true", help="print only, write nothing")
     a = p.parse_args(argv)
@@ -574,6 +580,9 @@ def main(argv=None) -> None:
     a.ifcg_batch = dict(zip(T.TASKS, a.ifcg_batch))
     info = dict(machine({"dattri": "dattri", "sklearn": "scikit-learn"}),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    if a.combine:
+        combine(a, info)
+        return
     t0 = time.perf_counter()
     r: dict = {"tasks": {}}
     ctx = multiprocessing.get_context("fork")
@@ -603,12 +612,39 @@ def main(argv=None) -> None:
     finish(r, a, info)
 
 
+def combine(a, info: dict) -> None:
+    """Merge parts run side by side (each ``--json``, its own tasks and seeds): the seeds of a
+    task in seed order; the command lists every part's; the wall time is the longest part's."""
+    parts = [json.loads(Path(p).read_text()) for p in a.combine]
+    r: dict = {"tasks": {}, "parts": [{"command": q["command"],
+                                       "total_seconds": q["total_seconds"]} for q in parts]}
+    for q in parts:
+        for task, res in q["tasks"].items():
+            mine = r["tasks"].setdefault(task, {"lds": [], "noisy": []})
+            mine["lds"] += res["lds"]
+            mine["noisy"] += res["noisy"]
+    for res in r["tasks"].values():
+        res["lds"].sort(key=lambda s: s["seed"])
+        res["noisy"].sort(key=lambda s: s["seed"])
+    r["total_seconds"] = max(q["total_seconds"] for q in parts)
+    for k, v in parts[0]["args"].items():
+        if k not in ("command", "combine", "json", "tasks", "seeds", "sizes", "ifcg_batch"):
+            setattr(a, k, v)
+    a.command = " & ".join(q["command"] for q in parts) + " (side by side, then --combine)"
+    info = parts[0]["machine"]
+    finish(r, a, info)
+
+
 def finish(r: dict, a, info: dict, quiet: bool = False) -> None:
     r["verdicts"] = [{"criterion": t, "met": ok} for t, ok in verdicts(r)]
     section = report(r, a, info)
     if not quiet:
         print(section, flush=True)
     if a.quick or a.no_write:
+        return
+    if a.json:
+        Path(a.json).write_text(json.dumps({"machine": info, "command": a.command,
+                                            "args": dict(vars(a)), **r}, indent=1, default=str))
         return
     write_json("influence_lds", {"machine": info, "command": a.command,
                                  "args": dict(vars(a)), **r})

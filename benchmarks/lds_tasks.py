@@ -63,7 +63,7 @@ class Recipe:
 #: Fixed by the models' held-out accuracy / loss (docstring of influence_lds.py), not by LDS.
 RECIPES = {"digits": Recipe(layers=2, width=32, heads=4, batch=64, lr=5e-3, epochs=15),
            "text": Recipe(layers=2, width=32, heads=4, batch=32, lr=3e-3, epochs=10)}
-TEXT_SEQ = 64
+TEXT_SEQ = 32
 
 
 # -- data ---------------------------------------------------------------------------------------
