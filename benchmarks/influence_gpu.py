@@ -5,87 +5,93 @@ What is measured
 ----------------
 The model: TinyLlama-1.1B's layout (hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 KV
 heads, vocabulary 32000) built from a config (random init, seeded), bf16 weights, on one CUDA
-device. Data: random tokens (seeded): ``--n`` (512) training sequences of ``--seq`` (512)
+device. Data: random tokens (seeded): ``--n`` (256) training sequences of ``--seq`` (512)
 tokens, labelled everywhere, and ``--queries`` (64) query sequences of the same length, each
 labelled on its second half only (a prompt and a completion). Tracked layers: kfac_stream's
 default selection (every ``nn.Linear`` inside the decoder blocks: q, k, v, o, gate, up, down; 154
-layers, ~0.97e9 weights); kronfluence tracks the same modules (Llama's are ``nn.Linear``
-already, so no `conv1d_to_linear` is needed). Each part runs in its own subprocess under its
-own time limit (killed with its process group past it); what a part finished is kept in the
-JSON and the table, so a partial run still reports.
+layers, 0.969e9 weights); kronfluence tracks the same modules (Llama's are ``nn.Linear``
+already: no `conv1d_to_linear` needed). Each part runs in its own subprocess under its own time
+limit (its process group killed past it); what a part finished is kept in the JSON and the
+table, so a partial run still reports.
 
-1. **ours** (limit ``--limit-ours``, 150 s): a short real run, ``transformers.Trainer`` with
+1. **ours** (limit ``--limit-ours``, 180 s): a short real run, ``transformers.Trainer`` with
    `KFACStreamCallback` (``KFACConfig(update_every=1, min_window_sequences=0,
-   snapshot_every=10**6)``: every step an update step, the long-run MC share, no snapshot but
-   the final one), ``--steps`` (4) steps of ``--train-batch`` (4) sequences; its final snapshot
-   (eigendecomposed in the run) is loaded (``Snapshot.load``) into a `LaplacePosterior`
-   (``prior_precision="auto"``), then ``Influence(post).scores(queries, train,
-   query_device_bytes=...)`` (= ``kfac_stream.influence_scores``, which does not take
-   ``query_device_bytes``) with heuristic damping, training batches of ``--batch`` (8) and query
-   batches of ``--query-batch`` (8), all already on the device. Reported: **training examples
-   scored per second** (``N`` over the time spent reading the training set, i.e. the call's
-   time less the queries' preconditioning), the **preconditioning time of the queries apart**
-   (``Influence._query_rows`` timed, CUDA-synchronised, inside the same call), the **peak
-   device memory** of the scoring (``torch.cuda.max_memory_allocated``, reset after the
-   posterior is built), and **training examples read** (``InfluenceScores.examples_read`` summed
-   over the calls: ``N`` when the 64 queries go in one pass). Also: the run and snapshot time,
-   the snapshot's size, its load and the posterior's time, the preconditioned rows' bytes and
-   how many stayed in host memory.
+   snapshot_every=10**6)``: every step an update step, the long-run MC share, only the final
+   snapshot; no spectra media), ``--steps`` (4) steps of ``--train-batch`` (4) sequences; its
+   final snapshot (eigendecomposed in the run) loaded (``Snapshot.load``) into a
+   `LaplacePosterior` (``prior_precision="auto"``); one warm-up call (one query, one training
+   batch: kernels, and every layer's eigenbases converted and kept on the device); then
+   ``Influence(post).scores(queries, train)`` (what ``kfac_stream.influence_scores`` calls),
+   heuristic damping, training batches of ``--batch`` (4), query batches of ``--query-batch``
+   (2), all on the device. Reported: **training examples scored per second** (``N`` over the
+   time spent reading the training set: the calls' time less the queries' preconditioning),
+   the **queries' preconditioning time apart** (``Influence._query_rows`` timed,
+   CUDA-synchronised, inside the same calls), the **peak device memory** of the scoring
+   (``torch.cuda.max_memory_allocated``, reset after the warm-up), and the **training examples
+   read** (``InfluenceScores.examples_read`` summed over the calls). Also: the run + final
+   snapshot time, the snapshot's size, its load, the posterior, each query group's figures.
 
-   The query rows' memory decides the passes. A bf16 model's influence features run in
-   float32 (`LaplacePosterior.feature_dtype`: float64 for float64 models, else float32), so 64
-   preconditioned query rows of the ~0.97e9 tracked weights hold ``64 · 0.97e9 · 4`` = 248 GB
-   (`kfac_stream.influence_memory`), more than an H200's 141 GB plus its host's 128 GB. The
-   script therefore splits the queries into the fewest equal groups whose rows fit the device
-   (its free memory after the posterior, less ``--reserve-gb`` (16) for a training batch's
-   forward, backward, hooks and per-example gradients and the eigenbases) plus
-   ``--host-query-gb`` (0) of pinned host memory (``query_device_bytes``), one call per group:
-   the training set is then read once per group, and the JSON says so (``query_groups``,
-   ``examples_read`` = groups × N, ``one_pass`` false). On one H200 this is 3 groups (rows of
-   ~82 GB each on the device). ``examples_per_s`` counts each training example once, scored
-   against all 64 queries, over all the groups' reads.
+   **Passes.** 64 queries go in one pass (each training example read once) when their
+   preconditioned rows fit the device; at 1.1B they do not. A bf16 model's influence
+   features run in float32 (`LaplacePosterior.feature_dtype`: float64 for a float64 model,
+   else float32), so 64 rows of the 0.969e9 tracked weights are ``64 · 0.969e9 · 4`` = 248 GB
+   (`kfac_stream.influence_memory`), and `Influence.scores` holds twice a call's rows while it
+   concatenates each layer's rows from its query batches. ``query_device_bytes`` does not help
+   here: it moves rows to the host only after they are all assembled on the device. The script
+   therefore splits the queries into the fewest equal groups whose rows, twice, fit the device's
+   free memory (after the warm-up, so with the eigenbases resident) beside the larger of a
+   training batch's needs and a query batch's (`influence_memory`: hooks, per-example
+   gradients; a query batch's gradients and their preconditioned copy) and ``--reserve-gb``
+   (12: the model's forward and backward), one call per group (`query_groups`). The training
+   set is then read once per group: the JSON says so (``query_groups``, ``examples_read`` =
+   groups × N, ``one_pass`` false). Expected on one H200 (~150e9 bytes, ~137e9 free after
+   the bf16 model and 10.6 GB of float32 eigenbases; 31 GB besides the rows): 13 queries per
+   group, **5 groups**. ``examples_per_s`` counts a training example once, scored against all
+   64 queries, over all the groups' reads.
 
-2. **kronfluence** 1.0.1 (limit ``--limit-kf``, 170 s): the same model (the same seed: the same
-   weights, not trained), ``prepare_model`` + ``Analyzer`` on the device, a task whose loss is
-   the summed NLL of the labelled tokens (``sample=True``: labels drawn from the model, its
-   default true Fisher), tracking the same modules. EK-FAC factors on the same N training
-   sequences, its three stages timed apart (covariances, eigendecomposition, EK-FAC
-   eigenvalue correction = ``fit_all_factors``), then ``compute_pairwise_scores`` for the same
-   64 queries. Settings: kronfluence's own bf16 presets, ``all_low_precision_factor_arguments(
-   strategy="ekfac", dtype=bfloat16)`` and ``all_low_precision_score_arguments(damping_factor=
-   None, dtype=bfloat16)`` (``kronfluence.utils.common``; autocast, covariances, per-sample
-   gradients, lambda, preconditioning and scores in bf16, eigendecomposition in its default
-   float64; ``damping_factor=None``: its heuristic, the same rule as our ``"heuristic"``), the
-   rest its defaults: its float32 defaults would hold 248 GB of preconditioned query gradients
-   and rotate per-sample gradients in float32; bf16 is also what ours is compared in. Batch
-   sizes are given (``--batch`` for the training set, no search for an executable batch size);
-   its query batch is the largest that keeps 64 queries' preconditioned gradients (bf16, ``Q ·
-   W · 2`` bytes) within the device's free memory less its factors and ``--reserve-gb``
-   (``--kf-query-batch`` overrides): on one H200, 32, so its scoring reads the training set
-   twice. Its writes of factors and scores (to ``--tmp``) are part of its workflow and of its
-   times. Reported: fit seconds (and per stage), score seconds, examples/s (N over the score
-   time, which includes its query preconditioning: it does not time it apart; and N over fit +
-   score), peak device memory per stage, training-set reads.
+2. **kronfluence** 1.0.1 (limit ``--limit-kf``, 150 s): the same model (the same seed: the same
+   weights, untrained), ``prepare_model`` + ``Analyzer`` on the device, a task whose loss is the
+   summed NLL of the labelled tokens (``sample=True``: labels drawn from the model, its default
+   true Fisher), tracking the same modules. EK-FAC factors fitted on the same N training
+   sequences in its three stages, timed apart (covariances, eigendecomposition, the EK-FAC
+   eigenvalue correction: what ``fit_all_factors`` runs), then ``compute_pairwise_scores`` of
+   the same 64 queries. Settings: kronfluence's own bf16 presets,
+   ``all_low_precision_factor_arguments(strategy="ekfac", dtype=bfloat16)`` and
+   ``all_low_precision_score_arguments(damping_factor=None, dtype=bfloat16)``
+   (``kronfluence.utils.common``: autocast, covariances, per-sample gradients, lambda,
+   preconditioning and scores in bf16; the eigendecomposition in its default float64;
+   ``damping_factor=None``: its heuristic, the rule of our ``"heuristic"``), the rest its
+   defaults. Why not its float32 defaults: 64 preconditioned query gradients in float32 are
+   248 GB (bf16: 124 GB), and bf16 is what ours is measured in. Batch sizes are given
+   (``--batch`` for the training set: no search for an executable batch size); its query batch
+   is the largest divisor of 64 whose bf16 preconditioned gradients (``Q_b · W · 2`` bytes) fit
+   the free memory less its factors (``Σ d² · 4`` over both sides of every module, plus ``W ·
+   4``) and ``--reserve-gb`` (``--kf-query-batch`` overrides): 32 on one H200, so its scoring
+   reads the training set twice. Its writes of factors and scores (under ``--tmp``) are part of
+   its workflow and of its times. Reported: fit seconds (per stage too), score seconds,
+   examples/s (N over the score time, which includes its query preconditioning: it does not
+   time it apart; and N over fit + score), peak device memory per stage, training-set reads.
 
-Device figures assumed (one H200, 141 GB, ~990 bf16 TFLOP/s dense, ~67 float32 TFLOP/s
-without TF32, 128 GB host memory): ours' final snapshot ~30 s (15.9 GB at fp32 weights,
-docs/gpu.md), its load ~20 s; the 64 queries' preconditioning ~4 · 64 · Σ d_out·d_A·(d_out +
-d_A) ≈ 1.7e15 float32 flops (~30 s); a training example ~4.5e12 flops (forward, backward to the
-tracked outputs, dense float32 per-example gradients ``2·T·W``): ~25 ms each per query group.
-kronfluence's float64 eigendecomposition of 308 factors (66 of side 5632) ~90 s. Whole run
-≤ 5.5 minutes (the two limits plus start-up); run it alone on the card.
+Device figures assumed (one H200: ~150e9 bytes of device memory, ~990 bf16 TFLOP/s dense, ~60
+float32 TFLOP/s without TF32 (off: torch's default), 128 GB host memory): ours' final snapshot
+~30 s and its load ~20 s (docs/gpu.md, at fp32 weights); the 64 queries' preconditioning
+``4 · 64 · Σ d_out·d_A·(d_out + d_A)`` ≈ 1.7e15 float32 flops, ~30 s; a training example per
+group ~2.3e12 bf16 flops of forward and backward plus ``2·T·W`` ≈ 1e12 float32 flops of dense
+per-example gradients, ~25 ms, so ~32 s for 256 examples in 5 groups: ours ~150 s with start-up.
+kronfluence: its float64 eigendecomposition of 308 factors (66 of side 5632) ~60-90 s, the
+rest ~50 s. Whole run ≤ 5.5 minutes (the two limits plus start-up); run it alone on the card.
 
-Without CUDA (or with ``--dry-run``) both parts run on a 2-layer Llama (hidden 64) on the CPU in
-seconds, through the same code (``Trainer`` + callback with the device path on the CPU, the
-snapshot, the posterior, the scoring; kronfluence's three fit stages and its scores), 64
-queries against ``--n`` (48) sequences of 32 tokens; the memory figure is then the process's
-peak RSS (``ru_maxrss``). The JSON goes to ``--json``/``--out`` (on a GPU by default
-``benchmarks/results/influence_gpu.json``; in a dry run by default a new temporary directory,
-printed). ``tests/test_influence_gpu.py`` runs the dry run. If kronfluence cannot be imported
-the kronfluence part is reported as absent with the import error (``make .venv/.bench-peers``
-installs it here; on the GPU machine it goes into ``.gpu-site``, below), and ours still runs.
+Without CUDA (or with ``--dry-run``) both parts run on a 2-layer Llama (hidden 64) on the CPU
+through the same code (``Trainer`` + callback with the device path on the CPU, the snapshot,
+the posterior, the scoring; kronfluence's three fit stages and its scores), 64 queries against
+``--n`` (24) sequences of 16 tokens, side by side (one torch thread each); the memory figure is
+then the process's peak RSS (``ru_maxrss``). The JSON goes to ``--json``/``--out`` (on a GPU by
+default ``benchmarks/results/influence_gpu.json``; in a dry run by default a new temporary
+directory, printed). ``tests/test_influence_gpu.py`` runs the dry run. If kronfluence cannot be
+imported, its part is reported absent with the import error (``make .venv/.bench-peers``
+installs it here; on the GPU machine it goes into ``.gpu-site``, below) and ours still runs.
 
-Running it on the lent GPU (docs/gpu.md: no registry there; kronfluence and its pure-Python
+Running it on the lent GPU (docs/gpu.md: no registry there, so kronfluence and its pure-Python
 dependencies go into ``.gpu-site`` beside hydra's, once, here)::
 
     python3 -m pip install -q --no-deps --target .gpu-site kronfluence==1.0.1 einops==0.8.2 \
@@ -102,6 +108,7 @@ then one ``run`` call with ``carry: [".gpu-site"]``::
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import json
 import logging
@@ -130,8 +137,8 @@ TINYLLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256)
 #: The sizes of a GPU run and of a dry run (``--n``, ``--seq`` ... override them).
-FULL = dict(llama=TINYLLAMA, n=512, seq=512, queries=64, batch=8, query_batch=8, steps=4,
-            train_batch=4, limit_ours=150.0, limit_kf=170.0)
+FULL = dict(llama=TINYLLAMA, n=256, seq=512, queries=64, batch=4, query_batch=2, steps=4,
+            train_batch=4, limit_ours=180.0, limit_kf=150.0)
 DRY = dict(llama=TINY, n=24, seq=16, queries=64, batch=12, query_batch=32, steps=3,
            train_batch=4, limit_ours=120.0, limit_kf=120.0)
 #: The tracked run: every step an update step, the long-run MC share, only the final snapshot.
@@ -215,6 +222,10 @@ def peak_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (dry run)"
+
+
 def free_device_bytes(device: torch.device) -> int | None:
     return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
 
@@ -237,6 +248,18 @@ def sum_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     logits, labels = logits[:, :-1].float(), labels[:, 1:].to(logits.device)
     nll = F.cross_entropy(logits.transpose(1, 2), labels.clamp(min=0), reduction="none")
     return (nll * (labels != -100)).sum(1)
+
+
+def query_groups(queries: int, row_bytes: int, free: int | None, need: int) -> int:
+    """The fewest groups of (nearly) equal size the ``queries`` fall into so that a group's
+    preconditioned rows fit the ``free`` device bytes beside ``need`` (None: no limit, the
+    CPU): TWICE a group's ``row_bytes`` per query, since `Influence.scores` concatenates each
+    layer's rows from its query batches (``torch.cat``) while the batches' parts are still
+    held. At least one query per group."""
+    if free is None:
+        return 1
+    per = max(1, int((free - need) // (2 * row_bytes)))  # queries a group may hold
+    return min(queries, math.ceil(queries / per))
 
 
 # -- part 1: ours ---------------------------------------------------------------------------------
@@ -272,7 +295,7 @@ def ours_part(a, out: Partial) -> None:
     t0 = time.perf_counter()
     model = build_model(s, device)
     sync(device)
-    out.put(build_s=time.perf_counter() - t0,
+    out.put(build_s=time.perf_counter() - t0, device=device_name(device),
             params=sum(p.numel() for p in model.parameters()))
     train_ex, query_ex = train_examples(s), query_examples(s)
 
@@ -300,7 +323,10 @@ def ours_part(a, out: Partial) -> None:
                 updates=kfac.tracker.counters.updates,
                 snapshot_bytes=sum(p.stat().st_size for p in Path(path).rglob("*")
                                    if p.is_file()))
-        del trainer
+        del trainer, kfac  # the optimizer's state, the tracker's device statistics
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
         model.eval()
         model.zero_grad(set_to_none=True)
         t = time.perf_counter()
@@ -312,48 +338,52 @@ def ours_part(a, out: Partial) -> None:
         out.put(load_s=load_s, posterior_s=time.perf_counter() - t,
                 layers=list(post.layer_names), feature_dtype=str(post.feature_dtype))
 
-        # the plan: query groups whose preconditioned rows fit the device (+ host)
-        mem = influence_memory(post, s["queries"], s["batch"], s["seq"])
-        free = free_device_bytes(device)
-        if a.query_budget_gb is not None:
-            device_budget = int(a.query_budget_gb * GB)
-        elif free is not None:
-            device_budget = max(int(free - a.reserve_gb * GB), 0)
-        else:
-            device_budget = None  # the CPU: everything where the model is
-        host = int(a.host_query_gb * GB)
-        room = None if device_budget is None else device_budget + host
-        groups = 1 if room is None else max(1, math.ceil(mem["query_rows"] / max(room, 1)))
-        groups = min(groups, s["queries"])
-        per = math.ceil(s["queries"] / groups)
-        qgroups = [query_ex[i:i + per] for i in range(0, s["queries"], per)]
-        qdb = device_budget if (host > 0 and device_budget is not None) else None
-        out.put(memory_plan={**mem, "device_free_bytes": free, "device_budget_bytes":
-                             device_budget, "host_query_bytes": host,
-                             "reserve_bytes": int(a.reserve_gb * GB)},
-                query_groups=len(qgroups), queries_per_group=[len(g) for g in qgroups])
-        print(f"ours: {len(post.layer_names)} layers, {mem['tracked_weights'] / 1e9:.3f}e9 "
-              f"tracked weights, {s['queries']} query rows "
-              f"{mem['query_rows'] / GB:.1f} GB ({post.feature_dtype}); device free "
-              f"{'-' if free is None else f'{free / GB:.1f} GB'}: {len(qgroups)} query "
-              f"group(s)", flush=True)
-
         train = batches(train_ex, s["batch"], device)
-        # warm-up: one query against one training batch (kernels, bases on the device)
+        # warm-up: one query against one training batch (kernels; every layer's eigenbases
+        # converted and kept on the device, so the plan below sees them resident)
         warm = TimedInfluence(post)
         warm.scores(batches(query_ex[:1], 1, device), train[:1], show_progress=False)
         del warm
         sync(device)
+
+        # the plan: the fewest query groups whose preconditioned rows fit the device
+        mem = influence_memory(post, s["queries"], s["batch"], s["seq"])
+        item = mem["query_rows"] // (s["queries"] * mem["tracked_weights"])
+        qmem = influence_memory(post, s["query_batch"], s["query_batch"], s["seq"])
+        need = max(mem["batch_hooks"] + 2 * mem["batch_gradients"],
+                   qmem["batch_hooks"] + 2 * qmem["query_rows"]) + int(a.reserve_gb * GB)
+        free = free_device_bytes(device)
+        if a.query_budget_gb is not None:
+            free, need = int(a.query_budget_gb * GB), 0
+        groups = query_groups(s["queries"], mem["tracked_weights"] * item, free, need)
+        per = math.ceil(s["queries"] / groups)
+        qgroups = [query_ex[i:i + per] for i in range(0, s["queries"], per)]
+        out.put(memory_plan={**mem, "itemsize": item, "device_free_bytes": free,
+                             "need_besides_rows_bytes": need},
+                query_groups=len(qgroups), queries_per_group=[len(g) for g in qgroups])
+        print(f"ours: {len(post.layer_names)} layers, {mem['tracked_weights'] / 1e9:.3f}e9 "
+              f"tracked weights, {s['queries']} query rows "
+              f"{mem['query_rows'] / GB:.1f} GB ({post.feature_dtype}); device free "
+              f"{'-' if free is None else f'{free / GB:.1f} GB'}, besides the rows "
+              f"{need / GB:.1f} GB: {len(qgroups)} query group(s)", flush=True)
         reset_peak(device)
         inf = TimedInfluence(post)
-        read, parts, q_bytes, q_host = 0, [], 0, 0
+        read, parts, q_bytes, per_group = 0, [], 0, []
         t = time.perf_counter()
         for g in qgroups:
-            r = inf.scores(batches(g, s["query_batch"], device), train, show_progress=False,
-                           query_device_bytes=qdb)
+            t_g, pre = time.perf_counter(), inf.precondition_s
+            r = inf.scores(batches(g, s["query_batch"], device), train, show_progress=False)
+            sync(device)
+            secs = time.perf_counter() - t_g
             read += r.examples_read
-            q_bytes, q_host = max(q_bytes, r.query_bytes), max(q_host, r.query_bytes_on_host)
+            q_bytes = max(q_bytes, r.query_bytes)
             parts.append(r.scores)
+            per_group.append({"queries": len(g), "seconds": secs,
+                              "precondition_s": inf.precondition_s - pre,
+                              "read_s": secs - (inf.precondition_s - pre),
+                              "examples_read": r.examples_read, "query_bytes": r.query_bytes,
+                              "peak_memory_bytes": peak_bytes(device)})
+            out.put(groups_done=per_group)  # a run cut short keeps each group's figures
             del r
         sync(device)
         total = time.perf_counter() - t
@@ -366,7 +396,7 @@ def ours_part(a, out: Partial) -> None:
                 peak_memory_source="torch.cuda.max_memory_allocated" if cuda else
                 "ru_maxrss (CPU dry run)",
                 examples_read=read, n_train=s["n"], one_pass=read == s["n"],
-                query_bytes_per_group=q_bytes, query_bytes_on_host=q_host,
+                query_bytes_per_group=q_bytes,
                 scores_shape=list(scores.shape),
                 scores_finite=bool(torch.isfinite(scores).all()),
                 scores_abs_mean=float(scores.abs().mean()))
@@ -435,22 +465,16 @@ def kf_part(a, out: Partial) -> None:
         sync(device)
         fa = all_low_precision_factor_arguments(strategy="ekfac", dtype=torch.bfloat16)
         sa = all_low_precision_score_arguments(damping_factor=None, dtype=torch.bfloat16)
-        out.put(build_s=time.perf_counter() - t0, layers=layers, tracked_weights=weights,
+        out.put(build_s=time.perf_counter() - t0, device=device_name(device), layers=layers,
+                tracked_weights=weights,
                 factor_args=fa.to_str_dict(), score_args=sa.to_str_dict())
         train_ds, query_ds = ExampleDataset(train_examples(s)), ExampleDataset(query_examples(s))
 
         # its query batch: the largest whose preconditioned gradients (bf16) fit
         free = free_device_bytes(device)
-        if a.kf_query_batch:
-            qb = a.kf_query_batch
-        elif free is None:
-            qb = s["queries"]
-        else:
-            factors = sum(d * d for n in layers for d in kf_sides(model, n)) * 4 + weights * 4
-            room = free - factors - a.reserve_gb * GB
-            qb = max(1, min(s["queries"], int(room // (weights * 2))))
-            qb = next(b for b in range(qb, 0, -1) if s["queries"] % b == 0) if qb < \
-                s["queries"] else qb
+        factors = sum(d * d for n in layers for d in kf_sides(model, n)) * 4 + weights * 4
+        qb = a.kf_query_batch or kf_query_batch(s["queries"], weights, factors, free,
+                                                int(a.reserve_gb * GB))
         out.put(query_batch=qb, score_reads=math.ceil(s["queries"] / qb),
                 device_free_bytes=free)
 
@@ -495,6 +519,17 @@ def kf_part(a, out: Partial) -> None:
                 scores_abs_mean=float(scores.abs().mean()))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def kf_query_batch(queries: int, weights: int, factor_bytes: int, free: int | None,
+                   reserve: int) -> int:
+    """kronfluence's query batch: the largest divisor of ``queries`` whose preconditioned
+    query gradients in bf16 (``2 · weights`` bytes each) fit the ``free`` device bytes beside
+    its factors and ``reserve`` (None: no limit, the CPU: all at once)."""
+    if free is None:
+        return queries
+    fit = max(1, int((free - factor_bytes - reserve) // (2 * weights)))
+    return max(b for b in range(1, queries + 1) if queries % b == 0 and b <= fit)
 
 
 def kf_sides(model, name: str) -> tuple[int, int]:
@@ -556,7 +591,7 @@ class Limited:
 
 def child_cmd(a, part: str, partial: str) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--part", part, "--partial", partial,
-           "--reserve-gb", str(a.reserve_gb), "--host-query-gb", str(a.host_query_gb)]
+           "--reserve-gb", str(a.reserve_gb)]
     if a.dry:
         cmd.append("--dry-run")
     for k in ("n", "seq", "queries", "batch", "query_batch", "steps", "train_batch",
@@ -636,7 +671,8 @@ def parent(a) -> int:
     import transformers
 
     report: dict = {
-        "device": torch.cuda.get_device_name(0) if cuda else "cpu (dry run)",
+        # the parts name the card: a CUDA context here would take memory from them
+        "device": None if cuda else "cpu (dry run)",
         "dry_run": a.dry, "torch": torch.__version__, "transformers": transformers.__version__,
         "sizes": s, "tracked": TRACKED, "parts": {}}
     try:
@@ -670,6 +706,8 @@ def parent(a) -> int:
                 finish(report, part, *running.pop(part), out, t_start)
         for part, (partial, job) in running.items():
             finish(report, part, partial, job, out, t_start)
+    report["device"] = report["device"] or next(
+        (r["device"] for r in report["parts"].values() if r.get("device")), None)
     report["seconds"] = time.perf_counter() - t_start
     rows = table(report)
     report["table"] = rows
@@ -692,12 +730,12 @@ def main(argv=None) -> int:
         p.add_argument(f"--{k}", type=int, default=None)
     p.add_argument("--limit-ours", type=float, default=None)
     p.add_argument("--limit-kf", type=float, default=None)
-    p.add_argument("--reserve-gb", type=float, default=16.0,
-                   help="device memory kept free of query rows / query gradients")
-    p.add_argument("--host-query-gb", type=float, default=0.0,
-                   help="pinned host memory our query rows may use (query_device_bytes)")
+    p.add_argument("--reserve-gb", type=float, default=12.0,
+                   help="device memory kept for the model's forward and backward beside the "
+                        "query rows (ours) / query gradients and factors (kronfluence)")
     p.add_argument("--query-budget-gb", type=float, default=None,
-                   help="device bytes for our query rows (default: free less --reserve-gb)")
+                   help="device bytes our query groups are planned in (default: the free "
+                        "memory, less the batches' needs and --reserve-gb)")
     p.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)
     p.add_argument("--partial", help=argparse.SUPPRESS)
     a = p.parse_args(argv)

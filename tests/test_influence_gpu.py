@@ -39,7 +39,7 @@ def test_influence_gpu_dry_run(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
     n, q = r["sizes"]["n"], r["sizes"]["queries"]
-    assert r["dry_run"] and q == 64
+    assert r["dry_run"] and q == 64 and r["device"] == "cpu (dry run)"
     o = r["parts"]["ours"]
     assert o["status"] == "ok", o
     for key in ("build_s", "train_and_snapshot_s", "load_s", "posterior_s", "scores_s",
@@ -51,7 +51,8 @@ def test_influence_gpu_dry_run(tmp_path):
     assert o["examples_per_s"] == pytest.approx(n / o["read_s"])
     # every training example read once: the 64 queries in one pass
     assert o["examples_read"] == n and o["one_pass"] and o["query_groups"] == 1
-    assert o["queries_per_group"] == [q] and o["query_bytes_on_host"] == 0
+    assert o["queries_per_group"] == [q] and len(o["groups_done"]) == 1
+    assert o["groups_done"][0]["examples_read"] == n
     assert o["scores_shape"] == [q, n] and o["scores_finite"] and _positive(o["scores_abs_mean"])
     assert o["memory_plan"]["query_rows"] == q * o["memory_plan"]["tracked_weights"] * 4
     assert o["feature_dtype"] == "torch.float32"  # a bf16 model's influence features
@@ -116,3 +117,20 @@ def test_a_part_past_its_limit_is_killed_and_reported(tmp_path):
     assert rows["status"] == ["timeout", "absent"]
     assert rows["training examples / s"][0] == "—"
     assert "40.0" in rows["factors"][0]
+
+
+def test_query_plans_at_one_h200():
+    """The passes planned for the ~1.1B Llama on one H200 (figures of the docstring): ours,
+    float32 rows of 0.969e9 weights held twice while assembled, ~136e9 bytes free beside
+    31e9 of batches and reserve: 13 queries per group, 5 groups; kronfluence, bf16 query
+    gradients beside ~15e9 of factors: a query batch of 32, two reads."""
+    w = 22 * (2 * 2048 * 2048 + 2 * 256 * 2048 + 3 * 5632 * 2048)
+    assert w == pytest.approx(0.969e9, rel=1e-3)
+    assert influence_gpu.query_groups(64, 4 * w, int(136e9), int(31e9)) == 5
+    assert influence_gpu.query_groups(64, 4 * w, None, 0) == 1  # the CPU: no limit
+    assert influence_gpu.query_groups(64, 4 * w, int(40e9), int(39e9)) == 64  # one per group
+    assert influence_gpu.query_groups(8, 100, 10_000, 0) == 1
+    assert influence_gpu.query_groups(8, 100, 1_000, 0) == 2  # 5 per group -> 2 groups
+    assert influence_gpu.kf_query_batch(64, w, int(15e9), int(147e9), int(12e9)) == 32
+    assert influence_gpu.kf_query_batch(64, w, int(15e9), None, 0) == 64
+    assert influence_gpu.kf_query_batch(64, w, int(15e9), int(20e9), int(12e9)) == 1
