@@ -50,11 +50,13 @@ inner products) or, when cheaper (``R·T < T + R``: one query row), never formed
 ``W = Σ_l d_out·d_A`` the tracked weights (bias columns included) and ``s`` the feature dtype's
 bytes (`influence_memory`):
 
-* the preconditioned query rows, ``R·W·s`` (64 queries on a 1.1B Llama's ~0.97e9 tracked weights
-  in bf16: 124 GB); ``query_device_bytes`` caps their share on the model's device, the rest is
-  held in host memory (pinned on CUDA) and copied to the device a layer at a time for each
-  training batch (each training gradient is still formed once; the copy is ``R·W·s`` bytes per
-  batch, so larger training batches amortise it);
+* the preconditioned query rows, ``R·W·s`` (``s``: the feature dtype's bytes, float32 for a
+  16-bit model: 64 queries on a 1.1B Llama's ~0.97e9 tracked weights take 248 GB), kept in
+  blocks of one query batch each, never concatenated; ``query_device_bytes`` caps their share
+  on the model's device: a block past it moves to host memory (pinned on CUDA) as soon as it is
+  preconditioned, and is copied back a layer at a time for each training batch (each training
+  gradient is still formed once, and scored against every block; the copies are the host
+  share of ``R·W·s`` bytes per training batch, so larger training batches amortise them);
 * one training batch's hooks (``B·T·Σ_l (d_A + d_out)·s``) and one layer's per-example
   gradients (``B·max_l d_out·d_A·s``);
 * the ``[R, N]`` float64 scores on the host: nothing else grows with the training set.
@@ -150,6 +152,35 @@ def example_losses(logits: Tensor, labels: Tensor, shift: bool) -> Tensor:
     nll = F.cross_entropy(logits.transpose(1, 2), labels.clamp(min=0), reduction="none")
     nll = torch.where(labels == inputs.IGNORE_INDEX, torch.zeros_like(nll), nll)
     return torch.cat([pad, nll], 1) if shift else nll  # [B, T]: the loss at label t
+
+
+class _QueryRows:
+    """The preconditioned query rows, by layer, in blocks (one per query batch): a block that
+    would take the device's share past ``device_bytes`` is moved to host memory (pinned when
+    it comes from CUDA) as soon as it is made, so the rows never sit on the device whole."""
+
+    def __init__(self, device_bytes: int | None) -> None:
+        self.device_bytes = device_bytes
+        #: {layer: [block [R_k, d_out, d_A], ...]}, the blocks in query order
+        self.blocks: dict[str, list[Tensor]] = {}
+        self.bytes = self.host_bytes = self.device_used = 0
+
+    @property
+    def rows(self) -> int:
+        """``R``: the rows of every block of one layer."""
+        return sum(len(p) for p in next(iter(self.blocks.values()), ()))
+
+    def add(self, layer: str, block: Tensor) -> None:
+        """Keep one block of ``layer``'s rows (``[R_k, d_out, d_A]``)."""
+        size = block.numel() * block.element_size()
+        self.bytes += size
+        over = self.device_bytes is not None and self.device_used + size > self.device_bytes
+        if over and block.device.type != "cpu":
+            block = block.to("cpu").pin_memory() if block.is_cuda else block.to("cpu")
+            self.host_bytes += size
+        else:
+            self.device_used += size
+        self.blocks.setdefault(layer, []).append(block)
 
 
 class Influence:
@@ -305,23 +336,23 @@ class Influence:
 
     # -- scores --------------------------------------------------------------------------------
 
-    def _query_rows(self, queries: Iterable[Mapping[str, Tensor]], per_token: bool
-                    ) -> tuple[dict[str, Tensor], list[int], Tensor | None]:
-        """The preconditioned query rows ``{layer: [R, d_out, d_A]}``, the rows of each query
-        (1, or its labelled tokens) and the token positions ``[Q, S]`` (``per_token``)."""
-        parts: dict[str, list[Tensor]] = {}
+    def _query_rows(self, queries: Iterable[Mapping[str, Tensor]], per_token: bool,
+                    device_bytes: int | None) -> tuple[_QueryRows, list[int], Tensor | None]:
+        """The preconditioned query rows (`_QueryRows`: ``{layer: [[R_k, d_out, d_A], ...]}``,
+        one block per query batch, never concatenated; a block past ``device_bytes`` goes to
+        host memory as soon as it is made), the rows of each query (1, or its labelled
+        tokens) and the token positions ``[Q, S]`` (``per_token``)."""
+        rows = _QueryRows(device_bytes)
         rows_per_query: list[int] = []
         positions: list[Tensor] = []
         for batch in queries:
             a, g, pos, counts = self._io("influence_scores", batch, per_token)
-            grads = {}
             for n in a:
                 if per_token:  # [R, B, T, d_out] -> [R, d_out, d_A], each row its own example
-                    grads[n] = torch.einsum("rbti,btj->rij", g[n], a[n])
+                    v = torch.einsum("rbti,btj->rij", g[n], a[n])
                 else:
-                    grads[n] = torch.einsum("bti,btj->bij", g[n], a[n])
-            for n, v in self.precondition(grads).items():
-                parts.setdefault(n, []).append(v)
+                    v = torch.einsum("bti,btj->bij", g[n], a[n])
+                rows.add(n, self.precondition({n: v})[n])
             rows_per_query += counts.tolist()
             if pos is not None:
                 positions.append(pos)
@@ -331,46 +362,32 @@ class Influence:
         if per_token:
             width = max(p.shape[1] for p in positions)
             pos = torch.cat([F.pad(p, (0, width - p.shape[1]), value=-1) for p in positions])
-        return {n: torch.cat(v) for n, v in parts.items()}, rows_per_query, pos
+        return rows, rows_per_query, pos
 
-    def _train_scores(self, q: dict[str, Tensor], batch: Mapping[str, Tensor]
-                      ) -> tuple[Tensor, int]:
+    def _train_scores(self, q: _QueryRows, batch: Mapping[str, Tensor]) -> tuple[Tensor, int]:
         """``([R, B] float64, B)``: the query rows' inner products with the batch's
         per-example gradients, layer by layer in the cheaper of the dense and the factored
-        form (rows held on the host are copied to the batch's device first, a layer at a
-        time)."""
+        form; each layer's per-example gradients formed once and scored against every block
+        (blocks held on the host are copied to the batch's device first)."""
         a, g, _, _ = self._io("influence_scores", batch, per_token=False)
         total = None
         size = 0
-        for n, p in q.items():
-            rows, steps = p.shape[0], a[n].shape[1]
-            size = a[n].shape[0]
-            p = p.to(a[n].device, non_blocking=True)
-            if rows * steps < steps + rows:  # one query row: Σ_t g_tᵀ P ā_t, no dense grad
-                s = torch.einsum("bti,rij,btj->rb", g[n], p, a[n])
-            else:
-                s = torch.einsum("rij,bij->rb", p, torch.einsum("bti,btj->bij", g[n], a[n]))
-            total = s.double() if total is None else total + s.double()
+        for n, blocks in q.blocks.items():
+            steps, size = a[n].shape[1], a[n].shape[0]
+            one = q.rows * steps < steps + q.rows  # one query row: Σ_t g_tᵀ P ā_t
+            grad = None if one else torch.einsum("bti,btj->bij", g[n], a[n])
+            parts = []
+            for p in blocks:
+                p = p.to(a[n].device, non_blocking=True)
+                parts.append(torch.einsum("bti,rij,btj->rb", g[n], p, a[n]) if one else
+                             torch.einsum("rij,bij->rb", p, grad))
+            s = torch.cat(parts).double()
+            total = s if total is None else total + s
         if total is None:  # no tracked layer ran: every score is 0
             size = inputs.check_batch("influence_scores", "batch", batch,
                                       inputs.input_vocab(self.model))[0]
-            total = torch.zeros(len(next(iter(q.values()))), size, dtype=torch.float64)
+            total = torch.zeros(q.rows, size, dtype=torch.float64)
         return total, size
-
-    @staticmethod
-    def _place(q: dict[str, Tensor], device_bytes: int | None) -> int:
-        """Move the rows of the layers past ``device_bytes`` (in order) to host memory
-        (pinned when they come from CUDA); the bytes moved."""
-        used = moved = 0
-        for n, p in q.items():
-            size = p.numel() * p.element_size()
-            if device_bytes is not None and used + size > device_bytes and p.device.type != \
-                    "cpu":
-                q[n] = p.to("cpu").pin_memory() if p.is_cuda else p.to("cpu")
-                moved += size
-            else:
-                used += size
-        return moved
 
     def self_scores(self, train: Iterable[Mapping[str, Tensor]], *,
                     show_progress: bool | None = None) -> Tensor:
@@ -436,9 +453,7 @@ class Influence:
         inputs.check_flag("influence_scores", "per_token", per_token)
         if query_device_bytes is not None:
             inputs.check_int("influence_scores", "query_device_bytes", query_device_bytes, 0)
-        q, rows_per_query, pos = self._query_rows(queries, per_token)
-        query_bytes = sum(p.numel() * p.element_size() for p in q.values())
-        on_host = self._place(q, query_device_bytes)
+        q, rows_per_query, pos = self._query_rows(queries, per_token, query_device_bytes)
         cols = []
         read = 0
         for batch in self._batches(train, "influence", show_progress):
@@ -464,7 +479,7 @@ class Influence:
         return InfluenceScores(scores=scores, token_scores=token_scores,
                                token_positions=pos, damping=dict(self.damping),
                                layers=self.layers, examples_read=read,
-                               query_bytes=query_bytes, query_bytes_on_host=on_host)
+                               query_bytes=q.bytes, query_bytes_on_host=q.host_bytes)
 
 
 def influence_scores(post: LaplacePosterior,
