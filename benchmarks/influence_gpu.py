@@ -35,18 +35,19 @@ table, so a partial run still reports.
    preconditioned rows fit the device; at 1.1B they do not. A bf16 model's influence
    features run in float32 (`LaplacePosterior.feature_dtype`: float64 for a float64 model,
    else float32), so 64 rows of the 0.969e9 tracked weights are ``64 · 0.969e9 · 4`` = 248 GB
-   (`kfac_stream.influence_memory`), and `Influence.scores` holds twice a call's rows while it
-   concatenates each layer's rows from its query batches. ``query_device_bytes`` does not help
-   here: it moves rows to the host only after they are all assembled on the device. The script
-   therefore splits the queries into the fewest equal groups whose rows, twice, fit the device's
-   free memory (after the warm-up, so with the eigenbases resident) beside the larger of a
-   training batch's needs and a query batch's (`influence_memory`: hooks, per-example
-   gradients; a query batch's gradients and their preconditioned copy) and ``--reserve-gb``
-   (12: the model's forward and backward), one call per group (`query_groups`). The training
-   set is then read once per group: the JSON says so (``query_groups``, ``examples_read`` =
-   groups × N, ``one_pass`` false). Expected on one H200 (~150e9 bytes, ~137e9 free after
-   the bf16 model and 10.6 GB of float32 eigenbases; 31 GB besides the rows): 13 queries per
-   group, **5 groups**. ``examples_per_s`` counts a training example once, scored against all
+   (`kfac_stream.influence_memory`): more than the H200 holds, and more than the lent
+   machine's 128 GiB of host memory could hold for ``query_device_bytes`` beside it.
+   `Influence.scores` keeps the rows in blocks, one per query batch, never concatenated, so a
+   group's rows take their own size once. The script therefore splits the queries into the
+   fewest equal groups whose rows fit the device's free memory (after the warm-up, so with the
+   eigenbases resident) beside the larger of a training batch's needs and a query batch's
+   (`influence_memory`: hooks, per-example gradients; a query batch's gradients and their
+   preconditioned copy) and ``--reserve-gb`` (12: the model's forward and backward), one call
+   per group (`query_groups`). The training set is then read once per group: the JSON says so
+   (``query_groups``, ``examples_read`` = groups × N, ``one_pass`` false). Expected on one
+   H200 (~150e9 bytes, ~137e9 free after the bf16 model and 10.6 GB of float32 eigenbases;
+   31 GB besides the rows): 27 queries per group, **3 groups**. ``examples_per_s`` counts a
+   training example once, scored against all
    64 queries, over all the groups' reads.
 
 2. **kronfluence** 1.0.1 (limit ``--limit-kf``, 150 s): the same model (the same seed: the same
@@ -253,12 +254,11 @@ def sum_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def query_groups(queries: int, row_bytes: int, free: int | None, need: int) -> int:
     """The fewest groups of (nearly) equal size the ``queries`` fall into so that a group's
     preconditioned rows fit the ``free`` device bytes beside ``need`` (None: no limit, the
-    CPU): TWICE a group's ``row_bytes`` per query, since `Influence.scores` concatenates each
-    layer's rows from its query batches (``torch.cat``) while the batches' parts are still
-    held. At least one query per group."""
+    CPU): ``row_bytes`` per query (`Influence.scores` keeps the rows in blocks, never
+    concatenated). At least one query per group."""
     if free is None:
         return 1
-    per = max(1, int((free - need) // (2 * row_bytes)))  # queries a group may hold
+    per = max(1, int((free - need) // row_bytes))  # queries a group may hold
     return min(queries, math.ceil(queries / per))
 
 
@@ -282,10 +282,10 @@ def ours_part(a, out: Partial) -> None:
 
         precondition_s = 0.0
 
-        def _query_rows(self, queries, per_token):
+        def _query_rows(self, *args):
             sync(self.post.device)
             t = time.perf_counter()
-            rows = super()._query_rows(queries, per_token)
+            rows = super()._query_rows(*args)
             sync(self.post.device)
             self.precondition_s += time.perf_counter() - t
             return rows

@@ -121,16 +121,16 @@ def test_a_part_past_its_limit_is_killed_and_reported(tmp_path):
 
 def test_query_plans_at_one_h200():
     """The passes planned for the ~1.1B Llama on one H200 (figures of the docstring): ours,
-    float32 rows of 0.969e9 weights held twice while assembled, ~136e9 bytes free beside
-    31e9 of batches and reserve: 13 queries per group, 5 groups; kronfluence, bf16 query
+    float32 rows of 0.969e9 weights (kept in blocks, held once), ~136e9 bytes free beside
+    31e9 of batches and reserve: 27 queries per group, 3 groups; kronfluence, bf16 query
     gradients beside ~15e9 of factors: a query batch of 32, two reads."""
     w = 22 * (2 * 2048 * 2048 + 2 * 256 * 2048 + 3 * 5632 * 2048)
     assert w == pytest.approx(0.969e9, rel=1e-3)
-    assert influence_gpu.query_groups(64, 4 * w, int(136e9), int(31e9)) == 5
+    assert influence_gpu.query_groups(64, 4 * w, int(136e9), int(31e9)) == 3
     assert influence_gpu.query_groups(64, 4 * w, None, 0) == 1  # the CPU: no limit
-    assert influence_gpu.query_groups(64, 4 * w, int(40e9), int(39e9)) == 64  # one per group
+    assert influence_gpu.query_groups(64, 4 * w, int(40e9), int(36e9)) == 64  # one per group
     assert influence_gpu.query_groups(8, 100, 10_000, 0) == 1
-    assert influence_gpu.query_groups(8, 100, 1_000, 0) == 2  # 5 per group -> 2 groups
+    assert influence_gpu.query_groups(8, 100, 500, 0) == 2  # 5 per group -> 2 groups
     assert influence_gpu.kf_query_batch(64, w, int(15e9), int(147e9), int(12e9)) == 32
     assert influence_gpu.kf_query_batch(64, w, int(15e9), None, 0) == 64
     assert influence_gpu.kf_query_batch(64, w, int(15e9), int(20e9), int(12e9)) == 1
