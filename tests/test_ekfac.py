@@ -514,8 +514,8 @@ def test_16_bit_training_rotates_in_bfloat16():
     state.set_basis(0, {"l.A": qa.float(), "l.G": qg.float()})
     state.begin_step()
     want = EkfacState({"l": spec}, {"l": ("l.A", "l.G")}, torch.device("cpu"), torch.float64)
-    ref = want.correction("l", x, g, usable, B, (qa, qg))
-    got = state.correction("l", x.to(torch.bfloat16), g.to(torch.bfloat16), usable, B,
+    ref = want.correction("l", [(x, g)], usable, B, (qa, qg))
+    got = state.correction("l", [(x.to(torch.bfloat16), g.to(torch.bfloat16))], usable, B,
                            state.basis_of("l"))
     assert got.dtype == torch.float32
     assert state.basis_of("l")[0].dtype == torch.bfloat16  # converted once, kept so
