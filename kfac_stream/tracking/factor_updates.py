@@ -111,6 +111,8 @@ class UpdateJob:
             for float64 storage): reduced in the hooks, they never travel as rows.
         groups: Rows of dense factors of one side stacked (`RowGroup`; their keys are not in
             ``rows``): folded as one group on the device path.
+        agree: Host ints for the exchange's table (`ExchangeRequest.extra`: the EK-FAC
+            basis this rank holds ready).
     """
 
     step: int
@@ -124,6 +126,7 @@ class UpdateJob:
     exchange: PendingExchange | None = None
     issue_seconds: float = 0.0
     groups: list[RowGroup] = field(default_factory=list)
+    agree: tuple[int, ...] = ()
 
     def all_rows(self) -> dict[str, Tensor]:
         """``{factor key: rows [m, d]}`` of every factor with rows, the groups' as views."""
@@ -252,7 +255,7 @@ class FactorUpdater:
                 strategy=None if self.config.exchange == "auto" else self.config.exchange,
                 ok=job.ok, transport=transport, weights=job.weights, positions=job.positions,
                 device=self.device, gram_fn=self.folding.partial_gram, sums=job.sums,
-                plan_group=self.dist.plan_group))
+                plan_group=self.dist.plan_group, extra=job.agree))
 
     def _apply(self, job: UpdateJob) -> None:
         """Read the job's flags (the one host read of an update), exchange (several ranks),

@@ -36,6 +36,7 @@ from ..capture.selection import LayerSpec, select_layers
 from ..capture.sharing import FactorPlan, plan_factors, probe_shared_inputs
 from ..config import KFACConfig
 from ..distributed.context import DistContext
+from ..distributed.ekfac_sync import RankedSink, sum_to_owners
 from ..distributed.engines import engine_for
 from ..distributed.ownership import Ownership, assign_owners
 from ..ekfac import EkfacState
@@ -164,14 +165,9 @@ class Tracker:
                                     sum_dtype=wide, reduce=self.curvature.reduces)
         # EK-FAC from the stream (`kfac_stream.ekfac`), only when asked for: nothing else runs
         self.ekfac: EkfacState | None = None
-        if config.ekfac:
-            if self.world_size > 1:
-                raise KFACConfigError(
-                    f"KFACConfig.ekfac=True is not supported with several processes (world size "
-                    f"{self.world_size}) yet: the correction is not reduced across ranks; train "
-                    "with one process or set ekfac=False")
+        if config.ekfac:  # several ranks: bases switched in lockstep (`distributed.ekfac_sync`)
             self.ekfac = EkfacState(specs, {n: self.plan.keys_of(n) for n in specs},
-                                    self.device, wide)
+                                    self.device, wide, lockstep=self.world_size > 1)
         self.fisher = estimator_for(config)(self)  # what the steps capture, which rows count
         self.capture = self._make_capture()
         self._backward_in_forward = engine_for(model).allows_backward_in_forward(model)
@@ -267,7 +263,11 @@ class Tracker:
             if self.updater.stream is not None:  # on the model device's training stream
                 job.event = torch.cuda.Event()  # (not the current device's, which may differ)
                 job.event.record(torch.cuda.current_stream(self.device))
+            if self.ekfac is not None:  # this rank's ready basis, in the exchange's table
+                job.agree = (self.ekfac.ready_step(),)
             self.updater.submit(job, self._step_seconds)
+            if self.ekfac is not None and job.exchange is not None:
+                self.ekfac.agree([row[0] for row in job.exchange.result.extra])
             return True
         finally:
             self.is_update_step = False
@@ -344,8 +344,16 @@ class Tracker:
         (`EkfacState.take`, `EkfacState.sink`); None without ``ekfac``."""
         if self.ekfac is None:
             return None
-        tensors, entries = self.ekfac.take(step, {n: self.plan.keys_of(n) for n in self.specs})
-        return tensors, entries, self.ekfac.sink(step)
+        keys_of = {n: self.plan.keys_of(n) for n in self.specs}
+        if self.world_size == 1:
+            tensors, entries = self.ekfac.take(step, keys_of)
+            return tensors, entries, self.ekfac.sink(step)
+        owner = self.ownership.owner
+        dims = {n: (self.dims[g][0], self.dims[a][0]) for n, (a, g) in keys_of.items()}
+        tensors, entries = self.ekfac.take(step, keys_of, combine=lambda window: sum_to_owners(
+            window, dims, {n: owner[g] for n, (_, g) in keys_of.items()}, self.dist))
+        keys = {k: self.dims[k] for pair in keys_of.values() for k in pair}
+        return tensors, entries, RankedSink(self.ekfac, step, keys, owner, self.rank)
 
     def read_counters(self) -> Counters:
         """The counters with the device-side ones read (snapshot, checkpoint, log time)."""
