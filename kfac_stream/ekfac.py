@@ -49,8 +49,21 @@ on a basis that is about to be replaced). The staleness accepted: snapshot ``k``
 ``λ`` measured on snapshot ``k − 1``'s basis (``basis_step`` in its manifest) with the
 gradients of the weights of the window, next to its own eigenvectors; the two bases differ by
 one ``snapshot_every`` of training. Measured in tests/test_ekfac.py and docs/computed.md.
-Resume: the basis and the accumulator do not ride with checkpoints; a resumed run's first
-snapshot carries no correction.
+Resume: the state rides with checkpoints (`EkfacState.state_dict`,
+`kfac_stream.tracking.tracker_state`): the basis in use and its step, a pending basis that
+may go into use, the accumulators and the window's counts, so a run resumed between two
+snapshots stores at the next one what the uninterrupted run stores (bit for bit with the same
+world size: tests/test_ekfac_ranks.py). Each rank writes its own accumulators and the
+eigenvectors of the factors it owns (the others' are in their owners' files; a resume with
+another world size sums the accumulators onto rank 0). A checkpoint written without the state
+(older ones) still loads: the correction then restarts (the next snapshot carries none).
+
+Several ranks (`kfac_stream.distributed.ekfac_sync`): every rank accumulates on its own
+sequences; at a snapshot the accumulators are summed onto the owner of each layer's G factor,
+which stores ``λ = Σ_ranks num / Σ_ranks N`` (what one process gives on the concatenated
+data); each rank decomposes its own factors and broadcasts their eigenvectors to the others
+from the snapshot's thread; the new basis goes into use at an update step every rank agreed
+on (`EkfacState.agree`, through the exchange's host table), never on one rank's arrival.
 
 Cost (per layer and update, ``b`` sequences of ``T`` tokens, ``d_o = d_out``, ``d_A``): two
 orders compute the same ``[b, d_o, d_A]`` rotated gradients, and `correction_order` takes the
@@ -113,7 +126,8 @@ logger = logging.getLogger("kfac_stream")
 
 #: Re-exported: the per-layer arithmetic lives in `kfac_stream.stats.ekfac_math`.
 __all__ = ["CHUNK_ENTRIES", "EkfacState", "EkfacWindow", "PassCorrections", "correction_bytes",
-           "correction_flops", "correction_order", "ekfac_denominator", "sequence_correction"]
+           "correction_flops", "correction_order", "ekfac_denominator", "ekfac_device_bytes",
+           "sequence_correction"]
 
 
 class EkfacState:
@@ -147,7 +161,6 @@ class EkfacState:
         self.basis_step: int | None = None
         self.basis_keys: dict[str, tuple[str, str]] = {}
         self.calls: dict[str, int] = {}
-        self._converted: dict[int, tuple[Tensor, Tensor]] = {}  # id(wide q) -> (q, 16-bit q)
         self._reset()
         self._lock = threading.Lock()
         self._pending: dict[str, Tensor | None] = {}
@@ -178,7 +191,6 @@ class EkfacState:
             self.basis_step, self.basis_keys = self._pending_step, dict(keys)
             self._pending, self._pending_keys, self._ready = {}, {}, False
             self._pending_step, self._arrived, self._agreed = None, False, None
-        self._converted.clear()
         self._reset()
 
     def ready_step(self) -> int:
@@ -248,20 +260,23 @@ class EkfacState:
 
     def _basis_in(self, layer: str, basis: tuple[Tensor | None, Tensor | None],
                   dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None]:
-        """``basis`` in ``dtype``, kept in its place for the calls that follow (a 16-bit run
-        converts each factor's basis once and holds it in bf16: half the memory; a shared A
-        stays one tensor for its layers)."""
-        out = []
-        for q in basis:
-            if q is not None and q.dtype != dtype:
-                q = self._converted.setdefault(id(q), (q, q.to(dtype)))[1]
-            out.append(q)
-        if self.basis.get(layer) is basis:
-            self.basis[layer] = (out[0], out[1])
-            if all(id(q) not in {id(t) for pair in self.basis.values() for t in pair}
-                   for q, _ in self._converted.values()):
-                self._converted.clear()  # every layer converted: the wide copies are free
-        return out[0], out[1]
+        """``basis`` in ``dtype``: the whole basis in use is converted once, factor by factor
+        (a 16-bit run holds it in bf16: half the memory; each wide tensor is freed as its
+        copy replaces it, so the device holds at most one factor twice; a shared A stays one
+        tensor)."""
+        if self.basis.get(layer) is not basis:  # not the basis in use: this call's copy
+            return tuple(None if q is None else q.to(dtype) for q in basis)  # type: ignore
+        done: dict[int, Tensor] = {}
+        for name, pair in list(self.basis.items()):
+            new = []
+            for q in pair:
+                if q is not None and q.dtype != dtype:
+                    if id(q) not in done:
+                        done[id(q)] = q.to(dtype)
+                    q = done[id(q)]
+                new.append(q)
+            self.basis[name] = (new[0], new[1])
+        return self.basis[layer]
 
     def add(self, step: int, nums: Mapping[str, Tensor], dens: Mapping[str, Tensor],
             ok: Tensor) -> None:
@@ -306,7 +321,6 @@ class EkfacState:
             tensors[name] = (num / den).to("cpu", self.dtype).contiguous()
             entries[name] = {**entry, "weight": float(den)}
         self.basis, self.basis_step, self.basis_keys = {}, None, {}
-        self._converted.clear()
         self._reset()
         with self._lock:
             self._pending, self._pending_step = {}, int(step)
@@ -458,7 +472,7 @@ class EkfacState:
             return tuple(move(get(f"{prefix}{k}")) for k in keys)
 
         self.basis_keys = {n: (k[0], k[1]) for n, k in meta["basis_keys"].items()}
-        self.basis, self._converted = {}, {}
+        self.basis = {}
         cache: dict[str, Tensor | None] = {}
         for name, keys in self.basis_keys.items():
             for key in keys:
@@ -570,6 +584,29 @@ class PassCorrections:
         for layer in list(self._held):
             self._square(layer)
         return self.sums
+
+
+def ekfac_device_bytes(keys_of: Mapping[str, tuple[str, str]],
+                       dims: Mapping[str, tuple[int, bool]], dtype: torch.dtype
+                       ) -> dict[str, int]:
+    """The device bytes an `EkfacState` holds at most (what `EkfacState.device_bytes` counts
+    once a basis is in use and every layer has accumulated): ``{"basis": ..., "accumulators":
+    ..., "total": ...}``.
+
+    ``basis``: every dense factor's eigenvectors once (``d²`` entries in ``dtype`` as they
+    arrive, the storage's wide dtype: ``4·Σ d²`` in float32; a shared A is one tensor; a
+    diagonal factor's basis is the identity, nothing held); a 16-bit run converts them to bf16
+    at its first corrected pass (``2·Σ d²`` from then on, at most one factor held twice while
+    it converts). ``accumulators``: a ``[d_out, d_A]`` numerator and a 0-dim ``N`` per layer
+    in ``dtype``. A snapshot's take drops the basis and the accumulators before the next basis
+    arrives, so the two never add up twice. Not counted: each pass's ``[b, d_out, d_A]`` chunk
+    (`CHUNK_ENTRIES`) and the calls' output gradients `PassCorrections` holds, both freed
+    within the pass."""
+    size = torch.empty((), dtype=dtype).element_size()
+    keys = {k for pair in keys_of.values() for k in pair}
+    basis = sum(dims[k][0] ** 2 for k in keys if not dims[k][1])
+    acc = sum(dims[g][0] * dims[a][0] + 1 for a, g in keys_of.values())
+    return {"basis": size * basis, "accumulators": size * acc, "total": size * (basis + acc)}
 
 
 def ekfac_denominator(eigvals: Tensor, damping: float, like: Tensor) -> Tensor:

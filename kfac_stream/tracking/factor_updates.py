@@ -150,6 +150,7 @@ class FactorUpdater:
         folding: Where second moments are formed and the EMA runs.
         counters: The tracker's running totals, updated here (updates, skips, exchange and
             fold time, bytes, waits).
+        reserved: Bytes of the device budget the tracker's EK-FAC state holds (`Residency`).
 
     Attributes:
         store: The `FactorStore` of the factors this rank owns.
@@ -157,7 +158,7 @@ class FactorUpdater:
 
     def __init__(self, run: RunPlan, dims: dict[str, tuple[int, bool]],
                  ownership: Ownership, dist: DistContext | None, device: torch.device,
-                 folding: Folding, counters: Counters) -> None:
+                 folding: Folding, counters: Counters, reserved: int = 0) -> None:
         config = run.config
         self.config, self.dims, self.ownership, self.dist = config, dims, ownership, dist
         self.rank, self.world_size = (dist.rank, dist.world_size) if dist else (0, 1)
@@ -169,7 +170,7 @@ class FactorUpdater:
         self.store = FactorStore(config.storage_dtype, config.ema_decay,
                                  device=device if on_device else None,
                                  device_budget=run.device_budget, traffic=counters,
-                                 defer=run.fold_defer)
+                                 defer=run.fold_defer, reserved=reserved)
         for key in ownership.owned_by(self.rank):
             self.store.add(key, *dims[key])
         self._warned_scale = False

@@ -39,7 +39,7 @@ from ..distributed.context import DistContext
 from ..distributed.ekfac_sync import RankedSink, sum_to_owners
 from ..distributed.engines import engine_for
 from ..distributed.ownership import Ownership, assign_owners
-from ..ekfac import EkfacState
+from ..ekfac import EkfacState, ekfac_device_bytes
 from ..enums import StorageDtype
 from ..exceptions import KFACConfigError
 from ..fisher import estimator_for
@@ -184,9 +184,14 @@ class Tracker:
         self.a_has_bias = {self.plan.a_key[n]: s.has_bias for n, s in specs.items()}
         self.a_members = _a_members(self.plan)
         self.ownership: Ownership = assign_owners(self.dims, self.world_size, storage.itemsize)
+        # the EK-FAC state's device bytes, counted in the device budget (`ekfac_device_bytes`)
+        self.ekfac_bytes = ekfac_device_bytes(
+            {n: self.plan.keys_of(n) for n in specs}, self.dims, wide) if self.ekfac else None
+        _check_ekfac_budget(self.run, self.ekfac_bytes)
         self.updater = FactorUpdater(self.run, self.dims, self.ownership, dist_ctx,
                                      device=self.device, folding=self.folding,
-                                     counters=self.counters)
+                                     counters=self.counters,
+                                     reserved=self.ekfac_bytes["total"] if self.ekfac else 0)
         self.store = self.updater.store  # this rank's factors
 
     @property
@@ -355,6 +360,14 @@ class Tracker:
         keys = {k: self.dims[k] for pair in keys_of.values() for k in pair}
         return tensors, entries, RankedSink(self.ekfac, step, keys, owner, self.rank)
 
+    def ekfac_state(self) -> tuple[dict[str, Any], dict[str, Tensor]] | None:
+        """The EK-FAC state for a checkpoint (`EkfacState.state_dict`: this rank's
+        accumulators, the eigenvectors of the factors it owns); None without ``ekfac``."""
+        if self.ekfac is None:
+            return None
+        owner = self.ownership.owner
+        return self.ekfac.state_dict(keep=lambda key: owner.get(key, 0) == self.rank)
+
     def read_counters(self) -> Counters:
         """The counters with the device-side ones read (snapshot, checkpoint, log time)."""
         self.counters.tokens_seen = self.capture.tokens_seen
@@ -517,6 +530,21 @@ def _check_same_plan(ctx: DistContext, plan: FactorPlan) -> None:
         raise RuntimeError("kfac_stream: ranks found different shared-input groups "
                            f"(rank 0: {plans[0]}, rank {ctx.rank}: {plan.describe()}); "
                            "set KFACConfig(share_inputs=False)")
+
+
+def _check_ekfac_budget(run: RunPlan, need: dict[str, int] | None) -> None:
+    """An explicit device budget of the device fold must hold the EK-FAC state's bytes and
+    the accumulation's work space (`kfac_stream.store.residency.Residency`); an ``"auto"``
+    budget (decided at the first update) that cannot says so there and keeps no pending
+    statistic on the device."""
+    budget = run.device_budget
+    if need is None or run.fold_on != "device" or budget is None or budget >= need["total"]:
+        return
+    raise KFACConfigError(
+        f"KFACConfig(ekfac=True) holds {need['total']} bytes on the model's device "
+        f"({need['basis']} of eigenvectors, {need['accumulators']} of accumulators) but "
+        f"device_memory_budget={budget}; raise the budget, lower max_dense_dim (diagonal "
+        "factors hold no basis) or track fewer layers")
 
 
 def _set_rng(generator: torch.Generator, state: Tensor, fallback_seed: int) -> None:
