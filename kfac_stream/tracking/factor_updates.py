@@ -113,6 +113,7 @@ class UpdateJob:
             ``rows``): folded as one group on the device path.
         agree: Host ints for the exchange's table (`ExchangeRequest.extra`: the EK-FAC
             basis this rank holds ready).
+        agreed: Every rank's ``agree`` (``[W][E]``), filled in when the exchange is issued.
     """
 
     step: int
@@ -127,6 +128,7 @@ class UpdateJob:
     issue_seconds: float = 0.0
     groups: list[RowGroup] = field(default_factory=list)
     agree: tuple[int, ...] = ()
+    agreed: list[list[int]] = field(default_factory=list)
 
     def all_rows(self) -> dict[str, Tensor]:
         """``{factor key: rows [m, d]}`` of every factor with rows, the groups' as views."""
@@ -210,6 +212,7 @@ class FactorUpdater:
             self._raise_worker_error()
             t0 = time.perf_counter()
             job.exchange = self._start_exchange(job)
+            job.agreed = job.exchange.result.extra  # every rank's ``agree``, known now
             job.issue_seconds = time.perf_counter() - t0  # counted by the applying thread
         if self._queue is None:
             self.settle()

@@ -271,8 +271,8 @@ class Tracker:
             if self.ekfac is not None:  # this rank's ready basis, in the exchange's table
                 job.agree = (self.ekfac.ready_step(),)
             self.updater.submit(job, self._step_seconds)
-            if self.ekfac is not None and job.exchange is not None:
-                self.ekfac.agree([row[0] for row in job.exchange.result.extra])
+            if self.ekfac is not None and job.agreed:
+                self.ekfac.agree([row[0] for row in job.agreed])
             return True
         finally:
             self.is_update_step = False
