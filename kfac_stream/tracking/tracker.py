@@ -168,6 +168,11 @@ class Tracker:
         if config.ekfac:  # several ranks: bases switched in lockstep (`distributed.ekfac_sync`)
             self.ekfac = EkfacState(specs, {n: self.plan.keys_of(n) for n in specs},
                                     self.device, wide, lockstep=self.world_size > 1)
+        # the EK-FAC state's device bytes, counted in the device budget (`ekfac_device_bytes`)
+        self.ekfac_bytes = ekfac_device_bytes(
+            {n: self.plan.keys_of(n) for n in specs}, self.plan.dims, wide) \
+            if self.ekfac else None
+        _check_ekfac_budget(self.run, self.ekfac_bytes)  # before any hook goes on the model
         self.fisher = estimator_for(config)(self)  # what the steps capture, which rows count
         self.capture = self._make_capture()
         self._backward_in_forward = engine_for(model).allows_backward_in_forward(model)
@@ -184,10 +189,6 @@ class Tracker:
         self.a_has_bias = {self.plan.a_key[n]: s.has_bias for n, s in specs.items()}
         self.a_members = _a_members(self.plan)
         self.ownership: Ownership = assign_owners(self.dims, self.world_size, storage.itemsize)
-        # the EK-FAC state's device bytes, counted in the device budget (`ekfac_device_bytes`)
-        self.ekfac_bytes = ekfac_device_bytes(
-            {n: self.plan.keys_of(n) for n in specs}, self.dims, wide) if self.ekfac else None
-        _check_ekfac_budget(self.run, self.ekfac_bytes)
         self.updater = FactorUpdater(self.run, self.dims, self.ownership, dist_ctx,
                                      device=self.device, folding=self.folding,
                                      counters=self.counters,
