@@ -92,10 +92,13 @@ and products run in bfloat16 on tensor cores, the training step's own rate, so t
 the time ratio (`EkfacState.compute_dtype`; bf16 so that sums over a sequence's tokens cannot
 overflow), each rotated entry to ~3 digits, the squares summed in float32; a float32 or
 float64 run computes in its own dtype.
-Memory on the model's device: every factor's eigenvectors (``4·Σ d²`` bytes as they arrive,
-``2·Σ d²`` once a 16-bit run has converted them; ``4·Σ d²`` is what the device path's pending
-statistics hold) and a ``[d_out, d_A]`` float32 accumulator per layer (a float32 copy of the
-tracked weights), plus each pass's ``[b, d_o, d_A]`` chunk. With gradient checkpointing each
+Memory on the model's device (of every rank): every factor's eigenvectors (``4·Σ d²`` bytes
+as they arrive, ``2·Σ d²`` once a 16-bit run has converted them; ``4·Σ d²`` is what the device
+path's pending statistics hold) and a ``[d_out, d_A]`` float32 accumulator per layer (a float32
+copy of the tracked weights), plus each pass's ``[b, d_o, d_A]`` chunk. `ekfac_device_bytes`
+counts the first two; the tracker reserves them in the device budget before any pending
+statistic (`kfac_stream.store.residency.Residency`) and refuses an explicit budget that cannot
+hold them. With gradient checkpointing each
 tracked layer's input of the captured sequences is held until its backward.
 
 Nothing here reads a device value on the host during training (tests/test_ekfac.py counts):

@@ -15,6 +15,9 @@ Tolerances:
   after the first step, and both the basis and the per-sequence gradients follow them).
   Measured ≤ 4.3e-7 (ZeRO-3 and FSDP2).
 * Resume: bit for bit (``torch.equal``), one process and 2 DDP ranks.
+
+Slow (``make test-slow``): the 2-rank resume and the background-snapshot run (five more
+2-process launches, ~5 minutes on 2 cores).
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ def test_two_ranks_store_what_one_process_stores(runs, engine):
     assert worst <= RANKS_TOL
 
 
+@pytest.mark.slow
 def test_background_snapshots_switch_where_every_rank_agreed(runs):
     """Snapshots finished on the snapshot thread: each rank's basis arrives at its own time;
     it goes into use at the update step after the exchange table shows it on both ranks, so
@@ -127,7 +131,7 @@ def test_background_snapshots_switch_where_every_rank_agreed(runs):
     assert carried >= 1
 
 
-@pytest.mark.parametrize("kind", ["one", "ddp"])
+@pytest.mark.parametrize("kind", ["one", pytest.param("ddp", marks=pytest.mark.slow)])
 def test_resume_between_snapshots_is_bit_exact(runs, kind):
     """Killed at step 5 (checkpoint) between the snapshots of steps 3 and 6 and resumed: the
     basis in use, the accumulators and the window's counts come back, and the snapshot of

@@ -148,8 +148,9 @@ def finish_snapshot(captured: CapturedSnapshot, root: str, comm=None,
     finally:
         stream.close()
     share = getattr(captured.basis_sink, "share", None)
-    if share is not None:  # several ranks: every factor's eigenvectors reach every rank
-        share(comm)  # (`kfac_stream.distributed.ekfac_sync.RankedSink`; collective)
+    if share is not None and not (eigen is not None and eigen.final):  # (the last: no use)
+        share(comm)  # several ranks: every factor's eigenvectors reach every rank (collective,
+        # `kfac_stream.distributed.ekfac_sync.RankedSink`; ``final`` is the same on every rank)
     if eigen is not None:
         eigen.rate.measured(sides, stream.eigh_seconds)
     return path, stream.eigvals
