@@ -315,8 +315,9 @@ class EkfacState:
         Σ_ranks N)}, window entry)`` of the layers this rank stores (the owner of their G
         factor; `kfac_stream.distributed.ekfac_sync.sum_to_owners`, collective); None: this
         rank's own window is the whole."""
-        window = EkfacWindow(self.basis_step, self.updates, self.first_step, self.last_step,
-                             self.num, self.den, self.dtype, self.device)
+        window = EkfacWindow(basis_step=self.basis_step, updates=self.updates,
+                             first_step=self.first_step, last_step=self.last_step,
+                             num=self.num, den=self.den, dtype=self.dtype, device=self.device)
         sums, entry = combine(window) if combine is not None else window.own()
         tensors: dict[str, Tensor] = {}
         entries: dict[str, dict[str, Any]] = {}
