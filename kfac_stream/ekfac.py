@@ -438,7 +438,9 @@ class EkfacState:
         step, the pending basis if it may go into use (`ready_step`), this rank's
         accumulators ``num`` / ``den`` and the window's counts. ``keep(key)``: the factor keys
         whose eigenvectors this rank writes (with several ranks: its own; the others' are
-        in their files); None: every key. Tensors are CPU copies."""
+        in their files); None: every key. Tensors, CPU copies: ``ekfac.basis.<key>`` and
+        ``ekfac.pending.<key>`` ``[d, d]``, ``ekfac.num.<layer>`` ``[d_out, d_A]``,
+        ``ekfac.den.<layer>`` ``[1]``; ``meta`` is JSON."""
         basis: dict[str, Tensor] = {}
         for name, (a_key, g_key) in self.basis_keys.items():
             for key, q in zip((a_key, g_key), self.basis.get(name, (None, None))):

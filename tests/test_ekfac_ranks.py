@@ -184,10 +184,10 @@ class _Held(TrainerCallback):
     # q/k/v and gate/up share an A (one basis tensor each); sides > 20 are diagonal
     (tiny_llama, {"max_dense_dim": 20}),
 ], ids=["gpt2", "llama-shared-diagonal"])
-def test_counted_device_bytes_are_the_bytes_held(tmp_path, model_fn, extra):
+def test_counted_device_bytes_are_the_bytes_held(tmp_path, caplog, model_fn, extra):
     """What the tracker counts in the device budget (`ekfac_device_bytes`) is what the state
     holds once a basis is in use and every layer has accumulated: the sum of its tensors'
-    bytes, each once."""
+    bytes, each once; the train-begin line says it."""
     cb = KFACStreamCallback(KFACConfig(token_fraction=1.0, storage_dtype="float32",
                                        update_every=1, snapshot_every=3, ekfac=True, **extra),
                             background_snapshots=False, spectra_media=False)
@@ -196,8 +196,9 @@ def test_counted_device_bytes_are_the_bytes_held(tmp_path, model_fn, extra):
                              learning_rate=0.0, report_to=[], use_cpu=True,
                              logging_strategy="no", save_strategy="no", disable_tqdm=True,
                              seed=0)
-    Trainer(model=model_fn(), args=args, train_dataset=ListDataset(text_examples(8, 12)),
-            callbacks=[cb, held]).train()
+    with caplog.at_level("INFO", logger="kfac_stream"):
+        Trainer(model=model_fn(), args=args, train_dataset=ListDataset(text_examples(8, 12)),
+                callbacks=[cb, held]).train()
     counted = cb.tracker.ekfac_bytes
     layers = len(cb.tracker.specs)
     assert any(diag for _, diag in cb.tracker.dims.values()) == bool(extra)
@@ -207,6 +208,8 @@ def test_counted_device_bytes_are_the_bytes_held(tmp_path, model_fn, extra):
           f"({counted['basis']} basis, {counted['accumulators']} accumulators), held "
           f"{sorted({h[2] for h in in_use})}")
     assert {h[2] for h in in_use} == {counted["total"]}
+    line = next(r.message for r in caplog.records if "kfac_stream: tracking" in r.message)
+    assert f"EK-FAC {counted['total'] / 2**10:.3g} KiB on the model's device" in line
 
 
 def test_an_explicit_budget_too_small_is_refused():
