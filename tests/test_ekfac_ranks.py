@@ -168,6 +168,38 @@ def test_a_state_without_ekfac_loads_and_the_correction_restarts(runs):
         tracker.close()
 
 
+@pytest.mark.slow
+def test_resume_with_another_world_size_sums_onto_rank_0(runs):
+    """The 2-rank checkpoint restored into one process: both ranks' accumulators summed (the
+    one-process run's own, to the float32 training's difference), the window's counts and
+    a basis for every layer from the owners' files."""
+    from kfac_stream.capture.selection import select_layers
+    from kfac_stream.tracking.tracker import Tracker
+    from kfac_stream.tracking.tracker_state import load_tracker_state
+
+    model = tiny_gpt2(torch.float32, n_embd=32, n_layer=2, n_head=2, attn_implementation="eager")
+    specs = select_layers(model)
+    got = {}
+    for name in ("ddp_cut", "one_cut"):
+        tracker = Tracker(model, {n: model.get_submodule(n) for n in specs}, specs,
+                          KFACConfig(storage_dtype="float64", ekfac=True))
+        try:
+            msg = load_tracker_state(tracker, os.path.join(runs.get(name), "checkpoint-5",
+                                                           "kfac_stream"))
+            ek = tracker.ekfac
+            assert ek.basis_step == 3 and ek.updates == 2 and set(ek.num) == set(specs)
+            assert all(q is not None for pair in ek.basis.values() for q in pair)
+            got[name] = ({n: t.clone() for n, t in ek.num.items()},
+                         {n: float(t) for n, t in ek.den.items()}, msg)
+        finally:
+            tracker.close()
+    (two, two_den, msg), (one, one_den, _) = got["ddp_cut"], got["one_cut"]
+    assert "re-sharded from 2 to 1 ranks" in msg and two_den == one_den
+    worst = max(rel(two[n], one[n]) for n in specs)
+    print(f"2-rank EK-FAC accumulators summed onto 1 process vs its own: max rel {worst:.2e}")
+    assert worst <= RANKS_TOL
+
+
 class _Held(TrainerCallback):
     """Records the EK-FAC state's device bytes at the end of every step (after its update)."""
 
