@@ -76,6 +76,7 @@ def parse() -> argparse.Namespace:
                    "predictive query of the last snapshot into DIR/query.safetensors")
     p.add_argument("--checkpointing", action="store_true",
                    help="gradient checkpointing (the MC Fisher pass is then replayed)")
+    p.add_argument("--ekfac", action="store_true", help="KFACConfig(ekfac=True)")
     p.add_argument("--lora", action="store_true",
                    help="PEFT LoRA (r=4) on the model's attention and MLP projections, lora_B "
                    "seeded non-zero; only the adapters train and are tracked")
@@ -121,7 +122,7 @@ def main() -> None:
                      async_updates=opts.async_updates or None, fold_on=opts.fold_on,
                      exchange=opts.strategy or "auto",
                      max_dense_dim=opts.max_dense_dim,
-                     fail_on_snapshot_error=opts.fail_fatal)
+                     fail_on_snapshot_error=opts.fail_fatal, ekfac=opts.ekfac)
     cb = KFACStreamCallback(cfg, resume_from=opts.resume,
                             spectra_media=os.environ.get("KFAC_TEST_MEDIA", "1") == "1",
                             background_snapshots=not opts.sync_snapshots,

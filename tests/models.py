@@ -141,6 +141,27 @@ def tiny_llama(dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
     return _build(LlamaForCausalLM, LlamaConfig(**kw), dtype, seed)
 
 
+def tiny_albert(dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
+    """A byte-level ALBERT LM head model whose ONE shared layer group runs at every depth: its
+    Linear layers are called ``num_hidden_layers`` times per forward (ALBERT's sharing).
+
+    Defaults: embedding_size=8, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+    intermediate_size=24, vocab_size=256, max_position_embeddings=64, dropout 0.
+    Shared-layer names: ``albert.encoder.albert_layer_groups.0.albert_layers.0.`` +
+    ``attention.{query,key,value,dense}`` (16->16), ``ffn`` (16->24), ``ffn_output``
+    (24->16), all with bias; called once: ``albert.encoder.embedding_hidden_mapping_in``
+    (8->16).
+    """
+    from transformers import AlbertConfig, AlbertForMaskedLM
+
+    kw = dict(vocab_size=256, embedding_size=8, hidden_size=16, num_hidden_layers=2,
+              num_attention_heads=2, intermediate_size=24, max_position_embeddings=64,
+              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+              classifier_dropout_prob=0.0)
+    kw.update(overrides)
+    return _build(AlbertForMaskedLM, AlbertConfig(**kw), dtype, seed)
+
+
 def tiny_opt(dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
     """A 2-layer byte-level OPT (all ``nn.Linear`` with bias, dropout 0).
 

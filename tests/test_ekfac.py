@@ -151,6 +151,77 @@ def test_stored_correction_equals_brute_force(exact):
     assert worst <= EXACT_TOL
 
 
+def test_a_layer_called_twice_squares_its_summed_gradient(tmp_path):
+    """ALBERT's shared layer group runs twice per forward: a tracked layer's per-sequence
+    gradient is the SUM over its calls (what autograd on the shared parameters gives), and the
+    stored correction is the square of that sum over ``2·N`` (its factors count each call's
+    positions: ``N`` once per call), not the sum of each call's squares. The layer called once
+    (``embedding_hidden_mapping_in``) divides by ``N``."""
+    from harness import sum_nll_loss
+    from models import tiny_albert
+
+    model, steps = tiny_albert(), 6
+    shared = r"albert_layers\.0\.(ffn|ffn_output|attention\.(query|key|dense))$"
+    cb, recs, _ = run(model, text_examples(2 * steps, 12, lengths=LENGTHS * (steps // 3)),
+                      {"snapshot_every": 2, "ekfac": True, "eigendecompose": "always",
+                       "include": [shared, r"embedding_hidden_mapping_in$"]},
+                      batch=2, lr=0.0, loss=sum_nll_loss, tmp_path=tmp_path, record=True,
+                      callback_kwargs={"background_snapshots": False})
+    batches = [r["kwargs"] for r in recs]
+    assert len(batches) == steps
+    snaps = [Snapshot.load(p) for p in cb.snapshots]
+    names = snaps[0].layer_names
+    calls = {n: 2 if "albert_layers" in n else 1 for n in names}
+    assert sorted(calls.values()) == [1] + [2] * 5
+    worst = 0.0
+    for prev, snap, window in ((snaps[0], snaps[1], (2, 3)), (snaps[1], snaps[2], (4, 5))):
+        want = _brute_force(model, names, prev, [batches[s] for s in window])
+        positions = sum(float(batches[s]["attention_mask"].sum()) for s in window)
+        for n in names:
+            got = snap[n].ekfac_eigvals
+            assert snap[n].meta["ekfac"]["weight"] == calls[n] * positions
+            worst = max(worst, _rel(got, want[n] / calls[n]))
+    # what squaring each call apart would store: per-call gradients from the calls' own
+    # inputs and output gradients (hooks), not the parameters' summed one
+    ffn = next(n for n in names if n.endswith(".ffn"))
+    apart = _per_call_squares(model, ffn, snaps[0], [batches[s] for s in (2, 3)])
+    off = _rel(snaps[1][ffn].ekfac_eigvals, apart / (2 * positions_of(batches, (2, 3))))
+    print(f"layer called twice: streamed EK-FAC vs autograd (square of the summed "
+          f"gradient) max rel err {worst:.2e} over {len(names)} layers x 2 snapshots; the "
+          f"calls squared apart would be {off:.2f} off")
+    assert worst <= EXACT_TOL
+    assert off > 0.05
+
+
+def positions_of(batches, steps) -> float:
+    return sum(float(batches[s]["attention_mask"].sum()) for s in steps)
+
+
+def _per_call_squares(model, name, snap, batches):
+    """``Σ_n Σ_calls (Q_Gᵀ g_cᵀ ā_c Q_A)²`` of layer ``name`` over ``batches``' sequences,
+    float64: each call's input and output gradient (forward hook, ``autograd.grad``)."""
+    module = dict(model.named_modules())[name]
+    qa, qg = snap[name].A_eigvecs.double(), snap[name].G_eigvecs.double()
+    total = 0.0
+    for batch in batches:
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        labels = batch.get("labels", torch.where(mask == 1, ids, -100))
+        for i in range(ids.shape[0]):
+            seen: list = []
+            handle = module.register_forward_hook(
+                lambda m, a, out, seen=seen: seen.append((a[0], out)))
+            try:
+                loss = _sum_nll(model, ids[i], mask[i], labels[i])
+            finally:
+                handle.remove()
+            grads = torch.autograd.grad(loss, [out for _, out in seen])
+            for (x, _), g in zip(seen, grads):
+                a = torch.cat([x[0], torch.ones(x.shape[1], 1, dtype=x.dtype)], 1)
+                a = a * mask[i][:, None].to(a.dtype)
+                total = total + (qg.T @ (g[0].T @ a) @ qa).square().detach()
+    return total
+
+
 def test_first_snapshot_has_none(exact):
     _, cb, _ = exact
     first = Snapshot.load(cb.snapshots[0])
@@ -350,21 +421,12 @@ def test_background_snapshots_hand_their_basis_over(tmp_path):
     assert carried >= 1
 
 
-def test_config_and_several_ranks_refused():
+def test_config():
+    """``ekfac`` must be a bool, and appears in the config's dict only when on (several ranks
+    are no longer refused: tests/test_ekfac_ranks.py)."""
     with pytest.raises(KFACConfigError, match="ekfac"):
         KFACConfig(ekfac="yes")
     assert "ekfac" not in KFACConfig().to_dict() and KFACConfig(ekfac=True).to_dict()["ekfac"]
-    from kfac_stream.tracking.tracker import Tracker, plan_tracking
-
-    model = tiny_gpt2()
-    cfg = KFACConfig(ekfac=True)
-    specs, plan = plan_tracking(model, cfg)
-    modules = dict(model.named_modules())
-    comm = types.SimpleNamespace(all_gather=lambda x: [x, x])
-    ctx = types.SimpleNamespace(rank=0, world_size=2, snapshot_comm=comm)
-    with pytest.raises(KFACConfigError, match="several processes"):
-        Tracker(model, {n: modules[n] for n in specs}, specs, cfg, ctx, plan)
-    assert not getattr(model, "_kfac_stream_handles", None)  # refused before any hook
 
 
 @pytest.mark.parametrize("d_out,d_a,tokens", [(6, 5, 2), (6, 5, 40), (3, 9, 4)])
@@ -520,8 +582,8 @@ def test_16_bit_training_rotates_in_bfloat16():
     state.set_basis(0, {"l.A": qa.float(), "l.G": qg.float()})
     state.begin_step()
     want = EkfacState({"l": spec}, {"l": ("l.A", "l.G")}, torch.device("cpu"), torch.float64)
-    ref = want.correction("l", x, g, usable, B, (qa, qg))
-    got = state.correction("l", x.to(torch.bfloat16), g.to(torch.bfloat16), usable, B,
+    ref = want.correction("l", [(x, g)], usable, B, (qa, qg))
+    got = state.correction("l", [(x.to(torch.bfloat16), g.to(torch.bfloat16))], usable, B,
                            state.basis_of("l"))
     assert got.dtype == torch.float32
     assert state.basis_of("l")[0].dtype == torch.bfloat16  # converted once, kept so

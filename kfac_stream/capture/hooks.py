@@ -156,9 +156,10 @@ class PassRecord:
             replay); made at the first sequence-space call (`sequence_weight`).
         seq_total: Like ``total``, for the sequence rows (None: ``seq_weight.sum()``).
         seq_layers: Layers whose rows in this pass are sequences (`CaptureHooks.row_space`).
-        ekfac: ``{layer: [Σ_n (Q_Gᵀ ∇_W L_n Q_A)² [d_out, d_A], ...]}``, one per call, over the
-            pass's whole sequences (`kfac_stream.ekfac`; ``g`` still scaled by ``c``); empty
-            unless the tracker streams the EK-FAC correction and has a basis.
+        ekfac: The pass's `kfac_stream.ekfac.PassCorrections`: per layer
+            ``Σ_n (Q_Gᵀ ∇_W L_n Q_A)² [d_out, d_A]`` over the pass's whole sequences, the
+            gradient summed over the layer's calls (``g`` still scaled by ``c``); None unless
+            the tracker streams the EK-FAC correction and has a basis.
         seq_scale: The weight of each of the pass's sequences (``1/P(drawn)`` in an MC
             sub-batch replay, `mc_fisher.mc_subbatch_pass`; 1 otherwise).
     """
@@ -182,7 +183,7 @@ class PassRecord:
     seq_weight: Tensor | None = None
     seq_total: Tensor | None = None
     seq_layers: set[str] = field(default_factory=set)
-    ekfac: dict[str, list[Tensor]] = field(default_factory=dict)
+    ekfac: Any = None
     seq_scale: float = 1.0
 
     def sequence_weight(self) -> Tensor:
@@ -532,10 +533,11 @@ class CaptureHooks:
                         full: Tensor | None = full) -> None:
                 if grad is None or rec.closed:
                     return
-                if full is not None:
+                if full is not None:  # squared once over the layer's calls of the pass
                     usable = rec.usable if space != "sequence" else rec.sequence_weight() > 0
-                    rec.ekfac.setdefault(name, []).append(
-                        self.ekfac.correction(name, full, grad, usable, rec.batch, basis))
+                    if rec.ekfac is None:
+                        rec.ekfac = self.ekfac.new_pass(rec.batch)
+                    rec.ekfac.add_call(name, full, grad, usable, basis)
                 g = rows(grad, False)  # [m, d_out]
                 if g_diag:
                     rec.g_sums.setdefault(name, []).append(

@@ -67,6 +67,8 @@ class Exchanged:
         bytes_moved: Payload bytes this rank sent to owners for this update (padding included).
         bytes_rows, bytes_stats: What the rows / the statistics strategy would move in total
             over all ranks for this update (counts known to all ranks), for reports.
+        extra: Every rank's ``ExchangeRequest.extra`` (``[W][E]`` host ints, rank order),
+            known when the exchange is issued.
     """
 
     ok: bool
@@ -77,6 +79,7 @@ class Exchanged:
     bytes_moved: int = 0
     bytes_rows: int = 0
     bytes_stats: int = 0
+    extra: list[list[int]] = field(default_factory=list)
 
 
 def _default_gram(rows: Tensor, diagonal: bool) -> Tensor:
@@ -194,6 +197,9 @@ class ExchangeRequest:
             table count is 1 per contributing rank instead of rows.
         plan_group: A gloo group for the host table (default: ``group``, which must then be
             gloo; the tracker passes its own for an NCCL ``group``).
+        extra: Host ints this rank adds to the host table (the same count on every rank),
+            handed back from every rank in ``Exchanged.extra`` (the EK-FAC basis each rank
+            holds ready, `kfac_stream.distributed.ekfac_sync`).
     """
 
     local: dict[str, Tensor]
@@ -212,13 +218,14 @@ class ExchangeRequest:
     gram_fn: Callable[[Tensor, bool], Tensor] | None = None
     sums: dict[str, Tensor] | None = None
     plan_group: object = None
+    extra: tuple[int, ...] = ()
 
 
 @dataclass
 class _Agreed:
     """What every rank agreed from the host table (the same on every rank)."""
 
-    slots: Tensor  # [W, 2K + 2]: slots | summed | rows' dtype | float64 sums of every rank
+    slots: Tensor  # [W, 2K + 2 + E]: slots | summed | rows' dtype | float64 sums | extra
     summed_any: Tensor  # [K]: some rank sent a reduced sum
     wire_rows: torch.dtype  # the rows' dtype
     wide: torch.dtype  # the partial statistics' dtype
@@ -260,7 +267,7 @@ def start_exchange(request: ExchangeRequest) -> PendingExchange:
     row, exps = _device_row(req, keys, agreed)
     table = [torch.zeros_like(row) for _ in range(req.world_size)]
     works = [dist.all_gather(table, row, group=req.group, async_op=True)]
-    result = Exchanged(ok=True)
+    result = Exchanged(ok=True, extra=agreed.slots[:, 2 * len(keys) + 2:].tolist())
     plans = _plan_factors(req, keys, agreed, result)
     pending = PendingExchange(
         result=result, works=works, table=table, keys=keys,
@@ -287,7 +294,7 @@ def _agree(req: ExchangeRequest, keys: list[str]) -> _Agreed:
     mine_dtype = req.dtype or next((t.dtype for t in local.values()), None)
     counts[2 * k] = _dtype_code(mine_dtype) if any(key in local for key in keys) else 0
     counts[2 * k + 1] = int(any(t.dtype == torch.float64 for t in sums.values()))
-    host = torch.tensor(counts, dtype=torch.int64)
+    host = torch.tensor(counts + [int(x) for x in req.extra], dtype=torch.int64)
     every = [torch.zeros_like(host) for _ in range(req.world_size)]
     dist.all_gather(every, host,
                     group=req.plan_group if req.plan_group is not None else req.group)

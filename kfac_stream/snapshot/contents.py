@@ -134,10 +134,11 @@ def merge_manifests(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One manifest from every rank's part (rank order), as rank 0 writes it.
 
     Each factor's statistics (weight, updates, positions, dtype, spectrum) come from its
-    owner's part; ``tokens_seen`` and ``sequences_seen`` (counted per rank) are summed;
-    ``tracker_seconds``, ``exchange_seconds``, ``fold_seconds`` and ``wait_seconds`` are the
-    slowest rank's; ``comm_bytes`` lists every rank's. Everything else is the same on all
-    ranks and is taken from rank 0.
+    owner's part, a layer's EK-FAC entry from its G factor's owner's; ``tokens_seen`` and
+    ``sequences_seen`` (counted per rank) are summed; ``tracker_seconds``,
+    ``exchange_seconds``, ``fold_seconds`` and ``wait_seconds`` are the slowest rank's;
+    ``comm_bytes`` lists every rank's. Everything else is the same on all ranks and is
+    taken from rank 0.
     """
     ranks = [Manifest.from_json(p) for p in parts]
     out = Manifest.from_json(parts[0])  # its own objects: the parts are left as they are
@@ -148,6 +149,8 @@ def merge_manifests(parts: list[dict[str, Any]]) -> dict[str, Any]:
                     setattr(out.layers[name], factor, getattr(entry, factor))
             if entry.rows is not None:  # a layer's row space, as a rank that captured it saw it
                 out.layers[name].rows = entry.rows
+            if entry.G.owner == part.rank:  # the EK-FAC correction: stored by G's owner
+                out.layers[name].ekfac = entry.ekfac
     counts = out.counts
     counts.tokens_seen = sum(p.counts.tokens_seen for p in ranks)
     counts.sequences_seen = sum(p.counts.sequences_seen for p in ranks)

@@ -14,7 +14,8 @@
 2. `finish_snapshot`, anywhere (the callback's background thread): the eigendecompositions
    stream into the shard as it is written and hashed (`kfac_stream.snapshot.eigen_stream`,
    `kfac_stream.snapshot.writer.write_snapshot`: atomic, every rank its shard, rank 0 the
-   manifest; with EK-FAC each factor's eigenvectors also go to the tracker, its next basis);
+   manifest; with EK-FAC each factor's eigenvectors also go to the tracker, its next basis,
+   and with several ranks from their owner to every rank once the shard is written);
    returns the directory and the eigenvalues (for the spectra media).
 
 `take_snapshot` runs both in a row; `write_record` writes a `TrackerRecord` made elsewhere
@@ -146,6 +147,10 @@ def finish_snapshot(captured: CapturedSnapshot, root: str, comm=None,
                               comm=comm, merge=merge_manifests, gather=gather)
     finally:
         stream.close()
+    share = getattr(captured.basis_sink, "share", None)
+    if share is not None and not (eigen is not None and eigen.final):  # (the last: no use)
+        share(comm)  # several ranks: every factor's eigenvectors reach every rank (collective,
+        # `kfac_stream.distributed.ekfac_sync.RankedSink`; ``final`` is the same on every rank)
     if eigen is not None:
         eigen.rate.measured(sides, stream.eigh_seconds)
     return path, stream.eigvals

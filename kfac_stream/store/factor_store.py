@@ -81,11 +81,12 @@ class FactorStore:
         defer: Device path, factors folded as a group (`push_group`): updates whose rows are
             held before one fold into the pending sums (`device_groups`; 1: fold each), fewer
             while the held rows would leave the device budget.
+        reserved: Bytes of ``device_budget`` other device state holds (`Residency`).
     """
 
     def __init__(self, storage_dtype: str, ema_decay: float, flush_every: int = 8,
                  device: torch.device | None = None, device_budget: int | None = 0,
-                 traffic: Traffic | None = None, defer: int = 1) -> None:
+                 traffic: Traffic | None = None, defer: int = 1, reserved: int = 0) -> None:
         dtype = StorageDtype(storage_dtype)
         self.storage_dtype = dtype.torch_dtype
         self.compute_dtype = dtype.compute_dtype
@@ -96,7 +97,7 @@ class FactorStore:
         self._factors: dict[str, StoredFactor] = {}
         self._probe_cache: dict[str, Tensor] = {}  # device probes of push_device
         self._residency = Residency(self._factors, self.device, device_budget,
-                                    self.compute_dtype, self.traffic)
+                                    self.compute_dtype, self.traffic, reserved)
         self._queued: list[tuple[StoredFactor, FoldResult]] = []  # folds issued, not read
         self._lanes: FlushLanes | None = None
         self._grouped = GroupRegistry(self.compute_dtype, self.traffic, defer)  # push_group's

@@ -1,6 +1,7 @@
 """The device path's residency plan: which factors keep their pending statistic resident on the
 device between updates, within a byte budget (largest first, after the accumulation's work
-space), the resident bytes counted, and the budget halved when the device runs out of memory.
+space and the bytes reserved for the EK-FAC state), the resident bytes counted, and the budget
+halved when the device runs out of memory.
 """
 
 from __future__ import annotations
@@ -29,10 +30,15 @@ class Residency:
             take; None: decided from the CUDA device's memory at the first plan.
         compute_dtype: The dtype of the pending statistics.
         traffic: Where the budget and the resident bytes are counted.
+        reserved: Bytes of the budget held by other device-resident state of the tracker
+            before any pending statistic (the EK-FAC bases and accumulators,
+            `kfac_stream.ekfac.ekfac_device_bytes`).
     """
 
     def __init__(self, factors: dict[str, StoredFactor], device: torch.device | None,
-                 budget: int | None, compute_dtype: torch.dtype, traffic: Traffic) -> None:
+                 budget: int | None, compute_dtype: torch.dtype, traffic: Traffic,
+                 reserved: int = 0) -> None:
+        self.reserved = int(reserved)
         self.factors = factors
         self.device = device
         self.budget = budget
@@ -50,7 +56,15 @@ class Residency:
         if self.budget is None:
             self.budget = cuda_budget(self.device) if self.device.type == "cuda" \
                 else 0
-        budget = int(self.budget) - self.work_space()
+        budget = int(self.budget) - self.work_space() - self.reserved
+        if self.reserved and budget < 0:
+            logger.warning(
+                "kfac_stream: the device budget (%d bytes) cannot hold the EK-FAC bases and "
+                "accumulators (%d bytes) with the accumulation's work space (%d bytes); no "
+                "factor keeps its pending statistic on the device (each update folds into the "
+                "host store at once). Set KFACConfig.device_memory_budget higher, or "
+                "max_dense_dim lower (diagonal factors hold no basis)", int(self.budget),
+                self.reserved, self.work_space())
         esize = self.compute_dtype.itemsize
         used = 0
         for f in sorted(self.factors.values(), key=lambda f: -f.data.numel()):

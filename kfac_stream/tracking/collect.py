@@ -136,7 +136,7 @@ def collect_update(tracker, passes) -> UpdateJob | None:
         c = _loss_scale(rec, parts, g_stacks)
         _add_a(tracker, rec, spaces, fold, parts)
         _add_g(tracker, rec, spaces, g_stacks, c=c, fold=fold, parts=parts)
-        _add_ekfac(rec, c, parts)
+        _add_ekfac(tracker, rec, c, parts)
     if not parts.rows and not parts.sums and not parts.groups and tracker.world_size == 1:
         return None
     parts.settle()
@@ -252,17 +252,25 @@ def _add_g(tracker, rec, spaces: dict[str, RowWeights], g_stacks: list[_Stack], 
             parts.count(tracker.plan.g_key(name), w.n, w.n_rows)
 
 
-def _add_ekfac(rec, c, parts: _Parts) -> None:
+def _add_ekfac(tracker, rec, c, parts: _Parts) -> None:
     """The EK-FAC correction's squares ``(c·g)² / c²`` of the pass, each sequence weighted,
-    and their count."""
-    for name, found in rec.ekfac.items():
+    and their count (``N`` once per call of the layer, as its factors count its rows); notes
+    each layer's calls that received a gradient (`kfac_stream.ekfac.EkfacState.learn_calls`)."""
+    state = getattr(tracker, "ekfac", None)
+    if state is None:
+        return
+    state.learn_calls({name: len(found) for by in (rec.g_rows, rec.g_sums)
+                               for name, found in by.items()})
+    if rec.ekfac is None:
+        return
+    for name, found in rec.ekfac.settle().items():
         if name in rec.seq_layers:  # N: the sequences (with their weights)
             n = rec.seq_total if rec.seq_total is not None else rec.sequence_weight().sum()
         else:  # the usable positions, as the factors' n
             n = rec.total if rec.total is not None else rec.usable.sum() * rec.seq_scale
-        num = torch.stack(found).sum(0) * (rec.seq_scale / (c * c))
+        num = torch.stack([t for t, _ in found]).sum(0) * (rec.seq_scale / (c * c))
         parts.ek_num[name] = parts.ek_num[name] + num if name in parts.ek_num else num
-        n = n * len(found)
+        n = n * sum(calls for _, calls in found)
         parts.ek_den[name] = parts.ek_den[name] + n if name in parts.ek_den else n
 
 

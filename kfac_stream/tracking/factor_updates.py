@@ -111,6 +111,9 @@ class UpdateJob:
             for float64 storage): reduced in the hooks, they never travel as rows.
         groups: Rows of dense factors of one side stacked (`RowGroup`; their keys are not in
             ``rows``): folded as one group on the device path.
+        agree: Host ints for the exchange's table (`ExchangeRequest.extra`: the EK-FAC
+            basis this rank holds ready).
+        agreed: Every rank's ``agree`` (``[W][E]``), filled in when the exchange is issued.
     """
 
     step: int
@@ -124,6 +127,8 @@ class UpdateJob:
     exchange: PendingExchange | None = None
     issue_seconds: float = 0.0
     groups: list[RowGroup] = field(default_factory=list)
+    agree: tuple[int, ...] = ()
+    agreed: list[list[int]] = field(default_factory=list)
 
     def all_rows(self) -> dict[str, Tensor]:
         """``{factor key: rows [m, d]}`` of every factor with rows, the groups' as views."""
@@ -147,6 +152,7 @@ class FactorUpdater:
         folding: Where second moments are formed and the EMA runs.
         counters: The tracker's running totals, updated here (updates, skips, exchange and
             fold time, bytes, waits).
+        reserved: Bytes of the device budget the tracker's EK-FAC state holds (`Residency`).
 
     Attributes:
         store: The `FactorStore` of the factors this rank owns.
@@ -154,7 +160,7 @@ class FactorUpdater:
 
     def __init__(self, run: RunPlan, dims: dict[str, tuple[int, bool]],
                  ownership: Ownership, dist: DistContext | None, device: torch.device,
-                 folding: Folding, counters: Counters) -> None:
+                 folding: Folding, counters: Counters, reserved: int = 0) -> None:
         config = run.config
         self.config, self.dims, self.ownership, self.dist = config, dims, ownership, dist
         self.rank, self.world_size = (dist.rank, dist.world_size) if dist else (0, 1)
@@ -166,7 +172,7 @@ class FactorUpdater:
         self.store = FactorStore(config.storage_dtype, config.ema_decay,
                                  device=device if on_device else None,
                                  device_budget=run.device_budget, traffic=counters,
-                                 defer=run.fold_defer)
+                                 defer=run.fold_defer, reserved=reserved)
         for key in ownership.owned_by(self.rank):
             self.store.add(key, *dims[key])
         self._warned_scale = False
@@ -206,6 +212,7 @@ class FactorUpdater:
             self._raise_worker_error()
             t0 = time.perf_counter()
             job.exchange = self._start_exchange(job)
+            job.agreed = job.exchange.result.extra  # every rank's ``agree``, known now
             job.issue_seconds = time.perf_counter() - t0  # counted by the applying thread
         if self._queue is None:
             self.settle()
@@ -252,7 +259,7 @@ class FactorUpdater:
                 strategy=None if self.config.exchange == "auto" else self.config.exchange,
                 ok=job.ok, transport=transport, weights=job.weights, positions=job.positions,
                 device=self.device, gram_fn=self.folding.partial_gram, sums=job.sums,
-                plan_group=self.dist.plan_group))
+                plan_group=self.dist.plan_group, extra=job.agree))
 
     def _apply(self, job: UpdateJob) -> None:
         """Read the job's flags (the one host read of an update), exchange (several ranks),

@@ -36,9 +36,10 @@ from ..capture.selection import LayerSpec, select_layers
 from ..capture.sharing import FactorPlan, plan_factors, probe_shared_inputs
 from ..config import KFACConfig
 from ..distributed.context import DistContext
+from ..distributed.ekfac_sync import RankedSink, sum_to_owners
 from ..distributed.engines import engine_for
 from ..distributed.ownership import Ownership, assign_owners
-from ..ekfac import EkfacState
+from ..ekfac import EkfacState, ekfac_device_bytes
 from ..enums import StorageDtype
 from ..exceptions import KFACConfigError
 from ..fisher import estimator_for
@@ -164,14 +165,14 @@ class Tracker:
                                     sum_dtype=wide, reduce=self.curvature.reduces)
         # EK-FAC from the stream (`kfac_stream.ekfac`), only when asked for: nothing else runs
         self.ekfac: EkfacState | None = None
-        if config.ekfac:
-            if self.world_size > 1:
-                raise KFACConfigError(
-                    f"KFACConfig.ekfac=True is not supported with several processes (world size "
-                    f"{self.world_size}) yet: the correction is not reduced across ranks; train "
-                    "with one process or set ekfac=False")
+        if config.ekfac:  # several ranks: bases switched in lockstep (`distributed.ekfac_sync`)
             self.ekfac = EkfacState(specs, {n: self.plan.keys_of(n) for n in specs},
-                                    self.device, wide)
+                                    self.device, wide, lockstep=self.world_size > 1)
+        # the EK-FAC state's device bytes, counted in the device budget (`ekfac_device_bytes`)
+        self.ekfac_bytes = ekfac_device_bytes(
+            {n: self.plan.keys_of(n) for n in specs}, self.plan.dims, wide) \
+            if self.ekfac else None
+        _check_ekfac_budget(self.run, self.ekfac_bytes)  # before any hook goes on the model
         self.fisher = estimator_for(config)(self)  # what the steps capture, which rows count
         self.capture = self._make_capture()
         self._backward_in_forward = engine_for(model).allows_backward_in_forward(model)
@@ -190,7 +191,8 @@ class Tracker:
         self.ownership: Ownership = assign_owners(self.dims, self.world_size, storage.itemsize)
         self.updater = FactorUpdater(self.run, self.dims, self.ownership, dist_ctx,
                                      device=self.device, folding=self.folding,
-                                     counters=self.counters)
+                                     counters=self.counters,
+                                     reserved=self.ekfac_bytes["total"] if self.ekfac else 0)
         self.store = self.updater.store  # this rank's factors
 
     @property
@@ -267,7 +269,11 @@ class Tracker:
             if self.updater.stream is not None:  # on the model device's training stream
                 job.event = torch.cuda.Event()  # (not the current device's, which may differ)
                 job.event.record(torch.cuda.current_stream(self.device))
+            if self.ekfac is not None:  # this rank's ready basis, in the exchange's table
+                job.agree = (self.ekfac.ready_step(),)
             self.updater.submit(job, self._step_seconds)
+            if self.ekfac is not None and job.agreed:
+                self.ekfac.agree([row[0] for row in job.agreed])
             return True
         finally:
             self.is_update_step = False
@@ -344,8 +350,24 @@ class Tracker:
         (`EkfacState.take`, `EkfacState.sink`); None without ``ekfac``."""
         if self.ekfac is None:
             return None
-        tensors, entries = self.ekfac.take(step, {n: self.plan.keys_of(n) for n in self.specs})
-        return tensors, entries, self.ekfac.sink(step)
+        keys_of = {n: self.plan.keys_of(n) for n in self.specs}
+        if self.world_size == 1:
+            tensors, entries = self.ekfac.take(step, keys_of)
+            return tensors, entries, self.ekfac.sink(step)
+        owner = self.ownership.owner
+        dims = {n: (self.dims[g][0], self.dims[a][0]) for n, (a, g) in keys_of.items()}
+        tensors, entries = self.ekfac.take(step, keys_of, combine=lambda window: sum_to_owners(
+            window, dims, {n: owner[g] for n, (_, g) in keys_of.items()}, self.dist))
+        keys = {k: self.dims[k] for pair in keys_of.values() for k in pair}
+        return tensors, entries, RankedSink(self.ekfac, step, keys, owner, self.rank)
+
+    def ekfac_state(self) -> tuple[dict[str, Any], dict[str, Tensor]] | None:
+        """The EK-FAC state for a checkpoint (`EkfacState.state_dict`: this rank's
+        accumulators, the eigenvectors of the factors it owns); None without ``ekfac``."""
+        if self.ekfac is None:
+            return None
+        owner = self.ownership.owner
+        return self.ekfac.state_dict(keep=lambda key: owner.get(key, 0) == self.rank)
 
     def read_counters(self) -> Counters:
         """The counters with the device-side ones read (snapshot, checkpoint, log time)."""
@@ -509,6 +531,21 @@ def _check_same_plan(ctx: DistContext, plan: FactorPlan) -> None:
         raise RuntimeError("kfac_stream: ranks found different shared-input groups "
                            f"(rank 0: {plans[0]}, rank {ctx.rank}: {plan.describe()}); "
                            "set KFACConfig(share_inputs=False)")
+
+
+def _check_ekfac_budget(run: RunPlan, need: dict[str, int] | None) -> None:
+    """An explicit device budget of the device fold must hold the EK-FAC state's bytes and
+    the accumulation's work space (`kfac_stream.store.residency.Residency`); an ``"auto"``
+    budget (decided at the first update) that cannot says so there and keeps no pending
+    statistic on the device."""
+    budget = run.device_budget
+    if need is None or run.fold_on != "device" or budget is None or budget >= need["total"]:
+        return
+    raise KFACConfigError(
+        f"KFACConfig(ekfac=True) holds {need['total']} bytes on the model's device "
+        f"({need['basis']} of eigenvectors, {need['accumulators']} of accumulators) but "
+        f"device_memory_budget={budget}; raise the budget, lower max_dense_dim (diagonal "
+        "factors hold no basis) or track fewer layers")
 
 
 def _set_rng(generator: torch.Generator, state: Tensor, fallback_seed: int) -> None:
