@@ -387,15 +387,25 @@ def _example_text(tokenizer, ex: TrainExample) -> str:
     return decode_ids(tokenizer, ex.ids)
 
 
-def _influence_side(scores, ranked, values, train: TrainSet, tokenizer, token_scores,
-                    query: InfluenceQuery, q: int) -> list[dict]:
+def _example_record(rank: int, j: int, score: float, train: TrainSet, tokenizer,
+                    names=None) -> dict:
+    """One listed training example: ``rank``, ``index``, ``score``, ``text``, ``source`` and a
+    classifier example's ``label_id`` (and ``label`` with ``names``)."""
+    ex = train.examples[j]
+    rec = {"rank": rank, "index": j, "score": float(score),
+           "text": _example_text(tokenizer, ex), "source": ex.source}
+    if not isinstance(ex.labels, list):
+        rec["label_id"] = ex.labels
+        if names is not None:
+            rec["label"] = names[ex.labels]
+    return rec
+
+
+def _influence_side(ranked, values, train: TrainSet, tokenizer, token_scores,
+                    query: InfluenceQuery, q: int, names) -> list[dict]:
     out = []
     for rank, (j, s) in enumerate(zip(ranked.tolist(), values.tolist()), 1):
-        ex = train.examples[j]
-        rec = {"rank": rank, "index": j, "score": float(s), "text": _example_text(tokenizer, ex),
-               "source": ex.source}
-        if not isinstance(ex.labels, list):
-            rec["label_id"] = ex.labels
+        rec = _example_record(rank, j, s, train, tokenizer, names)
         if token_scores is not None:
             n = len(query.completion)
             rec["token_scores"] = [float(x) for x in token_scores[q, :n, j].tolist()]
@@ -406,17 +416,8 @@ def _influence_side(scores, ranked, values, train: TrainSet, tokenizer, token_sc
 def _self_records(values, train: TrainSet, tokenizer, k: int, names) -> list[dict]:
     """The ``k`` training examples of highest self-influence, highest first."""
     top = values.topk(min(k, len(values)))
-    out = []
-    for rank, (j, v) in enumerate(zip(top.indices.tolist(), top.values.tolist()), 1):
-        ex = train.examples[j]
-        rec = {"rank": rank, "index": j, "score": float(v), "text": _example_text(tokenizer, ex),
-               "source": ex.source}
-        if not isinstance(ex.labels, list):
-            rec["label_id"] = ex.labels
-            if names is not None:
-                rec["label"] = names[ex.labels]
-        out.append(rec)
-    return out
+    return [_example_record(rank, j, v, train, tokenizer, names) for rank, (j, v) in
+            enumerate(zip(top.indices.tolist(), top.values.tolist()), 1)]
 
 
 def _influence_records(result, queries: Sequence[InfluenceQuery], train: TrainSet, tokenizer,
@@ -425,13 +426,9 @@ def _influence_records(result, queries: Sequence[InfluenceQuery], train: TrainSe
     out = []
     for q, query in enumerate(queries):
         rec = {"index": q, **query.record}
-        rec["helpful"] = _influence_side(result.scores, hi[q], hv[q], train, tokenizer,
-                                         token_scores=result.token_scores, query=query, q=q)
-        rec["harmful"] = _influence_side(result.scores, lo[q], lv[q], train, tokenizer,
-                                         token_scores=result.token_scores, query=query, q=q)
-        for side in ("helpful", "harmful"):
-            for r in rec[side]:
-                if names is not None and "label_id" in r:
-                    r["label"] = names[r["label_id"]]
+        rec["helpful"] = _influence_side(hi[q], hv[q], train, tokenizer, result.token_scores,
+                                         query, q, names)
+        rec["harmful"] = _influence_side(lo[q], lv[q], train, tokenizer, result.token_scores,
+                                         query, q, names)
         out.append(rec)
     return out
