@@ -401,14 +401,17 @@ def _example_record(rank: int, j: int, score: float, train: TrainSet, tokenizer,
     return rec
 
 
-def _influence_side(ranked, values, train: TrainSet, tokenizer, token_scores,
-                    query: InfluenceQuery, q: int, names) -> list[dict]:
+def _influence_side(ranked, values, record, token_rows) -> list[dict]:
+    """One side (helpful or harmful) of a query's listing.
+
+    ``record(rank, j, score)`` describes training example ``j``; ``token_rows`` is the
+    query's ``[n_completion, N]`` per-token scores, or None.
+    """
     out = []
     for rank, (j, s) in enumerate(zip(ranked.tolist(), values.tolist()), 1):
-        rec = _example_record(rank, j, s, train, tokenizer, names)
-        if token_scores is not None:
-            n = len(query.completion)
-            rec["token_scores"] = [float(x) for x in token_scores[q, :n, j].tolist()]
+        rec = record(rank, j, s)
+        if token_rows is not None:
+            rec["token_scores"] = [float(x) for x in token_rows[:, j].tolist()]
         out.append(rec)
     return out
 
@@ -423,12 +426,16 @@ def _self_records(values, train: TrainSet, tokenizer, k: int, names) -> list[dic
 def _influence_records(result, queries: Sequence[InfluenceQuery], train: TrainSet, tokenizer,
                        k: int, names) -> list[dict]:
     (hi, hv), (lo, lv) = result.top_k(k)
+
+    def record(rank, j, score):
+        return _example_record(rank, j, score, train, tokenizer, names)
+
     out = []
     for q, query in enumerate(queries):
         rec = {"index": q, **query.record}
-        rec["helpful"] = _influence_side(hi[q], hv[q], train, tokenizer, result.token_scores,
-                                         query, q, names)
-        rec["harmful"] = _influence_side(lo[q], lv[q], train, tokenizer, result.token_scores,
-                                         query, q, names)
+        tokens = (None if result.token_scores is None
+                  else result.token_scores[q, :len(query.completion)])
+        rec["helpful"] = _influence_side(hi[q], hv[q], record, tokens)
+        rec["harmful"] = _influence_side(lo[q], lv[q], record, tokens)
         out.append(rec)
     return out
