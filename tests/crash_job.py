@@ -52,6 +52,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from deepspeed_cpu import skip_deepspeed_op_probe  # noqa: E402
+
 from models import ListDataset, text_examples, tiny_gpt2  # noqa: E402
 
 MOMENTS = ("shard-start", "shard-partial", "shard-written", "manifest-start",
@@ -186,6 +188,7 @@ class Killer:
 
 def main(argv=None) -> None:
     opts = parse(argv)
+    skip_deepspeed_op_probe()
     torch.set_flush_denormal(True)
     torch.set_num_threads(1)
     from transformers import Trainer, TrainerCallback, TrainingArguments

@@ -27,6 +27,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from deepspeed_cpu import skip_deepspeed_op_probe  # noqa: E402
+
 from models import ListDataset, text_examples, tiny_gpt2, tiny_llama  # noqa: E402
 
 
@@ -96,6 +98,7 @@ def main() -> None:
     handler.addFilter(_RankFilter())
     logging.getLogger("kfac_stream").addHandler(handler)
     logging.getLogger("kfac_stream").setLevel(logging.INFO)
+    skip_deepspeed_op_probe()
     torch.set_flush_denormal(True)
     torch.set_num_threads(1)
     from transformers import Trainer, TrainingArguments

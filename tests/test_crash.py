@@ -426,6 +426,7 @@ def report(title: str, tally: Tally, seconds: float) -> None:
 
 # -- tests ----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_targeted_kills_leave_complete_snapshots(tmp_path):
     """6 kills at the dangerous moments (one process), in 2 chains, then a complete run each."""
     tally, t0 = Tally(), time.monotonic()

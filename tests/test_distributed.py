@@ -201,8 +201,16 @@ def errors(run: str, ref: str, runs, n_factors: int = 16) -> dict[str, float]:
     return {k: rel(got[k], want[k]) for k in want}
 
 
-@pytest.mark.parametrize("engine", ["ddp", "zero1", "zero2", "zero3", "zero3_async_stats",
-                                    "zero3_device_fold", "ddp_device_fold_stats"])
+# DDP and ZeRO-3 in `make test`; the other engines and strategies in `make test-slow` (each
+# launch is ~30 s of two processes' imports on 2 cores)
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("engine", ["ddp", pytest.param("zero1", marks=SLOW),
+                                    pytest.param("zero2", marks=SLOW), "zero3",
+                                    pytest.param("zero3_async_stats", marks=SLOW),
+                                    pytest.param("zero3_device_fold", marks=SLOW),
+                                    pytest.param("ddp_device_fold_stats", marks=SLOW)])
 def test_two_ranks_equal_one_process(runs, engine):
     errs = errors(engine, "ref", runs)
     print(f"{engine}: max relative error vs 1 process {max(errs.values()):.2e}")
@@ -219,6 +227,7 @@ def test_two_ranks_equal_one_process(runs, engine):
     assert a["counters"]["skipped_updates"] == 0
 
 
+@SLOW
 def test_reduce_form_across_ranks_equals_one_process(runs):
     """Per-sequence rows (the reduce form) through ZeRO-3's partitioned weights and
     the exchange; the usable sequences, counted per rank, sum to one process's (rank 1's
@@ -244,6 +253,7 @@ def test_shared_inputs_and_device_fold_across_ranks_equal_one_process(runs):
     assert a["counters"]["positions_sampled"] == ref["counters"]["positions_sampled"]
 
 
+@SLOW
 def test_diagonal_sums_across_ranks_equal_one_process(runs):
     errs = errors("zero3_diag", "ref_diag", runs)
     got = factors(runs.get("zero3_diag"))
@@ -259,14 +269,15 @@ def test_fp16_storage_within_budget(runs):
     assert max(errs.values()) <= FP16_TOL, errs
 
 
-@pytest.mark.parametrize("engine", ["ddp_bf16", "zero2_bf16"])
+@pytest.mark.parametrize("engine", ["ddp_bf16", pytest.param("zero2_bf16", marks=SLOW)])
 def test_bf16(runs, engine):
     errs = errors(engine, "ref_bf16", runs)
     print(f"{engine}: max relative error vs 1 process bf16 {max(errs.values()):.2e}")
     assert max(errs.values()) <= BF16_TOL, errs
 
 
-@pytest.mark.parametrize("engine,ref", [("zero3_mc", "ref_mc_replay"), ("ddp_mc", "ref_mc")],
+@pytest.mark.parametrize("engine,ref", [pytest.param("zero3_mc", "ref_mc_replay", marks=SLOW),
+                                        ("ddp_mc", "ref_mc")],
                          ids=["zero3-replayed-after-step", "ddp-in-forward"])
 def test_mc_fisher_under_zero3_and_ddp(runs, engine, ref):
     # ZeRO-3 replays the MC pass after the optimizer step (its reference too: checkpointing);
@@ -348,7 +359,7 @@ INFLUENCE_TOL = 10 * EXACT_TOL
 WEIGHTS_TRAIN_TOL = 1e-5
 
 
-@pytest.mark.parametrize("fatal", [False, True])
+@pytest.mark.parametrize("fatal", [False, pytest.param(True, marks=SLOW)])
 def test_failed_shard_leaves_no_snapshot(runs, fatal):
     """Rank 1 fails writing its shard of the 2nd snapshot (step 3): no step-3 directory, no
     temporary leftovers, step 2 still loads. By default every rank logs it, counts it and
@@ -370,6 +381,7 @@ def test_failed_shard_leaves_no_snapshot(runs, fatal):
     assert snap.step == 2 and snap.meta["world_size"] == 2
 
 
+@SLOW
 def test_resume_on_two_ranks_is_bit_identical(runs):
     """2 ranks: stopped at the step-2 checkpoint and resumed to step 4 = 4 uninterrupted steps,
     bit for bit (factors, EMA weights via the factors, counters, samplers' RNG streams)."""
@@ -412,7 +424,7 @@ def test_resume_with_another_world_size_reshards(runs):
         tracker.close()
 
 
-@pytest.mark.slow
+@SLOW
 def test_long_zero3_run_memory_hooks_and_no_double_count(runs):
     """300 steps of 2-process ZeRO-3, token_fraction 0.05, a snapshot every 50 steps: RSS
     after warm-up (step 100) grows by at most RSS_GROWTH_MIB per process, kfac_stream's hook
@@ -497,6 +509,7 @@ def test_fsdp2_whole_model_and_query_after_training(runs):
         assert abs(got_w["sumsq"] - rec["sumsq"]) <= WEIGHTS_TRAIN_TOL * rec["sumsq"], name
 
 
+@SLOW
 def test_zero3_lora_whole_model_saves_the_adapter_with_its_base(runs):
     """A PEFT LoRA model under ZeRO-3: `whole_model` saves the adapter and the base model
     (gathered) beside it, reloads both on the main process outside DeepSpeed as a PeftModel
@@ -532,7 +545,7 @@ def test_zero3_lora_whole_model_saves_the_adapter_with_its_base(runs):
     assert rel(mean, got["mean"]) <= EXACT_TOL and rel(cov, got["cov"]) <= EXACT_TOL
 
 
-@pytest.mark.slow
+@SLOW
 def test_fsdp2_mc_fisher_equals_ddp(runs):
     """The default MC Fisher under FSDP2: replayed on a sub-batch after the optimizer step (a
     forward and a backward of the sharded model outside the training step). Same seeds, same

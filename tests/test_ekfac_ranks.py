@@ -84,7 +84,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-@pytest.mark.parametrize("engine", ["zero3", "fsdp2"])
+@pytest.mark.parametrize("engine", ["zero3", pytest.param("fsdp2", marks=pytest.mark.slow)])
 def test_two_ranks_store_what_one_process_stores(runs, engine):
     """Each rank accumulates on its own sequences, the sums meet on each layer's G owner,
     every rank gets every factor's basis from its owner: the snapshots' ``λ`` (and their

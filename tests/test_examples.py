@@ -51,7 +51,11 @@ def _env() -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize("script", sorted(EXAMPLES))
+# the classifier example (~50 s on 2 cores) in `make test-slow`; the classifier path itself is
+# covered in `make test` by tests/test_cli_classifier.py
+@pytest.mark.parametrize("script", [
+    pytest.param(s, marks=pytest.mark.slow) if s == "sequence_classification.py" else s
+    for s in sorted(EXAMPLES)])
 def test_example_runs(tmp_path, script):
     args, expect = EXAMPLES[script]
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script),
@@ -172,6 +176,7 @@ def test_readme_shows_causal_lm_example_verbatim():
 
 @pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
                     reason="deepspeed is not installed (`make test` installs it)")
+@pytest.mark.slow
 def test_causal_lm_example_under_zero3_from_outside_the_repo(tmp_path):
     """The quickstart unchanged under 2-process DeepSpeed ZeRO-3 on CPU, launched from an
     unrelated directory with `launch/cpu_zero3.yaml` (inline DeepSpeed settings, no relative

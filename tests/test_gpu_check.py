@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 # fp32 accumulation of 64 bf16 products per entry: relative error ~2^-24·8; 1e-5 is loose
 FP32_ACCUMULATION_TOL = 1e-5
@@ -39,6 +41,7 @@ def _gpu_check():
     return mod
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run(tmp_path):
     out = tmp_path / "report.json"
     env = {**os.environ, "GPU_CHECK_JSON": str(out), "CUDA_VISIBLE_DEVICES": "",

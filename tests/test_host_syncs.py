@@ -120,15 +120,25 @@ def test_callback_adds_no_host_sync_per_step(tmp_path, extra):
     assert tracked.count == plain.count
 
 
-REPLAYS = [({"mc_sequences": "all"}, True), ({"mc_sequences": 1}, False),
-           ({"mc_sequences": 0.5, "min_window_sequences": 0}, False)]
+REPLAYS = {"whole-batch-checkpointing": ({"mc_sequences": "all"}, True),
+           "sub-batch": ({"mc_sequences": 1}, False),
+           "share-of-the-step": ({"mc_sequences": 0.5, "min_window_sequences": 0}, False)}
+MASKS = {"no-mask-sdpa": ("no-mask", "sdpa"), "padded-sdpa": ("padded", "sdpa"),
+         "padded-eager": ("padded", "eager")}
 
 
-@pytest.mark.parametrize("batch,attn", [("no-mask", "sdpa"), ("padded", "sdpa"),
-                                        ("padded", "eager")],
-                         ids=["no-mask-sdpa", "padded-sdpa", "padded-eager"])
-@pytest.mark.parametrize("extra,ckpt", REPLAYS,
-                         ids=["whole-batch-checkpointing", "sub-batch", "share-of-the-step"])
+def _replay_cases() -> list:
+    """Every replay setting × mask case; one diagonal of the grid (each replay and each mask
+    case once) runs in `make test`, the rest in `make test-slow` (~16 s a case on 2 cores)."""
+    cases = []
+    for i, (rid, (extra, ckpt)) in enumerate(REPLAYS.items()):
+        for j, (mid, (batch, attn)) in enumerate(MASKS.items()):
+            marks = () if i == j else (pytest.mark.slow,)
+            cases.append(pytest.param(extra, ckpt, batch, attn, marks=marks, id=f"{rid}-{mid}"))
+    return cases
+
+
+@pytest.mark.parametrize("extra,ckpt,batch,attn", _replay_cases())
 def test_replayed_mc_pass_adds_only_the_models_own_forward_syncs(tmp_path, extra, ckpt, batch,
                                                                  attn):
     """The MC pass replayed after the step: no host sync of kfac_stream's own on the training

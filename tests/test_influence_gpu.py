@@ -31,6 +31,7 @@ def _positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+@pytest.mark.slow
 def test_influence_gpu_dry_run(tmp_path):
     out = tmp_path / "influence_gpu.json"
     proc = subprocess.run([sys.executable, "benchmarks/influence_gpu.py", "--dry-run",

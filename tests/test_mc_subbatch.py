@@ -172,6 +172,7 @@ def _classifier_expected_factors(model, batch, layers):
     return A, G
 
 
+@pytest.mark.slow
 def test_subbatch_mc_fisher_unbiased_on_a_sequence_classifier(tmp_path):
     # logits [B, C]: one loss term per sequence; 1 of 4 sequences per update (B/b = 4)
     model = _classifier()

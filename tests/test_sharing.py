@@ -77,7 +77,8 @@ def test_shared_A_equals_per_layer_A_bit_for_bit(tmp_path):
     assert torch.equal(m1, m2) and torch.allclose(v1, v2, rtol=1e-10, atol=0)
 
 
-@pytest.mark.parametrize("build", [tiny_opt, tiny_biogpt], ids=["opt", "biogpt"])
+@pytest.mark.parametrize("build", [pytest.param(tiny_opt, id="opt"),
+                                   pytest.param(tiny_biogpt, id="biogpt", marks=pytest.mark.slow)])
 def test_call_order_groups_share_A_bit_for_bit(tmp_path, build, caplog):
     """OPT and BioGPT register k, v, q but call q first: the group is kept (the member called
     first gathers the rows) and the shared A is the per-layer A bit for bit."""

@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_snapshot_gpu_dry_run(tmp_path):
     out = tmp_path / "report.json"
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "",
