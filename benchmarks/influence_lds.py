@@ -52,8 +52,8 @@ Methods (same trained weights, same queries; ``[Q, N]`` scores, positive = helpf
 * ``ours, prior damping``: ``damping="prior"`` (τ/N of the default ``LaplacePosterior``);
 * ``ours, EK-FAC``: a second tracked run with ``KFACConfig(ekfac=True)`` (same seed; its
   weights are the first run's, reported), its final snapshot, defaults;
-* ``ours, snapshot mean``: the mean of the default scores over the periodic snapshots, each with
-  the weights of its step;
+* ``ours, snapshot mean``: `trajectory_influence` at its defaults, the mean of the default scores
+  over the run's snapshots (periodic and final), each with the weights of its step;
 * ``gradient dot``: ``Influence.gradients`` of the same layers dotted, no preconditioning
   (TracIn at the last checkpoint);
 * dattri 0.3.0, on the same parameters (weights and biases of the tracked layers) and the same
@@ -107,7 +107,14 @@ import torch
 import torch.nn.functional as F
 from scipy.stats import spearmanr
 
-from kfac_stream import Influence, LaplacePosterior, Snapshot, influence_scores, self_influence
+from kfac_stream import (
+    Influence,
+    LaplacePosterior,
+    Snapshot,
+    influence_scores,
+    self_influence,
+    trajectory_influence,
+)
 
 from _common import machine, write_json, write_section
 
@@ -116,7 +123,7 @@ BEGIN, END = "<!-- influence-lds:begin -->", "<!-- influence-lds:end -->"
 METHODS = (("ours", "ours: influence_scores, defaults (heuristic damping, final snapshot)"),
            ("ours_prior", "ours, damping='prior'"),
            ("ours_ekfac", "ours, EK-FAC run (ekfac=True), defaults"),
-           ("ours_snapshot_mean", "ours, mean over the periodic snapshots"),
+           ("ours_snapshot_mean", "ours: trajectory_influence (mean over the run's snapshots)"),
            ("grad_dot", "gradient dot (TracIn at the last checkpoint)"),
            ("dattri_tracin", "dattri TracIn (periodic checkpoints)"),
            ("dattri_trak1", "dattri TRAK, 1 model"),
@@ -370,19 +377,14 @@ def lds_seed(task: str, seed: int, a, queued: dict, tmp: str) -> dict:
     t0 = time.perf_counter()
     scores["grad_dot"], secs["grad_dot"] = grad_dot(post, query_b, train_b), 0.0
     secs["grad_dot"] = time.perf_counter() - t0
-    # the mean over the periodic snapshots, each with the weights of its step
-    ck = run["ckpt"]
+    # trajectory_influence: the mean over the run's snapshots, each with the weights of its step
+    ck, snaps = run["ckpt"], [Snapshot.load(p) for p in snapshot_dirs(run["kfac_dir"])]
     t0 = time.perf_counter()
-    per = []
-    for path in snapshot_dirs(run["kfac_dir"]):
-        s = Snapshot.load(path)
-        step = int(s.meta["step"])
-        m = model_at(task, ck.states[ck.at.index(step)])
-        per.append(influence_scores(LaplacePosterior(m, s), query_b, train_b,
-                                    show_progress=False).scores)
-    scores["ours_snapshot_mean"] = torch.stack(per).mean(0)
+    posts = (LaplacePosterior(model_at(task, ck.states[ck.at.index(s.step)]), s) for s in snaps)
+    scores["ours_snapshot_mean"] = trajectory_influence(posts, query_b, train_b,
+                                                        show_progress=False)
     secs["ours_snapshot_mean"] = time.perf_counter() - t0
-    r["periodic_snapshots"] = len(per)
+    r["periodic_snapshots"] = len(snaps)
     # EK-FAC: its own tracked run (same seed)
     ek = T.train_tracked(task, d["train"], seed, os.path.join(tmp, f"{task}-{seed}-ekfac"),
                          ekfac=True)
@@ -578,10 +580,11 @@ def main(argv=None) -> None:
                    help="dattri's random projection (TracIn, TRAK); 512 is its default")
     p.add_argument("--ifcg-queries", type=int, default=5,
                    help="IF-CG scores only the first this many queries (its cost)")
-    p.add_argument("--ifcg-batch", type=int, nargs=2, default=[5, 5],
+    p.add_argument("--ifcg-batch", type=int, nargs=2, default=[5, 1],
                    metavar=("DIGITS", "TEXT"),
                    help="queries per IF-CG solve (memory: the whole training set's HVP per "
-                   "query in the batch)")
+                   "query in the batch; text at 5 grew past 15 GB and was OOM-killed on a "
+                   "24 GiB machine)")
     p.add_argument("--noise", type=float, default=0.1)
     p.add_argument("--skip-noisy", action="store_true")
     p.add_argument("--workers", type=int, default=2)

@@ -42,6 +42,8 @@ _LAZY = {
     "influence_scores": "query.influence", "Influence": "query.influence",
     "InfluenceScores": "query.influence", "self_influence": "query.influence",
     "influence_memory": "query.influence",
+    "trajectory_influence": "query.trajectory", "checkpoint_snapshots": "query.trajectory",
+    "trajectory_posteriors": "query.trajectory",
 }
 
 
@@ -78,6 +80,7 @@ __all__ = [
     "abstain",
     "fit_prior_precision", "HeldoutPrior",
     "influence_scores", "Influence", "InfluenceScores", "self_influence", "influence_memory",
+    "trajectory_influence", "checkpoint_snapshots", "trajectory_posteriors",
     "whole_model",
     # enums
     "FisherType",

@@ -131,7 +131,8 @@ def test_background_snapshots_switch_where_every_rank_agreed(runs):
     assert carried >= 1
 
 
-@pytest.mark.parametrize("kind", ["one", pytest.param("ddp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", [pytest.param("one", marks=pytest.mark.slow),
+                                  pytest.param("ddp", marks=pytest.mark.slow)])
 def test_resume_between_snapshots_is_bit_exact(runs, kind):
     """Killed at step 5 (checkpoint) between the snapshots of steps 3 and 6 and resumed: the
     basis in use, the accumulators and the window's counts come back, and the snapshot of
