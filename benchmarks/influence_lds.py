@@ -115,10 +115,13 @@ from kfac_stream import (
     self_influence,
     trajectory_influence,
 )
+from kfac_stream.query.influence import HEURISTIC_FACTOR
 
 from _common import machine, write_json, write_section
 
 BEGIN, END = "<!-- influence-lds:begin -->", "<!-- influence-lds:end -->"
+#: the damping sweep's factors (the default heuristic takes 0.1 of each layer's mean eigenvalue)
+DAMPING_SWEEP = (0.01, 0.03, 0.3, 1.0)
 #: (key, label) of the LDS methods, in the table's order.
 METHODS = (("ours", "ours: influence_scores, defaults (heuristic damping, final snapshot)"),
            ("ours_prior", "ours, damping='prior'"),
@@ -129,7 +132,9 @@ METHODS = (("ours", "ours: influence_scores, defaults (heuristic damping, final 
            ("dattri_trak1", "dattri TRAK, 1 model"),
            ("dattri_trak10", "dattri TRAK, 10 models"),
            ("dattri_ifcg", "dattri IF-CG (its queries: the first --ifcg-queries)"),
-           ("ours_ifcg_queries", "ours, defaults, on IF-CG's queries (paired)"))
+           ("ours_ifcg_queries", "ours, defaults, on IF-CG's queries (paired)"),
+           *((f"ours_heuristic_{f:g}", f"ours, damping {f:g} × the layer's mean eigenvalue "
+              "(sweep; default 0.1)") for f in DAMPING_SWEEP))
 NOISY_METHODS = (("ours", "ours: self_influence, defaults"),
                  ("grad_norm", "squared gradient norm (gradient dot)"),
                  ("dattri_tracin", "dattri TracIn self_attribute"),
@@ -369,6 +374,10 @@ def lds_seed(task: str, seed: int, a, queued: dict, tmp: str) -> dict:
     res = influence_scores(post, query_b, train_b, show_progress=False)
     scores["ours"], secs["ours"] = res.scores, time.perf_counter() - t0
     lam = sum(res.damping.values()) / len(res.damping)
+    for f in DAMPING_SWEEP:  # the same rule at another share of each layer's mean eigenvalue
+        inf = Influence(post)
+        inf.damping = {n: v * f / HEURISTIC_FACTOR for n, v in inf.damping.items()}
+        scores[f"ours_heuristic_{f:g}"] = inf.scores(query_b, train_b, show_progress=False).scores
     t0 = time.perf_counter()
     scores["ours_prior"] = influence_scores(post, query_b, train_b, damping="prior",
                                             show_progress=False).scores
