@@ -9,8 +9,10 @@ and the weights ``θ_k``; each term is `influence_scores` at that step (damping 
 there, each step's damping from its own factors). A single checkpoint scores with one linear
 model around the final weights; the mean over the run counts how each example pulled the
 model along the way (the segment-averaged unrolling of Bae et al. 2024, "SOURCE", and TracIn's
-sum over checkpoints, here with the curvature the run streamed anyway). Uniform weights: the
-measured choice (benchmarks/influence_lds.py, "ours, mean over the periodic snapshots").
+sum over checkpoints, here with the curvature the run streamed anyway). Uniform weights over
+the steps (TracIn weights its checkpoints by the learning rate; uniform is what
+benchmarks/influence_lds.py measured: LDS 0.283 on digits, 0.385 on text, against 0.179 and
+0.356 for the final snapshot alone).
 
 Cost: ``K`` times `influence_scores` (each step reads the training set once), one step's model
 and factors in memory at a time when ``posteriors`` is a generator.
