@@ -243,6 +243,7 @@ def test_reduce_form_across_ranks_equals_one_process(runs):
     assert min(rel(expand[k], v) for k, v in factors(runs.get("ref_reduce")).items()) > 1e-3
 
 
+@SLOW
 def test_shared_inputs_and_device_fold_across_ranks_equal_one_process(runs):
     # tiny Llama, ZeRO-3, fold_on="device": per block q/k/v share one A and gate/up another,
     # so 2 blocks × (4 A + 7 G) = 22 factors, exchanged and stored once each
@@ -269,7 +270,8 @@ def test_fp16_storage_within_budget(runs):
     assert max(errs.values()) <= FP16_TOL, errs
 
 
-@pytest.mark.parametrize("engine", ["ddp_bf16", pytest.param("zero2_bf16", marks=SLOW)])
+@pytest.mark.parametrize("engine", [pytest.param("ddp_bf16", marks=SLOW),
+                                    pytest.param("zero2_bf16", marks=SLOW)])
 def test_bf16(runs, engine):
     errs = errors(engine, "ref_bf16", runs)
     print(f"{engine}: max relative error vs 1 process bf16 {max(errs.values()):.2e}")
