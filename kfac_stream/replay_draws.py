@@ -7,13 +7,20 @@ from __future__ import annotations
 import math
 import random
 
-__all__ = ["replay_counts", "selection_seed"]
+__all__ = ["replay_counts", "replay_seed", "selection_seed"]
 
 
 def selection_seed(seed: int, rank: int, step: int) -> int:
     """Seed of the sequence selection of optimizer step ``step`` on ``rank``: a fixed
     function of the three (reproducible, resumable without state), different per rank."""
     return (((seed * 1_000_003 + rank) * 1_000_033 + step) * 2_654_435_761 + 97) % 2**63
+
+
+def replay_seed(seed: int, rank: int, step: int) -> int:
+    """Seed of the global generators while the tracker replays optimizer step ``step``'s
+    micro-batches on ``rank`` (their dropout masks, `kfac_stream.own_rng.own_draws`): a fixed
+    function of the three like `selection_seed`, and another stream than its."""
+    return selection_seed(seed ^ 0x5EED_D409, rank, step)
 
 
 def replay_counts(mc_sequences: int | float | str, batches: list[int | None], seed: int,

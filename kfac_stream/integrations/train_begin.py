@@ -12,6 +12,7 @@ from ..capture.graphs import compile_mode_error
 from ..config import KFACConfig
 from ..distributed.engines import engines_not_applied
 from ..log_setup import show_info_by_default
+from ..own_rng import kept_generators
 from .answer_tokens import check_eval_answer_tokens, resolve_answer_tokens, text_tokenizer
 from .zero3 import check_deepspeed_device, deepspeed_requested
 
@@ -19,20 +20,29 @@ logger = logging.getLogger("kfac_stream")
 
 
 def timed(part: str):
-    """Add a handler's wall time to ``callback_seconds`` and its ``callback_parts[part]``."""
+    """Add a handler's wall time to ``callback_seconds`` and its ``callback_parts[part]``;
+    the training's global generators are as the handler found them when it returns
+    (`kept_generators`: whatever the handler draws, the training draws what it would have)."""
 
     def wrap(handler):
         @functools.wraps(handler)
         def timed(self, *args, **kwargs):
             started = time.perf_counter()
             try:
-                return handler(self, *args, **kwargs)
+                with kept_generators(run_devices(args[0] if args else None)):
+                    return handler(self, *args, **kwargs)
             finally:
                 spent = time.perf_counter() - started
                 self.callback_seconds += spent
                 self.callback_parts[part] += spent
         return timed
     return wrap
+
+
+def run_devices(args) -> list:
+    """The training device of TrainingArguments ``args`` as a list (empty: no arguments)."""
+    device = getattr(args, "device", None) if args is not None else None
+    return [device] if device is not None else []
 
 
 def check_engine_start(args) -> None:

@@ -44,6 +44,8 @@ from ..enums import StorageDtype
 from ..exceptions import KFACConfigError
 from ..fisher import estimator_for
 from ..folding import Folding
+from ..own_rng import own_draws
+from ..replay_draws import replay_seed
 from ..store.factor_store import FactorState
 from ..store.traffic import Traffic
 from .collect import collect_update
@@ -261,7 +263,10 @@ class Tracker:
                 return False
             passes, inputs = self.capture.take()
             self.capture.set_mode(IDLE)
-            passes = self.fisher.passes(model, passes, inputs)
+            # a replay's dropout draws from the tracker's stream, the training's untouched
+            with own_draws(replay_seed(self.config.seed, self.rank, self.step or 0),
+                           [self.device]):
+                passes = self.fisher.passes(model, passes, inputs)
             self.dissolve_groups(self.capture.dissolved)
             job = self._collect(passes)
             if job is None:
