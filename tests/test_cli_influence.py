@@ -242,13 +242,17 @@ TEXTS = ["def add(a, b):\n    return a + b\n" * 2 + "# end", "", "import os\npri
          "x = 1"]
 
 
-def text_windows(seq_len: int) -> list[tuple[list[int], list[int], dict]]:
-    """The documented rule for texts: each text's bytes in consecutive windows of
-    ``seq_len``, a shorter last window kept when it has 2 tokens or more; blank texts
-    skipped."""
+def text_windows(seq_len: int, cut: str = "windows") -> list[tuple[list[int], list[int], dict]]:
+    """The documented rules for texts: ``--cut windows``: each text's bytes in consecutive
+    windows of ``seq_len``, a shorter last window kept when it has 2 tokens or more; the
+    default (``tokenizer``): each text's first ``seq_len`` bytes (a tokenizer's
+    ``truncation=True, max_length=seq_len`` on bytes); blank texts skipped."""
     out = []
     for i, text in enumerate(TEXTS):
         ids = list(text.encode())
+        if cut == "tokenizer" and ids:
+            out.append((ids[:seq_len], ids[:seq_len], {"record": i}))
+            continue
         for s in range(0, len(ids), seq_len):
             w = ids[s:s + seq_len]
             if len(w) >= 2:
@@ -256,10 +260,12 @@ def text_windows(seq_len: int) -> list[tuple[list[int], list[int], dict]]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["jsonl", "datasets"])
-def test_texts_from_json_lines_or_a_datasets_directory(app_run, capsys, tmp_path, kind):
+@pytest.mark.parametrize("kind,cut", [("jsonl", "windows"), ("datasets", "windows"),
+                                      ("jsonl", "tokenizer")])
+def test_texts_from_json_lines_or_a_datasets_directory(app_run, capsys, tmp_path, kind, cut):
     """``--train`` a JSON-lines file or a ``save_to_disk`` directory of texts, and a
-    ``--query-file``: every example (top-k = N) equals the API on the documented windows."""
+    ``--query-file``: every example (top-k = N) equals the API on the documented windows
+    (``--cut windows``) or texts cut to ``--seq-len`` (the default)."""
     run_dir, model, snap = app_run
     if kind == "jsonl":
         train = tmp_path / "train.jsonl"
@@ -271,14 +277,19 @@ def test_texts_from_json_lines_or_a_datasets_directory(app_run, capsys, tmp_path
     qfile = tmp_path / "queries.jsonl"
     qfile.write_text("\n".join(json.dumps({"prompt": p, "completion": c}) for p, c in QUERIES))
     extra = ["--text-field", "body"] if kind == "datasets" else []
-    windows = text_windows(SEQ)
+    extra += ["--cut", "windows"] if cut == "windows" else []
+    windows = text_windows(SEQ, cut)
     args = ["influence", "--snapshot", str(run_dir / "kfac"), "--model", str(run_dir / "model"),
             "--byte-level", "--train", str(train), "--query-file", str(qfile), "--json",
             "--top-k", str(len(windows)), "--batch-size", "2", *extra]
     assert cli_main(args) == 0
-    doc = json.loads(capsys.readouterr().out)
-    assert [len(w) for w, _, _ in windows] == [32, 32, 5, 28, 5]
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert [len(w) for w, _, _ in windows] == (
+        [32, 32, 5, 28, 5] if cut == "windows" else [32, 28, 5])
     assert doc["train_examples"] == len(windows) and doc["seq_len"] == SEQ
+    assert doc["cut"] == cut and "1 of 3 texts longer than 32 tokens" in captured.err
+    assert ("--cut windows" in doc["train_described"]) == (cut == "windows")
     want = influence_scores(LaplacePosterior(model, snap, 1.0),
                             [lm_query(p, c) for p, c in QUERIES],
                             [pad([(i, lab) for i, lab, _ in windows])])
@@ -326,7 +337,7 @@ def test_a_lora_adapter_directory(capsys, tmp_path):
     train.write_text("\n".join(json.dumps({"text": t}) for t in TEXTS))
     args = ["influence", "--snapshot", str(tmp_path / "kfac"), "--model", str(tmp_path / "model"),
             "--byte-level", "--train", str(train), "--query", "def f", "--completion", "(x):",
-            "--json", "--top-k", "5", "--seq-len", "16"]
+            "--json", "--top-k", "5", "--seq-len", "16", "--cut", "windows"]
     capsys.readouterr()  # the Trainer's own lines
     assert cli_main(args) == 0
     doc = json.loads(capsys.readouterr().out)
@@ -415,6 +426,8 @@ def test_bad_arguments_exit_2_with_one_line(app_run, classifier, capsys, tmp_pat
               "eigenvalues='ekfac', but snapshot", "has no EK-FAC correction")
     cli_error(capsys, argv(run_dir, *app, "--prior-precision", "2"),
               "--prior-precision is only used with --damping prior")
+    cli_error(capsys, argv(run_dir, *app, "--cut", "windows"), "--cut windows is not allowed "
+              "with --train app: its examples are the windows the run trained on")
     missing = str(tmp_path / "nope")
     cli_error(capsys, ["influence", "--snapshot", missing, "--model", str(run_dir / "model"),
                        "--query", "a", "--completion", "b", *app],

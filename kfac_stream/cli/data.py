@@ -53,20 +53,12 @@ def token_ids(args, tokenizer, model, text: str, where: str = "--text",
     source = args.tokenizer or args.model
     n = getattr(args, "max_length", None)
     full = None
-    if tokenizer is None:  # --byte-level
-        ids = list(text.encode("utf-8"))
-        if n is not None and len(ids) > n:
-            full, ids = len(ids), ids[-n:] if keep_end else ids[:n]
+    if n is None:
+        ids = encode_ids(tokenizer, text)
     else:
-        ids = list(tokenizer(text)["input_ids"])
-        if n is not None and len(ids) > n:
-            side = tokenizer.truncation_side
-            tokenizer.truncation_side = "left" if keep_end else "right"
-            try:
-                full, ids = len(ids), list(tokenizer(text, truncation=True,
-                                                     max_length=n)["input_ids"])
-            finally:
-                tokenizer.truncation_side = side
+        ids, whole = truncated_ids(tokenizer, text, n, keep_end)
+        full = whole if whole > len(ids) else None
+    if tokenizer is not None:
         if not ids:
             arg = "--tokenizer" if args.tokenizer else "--model"
             raise QueryInputError(f"{arg}={source!r}: its tokenizer turns {_shown(where, text)} "
@@ -97,7 +89,9 @@ def token_ids(args, tokenizer, model, text: str, where: str = "--text",
 
 def read_texts(args) -> list[tuple[str, str]]:
     """The inputs ``[(text, where)]``: ``--text``, or each non-blank line of ``--file`` (UTF-8;
-    ``where`` names the file and line)."""
+    ``where`` names the file and line); a ``--file`` named ``*.jsonl``: the ``"text"`` of each
+    of its JSON objects (other keys, such as ``"label"``, ignored: the training file of
+    ``influence`` reads as is)."""
     if args.file is None:
         return [(args.text, "--text")]
     path = args.file
@@ -105,6 +99,8 @@ def read_texts(args) -> list[tuple[str, str]]:
         problem = "does not exist" if not os.path.exists(path) else "is a directory"
         raise QueryInputError(f"--file={path!r} {problem}: must be a text file with one input "
                               "per line")
+    if path.endswith(".jsonl"):
+        return _jsonl_texts(path)
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -116,6 +112,22 @@ def read_texts(args) -> list[tuple[str, str]]:
     if not texts:
         raise QueryInputError(f"--file={path!r} holds no input: must be a text file with one "
                               "input per (non-blank) line")
+    return texts
+
+
+def _jsonl_texts(path: str) -> list[tuple[str, str]]:
+    """``[(text, where)]``: the ``"text"`` of each JSON object of a ``*.jsonl`` ``--file``."""
+    texts = []
+    for n, rec in json_lines("--file", path):
+        where = f"--file={path!r} line {n}"
+        if not isinstance(rec, Mapping) or not isinstance(rec.get("text"), str) or \
+                not rec["text"].strip():
+            raise QueryInputError(f"{where}: must be a JSON object with a non-empty 'text' (a "
+                                  "*.jsonl --file holds one {\"text\": ...} per line)")
+        texts.append((rec["text"], where))
+    if not texts:
+        raise QueryInputError(f"--file={path!r} holds no input: must hold one JSON object "
+                              "{\"text\": ...} per line")
     return texts
 
 
@@ -137,6 +149,29 @@ def encode_ids(tokenizer, text: str, special: bool = True) -> list[int]:
     if tokenizer is None:
         return list(text.encode("utf-8"))
     return list(tokenizer(text, add_special_tokens=special, verbose=False)["input_ids"])
+
+
+def truncated_ids(tokenizer, text: str, max_length: int, keep_end: bool = False
+                  ) -> tuple[list[int], int]:
+    """``(ids, whole)``: the ids of ``text`` cut to at most ``max_length`` tokens as a
+    tokenizer called with ``truncation=True, max_length=max_length`` cuts them (a Trainer
+    user's preprocessing: the special tokens stay, ``[CLS] ... [SEP]``, a BOS), and ``whole``,
+    the token count of the uncut text. ``keep_end`` keeps the last tokens (truncation from the
+    left), else the first (from the right). Byte-level (``tokenizer`` None): the UTF-8 bytes,
+    cut the same way. The commands' one cut of a text (``query --max-length``,
+    ``influence --seq-len``)."""
+    ids = encode_ids(tokenizer, text)
+    if len(ids) <= max_length:
+        return ids, len(ids)
+    if tokenizer is None:
+        return (ids[-max_length:] if keep_end else ids[:max_length]), len(ids)
+    side = tokenizer.truncation_side
+    tokenizer.truncation_side = "left" if keep_end else "right"
+    try:
+        cut = tokenizer(text, truncation=True, max_length=max_length, verbose=False)
+    finally:
+        tokenizer.truncation_side = side
+    return list(cut["input_ids"]), len(ids)
 
 
 def decode_ids(tokenizer, ids: Sequence[int]) -> str:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from ..exceptions import QueryInputError
 from .data import collate, decode_ids, label_names
 from .influence_data import (
+    CUTS,
     INFLUENCE_MAX_SEQ_LEN,
     TRAIN_RULES,
     InfluenceQuery,
@@ -131,9 +132,18 @@ def add_influence_parser(sub) -> None:
                    f"per forward and backward (default {INFLUENCE_BATCH})")
     p.add_argument("--max-train", type=int, metavar="N", help="score only the first N "
                    "training examples")
-    p.add_argument("--seq-len", type=int, help="tokens per training window (JSON lines and "
-                   "datasets; default: the model's positions, at most "
+    p.add_argument("--seq-len", type=int, help="the most tokens of a training text (JSON "
+                   "lines and datasets; pass the max_length your training's tokenizer call "
+                   "used; default: the model's positions, at most "
                    f"{INFLUENCE_MAX_SEQ_LEN}); --train app uses the run's model.seq_len")
+    p.add_argument("--cut", choices=CUTS, help="how a training text longer than --seq-len "
+                   "tokens is cut (JSON lines and datasets): tokenizer (the default): one "
+                   "example per record, as tokenizer(text, truncation=True, "
+                   "max_length=SEQ_LEN) cuts it, special tokens kept (a Trainer user's "
+                   "preprocessing); windows: windows of SEQ_LEN tokens of its whole "
+                   "tokenisation (a causal LM: every window, a shorter last one kept; a "
+                   "classifier: the first, without the trailing special tokens); said on "
+                   "stderr and in the footer")
     p.add_argument("--text-field", default="text", help="the text column of --train (default "
                    "text)")
     p.add_argument("--label-field", default="label", help="classifiers: the label column of "
@@ -193,6 +203,11 @@ def _check_influence_args(args) -> None:
         if not os.path.exists(args.train):
             raise QueryInputError(f"--train={args.train!r} does not exist: must be 'app', a "
                                   "datasets save_to_disk directory or a JSON-lines file")
+    if args.cut is not None and args.train == "app":
+        raise QueryInputError(f"--cut {args.cut} is not allowed with --train app: its examples "
+                              "are the windows the run trained on")
+    if args.train != "app" and args.cut is None:
+        args.cut = "tokenizer"
     if args.app_config is not None:
         if args.train != "app":
             raise QueryInputError(f"--app-config is not allowed with --train={args.train!r}: "
@@ -338,6 +353,7 @@ def run_influence(args) -> int:
             **base_meta(args), "task": task, "architecture": arch, "train": args.train,
             "train_rule": TRAIN_RULES[train.kind], "train_described": train.described,
             "app_config": train.config, "seq_len": train.seq_len,
+            **({} if train.cut is None else {"cut": train.cut}),
             "train_examples": len(train.examples), "damping": damping,
             "damping_per_layer": dict(inf.damping), "layers": list(inf.layers),
             "eigenvalues": args.eigenvalues,

@@ -10,7 +10,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..exceptions import QueryInputError
-from .data import encode_ids, json_lines, label_names, model_limits, parse_label, token_text
+from .data import (
+    encode_ids,
+    json_lines,
+    label_names,
+    model_limits,
+    parse_label,
+    token_text,
+    truncated_ids,
+)
 from .loading import CLASSIFIER, first_line
 from .output import influence_status
 
@@ -23,13 +31,27 @@ TRAIN_RULES = {
     "app": "the app's training windows: the run's training documents joined by a blank line, "
            "one token stream cut into windows of model.seq_len tokens, the incomplete tail "
            "dropped (as the run trained)",
-    "text": "each text tokenised on its own (the tokenizer's special tokens, as for a query) "
-            "and cut into consecutive windows of seq_len tokens, a shorter last window kept; "
-            "every token labelled",
+    "text": "one example per record: the text cut as tokenizer(text, truncation=True, "
+            "max_length=seq_len) cuts it (a Trainer user's preprocessing: the tokenizer's "
+            "special tokens kept; --byte-level: its first seq_len bytes); every token labelled",
+    "text_windows": "--cut windows: each text tokenised whole (the tokenizer's special tokens, "
+                    "as for a query) and cut into consecutive windows of seq_len tokens, a "
+                    "shorter last window kept; every token labelled",
     "prompt": "one example per record: the prompt's tokens then the completion's, the loss on "
               "the completion's tokens only",
-    "classifier": "one example per record: the text's first seq_len tokens and its label",
+    "classifier": "one example per record: the text cut as tokenizer(text, truncation=True, "
+                  "max_length=seq_len) cuts it (a Trainer user's preprocessing: the tokenizer's "
+                  "special tokens kept; --byte-level: its first seq_len bytes) and its label",
+    "classifier_window": "--cut windows: one example per record: the first seq_len tokens of "
+                         "the text's whole tokenisation (a longer text loses the tokenizer's "
+                         "trailing special tokens, such as [SEP]) and its label",
 }
+
+#: ``--cut``: how a ``{"text"}`` record longer than ``--seq-len`` becomes examples
+#: (`TRAIN_RULES`): ``tokenizer`` (the default) as ``tokenizer(text, truncation=True,
+#: max_length=seq_len)`` cuts it, as a Trainer user's preprocessing does; ``windows``: windows
+#: of its whole tokenisation (a causal LM's every window, a classifier's first).
+CUTS = ("tokenizer", "windows")
 
 
 # -- queries -----------------------------------------------------------------------------------
@@ -155,6 +177,7 @@ class TrainSet:
     described: str  # for the footer
     seq_len: int | None
     config: str | None = None  # --train app: the run config read
+    cut: str | None = None  # a CUTS entry (None: --train app)
 
 
 def _default_seq_len(args, model) -> int:
@@ -263,10 +286,13 @@ def _train_records(args) -> tuple[Iterator[tuple[int, Any]], str]:
 
 
 def _record_examples(args, task: str, model, tokenizer, seq_len: int
-                     ) -> tuple[list[TrainExample], str, str]:
+                     ) -> tuple[list[TrainExample], str, str, tuple[int, int]]:
     """The examples of a ``datasets`` directory or JSON-lines file: ``(examples, kind,
-    described)``."""
+    described, (texts longer than seq_len tokens, texts))``, each text cut by ``args.cut``
+    (`CUTS`)."""
     records, what = _train_records(args)
+    windows = args.cut == "windows"
+    longer = texts = 0
     names = label_names(model.config.id2label, model.config.num_labels) \
         if task == CLASSIFIER else []
     label2id = {str(k): v for k, v in (getattr(model.config, "label2id", None) or {}).items()}
@@ -288,19 +314,33 @@ def _record_examples(args, task: str, model, tokenizer, seq_len: int
             text = rec[tf]
             if not isinstance(text, str) or not text:
                 continue
-            ids = encode_ids(tokenizer, text)[:seq_len]
+            if windows:  # the first window of the whole tokenisation
+                whole = encode_ids(tokenizer, text)
+                ids, n_whole = whole[:seq_len], len(whole)
+            else:
+                ids, n_whole = truncated_ids(tokenizer, text, seq_len)
             label = parse_label(rec[lf], names, label2id, where)
             examples.append(TrainExample(ids, label, {"record": i}))
-            kind = "classifier"
+            texts, longer = texts + 1, longer + (n_whole > seq_len)
+            kind = "classifier_window" if windows else "classifier"
         elif tf in rec:
             text = rec[tf]
             if not isinstance(text, str) or not text.strip():
                 continue
-            for start, w in _windows(encode_ids(tokenizer, text), seq_len):
-                if args.max_train is not None and len(examples) >= args.max_train:
-                    break
-                examples.append(TrainExample(w, list(w), {"record": i, "first_token": start}))
-            kind = kind or "text"
+            if windows:
+                whole = encode_ids(tokenizer, text)
+                n_whole = len(whole)
+                for start, w in _windows(whole, seq_len):
+                    if args.max_train is not None and len(examples) >= args.max_train:
+                        break
+                    examples.append(TrainExample(w, list(w), {"record": i,
+                                                              "first_token": start}))
+            else:
+                ids, n_whole = truncated_ids(tokenizer, text, seq_len)
+                if len(ids) >= 2:  # a next-token loss
+                    examples.append(TrainExample(ids, list(ids), {"record": i}))
+            texts, longer = texts + 1, longer + (n_whole > seq_len)
+            kind = kind or ("text_windows" if windows else "text")
         elif "prompt" in rec and "completion" in rec:
             p_ids = encode_ids(tokenizer, str(rec["prompt"]))
             c_ids = encode_ids(tokenizer, str(rec["completion"]), special=False)
@@ -316,7 +356,27 @@ def _record_examples(args, task: str, model, tokenizer, seq_len: int
             raise QueryInputError(f"{where} has no {tf!r} (nor 'prompt' and 'completion'; it "
                                   f"has {', '.join(map(str, rec)) or 'nothing'}): pass "
                                   "--text-field with its text column")
-    return examples, kind or ("classifier" if task == CLASSIFIER else "text"), what
+    if kind is None:
+        kind = "classifier" if task == CLASSIFIER else "text"
+        kind += ("_window" if task == CLASSIFIER else "_windows") if windows else ""
+    return examples, kind, what, (longer, texts)
+
+
+def _say_cut(args, kind: str, seq_len: int, longer: int, texts: int) -> None:
+    """One status line on how the texts were cut: always with ``--cut windows`` (not a
+    Trainer user's preprocessing), else when a text was longer than ``seq_len`` tokens."""
+    tok = f"tokenizer(text, truncation=True, max_length={seq_len})"
+    count = f"{longer} of {texts} text{'s' if texts != 1 else ''} longer than {seq_len} tokens"
+    if args.cut == "windows" and texts:
+        how = ("its first window of the whole tokenisation: a longer text loses the tokenizer's "
+               "trailing special tokens" if kind.startswith("classifier") else
+               "consecutive windows of the whole tokenisation, tails included")
+        influence_status(f"--cut windows: {count}, each cut into {how}; not as {tok} cuts it "
+                         "(what a Trainer user's preprocessing trains on; the default --cut "
+                         "tokenizer)")
+    elif longer:
+        influence_status(f"{count} (--seq-len): cut as {tok} cuts them, the tokenizer's special "
+                         "tokens kept (--cut windows for windows of the whole tokenisation)")
 
 
 def load_train_set(args, task: str, model, tokenizer) -> TrainSet:
@@ -330,11 +390,19 @@ def load_train_set(args, task: str, model, tokenizer) -> TrainSet:
                       f"training data, {path}", int(cfg.model.seq_len), path)
     else:
         seq_len = _default_seq_len(args, model)
-        examples, kind, what = _record_examples(args, task, model, tokenizer, seq_len)
-        described = {"text": f"windows of up to {seq_len} tokens of {what}",
+        examples, kind, what, (longer, texts) = _record_examples(args, task, model, tokenizer,
+                                                                 seq_len)
+        _say_cut(args, kind, seq_len, longer, texts)
+        cut = f"each cut by the tokenizer to at most {seq_len} tokens"
+        described = {"text": f"texts of {what}, {cut}",
+                     "text_windows": f"windows of up to {seq_len} tokens of {what} (--cut "
+                                     "windows)",
                      "prompt": f"prompt-completion records of {what}",
-                     "classifier": f"labelled texts of {what} (first {seq_len} tokens)"}[kind]
-        ts = TrainSet(examples, kind, described, seq_len)
+                     "classifier": f"labelled texts of {what}, {cut}",
+                     "classifier_window": f"labelled texts of {what}, the first {seq_len} "
+                                          "tokens of each whole tokenisation (--cut windows)"
+                     }[kind]
+        ts = TrainSet(examples, kind, described, seq_len, cut=args.cut)
     if not ts.examples:
         rule = ("windows of model.seq_len tokens" if args.train == "app" else
                 "a text of 2 tokens or more, or a prompt and completion" if task != CLASSIFIER

@@ -60,7 +60,8 @@ def add_query_parser(sub) -> None:
                    "or a sequence classifier)")
     q.add_argument("--text", help="the input (exactly one of --text and --file)")
     q.add_argument("--file", metavar="PATH", help="sequence classifiers: a UTF-8 file of "
-                   "inputs, one per line (blank lines skipped), batched with padding")
+                   "inputs, one per line (blank lines skipped), or a *.jsonl file (the \"text\" "
+                   "of each JSON object, e.g. influence's training file), batched with padding")
     q.add_argument("--max-length", type=int, metavar="N", help="cut each input longer than N "
                    "tokens to N, as training truncated (at most the model's positions): a "
                    "causal LM keeps the END of the text (its last N tokens: the next token and "
