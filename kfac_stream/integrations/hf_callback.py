@@ -15,6 +15,7 @@ from ..exceptions import KFACConfigError
 from ..log_setup import show_info_by_default
 from ..tracking.lines import cost_line
 from ..tracking.session import SessionOptions, TrackingSession
+from .best_model import reloaded_best_model
 from .spectrum_monitor import SpectraReporter, find_callback_handler
 from .train_begin import check_engine_start, check_train_begin, timed, warn_engines_not_applied
 
@@ -133,6 +134,7 @@ class KFACStreamCallback(TrainerCallback):
             self.train_seconds = entered - self.train_started
         if self.session.tracker is None:
             return control
+        self.session.reloaded(reloaded_best_model(args, state))  # load_best_model_at_end
         self.session.finish(model, state.global_step, state.epoch)
         if self.report_spectra:  # the reporters ended their runs before this event
             self._reporter.snapshots(self, args, state, control, after_end=True)

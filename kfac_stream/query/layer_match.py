@@ -30,9 +30,12 @@ def warn_other_weights(where: str, snapshot: Snapshot, modules: dict[str, nn.Mod
     differ = compare_weights(recorded, modules)
     if differ:
         run = snapshot.meta.get("run_id")
+        at = f"step {snapshot.step}" if snapshot.weights_step == snapshot.step else (
+            f"step {snapshot.weights_step}, the best model the Trainer reloaded at the end of "
+            f"training (load_best_model_at_end; its factors run to step {snapshot.step})")
         warnings.warn(
             f"{where}: the model's weights are not those snapshot {snapshot.path} was taken at "
-            f"(step {snapshot.step}{f', run {run}' if run else ''}): {len(differ)} of "
+            f"({at}{f', run {run}' if run else ''}): {len(differ)} of "
             f"{len(modules)} layers differ, e.g. {differ[0]}. The posterior pairs this model "
             "with another model's curvature: load the model saved at that step (or the "
             "snapshot of this model's run and step)", UserWarning, stacklevel=3)

@@ -244,6 +244,20 @@ class WeightsFingerprint:
 
 
 @dataclass(kw_only=True)
+class WeightsFrom:
+    """Where a snapshot's weights come from when they are not its own step's: the Trainer
+    reloaded a checkpoint before train end (``load_best_model_at_end``,
+    `kfac_stream.integrations.best_model`), so the weight fingerprint (``weights``) and the
+    held-out fit beside the snapshot describe the weights of ``step`` (None: its step is
+    unknown), saved in ``checkpoint``, while the factors run to the snapshot's own step."""
+
+    WHAT: ClassVar[str] = "the reloaded weights' origin"
+    step: int | None = json_field(Nullable(COUNT))
+    checkpoint: str = json_field(Str(what="a checkpoint directory"))
+    reason: str = json_field(Str(choices=("load_best_model_at_end",)))
+
+
+@dataclass(kw_only=True)
 class AnswerTokens:
     """``KFACConfig.answer_tokens`` as resolved at train begin (`integrations.answer_tokens`)."""
 
@@ -430,7 +444,8 @@ class Manifest:
 
     The run: ``step``, ``epoch`` (the Trainer's, fractional, or None), ``created_unix``,
     ``world_size``, ``rank`` (a rank's part only: the merge drops it), ``run_id`` (absent
-    without one), ``model`` and ``weights`` (absent without a model), ``answer_tokens``
+    without one), ``model`` and ``weights`` (absent without a model), ``weights_from``
+    (absent when the weights are the step's own: `WeightsFrom`), ``answer_tokens``
     (absent when the run set none). The tracker: five settings readers use (``fisher``,
     ``ema_decay``, ``token_fraction``, ``update_every``, ``storage_dtype``; the whole
     configuration, ``KFACConfig.to_dict()``, is ``config``), ``counts``, ``skipped_steps``.
@@ -466,6 +481,7 @@ class Manifest:
     weights: dict[str, WeightsFingerprint] | None = json_field(
         MapOf(record_of(WeightsFingerprint), layer_name_problem, _LAYER_NAME,
               what="an object of weight fingerprints"), optional=True)
+    weights_from: WeightsFrom | None = json_field(optional=True)
     answer_tokens: AnswerTokens | None = json_field(optional=True)
     model: ModelIdentity | None = json_field(optional=True)
     run_plan: RunPlanEntry | None = json_field(optional=True)

@@ -200,6 +200,15 @@ class Snapshot(LayerView):
         texts = (self.meta.get("answer_tokens") or {}).get("texts")
         return None if texts is None else tuple(texts)
 
+    @property
+    def weights_step(self) -> int | None:
+        """The step whose weights this snapshot's fingerprint (``weights``) and held-out fit
+        describe: its own ``step``, or, where the Trainer reloaded the best checkpoint before
+        the final snapshot (``load_best_model_at_end``; the manifest's ``weights_from``), that
+        checkpoint's step (None if unknown). The factors run to ``step`` either way."""
+        origin = self.meta.get("weights_from")
+        return self.step if origin is None else origin.get("step")
+
     def __len__(self) -> int:
         return len(self._layers)
 

@@ -465,6 +465,12 @@ def _finish(root: str, tmp: str, final: str, reports: list[dict],
         except SnapshotError as e:
             raise SnapshotError(f"the manifest this writer made would not load (a kfac_stream "
                                 f"bug; nothing written): {e}") from e
+    _publish(root, tmp, final, manifest)
+
+
+def _publish(root: str, tmp: str, final: str, manifest: dict) -> None:
+    """Write and fsync ``manifest`` into ``tmp`` (a complete snapshot but for it), then rename
+    ``tmp`` to ``final``, replacing a snapshot of the same step there."""
     mpath = os.path.join(tmp, MANIFEST)
     with open(mpath, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
@@ -479,3 +485,41 @@ def _finish(root: str, tmp: str, final: str, reports: list[dict],
     fsync_path(root)  # puts the newer one back under the final name)
     if stale is not None:
         shutil.rmtree(stale, ignore_errors=True)
+
+
+def relabel_weights(path: str, weights: dict[str, dict], weights_from: dict) -> str:
+    """Snapshot ``path`` again with another weight fingerprint ``weights``
+    (`kfac_stream.snapshot.weights.weights_fingerprint`) and its ``weights_from``
+    (`manifest_types.WeightsFrom` as JSON): the Trainer reloaded another step's weights after
+    the step's snapshot was written (``load_best_model_at_end``). One process (rank 0, after
+    every rank read the fingerprint); returns ``path``.
+
+    Its shards are the same files (hard links into a hidden directory, copies where the file
+    system has none: no tensor is read or written again) beside the new manifest, checked as
+    the writer checks one; the directory replaces the old one as a re-snapshot of the step
+    does (`write_snapshot`). The eigendecomposition cache of a deferred snapshot, keyed to the
+    old manifest (`kfac_stream.snapshot.eigen_sidecar`), is not carried over: it is computed
+    again at the first use."""
+    manifest = dict(read_manifest(path), weights=weights, weights_from=weights_from)
+    try:
+        validate_manifest(parse_json(json.dumps(manifest).encode(), MANIFEST), MANIFEST)
+    except SnapshotError as e:
+        raise SnapshotError(f"the manifest relabelled for {path} would not load (a kfac_stream "
+                            f"bug; nothing changed): {e}") from e
+    root, name = os.path.split(os.path.normpath(path))
+    tmp = os.path.join(root, tmp_dir_name(int(manifest["step"]), "relabel"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        for file in manifest["shards"]:
+            source, target = os.path.join(path, file), os.path.join(tmp, file)
+            try:
+                os.link(source, target)
+            except OSError:
+                shutil.copy2(source, target)
+                fsync_path(target)
+        _publish(root, tmp, os.path.join(root, name), manifest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path

@@ -12,7 +12,8 @@ train begin                 `start` (plan, tracker, resume, final window, log li
 step begin / end            `begin_step` / `end_step` (factor update, snapshot when due)
 before a checkpoint         `before_checkpoint` (the tracker state beside it)
 checkpoint saved            `checkpoint_saved` (the state moved into it)
-train end                   `finish` (final snapshot, held-out fit, close)
+train end                   `reloaded` (``load_best_model_at_end``'s checkpoint), then
+                            `finish` (final snapshot, held-out fit, close)
 ==========================  ====================================================================
 """
 
@@ -27,19 +28,21 @@ import torch
 
 from ..config import KFACConfig
 from ..distributed.context import LOCAL, DistContext, release_process_groups_at_exit
-from ..exceptions import KFACConfigError
+from ..exceptions import KFACConfigError, SnapshotError
 from ..integrations.heldout import fit_heldout_prior, plan_heldout_fit
 from ..snapshot.adequacy import mark_said, said_scope, sampling_warning
 from ..snapshot.background import SnapshotWorker
 from ..snapshot.eigen_rule import EighRate
 from ..snapshot.layout import step_dir_name
+from ..snapshot.manifest_types import WeightsFrom, to_json
 from ..snapshot.media import make_media
 from ..snapshot.sequence import EigenPlan, finish_snapshot, queue_capture
 from ..snapshot.snapshot import read_manifest
-from ..snapshot.writer import clean_stale_tmp, set_aside_other_runs
+from ..snapshot.weights import weights_fingerprint
+from ..snapshot.writer import clean_stale_tmp, relabel_weights, set_aside_other_runs
 from ..stats.spectrum import default_eigh_threads
 from .checkpoints import CheckpointProtocol
-from .lines import raised_share_line, tracking_summary, window_lines
+from .lines import raised_share_line, reloaded_weights_line, tracking_summary, window_lines
 from .plan import RunPlan, RunShape
 from .tracker import Tracker, plan_tracking
 
@@ -80,6 +83,17 @@ class SessionOptions:
         object.__setattr__(self, "gather_shards", bool(self.gather_shards))
 
 
+def _with_origin(contents, origin: WeightsFrom):
+    """``contents`` (`queue_capture`'s call) whose manifest records ``origin`` as its
+    ``weights_from``."""
+    def captured_with_origin():
+        captured = contents()
+        captured.manifest["weights_from"] = to_json(origin)
+        return captured
+
+    return captured_with_origin
+
+
 class TrackingSession:
     """One training run's tracking (the module docstring).
 
@@ -111,6 +125,7 @@ class TrackingSession:
         self._last_snapshot_step: int | None = None
         self._lent: dict = {}  # the stored factors the last snapshot holds (released next)
         self._eigh_rate = EighRate(None)  # this run's eigendecomposition rate (`start`)
+        self._weights_from: WeightsFrom | None = None  # the checkpoint reloaded at train end
 
     # -- the run -------------------------------------------------------------------------------
 
@@ -137,6 +152,7 @@ class TrackingSession:
         self._comm = dist_ctx.snapshot_comm if dist_ctx else LOCAL
         self.output_dir = run.config.output_dir or os.path.join(args.output_dir, "kfac")
         self._last_snapshot_step = None
+        self._weights_from = None
         self._eigh_rate = EighRate(run.eigh_device, run.config.eigh_threads
                                    or default_eigh_threads())
         if state.global_step > 0:  # resuming from a checkpoint
@@ -194,18 +210,58 @@ class TrackingSession:
         if self.tracker is not None:
             self._checkpoints.saved(args, step)
 
+    def reloaded(self, origin: WeightsFrom | None) -> None:
+        """Train end, before `finish`: the checkpoint whose weights the Trainer loaded into the
+        model (``load_best_model_at_end``, `kfac_stream.integrations.best_model`), or None."""
+        self._weights_from = origin
+
     def finish(self, model, step: int, epoch: float | None) -> None:
         """Train end: the final snapshot (unless this step's exists), the held-out fit, then
-        `close`."""
+        `close`. When the Trainer reloaded another step's weights (`reloaded`), the final
+        snapshot records their fingerprint and ``weights_from`` (this step's snapshot, if
+        written already, is relabelled: `_relabel`), so its fingerprint and the held-out fit
+        describe those weights, and rank 0 says so (`reloaded_weights_line`)."""
         if self.tracker is None:
             return
         if self._last_snapshot_step != step:
             self.save_snapshot(step, epoch, final=True)
+        elif self._weights_from is not None:
+            self._relabel(step)
+        if self._weights_from is not None and self.tracker.rank == 0:
+            self._worker.wait()
+            path = os.path.join(self.output_dir, step_dir_name(step))
+            if path in self.snapshots:  # written
+                logger.info("%s", reloaded_weights_line(path, read_manifest(path)))
         if self._fit_heldout:
             self._worker.wait()
             with said_scope("train"):  # told once in training; the user's posterior too
                 fit_heldout_prior(self, model)
         self.close()
+
+    def _relabel(self, step: int) -> None:
+        """This step's snapshot, written with the last step's weights, relabelled with the
+        reloaded ones (`kfac_stream.snapshot.writer.relabel_weights`; every rank reads the
+        fingerprint, collective under ZeRO-3 and FSDP2, rank 0 writes). A failure is handled as
+        a snapshot's (`_finish_snapshot`)."""
+        self._worker.wait()
+        weights = weights_fingerprint(self.tracker.layers)
+        path, error = os.path.join(self.output_dir, step_dir_name(step)), None
+        if self._comm.rank == 0 and path in self.snapshots:
+            try:
+                relabel_weights(path, weights, to_json(self._weights_from))
+            except Exception as e:
+                error = f"{type(e).__name__}: {e}"
+        if self._comm.world_size > 1:  # every rank learns the outcome once it is written
+            error = self._comm.all_gather(error)[0]
+        if error is None:
+            return
+        failures = self.tracker.count_snapshot_failure()
+        message = (f"relabelling {path} with the reloaded weights failed: {error}; its "
+                   "fingerprint is still the last step's")
+        if self.config.fail_on_snapshot_error:
+            raise SnapshotError(message)
+        if self._comm.rank == 0:
+            logger.error("kfac_stream: %s (%d failed so far)", message, failures)
 
     # -- snapshots -------------------------------------------------------------------------------
 
@@ -223,6 +279,8 @@ class TrackingSession:
         # the training thread reads this step's weights and counters and queues the fold
         # behind this step's update; the snapshot's thread waits for it
         contents = queue_capture(self.tracker, step, epoch, release=self.released())
+        if final and self._weights_from is not None:  # the reloaded weights' origin
+            contents = _with_origin(contents, self._weights_from)
         self.snapshot_hold_seconds.append(time.perf_counter() - held)
         self._last_snapshot_step = step
         cfg = self.tracker.config
