@@ -125,3 +125,31 @@ def snapshot_roots_below(root: str, depth: int = 2) -> list[str]:
                 nxt.append(sub)
         level = nxt
     return found[:3]
+
+
+#: Files that mark a model folder (``save_pretrained``'s, a Trainer checkpoint's, a PEFT
+#: adapter's), which holds no snapshot.
+MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json",
+               "pytorch_model.bin", "adapter_config.json", "adapter_model.safetensors")
+
+
+def where_snapshots_are(root: str) -> str:
+    """What ``Snapshot.latest(root)`` says when ``root`` holds no ``step-*`` entry ("" when it
+    has nothing to add), in one line: the folders below ``root`` that hold snapshots (a run
+    directory's ``kfac/``); for a model folder (`MODEL_FILES`), that it is one, where the
+    callback writes snapshots, and the folders beside it that hold them."""
+    below = snapshot_roots_below(root)
+    hint = ""
+    if below:
+        hint = (f"; snapshots are in {' and '.join(below)} (a run directory holds them in its "
+                "kfac/ folder): pass that")
+    marks = [f for f in MODEL_FILES if os.path.isfile(os.path.join(root, f))]
+    if not marks:
+        return hint
+    beside = snapshot_roots_below(os.path.normpath(os.path.join(root, os.pardir)), depth=1)
+    hint = (f"; {root} is a model folder (it holds {', '.join(marks)}), not a snapshot folder: "
+            "the callback writes its snapshots as step-XXXXXXXX folders into "
+            "KFACConfig.output_dir (default: <TrainingArguments.output_dir>/kfac)") + hint
+    if beside:
+        hint += f"; beside it, snapshots are in {' and '.join(beside)}: pass that"
+    return hint

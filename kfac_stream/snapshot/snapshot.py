@@ -43,7 +43,7 @@ from ..factor_keys import FACTOR_KINDS
 from ..progress import progress
 from .layout import (
     STEP_DIR_RE,
-    snapshot_roots_below,
+    where_snapshots_are,
 )
 from .manifest import decomposed, implied_tensors
 from .manifest_types import Manifest
@@ -308,11 +308,8 @@ class Snapshot(LayerView):
             except SnapshotError as e:
                 errors.append(str(e))
         detail = f"; skipped: {'; '.join(errors)}" if errors else ""
-        if not steps:
-            inner = snapshot_roots_below(root)
-            if inner:
-                detail += (f"; snapshots are in {' and '.join(inner)} (a run directory holds "
-                           "them in its kfac/ folder): pass that")
+        if not steps:  # a run directory, a model folder: where the snapshots are
+            detail += where_snapshots_are(root)
         raise SnapshotError(f"{root}: no complete snapshot found{detail}")
 
 
