@@ -13,11 +13,18 @@ from transformers import TrainerCallback
 from ..config import KFACConfig
 from ..exceptions import KFACConfigError
 from ..log_setup import show_info_by_default
+from ..own_rng import kept_generators
 from ..tracking.lines import cost_line
 from ..tracking.session import SessionOptions, TrackingSession
 from .best_model import reloaded_best_model
 from .spectrum_monitor import SpectraReporter, find_callback_handler
-from .train_begin import check_engine_start, check_train_begin, timed, warn_engines_not_applied
+from .train_begin import (
+    check_engine_start,
+    check_train_begin,
+    run_devices,
+    timed,
+    warn_engines_not_applied,
+)
 
 logger = logging.getLogger("kfac_stream")
 
@@ -135,7 +142,8 @@ class KFACStreamCallback(TrainerCallback):
         if self.session.tracker is None:
             return control
         self.session.reloaded(reloaded_best_model(args, state))  # load_best_model_at_end
-        self.session.finish(model, state.global_step, state.epoch)
+        with kept_generators(run_devices(args)):  # what runs after train() draws the same
+            self.session.finish(model, state.global_step, state.epoch)
         if self.report_spectra:  # the reporters ended their runs before this event
             self._reporter.snapshots(self, args, state, control, after_end=True)
         now = time.perf_counter()
