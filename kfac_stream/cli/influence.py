@@ -292,11 +292,13 @@ def _influence_posterior(args, model, snap, damping: float | str, tau):
     is 0 (a zero factor)."""
     from ..query.influence import Influence
     from ..query.laplace import LaplacePosterior
+    from ..snapshot.adequacy import width_unused
 
     if tau == "marglik":
         influence_status(f"choosing the prior precision by marginal likelihood over "
                          f"{len(snap)} layers (--prior-precision FLOAT skips it) ...")
-    post = LaplacePosterior(model, snap, prior_precision=1.0 if tau is None else tau)
+    with width_unused():  # few samples widen a posterior; influence does not use its width
+        post = LaplacePosterior(model, snap, prior_precision=1.0 if tau is None else tau)
     inf = Influence(post, damping, args.eigenvalues)
     zero = [n for n, lam in inf.damping.items() if not lam > 0]
     if zero:  # heuristic on a zero factor: (F + 0 I)⁻¹ has no value there

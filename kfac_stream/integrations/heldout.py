@@ -60,6 +60,13 @@ def plan_heldout_fit(tracker, mode: bool | str, answers: dict | None, model) -> 
                         "eval_dataset=... to fit tau and the link on held-out data, the "
                         "default whenever there is one)", NO_HELDOUT_RULE)
         return False
+    if trainer is not None and _empty(trainer.eval_dataset):
+        (logger.warning if mode is True else logger.info)(
+            "kfac_stream: the eval_dataset is empty (0 examples): no tau is fitted on held-out "
+            "data and Snapshot.heldout_prior will be None; queries will use %s (pass a "
+            "non-empty eval_dataset=..., or call kfac_stream.fit_prior_precision after "
+            "training)", NO_HELDOUT_RULE)
+        return False
     if mode == "auto" and answers is None and output_vocab(model) is not None:
         logger.info("kfac_stream: a language model without answer_tokens: tau and the link "
                     "are not fitted on the eval set (set KFACConfig(answer_tokens=[...]) for an "
@@ -68,6 +75,17 @@ def plan_heldout_fit(tracker, mode: bool | str, answers: dict | None, model) -> 
                     if seq2seq_lm(model) else "", NO_HELDOUT_RULE)
         return False
     return trainer is not None
+
+
+def _empty(dataset) -> bool:
+    """The eval set has no example: a sized dataset of length 0, or a dict of them (several
+    named eval sets) all empty; one without a length (an iterable dataset) is not judged."""
+    if isinstance(dataset, dict):
+        return bool(dataset) and all(_empty(d) for d in dataset.values())
+    try:
+        return len(dataset) == 0
+    except TypeError:
+        return False
 
 
 def fit_heldout_prior(callback, model) -> str | None:

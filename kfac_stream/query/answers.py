@@ -307,7 +307,7 @@ def _check_options_query(where: str, post: object, batch: object, options: objec
     """`answer_distribution`'s arguments, checked before any model call."""
     if not isinstance(post, LaplacePosterior):
         raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
-    size, length = inputs.check_batch(where, "batch", batch, inputs.input_vocab(post.model))
+    size, length = inputs.check_model_batch(where, "batch", batch, post.model)
     batch = inputs.query_batch(where, "batch", batch, post.model)  # seq2seq: decoder inputs
     if options is None:
         options = post.answer_tokens  # the run's KFACConfig.answer_tokens, or None
@@ -382,6 +382,8 @@ def _check_generation(where: str, post: object, input_ids: object, attention_mas
     n_samples = inputs.check_int(where, "n_samples", n_samples, 2)
     seed = inputs.check_seed(where, "seed", seed)
     max_new_tokens = inputs.check_int(where, "max_new_tokens", max_new_tokens, 1)
+    inputs.check_length(where, "input_ids", int(input_ids.shape[1]),
+                        inputs.input_positions(model))
     for key, value in GREEDY.items():
         given = generate_kwargs.get(key, value)
         if not (given is False if value is False else inputs.is_int(given) and given == value):

@@ -224,7 +224,7 @@ class _HeldoutNLL:
         labels = batch["labels"]
         if spec.seq2seq and token_ids is None and isinstance(labels, Tensor) and \
                 labels.dim() == 2:  # a whole target per row: the NLL per label token
-            inputs.check_batch(where, "batch", batch, inputs.input_vocab(post.model))
+            inputs.check_model_batch(where, "batch", batch, post.model)
             part, count = _token_nll(post, batch, labels, taus, spec.n_samples, spec.seed)
             self.total = {"mc": self.total.get("mc", torch.zeros_like(part)) + part}
             self.n += count
@@ -248,7 +248,8 @@ class _HeldoutNLL:
         """The `HeldoutPrior` of the lowest mean NLL (``t0``: when the fit began)."""
         n = self.n
         if n == 0:
-            raise QueryInputError(f"{where}: no held-out examples")
+            raise QueryInputError(f"{where}: no held-out examples: the eval set is empty (its "
+                                  "batches hold no example)")
         link_nll = {k: (v / n).tolist() for k, v in self.total.items()}
         # the lowest NLL; ties: the larger tau (nearer MAP), then the order of `links`
         k_best, best = min(((k, i) for k in link_nll for i in range(len(taus))),

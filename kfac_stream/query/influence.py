@@ -254,7 +254,7 @@ class Influence:
             raise QueryInputError(f"{where}: a batch without labels: influence needs the loss "
                                   "of each example (labels [B, T], -100 where there is none, or a "
                                   "classifier's labels [B])")
-        size, _ = inputs.check_batch(where, "batch", batch, inputs.input_vocab(self.model))
+        size, _ = inputs.check_model_batch(where, "batch", batch, self.model)
         batch = inputs.query_batch(where, "batch", batch, self.model)
         modules = {n: self.post.modules[n] for n in self.layers}
         with layer_calls(modules) as calls:  # every call of a layer (ALBERT's: several)

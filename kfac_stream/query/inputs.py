@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from ..exceptions import QueryInputError
+from .lengths import check_length, input_positions
 
 #: Longest rendering of a value in a message (longer ones end in "...").
 MAX_SHOWN = 80
@@ -143,7 +144,8 @@ def prior_allowed(n_layers: int, marglik: bool) -> str:
                                                  if marglik else ""))
 
 
-def _names(names: list, most: int = 3) -> str:
+def names_shown(names: Sequence[str], most: int = 3) -> str:
+    """The first ``most`` of ``names`` and how many more: ``'a', 'b', 'c' and 5 more``."""
     more = f" and {len(names) - most} more" if len(names) > most else ""
     return ", ".join(repr(n) for n in names[:most]) + more
 
@@ -162,13 +164,13 @@ def check_prior(where: str, arg: str, value: Any, layers: Sequence[str], marglik
         if missing:
             raise error(where, arg, value, allowed,
                         problem=f"lacks {len(missing)} of the posterior's layers "
-                                f"({_names(missing)})")
+                                f"({names_shown(missing)})")
         known = set(layers)
         extra = [k for k in value if k not in known]
         if extra:
             raise error(where, arg, value, allowed,
                         problem=f"has {len(extra)} key(s) that are no layer of the snapshot "
-                                f"({_names(extra)})")
+                                f"({names_shown(extra)})")
         return {n: check_positive(where, f"{arg}[{n!r}]", value[n]) for n in layers}
     if not is_real(value):
         raise error(where, arg, value, allowed, typed=True)
@@ -199,11 +201,13 @@ def check_id_range(where: str, arg: str, value: Any, ids: Tensor, size: int, wha
                     problem=f"holds {bad}, outside {what}")
 
 
-def check_batch(where: str, arg: str, batch: Any, vocab: int | None = None) -> tuple[int, int]:
+def check_batch(where: str, arg: str, batch: Any, vocab: int | None = None,
+                positions: int | None = None) -> tuple[int, int]:
     """A batch of model inputs; returns ``(B, T)``.
 
     ``input_ids`` must be a ``[B, T]`` integer tensor (on the CPU, ids in ``[0, vocab)``) or
-    ``inputs_embeds`` a ``[B, T, d]`` floating tensor; ``attention_mask``, if given, ``[B, T]``.
+    ``inputs_embeds`` a ``[B, T, d]`` floating tensor, with ``T`` at most ``positions`` (the
+    model's, `input_positions`; None: not checked); ``attention_mask``, if given, ``[B, T]``.
     """
     if not isinstance(batch, Mapping):
         raise error(where, arg, batch, BATCH_ALLOWED, typed=True)
@@ -232,7 +236,15 @@ def check_batch(where: str, arg: str, batch: Any, vocab: int | None = None) -> t
         raise error(where, f"{arg}['attention_mask']", mask,
                     f"a [B, T] = {list(shape[:2])} tensor (1: token, 0: padding)",
                     typed=not isinstance(mask, Tensor))
+    key = "input_ids" if ids is not None else "inputs_embeds"
+    check_length(where, f"{arg}[{key!r}]", int(shape[1]), positions)
     return int(shape[0]), int(shape[1])
+
+
+def check_model_batch(where: str, arg: str, batch: Any, model: nn.Module) -> tuple[int, int]:
+    """`check_batch` against ``model``'s input embeddings (`input_vocab`) and positions
+    (`input_positions`); returns ``(B, T)``."""
+    return check_batch(where, arg, batch, input_vocab(model), input_positions(model))
 
 
 #: Label value of a position without a label (as in Hugging Face's losses).

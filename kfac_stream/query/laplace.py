@@ -26,7 +26,7 @@ from ..capture.hooks import logits_of
 from ..capture.selection import layer_spec
 from ..snapshot.adequacy import sampling_warning
 from ..snapshot.snapshot import Snapshot
-from . import inputs
+from . import inputs, layer_match
 from . import kron_eigen as ke
 from .calibration import (
     PROBS_METHODS,
@@ -57,7 +57,9 @@ class LaplacePosterior:
 
     Every argument is checked at the call (here and in every method): a value of the wrong type
     or out of range raises `QueryInputError` (a `ValueError`), one line naming the argument,
-    the value and what is allowed.
+    the value and what is allowed; so does an input longer than the model's positions
+    (``config.n_positions`` or ``max_position_embeddings``: `inputs.check_length`, the CLI's
+    message), before the model's forward would fail on it.
 
     Args:
         model: The trained model (the one the snapshot was tracked on, or a copy), an
@@ -101,13 +103,17 @@ class LaplacePosterior:
             checked). A warning, not an error: a model cast to another precision, or one
             queried on purpose with an earlier snapshot's curvature, still works; the message
             names the snapshot, its step and run and the first layer that differs.
+        UserWarning: the model has layers the run's selection picks but the snapshot lacks,
+            with the snapshot's tracked weights (left out of the run, e.g. frozen: named;
+            `layer_match.check_untracked_layers`).
 
     Raises:
         QueryInputError: an argument of the wrong type or out of range.
         PartitionedModelError: a model whose weights DeepSpeed ZeRO-3 partitions or FSDP2
             shards (also right after ``trainer.train()`` in the same script);
             `kfac_stream.whole_model` gives a whole copy.
-        SnapshotMismatchError: the model's layers differ from the snapshot's.
+        SnapshotMismatchError: the model's layers differ from the snapshot's (missing, of
+            another shape, or more of them with other weights: another, deeper network).
     """
 
     def __init__(self, model: nn.Module, snapshot: Snapshot,
@@ -128,7 +134,7 @@ class LaplacePosterior:
         self.num_data = check_num_data(where, num_data, snapshot.meta, unit)
         if num_data is not None:
             warn_far_num_data(where, self.num_data, snapshot.meta, unit)
-        few = sampling_warning(where, snapshot.meta, once=True)
+        few = sampling_warning(where, snapshot.meta, once=True, source=str(snapshot.path))
         if few is not None:
             warnings.warn(few, UserWarning, stacklevel=2)
         self.layer_num_data = layer_num_data(snapshot.meta, self.layer_names, self.num_data,
@@ -145,8 +151,10 @@ class LaplacePosterior:
         self.model, self.snapshot = model, snapshot
         self.modules = match_layers(model, snapshot, self.layer_names)
         check_whole_weights(where, model, self.modules)
+        layer_match.check_untracked_layers(where, model, snapshot, self.modules)
         warn_other_weights(where, snapshot, self.modules)
         self._vocab = inputs.input_vocab(model)
+        self._positions = inputs.input_positions(model)
         # Eigenvalue algebra (D, log-determinants, samples) runs in float64; the per-token
         # Jacobian features run in the model's precision (float64 models: float64, else
         # float32 — a float32 model's gradients carry no more digits than that).
@@ -251,7 +259,8 @@ class LaplacePosterior:
         """Check the arguments of a predictive query (before any model call); ``options``: a
         probability over the ids (``K ≥ 2``). ``token_ids`` None: the snapshot's answer tokens
         when it has them (`Snapshot.answer_tokens`)."""
-        size, length = inputs.check_batch(where, names[0], batch, self._vocab)
+        size, length = inputs.check_batch(where, names[0], batch, self._vocab,
+                                           self._positions)
         batch = inputs.query_batch(where, names[0], batch, self.model)  # seq2seq: decoder ids
         length, _ = inputs.output_positions(batch, length)  # an encoder-decoder's: decoder's
         pos = inputs.answer_positions(where, names[1], positions, batch, size, length,

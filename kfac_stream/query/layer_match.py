@@ -1,17 +1,19 @@
 """The layers a posterior is over (`chosen_layers`), matched to the model's modules
 (`match_layers`), and the checks of the model against the snapshot: whole (not sharded)
-weights (`check_whole_weights`) and the weights the snapshot was taken at
-(`warn_other_weights`)."""
+weights (`check_whole_weights`), the weights the snapshot was taken at
+(`warn_other_weights`), and layers the run's selection picks in the model that the snapshot
+lacks (`check_untracked_layers`)."""
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Sequence
 
 from torch import nn
 
 from ..capture.presets import preset_layers
-from ..capture.selection import layer_spec
+from ..capture.selection import layer_spec, select_layers
 from ..distributed.engines import engine_for
 from ..enums import LayerPreset
 from ..exceptions import KFACConfigError, PartitionedModelError, SnapshotMismatchError
@@ -115,11 +117,14 @@ def match_layers(model: nn.Module, snapshot: Snapshot,
     for name in names:
         info = snapshot[name].meta
         if name not in modules:  # another architecture; a LoRA layer of a merged model
+            missing = [n for n in names if n not in modules]
+            count = (f" ({len(missing)} of the {len(names)} layers asked for are not modules "
+                     f"of the model: {inputs.names_shown(missing)})" if len(missing) > 1 else "")
             raise SnapshotMismatchError(
-                other_architecture(where, snapshot.meta, model, modules,
-                                   names=snapshot.layer_names, name=name,
-                                   problem="is not a module of the model")
-                or missing_layer_message(where, name, modules))
+                (other_architecture(where, snapshot.meta, model, modules,
+                                    names=snapshot.layer_names, name=name,
+                                    problem="is not a module of the model")
+                 or missing_layer_message(where, name, modules)) + count)
         spec = layer_spec(name, modules[name])
         want = (info["d_in"], info["d_out"], bool(info["has_bias"]))
         have = (spec.d_in, spec.d_out, spec.has_bias)
@@ -132,3 +137,71 @@ def match_layers(model: nn.Module, snapshot: Snapshot,
                 or f"{where}: layer {name!r} {shapes}")
         out[name] = modules[name]
     return out
+
+
+def untracked_layers(model: nn.Module, snapshot: Snapshot) -> list[str]:
+    """The layers of ``model`` that the run's layer selection (its ``KFACConfig`` ``include``,
+    ``exclude`` and ``preset``, as the snapshot's manifest records them, applied to ``model``
+    as the tracker does: `select_layers`) picks but the snapshot does not hold, in
+    ``named_modules`` order; empty when the selection picks nothing in ``model``."""
+    cfg = snapshot.meta.get("config") or {}
+    try:
+        chosen = select_layers(model, cfg.get("include"), cfg.get("exclude"), cfg.get("preset"))
+    except (KFACConfigError, re.error):  # selects nothing here: the layer match says why
+        return []
+    held = set(snapshot.layer_names)
+    return [n for n in chosen if n not in held]
+
+
+def _selection(meta: dict) -> str:
+    """The run's layer selection in words, from a manifest's ``config``."""
+    cfg = meta.get("config") or {}
+    parts = [f"{k}={cfg[k]!r}" for k in ("include", "preset") if cfg.get(k) is not None]
+    parts = parts or ["the default: the trainable Linear/Conv1D layers in the blocks"]
+    if cfg.get("exclude"):
+        parts.append(f"exclude={cfg['exclude']!r}")
+    return ", ".join(parts)
+
+
+def check_untracked_layers(where: str, model: nn.Module, snapshot: Snapshot,
+                           modules: dict[str, nn.Module]) -> None:
+    """Layers of ``model`` that the run's selection picks but the snapshot lacks
+    (`untracked_layers`), named (the first few and their count).
+
+    The posterior over the snapshot's layers, the others held at their trained values, is a
+    valid Laplace posterior over those layers when the curvature was measured on this model
+    (the run left these layers out: frozen then, trainable now): a ``UserWarning``. When the
+    tracked weights also differ from the snapshot's fingerprint (``modules``, the posterior's
+    layers, `compare_weights`), the model is another network (deeper or wider than the one
+    the snapshot was taken on): the snapshot's factors, ``G`` above all (the gradients that
+    reach each layer pass through every layer above it), describe that network, and every
+    query would be wrong: `SnapshotMismatchError`.
+    """
+    extra = untracked_layers(model, snapshot)
+    if not extra:
+        return
+    recorded = snapshot.meta.get("weights")
+    differ = compare_weights(recorded, modules) if recorded else []
+    names = snapshot.layer_names
+    found = (f"the model has {len(extra)} layer(s) that the run's layer selection "
+             f"({_selection(snapshot.meta)}) picks but snapshot {snapshot.path} does not hold "
+             f"({len(names)} layers): {inputs.names_shown(extra)}")
+    if differ:
+        raise SnapshotMismatchError(
+            f"{where}: {found}; and its tracked weights are not those the snapshot was taken at "
+            f"({len(differ)} of {len(modules)} layers differ, e.g. {differ[0]}). So the model "
+            "is not the one the snapshot was taken on (one with more layers, e.g. more "
+            "blocks): the snapshot's curvature was measured without those layers (the "
+            "gradients reaching each tracked layer pass through every layer above it) and "
+            "every query would be wrong. Pass the model the snapshot was taken on (its "
+            "step's saved weights), or a snapshot of a run of this model")
+    checked = ("the tracked layers' weights are those the snapshot was taken at, so its "
+               "curvature is this model's" if recorded else
+               "the snapshot records no weight fingerprint to tell whether it was taken on "
+               "this model: if it was taken on a model without these layers, its curvature "
+               "is another network's and the queries are wrong")
+    warnings.warn(
+        f"{where}: {found}. The posterior is over the snapshot's layers only, these held at "
+        "their trained values: a valid Laplace posterior over those layers when the run left "
+        f"these out (e.g. frozen in training); {checked}. To use them too, track them in a "
+        "new run (KFACConfig include/preset)", UserWarning, stacklevel=3)

@@ -280,7 +280,7 @@ def _check_arguments(where: str, post: object, batch: object, *, n_samples: obje
     encoder-decoder)."""
     if not isinstance(post, LaplacePosterior):
         raise inputs.error(where, "post", post, "a kfac_stream.LaplacePosterior", typed=True)
-    size, length = inputs.check_batch(where, "batch", batch, inputs.input_vocab(post.model))
+    size, length = inputs.check_model_batch(where, "batch", batch, post.model)
     batch = inputs.query_batch(where, "batch", batch, post.model)
     out_length, _ = inputs.output_positions(batch, length)  # an encoder-decoder's: decoder's
     n_samples, seed = _check_samples(where, post, n_samples, seed, draws, 2)

@@ -55,6 +55,8 @@ def topk_predictive(post: LaplacePosterior, input_ids: Tensor, k: int = 5,
     if vocab is not None:
         inputs.check_id_range(where, "input_ids", input_ids, input_ids, vocab,
                               f"the model's {vocab} input embeddings")
+    inputs.check_length(where, "input_ids", int(input_ids.shape[0]),
+                        inputs.input_positions(post.model))
     k = inputs.check_int(where, "k", k, 1)
     n_samples = inputs.check_int(where, "n_samples", n_samples, 2)
     seed = inputs.check_seed(where, "seed", seed)

@@ -31,6 +31,7 @@ from collections.abc import Iterable, Mapping
 from torch import Tensor
 
 from ..exceptions import QueryInputError
+from ..snapshot.adequacy import width_unused
 from ..snapshot.layout import STEP_DIR_RE
 from ..snapshot.snapshot import Snapshot
 from .influence import influence_scores
@@ -105,8 +106,12 @@ def trajectory_posteriors(pairs: Iterable[tuple[int, str, str]], load_model,
     """One `LaplacePosterior` per ``(step, checkpoint_dir, snapshot_dir)`` of
     `checkpoint_snapshots`, made when asked (one step's model in memory at a time):
     ``load_model(checkpoint_dir)`` returns the model (e.g. ``AutoModelForCausalLM.
-    from_pretrained``), put in eval mode here; ``posterior_kwargs`` go to `LaplacePosterior`."""
+    from_pretrained``), put in eval mode here; ``posterior_kwargs`` go to `LaplacePosterior`.
+    Built for influence, they do not warn of snapshots resting on few samples (`width_unused`:
+    that makes a posterior's width too wide, which influence does not use)."""
     for _, ckpt, snap in pairs:
         model = load_model(ckpt)
         model.eval()
-        yield LaplacePosterior(model, Snapshot.load(snap), **posterior_kwargs)
+        with width_unused():
+            post = LaplacePosterior(model, Snapshot.load(snap), **posterior_kwargs)
+        yield post

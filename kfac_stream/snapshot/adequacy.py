@@ -15,7 +15,9 @@ A factor estimated from few samples is noisy and rank-poor: the posterior precis
 comes out too wide. The snapshot report (`kfac-stream inspect`) says so; the callback warns once
 per run in its log (a short window at train begin, a sampling error at the final snapshot) and
 `LaplacePosterior` once more (a short window once per run, a sampling error once per snapshot,
-in each process: `sampling_warning`); the manifest keeps the figures.
+in each process: `sampling_warning`; a snapshot without a run id once per snapshot path),
+except where it is built for influence (`width_unused`: the damped curvature, not the
+posterior's width); the manifest keeps the figures.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -110,6 +113,10 @@ def _problems(meta: dict[str, Any]) -> list[tuple[str, str]]:
 _SAID: set[tuple] = set()
 _SCOPE: contextvars.ContextVar[str] = contextvars.ContextVar("kfac_stream_said_scope",
                                                             default="query")
+#: Inside `width_unused`: the posteriors built there are for influence, which does not read
+#: the posterior's width, so `sampling_warning` with ``once`` says nothing there.
+_WIDTH_UNUSED: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "kfac_stream_width_unused", default=False)
 
 
 def _key(scope: str, run_id: str, step: Any, kind: str) -> tuple:
@@ -136,13 +143,31 @@ def said_scope(scope: str) -> Iterator[None]:
         _SCOPE.reset(token)
 
 
+@contextlib.contextmanager
+def width_unused() -> Iterator[None]:
+    """Within the block, `sampling_warning` with ``once`` gives nothing and marks nothing said:
+    the `LaplacePosterior` built there serves influence (``kfac-stream influence``,
+    `kfac_stream.query.trajectory`), whose damped curvature ``(F + λI)⁻¹`` does not use the
+    posterior's width, which is what few samples make too wide. A posterior built later for a
+    predictive still says it."""
+    token = _WIDTH_UNUSED.set(True)
+    try:
+        yield
+    finally:
+        _WIDTH_UNUSED.reset(token)
+
+
 def sampling_warning(where: str, meta: dict[str, Any], once: bool = False,
-                     scope: str | None = None) -> str | None:
+                     scope: str | None = None, source: str | None = None) -> str | None:
     """The warning text for `sampling_problems` (None: nothing to warn about; with ``once``
     the problems this process warned about already in ``scope`` (None: the `said_scope`,
     ``"query"`` by default) are left out: a short window once per run, a sampling error once
-    per snapshot)."""
-    run_id, step = meta.get("run_id", ""), meta.get("step")
+    per snapshot; a manifest without a run id is keyed by ``source``, the snapshot's path, so
+    once per snapshot; and nothing inside `width_unused`)."""
+    if once and _WIDTH_UNUSED.get():
+        return None
+    run_id = meta.get("run_id") or (f"path:{os.path.realpath(source)}" if source else "")
+    step = meta.get("step")
     scope = _SCOPE.get() if scope is None else scope
     problems = [(k, t) for k, t in _problems(meta)
                 if not (once and run_id and _key(scope, run_id, step, k) in _SAID)]

@@ -59,15 +59,30 @@ def tracking_summary(tracker, output_dir: str, model=None) -> str:
 
 
 def raised_share_line(run: RunPlan) -> str:
-    """Says that this run raised the MC share (`kfac_stream.tracking.plan.window_mc_share`;
-    the same on every rank: it depends only on the run's arguments, and on resume as well)."""
-    cfg = run.requested
-    return (f"kfac_stream: mc_sequences {cfg.mc_sequences:g} -> {run.config.mc_sequences:g} "
-            f"for this run: its {run.shape.max_steps} steps at update_every={cfg.update_every} "
-            "offer too few sequences for the final window to hold min_window_sequences="
-            f"{cfg.min_window_sequences} at {cfg.mc_sequences:g} (the replay costs more per "
-            "update step on this short run; set min_window_sequences=0 to keep "
-            f"{cfg.mc_sequences:g})")
+    """Says that this run raised the MC share, what the new one replays, and why in words:
+    at the configured share the run's factor updates would replay fewer sequences than the
+    final window is to hold (``min_window_sequences``), and a posterior from so few is too
+    wide (`kfac_stream.tracking.plan.window_mc_share`; the same on every rank: it depends
+    only on the run's arguments, and on resume as well)."""
+    cfg, shape = run.requested, run.shape
+    share, raised = float(cfg.mc_sequences), float(run.config.mc_sequences)
+    per_rank = shape.batch * max(shape.accumulation, 1)
+    updates = (shape.max_steps - 1) // cfg.update_every + 1 if shape.max_steps > 0 else 0
+    if raised >= 1.0:
+        replays = "every sequence of each update step"
+    else:
+        replays = (f"{round(raised * per_rank)} of the {per_rank} sequences of each update "
+                   "step" + (" on each rank" if shape.world > 1 else ""))
+    at_share = share * updates * per_rank * max(shape.world, 1)  # the draws' expectation
+    return (f"kfac_stream: mc_sequences {share:g} -> {raised:g} for this run ({replays}), so "
+            f"that the final snapshot's posterior rests on enough samples: its "
+            f"{shape.max_steps} steps at update_every={cfg.update_every} make {updates} factor "
+            f"update{'s' if updates != 1 else ''}, which at mc_sequences={share:g} would replay "
+            f"about {at_share:.3g} sequences in all, fewer than the {cfg.min_window_sequences} "
+            "its final window is to hold (min_window_sequences; factors from fewer are noisy "
+            "and the posterior comes out "
+            "too wide). The replay costs more per update step on this short run (a run long "
+            f"enough keeps {share:g}); set min_window_sequences=0 to keep {share:g} here too")
 
 
 def window_lines(run: RunPlan) -> list[tuple[str, str]]:
