@@ -10,6 +10,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..exceptions import QueryInputError, did_you_mean
+from ..query.lengths import input_positions, too_long
 from .loading import TOKENIZER_HINT, first_line
 from .output import query_status
 
@@ -71,16 +72,14 @@ def token_ids(args, tokenizer, model, text: str, where: str = "--text",
         raise QueryInputError(f"{_shown(where, text)}: {what} give token id {max(ids)}, but the "
                               f"model's vocabulary has {vocab} tokens: pass the model's own "
                               "tokenizer (--tokenizer DIR, or --byte-level for the demo's model)")
-    limit = getattr(model.config, "n_positions", None) or getattr(
-        model.config, "max_position_embeddings", None)
+    limit = input_positions(model)
     if limit is not None and n is not None and n > limit:
         raise QueryInputError(f"--max-length={n} is more than the model's {limit} positions: "
                               f"must be at most {limit}")
     if limit is not None and len(ids) > limit:
         side = "last" if keep_end else "first"
-        raise QueryInputError(f"{where} is {len(ids)} tokens long: must be at most {limit} "
-                              f"tokens (the model's positions); pass --max-length N (at most "
-                              f"{limit}) to keep its {side} N tokens")
+        raise QueryInputError(too_long(where, len(ids), limit, f"pass --max-length N (at most "
+                                       f"{limit}) to keep its {side} N tokens"))
     if full is not None:
         query_status(f"{where}: {full} tokens, truncated to its {'last' if keep_end else 'first'} "
                      f"{len(ids)} (--max-length {n})")
@@ -188,9 +187,7 @@ def token_text(tokenizer, token_id: int) -> str:
 def model_limits(model) -> tuple[int | None, int | None]:
     """``(vocabulary, positions)`` of the model (None where it does not say)."""
     vocab = getattr(model.get_input_embeddings(), "num_embeddings", None)
-    cfg = model.config
-    limit = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None)
-    return vocab, limit
+    return vocab, input_positions(model)
 
 
 def json_lines(flag: str, path: str) -> Iterator[tuple[int, Any]]:

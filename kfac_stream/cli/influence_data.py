@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..exceptions import QueryInputError
+from ..query.lengths import too_long
 from .data import (
     encode_ids,
     json_lines,
@@ -151,8 +152,8 @@ def influence_queries(args, task: str, model, tokenizer) -> list[InfluenceQuery]
                                   f"vocabulary has {vocab} tokens: pass the model's own "
                                   "tokenizer (--tokenizer DIR, or --byte-level for the demo's)")
         if limit is not None and len(ids) > limit:
-            raise QueryInputError(f"{where} is {len(ids)} tokens long: must be at most {limit} "
-                                  "tokens (the model's positions)")
+            raise QueryInputError(too_long(where, len(ids), limit, "a query is read whole: "
+                                           "shorten it"))
         q.record["tokens"] = len(ids)
         out.append(q)
     return out
