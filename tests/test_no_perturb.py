@@ -46,10 +46,16 @@ def _lm(gc: bool = False):
     return model
 
 
-def _lm_data(padded: bool) -> list[dict]:
-    if padded:  # right-padded to 14 (attention_mask 0, labels -100 on the pads)
-        return text_examples(16, 14, lengths=[14, 9, 12, 5] * 4)
-    return text_examples(16, 12)
+def _lm_data(padded: bool | str) -> list[dict]:
+    """16 byte-level windows: 12 tokens each (``padded`` False), or 14, 9, 12 and 5 tokens
+    padded to 14 on the right (True: attention_mask 0, labels -100 on the pads) or on the left
+    (``"left"``: the same rows rolled so the pads come first)."""
+    if not padded:
+        return text_examples(16, 12)
+    ex = text_examples(16, 14, lengths=[14, 9, 12, 5] * 4)
+    if padded == "left":
+        ex = [{k: v.roll(14 - int(e["attention_mask"].sum())) for k, v in e.items()} for e in ex]
+    return ex
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +118,7 @@ LM_CASES = {  # name: (KFACConfig kwargs, padded data, accumulation, gradient ch
     "mc-share-long-run": (dict(LONG_RUN), False, 1, False),
     "mc-share-raised-short-run": (dict(snapshot_every=10_000), False, 1, False),
     "mc-int-padded": (dict(LONG_RUN, mc_sequences=2), True, 1, False),
+    "mc-int-left-padded": (dict(LONG_RUN, mc_sequences=1), "left", 1, False),
     "mc-share-padded-accumulation": (dict(LONG_RUN, mc_sequences=0.3), True, 2, False),
     "mc-all-checkpointing-replay": (dict(LONG_RUN, mc_sequences="all"), False, 1, True),
     "mc-share-checkpointing": (dict(LONG_RUN), True, 1, True),
@@ -124,10 +131,10 @@ LM_CASES = {  # name: (KFACConfig kwargs, padded data, accumulation, gradient ch
 
 @pytest.fixture(scope="module")
 def lm_plain(tmp_path_factory):
-    """Weights of the plain runs, one per (padded, accumulation, checkpointing)."""
+    """Weights of the plain runs, one per (padding, accumulation, checkpointing)."""
     cache: dict[tuple, dict] = {}
 
-    def get(padded: bool, accum: int, gc: bool) -> dict:
+    def get(padded: bool | str, accum: int, gc: bool) -> dict:
         key = (padded, accum, gc)
         if key not in cache:
             cache[key] = _train(_lm(gc), _lm_data(padded), tmp_path_factory.mktemp("plain"),
