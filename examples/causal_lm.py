@@ -43,7 +43,7 @@ print(name, "A", tuple(snap[name].A.shape), "G", tuple(snap[name].G.shape))
 
 # 4. Laplace posterior over the tracked weights. The default call takes the prior precision
 # and link fitted on the Trainer's eval set when one was given (here none: tau by marginal
-# likelihood, the mean-field link; post.describe() says which). whole_model saves the trained
+# likelihood, the probit link; post.describe() says which). whole_model saves the trained
 # model (for `kfac-stream query --model`) and returns it; after DeepSpeed ZeRO-3 (weights
 # partitioned across ranks) a whole copy on the main process, None on the other ranks.
 model = whole_model(trainer, f"{args.out}/model")

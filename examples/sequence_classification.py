@@ -127,7 +127,8 @@ trainer.train()
 model.eval()
 
 # 3. the final snapshot and its posterior: LaplacePosterior(model, snap) takes the stored
-# held-out tau and link (without one: the marginal likelihood's tau, mean-field link)
+# held-out tau and link, MAP's own probabilities ("map" link) when the posterior did not beat
+# them on the eval set beyond noise (without a fit: the marginal likelihood's tau, probit link)
 snap = Snapshot.latest(f"{args.out}/kfac")
 print(f"snapshot of step {snap.step}: {len(snap.layer_names)} layers")
 post = LaplacePosterior(model, snap)
@@ -153,9 +154,10 @@ def map_probs(b: dict) -> torch.Tensor:
 
 laplace = f"Laplace, {source} tau {post.prior_precision:.3g} {post.link}"
 rows = {"MAP softmax": map_probs(test), laplace: post.predictive_probs(test)}
-if held is not None:  # the other choice of tau, for comparison
+if held is not None:  # the other choice of tau, for comparison, with the fit's posterior link
     post.prior_precision = held.marglik_tau
-    rows[f"Laplace, marginal-lik. tau {held.marglik_tau:.3g}"] = post.predictive_probs(test)
+    rows[f"Laplace, marginal-lik. tau {held.marglik_tau:.3g} {held.link}"] = \
+        post.predictive_probs(test, method=held.link)
     post.prior_precision = held.tau
 reports = {k: metrics.classification_report(q, y) for k, q in rows.items()}
 gap = metrics.confidence_gap(map_probs(eval_batch), eval_y)  # MAP on held-out data: the eval set

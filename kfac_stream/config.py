@@ -180,14 +180,17 @@ class KFACConfig:
             process may use divided by the processes on the node (``LOCAL_WORLD_SIZE``),
             whatever ``OMP_NUM_THREADS`` the launcher set. (Default: None)
         eval_prior_precision: Fit the prior precision ``τ`` and the K-way link on the
-            Trainer's ``eval_dataset`` at the end of training (one process; the lowest
-            held-out NLL of the linearised predictive over a log grid of ``τ`` and the
-            marginal-likelihood value, jointly with the probit and mean-field links:
+            Trainer's ``eval_dataset`` at the end of training (one process; the held-out NLL
+            of the linearised predictive over a log grid of ``τ`` and the marginal-likelihood
+            value, with the probit link unless the mean-field one wins beyond 2 paired
+            standard errors, and MAP's own probabilities kept unless the posterior beats them
+            by more than 2 paired standard errors:
             `kfac_stream.query.heldout_tau.fit_prior_precision`, about ``K + 1`` eval passes
             for ``K`` classes or answer options) and store the choice beside the final
             snapshot (``snap.heldout_prior``), where ``LaplacePosterior(model, snap)`` and
             ``kfac-stream query`` take it by default. The end of training logs its verdict:
-            the eval NLL of MAP and of the chosen posterior, and MAP's confidence gap.
+            which way the guard went and why, the eval NLL of MAP and of the posterior, and
+            MAP's confidence gap.
             ``"auto"`` fits whenever the Trainer has an ``eval_dataset`` and the model's
             answers are known: a classification head (``labels [B]``), or a language model
             with ``answer_tokens`` (the eval set's answer positions: each row's first labelled

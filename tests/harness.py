@@ -105,22 +105,40 @@ def classifier_posterior(tmp_path, tau: float, num_data: float):
     return LaplacePosterior(model, snap, tau, num_data)
 
 
-#: The links the held-out fit chooses among, in its tie order (`heldout_tau.LINKS`).
+#: The links the held-out fit chooses among; the first is the guard's base (`heldout_tau.LINKS`,
+#: `heldout_tau.BASE_LINK`).
 HELDOUT_LINKS = ("probit", "meanfield")
 
 
 def brute_heldout_choice(post, grid, predictive, y):
-    """``((tau, link), {candidate: mean NLL})`` of the lowest held-out NLL over ``grid`` ×
-    `HELDOUT_LINKS`, by brute force: ``predictive()`` → ``(mean [B, K], cov [B, K, K])`` at
-    every candidate tau set on ``post``; ties: the larger tau, then the link order."""
+    """``((tau, link), {candidate: mean NLL}, map_kept)`` of the held-out fit's guarded rule
+    over ``grid`` × `HELDOUT_LINKS`, by brute force: ``predictive()`` → ``(mean [B, K], cov
+    [B, K, K])`` at every candidate tau set on ``post``; each link's lowest mean NLL (ties: the
+    larger tau); probit unless the other link's best beats probit's by more than 2 paired
+    standard errors; MAP (``softmax(mean)``) kept unless that candidate beats it by more than
+    2 (`statistics`: sample sd of the per-example differences / sqrt(n))."""
+    import math
+    import statistics
+
     from kfac_stream.query.calibration import probs_from_gaussian
 
-    nll = {}
+    nll, per = {}, {}
     for tau in grid:
         post.prior_precision = tau
         mean, cov = predictive()
         for link in HELDOUT_LINKS:
             p = probs_from_gaussian(mean, cov, link)
-            nll[(tau, link)] = float(-p[torch.arange(len(y)), y].log().mean())
-    best = min(nll, key=lambda c: (nll[c], -c[0], HELDOUT_LINKS.index(c[1])))
-    return best, nll
+            per[(tau, link)] = (-p[torch.arange(len(y)), y].log()).tolist()
+            nll[(tau, link)] = statistics.fmean(per[(tau, link)])
+    p_map = torch.softmax(mean.double(), -1)
+    map_nll = (-p_map[torch.arange(len(y)), y].log()).tolist()
+
+    def beats(a, b):  # b beats a by more than 2 paired standard errors
+        d = [x - z for x, z in zip(a, b)]
+        return len(d) > 1 and statistics.fmean(d) > 2 * statistics.stdev(d) / math.sqrt(len(d))
+
+    best = {k: min((c for c in nll if c[1] == k), key=lambda c: (nll[c], -c[0]))
+            for k in HELDOUT_LINKS}
+    base, other = best[HELDOUT_LINKS[0]], best[HELDOUT_LINKS[1]]
+    chosen = other if beats(per[base], per[other]) else base
+    return chosen, nll, not beats(map_nll, per[chosen])

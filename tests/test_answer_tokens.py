@@ -159,10 +159,10 @@ def test_eval_prior_precision_equals_a_grid_search_on_the_answer_positions(answe
     post = LaplacePosterior(model, snap)
     prompts, last = _prompt_batch(held)
     y = torch.tensor([ANSWERS.index(int(e["labels"][e["labels"] != -100])) for e in held])
-    (tau, link), brute = brute_heldout_choice(
+    (tau, link), brute, kept = brute_heldout_choice(
         post, prior.grid, lambda: post.predictive(prompts, positions=last, token_ids=ANSWERS),
         y)
-    assert (prior.tau, prior.link) == (tau, link)
+    assert (prior.tau, prior.link) == (tau, link) and prior.map_kept == kept
     assert prior.nll == pytest.approx(brute[(tau, link)], rel=1e-9)
     assert len(set(brute.values())) > 1  # the candidates differ: the choice is not trivial
     # and by hand, with the snapshot's answer tokens by default

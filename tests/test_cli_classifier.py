@@ -158,7 +158,7 @@ def test_bert_file_prints_what_the_api_returns(bert, capsys):
     footer = out.splitlines()[-1]
     assert footer.startswith(f"snapshot {snap.path} (step {snap.step}); "
                              "BertForSequenceClassification, 3 classes; N = "
-                             f"{post.num_data:.0f}, prior precision τ = 2 (given), meanfield "
+                             f"{post.num_data:.0f}, prior precision τ = 2 (given), probit "
                              "link (the default link); 3 inputs; ")
 
     assert cli_main(argv(tmp, "--file", path, "--json")) == 0
@@ -166,7 +166,7 @@ def test_bert_file_prints_what_the_api_returns(bert, capsys):
     assert {k: doc[k] for k in ("snapshot", "step", "task", "architecture", "file", "link",
                                 "labels", "prior_precision")} == {
         "snapshot": str(snap.path), "step": snap.step, "task": "sequence_classification",
-        "architecture": "BertForSequenceClassification", "file": path, "link": "meanfield",
+        "architecture": "BertForSequenceClassification", "file": path, "link": "probit",
         "labels": names, "prior_precision": TAU}
     assert doc["num_data"] == pytest.approx(post.num_data)
     assert [r["text"] for r in doc["inputs"]] == TEXTS

@@ -204,7 +204,7 @@ def test_topk_mode_and_its_json(trained, capsys):
     tmp, post, batch = trained
     assert cli_main(argv(tmp, "--top-k", "2", "--samples", "50", "--seed", "1")) == 0
     out = capsys.readouterr().out
-    assert "top-2 next tokens" in out and f"tau {TAU:.4g} (given), meanfield link" in out
+    assert "top-2 next tokens" in out and f"tau {TAU:.4g} (given), probit link" in out
     assert "S = 50 draws per position (seed 1)" in out.splitlines()[-1]
     assert cli_main(argv(tmp, "--mode", "topk", "--samples", "50", "--seed", "1",
                          "--json")) == 0

@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = {  # script: (shortening arguments, a line its output must contain)
     "causal_lm.py": (["--steps", "20"], r"next ' ': logit -?\d+\.\d+ ± \d+\.\d+"),
     "sequence_classification.py": (["--steps", "20"], r"(?m)^Laplace, held-out tau \S+ "
-                                   r"(probit|meanfield) +\d\.\d{3} +\d\.\d{3} +\d\.\d{3} "
+                                   r"(probit|meanfield|map) +\d\.\d{3} +\d\.\d{3} +\d\.\d{3} "
                                    r"+[+-]\d\.\d{3}$"),
     "lora.py": (["--steps", "10", "--pretrain-steps", "10"],
                 r"tracked: \['base_model\.model\.model\.layers\.0\.mlp\.down_proj\.lora_A"),
@@ -111,8 +111,12 @@ def _check_classification(out, stdout: str) -> None:
     assert r["tau"] == held["tau"] == r["heldout_prior"]["tau"] > 0
     assert held["marglik_tau"] in held["grid"] and len(held["grid"]) == len(held["grid_nll"])
     assert held["tau"] == held["grid"][held["grid_nll"].index(min(held["grid_nll"]))]
-    best = min(min(v) for v in held["link_nll"].values())  # tau and link chosen jointly
-    assert held["examples"] == 300 and min(held["link_nll"][held["link"]]) == best
+    # the guard (heldout_tau.GUARD_SE): probit unless mean-field won beyond 2 paired s.e.;
+    # MAP's probabilities kept unless the posterior won beyond 2
+    gain, se = held["link_gain"]["meanfield"]
+    assert held["examples"] == 300 and held["link"] == ("meanfield" if gain > 2 * se else
+                                                        "probit")
+    assert held["map_kept"] == (not held["map_gain"] > 2 * held["map_gain_se"])
     # N: 65 token positions per sequence ([CLS] + 64 bytes, no padding) in the blocks, one row
     # per sequence for the pooled head
     n = r["num_data"]

@@ -121,17 +121,20 @@ def test_the_stored_choice_is_the_posteriors_default(fitted):
     fit = snap.heldout_prior
     assert fit is not None and fit.examples == 12 and fit.link in LINKS
     assert fit.seconds > 0 and fit.map_nll > 0 and 0 <= fit.map_accuracy <= 1
+    # the link: the fit's, or MAP's own probabilities ("map") when the guard kept them
+    assert fit.probs_link == ("map" if fit.map_kept else fit.link)
     post = LaplacePosterior(model, snap)
-    assert post.prior_precision == fit.tau and post.link == fit.link
+    assert post.prior_precision == fit.tau and post.link == fit.probs_link
     assert post.prior_source == "held-out fit on 12 eval examples" == post.link_source
     assert post.heldout == fit
     assert post.describe() == (f"tau {fit.tau:.4g} (held-out fit on 12 eval examples), "
-                               f"{fit.link} link (held-out fit on 12 eval examples)")
+                               f"{fit.probs_link} link (held-out fit on 12 eval examples)")
     mean, cov = post.predictive(_batch())
-    assert torch.equal(post.predictive_probs(_batch()), probs_from_gaussian(mean, cov, fit.link))
+    assert torch.equal(post.predictive_probs(_batch()),
+                       probs_from_gaussian(mean, cov, fit.probs_link))
     same = LaplacePosterior(model, snap, prior_precision="heldout")
-    assert (same.prior_precision, same.link) == (fit.tau, fit.link)
-    other = "probit" if fit.link == "meanfield" else "meanfield"
+    assert (same.prior_precision, same.link) == (fit.tau, fit.probs_link)
+    other = "probit" if fit.probs_link == "meanfield" else "meanfield"
     mine = LaplacePosterior(model, snap, link=other)
     assert mine.prior_precision == fit.tau and mine.link == other
     assert mine.link_source == "given"
@@ -170,7 +173,7 @@ def test_query_and_inspect_use_and_say_the_stored_choice(fitted, capsys):
     fit = snap.heldout_prior
     assert cli_main(_query(tmp, "--json")) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["prior_precision"] == fit.tau and doc["link"] == fit.link
+    assert doc["prior_precision"] == fit.tau and doc["link"] == fit.probs_link
     assert doc["prior_source"] == "held-out fit on 12 eval examples"
     assert doc["heldout"]["verdict"] == fit.verdict()
     post = LaplacePosterior(model, snap)
@@ -180,7 +183,7 @@ def test_query_and_inspect_use_and_say_the_stored_choice(fitted, capsys):
     footer = capsys.readouterr().out.splitlines()
     assert footer[-1] == fit.verdict()
     assert f"prior precision τ = {fit.tau:.4g} (held-out fit on 12 eval examples), " \
-           f"{fit.link} link (held-out fit on 12 eval examples)" in footer[-2]
+           f"{fit.probs_link} link (held-out fit on 12 eval examples)" in footer[-2]
     assert cli_main(_query(tmp, "--json", "--prior-precision", "marglik", "--link",
                            "probit")) == 0
     doc = json.loads(capsys.readouterr().out)

@@ -291,10 +291,13 @@ def test_sequence_classification_head(tmp_path):
     assert rel_err(cov, ref) <= DENSE_TOL
     probs = post.predictive_probs(batch, method="probit")
     assert torch.allclose(probs.sum(-1), torch.ones(2, dtype=torch.float64))
-    # the default link is the mean-field one, on the dense reference covariance
+    # the default link is the probit (the rule without held-out data), on the dense reference
+    # covariance; the mean-field link likewise
     from kfac_stream.query.calibration import probs_from_gaussian
-    assert rel_err(post.predictive_probs(batch), probs_from_gaussian(mean, ref, "meanfield")) \
-        <= DENSE_TOL
+    assert torch.equal(post.predictive_probs(batch), probs)
+    assert rel_err(probs, probs_from_gaussian(mean, ref, "probit")) <= DENSE_TOL
+    assert rel_err(post.predictive_probs(batch, method="meanfield"),
+                   probs_from_gaussian(mean, ref, "meanfield")) <= DENSE_TOL
     heldout = [{"batch": batch, "token_ids": [0, 1, 2, 3], "labels": torch.tensor([0, 1])}]
     beta = post.fit_beta(heldout)
     assert beta > 0 and post.confidence(torch.tensor(1.0)) == pytest.approx(1 / (1 + beta))

@@ -341,16 +341,16 @@ def test_method_samples_and_seed_of_predictive_probs(post, forwards):
     where = "LaplacePosterior.predictive_probs: "
     raises(lambda: post.predictive_probs(batch, -1, [1, 2], method="exact"),
            f"{where}method='exact' is not allowed: must be one of ('probit', "
-           "'meanfield', 'mc')")
+           "'meanfield', 'mc', 'map')")
     raises(lambda: post.predictive_probs(batch, -1, [1, 2], method=7),
            f"{where}method=7 (a int) is not allowed: must be one of ('probit', "
-           "'meanfield', 'mc')")
+           "'meanfield', 'mc', 'map')")
     raises(lambda: post.predictive_probs(batch, -1, [1, 2], method="mc", n_samples=0),
            f"{where}n_samples=0 is not allowed: must be an int >= 1")
     raises(lambda: post.predictive_probs(batch, -1, [1, 2], method="mc", seed="7"),
            f"{where}seed='7' (a str) is not allowed: must be an int (the random seed)")
     assert forwards[0] == 0
-    # None: the posterior's own link (the stored held-out fit's, else mean-field)
+    # None: the posterior's own link (the stored held-out fit's, else probit)
     assert torch.equal(post.predictive_probs(batch, -1, [1, 2], method=None),
                        post.predictive_probs(batch, -1, [1, 2], method=post.link))
 
@@ -360,7 +360,7 @@ def test_probs_from_gaussian():
     cov = torch.eye(3, dtype=torch.float64).expand(2, 3, 3)
     raises(lambda: probs_from_gaussian(mean, cov, "sampling"),
            "probs_from_gaussian: method='sampling' is not allowed: must be one of ('probit', "
-           "'meanfield', 'mc')")
+           "'meanfield', 'mc', 'map')")
     raises(lambda: probs_from_gaussian(mean, cov[0]),
            "probs_from_gaussian: cov=<tensor [3, 3] float64> is not allowed: must be a "
            "[B, K, K] = [2, 3, 3] floating tensor (mean is [B, K])")

@@ -350,8 +350,9 @@ def test_prior_precision_fitted_on_the_eval_dataset(tmp_path):
         post = LaplacePosterior(model, snap)
     batch = {k: torch.stack([e[k] for e in held]) for k in ("input_ids", "attention_mask")}
     y = torch.stack([e["labels"] for e in held])
-    (tau, link), brute = brute_heldout_choice(post, prior.grid, lambda: post.predictive(batch), y)
-    assert (prior.tau, prior.link) == (tau, link)
+    (tau, link), brute, kept = brute_heldout_choice(post, prior.grid,
+                                                    lambda: post.predictive(batch), y)
+    assert (prior.tau, prior.link) == (tau, link) and prior.map_kept == kept
     assert prior.nll == pytest.approx(brute[(tau, link)], rel=1e-9)
     assert prior.marglik_tau in prior.grid
     assert len(set(brute.values())) > 1  # the candidates differ: the choice is not trivial

@@ -36,6 +36,9 @@ MEAN_TOL = 1e-5
 #: At tau = 1e6 the posterior is nearly a point (measured: 7e-5 relative for T5, 1e-7 for BART):
 #: the MC predictive's NLL per label token is the MAP's within this (relative).
 MAP_NLL_TOL = 1e-3
+#: MAP's own NLL per label token, the guard's reference: the same float32 forward on eval
+#: batches of 4 instead of one stacked batch (relative; float32 rounding only).
+MAP_OWN_TOL = 1e-5
 
 
 def _build(family: str):
@@ -205,6 +208,12 @@ def test_heldout_prior_is_fitted_on_the_eval_sets_label_tokens(run):
                                     batch["labels"].reshape(-1), ignore_index=-100))
     assert prior.grid[-1] == 1e6
     assert prior.grid_nll[-1] == pytest.approx(map_nll, rel=MAP_NLL_TOL)
+    # the guard per label token: MAP's own NLL is a candidate, the posterior replaces it only
+    # beyond 2 paired standard errors, and the verdict says which way it went
+    assert prior.map_nll == pytest.approx(map_nll, rel=MAP_OWN_TOL)
+    assert prior.map_kept == (not prior.map_gain > 2 * prior.map_gain_se)
+    assert prior.map_gain == pytest.approx(prior.map_nll - prior.nll, rel=1e-9, abs=1e-12)
+    assert ("kept MAP's probabilities" in prior.verdict()) == prior.map_kept
     done = [m for _, m in lines if m.startswith("kfac_stream: held-out fit on")]
     assert len(done) == 1 and f"on {tokens} eval label tokens" in done[0], done
     # the method line before it names what ran: the Monte Carlo per-token fit (no answer tokens)

@@ -60,7 +60,7 @@ def class_table(records: Sequence[Mapping], names: Sequence[str]) -> str:
 
 
 def class_footer(meta: Mapping, inputs: int) -> str:
-    """``snapshot … (step …); Arch, C classes; N = …, prior precision τ = …, meanfield link;
+    """``snapshot … (step …); Arch, C classes; N = …, prior precision τ = …, probit link;
     n inputs; … s``."""
     line = (f"snapshot {meta['snapshot']} (step {meta['step']}); {meta['architecture']}, "
             f"{len(meta['labels'])} classes; N = {meta['num_data']:.0f}, prior precision τ = "

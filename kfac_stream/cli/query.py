@@ -29,7 +29,7 @@ QUERY_PRIOR_WORDS = ("auto", "heldout", "marglik")
 
 
 #: ``query --link``: the links `LaplacePosterior.predictive_probs` takes.
-QUERY_LINKS = ("meanfield", "probit", "mc")
+QUERY_LINKS = ("meanfield", "probit", "mc", "map")
 
 
 #: ``--mode``: the per-token whole-vocabulary table, or the top-k next tokens.
@@ -53,8 +53,9 @@ def add_query_parser(sub) -> None:
         "table of one --text (or --top-k); a single-label sequence classifier "
         "(*ForSequenceClassification) gets, per input (--text, or --file with one input per "
         "line), the MAP class probabilities, the Laplace predictive's (the held-out fit's link, "
-        "or mean-field), the predicted label, its entropy and logit std. Other tasks are "
-        "refused. Without tokenizer files, pass --byte-level or --tokenizer DIR.")
+        "MAP's own when the fit kept MAP, else probit), the predicted label, its entropy and "
+        "logit std. Other tasks are refused. Without tokenizer files, pass --byte-level or "
+        "--tokenizer DIR.")
     q.add_argument("--snapshot", required=True, help="snapshot directory (or its parent)")
     q.add_argument("--model", required=True, help="model directory or hub name (a causal LM "
                    "or a sequence classifier)")
@@ -85,8 +86,8 @@ def add_query_parser(sub) -> None:
                    "likelihood), heldout (the stored fit; an error without one), marglik, or "
                    "a float")
     q.add_argument("--link", help="the link from the logits' Gaussian to probabilities: "
-                   f"{', '.join(QUERY_LINKS)} (default: the held-out fit's when stored, else "
-                   "meanfield)")
+                   f"{', '.join(QUERY_LINKS)} (map: MAP's own softmax; default: the held-out "
+                   "fit's when stored, map when that fit kept MAP's probabilities, else probit)")
     q.add_argument("--samples", type=int, help="causal LMs: posterior samples (--mode tokens, "
                    f"default {DEFAULT_SAMPLES['tokens']}) or draws per position (--mode topk, "
                    f"default {DEFAULT_SAMPLES['topk']})")

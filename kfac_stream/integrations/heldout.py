@@ -13,7 +13,7 @@ import torch
 from transformers import Trainer
 
 from ..exceptions import QueryInputError
-from ..query.heldout_tau import GRID, LINKS, TOKEN_SAMPLES, fit_prior_precision
+from ..query.heldout_tau import GRID, GUARD_SE, LINKS, TOKEN_SAMPLES, fit_prior_precision
 from ..query.inputs import seq2seq_lm
 from ..query.laplace import LaplacePosterior
 from ..query.prior_choice import NO_HELDOUT_LINK, NO_HELDOUT_TAU
@@ -111,7 +111,9 @@ def fit_heldout_prior(callback, model) -> str | None:
     else:
         logger.info("kfac_stream: held-out fit: one Jacobian pass over the eval set (a forward "
                     "and one backward per class or answer option), then the closed-form "
-                    "%s links at %d candidate taus", " and ".join(LINKS), len(GRID) + 1)
+                    "%s links at %d candidate taus; MAP's own probabilities are kept unless "
+                    "the posterior beats them by more than %g paired standard errors",
+                    " and ".join(LINKS), len(GRID) + 1, GUARD_SE)
     try:
         post = LaplacePosterior(model, Snapshot.load(path, show_progress=False),
                                 prior_precision=1.0)

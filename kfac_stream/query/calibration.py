@@ -16,7 +16,10 @@ from torch import Tensor
 
 from . import inputs
 
-PROBS_METHODS = ("probit", "meanfield", "mc")
+#: The K-way links: three of the Gaussian, and ``"map"``, MAP's own ``softmax(μ)`` (the
+#: covariance unused: the default probabilities of a posterior whose held-out fit kept MAP,
+#: `kfac_stream.query.heldout_tau`).
+PROBS_METHODS = ("probit", "meanfield", "mc", "map")
 
 
 def probs_from_gaussian(mean: Tensor, cov: Tensor, method: str = "meanfield",
@@ -26,8 +29,8 @@ def probs_from_gaussian(mean: Tensor, cov: Tensor, method: str = "meanfield",
     Args:
         mean: ``[B, K]`` floating tensor.
         cov: ``[B, K, K]`` floating tensor.
-        method: ``"meanfield"`` (default), ``"probit"`` or ``"mc"`` (as in
-            `LaplacePosterior.predictive_probs`).
+        method: ``"meanfield"`` (default), ``"probit"``, ``"mc"`` or ``"map"`` (``softmax(mean)``,
+            MAP's own probabilities; ``cov`` unused) (as in `LaplacePosterior.predictive_probs`).
         n_samples: Draws for ``"mc"``, an int ≥ 1.
         seed: Seed of the draws, an int.
 
@@ -58,6 +61,8 @@ def probs_from_gaussian(mean: Tensor, cov: Tensor, method: str = "meanfield",
                            "floating tensor (mean is [B, K])", typed=not isinstance(cov, Tensor))
     n_samples = inputs.check_int(where, "n_samples", n_samples, 1)
     seed = inputs.check_seed(where, "seed", seed)
+    if method == "map":
+        return torch.softmax(mean, dim=-1)
     if method == "probit":
         kappa = 1.0 / torch.sqrt(1.0 + math.pi / 8.0 * torch.diagonal(cov, dim1=-2, dim2=-1))
         return torch.softmax(mean * kappa, dim=-1)

@@ -93,8 +93,8 @@ class LaplacePosterior:
             broadly once, query any subset (e.g. ``layers="mlp"``).
         link: The K-way link of `predictive_probs` and the other probability queries when
             they are not given one: None (default: the stored held-out fit's link with
-            ``"auto"`` / ``"heldout"``, else ``"meanfield"``), ``"meanfield"``, ``"probit"``
-            or ``"mc"`` (`probs_from_gaussian`). Where it came from: ``link_source``.
+            ``"auto"`` / ``"heldout"``, ``"map"`` if it kept MAP's, else ``"probit"``), or one
+            of `PROBS_METHODS` (`probs_from_gaussian`). Where it came from: ``link_source``.
 
     Warns:
         UserWarning: the model's tracked weights are not those the snapshot was taken at
@@ -431,11 +431,11 @@ class LaplacePosterior:
             positions: As in `jacobian_features`.
             token_ids: As in `jacobian_features`.
             method: None (default): the posterior's ``link`` (the held-out fit's, or
-                ``"meanfield"``); ``"meanfield"``: the pairwise mean-field link, which uses the
-                variances of the logit *differences* (the covariances between the K logits;
-                see `probs_from_gaussian`); ``"probit"``: ``softmax(μ / sqrt(1 + π/8 ·
-                diag Σ))``, laplace-torch's default link; ``"mc"``: the mean of ``softmax(f)``
-                over ``n_samples`` draws ``f ~ N(μ, Σ)``.
+                ``"probit"``); ``"map"``: ``softmax(μ)``, MAP's own; ``"meanfield"``: the
+                pairwise mean-field link, which uses the variances of the logit *differences*
+                (`probs_from_gaussian`); ``"probit"``: ``softmax(μ / sqrt(1 + π/8 · diag Σ))``,
+                laplace-torch's default link; ``"mc"``: the mean of ``softmax(f)`` over
+                ``n_samples`` draws ``f ~ N(μ, Σ)``.
             n_samples: Draws for ``"mc"``, an int ≥ 1.
             seed: Seed of the draws, an int.
 

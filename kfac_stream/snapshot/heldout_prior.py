@@ -20,6 +20,11 @@ SIDECAR = ".heldout_prior.json"
 #: the posterior's probabilities equal MAP's there (`HeldoutPrior.at_map`).
 TOP_OF_GRID = 1e-9
 
+#: The link name of MAP's own probabilities, ``softmax`` of the trained logits
+#: (`kfac_stream.query.calibration.probs_from_gaussian`'s ``"map"``): the default link of a
+#: posterior whose stored held-out fit kept MAP (`HeldoutPrior.probs_link`).
+MAP_LINK = "map"
+
 
 @dataclass(frozen=True)
 class HeldoutPrior:
@@ -40,6 +45,19 @@ class HeldoutPrior:
         map_confidence: MAP's mean top probability on the held-out set; None likewise.
         link_nll: ``{link: NLL per grid value}`` for every candidate link.
         seconds: Wall time of the fit (the Jacobian pass and the grid), seconds.
+        map_kept: The guard's verdict (`kfac_stream.query.heldout_tau.GUARD_SE`): True when
+            the posterior (``tau``, ``link``) did not beat MAP's own probabilities on the eval
+            set by more than 2 paired standard errors, so the default probabilities are MAP's
+            (`probs_link` ``"map"``; ``tau`` still sets the variances). False in files
+            written before the guard (their ``tau`` and ``link`` are used as they are).
+        map_gain: The posterior's eval gain over MAP, ``mean_i(NLL_MAP,i − NLL_post,i)``
+            (nats; > 0: the posterior is better); None before the guard.
+        map_gain_se: Its paired standard error, ``sd_i(NLL_MAP,i − NLL_post,i) / sqrt(n)``
+            (sample sd, ``n − 1``); None before the guard.
+        link_gain: ``{link: (gain, paired s.e.)}`` of every other candidate link's best over
+            the base link's best (probit's, when it is a candidate), as ``map_gain``; a link
+            replaces probit only with a gain beyond 2 s.e. None before the guard or with one
+            candidate link.
     """
 
     tau: float
@@ -55,12 +73,23 @@ class HeldoutPrior:
     map_confidence: float | None = None
     link_nll: dict[str, tuple[float, ...]] | None = None
     seconds: float | None = None
+    map_kept: bool = False
+    map_gain: float | None = None
+    map_gain_se: float | None = None
+    link_gain: dict[str, tuple[float, float]] | None = None
 
     @property
     def at_map(self) -> bool:
-        """``τ`` at the top of its grid: the posterior's probabilities equal MAP's there (its
-        variances still rank examples and flag out-of-distribution inputs)."""
-        return self.tau >= max(self.grid) * (1.0 - TOP_OF_GRID)
+        """The default probabilities are MAP's: the guard kept them (`map_kept`), or ``τ`` is
+        at the top of its grid (a fit from before the guard); the variances still rank
+        examples and flag out-of-distribution inputs."""
+        return self.map_kept or self.tau >= max(self.grid) * (1.0 - TOP_OF_GRID)
+
+    @property
+    def probs_link(self) -> str:
+        """The default link of a posterior that uses this fit: `MAP_LINK` (MAP's own
+        probabilities) when the guard kept MAP, else ``link``."""
+        return MAP_LINK if self.map_kept else self.link
 
     @property
     def map_gap(self) -> float | None:
@@ -71,7 +100,10 @@ class HeldoutPrior:
 
     def verdict(self) -> str:
         """One line: what the fit chose, the held-out NLL of MAP and of the chosen posterior,
-        MAP's confidence gap, and what the posterior is good for here."""
+        MAP's confidence gap, and what the posterior is good for here; with the guard
+        (`map_gain` set), which way it went and why, in paired standard errors."""
+        if self.map_gain is not None:
+            return self._guarded_verdict()
         unit = "examples" if self.map_nll is not None else "label tokens"
         head = (f"held-out fit on {self.examples} eval {unit}: tau {self.tau:.4g}, "
                 f"{self.link} link")
@@ -87,10 +119,44 @@ class HeldoutPrior:
                     "equal MAP's")
         return line
 
+    def _guarded_verdict(self) -> str:
+        """`verdict` of a guarded fit: e.g. ``held-out fit on 240 eval examples: kept MAP's
+        probabilities: the posterior's eval gain 0.016 ± 0.015 nats (tau 10, probit link) is
+        within noise (2 paired s.e.); its variances still rank and flag out-of-distribution
+        inputs; eval NLL …``."""
+        per_token = self.link == "mc"
+        unit = "label tokens" if per_token else "examples"
+        gain = f"{self.map_gain:.3g} ± {self.map_gain_se:.2g} nats"
+        post = f"tau {self.tau:.4g}, {self.link} link"
+        if self.map_kept:
+            head = (f"kept MAP's probabilities: the posterior's eval gain {gain} ({post}) is "
+                    "within noise (2 paired s.e.); its variances still rank and flag "
+                    "out-of-distribution inputs")
+        else:
+            head = (f"the posterior's probabilities ({post}): its eval gain over MAP {gain} "
+                    "is beyond noise (more than 2 paired s.e.)")
+        line = f"held-out fit on {self.examples} eval {unit}: {head}"
+        if per_token:
+            line += (f"; eval NLL {self.nll:.4f} vs MAP's {self.map_nll:.4f} per label token "
+                     "(the guard per label token)")
+        else:
+            gap = self.map_gap
+            line += (f"; eval NLL {self.nll:.4f} vs MAP's {self.map_nll:.4f}; MAP "
+                     f"{'over' if gap > 0 else 'under'}confident by {abs(gap):.3f} "
+                     f"(confidence {self.map_confidence:.3f}, accuracy "
+                     f"{self.map_accuracy:.3f})")
+        for other, (g, se) in (self.link_gain or {}).items():
+            beyond = other == self.link
+            line += (f"; {other} link {'chosen' if beyond else 'not chosen'}: its gain "
+                     f"{g:.3g} ± {se:.2g} nats over the probit link's is "
+                     f"{'beyond' if beyond else 'within'} noise")
+        return line
+
     def to_dict(self) -> dict[str, Any]:
         d = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
-        if self.link_nll is not None:
-            d["link_nll"] = {k: list(v) for k, v in self.link_nll.items()}
+        for key in ("link_nll", "link_gain"):
+            if d.get(key) is not None:
+                d[key] = {k: list(v) for k, v in d[key].items()}
         return d
 
 
@@ -111,8 +177,9 @@ def read_heldout_prior(snapshot_path: str) -> HeldoutPrior | None:
     try:
         with open(path) as f:
             d = json.load(f)
-        if isinstance(d.get("link_nll"), dict):
-            d["link_nll"] = {k: tuple(v) for k, v in d["link_nll"].items()}
+        for key in ("link_nll", "link_gain"):  # link_gain: absent from files before the guard
+            if isinstance(d.get(key), dict):
+                d[key] = {k: tuple(v) for k, v in d[key].items()}
         return HeldoutPrior(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
     except (OSError, ValueError, TypeError):
         return None
