@@ -7,6 +7,8 @@
   ``{"_type": "histogram", "values": [...], "bins": [...]}``).
 * ``read_tensorboard_scalars(logdir) -> dict[str, list[(step, value)]]``: every scalar under
   ``logdir`` (all event files, merged, sorted by step).
+* ``Lines``: a context manager that collects every ``kfac_stream`` log message of a block
+  (``.lines``), at INFO; a module fixture cannot use ``caplog``.
 * ``offline_wandb_env(root)`` / ``finish_wandb()``: set up and finish an offline W&B run whose
   files stay under ``root``.
 
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import struct
 import zlib
@@ -132,3 +135,26 @@ def read_tensorboard_scalars(logdir: str) -> dict[str, list[tuple[int, float]]]:
         for tag in acc.Tags()["scalars"]:
             out.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
     return {tag: sorted(values, key=lambda sv: sv[0]) for tag, values in out.items()}
+
+
+class Lines(logging.Handler):
+    """Every ``kfac_stream`` log message of a block (a module fixture cannot use caplog)."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+    def __enter__(self):
+        log = logging.getLogger("kfac_stream")
+        self._level = log.level
+        log.setLevel(logging.INFO)
+        log.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        log = logging.getLogger("kfac_stream")
+        log.removeHandler(self)
+        log.setLevel(self._level)

@@ -335,3 +335,12 @@ def padded_batch(lengths: Sequence[int], seed: int = 4) -> dict[str, torch.Tenso
     """``{"input_ids", "attention_mask"}``, each ``[B, T]``, right-padded to max(lengths)."""
     ex = text_examples(len(lengths), max(lengths), seed=seed, lengths=list(lengths))
     return {k: torch.stack([e[k] for e in ex]) for k in ("input_ids", "attention_mask")}
+
+
+def labelled_examples(n: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """``n`` 12-token `text_examples` (windows from ``seed``) as a 3-class classifier's:
+    ``labels`` a 0-d tensor, the first byte mod 3."""
+    ex = text_examples(n, 12, seed=seed)
+    for e in ex:
+        e["labels"] = torch.tensor(int(e["input_ids"][0]) % 3)
+    return ex

@@ -15,7 +15,6 @@ snapshot written at train end, and the step's snapshot written during training a
 
 from __future__ import annotations
 
-import logging
 import os
 import warnings
 from types import SimpleNamespace
@@ -29,7 +28,8 @@ from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapsh
 from kfac_stream.integrations.best_model import reloaded_best_model
 from kfac_stream.snapshot.weights import weights_fingerprint
 
-from models import ListDataset, text_examples
+from logreaders import Lines
+from models import ListDataset, labelled_examples
 
 BEST, LAST, MAX_STEPS = 4, 8, 20
 #: eval_score by evaluation (every 2 steps): best at the 2nd (step 4); patience 2 stops at the
@@ -39,36 +39,6 @@ SCORES = (1.0, 3.0, 2.0, 1.0)
 #: same weights on the same 12 examples (batched alike), reduced in float64.
 NLL_TOL = 1e-5
 MISMATCH = "weights are not those snapshot"
-
-
-class Lines(logging.Handler):
-    """Every ``kfac_stream`` log message of a block."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-    def __enter__(self):
-        log = logging.getLogger("kfac_stream")
-        self._level = log.level
-        log.setLevel(logging.INFO)
-        log.addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        log = logging.getLogger("kfac_stream")
-        log.removeHandler(self)
-        log.setLevel(self._level)
-
-
-def _labelled(n: int, seed: int) -> list[dict]:
-    ex = text_examples(n, 12, seed=seed)
-    for e in ex:
-        e["labels"] = torch.tensor(int(e["input_ids"][0]) % 3)
-    return ex
 
 
 def _classifier():
@@ -93,8 +63,9 @@ def _train(tmp, kfac: dict):
         save_strategy="steps", save_steps=2, load_best_model_at_end=True,
         metric_for_best_model="score", greater_is_better=True, report_to=[],
         logging_strategy="no", disable_tqdm=True, use_cpu=True, seed=0)
-    trainer = Trainer(model=_classifier(), args=args, train_dataset=ListDataset(_labelled(24, 0)),
-                      eval_dataset=ListDataset(_labelled(12, 1)),
+    trainer = Trainer(model=_classifier(), args=args,
+                      train_dataset=ListDataset(labelled_examples(24, 0)),
+                      eval_dataset=ListDataset(labelled_examples(12, 1)),
                       compute_metrics=lambda _: {"score": next(evals)},
                       callbacks=[cb, EarlyStoppingCallback(early_stopping_patience=2)])
     with Lines() as log:
@@ -165,7 +136,7 @@ def test_final_snapshot_describes_the_reloaded_weights(tmp_path, kfac, factors):
     assert f"its factors run to step {LAST})" in warned
 
     fit = snap.heldout_prior
-    eval_set = _labelled(12, 1)
+    eval_set = labelled_examples(12, 1)
     best_nll, last_nll = _eval_nll(best, eval_set), _eval_nll(last, eval_set)
     assert fit.examples == 12
     assert fit.map_nll == pytest.approx(best_nll, rel=NLL_TOL)

@@ -14,7 +14,6 @@ test_answer_tokens.py (`harness.brute_heldout_choice`).
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 import torch
@@ -29,39 +28,10 @@ from kfac_stream.query.heldout_tau import GRID, LINKS
 from kfac_stream.query.prior_choice import NO_HELDOUT_LINK
 from kfac_stream.snapshot.heldout_prior import HeldoutPrior, read_heldout_prior, write_heldout_prior
 
-from models import ListDataset, text_examples, tiny_gpt2
+from logreaders import Lines
+from models import ListDataset, labelled_examples, text_examples, tiny_gpt2
 
 TEXT = "def f(x):"
-
-
-class Lines(logging.Handler):
-    """Every ``kfac_stream`` log message of a block (a module fixture cannot use caplog)."""
-
-    def __init__(self):
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record):
-        self.lines.append(record.getMessage())
-
-    def __enter__(self):
-        log = logging.getLogger("kfac_stream")
-        self._level = log.level
-        log.setLevel(logging.INFO)
-        log.addHandler(self)
-        return self
-
-    def __exit__(self, *exc):
-        log = logging.getLogger("kfac_stream")
-        log.removeHandler(self)
-        log.setLevel(self._level)
-
-
-def _labelled(n: int, seed: int) -> list[dict]:
-    ex = text_examples(n, 12, seed=seed)
-    for e in ex:
-        e["labels"] = torch.tensor(int(e["input_ids"][0]) % 3)
-    return ex
 
 
 def _train(tmp, eval_set: bool):
@@ -81,8 +51,8 @@ def _train(tmp, eval_set: bool):
                              report_to=[], save_strategy="no", logging_strategy="no",
                              disable_tqdm=True, use_cpu=True, seed=0)
     with Lines() as log:
-        Trainer(model=model, args=args, train_dataset=ListDataset(_labelled(24, 0)),
-                eval_dataset=ListDataset(_labelled(12, 1)) if eval_set else None,
+        Trainer(model=model, args=args, train_dataset=ListDataset(labelled_examples(24, 0)),
+                eval_dataset=ListDataset(labelled_examples(12, 1)) if eval_set else None,
                 callbacks=[cb]).train()
     model.save_pretrained(tmp / "model")
     return tmp, model.eval(), Snapshot.load(cb.snapshots[-1]), log.lines
