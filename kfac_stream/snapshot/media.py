@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import subprocess
@@ -175,6 +176,19 @@ MAX_TYPE_ROWS = 8
 DEPTH_CMAP = "viridis"
 PANEL_SIZE = (5.5, 3.2)  # inches per panel (width, height)
 DPI = 120
+#: Fixed margins of the panel grid (inches), instead of a layout engine (constrained layout
+#: measured every axis's tick labels twice and drew the figure twice: over half the plot's
+#: time): the suptitle and the first row's titles above, the log axes' tick labels
+#: (``10^{-10}``) and axis labels left and below, the same between the columns, and between
+#: the rows a row's x labels and the next row's titles.
+MARGINS = {"top": 0.6, "bottom": 0.5, "left": 0.7, "right": 0.2, "wspace": 0.75,
+           "hspace": 0.75}
+#: Extra room (inches) left of the y axis where a panel spans at most a decade: its minor
+#: ticks are labelled too (``3x10^{-1}``), wider than the decades.
+SHORT_AXIS_ROOM = 0.3
+#: Room (inches) right of the panels for the colour bar besides its width and its tick labels
+#: (measured): the gap before it (0.25), its ticks, and its axis label.
+BAR_PAD = 0.7
 
 
 #: The colour bar's label: what the layer index counts.
@@ -253,7 +267,6 @@ def spectra_figure(snap: Snapshot | Spectra):
         import matplotlib.pyplot as plt
         from matplotlib.cm import ScalarMappable
         from matplotlib.colors import BoundaryNorm, ListedColormap
-        from matplotlib.ticker import NullFormatter
     except ImportError as e:  # pragma: no cover - exercised only without the extra
         raise ImportError("plotting needs matplotlib: pip install 'kfac_stream[plot]'") from e
     names = depth_order(snap.layer_names)  # a snapshot lists its layers sorted by name
@@ -262,11 +275,12 @@ def spectra_figure(snap: Snapshot | Spectra):
     colors = depth_colors(n)
     legend = n <= LEGEND_MAX_LAYERS
     lw, alpha = (1.4, 1.0) if n <= 16 else (0.9, 0.85) if n <= 64 else (0.7, 0.7)
-    fig, axes = plt.subplots(len(rows), 2, squeeze=False, layout="constrained",
-                             figsize=(2 * PANEL_SIZE[0] + (0 if legend else 1.2),
-                                      PANEL_SIZE[1] * len(rows) + 0.4))
+    short_axes = False  # a panel spanning at most a decade (labelled minor ticks)
+    fig, axes = plt.subplots(len(rows), 2, squeeze=False, dpi=DPI,
+                             figsize=(2 * PANEL_SIZE[0], PANEL_SIZE[1] * len(rows) + 0.4))
+    height = fig.get_figheight()
     fig.suptitle(f"K-FAC factor spectra, step {snap.step}, {n} layer{'s' * (n != 1)}"
-                 + ("" if legend else ", colour = depth"))
+                 + ("" if legend else ", colour = depth"), y=1 - 0.1 / height)
     for r, (title, idx) in enumerate(rows):
         for c, f in enumerate(FACTOR_KINDS):
             ax = axes[r, c]
@@ -275,28 +289,123 @@ def spectra_figure(snap: Snapshot | Spectra):
                 ev = ev.double().sort(descending=True).values if ev is not None else ev
                 ev = ev[ev > 0] if ev is not None else ev
                 if ev is not None and ev.numel():
-                    ax.loglog(range(1, ev.numel() + 1), ev.numpy(), lw=lw, alpha=alpha,
-                              color=colors[i], label=short_name(names[i], 40))
+                    if not ax.lines:  # as `loglog` does, once per panel rather than per line
+                        ax.set_xscale("log")
+                        ax.set_yscale("log")
+                    ax.plot(range(1, ev.numel() + 1), ev.numpy(), lw=lw, alpha=alpha,
+                            color=colors[i], label=short_name(names[i], 40))
             side = "input" if f == "A" else "output-gradient"
             what = title if len(rows) == 1 else f"{title} ({len(idx)} layer{'s' * (len(idx) != 1)})"
-            ax.set_title(f"{f} ({side}) factors: {what}", fontsize=9)
+            # y given: no automatic placement (it measured every y axis's tick labels to keep
+            # clear of ticks on top, which these panels do not have): the same place
+            ax.set_title(f"{f} ({side}) factors: {what}", fontsize=9, y=1.0)
             ax.set_xlabel("rank", fontsize=8)
             ax.set_ylabel("eigenvalue", fontsize=8)
             ax.tick_params(labelsize=7)
-            ax.xaxis.set_minor_formatter(NullFormatter())  # no "2x10^0" labels on short axes
             ax.grid(True, which="both", alpha=0.3)
             if len(idx) <= LEGEND_MAX_LAYERS and ax.lines:  # few lines: name each one
                 ax.legend(fontsize=6, loc="lower left")
+            if not ax.lines:
+                continue
+            _minor_ticks_as_collections(ax.xaxis)  # unlabelled: no "2x10^0" on short axes
+            low, high = ax.get_ylim()
+            if math.log10(high / low) > 1:  # more than a decade: minor ticks go unlabelled
+                _minor_ticks_as_collections(ax.yaxis)
+            else:
+                short_axes = True
+    ticks = [] if legend else sorted({round(k * (n - 1) / 5) for k in range(6)})
+    tick_labels = [f"{i}: {short_name(names[i])}" for i in ticks]
+    bar_box = _place_panels(fig, len(rows), short_axes, tick_labels)
     if not legend:
         cmap = ListedColormap(colors)
         mappable = ScalarMappable(BoundaryNorm([i - 0.5 for i in range(n + 1)], n), cmap)
-        bar = fig.colorbar(mappable, ax=axes, location="right",
-                           shrink=min(1.0, 0.7 + 0.05 * len(rows)), aspect=20 + 15 * len(rows))
-        ticks = sorted({round(k * (n - 1) / 5) for k in range(6)})
+        bar = fig.colorbar(mappable, cax=fig.add_axes(bar_box))
         bar.set_ticks(ticks)
-        bar.set_ticklabels([f"{i}: {short_name(names[i])}" for i in ticks], fontsize=6)
+        bar.set_ticklabels(tick_labels, fontsize=6)
         bar.set_label(DEPTH_LABEL, fontsize=8)
+        _minor_ticks_as_collections(bar.ax.yaxis)  # a mark between layers (241 at 1.1B)
+        bar.minorticks_off()  # as the bar knows them, should it set its ticks again
     return fig
+
+
+def _minor_ticks_as_collections(axis) -> None:
+    """Draw the minor ticks of ``axis`` (unlabelled, its limits final) as one collection of
+    tick marks per side and one of grid lines, in the style of the axis's own minor tick and
+    at the places its locator gives, instead of a `Tick` of five artists each (~80 on a log
+    axis of ten decades: made, and placed at every draw, they took half of a 24-layer figure's
+    time). The image is the `Tick`s' to 1 level of 255 in matplotlib's default style but at
+    the marks' tips: markers are put on whole pixels, these are not, so a tip may end half a
+    pixel apart (with ticks inside the axes, also a few levels where grid lines cross marks:
+    all grid lines are drawn before all marks)."""
+    from matplotlib.collections import LineCollection
+    from matplotlib.markers import MarkerStyle
+    from matplotlib.ticker import NullLocator
+    from matplotlib.transforms import Affine2D
+
+    ax, across = axis.axes, axis.axis_name == "x"  # an x axis: its ticks cross it upright
+    low, high = sorted(axis.get_view_interval())
+    locs = [v for v in axis.get_minorticklocs() if low <= v <= high]
+    proto = axis.get_minor_ticks(1)[0]  # the tick every minor tick copies its style from
+    axis.set_minor_locator(NullLocator())
+    if not locs:
+        return
+
+    def at(loc: float, side: float) -> tuple[float, float]:  # (data along, axes across)
+        return (loc, side) if across else (side, loc)
+
+    along = ax.get_xaxis_transform() if across else ax.get_yaxis_transform()
+    zorder = axis.get_zorder() + 1e-3  # just after the axis, as its ticks would be
+    grid = proto.gridline
+    if grid.get_visible():
+        ax.add_collection(LineCollection(
+            [[at(v, 0), at(v, 1)] for v in locs], transform=along, colors=[grid.get_color()],
+            linewidths=grid.get_linewidth(), linestyles=grid.get_linestyle(),
+            alpha=grid.get_alpha(), zorder=zorder), autolim=False)
+    points = Affine2D().scale(1 / 72) + ax.get_figure().dpi_scale_trans
+    for mark, side in ((proto.tick1line, 0), (proto.tick2line, 1)):  # bottom/left, top/right
+        if mark.get_visible():
+            style = MarkerStyle(mark.get_marker())
+            shape = style.get_path().transformed(
+                Affine2D(style.get_transform().get_matrix()).scale(mark.get_markersize()))
+            ax.add_collection(LineCollection(
+                [shape.vertices], offsets=[at(v, side) for v in locs], offset_transform=along,
+                transform=points, colors=[mark.get_markeredgecolor()],
+                linewidths=mark.get_markeredgewidth(), zorder=zorder, clip_on=False),
+                autolim=False)
+
+
+def _place_panels(fig, rows: int, short_axes: bool, bar_tick_labels: list[str]
+                  ) -> tuple[float, float, float, float]:
+    """Set the margins of ``fig``'s grid of ``rows`` x 2 panels (`MARGINS`, more left of each
+    column with ``short_axes``) and widen ``fig`` by the colour bar's room when there are
+    ``bar_tick_labels`` (their width measured); returns the bar's (left, bottom, width,
+    height) in figure fractions: as tall as the panel rows times 0.7 + 0.05 per row (at most
+    all of it), centred on them, its width 1 / (20 + 15 per row) of its height."""
+    from matplotlib.backends.backend_agg import RendererAgg
+    from matplotlib.font_manager import FontProperties
+
+    left = MARGINS["left"] + (SHORT_AXIS_ROOM if short_axes else 0.0)
+    wspace = MARGINS["wspace"] + (SHORT_AXIS_ROOM if short_axes else 0.0)
+    width, height = fig.get_size_inches()
+    bottom, top = MARGINS["bottom"], height - MARGINS["top"]
+    bar_h = min(1.0, 0.7 + 0.05 * rows) * (top - bottom)
+    bar_w = bar_h / (20 + 15 * rows)
+    right = width - MARGINS["right"]
+    if bar_tick_labels:
+        renderer, font = RendererAgg(1, 1, fig.dpi), FontProperties(size=6)
+        label_w = max(renderer.get_text_width_height_descent(t, font, ismath=False)[0]
+                      for t in bar_tick_labels) / fig.dpi
+        width += BAR_PAD + bar_w + label_w
+        fig.set_size_inches(width, height)
+        right = width - BAR_PAD - bar_w - label_w
+    panel_w = (right - left - wspace) / 2
+    panel_h = (top - bottom - MARGINS["hspace"] * (rows - 1)) / rows
+    fig.subplots_adjust(left=left / width, right=right / width, bottom=bottom / height,
+                        top=top / height, wspace=wspace / panel_w,
+                        hspace=MARGINS["hspace"] / panel_h)
+    bar_x = right + 0.25
+    return (bar_x / width, (bottom + (top - bottom - bar_h) / 2) / height, bar_w / width,
+            bar_h / height)
 
 
 def short_name(name: str, width: int = 28) -> str:
