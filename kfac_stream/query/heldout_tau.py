@@ -237,9 +237,11 @@ def fit_prior_precision(post, batches: Iterable[Mapping[str, Tensor]], *,
     paired standard errors; each link's lowest-NLL ``τ``, ties: the larger, nearer MAP), and
     whether the posterior's probabilities replace MAP's (only beyond 2 paired standard errors).
 
-    Cost: one Jacobian pass over the held-out set (a forward and ``K`` logit backwards per
-    batch: about ``K + 1`` eval passes); every candidate is closed-form algebra on the
-    ``[B, K, K]`` covariances of that pass. MAP's own NLL, accuracy and confidence come from
+    Cost: one Jacobian pass over the held-out set (a forward, ``K`` logit backwards and the
+    eigenbasis features per batch); every candidate is closed-form algebra on that pass
+    (`LaplacePosterior.covariance_grid`: probit's variances exact at every ``τ`` in one
+    product, the mean-field link's covariances binned by eigenvalue pair, each within a factor
+    `tau_grid.VARIANCE_FACTOR`; measured by ``benchmarks/heldout_cost.py``). MAP's own NLL, accuracy and confidence come from
     the same pass's logits. Per-example NLLs of every candidate are held in memory
     (``(2·len(grid) + 3)`` floats per example) for the guard's paired standard errors.
 
@@ -342,12 +344,12 @@ class _HeldoutNLL:
             self.per_token = True
             return
         y = _targets(where, labels.cpu(), token_ids)
-        mean, covs = post.predictive_covariances(batch, None, token_ids,  # at the labels
-                                                 prior_precisions=taus)
+        mean, covs = post.covariance_grid(batch, None, token_ids,  # at the labels
+                                          prior_precisions=taus, links=spec.links)
         y = y.to(mean.device)
         for k in spec.links:
             self.parts[k].append(torch.stack([
-                nll_per_example(probs_from_gaussian(mean, covs[i], k), y).double().cpu()
+                nll_per_example(probs_from_gaussian(mean, covs[k][i], k), y).double().cpu()
                 for i in range(len(taus))]))
         p_map = torch.softmax(mean.double(), -1)
         self.map_parts.append(nll_per_example(p_map, y).double().cpu())

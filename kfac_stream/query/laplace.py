@@ -22,11 +22,10 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from ..capture.hooks import logits_of
 from ..capture.selection import layer_spec
 from ..snapshot.adequacy import sampling_warning
 from ..snapshot.snapshot import Snapshot
-from . import inputs, layer_match
+from . import inputs, layer_match, tau_grid
 from . import kron_eigen as ke
 from .calibration import (
     PROBS_METHODS,
@@ -38,7 +37,7 @@ from .eigen_cache import LazyBases, LazyEigen
 from .layer_match import check_whole_weights, chosen_layers, match_layers, warn_other_weights
 from .marglik import EvidenceBins
 from .num_data import check_num_data, layer_num_data, num_data_unit, warn_far_num_data
-from .per_example import QueryArgs, layer_calls, logit_gradients, per_example_inputs, select_logits
+from .per_example import QueryArgs, layer_gradients
 from .prior_choice import PRIOR_WORDS, resolve_prior
 from .sample_layers import weights_sampled
 
@@ -331,38 +330,18 @@ class LaplacePosterior:
         """`jacobian_features` of checked arguments. A layer applied several times in one
         forward (ALBERT's shared layers) contributes the sum over its calls, as its weight's
         Jacobian does."""
-        with layer_calls(self.modules) as calls, torch.enable_grad():
-            logits = logits_of(self.model(**inputs.forward_inputs(q.batch)))
-            f = select_logits(logits, q)  # [B, K]
-            names = list(calls)
-            flat = [out for n in names for _, out in calls[n]]
-            grads = iter(logit_gradients(f, flat))
-            per_call = {n: [(a, next(grads)) for a, _ in calls[n]] for n in names}
-        calls.clear()
-        size = f.shape[0]
-        for n in names:  # every layout checked before the first feature is made
-            for a, _ in per_call[n]:
-                per_example_inputs(q.where, n, a, size)
+        f, per_call = layer_gradients(self.model, self.modules, q)
 
         def features(n: str) -> Tensor:
-            parts = per_call.pop(n)
-            return sum((self._features(n, a, g, size) for a, g in parts[1:]),
-                       self._features(n, *parts[0], size))
+            return sum(self._features(n, a, g) for a, g in per_call.pop(n))  # over calls
 
-        return f.detach().double(), ((n, features(n)) for n in names)
+        return f.detach().double(), ((n, features(n)) for n in list(per_call))
 
-    def _features(self, name: str, a: Tensor, g: Tensor, size: int) -> Tensor:
-        """``M[b, k] = Σ_t (Q_Gᵀ g_{k,b,t}) (Q_Aᵀ ā_{b,t})ᵀ`` from the layer's input ``a``
-        (``[B, T, d_in]``, ``[B, ..., d_in]`` or batch-major rows ``[B*T, d_in]``, as OPT's
-        fc1/fc2 see them) and the output gradients ``g`` (``[K, *output shape]``) of a batch of
-        ``size`` = B examples; the input side is rotated once for all K logits."""
-        qa, qg = self._qf[name]
-        fd = self.feature_dtype
-        a = per_example_inputs("LaplacePosterior", name, a.to(fd), size)  # [B, T, d_in]
-        if self.snapshot[name].has_bias:
-            a = torch.cat([a, a.new_ones(a.shape[0], a.shape[1], 1)], dim=-1)  # [B, T, d_A]
-        g = g.to(fd).reshape(g.shape[0], size, a.shape[1], g.shape[-1])  # [K, B, T, d_out]
-        return torch.einsum("kbti,btj->bkij", ke.rotate(g, qg), ke.rotate(a, qa))
+    def _features(self, name: str, a: Tensor, g: Tensor) -> Tensor:
+        """``M[b, k] = Σ_t (Q_Gᵀ g_{k,b,t}) (Q_Aᵀ ā_{b,t})ᵀ`` (`tau_grid.layer_features`) of
+        the layer's input ``a [B, T, d_in]`` and output gradients ``g [K, *output shape]``."""
+        return tau_grid.layer_features(*tau_grid.kept_positions(
+            a, g, self.snapshot[name].has_bias, self.feature_dtype), *self._qf[name])
 
     def predictive(self, batch: dict[str, Tensor], positions: int | Sequence[int] | None = None,
                    token_ids: TokenIds | None = None) -> tuple[Tensor, Tensor]:
@@ -405,6 +384,27 @@ class LaplacePosterior:
         priors = inputs.check_priors(where, "prior_precisions", prior_precisions,
                                      self.layer_names)
         return self._covariances(self._query(where, batch, positions, token_ids), priors)
+
+    def covariance_grid(self, batch: dict[str, Tensor], positions: int | Sequence[int] | None
+                        = None, token_ids: TokenIds | None = None, *,
+                        prior_precisions: Sequence[float], links: Sequence[str]
+                        ) -> tuple[Tensor, dict[str, Tensor]]:
+        """`predictive_covariances` at many positive float ``τ``, for what ``links`` (some of
+        `PROBS_METHODS`) read, at about the cost of one (`kfac_stream.query.tau_grid`): the
+        variances exact (``"probit"``'s, zeros off the diagonal), other links' ``K × K``
+        covariances binned by eigenvalue pair: every variance of a logit or of a difference of
+        two within a factor `tau_grid.VARIANCE_FACTOR` of the exact. Returns ``(mean [B, K],
+        {link: covs [P, B, K, K]})``, float64."""
+        where = "LaplacePosterior.covariance_grid"
+        taus = tuple(inputs.check_positive(where, "prior_precisions", t) for t in prior_precisions)
+        links = tuple(inputs.check_choice(where, "links", k, PROBS_METHODS) for k in links)
+        q = self._query(where, batch, positions, token_ids)
+        if getattr(self, "_grid", None) is None or self._grid.taus != taus:
+            self._grid = tau_grid.PairGrid(self.eig, self.layer_num_data, taus, self.device)
+        f, per_call = layer_gradients(self.model, self.modules, q)
+        layers = ((n, self.snapshot[n].has_bias, c) for n, c in per_call.items())
+        return tau_grid.grid_covariances(self._grid, f, layers, self._qf,
+                                         dtype=self.feature_dtype, links=links)
 
     def _covariances(self, q: QueryArgs, priors: list[float | dict[str, float]]
                      ) -> tuple[Tensor, Tensor]:

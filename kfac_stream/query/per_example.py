@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..capture.hooks import logits_of
 from ..exceptions import QueryInputError, UnsupportedLayoutError
 from . import inputs
 
@@ -103,6 +104,25 @@ def logit_gradients(f: Tensor, outs: list[Tensor]) -> list[Tensor]:
         for i, (g, o) in enumerate(zip(gs, outs)):
             per_k[i].append(torch.zeros_like(o) if g is None else g.detach())
     return [torch.stack(g) for g in per_k]
+
+
+def layer_gradients(model: nn.Module, modules: Mapping[str, nn.Module], q: QueryArgs
+                    ) -> tuple[Tensor, dict[str, list[tuple[Tensor, Tensor]]]]:
+    """``(f [B, K], {layer: [(input [B, T, d_in], output gradients [K, *output shape]) per
+    call]})``: one forward of ``model`` and the ``K`` chosen logits' backwards
+    (`logit_gradients`) to the outputs of ``modules`` (``{name: module}``); every call's input
+    is laid out per example (`per_example_inputs`) before the caller makes any feature."""
+    with layer_calls(modules) as calls, torch.enable_grad():
+        logits = logits_of(model(**inputs.forward_inputs(q.batch)))
+        f = select_logits(logits, q)  # [B, K]
+        names = list(calls)
+        flat = [out for n in names for _, out in calls[n]]
+        grads = iter(logit_gradients(f, flat))
+        per_call = {n: [(a, next(grads)) for a, _ in calls[n]] for n in names}
+    calls.clear()
+    size = f.shape[0]
+    return f, {n: [(per_example_inputs(q.where, n, a, size), g) for a, g in per_call[n]]
+               for n in names}
 
 
 def select_logits(logits: Tensor | None, q: QueryArgs) -> Tensor:
