@@ -185,12 +185,13 @@ class KFACConfig:
             value, with the probit link unless the mean-field one wins beyond 2 paired
             standard errors, and MAP's own probabilities kept unless the posterior beats them
             by more than 2 paired standard errors:
-            `kfac_stream.query.heldout_tau.fit_prior_precision`, about ``K + 1`` eval passes
-            for ``K`` classes or answer options) and store the choice beside the final
-            snapshot (``snap.heldout_prior``), where ``LaplacePosterior(model, snap)`` and
-            ``kfac-stream query`` take it by default. The end of training logs its verdict:
-            which way the guard went and why, the eval NLL of MAP and of the posterior, and
-            MAP's confidence gap.
+            `kfac_stream.query.heldout_tau.fit_prior_precision`: a forward, ``K`` backwards
+            and the features per eval batch for ``K`` classes or answer options, 40 eval passes
+            at ``K = 10`` on the suite's encoder, ``benchmarks/heldout_cost.py``) and store the
+            choice beside the final snapshot (``snap.heldout_prior``), where
+            ``LaplacePosterior(model, snap)`` and ``kfac-stream query`` take it by default.
+            The end of training logs its verdict: which way the guard went and why, the eval
+            NLL of MAP and of the posterior, and MAP's confidence gap.
             ``"auto"`` fits whenever the Trainer has an ``eval_dataset`` and the model's
             answers are known: a classification head (``labels [B]``), or a language model
             with ``answer_tokens`` (the eval set's answer positions: each row's first labelled

@@ -241,9 +241,10 @@ def fit_prior_precision(post, batches: Iterable[Mapping[str, Tensor]], *,
     eigenbasis features per batch); every candidate is closed-form algebra on that pass
     (`LaplacePosterior.covariance_grid`: probit's variances exact at every ``τ`` in one
     product, the mean-field link's covariances binned by eigenvalue pair, each within a factor
-    `tau_grid.VARIANCE_FACTOR`; measured by ``benchmarks/heldout_cost.py``). MAP's own NLL, accuracy and confidence come from
-    the same pass's logits. Per-example NLLs of every candidate are held in memory
-    (``(2·len(grid) + 3)`` floats per example) for the guard's paired standard errors.
+    `tau_grid.VARIANCE_FACTOR`; measured by ``benchmarks/heldout_cost.py``). MAP's own NLL,
+    accuracy and confidence come from the same pass's logits. Per-example NLLs of every
+    candidate are held in memory (``(2·len(grid) + 3)`` floats per example) for the guard's
+    paired standard errors.
 
     Args:
         post: A `LaplacePosterior`.
