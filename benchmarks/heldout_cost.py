@@ -16,12 +16,12 @@ its final snapshot, interleaved ``--repeats`` times:
   ``τ``, one Jacobian pass, every (``τ``, link) candidate through
   `LaplacePosterior.covariance_grid`), and the same with the link fixed to probit (its exact
   variances only);
-* the exact per-``τ`` path the fit used before (issue 59 item 4): `predictive_covariances` at
+* the exact per-``τ`` path the fit used before : `predictive_covariances` at
   every candidate, each ``τ`` and layer recomputed over all weights, both links' NLLs;
 * the whole end-of-training step the callback adds: loading the snapshot, building the
   posterior, the fit and writing it.
 
-The target (issue 59): the fit in at most ``2K + 2`` eval passes' time for ``K`` classes.
+The target: the fit in at most ``2K + 2`` eval passes' time for ``K`` classes.
 Medians are reported with their ratio to the eval pass measured in the same run; the line
 ``fit: … eval passes`` says it in one run. The per-token fit of a seq2seq model (no answer
 tokens) is not measured here: its cost is stated from its count of forwards.
@@ -62,7 +62,7 @@ def batches(trainer: Trainer):
 
 
 def exact_path(post, evals, taus) -> None:
-    """The fit's candidates as before issue 59 item 4: every candidate's covariance
+    """The fit's candidates as before the τ grid (`tau_grid`): every candidate's covariance
     recomputed over all weights (`predictive_covariances`), both links' per-example NLLs."""
     for b in evals:
         mean, covs = post.predictive_covariances(b, prior_precisions=list(taus))

@@ -1,6 +1,6 @@
 """Independent brute-force K-FAC oracle for the tests (imports nothing from kfac_stream).
 
-Conventions (brief §1)
+Conventions
 ----------------------
 A tracked layer maps a_s in R^{d_in} at token position s to z_s = W a_s + b.
 ā_s = [a_s; 1] when the layer has a bias (ones column appended LAST), else a_s.

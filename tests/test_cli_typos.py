@@ -1,4 +1,4 @@
-"""What a new user's slips at the command line get (issue 57, items 4-6):
+"""What a new user's slips at the command line get :
 
 - docs/queries.md states the defaults ``kfac-stream query``'s parser has (the classifier
   query's ``--prior-precision`` is ``auto``, as the causal LM's);
@@ -78,7 +78,7 @@ def test_queries_docs_state_the_query_parsers_defaults():
     assert stated.count(("--prior-precision", "auto")) == 2, stated
     assert {("--samples", "32"), ("--samples", "2000"), ("--seed", "0"),
             ("--tokenizer", "--model")} <= set(stated), stated
-    # the sentence issue 57 found is caught
+    # the old sentence (default marglik) is caught
     old = "builds the same posterior (`--prior-precision`,\ndefault `marglik`) and prints"
     assert documented_defaults(old, set(defaults)) == [("--prior-precision", "marglik")]
     assert "marglik" not in defaults["--prior-precision"] == {"auto"}

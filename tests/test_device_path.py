@@ -18,7 +18,7 @@ from kfac_stream.store.device_fold import RENORM
 from kfac_stream.store.factor_store import FactorStore
 
 CPU = torch.device("cpu")
-# brief §1: FP16 storage within 1e-3 relative Frobenius error of a float32 EMA
+# FP16 storage within 1e-3 relative Frobenius error of a float32 EMA
 FP16_BUDGET = 1e-3
 
 
@@ -86,8 +86,9 @@ def test_long_run_renormalises_the_lazy_scale():
 @pytest.mark.parametrize("decay", [0.95, 1.0])
 def test_fp16_device_path_equals_host_path_within_fp16_rounding(decay, monkeypatch):
     """FP16 storage, activations with outliers (|a| up to 1e4): the device path (a flush
-    every 7 updates, several chunks per factor) and the host path are both within the brief's
-    budget of the float64 EMA, and within two fp16 roundings of each other."""
+    every 7 updates, several chunks per factor) and the host path are both within the
+    FP16 budget (1e-3 relative Frobenius) of the float64 EMA, and within two fp16 roundings of
+    each other."""
     monkeypatch.setattr(fold_cost, "CHUNK_ENTRIES", 48 * 13)  # d=48: 13 rows a chunk, 4 chunks
     d = 48
     dev = FactorStore("float16", decay, device=CPU, device_budget=1 << 30)

@@ -11,7 +11,7 @@ Tolerances:
   factors accumulate in float64 (row order across ranks does not matter); what is left is the
   float32 training itself (DDP's all-reduce vs one process's sum order changes the weights at
   ~1e-7 relative after the first step): measured ≤1.1e-7.
-* ``FP16_TOL = 1e-3``: the FP16 storage budget of brief §1 (rows also travel in fp16).
+* ``FP16_TOL = 1e-3``: the FP16 storage budget (rows also travel in fp16).
 * ``BF16_TOL = 3e-2``: bf16 autocast (8-bit mantissa) on both sides, in different orders;
   DeepSpeed's bf16 mode keeps bf16 weights where autocast keeps float32 ones. Measured 1e-3
   (DDP) and 4e-3 (ZeRO-2).

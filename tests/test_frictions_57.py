@@ -1,4 +1,4 @@
-"""Issue 57, frictions 7-10, each at its exact behaviour:
+"""A new user's frictions, each at its exact behaviour:
 
 7. a model with layers the run's selection picks but the snapshot lacks: named (first few and
    their count) in a warning when the tracked weights are the snapshot's (layers left out of

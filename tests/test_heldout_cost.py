@@ -1,4 +1,4 @@
-"""The held-out fit's fast path (`kfac_stream.query.tau_grid`, issue 59 item 4) against the
+"""The held-out fit's fast path (`kfac_stream.query.tau_grid`) against the
 exact per-``τ`` covariances (`LaplacePosterior.predictive_covariances`, every candidate
 recomputed over all weights).
 

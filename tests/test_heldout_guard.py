@@ -1,4 +1,4 @@
-"""The held-out fit's guard (`heldout_tau.GUARD_SE`, issue 59): MAP's own probabilities are a
+"""The held-out fit's guard (`heldout_tau.GUARD_SE`): MAP's own probabilities are a
 candidate; the posterior replaces them only when its eval NLL beats MAP's by more than 2 paired
 standard errors of the per-example differences, and a link other than probit is chosen only
 beyond 2 such errors. Checked on constructed per-example NLLs (the rule at its boundary, the

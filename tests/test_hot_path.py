@@ -172,7 +172,7 @@ def test_cuda_device_store_equals_the_float64_ema_and_the_host_path(monkeypatch)
     """The store's device path on a real GPU: bf16 rows (tensor-core Gram, fp32 pending sum,
     not fused), an exchanged fp32 statistic, a diagonal factor; flushes streamed through the
     pinned FP16 factors in several chunks per factor (two copy streams, two buffer slots
-    reused many times). Against the float64 EMA of the bf16-rounded rows: within the brief's
+    reused many times). Against the float64 EMA of the bf16-rounded rows: within the
     FP16 budget; against the host path on the same rounded rows: two fp16 roundings."""
     from kfac_stream.stats.ema import ema_closed_form
     from kfac_stream.store import fold_cost

@@ -1,4 +1,4 @@
-"""G does not depend on how the trainer scales or splits its loss (brief §1 "Invariance")."""
+"""G does not depend on how the trainer scales or splits its loss."""
 
 import pytest
 import torch

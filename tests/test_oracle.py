@@ -1,4 +1,4 @@
-"""Oracle: streamed factors equal a brute-force float64 reference (brief §1).
+"""Oracle: streamed factors equal a brute-force float64 reference.
 
 The reference (tests/reference.py) recomputes, for every training micro-batch the Trainer ran,
 the per-position layer inputs and the gradients of the SUMMED NLL w.r.t. each layer output by

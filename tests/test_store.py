@@ -6,7 +6,7 @@ import torch
 from kfac_stream.stats.ema import ema_closed_form, ema_step
 from kfac_stream.store.factor_store import FactorStore
 
-# FP16 budget of brief §1: relative Frobenius error against a float32 EMA over 100 updates.
+# FP16 budget: relative Frobenius error against a float32 EMA over 100 updates.
 FP16_BUDGET = 1e-3
 
 

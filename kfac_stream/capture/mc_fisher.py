@@ -36,7 +36,7 @@ Three ways:
   host; it costs a backward of the whole micro-batch;
 * **after the optimizer step, whole micro-batch** (`mc_fisher_pass`, ``mc_sequences="all"``):
   a fresh forward of the stored inputs. Used under DeepSpeed ZeRO-3 (a second backward inside
-  the forward breaks its partitioning, brief §4), with gradient checkpointing (the extra
+  the forward breaks its partitioning), with gradient checkpointing (the extra
   backward would recompute every block) and under fp16 autocast (the in-forward gradient
   would be fp16 without a loss scale); the replay's forward is made free of the model's
   host syncs where that is exact (a Llama-family one: none, `replay_forward`).

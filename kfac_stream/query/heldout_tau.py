@@ -80,7 +80,7 @@ TOKEN_SAMPLES = 16
 #: The guard, in paired standard errors (module docstring): a link other than `BASE_LINK`,
 #: and the posterior instead of MAP's own probabilities, are chosen only when their mean eval
 #: NLL beats the alternative's by more than this many paired standard errors of the
-#: per-example differences. Fixed before the suite that judges it (issue 59): a gain of about
+#: per-example differences. Fixed before the suite that judges it: a gain of about
 #: one standard error (``ft-encoder`` seed 0: 0.016 nats on 240 examples) chose a posterior
 #: that lost 1.4% on test.
 GUARD_SE = 2.0

@@ -11,7 +11,7 @@ and where they came from.
    the guard kept MAP the link is ``"map"`` (MAP's own probabilities) and ``τ`` the fit's;
 2. otherwise the rule for runs without held-out data (`NO_HELDOUT_TAU`, `NO_HELDOUT_LINK`):
    the field's pre-registered default, laplace-torch's (marginal-likelihood ``τ``, probit
-   link), not tuned on this library's suite (issue 59: the mean-field link it replaces was
+   link), not tuned on this library's suite (the mean-field link it replaces was
    the suite's pick and its worst case was 1.59 × laplace-torch's NLL).
 
 ``"heldout"`` insists on 1 (an error when none is stored); ``"marglik"`` and a number skip it.

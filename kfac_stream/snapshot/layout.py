@@ -1,4 +1,4 @@
-"""Names and small pure helpers of the snapshot format (brief §2).
+"""Names and small pure helpers of the snapshot format.
 
 ::
 

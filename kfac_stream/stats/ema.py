@@ -1,4 +1,4 @@
-r"""The token-weighted, bias-free EMA of brief §1.
+r"""The token-weighted, bias-free EMA (docs/computed.md).
 
 Each factor keeps a weight :math:`w` (0 before the first update). An update with a step
 statistic :math:`S_k` built from :math:`n_k` positions does
