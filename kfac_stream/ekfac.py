@@ -344,7 +344,8 @@ class EkfacState:
         """``receive(key, eigvecs)`` for snapshot ``step``'s eigendecompositions
         (`kfac_stream.snapshot.eigen_stream.EigenStream`'s ``on_result``; with several ranks
         also the bases broadcast by their owners, `kfac_stream.distributed.ekfac_sync`): each
-        factor's eigenvectors (``[d, d]``; None: diagonal) are copied to the device; when every
+        factor's eigenvectors (``[d, d]``; None: diagonal) are copied to the device, row-major (the
+        layout a checkpoint restores: a resumed run rotates with the same kernels); when every
         factor of the plan has arrived the basis is ready for the next update step (with
         ``lockstep``: once `confirm` says it arrived on every rank). Results of another step
         are dropped."""
@@ -356,7 +357,8 @@ class EkfacState:
             if key not in needed:
                 return
             try:
-                moved = None if q is None else q.to(self.device, self.dtype, copy=True)
+                moved = None if q is None else q.to(self.device, self.dtype, copy=True,
+                                                     memory_format=torch.contiguous_format)
                 if moved is not None and moved.is_cuda:
                     torch.cuda.current_stream(moved.device).synchronize()  # this thread only
             except RuntimeError as e:  # out of device memory: no basis, the snapshot goes on
