@@ -192,15 +192,16 @@ class KFACConfig:
             ``LaplacePosterior(model, snap)`` and ``kfac-stream query`` take it by default.
             The end of training logs its verdict: which way the guard went and why, the eval
             NLL of MAP and of the posterior, and MAP's confidence gap.
-            ``"auto"`` fits whenever the Trainer has an ``eval_dataset`` and the model's
-            answers are known: a classification head (``labels [B]``), or a language model
-            with ``answer_tokens`` (the eval set's answer positions: each row's first labelled
-            position, whose label must be one of the answer tokens); a language model without
-            ``answer_tokens`` is said once at train begin, with how to get the fit. ``True``
-            also fits a seq2seq LM (T5, BART) without ``answer_tokens`` on its whole targets
-            (the NLL per label token, by Monte Carlo over draws of the linearised model,
-            about 400 forwards per eval batch) and refuses a causal LM without
-            ``answer_tokens`` at train begin; ``False`` never fits. Without a fit, queries use
+            ``"auto"`` and ``True`` fit whenever the Trainer has an ``eval_dataset``: a
+            classification head on its ``labels [B]``, a language model with
+            ``answer_tokens`` on the eval set's answer positions (each row's first labelled
+            position, whose label must be one of the answer tokens), and a language model
+            without them (a causal LM's texts, a seq2seq LM's targets) per label token of its
+            linearised next-token predictive, by Monte Carlo on at most 32 positions of each
+            of the first 64 eval rows at 5 ``τ`` around the marginal likelihood's (about 161
+            forwards of those rows, `kfac_stream.query.heldout_tokens`), under the same
+            guard. ``"auto"`` says in one line why it does not fit (no eval set, an empty
+            one, several ranks); ``True`` warns. ``False`` never fits. Without a fit, queries use
             the rule without held-out data (`kfac_stream.query.prior_choice`).
             (Default: "auto")
         answer_tokens: The answer options of a language model's multiple-choice or

@@ -29,7 +29,7 @@ from kfac_stream.query.prior_choice import NO_HELDOUT_LINK
 from kfac_stream.snapshot.heldout_prior import HeldoutPrior, read_heldout_prior, write_heldout_prior
 
 from logreaders import Lines
-from models import ListDataset, labelled_examples, text_examples, tiny_gpt2
+from models import ListDataset, labelled_examples
 
 TEXT = "def f(x):"
 
@@ -216,16 +216,3 @@ def test_the_verdict_says_when_laplace_equals_map(tmp_path):
     snap_dir = tmp_path / "step-00000001"
     write_heldout_prior(str(snap_dir), inner)
     assert read_heldout_prior(str(snap_dir)) == inner  # link_nll and the MAP figures too
-
-
-def test_a_causal_lm_without_answer_tokens_is_said_once_and_not_fitted(tmp_path):
-    cb = KFACStreamCallback(KFACConfig(output_dir=str(tmp_path / "kfac")))
-    args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=2,
-                             report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True)
-    with Lines() as log:
-        Trainer(model=tiny_gpt2(torch.float32), args=args,
-                train_dataset=ListDataset(text_examples(4, 8)),
-                eval_dataset=ListDataset(text_examples(4, 8, seed=1)), callbacks=[cb]).train()
-    said = [m for m in log.lines if "without answer_tokens" in m]
-    assert len(said) == 1 and "set KFACConfig(answer_tokens=[...])" in said[0], log.lines
-    assert Snapshot.load(cb.snapshots[-1]).heldout_prior is None

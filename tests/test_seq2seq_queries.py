@@ -21,8 +21,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
+from kfac_stream import (
+    KFACConfig,
+    KFACStreamCallback,
+    LaplacePosterior,
+    Snapshot,
+    fit_prior_precision,
+)
 from kfac_stream.exceptions import QueryInputError
+from kfac_stream.query.heldout_tokens import token_grid
 from kfac_stream.query.sampled import sampled_predictive
 
 from models import ListDataset
@@ -206,8 +213,10 @@ def test_heldout_prior_is_fitted_on_the_eval_sets_label_tokens(run):
                        decoder_input_ids=_shift_right(model, batch["labels"])).logits
     map_nll = float(F.cross_entropy(logits.double().reshape(-1, VOCAB),
                                     batch["labels"].reshape(-1), ignore_index=-100))
-    assert prior.grid[-1] == 1e6
-    assert prior.grid_nll[-1] == pytest.approx(map_nll, rel=MAP_NLL_TOL)
+    assert list(prior.grid) == token_grid(prior.marglik_tau)  # 5 decades around it
+    post = LaplacePosterior(model, snap, 1.0)
+    wide = fit_prior_precision(post, [batch], grid=[1e6])
+    assert wide.grid_nll[wide.grid.index(1e6)] == pytest.approx(map_nll, rel=MAP_NLL_TOL)
     # the guard per label token: MAP's own NLL is a candidate, the posterior replaces it only
     # beyond 2 paired standard errors, and the verdict says which way it went
     assert prior.map_nll == pytest.approx(map_nll, rel=MAP_OWN_TOL)
@@ -235,7 +244,6 @@ def test_shared_input_probe_runs_on_a_seq2seq_model(run):
 
 def test_a_batch_with_neither_labels_nor_decoder_inputs_is_one_line_error(run):
     family, model, _, snap, held, _ = run
-    from kfac_stream import fit_prior_precision
 
     post = LaplacePosterior(model, snap, prior_precision=1.0)
     bare = _stack(held[:2], ("input_ids", "attention_mask"))
@@ -264,7 +272,6 @@ def test_answer_token_fit_reads_the_labels_decoder_position(run):
     """One label per row and ``token_ids``: the closed-form predictive at the label's own
     decoder position (no shift), recomputed here at every candidate tau and link (the fit's
     probit variances exact, its mean-field covariances binned: `tau_grid`)."""
-    from kfac_stream import fit_prior_precision
     from kfac_stream.query.calibration import probs_from_gaussian
     from kfac_stream.query.tau_grid import meanfield_nll_bound
 

@@ -17,26 +17,9 @@ from typing import Any
 from torch import nn
 
 from ..exceptions import KFACConfigError
-from ..query.inputs import seq2seq_lm
+from ..query.inputs import output_vocab
 
 WHERE = "KFACConfig.answer_tokens"
-
-
-def output_vocab(model: nn.Module) -> int | None:
-    """Logits of the model's language-model head (its output embedding's rows), or None for a
-    model without one (a classifier). Read from the layer's ``out_features`` / ``num_embeddings``
-    (not its weight, which DeepSpeed ZeRO-3 partitions), else ``config.vocab_size``."""
-    get = getattr(model, "get_output_embeddings", None)
-    try:
-        head = get() if callable(get) else None
-    except (NotImplementedError, AttributeError):
-        head = None
-    if head is None:
-        return None
-    size = getattr(head, "out_features", None) or getattr(head, "num_embeddings", None)
-    if size is None:
-        size = getattr(getattr(model, "config", None), "vocab_size", None)
-    return int(size) if size else None
 
 
 def text_tokenizer(processing_class: Any) -> Any:
@@ -99,23 +82,3 @@ def resolve_answer_tokens(spec: Sequence[int | str] | None, model: nn.Module,
                               "the options must be distinct tokens")
     shown_texts = all(t is not None and t.isprintable() for t in texts)  # a manifest string
     return {"ids": ids, "texts": texts if shown_texts else None}
-
-
-def check_eval_answer_tokens(eval_prior_precision: bool | str, answers: dict | None,
-                             model: nn.Module) -> None:
-    """At train begin: ``eval_prior_precision`` on a causal language model (a language-model
-    head, not an encoder-decoder, whose eval labels hold whole targets) needs the answer
-    tokens whose logits its held-out NLL is over.
-
-    Raises:
-        KFACConfigError: a causal LM with ``eval_prior_precision=True`` and no
-            ``answer_tokens``.
-    """
-    if eval_prior_precision is not True or answers is not None or output_vocab(model) is None or (
-            seq2seq_lm(model)):
-        return
-    raise KFACConfigError(
-        "KFACConfig.eval_prior_precision=True on a language model needs answer_tokens (the "
-        "answer options whose logits the held-out NLL is taken over, e.g. answer_tokens=[' A', "
-        "' B', ' C', ' D'], with each eval row's label at its answer); for a whole-text eval "
-        "set, fit tau with the marginal likelihood (prior_precision='marglik')")

@@ -1,9 +1,10 @@
 """``KFACConfig.eval_prior_precision``: the prior precision and link fitted on the Trainer's
 ``eval_dataset`` at the final snapshot, stored beside it (`kfac_stream.query.heldout_tau`).
 
-A classification head's eval set gives one label per example; a seq2seq model's (T5, BART) its
-targets ``labels [B, T']``, from which the decoder inputs are made as in training, and the NLL
-is taken per label token (`kfac_stream.query.heldout_tau`, module docstring)."""
+A classification head's eval set (or an answer-token fine-tune's) gives one label per example;
+a language model's without answer tokens (a causal LM's texts, a seq2seq model's targets) its
+``labels [B, T]``, and the NLL is taken per label token of the linearised next-token predictive
+(`kfac_stream.query.heldout_tokens`)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import torch
 from transformers import Trainer
 
 from ..exceptions import QueryInputError
-from ..query.heldout_tau import GRID, GUARD_SE, LINKS, TOKEN_SAMPLES, fit_prior_precision
-from ..query.inputs import seq2seq_lm
+from ..query.heldout_tau import GRID, GUARD_SE, LINKS, fit_prior_precision
+from ..query.heldout_tokens import DECADES, MAX_SEQUENCES, ROW_POSITIONS, TOKEN_SAMPLES
 from ..query.laplace import LaplacePosterior
 from ..query.prior_choice import NO_HELDOUT_LINK, NO_HELDOUT_TAU
 from ..snapshot.heldout_prior import write_heldout_prior
@@ -35,7 +36,7 @@ def find_trainer(depth: int = 16) -> Trainer | None:
     return find_on_stack(Trainer, depth)
 
 
-def plan_heldout_fit(tracker, mode: bool | str, answers: dict | None, model) -> bool:
+def plan_heldout_fit(tracker, mode: bool | str) -> bool:
     """At train begin: whether the end of training fits ``τ`` and the link on the Trainer's
     eval set (``KFACConfig.eval_prior_precision`` ``mode``), each reason not to said once,
     on rank 0 (the other ranks never fit)."""
@@ -67,13 +68,6 @@ def plan_heldout_fit(tracker, mode: bool | str, answers: dict | None, model) -> 
             "non-empty eval_dataset=..., or call kfac_stream.fit_prior_precision after "
             "training)", NO_HELDOUT_RULE)
         return False
-    if mode == "auto" and answers is None and output_vocab(model) is not None:
-        logger.info("kfac_stream: a language model without answer_tokens: tau and the link "
-                    "are not fitted on the eval set (set KFACConfig(answer_tokens=[...]) for an "
-                    "answer-token fine-tune%s); queries will use %s",
-                    ", or eval_prior_precision=True for a seq2seq model's per-token fit"
-                    if seq2seq_lm(model) else "", NO_HELDOUT_RULE)
-        return False
     return trainer is not None
 
 
@@ -102,12 +96,16 @@ def fit_heldout_prior(callback, model) -> str | None:
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    per_token = seq2seq_lm(model) and callback.tracker.answer_tokens is None
+    per_token = output_vocab(model) is not None and callback.tracker.answer_tokens is None
     if per_token:  # its cost differs from the closed form's one Jacobian pass: say it
-        logger.info("kfac_stream: held-out fit: a seq2seq model's whole targets, the NLL per "
-                    "label token of the linearised predictive, by Monte Carlo over %d draws for "
-                    "each of %d candidate taus (about %d forwards per eval batch)",
-                    TOKEN_SAMPLES, len(GRID) + 1, 2 * TOKEN_SAMPLES * (len(GRID) + 1))
+        logger.info("kfac_stream: held-out fit: a language model's whole texts, the NLL per "
+                    "label token of the linearised next-token predictive (at most %d positions "
+                    "of each of the first %d eval rows), by Monte Carlo over %d draws for each "
+                    "of %d candidate taus around the marginal likelihood's (about %d forwards "
+                    "of those rows); MAP's own probabilities are kept unless the posterior "
+                    "beats them by more than %g paired standard errors", ROW_POSITIONS,
+                    MAX_SEQUENCES, TOKEN_SAMPLES, len(DECADES),
+                    2 * TOKEN_SAMPLES * len(DECADES) + 1, GUARD_SE)
     else:
         logger.info("kfac_stream: held-out fit: one Jacobian pass over the eval set (a forward "
                     "and one backward per class or answer option), then the closed-form "

@@ -13,7 +13,7 @@ from ..config import KFACConfig
 from ..distributed.engines import engines_not_applied
 from ..log_setup import show_info_by_default
 from ..own_rng import kept_generators
-from .answer_tokens import check_eval_answer_tokens, resolve_answer_tokens, text_tokenizer
+from .answer_tokens import resolve_answer_tokens, text_tokenizer
 from .zero3 import check_deepspeed_device, deepspeed_requested
 
 logger = logging.getLogger("kfac_stream")
@@ -66,7 +66,6 @@ def check_train_begin(config: KFACConfig, args, model, processing_class=None) ->
     if error is not None:
         raise error
     answers = resolve_answer_tokens(cfg.answer_tokens, model, text_tokenizer(processing_class))
-    check_eval_answer_tokens(cfg.eval_prior_precision, answers, model)
     return answers
 
 

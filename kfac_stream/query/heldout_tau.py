@@ -18,17 +18,14 @@ answer) and ``token_ids`` (the ``K`` answer tokens; default: the snapshot's
 the answer tokens; the logit position is that position minus one (a causal LM shifts the
 labels; an encoder-decoder does not: its decoder position ``t`` predicts ``labels[:, t]``).
 
-Seq2seq (an encoder-decoder LM, T5 or BART, `inputs.seq2seq_lm`): the decoder inputs are made
-from the labels as in training (`inputs.query_batch`). Without ``token_ids`` (the Trainer's
-``eval_prior_precision=True``: a seq2seq eval set's ``labels [B, T']`` hold a whole target per
-row) the NLL is per label token: at every decoder position with a label (``!= -100``), over the
-whole vocabulary, of the linearised predictive by Monte Carlo (``n_samples`` draws of the
-linearised model, `sampled_predictive`'s ``linearized=True``; the same draws, seeds ``seed …
-seed + S − 1``, for every candidate and batch, so the candidates are compared on common random
-numbers): ``−log mean_s softmax(f_s)[y]``. The K-logit closed form cannot serve there: it would
-need one backward per vocabulary entry and position. Cost per eval batch: ``len(grid) + 1``
-times ``S`` linearised forwards (about ``2·S`` forwards each), and one forward of MAP;
-``link`` is then ``"mc"`` and ``examples`` counts label tokens.
+A language model without answer tokens (``token_ids`` None and no
+``KFACConfig.answer_tokens``: a causal LM's or a seq2seq model's whole-text eval set, its
+``labels [B, T]`` as the collator makes them) is fitted per label token on its linearised
+next-token predictive, by Monte Carlo on the first rows' subsampled positions, at ``τ``
+candidates around the marginal likelihood's (`kfac_stream.query.heldout_tokens`: which
+tokens, the candidates and the cost); ``link`` is then ``"mc"`` and ``examples`` counts the
+scored label tokens. The K-logit closed form cannot serve there: it would need one backward per
+vocabulary entry and position.
 
 The guard (`GUARD_SE`, fixed in code before the suite that judges it): MAP's own
 probabilities (``softmax`` of the trained logits over the same ``K`` classes or answer tokens;
@@ -62,6 +59,14 @@ from ..metrics import nll_per_example
 from ..snapshot.heldout_prior import MAP_LINK, HeldoutPrior
 from . import inputs
 from .calibration import PROBS_METHODS, probs_from_gaussian
+from .heldout_tokens import (
+    MAX_SEQUENCES,
+    TOKEN_SAMPLES,
+    first_rows,
+    scored_labels,
+    token_grid,
+    token_nll,
+)
 
 #: ``τ`` candidates: a log grid over ten decades; the marginal-likelihood ``τ`` is added.
 #: Fixed before the suite that judged the held-out default. At the top (``1e6``)
@@ -73,9 +78,6 @@ GRID = tuple(10.0 ** e for e in range(-4, 7))
 #: closed forms of the same ``[B, K]`` mean and ``[B, K, K]`` covariance, so each adds no
 #: model pass.
 LINKS = ("probit", "meanfield")
-
-#: Draws of the linearised model per candidate for the per-token NLL of a seq2seq model.
-TOKEN_SAMPLES = 16
 
 #: The guard, in paired standard errors (module docstring): a link other than `BASE_LINK`,
 #: and the posterior instead of MAP's own probabilities, are chosen only when their mean eval
@@ -187,51 +189,11 @@ def _targets(where: str, labels: Tensor, token_ids: Sequence[int] | None) -> Ten
     return match.long().argmax(1)
 
 
-def _token_nll(post, batch: Mapping[str, Tensor], labels: Tensor, taus: Sequence[float],
-               n_samples: int, seed: int) -> tuple[Tensor, Tensor]:
-    """``(NLL [len(taus), n], MAP's NLL [n])`` of a seq2seq batch's ``n`` label tokens (row
-    by row, left to right): at every position with a label, ``−log mean_s softmax(f_s)[y]``
-    over ``n_samples`` draws of the linearised model at each candidate ``τ`` (the same seeds
-    for all), and MAP's ``−log softmax(f)[y]`` from one forward of the trained model."""
-    from .sampled import iter_sample_logits
-
-    where = "fit_prior_precision"
-    keep = labels != inputs.IGNORE_INDEX  # [B, T']
-    y = labels.clamp(min=0)
-    total = torch.zeros(len(taus), int(keep.sum()), dtype=torch.float64)
-    for i, tau in enumerate(taus):
-        post.prior_precision = tau
-        lse = None
-        for _, logits in iter_sample_logits(post, batch, n_samples, seed, linearized=True,
-                                            show_progress=False):
-            if tuple(logits.shape[1:-1]) != tuple(labels.shape):
-                raise QueryInputError(f"{where}: labels {list(labels.shape)} do not fit the "
-                                      f"model's logits {list(logits.shape[1:])}")
-            if i == 0 and lse is None:  # once per batch, before any NLL
-                bad = labels[keep & ((labels < 0) | (labels >= logits.shape[-1]))]
-                if bad.numel():
-                    raise QueryInputError(f"{where}: a label ({int(bad[0])}) is outside the "
-                                          f"model's {logits.shape[-1]} vocabulary logits "
-                                          "(or -100: no label)")
-            work = torch.float64 if logits.dtype == torch.float64 else torch.float32
-            lp = torch.log_softmax(logits.to(work), -1).gather(
-                -1, y.to(logits.device)[None, ..., None].expand(*logits.shape[:-1], 1))
-            part = torch.logsumexp(lp.squeeze(-1).double(), 0)  # [B, T']
-            lse = part if lse is None else torch.logaddexp(lse, part)
-        assert lse is not None
-        nll = math.log(n_samples) - lse
-        total[i] = nll[keep.to(nll.device)].cpu()
-    run = inputs.query_batch(where, "batch", batch, post.model)
-    with torch.no_grad():
-        logits = post.model(**inputs.forward_inputs(run, post.model)).logits  # [B, T', V]
-    lp = torch.log_softmax(logits.double(), -1).gather(-1, y.to(logits.device)[..., None])
-    return total, -lp.squeeze(-1)[keep.to(logits.device)].cpu()
-
-
 def fit_prior_precision(post, batches: Iterable[Mapping[str, Tensor]], *,
                         token_ids: Sequence[int] | None = None, link: str | None = None,
-                        grid: Sequence[float] = GRID, n_samples: int = TOKEN_SAMPLES,
-                        seed: int = 0) -> HeldoutPrior:
+                        grid: Sequence[float] | None = None, n_samples: int = TOKEN_SAMPLES,
+                        seed: int = 0, max_sequences: int | None = MAX_SEQUENCES
+                        ) -> HeldoutPrior:
     """The (``τ``, link) of (``grid`` ∪ {marginal-likelihood ``τ``}) × `LINKS` chosen on
     held-out data by the guard (module docstring: probit unless another link wins beyond 2
     paired standard errors; each link's lowest-NLL ``τ``, ties: the larger, nearer MAP), and
@@ -244,7 +206,8 @@ def fit_prior_precision(post, batches: Iterable[Mapping[str, Tensor]], *,
     `tau_grid.VARIANCE_FACTOR`; measured by ``benchmarks/heldout_cost.py``). MAP's own NLL,
     accuracy and confidence come from the same pass's logits. Per-example NLLs of every
     candidate are held in memory (``(2·len(grid) + 3)`` floats per example) for the guard's
-    paired standard errors.
+    paired standard errors. A language model without answer tokens: the per-token fit
+    (`kfac_stream.query.heldout_tokens`, its cost there).
 
     Args:
         post: A `LaplacePosterior`.
@@ -253,15 +216,17 @@ def fit_prior_precision(post, batches: Iterable[Mapping[str, Tensor]], *,
             decoder inputs are made from the labels when the batch has none.
         token_ids: The ``K ≥ 2`` answer tokens of a language-model head (one sequence of ints
             for every example); None: the snapshot's ``KFACConfig.answer_tokens`` (none: a
-            seq2seq model's per-token NLL, module docstring).
+            language model's per-token NLL, module docstring).
         link: None (default: chosen among `LINKS` by the guard, module docstring), or one
             link to fix: ``"meanfield"``, ``"probit"`` or ``"mc"`` (`probs_from_gaussian`);
-            the per-token NLL of a seq2seq model without ``token_ids`` is always ``"mc"``
+            the per-token NLL of a language model without ``token_ids`` is always ``"mc"``
             (module docstring). MAP's own probabilities are compared with it either way.
-        grid: Candidate ``τ`` values (positive).
+        grid: Candidate ``τ`` values (positive); None: `GRID` ∪ {marginal-likelihood ``τ``},
+            and for the per-token fit `heldout_tokens.token_grid` around that ``τ``.
         n_samples: Draws of the linearised model per candidate for that per-token NLL, an
             int ≥ 2.
         seed: Seed of the first of those draws, an int.
+        max_sequences: The per-token fit reads the first this many eval rows (None: all).
 
     Returns:
         A `HeldoutPrior`; ``post.prior_precision`` is left as it was.
@@ -273,8 +238,12 @@ def fit_prior_precision(post, batches: Iterable[Mapping[str, Tensor]], *,
     before = post.prior_precision
     tau_ml = post.optimize_prior_precision(show_progress=False)
     post.prior_precision = before
+    if grid is None:
+        grid = token_grid(tau_ml) if spec.per_token else GRID
     taus = sorted({float(t) for t in grid} | {tau_ml})
     sums = _HeldoutNLL(spec.links, len(taus))
+    if spec.per_token:
+        batches = first_rows(batches, max_sequences)
     try:
         for batch in batches:
             sums.add(post, batch, taus, spec)
@@ -290,7 +259,7 @@ class _FitSpec:
     where: str
     links: tuple[str, ...]  # the candidate links
     token_ids: list[int] | None  # the K answer tokens of a language-model head
-    seq2seq: bool  # an encoder-decoder LM (`inputs.seq2seq_lm`)
+    per_token: bool  # a language-model head without them: the NLL per label token
     n_samples: int  # draws per candidate of the per-token NLL
     seed: int
 
@@ -311,8 +280,9 @@ def _check_fit(where: str, post, *, token_ids: object, link: object, n_samples: 
         token_ids = token_ids.tolist()
     n_samples = inputs.check_int(where, "n_samples", n_samples, 2)
     seed = inputs.check_seed(where, "seed", seed)
-    return _FitSpec(where=where, links=links, token_ids=token_ids,
-                    seq2seq=inputs.seq2seq_lm(post.model), n_samples=n_samples, seed=seed)
+    per_token = token_ids is None and inputs.output_vocab(post.model) is not None
+    return _FitSpec(where=where, links=links, token_ids=token_ids, per_token=per_token,
+                    n_samples=n_samples, seed=seed)
 
 
 class _HeldoutNLL:
@@ -329,22 +299,22 @@ class _HeldoutNLL:
 
     def add(self, post, batch: Mapping[str, Tensor], taus: Sequence[float],
             spec: _FitSpec) -> None:
-        """One held-out batch: a seq2seq target per row by the per-token NLL (`_token_nll`),
-        else the closed-form links of one Jacobian pass at every candidate."""
+        """One held-out batch: a language model's whole texts by the per-token NLL
+        (`heldout_tokens.token_nll`), else the closed-form links of one Jacobian pass at every
+        candidate."""
         where, token_ids = spec.where, spec.token_ids
-        if "labels" not in batch:
-            raise QueryInputError(f"{where}: a held-out batch has no labels")
-        labels = batch["labels"]
-        if spec.seq2seq and token_ids is None and isinstance(labels, Tensor) and \
-                labels.dim() == 2:  # a whole target per row: the NLL per label token
+        if spec.per_token:  # whole texts: the NLL per scored label token
             inputs.check_model_batch(where, "batch", batch, post.model)
-            part, map_part = _token_nll(post, batch, labels, taus, spec.n_samples, spec.seed)
+            labels = scored_labels(where, batch, post.model)
+            part, map_part = token_nll(post, batch, labels, taus, spec.n_samples, spec.seed)
             self.parts = {"mc": [*self.parts.get("mc", []), part]}
             self.map_parts.append(map_part)
             self.n += map_part.numel()
             self.per_token = True
             return
-        y = _targets(where, labels.cpu(), token_ids)
+        if "labels" not in batch:
+            raise QueryInputError(f"{where}: a held-out batch has no labels")
+        y = _targets(where, batch["labels"].cpu(), token_ids)
         mean, covs = post.covariance_grid(batch, None, token_ids,  # at the labels
                                           prior_precisions=taus, links=spec.links)
         y = y.to(mean.device)

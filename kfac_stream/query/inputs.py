@@ -189,6 +189,20 @@ def input_vocab(model: nn.Module) -> int | None:
     return int(emb.num_embeddings) if isinstance(emb, nn.Embedding) else None
 
 
+def output_vocab(model: nn.Module) -> int | None:
+    """Logits of the model's language-model head, or None (a classifier): its output layer's
+    ``out_features`` / ``num_embeddings`` (not its ZeRO-3-partitioned weight), or the config's."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except (NotImplementedError, AttributeError):
+        return None
+    size = None if head is None else (getattr(head, "out_features", None) or getattr(
+        head, "num_embeddings", None) or getattr(getattr(model, "config", None), "vocab_size",
+                                                 None))
+    return int(size) if size else None
+
+
 def check_id_range(where: str, arg: str, value: Any, ids: Tensor, size: int, what: str) -> None:
     """Every entry of the integer tensor ``ids`` in ``[0, size)``; ``value`` is what the caller
     passed (for the message). Tensors on an accelerator are not read (no host sync)."""

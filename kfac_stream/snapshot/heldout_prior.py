@@ -127,7 +127,8 @@ class HeldoutPrior:
         per_token = self.link == "mc"
         unit = "label tokens" if per_token else "examples"
         gain = f"{self.map_gain:.3g} ± {self.map_gain_se:.2g} nats"
-        post = f"tau {self.tau:.4g}, {self.link} link"
+        post = f"tau {self.tau:.4g}, " + ("the linearised predictive by Monte Carlo" if per_token
+                                          else f"{self.link} link")
         if self.map_kept:
             head = (f"kept MAP's probabilities: the posterior's eval gain {gain} ({post}) is "
                     "within noise (2 paired s.e.); its variances still rank and flag "

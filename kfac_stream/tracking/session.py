@@ -162,8 +162,7 @@ class TrackingSession:
         if rank0:
             self._prepare_directory()
             logger.info("%s", tracking_summary(self.tracker, self.output_dir, model))
-        self._fit_heldout = plan_heldout_fit(self.tracker, run.config.eval_prior_precision,
-                                             answers, model)
+        self._fit_heldout = plan_heldout_fit(self.tracker, run.config.eval_prior_precision)
         if rank0:
             self._say_window()
 
