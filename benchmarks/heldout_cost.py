@@ -41,7 +41,8 @@ from transformers import Trainer, TrainingArguments
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
 from kfac_stream.app.data import ExampleDataset
 from kfac_stream.query.calibration import probs_from_gaussian
-from kfac_stream.query.heldout_tau import GRID, LINKS, TOKEN_SAMPLES, fit_prior_precision
+from kfac_stream.query.heldout_tau import LINKS, fit_prior_precision
+from kfac_stream.query.heldout_tokens import DECADES, MAX_SEQUENCES, TOKEN_SAMPLES
 from kfac_stream.snapshot.heldout_prior import write_heldout_prior
 
 from _common import machine, write_json, write_section
@@ -133,9 +134,10 @@ def main(argv=None) -> None:
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = {k: v / med["eval_pass"] for k, v in med.items()}
     target = 2 * K + 2
-    # the per-token fit: per eval batch, every candidate's TOKEN_SAMPLES linearised forwards
-    # (about 2 forwards each, `sampled_predictive(linearized=True)`) and MAP's own forward
-    per_token = 2 * TOKEN_SAMPLES * (len(GRID) + 1) + 1
+    # the per-token fit: on its first MAX_SEQUENCES eval rows, every candidate's TOKEN_SAMPLES
+    # linearised forwards (about 2 forwards each, `sampled_predictive(linearized=True)`) and
+    # MAP's own forward
+    per_token = 2 * TOKEN_SAMPLES * len(DECADES) + 1
     out = {"task": "encoder-filekind, 200 eval examples", "classes": K, "train_seconds": train_s,
            "eval_examples": fit.examples, "medians": med, "times": times,
            "fit_in_eval_passes": med["fit"] / med["eval_pass"],
@@ -144,7 +146,7 @@ def main(argv=None) -> None:
            "end_in_eval_passes": med["end_of_training"] / med["eval_pass"],
            "fit_probit_in_eval_passes": ratio["fit_probit"],
            "exact_path_in_eval_passes": ratio["exact_path"],
-           "per_token_fit_forwards_per_batch": per_token,
+           "per_token_fit_forwards_of_its_rows": per_token,
            "target_eval_passes": target, "callback_fit_seconds": stored.seconds,
            "chosen": {"tau": fit.tau, "link": fit.link, "verdict": fit.verdict()},
            "machine": machine()}
@@ -168,10 +170,11 @@ def main(argv=None) -> None:
              f"Target: ≤ 2K + 2 = {target} eval passes: "
              f"{'met' if ratio['fit'] <= target else 'not met'}. The callback's own fit in the "
              f"training run: {stored.seconds:.2f} s. Chosen: {fit.verdict()}.", "",
-             f"The per-token fit of a seq2seq model without answer tokens (not run here): per "
-             f"eval batch {len(GRID) + 1} candidates × {TOKEN_SAMPLES} draws of the linearised "
-             f"model (about 2 forwards each) and MAP's forward, about {per_token} forwards of "
-             f"the batch: about {per_token} eval passes.", END]
+             f"The per-token fit of a language model without answer tokens (not run here): "
+             f"on the first {MAX_SEQUENCES} eval rows, {len(DECADES)} candidates × "
+             f"{TOKEN_SAMPLES} draws of the linearised model (about 2 forwards each) and MAP's "
+             f"forward, about {per_token} forwards of those rows: about {per_token} eval passes "
+             f"of an eval set of {MAX_SEQUENCES} rows, fewer of a larger one.", END]
     section = "\n".join(lines)
     print(section)
     print(f"fit: {ratio['fit']:.1f} eval passes (target ≤ 2K + 2 = {target}; probit only "
