@@ -184,3 +184,18 @@ def test_the_fit_reads_only_the_first_rows(trained):
     assert first3.examples == 11 + 11 + 8
     alone = fit_prior_precision(post, [_stack(held[:3])], n_samples=4)
     assert first3.grid_nll == pytest.approx(alone.grid_nll, rel=SUM_TOL)
+
+
+@pytest.mark.parametrize("kept", [True, False, None])
+def test_the_query_footer_says_when_the_fit_kept_maps_probabilities(kept):
+    from kfac_stream.query.token_table import footer
+
+    meta = {"snapshot": "s", "step": 3, "num_data": 10.0, "prior_precision": 2.0, "samples": 4,
+            "seed": 0, "seconds": 1.25, "mode": "tokens", "linearized": True}
+    if kept is not None:
+        meta["heldout"] = {"map_kept": kept}
+    line = footer(meta)
+    assert line.startswith("snapshot s (step 3); N = 10, prior precision τ = 2, S = 4 posterior "
+                           "samples, linearised (seed 0)") and line.endswith("; 1.2 s")
+    assert ("kept MAP's probabilities" in line and "read p from the MAP column" in line) == \
+        bool(kept)

@@ -208,12 +208,17 @@ def answer_table(record: Mapping, position: int) -> str:
 
 
 def footer(meta: Mapping) -> str:
-    """``snapshot … (step …); N = …, prior precision τ = …, S = …, seed …, … s``."""
+    """``snapshot … (step …); N = …, prior precision τ = …, S = …, seed …, … s``; when the
+    stored held-out fit kept MAP's probabilities (``meta["heldout"]["map_kept"]``), a clause
+    saying to read the probabilities from the MAP column before the seconds."""
     what = ("posterior samples" + (", linearised" if meta.get("linearized") else "")
             if meta["mode"] == "tokens" else "draws per position")
+    kept = ("; the held-out fit kept MAP's probabilities (the posterior's eval gain was within "
+            "noise): read p from the MAP column, the spread across samples for ranking"
+            if (meta.get("heldout") or {}).get("map_kept") else "")
     return (f"snapshot {meta['snapshot']} (step {meta['step']}); N = {meta['num_data']:.0f}, "
             f"prior precision τ = {meta['prior_precision']:.4g}, S = {meta['samples']} {what} "
-            f"(seed {meta['seed']}); {meta['seconds']:.1f} s")
+            f"(seed {meta['seed']}){kept}; {meta['seconds']:.1f} s")
 
 
 def document(meta: Mapping, records: Sequence[Mapping], answers: Mapping | None = None) -> str:
