@@ -42,7 +42,7 @@ from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapsh
 from kfac_stream.app.data import ExampleDataset
 from kfac_stream.query.calibration import probs_from_gaussian
 from kfac_stream.query.heldout_tau import LINKS, fit_prior_precision
-from kfac_stream.query.heldout_tokens import DECADES, MAX_SEQUENCES, TOKEN_SAMPLES
+from kfac_stream.query.heldout_tokens import DECADES, FORWARDS, MAX_SEQUENCES, TOKEN_SAMPLES
 from kfac_stream.snapshot.heldout_prior import write_heldout_prior
 
 from _common import machine, write_json, write_section
@@ -137,7 +137,7 @@ def main(argv=None) -> None:
     # the per-token fit: on its first MAX_SEQUENCES eval rows, every candidate's TOKEN_SAMPLES
     # linearised forwards (about 2 forwards each, `sampled_predictive(linearized=True)`) and
     # MAP's own forward
-    per_token = 2 * TOKEN_SAMPLES * len(DECADES) + 1
+    per_token = FORWARDS
     out = {"task": "encoder-filekind, 200 eval examples", "classes": K, "train_seconds": train_s,
            "eval_examples": fit.examples, "medians": med, "times": times,
            "fit_in_eval_passes": med["fit"] / med["eval_pass"],

@@ -15,7 +15,7 @@ from transformers import Trainer
 
 from ..exceptions import QueryInputError
 from ..query.heldout_tau import GRID, GUARD_SE, LINKS, fit_prior_precision
-from ..query.heldout_tokens import DECADES, MAX_SEQUENCES, ROW_POSITIONS, TOKEN_SAMPLES
+from ..query.heldout_tokens import FIT_METHOD
 from ..query.laplace import LaplacePosterior
 from ..query.prior_choice import NO_HELDOUT_LINK, NO_HELDOUT_TAU
 from ..snapshot.heldout_prior import write_heldout_prior
@@ -98,14 +98,9 @@ def fit_heldout_prior(callback, model) -> str | None:
     model.eval()
     per_token = output_vocab(model) is not None and callback.tracker.answer_tokens is None
     if per_token:  # its cost differs from the closed form's one Jacobian pass: say it
-        logger.info("kfac_stream: held-out fit: a language model's whole texts, the NLL per "
-                    "label token of the linearised next-token predictive (at most %d positions "
-                    "of each of the first %d eval rows), by Monte Carlo over %d draws for each "
-                    "of %d candidate taus around the marginal likelihood's (about %d forwards "
-                    "of those rows); MAP's own probabilities are kept unless the posterior "
-                    "beats them by more than %g paired standard errors", ROW_POSITIONS,
-                    MAX_SEQUENCES, TOKEN_SAMPLES, len(DECADES),
-                    2 * TOKEN_SAMPLES * len(DECADES) + 1, GUARD_SE)
+        logger.info("kfac_stream: held-out fit: %s; MAP's own probabilities are kept unless "
+                    "the posterior beats them by more than %g paired standard errors",
+                    FIT_METHOD, GUARD_SE)
     else:
         logger.info("kfac_stream: held-out fit: one Jacobian pass over the eval set (a forward "
                     "and one backward per class or answer option), then the closed-form "

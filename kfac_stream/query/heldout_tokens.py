@@ -46,6 +46,17 @@ MAX_SEQUENCES = 64
 #: Labelled positions scored per row at most.
 ROW_POSITIONS = 32
 
+#: Forward-equivalents of the fit per row read: ``S`` linearised forwards (about 2 each) per
+#: candidate, and MAP's.
+FORWARDS = 2 * TOKEN_SAMPLES * len(DECADES) + 1
+
+#: What the fit reads and its cost, in words (the train-end line before it runs).
+FIT_METHOD = (f"a language model's whole texts, the NLL per label token of the linearised "
+              f"next-token predictive (at most {ROW_POSITIONS} positions of each of the first "
+              f"{MAX_SEQUENCES} eval rows), by Monte Carlo over {TOKEN_SAMPLES} draws for each of "
+              f"{len(DECADES)} candidate taus around the marginal likelihood's (about {FORWARDS} "
+              "forwards of those rows)")
+
 
 def token_grid(tau_ml: float) -> list[float]:
     """The per-token fit's candidate ``τ``: ``tau_ml · 10^d`` for ``d`` in `DECADES`, sorted."""
