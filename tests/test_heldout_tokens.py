@@ -17,7 +17,6 @@ One training run (module fixture, ~3 s): a 2-layer byte-level GPT-2, 8 steps.
 
 from __future__ import annotations
 
-import logging
 import math
 import warnings
 
@@ -30,6 +29,7 @@ from kfac_stream.query import heldout_tokens as ht
 from kfac_stream.query.heldout_tau import fit_prior_precision
 from kfac_stream.query.sampled import sampled_predictive
 
+from logreaders import Lines
 from models import ListDataset, text_examples, tiny_gpt2
 
 #: float64 model and posterior: the two ways of summing the same draws agree to round-off.
@@ -50,27 +50,10 @@ def trained(tmp_path_factory):
                              per_device_eval_batch_size=4, max_steps=8, learning_rate=1e-2,
                              report_to=[], save_strategy="no", logging_strategy="no",
                              disable_tqdm=True, use_cpu=True, seed=0)
-    handler = _Lines()
-    log = logging.getLogger("kfac_stream")
-    log.addHandler(handler)
-    level = log.level
-    log.setLevel(logging.INFO)
-    try:
+    with Lines() as log:
         Trainer(model=model, args=args, train_dataset=ListDataset(train),
                 eval_dataset=ListDataset(held), callbacks=[cb]).train()
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
-    return model.eval(), cb, held, handler.lines
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+    return model.eval(), cb, held, log.lines
 
 
 def _stack(examples) -> dict[str, torch.Tensor]:
