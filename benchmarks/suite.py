@@ -620,6 +620,14 @@ def fill_epochs(tasks: dict, ua) -> None:
                 r["epochs"] = task.steps / math.ceil(len(task.train_items) / task.batch_size)
 
 
+def uc_args() -> argparse.Namespace:
+    """The sizes of ``uncertainty_classification.py``'s two tasks: its own defaults."""
+    return argparse.Namespace(
+        train_per_class=48, val_per_class=24, test_per_class=72, ft_steps=500, batch=16,
+        lr=2e-3, man_train_per_class=48, man_val_per_class=32, man_test_per_class=64,
+        man_steps=500, man_lr=2e-3, man_width=64, man_layers=2, kron_batch=32)
+
+
 def make_task(name: str, seed: int, a, base):
     if name == "docstring-lora":
         return st.Docstring(seed, a, base)
@@ -725,11 +733,7 @@ def main(argv=None) -> None:
     probe_name = (f"suite_form-{a.factor_form}{'+head' * a.with_head}" if form_probe
                   else f"suite_lm{a.lm_eval}")
     st.LMHeldout.n_eval = a.lm_eval
-    # the sizes of uncertainty_classification.py's tasks: its own defaults
-    ua = uc_args = argparse.Namespace(
-        train_per_class=48, val_per_class=24, test_per_class=72, ft_steps=500, batch=16,
-        lr=2e-3, man_train_per_class=48, man_val_per_class=32, man_test_per_class=64,
-        man_steps=500, man_lr=2e-3, man_width=64, man_layers=2, kron_batch=32)
+    ua = uc_args()
     if a.from_json:
         out = json.loads(path.read_text())
         fill_epochs(out["tasks"], ua)
@@ -750,7 +754,7 @@ def main(argv=None) -> None:
             if "docstring-lora" in a.tasks else None)
     command = "python benchmarks/suite.py " + shlex.join(argv if argv is not None
                                                          else sys.argv[1:])
-    out = {"command": command, "args": vars(a), "uc_args": vars(uc_args),
+    out = {"command": command, "args": vars(a), "uc_args": vars(ua),
            "defaults": {k: v for k, v in dataclasses.asdict(KFACConfig()).items()
                         if k in ("fisher", "token_fraction", "update_every", "ema_decay",
                                  "final_window", "mc_sequences", "min_window_sequences")},
