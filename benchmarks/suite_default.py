@@ -230,8 +230,9 @@ def row(part: dict) -> dict:
 
 def lm_rows(task: str) -> list[dict]:
     """The causal-LM fine-tunes of `lm_finetune_fit.py` (per-token NLL) as rows: its
-    ``default``, and its ``marglik`` (the no-eval rule of a language model: the linearised
-    predictive at the marginal likelihood's ``τ``)."""
+    ``default``, and its ``marglik``: the rule without held-out data of a language model
+    without answer tokens, before and now (the linearised next-token predictive at the
+    marginal likelihood's ``τ``; it had no held-out fit before)."""
     rows = []
     for path in sorted(LM_PARTS.glob(f"{task}-s*.json")):
         p = json.loads(path.read_text())
@@ -240,7 +241,7 @@ def lm_rows(task: str) -> list[dict]:
         rows.append({"seed": p["seed"], "overconfident": m["confidence"] > m["accuracy"],
                      "fit": p["fit"], "seconds": p["train_seconds"] + p["score_seconds"],
                      "scores": {"map": m, "default": r["default"], "no_eval": r["marglik"],
-                                "old_no_eval": r["marglik_sampled"]}})
+                                "old_no_eval": r["marglik"]}})
     return rows
 
 
