@@ -110,6 +110,7 @@ def test_batched_samples_equal_a_loop_over_sampled_weights(request, monkeypatch,
     before = {k: v.clone() for k, v in post.model.state_dict().items()}
     n, seed = 5, 11
     got = sampled_predictive(post, batch, n_samples=n, seed=seed, chunk=3,  # chunks of 3 and 2
+                             linearized=False,
                              labels="next" if head == "lm" else labels, return_logits=True)
     ref = loop_logits(post, batch, n, seed)
     with torch.no_grad():
@@ -150,7 +151,8 @@ def test_batched_samples_equal_the_loop_for_diagonal_and_lora_layers(tmp_path, k
     else:
         assert len(post.modules) == 8 and all(".lora_" in n for n in post.modules)
     batch = padded_batch([10, 7])
-    got = sampled_predictive(post, batch, n_samples=4, seed=3, chunk=3, return_logits=True)
+    got = sampled_predictive(post, batch, n_samples=4, seed=3, chunk=3, return_logits=True,
+                             linearized=False)
     ref = loop_logits(post, batch, 4, 3)
     with torch.no_grad():
         spread = rel_err(ref, post.model(**batch).logits.expand_as(ref))
@@ -275,7 +277,21 @@ def test_label_logprob_variance_grows_with_the_posterior_width(lm):
 
 def test_progress_bar_counts_samples(lm, capsys):
     sampled_predictive(lm, padded_batch([6]), n_samples=4, chunk=2, show_progress=True)
-    assert "sampled predictive (4 samples of 1x6)" in capsys.readouterr().err
+    assert "sampled predictive (4 samples of 1x6, linearised)" in capsys.readouterr().err
+
+
+def test_default_is_the_linearised_predictive(lm):
+    """Without ``linearized`` the predictive is the linearised model's (the one measured best
+    on fine-tuned language models), the same draws as ``linearized=True``."""
+    batch = padded_batch([8, 5])
+    default = sampled_predictive(lm, batch, n_samples=3, seed=4, labels="next",
+                                 return_logits=True)
+    lin = sampled_predictive(lm, batch, n_samples=3, seed=4, labels="next", linearized=True,
+                             return_logits=True)
+    weights = sampled_predictive(lm, batch, n_samples=3, seed=4, labels="next",
+                                 linearized=False, return_logits=True)
+    assert default.linearized and torch.equal(default.sample_logits, lin.sample_logits)
+    assert not torch.equal(default.sample_logits, weights.sample_logits)
 
 
 # -- 4. argument errors ------------------------------------------------------------------------
@@ -363,10 +379,13 @@ def test_posterior_draws_drawn_once_give_the_same_samples(lm):
     post, batch = lm, padded_batch([7, 5])
     draws = posterior_draws(post, 5, seed=3)
     assert repr(draws) == "PosteriorDraws(n_samples=5, seed=3, 8 layers)"
-    fresh = sampled_predictive(post, batch, 5, seed=3, chunk=2, return_logits=True)
-    again = sampled_predictive(post, batch, draws=draws, chunk=2, return_logits=True)
+    fresh = sampled_predictive(post, batch, 5, seed=3, chunk=2, return_logits=True,
+                               linearized=False)  # the weight samples sample_rows runs
+    again = sampled_predictive(post, batch, draws=draws, chunk=2, return_logits=True,
+                               linearized=False)
     assert torch.equal(fresh.sample_logits, again.sample_logits)
-    other_chunks = sampled_predictive(post, batch, draws=draws, chunk=3, return_logits=True)
+    other_chunks = sampled_predictive(post, batch, draws=draws, chunk=3, return_logits=True,
+                                      linearized=False)
     assert rel_err(other_chunks.sample_logits, fresh.sample_logits) < ROUNDOFF_TOL
     assert again.n_samples == 5 and again.seed == 3
     ids = batch["input_ids"]

@@ -26,6 +26,7 @@ draws and per-sample forwards are in `kfac_stream.query.sample_layers`, the stat
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -155,7 +156,7 @@ def _check_samples(where: str, post: LaplacePosterior, n_samples: object, seed: 
 def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor],
                        n_samples: int | None = None, seed: int | None = None,
                        chunk: int | None = None, labels: Tensor | str | None = None, *,
-                       linearized: bool = False, return_logits: bool = False,
+                       linearized: bool | None = None, return_logits: bool = False,
                        draws: PosteriorDraws | None = None,
                        show_progress: bool | None = None) -> SampledPredictive:
     """The whole-vocabulary predictive of ``S`` posterior samples, in batched forwards.
@@ -164,11 +165,9 @@ def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor],
     random numbers, layer by layer), so a loop over that context manager gives the same
     logits up to round-off — at ``S`` copies of nothing: here the model and its weights stay
     as they are, and each forward evaluates ``chunk`` samples at once (the batch repeated
-    ``chunk`` times). Cost: about ``S`` forwards of the batch (with ``linearized`` about
-    twice that: every activation carries a tangent), plus the draws — per sample and layer
-    the rotation ``Q_G Z Q_Aᵀ``, ``2·d_out·d_A·(d_out + d_A)`` flops on the model's device
-    (as in ``sampled_weights``), which dominates when ``B·T`` is small against the layers'
-    widths. Memory: ``chunk`` copies of the batch's activations (and logits) and of the
+    ``chunk`` times). Cost: about ``S`` forwards of the batch (linearised: about twice that),
+    plus the draws (per sample and layer ``Q_G Z Q_Aᵀ``, ``2·d_out·d_A·(d_out + d_A)`` flops,
+    as in ``sampled_weights``). Memory: ``chunk`` copies of the batch's activations (and logits) and of the
     tracked weights. The statistics are accumulated in float64 over the chunks.
 
     A tracked layer whose weight is shared with another module (tied embeddings) is
@@ -196,9 +195,13 @@ def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor],
             collator's ``labels``, equal to ``input_ids``, are not: pass ``"next"``; an
             encoder-decoder's ``[B, T']`` labels are: pass ``batch["labels"]``) or ``[B]``
             (classification head), entries in ``[0, V)`` or ``-100`` (no label).
-        linearized: Evaluate the linearised model ``f* + J(θ_s − θ*)`` (forward-mode
-            Jacobian-vector products; attention through PyTorch's math SDPA kernel, the one
-            with forward-mode derivatives) instead of the model at ``θ_s``.
+        linearized: None (default): the linearised model ``f* + J(θ_s − θ*)`` (forward-mode
+            Jacobian-vector products, attention through the math SDPA kernel), the predictive
+            measured best (next-token NLL at the marginal likelihood's ``τ`` 7-12% above MAP's
+            on fine-tuned causal LMs, weight samples 72-81%: ``benchmarks/lm_finetune_fit.py``)
+            and the one the held-out fit scores; where the model has an operation without a
+            forward-mode derivative (BLOOM's GELU), the weight samples' with a warning. True:
+            linearised or a one-line error. False: the model at ``θ_s`` (half the cost).
         return_logits: Keep every sample's logits (``sample_logits``, ``S`` times the
             logits' memory).
         draws: Samples drawn once by `posterior_draws`, to evaluate the same ``S`` samples on
@@ -222,11 +225,13 @@ def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor],
     label_ids = _check_labels(where, labels, run.batch, run.size, run.length)
 
     acc = PredictiveAccumulator(run.n_samples, return_logits)
-    for first, logits in _sample_logits(run):
+    ran_linearized = False
+    for first, logits, linear in _sample_logits(run):
         if first == 0 and label_ids is not None:
             label_ids = _labels_for(where, labels, label_ids, logits)
         acc.add(logits, label_ids)
-    return acc.result(run.seed, linearized)
+        ran_linearized = linear
+    return acc.result(run.seed, ran_linearized)
 
 
 def iter_sample_logits(post: LaplacePosterior, batch: Mapping[str, Tensor],
@@ -249,9 +254,9 @@ def iter_sample_logits(post: LaplacePosterior, batch: Mapping[str, Tensor],
         QueryInputError: as `sampled_predictive` (checked before the first forward).
     """
     where = "iter_sample_logits"
-    return _sample_logits(_check_arguments(
-        where, post, batch, n_samples=n_samples, seed=seed, chunk=chunk, linearized=linearized,
-        draws=draws, show_progress=show_progress))
+    run = _check_arguments(where, post, batch, n_samples=n_samples, seed=seed, chunk=chunk,
+                           linearized=linearized, draws=draws, show_progress=show_progress)
+    return ((first, logits) for first, logits, _ in _sample_logits(run))
 
 
 @dataclass(frozen=True)
@@ -266,7 +271,7 @@ class _SampleRun:
     n_samples: int  # S
     seed: int
     chunk: int  # samples per forward
-    linearized: bool
+    linearized: bool | None  # None: linearised where the model has forward-mode derivatives
     draws: PosteriorDraws | None
     show_progress: bool | None
 
@@ -286,7 +291,8 @@ def _check_arguments(where: str, post: object, batch: object, *, n_samples: obje
     n_samples, seed = _check_samples(where, post, n_samples, seed, draws, 2)
     chunk = _check_chunk(where, chunk, n_samples, post, size, max(length, out_length))
     length = out_length
-    inputs.check_flag(where, "linearized", linearized)
+    if linearized is not None:  # None: linearised where the model allows (`_sample_logits`)
+        inputs.check_flag(where, "linearized", linearized)
     if show_progress is not None:
         inputs.check_flag(where, "show_progress", show_progress)
     return _SampleRun(where=where, post=post, batch=batch, size=size, length=length,
@@ -302,13 +308,16 @@ def _check_chunk(where: str, chunk: object, n_samples: int, post: LaplacePosteri
     return min(inputs.check_int(where, "chunk", chunk, 1), n_samples)
 
 
-def _sample_logits(run: _SampleRun) -> Iterator[tuple[int, Tensor]]:
-    """`iter_sample_logits` of checked arguments."""
+def _sample_logits(run: _SampleRun) -> Iterator[tuple[int, Tensor, bool]]:
+    """`iter_sample_logits` of checked arguments: ``(first, logits, linearised)`` per chunk
+    (``run.linearized`` None: linearised unless the model has no forward-mode derivatives,
+    then the weight samples from the first chunk on, with a warning)."""
     post, size, n_samples = run.post, run.size, run.n_samples
     model_inputs = inputs.forward_inputs(run.batch, post.model)  # no key/value cache of S·B rows
     layers = SampledLayers(post)
+    linear = run.linearized is not False
     bar = progress(total=n_samples, desc=f"sampled predictive ({n_samples} samples of "
-                   f"{size}x{run.length}{', linearised' if run.linearized else ''})",
+                   f"{size}x{run.length}{', linearised' if linear else ''})",
                    unit="sample", show=run.show_progress)
     try:
         for first in range(0, n_samples, run.chunk):
@@ -316,14 +325,40 @@ def _sample_logits(run: _SampleRun) -> Iterator[tuple[int, Tensor]]:
             samples = (layers.draws(range(run.seed + first, run.seed + first + count))
                        if run.draws is None else _drawn(run.draws, first, count))
             rows = _repeat(model_inputs, size, count)
-            if run.linearized:
-                logits = layers.linearized_forward(rows, samples, count)
-            else:
+            logits = None
+            if linear:
+                try:
+                    logits = _linearized_logits(run.where, layers, rows, samples, count)
+                except QueryInputError:
+                    if run.linearized:  # asked for by name: the error stands
+                        raise
+                    warnings.warn(f"{run.where}: the model's forward has an operation without "
+                                  "a forward-mode derivative, so the predictive is the "
+                                  "posterior weight samples' (linearized=False), not the "
+                                  "linearised one", UserWarning, stacklevel=4)
+                    linear = False
+            if not linear:
                 logits = layers.sampled_forward(rows, samples, count)
-            yield first, _check_logits(run.where, logits, size, count)
+            yield first, _check_logits(run.where, logits, size, count), linear
             bar.update(count)
     finally:
         bar.close()
+
+
+def _linearized_logits(where: str, layers: SampledLayers, rows: dict[str, Tensor],
+                       samples: Samples, count: int) -> Tensor | None:
+    """`SampledLayers.linearized_forward`, with a model operation that has no forward-mode
+    derivative (a custom ``autograd.Function`` without ``jvp``, e.g. BLOOM's GELU in training
+    mode) turned into a one-line error that says what to do."""
+    try:
+        return layers.linearized_forward(rows, samples, count)
+    except NotImplementedError as e:
+        raise QueryInputError(
+            f"{where}: the linearised predictive (linearized=True, the default) needs "
+            "forward-mode derivatives of the model's forward, and one of its operations has "
+            f"none ({str(e).splitlines()[0]}); call model.eval() first if the model runs a "
+            "training-only path there (BLOOM's GELU does), or pass linearized=False for the "
+            "predictive of posterior weight samples") from e
 
 
 @contextlib.contextmanager
