@@ -167,8 +167,8 @@ def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor],
     as they are, and each forward evaluates ``chunk`` samples at once (the batch repeated
     ``chunk`` times). Cost: about ``S`` forwards of the batch (linearised: about twice that),
     plus the draws (per sample and layer ``Q_G Z Q_Aᵀ``, ``2·d_out·d_A·(d_out + d_A)`` flops,
-    as in ``sampled_weights``). Memory: ``chunk`` copies of the batch's activations (and logits) and of the
-    tracked weights. The statistics are accumulated in float64 over the chunks.
+    as in ``sampled_weights``). Memory: ``chunk`` copies of the batch's activations (and
+    logits) and of the tracked weights. The statistics are accumulated in float64.
 
     A tracked layer whose weight is shared with another module (tied embeddings) is
     perturbed in this layer's use only, as in `LaplacePosterior.predictive` (while
