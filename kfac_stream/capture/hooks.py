@@ -85,6 +85,9 @@ class CaptureMode:
         slots: Positions sampled per pass in the passes that follow, instead of the
             tracker's ``token_fraction`` of them (the MC sub-batch replay, which takes the
             slots of a whole micro-batch from a few of its sequences); None: the fraction's.
+        replay: The tracker's own forwards (the MC replays), captured in whatever mode the
+            model is (they run in eval mode, `posterior_mode`); other forwards are captured
+            only in training mode (an evaluation's are not training's).
     """
 
     rows: bool = False
@@ -94,10 +97,12 @@ class CaptureMode:
     keep_outputs: bool = False
     on_forward_end: Callable[[PassRecord, Any], None] | None = None
     slots: int | None = None
+    replay: bool = False
 
 
 IDLE = CaptureMode()  # between update steps: count tokens, gather nothing
-MC_REPLAY = CaptureMode(rows=True, estimate_scale=False, count_tokens=False, keep_outputs=True)
+MC_REPLAY = CaptureMode(rows=True, estimate_scale=False, count_tokens=False, keep_outputs=True,
+                        replay=True)
 
 
 @dataclass(frozen=True)
@@ -381,7 +386,7 @@ class CaptureHooks:
     def _on_model_pre(self, module: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
         self.close_calls()
         self.current = None
-        if not (module.training and torch.is_grad_enabled()):
+        if not ((module.training or self.mode.replay) and torch.is_grad_enabled()):
             return
         x = _batch_input(args, kwargs)
         if x is None:

@@ -51,6 +51,7 @@ forward gathers parameters collectively.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -461,8 +462,7 @@ def mc_subbatch_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, 
            for k, v in inputs.items()}
     m = slots_per_pass(token_fraction, B * T)  # the empirical path's slots of this pass
     rec = mc_fisher_pass(model, capture, sub, label_generator,  # m ≥ b·T: every position
-                         CaptureMode(rows=True, estimate_scale=False, count_tokens=False,
-                                     keep_outputs=True, slots=m))
+                         dataclasses.replace(MC_REPLAY, slots=m))
     if rec is None or (share is None and b == B):  # b = B: the full replay, untouched
         return
     scale = 1.0 / share if share is not None else B / b  # × 1/P(sequence drawn)

@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from ..capture.hooks import IDLE, CaptureHooks, CaptureState
+from ..capture.posterior_mode import has_active_dropout, posterior_mode
 from ..capture.selection import LayerSpec, select_layers
 from ..capture.sharing import FactorPlan, plan_factors, probe_shared_inputs
 from ..config import KFACConfig
@@ -178,6 +179,7 @@ class Tracker:
         self.fisher = estimator_for(config)(self)  # what the steps capture, which rows count
         self.capture = self._make_capture()
         self._backward_in_forward = engine_for(model).allows_backward_in_forward(model)
+        self._dropout: bool | None = None  # `has_active_dropout`, read once
         self.mc_generator = torch.Generator(device=self.device).manual_seed(seed + 1)
         # the MC sub-batch's sequence sampler: reseeded every update step from (seed, rank,
         # step), so it has no state to checkpoint
@@ -227,10 +229,15 @@ class Tracker:
     def backward_in_forward_ok(self) -> bool:
         """A gradient can be taken inside the training forward (the MC Fisher's on whole
         micro-batches): not under an engine that forbids it (DeepSpeed ZeRO-3), not with
-        gradient checkpointing."""
+        gradient checkpointing, not with active dropout (the training forward's masks would
+        be in the Fisher; a replay runs without them, `posterior_mode`)."""
         if not self._backward_in_forward:  # the engine's (`allows_backward_in_forward`)
             return False
         model = self._model
+        if self._dropout is None:  # the modules' p do not change during a run
+            self._dropout = has_active_dropout(model)
+        if self._dropout:
+            return False
         for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
             try:
                 if getattr(model, attr):
@@ -263,9 +270,10 @@ class Tracker:
                 return False
             passes, inputs = self.capture.take()
             self.capture.set_mode(IDLE)
-            # a replay's dropout draws from the tracker's stream, the training's untouched
+            # a replay runs as the posterior will (eval mode: no dropout), and whatever it
+            # draws comes from the tracker's stream, the training's untouched
             with own_draws(replay_seed(self.config.seed, self.rank, self.step or 0),
-                           [self.device]):
+                           [self.device]), posterior_mode(model):
                 passes = self.fisher.passes(model, passes, inputs)
             self.dissolve_groups(self.capture.dissolved)
             job = self._collect(passes)
