@@ -12,8 +12,9 @@ recomputed over all weights).
   `tau_grid.meanfield_nll_bound` of it. The binning is at work (the covariances differ).
 * The fit chooses the same ``τ``, link and MAP-or-posterior as a brute-force search over the
   exact covariances (`harness.brute_heldout_choice`).
-* The features (either rotation order, positions without gradient dropped) equal their
-  definition, ``M[b, k] = Q_Gᵀ (Σ_t g a_tᵀ) Q_A``.
+* The K logit backwards (a loop or one batched backward) give each tracked weight's gradient.
+* The features (each factor rotated before or after the sum over positions, positions
+  without gradient dropped) equal their definition, ``M[b, k] = Q_Gᵀ (Σ_t g a_tᵀ) Q_A``.
 """
 
 from __future__ import annotations
@@ -128,11 +129,45 @@ def test_the_fit_chooses_what_the_exact_covariances_choose(fitted):
         assert value == pytest.approx(brute[(t, "probit")], rel=1e-9)
 
 
-@pytest.mark.parametrize("positions", [3, 40])  # rotated before / after the sum over positions
+def test_the_logit_gradients_give_each_weights_gradient(fitted):
+    """Both ways of taking the K backwards (one batched backward, a loop of K) give
+    ``Σ_{b,t} g_k ā_tᵀ`` equal to autograd's gradient of ``Σ_b f[b, k]`` with respect to each
+    tracked weight (and bias), and equal each other (float64: to 1e-12, the round-off of
+    differently ordered sums)."""
+    post, batch, _, _ = fitted
+    q = post._query("test", batch, None, None)
+    with per_example.layer_calls(post.modules) as calls, torch.enable_grad():
+        f = per_example.select_logits(post.model(**batch).logits, q)  # [B, K]
+        names = list(calls)
+        outs = [calls[n][0][1] for n in names]
+        params = [p for n in names for p in (post.modules[n].weight, post.modules[n].bias)]
+        ref = [torch.autograd.grad(f[:, k].sum(), params, retain_graph=True) for k in range(K)]
+        batched = per_example.logit_gradients(f, outs, True)
+        assert batched[0][0]._base is not None  # views of one batched backward: it ran
+        loop = per_example.logit_gradients(f, outs, False)  # frees the graph
+    for grads in (batched, loop):
+        assert len(grads) == len(outs) and all(len(g) == K for g in grads)
+        for k in range(K):
+            for i, n in enumerate(names):
+                a = calls[n][0][0].reshape(-1, calls[n][0][0].shape[-1])  # [B·T, d_in]
+                g = grads[i][k].reshape(len(a), -1)  # [B·T, d_out]
+                weight, bias = ref[k][2 * i], ref[k][2 * i + 1]
+                conv1d = type(post.modules[n]).__name__ == "Conv1D"  # weight [d_in, d_out]
+                want = weight if conv1d else weight.T
+                torch.testing.assert_close(a.T @ g, want, rtol=1e-12, atol=1e-12)
+                torch.testing.assert_close(g.sum(0), bias, rtol=1e-12, atol=1e-12)
+                torch.testing.assert_close(grads[i][k], loop[i][k], rtol=1e-12, atol=1e-12)
+
+
+# (positions, d_in, d_out): which factor is rotated before the sum over positions (d_A =
+# d_in + 1 with the bias): both; neither; A only (d_A < T ≤ K·d_out); G only (K·d_out < T ≤
+# d_A)
+@pytest.mark.parametrize("positions,d_in,d_out", [(3, 5, 6), (40, 5, 6), (10, 5, 6),
+                                                  (20, 29, 6)])
 @pytest.mark.parametrize("diagonal_a", [False, True])  # Q_A None: a diagonal A factor
-def test_the_features_equal_their_definition(positions, diagonal_a):
+def test_the_features_equal_their_definition(positions, d_in, d_out, diagonal_a):
     gen = torch.Generator().manual_seed(positions)
-    B, Kc, d_in, d_out = 3, 2, 5, 6
+    B, Kc = 3, 2
     a = torch.randn(B, positions, d_in, generator=gen, dtype=torch.float64)
     g = torch.randn(Kc, B, positions, d_out, generator=gen, dtype=torch.float64)
     g[:, :, 1] = 0.0  # no logit has a gradient there: dropped, adds nothing

@@ -249,6 +249,8 @@ def fit_prior_precision(post, batches: Iterable[Mapping[str, Tensor]], *,
             sums.add(post, batch, taus, spec)
     finally:
         post.prior_precision = before
+        if getattr(post, "_grid", None) is not None:  # the grid's sorted buffer, not kept
+            post._grid.release()
     return sums.best(where, taus, tau_ml, t0)
 
 

@@ -337,9 +337,9 @@ class LaplacePosterior:
 
         return f.detach().double(), ((n, features(n)) for n in list(per_call))
 
-    def _features(self, name: str, a: Tensor, g: Tensor) -> Tensor:
+    def _features(self, name: str, a: Tensor, g) -> Tensor:
         """``M[b, k] = Σ_t (Q_Gᵀ g_{k,b,t}) (Q_Aᵀ ā_{b,t})ᵀ`` (`tau_grid.layer_features`) of
-        the layer's input ``a [B, T, d_in]`` and output gradients ``g [K, *output shape]``."""
+        the layer's input ``a [B, T, d_in]`` and its K output gradients ``g`` (output-shaped)."""
         return tau_grid.layer_features(*tau_grid.kept_positions(
             a, g, self.snapshot[name].has_bias, self.feature_dtype), *self._qf[name])
 

@@ -77,24 +77,31 @@ def per_example_inputs(where: str, name: str, x: Tensor, size: int) -> Tensor:
         "leave this layer out of the posterior (layers=[...])")
 
 
-def logit_gradients(f: Tensor, outs: list[Tensor]) -> list[Tensor]:
-    """``[K, *out.shape]`` per tensor of ``outs``: ``∂f[:, k].sum() / ∂out`` for every chosen
-    logit ``k`` of ``f [B, K]`` (rows are independent examples, so the sum over rows gives each
-    row's own gradient).
+def logit_gradients(f: Tensor, outs: list[Tensor], batched: bool | None = None
+                    ) -> list[tuple[Tensor, ...]]:
+    """``K`` tensors of ``out.shape`` per tensor of ``outs``: ``∂f[:, k].sum() / ∂out`` for
+    every chosen logit ``k`` of ``f [B, K]`` (rows are independent examples, so the sum over
+    rows gives each row's own gradient).
 
-    The ``K`` backward passes run as one batched backward (``is_grads_batched``: vmap over the
-    cotangents ``e_k``; the graph is walked once, with ``K``-wide kernels); where an operation
-    of the graph has no batching rule, as a loop of ``K`` backward passes (the same numbers).
+    ``batched`` (None: on an accelerator, not on the CPU) runs the ``K`` backward passes as one
+    batched backward (``is_grads_batched``: vmap over the cotangents ``e_k``, the graph walked
+    once with ``K``-wide kernels; where an operation of the graph has no batching rule, the
+    loop instead), else as a loop of ``K`` backward passes; the same numbers either way. On
+    the CPU the loop was measured faster (the 2-layer BERT classifier of
+    ``benchmarks/heldout_cost.py``, ``K = 10``: the forward and the loop took 13 forwards'
+    time, the forward and the batched backward 15); on an accelerator the single ``K``-wide
+    walk is expected to save kernel launches (not measured here). Either way no gradient is
+    copied: the loop's are returned as the backward made them, the batched one's as views.
     """
     k_count = f.shape[1]
-    if k_count > 1:
+    if (f.device.type != "cpu" if batched is None else batched) and k_count > 1:
         eye = torch.eye(k_count, dtype=f.dtype, device=f.device)[:, None, :].expand(
             k_count, *f.shape)
         try:
             gs = torch.autograd.grad(f, outs, grad_outputs=eye, retain_graph=True,
                                      allow_unused=True, is_grads_batched=True)
-            return [torch.zeros(k_count, *o.shape, dtype=o.dtype, device=o.device) if g is None
-                    else g.detach() for g, o in zip(gs, outs)]
+            return [tuple(torch.zeros_like(o) for _ in range(k_count)) if g is None
+                    else g.detach().unbind(0) for g, o in zip(gs, outs)]
         except RuntimeError:  # an operation without a vmap rule: fall back to the loop
             pass
     per_k: list[list[Tensor]] = [[] for _ in outs]
@@ -103,13 +110,13 @@ def logit_gradients(f: Tensor, outs: list[Tensor]) -> list[Tensor]:
                                  allow_unused=True)
         for i, (g, o) in enumerate(zip(gs, outs)):
             per_k[i].append(torch.zeros_like(o) if g is None else g.detach())
-    return [torch.stack(g) for g in per_k]
+    return [tuple(g) for g in per_k]
 
 
 def layer_gradients(model: nn.Module, modules: Mapping[str, nn.Module], q: QueryArgs
                     ) -> tuple[Tensor, dict[str, list[tuple[Tensor, Tensor]]]]:
-    """``(f [B, K], {layer: [(input [B, T, d_in], output gradients [K, *output shape]) per
-    call]})``: one forward of ``model`` and the ``K`` chosen logits' backwards
+    """``(f [B, K], {layer: [(input [B, T, d_in], the K output gradients, each of the output's
+    shape) per call]})``: one forward of ``model`` and the ``K`` chosen logits' backwards
     (`logit_gradients`) to the outputs of ``modules`` (``{name: module}``); every call's input
     is laid out per example (`per_example_inputs`) before the caller makes any feature."""
     with layer_calls(modules) as calls, torch.enable_grad():

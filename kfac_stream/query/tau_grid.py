@@ -73,42 +73,50 @@ def meanfield_nll_bound(mean: Tensor, factor: float = VARIANCE_FACTOR) -> Tensor
     return 2.0 * (math.sqrt(factor) - 1.0) * spread
 
 
-def kept_positions(a: Tensor, g: Tensor, has_bias: bool, dtype: torch.dtype
-                   ) -> tuple[Tensor, Tensor]:
+def kept_positions(a: Tensor, g, has_bias: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(ā [B, T', d_A], g [K, B, T', d_out])`` in ``dtype``: a layer's input ``a``
-    (``[B, T, d_in]``) with the bias column appended when ``has_bias``, and its output gradients
-    ``g`` (``[K, *output shape]``), at the ``T'`` positions where some chosen logit of some
-    example has a nonzero gradient (the others add nothing to any feature)."""
+    (``[B, T, d_in]``) with the bias column appended when ``has_bias``, and its ``K`` output
+    gradients ``g`` (a sequence of ``K`` tensors of the output's shape, or one ``[K, ...]``
+    tensor), at the ``T'`` positions where some chosen logit of some example has a nonzero
+    gradient (the others add nothing to any feature). The returned ``g`` is a view of memory
+    laid out ``[B, T', K, d_out]`` (`layer_features` reads it as ``[B, T', K·d_out]``), made by
+    the one copy of the kept positions' gradients."""
     B, T = a.shape[0], a.shape[1]
-    g = g.reshape(g.shape[0], B, T, g.shape[-1])  # [K, B, T, d_out]
-    flat = g.reshape(-1, T * g.shape[-1])  # [K·B, T·d_out]: reduced along rows, fast
-    keep = ((flat.amax(0) != 0) | (flat.amin(0) != 0)).view(T, -1).any(-1)  # [T]
+    g = [x.reshape(B, T, x.shape[-1]) for x in g]  # K × [B, T, d_out]
+    keep = torch.zeros(T, dtype=torch.bool, device=a.device)  # [T]
+    for x in g:
+        keep |= (x.amax((0, 2)) != 0) | (x.amin((0, 2)) != 0)
     if not bool(keep.all()):
         idx = keep.nonzero()[:, 0]
-        a, g = a[:, idx], g[:, :, idx]
-    a, g = a.to(dtype), g.to(dtype)
+        a, g = a[:, idx], [x[:, idx] for x in g]
+    a, g = a.to(dtype), torch.stack(g, 2).to(dtype)  # g: [B, T', K, d_out]
     if has_bias:
         a = torch.cat([a, a.new_ones(a.shape[0], a.shape[1], 1)], dim=-1)  # [B, T', d_A]
-    return a, g
+    return a, g.permute(2, 0, 1, 3)
 
 
 def layer_features(a: Tensor, g: Tensor, qa: Tensor | None, qg: Tensor | None) -> Tensor:
     """``M [B, K, d_out, d_A]``, ``M[b, k] = Q_Gᵀ (Σ_t g[k, b, t] a[b, t]ᵀ) Q_A``, from
     ``a [B, T, d_A]`` and ``g [K, B, T, d_out]`` (`kept_positions`) and the eigenbases
-    (``Q_A [d_A, d_A]``, ``Q_G [d_out, d_out]``; None: a diagonal factor's identity), rotating
-    before or after the sum over positions, whichever costs less (module docstring)."""
+    (``Q_A [d_A, d_A]``, ``Q_G [d_out, d_out]``; None: a diagonal factor's identity).
+
+    Each factor is rotated before or after the sum over positions, whichever costs it less:
+    ``Q_G`` before costs ``K·T·d_out²``, after ``K·d_out²·d_A`` (before iff ``T ≤ d_A``);
+    ``Q_A`` before ``T·d_A²``, after ``K·d_out·d_A²`` (before iff ``T ≤ K·d_out``); the sum
+    over positions is ``K·T·d_out·d_A`` either way, one batched product reading ``g`` as
+    ``[B, T, K·d_out]`` (no copy when it is laid out so, as `kept_positions` returns it)."""
     K, B, T, d_out = g.shape
     d_a = a.shape[-1]
-    rot_g, rot_a = (qg is not None) * d_out, (qa is not None) * d_a
-    first = T * (K * d_out * rot_g + d_a * rot_a)
-    after = K * d_out * d_a * (rot_g + rot_a)
-    if first <= after:
-        gp = ke.rotate(g, qg).permute(1, 0, 3, 2).reshape(B, K * d_out, T)
-        return torch.bmm(gp, ke.rotate(a, qa)).view(B, K, d_out, d_a)
-    m = torch.bmm(g.permute(1, 0, 3, 2).reshape(B, K * d_out, T), a).view(B, K, d_out, d_a)
-    if qg is not None:
+    g_first, a_first = qg is not None and T <= d_a, qa is not None and T <= K * d_out
+    g = g.permute(1, 2, 0, 3)  # [B, T, K, d_out]
+    if g_first:
+        g = ke.rotate(g, qg)
+    if a_first:
+        a = ke.rotate(a, qa)
+    m = torch.bmm(g.reshape(B, T, K * d_out).transpose(1, 2), a).view(B, K, d_out, d_a)
+    if qg is not None and not g_first:
         m = torch.matmul(qg.T, m)
-    return m if qa is None else torch.matmul(m, qa)
+    return m if qa is None or a_first else torch.matmul(m, qa)
 
 
 class PairGrid:
@@ -131,6 +139,23 @@ class PairGrid:
         self.floor = BIN_WIDTH / 2 * min(self.taus)  # pairs below it stand at λ = 0
         self._pos: dict[str, Tensor] | None = None  # {layer: bin of each pair [P]}
         self._groups: dict[tuple, tuple[list[Tensor], list[tuple[int, int, int]]]] = {}
+        self._scratch: Tensor | None = None  # `sorted_buffer`'s memory, kept between batches
+
+    def sorted_buffer(self, rows: int, cols: int, like: Tensor) -> Tensor:
+        """``[rows, cols]`` uninitialised, in ``like``'s dtype and device, in memory kept for
+        the next batch (at most `GROUP_ELEMENTS` entries plus one layer's features; a fresh
+        buffer per batch pays the operating system's page faults every time); `release`
+        frees it."""
+        n = rows * cols
+        if (self._scratch is None or self._scratch.numel() < n
+                or self._scratch.dtype != like.dtype or self._scratch.device != like.device):
+            self._scratch = None
+            self._scratch = like.new_empty(n)
+        return self._scratch[:n].view(rows, cols)
+
+    def release(self) -> None:
+        """Frees `sorted_buffer`'s memory (the next batch allocates it again)."""
+        self._scratch = None
 
     def lam(self, name: str) -> Tensor:
         """``λ = N γ αᵀ`` of a layer, ``[d_out, d_A]`` float64 on the device."""
@@ -209,8 +234,8 @@ def grid_covariances(grid: PairGrid, f: Tensor, layers, bases: Mapping, *,
     Args:
         grid: The fit's `PairGrid`.
         f: ``[B, K]`` chosen logits.
-        layers: ``(layer, has_bias, [(input [B, T, d_in], output gradients [K, ...]) per
-            call])`` of every tracked layer.
+        layers: ``(layer, has_bias, [(input [B, T, d_in], the K output gradients) per
+            call])`` of every tracked layer (`per_example.layer_gradients`).
         bases: ``{layer: (Q_A, Q_G)}`` in ``dtype``.
         dtype: The features' dtype.
         links: The links wanted.
@@ -264,7 +289,7 @@ def _binned(grid: PairGrid, layers: list[tuple[str, Tensor]], B: int, K: int) ->
     """``[n_τ, B, K, K]``: the binned covariances of ``layers`` (``(layer, M [B·K, P])``)."""
     dests, bins = grid.group(tuple(n for n, _ in layers))
     m0 = layers[0][1]
-    buf = m0.new_empty(B * K, sum(m.shape[1] for _, m in layers))
+    buf = grid.sorted_buffer(B * K, sum(m.shape[1] for _, m in layers), m0)
     for (_, m), dest in zip(layers, dests):
         buf.index_copy_(1, dest, m)
     buf = buf.view(B, K, -1)
