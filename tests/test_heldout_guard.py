@@ -229,3 +229,18 @@ def test_a_file_from_before_the_guard_is_read_as_it_was(tmp_path):
     assert (fit.tau, fit.link, fit.probs_link) == (10.0, "meanfield", "meanfield")
     assert fit.verdict().startswith("held-out fit on 40 eval examples: tau 10, meanfield link: "
                                     "eval NLL 0.5000 vs MAP's 0.5500")
+
+
+def test_verdict_words_a_loss_beyond_noise_as_a_loss():
+    """MAP kept because the posterior lost by far more than the guard's width: the verdict
+    says it lost, not that its gain is within noise."""
+    from kfac_stream.snapshot.heldout_prior import HeldoutPrior
+
+    common = dict(tau=1e-4, nll=772.0, marglik_tau=1e-6, marglik_nll=800.0, examples=2048,
+                  link="probit", grid=(1e-4,), grid_nll=(772.0,), map_nll=2.09,
+                  map_accuracy=0.5, map_confidence=0.45, map_kept=True)
+    lost = HeldoutPrior(**common, map_gain=-770.0, map_gain_se=18.0).verdict()
+    assert "eval gain -770 ± 18 nats (tau 0.0001, probit link) is a loss beyond noise: worse " \
+        "than MAP; its variances" in lost
+    near = HeldoutPrior(**common, map_gain=-0.03, map_gain_se=0.02).verdict()
+    assert "is within noise (2 paired s.e.)" in near  # -0.03 > -2 × 0.02

@@ -56,7 +56,7 @@ from torch import Tensor
 
 from ..exceptions import QueryInputError
 from ..metrics import nll_per_example
-from ..snapshot.heldout_prior import MAP_LINK, HeldoutPrior
+from ..snapshot.heldout_prior import GUARD_SE, MAP_LINK, HeldoutPrior
 from . import inputs
 from .calibration import PROBS_METHODS, probs_from_gaussian
 from .heldout_tokens import (
@@ -78,14 +78,6 @@ GRID = tuple(10.0 ** e for e in range(-4, 7))
 #: closed forms of the same ``[B, K]`` mean and ``[B, K, K]`` covariance, so each adds no
 #: model pass.
 LINKS = ("probit", "meanfield")
-
-#: The guard, in paired standard errors (module docstring): a link other than `BASE_LINK`,
-#: and the posterior instead of MAP's own probabilities, are chosen only when their mean eval
-#: NLL beats the alternative's by more than this many paired standard errors of the
-#: per-example differences. Fixed before the suite that judges it: a gain of about
-#: one standard error (``ft-encoder`` seed 0: 0.016 nats on 240 examples) chose a posterior
-#: that lost 1.4% on test.
-GUARD_SE = 2.0
 
 #: The link the guard starts from: the probit, laplace-torch's default and the field's
 #: pre-registered one (not tuned on this library's suite).
