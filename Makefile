@@ -74,7 +74,7 @@ $(BENCH_PEERS): $(PEERS)
 # One script per question (benchmarks/_common.py: what they share). In this order: the
 # classification task reuses the LM uncertainty.py saves; headline.py reads everyone's JSON.
 BENCH_SCRIPTS := overhead snapshot_query distributed scale peers uncertainty \
-	uncertainty_classification suite heldout_cost worker_ops ekfac_cost influence_peers \
+	uncertainty_classification suite lm_finetune_fit suite_default heldout_cost worker_ops ekfac_cost influence_peers \
 	influence_quality headline
 # QUICK=1: every script's --quick smoke run, which writes nothing (`make bench-quick`).
 BENCH_FLAGS = $(if $(QUICK),--quick,)
