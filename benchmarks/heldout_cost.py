@@ -30,6 +30,7 @@ tokens) is not measured here: its cost is stated from its count of forwards.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import tempfile
 import time
@@ -60,6 +61,48 @@ class Task(st.EncoderFileKind):
 def batches(trainer: Trainer):
     return [{k: v for k, v in b.items() if torch.is_tensor(v)}
             for b in trainer.get_eval_dataloader()]
+
+
+def flop_counts(model, post, evals) -> dict[str, float]:
+    """Matrix-product FLOPs (``torch.utils.flop_counter.FlopCounterMode``: matmuls and batched
+    products, in place too, and attention, the CPU's too) of one eval pass, of the Jacobian
+    pass without and with its features, and of the fit; the rest of each (elementwise work,
+    copies) is not counted."""
+    from torch.utils import flop_counter as fc
+
+    aten = torch.ops.aten
+    def attention(q, k, v, *args, **kwargs) -> int:
+        return fc.sdpa_flop_count(q, k, v)
+
+    def attention_backward(grad, q, k, v, *args, **kwargs) -> int:
+        return fc.sdpa_backward_flop_count(grad, q, k, v)
+
+    def product(_self, a, b, *args, **kwargs) -> int:  # addmm_ [m, k] [k, n]; baddbmm_
+        return 2 * math.prod(a) * b[-1]
+
+    extra = {aten.addmm_: product, aten.baddbmm_: product,
+             aten._scaled_dot_product_flash_attention_for_cpu: attention,
+             aten._scaled_dot_product_flash_attention_for_cpu_backward: attention_backward}
+
+    def count(fn) -> float:
+        with fc.FlopCounterMode(display=False, custom_mapping=extra) as c:
+            fn()
+        return float(c.get_total_flops())
+
+    def eval_pass():
+        with torch.no_grad():
+            for b in evals:
+                model(**{k: v for k, v in b.items() if k != "labels"})
+
+    def jacobian(features: bool):
+        for b in evals:
+            _, feats = post.jacobian_features(b)  # the forward and K backwards run here
+            for _ in feats if features else ():
+                pass
+
+    return {"eval_pass": count(eval_pass), "forward_and_backwards": count(lambda: jacobian(False)),
+            "jacobian": count(lambda: jacobian(True)),
+            "fit": count(lambda: fit_prior_precision(post, evals))}
 
 
 def exact_path(post, evals, taus) -> None:
@@ -131,7 +174,10 @@ def main(argv=None) -> None:
             post = LaplacePosterior(model, Snapshot.load(snap_path, show_progress=False), 1.0)
             write_heldout_prior(snap_path, fit_prior_precision(post, evals))
             times["end_of_training"].append(time.perf_counter() - t)
+        flops = flop_counts(model, LaplacePosterior(
+            model, Snapshot.load(snap_path, show_progress=False), 1.0), evals)
     med = {k: statistics.median(v) for k, v in times.items()}
+    fl = {k: v / flops["eval_pass"] for k, v in flops.items()}  # in eval passes' FLOPs
     ratio = {k: v / med["eval_pass"] for k, v in med.items()}
     target = 2 * K + 2
     # the per-token fit: on its first MAX_SEQUENCES eval rows, every candidate's TOKEN_SAMPLES
@@ -146,7 +192,8 @@ def main(argv=None) -> None:
            "end_in_eval_passes": med["end_of_training"] / med["eval_pass"],
            "fit_probit_in_eval_passes": ratio["fit_probit"],
            "exact_path_in_eval_passes": ratio["exact_path"],
-           "per_token_fit_forwards_of_its_rows": per_token,
+           "per_token_fit_forwards_of_its_rows": per_token, "per_token_fit_rows": MAX_SEQUENCES,
+           "matmul_flops": flops, "matmul_flops_in_eval_passes": fl,
            "target_eval_passes": target, "callback_fit_seconds": stored.seconds,
            "chosen": {"tau": fit.tau, "link": fit.link, "verdict": fit.verdict()},
            "machine": machine()}
@@ -167,6 +214,19 @@ def main(argv=None) -> None:
              f"both links) | {med['exact_path']:.3f} | {ratio['exact_path']:.1f} |",
              f"| the end-of-training step (load, posterior, fit, write) | "
              f"{med['end_of_training']:.3f} | {out['end_in_eval_passes']:.1f} |", "",
+             f"Matrix-product FLOPs (torch's `FlopCounterMode`), in eval passes' worth: the "
+             f"forward and {K} logit backwards {fl['forward_and_backwards']:.1f}, the features "
+             f"{fl['jacobian'] - fl['forward_and_backwards']:.1f}, the τ grid (exact variances, "
+             f"binned covariances, links) {fl['fit'] - fl['jacobian']:.1f}: the fit's "
+             f"{fl['fit']:.1f} eval passes' FLOPs, {med['fit'] / med['eval_pass'] / fl['fit']:.2f}"
+             f"× their time at the eval pass's own FLOP rate. The features are exact: per "
+             f"layer and example ``K·T'·d_out·d_A`` multiply-adds for the sum over the ``T'`` "
+             f"positions with a gradient, ``K·d_out²·min(T', d_A)`` to rotate into ``Q_G`` and "
+             f"``d_A²·min(T', K·d_out)`` into ``Q_A``, against the forward's ``T·d_out·d_in``: "
+             f"about ``2K`` forwards of a square layer read at every position (``T ≈ d``), "
+             f"``(1 + d_out/d_A)·K`` of the MLP's widening layer; with the ``K`` backwards "
+             f"(each about a forward) more than ``2K + 2`` eval passes' FLOPs whenever most "
+             f"layers are read at every position.", "",
              f"Target: ≤ 2K + 2 = {target} eval passes: "
              f"{'met' if ratio['fit'] <= target else 'not met'}. The callback's own fit in the "
              f"training run: {stored.seconds:.2f} s. Chosen: {fit.verdict()}.", "",

@@ -186,7 +186,7 @@ class KFACConfig:
             standard errors, and MAP's own probabilities kept unless the posterior beats them
             by more than 2 paired standard errors:
             `kfac_stream.query.heldout_tau.fit_prior_precision`: a forward, ``K`` backwards
-            and the features per eval batch for ``K`` classes or answer options, 40 eval passes
+            and the features per eval batch for ``K`` classes or answer options, 37 eval passes
             at ``K = 10`` on the suite's encoder, ``benchmarks/heldout_cost.py``) and store the
             choice beside the final snapshot (``snap.heldout_prior``), where
             ``LaplacePosterior(model, snap)`` and ``kfac-stream query`` take it by default.
