@@ -102,8 +102,9 @@ class KFACConfig:
             drawn rows weigh ``1/f`` (``C`` for that one sequence of ``C``). An int ``k ≥ 1``:
             ``min(k, B)`` sequences of EVERY micro-batch of
             ``B`` (weights ``B/k``). ``"all"`` / ``1.0``: the whole micro-batch, its gradient
-            taken inside the training forward (replayed under DeepSpeed ZeRO-3, gradient
-            checkpointing or fp16 autocast). Within a replayed micro-batch the sequences are
+            taken inside the training forward (replayed after the step under DeepSpeed
+            ZeRO-3, gradient checkpointing, fp16 autocast or active dropout: every replay runs
+            in eval mode, ``capture/posterior_mode.py``). Within a replayed micro-batch the sequences are
             drawn uniformly without replacement from a generator seeded by ``(seed, rank,
             step)``, and inside them ``ceil(token_fraction·B·T)`` slots (as many as the
             empirical path takes from the whole micro-batch) with Horvitz–Thompson weights.
