@@ -106,8 +106,9 @@ class KFACConfig:
             ZeRO-3, gradient checkpointing, fp16 autocast or active dropout: every replay runs
             in eval mode, ``capture/posterior_mode.py``). Within a replayed micro-batch the
             sequences are drawn uniformly without replacement from a generator seeded by
-            ``(seed, rank, step)``, and inside them ``ceil(token_fraction·B·T)`` slots (as many as the
-            empirical path takes from the whole micro-batch) with Horvitz–Thompson weights.
+            ``(seed, rank, step)``, and inside them ``ceil(token_fraction·B·T)`` slots (as
+            many as the empirical path takes from the whole micro-batch) with Horvitz–Thompson
+            weights.
             A replay (forward + backward to the tracked layers' outputs, no weight
             gradients) costs ~2/3 of a training step's work on what it replays, so the
             default costs ~3.3% of an update step, ~0.33% per step at ``update_every=10``,
