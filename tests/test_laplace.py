@@ -319,16 +319,20 @@ def test_per_layer_prior_precision(trained):
                                                                rel=1e-14)
 
 
-def test_k_logit_backwards_run_as_one_batched_backward_and_fall_back_exactly(trained,
+def test_k_logit_backwards_loop_on_cpu_batched_by_choice_and_fall_back_exactly(trained,
                                                                               monkeypatch):
-    """The K backward passes of a predictive are one ``is_grads_batched`` backward (vmap over
-    the K cotangents); where that raises (an op without a batching rule) the loop of K
-    backwards gives the same covariance (float64 round-off: the same products summed in
-    another order)."""
+    """The K backward passes of a predictive: on the CPU a loop of K backwards (measured
+    faster there); batched (one ``is_grads_batched`` backward, vmap over the K cotangents, the
+    accelerators' default) the same covariance; where the batched one raises (an op without
+    a batching rule) the loop again. Float64 round-off apart: the same products summed in
+    another order."""
+    from kfac_stream.query import per_example
+
     model, snap = trained
     post = LaplacePosterior(model, snap, prior_precision=TAU, num_data=N_DATA)
     ex = text_examples(2, 10, seed=5, lengths=[10, 7])
     batch = {k: torch.stack([e[k] for e in ex]) for k in ("input_ids", "attention_mask")}
+    tokens = [3, 101, 32, 7]
     real_grad, calls = torch.autograd.grad, []
 
     def recording(*args, **kw):
@@ -336,8 +340,15 @@ def test_k_logit_backwards_run_as_one_batched_backward_and_fall_back_exactly(tra
         return real_grad(*args, **kw)
 
     monkeypatch.setattr(torch.autograd, "grad", recording)
-    mean, cov = post.predictive(batch, positions=-1, token_ids=[3, 101, 32, 7])
+    mean, cov = post.predictive(batch, positions=-1, token_ids=tokens)
+    assert calls == [False] * 4  # the CPU's loop
+    real = per_example.logit_gradients
+    monkeypatch.setattr(per_example, "logit_gradients",
+                        lambda f, outs, batched=None: real(f, outs, True))
+    calls.clear()
+    mean_b, cov_b = post.predictive(batch, positions=-1, token_ids=tokens)
     assert calls == [True]
+    assert torch.equal(mean, mean_b) and rel_err(cov_b, cov) <= DENSE_TOL
 
     def no_vmap(*args, **kw):
         if kw.get("is_grads_batched"):
@@ -346,7 +357,7 @@ def test_k_logit_backwards_run_as_one_batched_backward_and_fall_back_exactly(tra
 
     calls.clear()
     monkeypatch.setattr(torch.autograd, "grad", no_vmap)
-    mean2, cov2 = post.predictive(batch, positions=-1, token_ids=[3, 101, 32, 7])
+    mean2, cov2 = post.predictive(batch, positions=-1, token_ids=tokens)
     assert calls == [False] * 4
     assert torch.equal(mean, mean2) and rel_err(cov2, cov) <= DENSE_TOL
 
