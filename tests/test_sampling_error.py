@@ -404,3 +404,28 @@ def test_one_update_window_is_flagged_by_its_sampling_error(tmp_path):
     _, ema = _short_run(tmp_path / "ema", {"min_window_sequences": 0, "final_window": 0.0})
     assert not sampling_summary(ema.meta)["in_window"]
     assert sampling_problems(ema.meta) == []
+
+
+def test_factors_without_rows_are_flagged(tmp_path, monkeypatch):
+    """A run whose MC replays capture no row (what a replay in eval mode would give if the
+    capture took only training-mode forwards) leaves every factor's weight 0: the snapshot is
+    flagged, by name, at query time; a normal run's is not."""
+    import dataclasses
+
+    import kfac_stream.capture.mc_fisher as mc_fisher
+    from kfac_stream.snapshot.adequacy import empty_factors
+
+    _, ok = _short_run(tmp_path / "ok", {"min_window_sequences": 0, "final_window": 0.0})
+    assert empty_factors(ok.meta) == []
+    monkeypatch.setattr(mc_fisher, "MC_REPLAY", dataclasses.replace(mc_fisher.MC_REPLAY,
+                                                                    replay=False))
+    model, snap = _short_run(tmp_path / "none", {"min_window_sequences": 0,
+                                                 "final_window": 0.0})
+    empty = empty_factors(snap.meta)
+    assert len(empty) == 2 * len(snap.layer_names)
+    assert all(float(snap[n].A.abs().sum()) == 0.0 for n in snap.layer_names)
+    problems = sampling_problems(snap.meta)
+    assert any(p.startswith(f"{len(empty)} of its factors hold no rows at all ({empty[0]}, ")
+               for p in problems), problems
+    with pytest.warns(UserWarning, match="hold no rows at all"):
+        LaplacePosterior(model, snap, prior_precision=1.0)

@@ -1,10 +1,12 @@
 """Does a snapshot's posterior rest on enough samples? Read from its manifest.
 
-Two signs, both recorded by the tracker (`kfac_stream.store.factor_store.FactorState`):
+Three signs, all recorded by the tracker (`kfac_stream.store.factor_store.FactorState`):
 
 * the final window held fewer sequences than ``KFACConfig.min_window_sequences`` asks for
   (``counts.window_sequences``: the run had too few updates, or too few MC sequences per
   update, to reach it even over its whole length);
+* a factor that holds no rows at all (EMA weight 0, `empty_factors`: a layer no captured
+  pass reached), whose block of the posterior is then the prior alone;
 * in a final-window snapshot, a factor's relative sampling error ``‖SE(F)‖_F / ‖F‖_F``
   (``sampling.rel_se``, from the spread of the updates around their mean) above
   `REL_SE_WARN`. Before the window (the EMA) the spread measures the drift of the curvature
@@ -61,6 +63,14 @@ def sampling_summary(meta: dict[str, Any]) -> dict[str, Any]:
             "in_window": int(counts.get("window_start_step", -1)) >= 0}
 
 
+def empty_factors(meta: dict[str, Any]) -> list[str]:
+    """The keys of a manifest's factors whose EMA weight is 0: no row was ever folded into
+    them (a layer no captured pass reached), so the posterior's block there is the prior's.
+    A rank's part leaves another rank's factor's weight None: not counted."""
+    return [entry[f].get("key", f"{name}.{f}") for name, entry in meta.get("layers", {}).items()
+            for f in ("A", "G") if entry.get(f, {}).get("weight") == 0]
+
+
 def rel_se_verdict(summary: dict[str, Any]) -> str:
     """The largest relative standard error of a `sampling_summary` with its threshold
     (`REL_SE_WARN`) and verdict, as `kfac-stream inspect` prints it: ``"0.82 (≤ 3: enough
@@ -95,6 +105,13 @@ def _problems(meta: dict[str, Any]) -> list[tuple[str, str]]:
                     f"its final window holds {s['window_sequences']:,} sequences, fewer than "
                     f"min_window_sequences={s['min_window_sequences']:,} (the run has too few "
                     "factor updates to reach it; lower update_every or raise mc_sequences)"))
+    empty = empty_factors(meta)
+    if empty:
+        out.append(("empty",
+                    f"{len(empty)} of its factors hold no rows at all ("
+                    + ", ".join(empty[:3]) + (", ..." if len(empty) > 3 else "")
+                    + ": no captured pass of the run reached those layers), so their blocks "
+                    "are the prior alone"))
     if s["in_window"] and not math.isnan(s["max_rel_se"]) and s["max_rel_se"] > REL_SE_WARN:
         out.append(("rel_se",
                     f"factor {s['max_rel_se_factor']} has a relative sampling error of "
