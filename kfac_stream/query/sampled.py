@@ -348,17 +348,17 @@ def _sample_logits(run: _SampleRun) -> Iterator[tuple[int, Tensor, bool]]:
 def _linearized_logits(where: str, layers: SampledLayers, rows: dict[str, Tensor],
                        samples: Samples, count: int) -> Tensor | None:
     """`SampledLayers.linearized_forward`, with a model operation that has no forward-mode
-    derivative (a custom ``autograd.Function`` without ``jvp``, e.g. BLOOM's GELU in training
+    derivative (a custom ``autograd.Function`` without ``jvp``, e.g. BLOOM's GELU in either
     mode) turned into a one-line error that says what to do."""
     try:
         return layers.linearized_forward(rows, samples, count)
     except NotImplementedError as e:
         raise QueryInputError(
-            f"{where}: the linearised predictive (linearized=True, the default) needs "
-            "forward-mode derivatives of the model's forward, and one of its operations has "
-            f"none ({str(e).splitlines()[0]}); call model.eval() first if the model runs a "
-            "training-only path there (BLOOM's GELU does), or pass linearized=False for the "
-            "predictive of posterior weight samples") from e
+            f"{where}: the linearised predictive (linearized=True) needs forward-mode "
+            "derivatives of the model's forward, and one of its operations has none "
+            f"({str(e).splitlines()[0]}); pass linearized=False for the predictive of "
+            "posterior weight samples (the default, None, falls back to it with a "
+            "warning)") from e
 
 
 @contextlib.contextmanager
