@@ -44,6 +44,15 @@ class KFACConfig:
             ``0``: the EMA throughout. The window starts earlier when it would hold fewer than
             ``min_window_sequences`` sequences. Off with ``ema_decay=1.0``, which asks for the
             mean over the whole run (the tracker says so at train begin). (Default: 0.1)
+        final_refresh: ``"auto"``, ``"on"`` or ``"off"``: at train end, before the final
+            snapshot, replace the factors by their plain mean over a pass at the final weights
+            (eval mode, the run's Fisher, ``token_fraction``; no optimizer step, the training's
+            weights, gradients, data order and generators untouched), over at most one epoch
+            and 10% of the run's training sequences (`kfac_stream.tracking.refresh`). ``"auto"``:
+            when the planned final window starts in the first half of the run (its factors
+            average weights far from the final ones: a short fine-tune whose window
+            ``min_window_sequences`` pushed back); off without a window, under ZeRO-3 / FSDP2
+            and with ``ekfac`` (``"on"`` is refused there). (Default: "auto")
         min_window_sequences: The fewest sequences the final window's mean may rest on: the
             window's first update is moved back until its updates hold at least this many
             (``sequences_per_update``: the MC replay's sequences, or every sequence with the
@@ -241,6 +250,7 @@ class KFACConfig:
     token_fraction: float = 0.05
     ema_decay: float = 0.95
     final_window: float = 0.1
+    final_refresh: str = "auto"
     min_window_sequences: int = 256
     update_every: int = 10
     snapshot_every: int = 500
@@ -301,7 +311,8 @@ class KFACConfig:
         for name, allowed in (("fold_on", ("auto", "device", "host")),
                               ("exchange", ("auto", "rows", "stats")),
                               ("eigh_device", ("auto", "cpu")),
-                              ("eigendecompose", ("auto", "always", "final"))):
+                              ("eigendecompose", ("auto", "always", "final")),
+                              ("final_refresh", ("auto", "on", "off"))):
             if getattr(self, name) not in allowed:
                 raise KFACConfigError(f"KFACConfig.{name}={getattr(self, name)!r} is not "
                                       f"allowed: must be one of {allowed}")
@@ -310,6 +321,12 @@ class KFACConfig:
                                   "ekfac=True: each snapshot's eigenbasis is the next EK-FAC "
                                   "correction's, so every snapshot is decomposed in the run "
                                   "(use 'auto' or 'always')")
+
+        if self.ekfac and self.final_refresh == "on":
+            raise KFACConfigError("KFACConfig.final_refresh='on' is not allowed with ekfac=True: "
+                                  "the EK-FAC correction is streamed on the previous snapshot's "
+                                  "basis over the training steps, which a refresh at the final "
+                                  "weights would not match (use 'auto' or 'off')")
 
     def _check_sizes(self) -> None:
         """Validate the sizes and counts."""

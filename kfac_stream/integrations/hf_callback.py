@@ -23,6 +23,7 @@ from .train_begin import (
     check_train_begin,
     run_devices,
     timed,
+    training_batches,
     warn_engines_not_applied,
 )
 
@@ -142,8 +143,9 @@ class KFACStreamCallback(TrainerCallback):
         if self.session.tracker is None:
             return control
         self.session.reloaded(reloaded_best_model(args, state))  # load_best_model_at_end
+        batches = training_batches(kwargs.get("train_dataloader"))  # the refresh's data
         with kept_generators(run_devices(args)):  # what runs after train() draws the same
-            self.session.finish(model, state.global_step, state.epoch)
+            self.session.finish(model, state.global_step, state.epoch, batches)
         if self.report_spectra:  # the reporters ended their runs before this event
             self._reporter.snapshots(self, args, state, control, after_end=True)
         now = time.perf_counter()
@@ -152,5 +154,5 @@ class KFACStreamCallback(TrainerCallback):
         self.train_end_seconds = now - (self.train_started or entered)
         if self.session.tracker.rank == 0:
             logger.info("%s", cost_line(self.callback_seconds, self.train_end_seconds,
-                                        self.callback_parts))
+                                        self.callback_parts, self.session.refreshed))
         return control

@@ -1,6 +1,7 @@
 """What the callback checks and measures around the Trainer's events: the launch (DeepSpeed on
 CPU, an engine asked for but not in use), the run's inputs at train begin (CUDA graphs,
-answer tokens), and the wall time of its event handlers."""
+answer tokens), the wall time of its event handlers, and the training batches the
+final-weight refresh reads at train end."""
 
 from __future__ import annotations
 
@@ -74,3 +75,18 @@ def warn_engines_not_applied(model) -> None:
     (`kfac_stream.distributed.engines.engines_not_applied`)."""
     for warning in engines_not_applied(model):
         logger.warning("%s", warning)
+
+
+def training_batches(loader):
+    """This rank's training batches for the final-weight refresh, from the dataloader the
+    Trainer hands its callbacks (``train_dataloader``; None: none). Accelerate's prepared
+    loader (``DataLoaderShard``: this rank's shard, batches moved to the device) is read
+    through the plain loader it wraps (``base_dataloader``: the same shard and collator), so
+    its own state (the epoch it sets on the sampler, the accelerator's gradient state, the
+    generators it synchronises) is untouched; other loaders are iterated as they are."""
+    if loader is None:
+        return None
+    base = getattr(loader, "base_dataloader", None)
+    if type(loader).__name__ == "DataLoaderShard" and base is not None:
+        return base
+    return loader

@@ -22,6 +22,7 @@ from .manifest_types import (
     Manifest,
     ModelIdentity,
     Ownership,
+    RefreshDecision,
     RunPlanEntry,
     Sampling,
     WeightsFingerprint,
@@ -93,8 +94,9 @@ def _layer_entry(record, name: str) -> LayerEntry:
             if not math.isnan(rel_se):  # not recorded: no update yet
                 entry.sampling = Sampling(rel_se=rel_se, effective_updates=k_eff)
         factors[factor] = entry
-    # "sequence": a pooler / head, N counts sequences; absent: one row per token position
-    rows = "sequence" if record.row_space.get(name) == "sequence" else None
+    # "sequence": a pooler / head, N counts sequences; "target": an encoder-decoder's decoder
+    # positions; absent: one row per token position of the input
+    rows = record.row_space.get(name) if record.row_space.get(name) != "position" else None
     return LayerEntry(kind=spec.kind, d_in=spec.d_in, d_out=spec.d_out,
                       has_bias=spec.has_bias, rows=rows, **factors)
 
@@ -126,8 +128,9 @@ def _manifest(record, step: int, epoch: float | None,
 def _run_plan(plan: dict[str, Any] | None) -> RunPlanEntry | None:
     if not plan:
         return None
-    window = plan.get("window")
-    return RunPlanEntry(**{**plan, "window": WindowEntry(**window) if window else None})
+    window, refresh = plan.get("window"), plan.get("final_refresh")
+    return RunPlanEntry(**{**plan, "window": WindowEntry(**window) if window else None,
+                           "final_refresh": RefreshDecision(**refresh) if refresh else None})
 
 
 def merge_manifests(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -135,7 +138,7 @@ def merge_manifests(parts: list[dict[str, Any]]) -> dict[str, Any]:
 
     Each factor's statistics (weight, updates, positions, dtype, spectrum) come from its
     owner's part, a layer's EK-FAC entry from its G factor's owner's; ``tokens_seen`` and
-    ``sequences_seen`` (counted per rank) are summed; ``tracker_seconds``,
+    the other ``*_seen`` (counted per rank) are summed; ``tracker_seconds``,
     ``exchange_seconds``, ``fold_seconds`` and ``wait_seconds`` are the slowest rank's;
     ``comm_bytes`` lists every rank's. Everything else is the same on all ranks and is
     taken from rank 0.
@@ -154,6 +157,7 @@ def merge_manifests(parts: list[dict[str, Any]]) -> dict[str, Any]:
     counts = out.counts
     counts.tokens_seen = sum(p.counts.tokens_seen for p in ranks)
     counts.sequences_seen = sum(p.counts.sequences_seen for p in ranks)
+    counts.target_tokens_seen = sum(p.counts.target_tokens_seen for p in ranks)
     for key in ("tracker_seconds", "exchange_seconds", "fold_seconds", "wait_seconds"):
         setattr(counts, key, max(getattr(p.counts, key) for p in ranks))
     counts.comm_bytes = [b for p in ranks for b in p.counts.comm_bytes]

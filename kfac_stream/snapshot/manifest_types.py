@@ -27,6 +27,7 @@ from dataclasses import MISSING, dataclass
 from typing import Any, ClassVar
 
 from ..curvature import fisher_names
+from ..stats.rows import ROW_SPACES
 from ..store.traffic import Traffic
 from .layout import FORMAT_NAME, FORMAT_VERSION, READ_VERSIONS
 from .schema import (
@@ -175,7 +176,7 @@ class LayerEntry:
     d_in: int = json_field(Int(1, MAX_FACTOR_DIM))
     d_out: int = json_field(Int(1, MAX_FACTOR_DIM))
     has_bias: bool = json_field(Bool())
-    rows: str | None = json_field(Str(choices=("position", "sequence")), optional=True)
+    rows: str | None = json_field(Str(choices=ROW_SPACES), optional=True)
     A: FactorEntry = json_field()
     G: FactorEntry = json_field()
     ekfac: Ekfac | None = json_field(optional=True)
@@ -200,12 +201,13 @@ class Counts(Traffic):
     without ``skipped_steps``, which the manifest holds beside them): the store's `Traffic` fields
     (inherited), and the tracker's own below. Made with ``Counts(**counters)``, so a counter
     the tracker adds and this class lacks fails the snapshot instead of going missing.
-    ``comm_bytes`` lists each rank's (the merge gathers them); ``tokens_seen`` and
-    ``sequences_seen`` are summed over the ranks, the durations are the slowest rank's."""
+    ``comm_bytes`` lists each rank's (the merge gathers them); the ``*_seen`` counts are
+    summed over the ranks, the durations are the slowest rank's."""
 
     WHAT: ClassVar[str] = "the tracker's counters"
     tokens_seen: int = 0
     sequences_seen: int = 0
+    target_tokens_seen: int = 0
     positions_sampled: int = 0
     updates: int = 0
     skipped_updates: int = 0
@@ -300,6 +302,27 @@ class WindowEntry:
 
 
 @dataclass(kw_only=True)
+class RefreshDecision:
+    """Whether the run planned to refresh its factors at the final weights at train end
+    (`kfac_stream.tracking.plan.plan_refresh`), and why."""
+
+    WHAT: ClassVar[str] = "the planned final-weight refresh"
+    on: bool = json_field(Bool())
+    reason: str = json_field(Str(what="a reason"))
+
+
+@dataclass(kw_only=True)
+class FinalRefresh:
+    """The final snapshot's factors are a refresh at the final weights
+    (`kfac_stream.tracking.refresh`): their plain mean over ``sequences`` training sequences
+    (all ranks), which took ``seconds`` of wall time (the slowest rank's)."""
+
+    WHAT: ClassVar[str] = "the final-weight refresh"
+    sequences: int = json_field(COUNT)
+    seconds: float = json_field(NONNEG)
+
+
+@dataclass(kw_only=True)
 class RunPlanEntry:
     """The run's plan as resolved at train begin (`kfac_stream.tracking.plan.RunPlan.to_dict`):
     the curvature, the run's shape, where the fold and the eigendecompositions run, the device
@@ -322,6 +345,7 @@ class RunPlanEntry:
     mc_share_raised: float | None = json_field(Nullable(Num(0.0, 1.0, lo_open=True)))
     sequences_per_update: int = json_field(COUNT)
     window: WindowEntry | None = json_field(optional=True)
+    final_refresh: RefreshDecision | None = json_field(optional=True)
 
 
 @dataclass(kw_only=True)
@@ -448,7 +472,9 @@ class Manifest:
     (absent when the weights are the step's own: `WeightsFrom`), ``answer_tokens``
     (absent when the run set none). The tracker: five settings readers use (``fisher``,
     ``ema_decay``, ``token_fraction``, ``update_every``, ``storage_dtype``; the whole
-    configuration, ``KFACConfig.to_dict()``, is ``config``), ``counts``, ``skipped_steps``.
+    configuration, ``KFACConfig.to_dict()``, is ``config``), ``counts``, ``skipped_steps``,
+    ``final_refresh`` (the final snapshot's factors refreshed at the final weights; absent
+    otherwise).
     The factors: ``fingerprint`` (of the tracked layers' shapes, `layout.layer_fingerprint`),
     ``shared_inputs`` (groups of layers storing one A under the first one's key),
     ``ownership``, ``eigen`` (whether the shards hold the eigendecomposition; absent in
@@ -485,6 +511,7 @@ class Manifest:
     answer_tokens: AnswerTokens | None = json_field(optional=True)
     model: ModelIdentity | None = json_field(optional=True)
     run_plan: RunPlanEntry | None = json_field(optional=True)
+    final_refresh: FinalRefresh | None = json_field(optional=True)
     eigen: EigenEntry | None = json_field(optional=True)
     layers: dict[str, LayerEntry] = json_field(
         MapOf(record_of(LayerEntry), layer_name_problem, _LAYER_NAME, min_len=1,

@@ -16,12 +16,18 @@ def _mib(n: int) -> str:
 
 
 def cost_line(callback_seconds: float, train_seconds: float,
-              parts: dict[str, float] | None = None) -> str:
+              parts: dict[str, float] | None = None, refreshed=None) -> str:
     """The end-of-train line: the callback's seconds on the training thread and their share
     of the training time (``KFACStreamCallback.callback_seconds``, ``train_end_seconds``),
-    split by ``parts`` (``callback_parts``) when given."""
+    split by ``parts`` (``callback_parts``) when given, with the final-weight refresh's
+    sequences and seconds (``refreshed``, a `RefreshResult`; part of the end's) when one
+    ran."""
     share = 100 * callback_seconds / max(train_seconds, 1e-9)
     split = "".join(f"; {_seconds(v)} s {k}" for k, v in (parts or {}).items())
+    if refreshed is not None:
+        split += (f", of which {_seconds(refreshed.seconds)} s "
+                  f"({100 * refreshed.seconds / max(train_seconds, 1e-9):.1f}%) the "
+                  f"final-weight refresh over {refreshed.sequences} sequences")
     return (f"kfac_stream: {_seconds(callback_seconds)} s in the callback ({share:.1f}% of "
             f"{_seconds(train_seconds)} s training, from train begin to this line{split}); "
             "counted: the training thread inside its Trainer events (set-up, factor updates, "
@@ -111,6 +117,27 @@ def window_lines(run: RunPlan) -> list[tuple[str, str]]:
     return out
 
 
+def refresh_start_line(run: RunPlan, budget: int) -> str:
+    """Says that the final-weight refresh starts, why, and its bound (``budget`` sequences
+    per rank, 0: one epoch alone)."""
+    bound = (f"at most one epoch and {budget} sequences per rank "
+             f"({100 * run.refresh.budget_share:g}% of the run's)" if budget > 0
+             else "at most one epoch")
+    return (f"kfac_stream: final-weight refresh ({run.refresh.reason}): a pass in eval mode at "
+            f"the final weights over {bound}; its mean replaces the factors of the final "
+            "snapshot")
+
+
+def refresh_end_line(result) -> str:
+    """Says what the final-weight refresh did (a `RefreshResult`)."""
+    if result.batches == 0:
+        return ("kfac_stream: final-weight refresh: no batch ran; the final snapshot holds "
+                "the run's factors")
+    return (f"kfac_stream: final-weight refresh done: {result.sequences} sequences in "
+            f"{_seconds(result.seconds)} s ({result.batches} updates); the final snapshot's "
+            "factors are their mean at the final weights")
+
+
 def reloaded_weights_line(path: str, manifest: dict) -> str:
     """The end-of-train line of a run whose Trainer reloaded the best checkpoint before train
     end (the manifest's ``weights_from``, `kfac_stream.integrations.best_model`): which step's
@@ -121,6 +148,14 @@ def reloaded_weights_line(path: str, manifest: dict) -> str:
     best = f"step {origin['step']}" if origin.get("step") is not None else "an unknown step"
     started = int(manifest["counts"].get("window_start_step", -1))
     plan = manifest.get("run_plan") or {}
+    refreshed = manifest.get("final_refresh")
+    if refreshed:
+        return (f"kfac_stream: load_best_model_at_end: the Trainer reloaded the best model "
+                f"({best}, {origin['checkpoint']}) before train end, so the final snapshot "
+                f"{path} describes the weights of {best} (its weight fingerprint, the held-out "
+                f"fit, Snapshot.weights_step; the manifest's weights_from), and its factors "
+                f"were refreshed at those weights over {refreshed['sequences']} sequences "
+                "(final_refresh). Query the reloaded model with it")
     if started >= 0:
         factors = f"the final window's mean of the factor updates from step {started} to {last}"
     elif manifest["ema_decay"] == 1.0:

@@ -29,6 +29,9 @@ setting                     resolved to
 ``fold_defer``              `FOLD_DEFER` updates per fold of a factor group's held rows on
                             the device path (fewer while they would leave the budget), 1 on
                             the host path
+``final_refresh``           whether train end refreshes the factors at the final weights
+                            (`plan_refresh`): ``"auto"`` when the final window starts in
+                            the first half of the run
 ``exchange``                as configured: ``"auto"`` is chosen per factor and update by the
                             bytes each way moves (`distributed.exchange`), not here
 ==========================  ===============================================================
@@ -48,6 +51,7 @@ from torch import nn
 
 from ..config import KFACConfig, mc_full_batch
 from ..curvature import Curvature
+from ..exceptions import KFACConfigError
 from ..replay_draws import replay_counts
 
 #: Device path: updates whose rows a factor group holds before one fold into its pending sums
@@ -99,6 +103,28 @@ class WindowPlan:
     sequences_per_update: int
 
 
+#: The refresh's sequences at most, as a share of the run's training sequences: a forward and
+#: a backward each, so at most ~10% of the training's compute (and one epoch at most).
+REFRESH_SHARE = 0.1
+
+
+@dataclass(frozen=True)
+class RefreshPlan:
+    """Whether the end of training refreshes the factors at the final weights (`plan_refresh`,
+    `kfac_stream.tracking.refresh`).
+
+    Attributes:
+        on: Refresh before the final snapshot.
+        reason: Why, in words (the train-begin line).
+        budget_share: The most sequences it may run, as a share of the run's training
+            sequences (`REFRESH_SHARE`).
+    """
+
+    on: bool
+    reason: str
+    budget_share: float = REFRESH_SHARE
+
+
 @dataclass(frozen=True)
 class RunPlan:
     """One run's resolved settings (the module table). Build it with `resolve`.
@@ -120,6 +146,7 @@ class RunPlan:
         sequences_per_update: Sequences one factor update's statistics come from, over all
             ranks (0: unknown; an MC share's expectation, rounded).
         window: The final window (None: the EMA throughout).
+        refresh: Whether train end refreshes the factors at the final weights.
     """
 
     requested: KFACConfig
@@ -133,6 +160,7 @@ class RunPlan:
     mc_share_raised: float | None
     sequences_per_update: int
     window: WindowPlan | None
+    refresh: RefreshPlan = RefreshPlan(False, "not planned")
 
     @classmethod
     def resolve(cls, config: KFACConfig, model: nn.Module | None = None, *,
@@ -166,7 +194,9 @@ class RunPlan:
                    eigh_device=device if config.eigh_device == "auto" else None,
                    device_budget=budget, mc_share_raised=raised,
                    fold_defer=FOLD_DEFER if fold_on == "device" else 1,
-                   sequences_per_update=per_update, window=window)
+                   sequences_per_update=per_update, window=window,
+                   refresh=plan_refresh(resolved, window, shape.max_steps,
+                                        _sharding_engine(model)))
 
     @property
     def async_updates(self) -> bool:
@@ -192,6 +222,7 @@ class RunPlan:
                "sequences_per_update": self.sequences_per_update}
         if self.window is not None:
             out["window"] = asdict(self.window)
+        out["final_refresh"] = {"on": self.refresh.on, "reason": self.refresh.reason}
         return out
 
     def describe(self) -> str:
@@ -203,8 +234,59 @@ class RunPlan:
             if self.fold_on == "device" else "")
         eigh = "eigh on " + ("the CPU (float64)" if self.eigh_device is None
                              else str(self.eigh_device))
+        refresh = f"final-weight refresh: {'on' if self.refresh.on else 'off'} " \
+                  f"({self.refresh.reason})"
         return (f"{'async' if self.async_updates else 'inline'} updates, {fold}, {eigh}, "
-                f"{self.sequences_per_update} sequences per update")
+                f"{self.sequences_per_update} sequences per update, {refresh}")
+
+
+def _sharding_engine(model: nn.Module | None) -> str | None:
+    """The name of the engine that shards ``model``'s parameters (ZeRO-3, FSDP2), else None."""
+    if model is None:
+        return None
+    from ..distributed.engines import engine_for  # the engines import the capture package
+
+    engine = engine_for(model)
+    return engine.name if engine.is_sharded(model) else None
+
+
+def plan_refresh(config: KFACConfig, window: WindowPlan | None, max_steps: int,
+                 sharded_by: str | None = None) -> RefreshPlan:
+    """Whether train end refreshes the factors at the final weights (``final_refresh``).
+
+    ``"on"`` always, ``"off"`` never. ``"auto"`` (the rule, fixed before any measurement):
+    on when the planned final window (`plan_window`) starts in the first half of the run
+    (``restart_step < max_steps / 2``: its mean holds over half the run's updates, so it
+    averages weights far from the final ones; typically a short fine-tune whose window
+    ``min_window_sequences`` pushed back, up to step 0), off otherwise, and off without a
+    window (``final_window=0``, ``ema_decay=1``, or ``max_steps`` unknown). Off under an
+    engine that shards the parameters (``sharded_by``: DeepSpeed ZeRO-3, FSDP2), where the
+    refresh is not supported, and with ``ekfac`` (its correction is streamed on the previous
+    snapshot's basis); ``"on"`` there raises.
+
+    Raises:
+        KFACConfigError: ``"on"`` under a sharding engine (``ekfac``: the config refuses it).
+    """
+    mode = config.final_refresh
+    if sharded_by is not None:
+        if mode == "on":
+            raise KFACConfigError(
+                f"KFACConfig.final_refresh='on' is not supported under {sharded_by} (the "
+                "parameters are sharded across ranks): use 'auto' or 'off'")
+        return RefreshPlan(False, f"not supported under {sharded_by}")
+    if mode == "off":
+        return RefreshPlan(False, "final_refresh='off'")
+    if mode == "on":
+        return RefreshPlan(True, "final_refresh='on'")
+    if config.ekfac:
+        return RefreshPlan(False, "the EK-FAC correction streams on the previous basis")
+    if window is None or max_steps <= 0:
+        return RefreshPlan(False, "no final window: the EMA throughout")
+    share = 100 * (max_steps - window.restart_step) / max_steps
+    if window.restart_step < max_steps / 2:
+        return RefreshPlan(True, f"the final window spans {share:.0f}% of the run: factors "
+                                 "averaged over weights far from the final ones")
+    return RefreshPlan(False, f"the final window spans the last {share:.0f}% of the run")
 
 
 def _host_standin_budget() -> int:

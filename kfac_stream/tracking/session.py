@@ -13,7 +13,8 @@ step begin / end            `begin_step` / `end_step` (factor update, snapshot w
 before a checkpoint         `before_checkpoint` (the tracker state beside it)
 checkpoint saved            `checkpoint_saved` (the state moved into it)
 train end                   `reloaded` (``load_best_model_at_end``'s checkpoint), then
-                            `finish` (final snapshot, held-out fit, close)
+                            `finish` (final-weight refresh, final snapshot, held-out fit,
+                            close)
 ==========================  ====================================================================
 """
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -42,8 +44,16 @@ from ..snapshot.weights import weights_fingerprint
 from ..snapshot.writer import clean_stale_tmp, relabel_weights, set_aside_other_runs
 from ..stats.spectrum import default_eigh_threads
 from .checkpoints import CheckpointProtocol
-from .lines import raised_share_line, reloaded_weights_line, tracking_summary, window_lines
+from .lines import (
+    raised_share_line,
+    refresh_end_line,
+    refresh_start_line,
+    reloaded_weights_line,
+    tracking_summary,
+    window_lines,
+)
 from .plan import RunPlan, RunShape
+from .refresh import RefreshResult, refresh_budget, refresh_factors
 from .tracker import Tracker, plan_tracking
 
 logger = logging.getLogger("kfac_stream")
@@ -83,15 +93,15 @@ class SessionOptions:
         object.__setattr__(self, "gather_shards", bool(self.gather_shards))
 
 
-def _with_origin(contents, origin: WeightsFrom):
-    """``contents`` (`queue_capture`'s call) whose manifest records ``origin`` as its
-    ``weights_from``."""
-    def captured_with_origin():
+def _with_entry(contents, key: str, value: dict):
+    """``contents`` (`queue_capture`'s call) whose manifest records ``value`` under ``key``
+    (``weights_from``: the reloaded weights' origin; ``final_refresh``)."""
+    def captured_with_entry():
         captured = contents()
-        captured.manifest["weights_from"] = to_json(origin)
+        captured.manifest[key] = value
         return captured
 
-    return captured_with_origin
+    return captured_with_entry
 
 
 class TrackingSession:
@@ -105,6 +115,7 @@ class TrackingSession:
         snapshots: Paths of the snapshots written, in order.
         media: ``{snapshot path: histograms and PNG}`` (rank 0).
         snapshot_hold_seconds: Seconds each snapshot held the training thread.
+        refreshed: What the final-weight refresh did (`RefreshResult`; None: none ran).
     """
 
     def __init__(self, config: KFACConfig | None = None,
@@ -126,6 +137,7 @@ class TrackingSession:
         self._lent: dict = {}  # the stored factors the last snapshot holds (released next)
         self._eigh_rate = EighRate(None)  # this run's eigendecomposition rate (`start`)
         self._weights_from: WeightsFrom | None = None  # the checkpoint reloaded at train end
+        self.refreshed: RefreshResult | None = None  # the final-weight refresh (`finish`)
 
     # -- the run -------------------------------------------------------------------------------
 
@@ -153,6 +165,7 @@ class TrackingSession:
         self.output_dir = run.config.output_dir or os.path.join(args.output_dir, "kfac")
         self._last_snapshot_step = None
         self._weights_from = None
+        self.refreshed = None
         self._eigh_rate = EighRate(run.eigh_device, run.config.eigh_threads
                                    or default_eigh_threads())
         if state.global_step > 0:  # resuming from a checkpoint
@@ -214,15 +227,19 @@ class TrackingSession:
         model (``load_best_model_at_end``, `kfac_stream.integrations.best_model`), or None."""
         self._weights_from = origin
 
-    def finish(self, model, step: int, epoch: float | None) -> None:
-        """Train end: the final snapshot (unless this step's exists), the held-out fit, then
-        `close`. When the Trainer reloaded another step's weights (`reloaded`), the final
-        snapshot records their fingerprint and ``weights_from`` (this step's snapshot, if
-        written already, is relabelled: `_relabel`), so its fingerprint and the held-out fit
-        describe those weights, and rank 0 says so (`reloaded_weights_line`)."""
+    def finish(self, model, step: int, epoch: float | None,
+               batches: Iterable[dict] | None = None) -> None:
+        """Train end: the final-weight refresh where the plan says so (over ``batches``, this
+        rank's training batches; None: no refresh), the final snapshot (unless this step's
+        exists and nothing was refreshed), the held-out fit, then `close`. When the Trainer
+        reloaded another step's weights (`reloaded`), the final snapshot records their
+        fingerprint and ``weights_from`` (this step's snapshot, if written already, is
+        relabelled: `_relabel`), so its fingerprint and the held-out fit describe those
+        weights (and a refresh ran at them), and rank 0 says so (`reloaded_weights_line`)."""
         if self.tracker is None:
             return
-        if self._last_snapshot_step != step:
+        self.refreshed = self._refresh(model, step, batches)
+        if self._last_snapshot_step != step or self.refreshed is not None:
             self.save_snapshot(step, epoch, final=True)
         elif self._weights_from is not None:
             self._relabel(step)
@@ -236,6 +253,22 @@ class TrackingSession:
             with said_scope("train"):  # told once in training; the user's posterior too
                 fit_heldout_prior(self, model)
         self.close()
+
+    def _refresh(self, model, step: int, batches: Iterable[dict] | None
+                 ) -> RefreshResult | None:
+        """The final-weight refresh (`kfac_stream.tracking.refresh`) when the plan asks for it
+        and ``batches`` are given; its start and end logged on rank 0."""
+        if not self.plan.refresh.on or batches is None:
+            return None
+        self._worker.wait()  # the snapshot in flight is written before the factors change
+        budget = refresh_budget(self.plan)
+        rank0 = self.tracker.rank == 0
+        if rank0:
+            logger.info("%s", refresh_start_line(self.plan, budget))
+        result = refresh_factors(self.tracker, model, batches, step, budget)
+        if rank0:
+            logger.info("%s", refresh_end_line(result))
+        return result if result.batches > 0 else None
 
     def _relabel(self, step: int) -> None:
         """This step's snapshot, written with the last step's weights, relabelled with the
@@ -279,7 +312,9 @@ class TrackingSession:
         # behind this step's update; the snapshot's thread waits for it
         contents = queue_capture(self.tracker, step, epoch, release=self.released())
         if final and self._weights_from is not None:  # the reloaded weights' origin
-            contents = _with_origin(contents, self._weights_from)
+            contents = _with_entry(contents, "weights_from", to_json(self._weights_from))
+        if final and self.refreshed is not None:  # factors at the final weights
+            contents = _with_entry(contents, "final_refresh", self.refreshed.manifest_entry())
         self.snapshot_hold_seconds.append(time.perf_counter() - held)
         self._last_snapshot_step = step
         cfg = self.tracker.config
