@@ -7,7 +7,9 @@ A tracked layer maps a_s in R^{d_in} at token position s to z_s = W a_s + b.
 The micro-batch loss is the SUM of per-token NLLs, L = Σ_t −log p(y_t | x_<t), over every
 loss-bearing position with the Hugging Face shift (``logits[:, t]`` predicts
 ``labels[:, t+1]``; ``labels == -100`` are ignored).  g_s = ∂L/∂z_s at every non-padding
-position s (``attention_mask == 1``; positions without a label are still used).
+position s (``attention_mask == 1``; positions without a label are still used) that can
+carry a gradient: when the forward is given ``labels``, at or before its row's last
+loss-bearing position (a later one has g_s = 0 in a causal model).
 Over a set S of positions: A = (1/|S|) Σ ā_s ā_sᵀ and G = (1/|S|) Σ g_s g_sᵀ.
 
 Everything is computed in float64 on a private deep copy of the model (all forward /
@@ -234,8 +236,22 @@ def _rows(m: nn.Module, kwargs: Mapping[str, Tensor], layer_names: Sequence[str]
         if o.numel() // o.shape[-1] != N:
             raise RuntimeError(f"layer {n}: output {tuple(o.shape)} does not flatten to B*T={N}")
         rows[n] = (_abar(modules[n], ins[n], N), g.reshape(N, -1).to(torch.float64))
-    mask = _attention_mask(kwargs).reshape(N).bool()
-    return rows, mask, L.detach()
+    return rows, _gradient_mask(kwargs), L.detach()
+
+
+def _gradient_mask(kwargs: Mapping[str, Tensor]) -> Tensor:
+    """[B*T] bool: ``attention_mask == 1`` and, when the forward is given ``labels``, at or
+    before the row's last position t with ``labels[b, t+1] != -100`` (a loop, by hand)."""
+    am = _attention_mask(kwargs).bool()
+    labels = kwargs.get("labels")
+    if labels is None:
+        return am.reshape(-1)
+    keep = torch.zeros_like(am)
+    for b in range(am.shape[0]):
+        bearing = [t for t in range(am.shape[1] - 1) if int(labels[b, t + 1]) != -100]
+        if bearing:
+            keep[b, : max(bearing) + 1] = True
+    return (am & keep).reshape(-1)
 
 
 # --------------------------------------------------------------------------- public oracle
@@ -254,7 +270,8 @@ def reference_rows(
 
     Returns ``(rows, mask)``: ``rows[name] = (abar [B*T, d_in(+1)], g [B*T, d_out])`` for ALL
     B*T positions in row-major (b, t) order, padding included, where g = ∂L/∂z for the
-    summed NLL L; ``mask`` [B*T] bool is ``attention_mask.flatten() == 1``.
+    summed NLL L; ``mask`` [B*T] bool: the positions that can carry a gradient
+    (``attention_mask == 1``, and with ``labels`` none after the row's last loss-bearing one).
     """
     m = float64_copy(model)
     if state is not None:
@@ -274,7 +291,7 @@ def reference_factors(
     For each record, ``record["state"]`` is loaded into a float64 copy of ``model`` and a
     forward on its ``input_ids`` [B, T] / ``attention_mask`` [B, T] is run; g comes from the
     summed NLL with the record's ``labels`` (or ``input_ids`` masked by attention_mask).
-    The rows used are the non-padding positions (``attention_mask == 1``), further
+    The rows used are the positions that can carry a gradient (`reference_rows`' mask), further
     restricted to ``positions[i]`` (1-D LongTensor of flat indices into B*T) when given.
 
     Returns ``(factors, count)``: ``factors[name] = (A [d_in(+1), d_in(+1)],
@@ -324,7 +341,7 @@ def expected_fisher_G(
 
     (cross terms between different t vanish in expectation).  Returns
     ``G[name] = (1/n) Σ_s E[g_s g_sᵀ]`` [d_out, d_out] float64, the sum and n running over
-    the non-padding positions s (``attention_mask == 1``).
+    the positions s that can carry a gradient (`reference_rows`' mask).
 
     kwargs: ``input_ids`` [B, T], optional ``attention_mask`` [B, T] / ``labels`` [B, T].
     Cost: one batched (vmap) backward of V vectors per logit position t.
@@ -339,7 +356,7 @@ def expected_fisher_G(
     V = logits.shape[-1]
     valid = labels_of(kwargs)[:, 1:] != -100  # [B, T-1]
     probs = F.softmax(logits.detach().to(torch.float64), dim=-1)  # [B, T, V]
-    smask = _attention_mask(kwargs).bool().to(torch.float64)  # [B, T]
+    smask = _gradient_mask(kwargs).reshape(B, T).to(torch.float64)  # [B, T]
     n_pos = int(smask.sum().item())
     out_list = [outs[n] for n in names]
     G = {n: torch.zeros(outs[n].shape[-1], outs[n].shape[-1], dtype=torch.float64) for n in names}

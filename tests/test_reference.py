@@ -165,7 +165,12 @@ def test_padding_rows_have_zero_gradient_and_label_free_rows_do_not():
     rows, mask = reference_rows(model, kw, names)
     g = rows["transformer.h.0.mlp.c_fc"][1].reshape(2, 10, -1)
     g_head = rows["lm_head"][1].reshape(2, 10, -1)
-    assert torch.equal(mask, kw["attention_mask"].reshape(-1).bool())
+    # the rows that can carry a gradient: real tokens up to each row's last scored logit row
+    # (row 0: t ≤ 8, its t = 3 included; row 1: t ≤ 4), by hand
+    expect = torch.zeros(2, 10, dtype=torch.bool)
+    expect[0, :9], expect[1, :5] = True, True
+    assert torch.equal(mask, expect.reshape(-1))
+    assert torch.all(g[0, 9] == 0) and torch.all(g[1, 5] == 0)  # the last token scores nothing
     assert torch.all(g[1, 6:] == 0)  # right padding: nothing attends to it
     assert torch.all(g_head[0, 3] == 0)  # no label for that logit row ...
     assert g[0, 3].abs().sum() > 0  # ... but gradient still flows through attention
@@ -197,7 +202,7 @@ def test_recorder_and_reference_factors_with_positions():
     assert not torch.equal(w0, w1)  # states are per-step snapshots
 
     factors, count = reference_factors(model, rec.records, names)
-    assert count == 2 * (8 + 5)
+    assert count == 2 * (7 + 4)  # real tokens but the last of each row (it scores nothing)
     # manual: token-weighted mean over both records, each with its own weights
     sums = {n: [0, 0] for n in names}
     for r in rec.records:
@@ -214,12 +219,13 @@ def test_recorder_and_reference_factors_with_positions():
     assert factors["lm_head"][0].shape == (16, 16)  # no bias
 
     # positions: flat indices into B*T, intersected with the non-padding mask
-    pos = [torch.tensor([0, 3, 9, 15]), torch.tensor([1, 12])]  # 15 is padding (b=1, t=7)
+    # 15 is padding (b=1, t=7); 12 (b=1, t=4) is row 1's last token, which scores nothing
+    pos = [torch.tensor([0, 3, 9, 15]), torch.tensor([1, 11, 12])]
     sub, c = reference_factors(model, rec.records, names, positions=pos)
     assert c == 3 + 2
     rows, _ = reference_rows(model, rec.records[1]["kwargs"], names, state=rec.records[1]["state"])
     rows0, _ = reference_rows(model, rec.records[0]["kwargs"], names, state=rec.records[0]["state"])
-    a = torch.cat([rows0["lm_head"][0][[0, 3, 9]], rows["lm_head"][0][[1, 12]]])
+    a = torch.cat([rows0["lm_head"][0][[0, 3, 9]], rows["lm_head"][0][[1, 11]]])
     assert rel_err(sub["lm_head"][0], a.T @ a / 5) <= EXACT_TOL
 
 
@@ -239,6 +245,9 @@ def _brute_force_expected_G(model, kw, names):
         h.remove()
     labels = labels_of(kw)
     mask = kw["attention_mask"].bool()
+    for b in range(mask.shape[0]):  # none after the row's last scored logit row
+        last = max(t for t in range(mask.shape[1] - 1) if labels[b, t + 1] != -100)
+        mask[b, last + 1:] = False
     B, T, V = logits.shape
     G = {n: torch.zeros(outs[n].shape[-1], outs[n].shape[-1], dtype=torch.float64) for n in names}
     for b in range(B):

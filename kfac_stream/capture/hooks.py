@@ -4,7 +4,12 @@ One ``PassRecord`` per training forward pass of the model (one micro-batch):
 
 * a forward pre-hook on the model draws a fixed number of token positions once for the pass
   (same positions for every layer; padding slots weighted 0, `stats.rows.sample_positions`)
-  and adds the usable tokens to a counter kept on the device;
+  and adds the usable tokens to a counter kept on the device. A usable position is a real
+  token that can carry the loss's gradient: in a causal LM with ``[B, T]`` labels, none after
+  a sequence's last loss-bearing position (`stats.rows.gradient_positions`). An
+  encoder-decoder's decoder positions are a second stream with a draw of their own (the
+  *target* row space: the decoder's blocks and LM head, whatever the decoder's length),
+  usable where its labels say so, counted apart (``target_tokens_seen``);
 * a layer that sees one row per sequence (``[B, d]``: a pooler or classification head that
   reads the first or last token) has no token positions: its rows are the pass's sequences,
   all of them, weighted 1 (0 for an all-padding sequence), and the pre-hook counts the usable
@@ -44,7 +49,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,6 +59,7 @@ from ..stats.loss_scale import cross_entropy_scale
 from ..stats.rows import (
     ROW_SPACES,
     gather_rows,
+    gradient_positions,
     reduce_rows,
     row_space_of,
     sample_positions,
@@ -62,160 +67,17 @@ from ..stats.rows import (
     usable_positions,
 )
 from . import graphs
+from .records import (  # noqa: F401 - the capture's records, imported from here too
+    IDLE,
+    MC_REPLAY,
+    CaptureMode,
+    CaptureState,
+    PassRecord,
+    Positions,
+)
 from .sharing import FactorPlan, same_data
 
 _HANDLE_ATTR = "_kfac_stream_handles"
-
-
-@dataclass(frozen=True)
-class CaptureMode:
-    """What the hooks do in the forward passes that follow (`CaptureHooks.set_mode`).
-
-    Attributes:
-        rows: Sample positions and gather rows in training passes (update steps).
-        record_inputs: Keep each training pass's tensor kwargs (the MC replay needs them).
-        estimate_scale: Recover the loss scale ``c`` from the logits' gradient (empirical
-            Fisher).
-        count_tokens: Add the pass's usable positions to ``tokens_seen`` (not for MC replays,
-            which see the same tokens again).
-        keep_outputs: Keep the tracked layers' outputs in the record (the MC gradient is taken
-            with respect to them).
-        on_forward_end: Called with ``(record, model output)`` at the end of a captured
-            forward (the tracker's in-forward MC Fisher); None: nothing.
-        slots: Positions sampled per pass in the passes that follow, instead of the
-            tracker's ``token_fraction`` of them (the MC sub-batch replay, which takes the
-            slots of a whole micro-batch from a few of its sequences); None: the fraction's.
-        replay: The tracker's own forwards (the MC replays), captured in whatever mode the
-            model is (they run in eval mode, `posterior_mode`); other forwards are captured
-            only in training mode (an evaluation's are not training's).
-    """
-
-    rows: bool = False
-    record_inputs: bool = False
-    estimate_scale: bool = True
-    count_tokens: bool = True
-    keep_outputs: bool = False
-    on_forward_end: Callable[[PassRecord, Any], None] | None = None
-    slots: int | None = None
-    replay: bool = False
-
-
-IDLE = CaptureMode()  # between update steps: count tokens, gather nothing
-MC_REPLAY = CaptureMode(rows=True, estimate_scale=False, count_tokens=False, keep_outputs=True,
-                        replay=True)
-
-
-@dataclass(frozen=True)
-class CaptureState:
-    """What a checkpoint keeps of the hooks.
-
-    Attributes:
-        sampler: The token sampler's generator state (uint8 tensor; its format depends on the
-            generator's device type).
-        tokens_seen: Usable positions of every training forward pass so far.
-        sequences_seen: Sequences with a usable position, of the same passes (0 in states
-            written before it was counted).
-    """
-
-    sampler: Tensor
-    tokens_seen: int
-    sequences_seen: int = 0
-
-
-@dataclass
-class PassRecord:
-    """What one forward pass (micro-batch) contributed.
-
-    Attributes:
-        index: ``[m]`` flat indices (into ``B*T``) of the sampled slots (device).
-        weight: ``[m]`` float32 Horvitz–Thompson weights (0 on padding slots; device).
-        n_positions: ``B*T`` of the pass.
-        scale: Loss scale ``c`` when known exactly (1.0 for the MC pass); else None and
-            ``fits`` decide.
-        fits: ``[(c, residual, rows_used)]`` 0-dim device tensors, one per logits hook that
-            fired in the backward, in firing order (see ``stats.loss_scale``).
-        a_rows: ``{layer: [a_rows [m, d_in], ...]}``, one per forward call of the layer
-            whose output received a gradient; the members of a shared-input group hold the
-            same row tensors (gathered once per call), which the tracker takes once per
-            shared A key (`Tracker._collect`).
-        g_rows: ``{layer: [g_rows [m, d_out], ...]}``, still scaled by ``c``.
-        a_sums, g_sums: The same (keyed by layer) for diagonal factors (side >
-            ``max_dense_dim``), reduced at once to ``Σ_s w_s x_s⊙x_s`` (``[d]``; no bias
-            entry; ``g`` still scaled by ``c``): a diagonal factor never needs its rows, and
-            they are the widest.
-        outputs: Tracked layer outputs that require grad (used by the MC pass).
-        inputs: The pass's tensor kwargs (``record_inputs``: the MC Fisher needs them).
-        closed: No more rows are taken (set once the in-forward MC gradient has been taken,
-            so the training backward that follows adds nothing).
-        replay: The in-forward MC gradient was not possible for this pass: replay it after
-            the step (`mc.mc_fisher_pass`).
-        total: 0-dim device tensor, the EMA weight ``n`` of the pass when it is not
-            ``weight.sum()``: the MC sub-batch replay weights its slots by the inverse of
-            their inclusion probability in two stages (sequences, then positions), whose sum
-            varies with the sequences drawn, while ``n`` is the micro-batch's usable positions
-            (`mc_fisher.mc_subbatch_pass`). None: ``weight.sum()``.
-        batch: ``B`` of the pass (the rows of a sequence-space layer).
-        usable: ``[B*T]`` bool, the pass's usable positions (device).
-        seq_weight: ``[B]`` float32 weights of the sequence rows: 1 for a sequence with a usable
-            position, 0 for an all-padding one (times ``1/P(drawn)`` in an MC sub-batch
-            replay); made at the first sequence-space call (`sequence_weight`).
-        seq_total: Like ``total``, for the sequence rows (None: ``seq_weight.sum()``).
-        seq_layers: Layers whose rows in this pass are sequences (`CaptureHooks.row_space`).
-        ekfac: The pass's `kfac_stream.ekfac.PassCorrections`: per layer
-            ``Σ_n (Q_Gᵀ ∇_W L_n Q_A)² [d_out, d_A]`` over the pass's whole sequences, the
-            gradient summed over the layer's calls (``g`` still scaled by ``c``); None unless
-            the tracker streams the EK-FAC correction and has a basis.
-        seq_scale: The weight of each of the pass's sequences (``1/P(drawn)`` in an MC
-            sub-batch replay, `mc_fisher.mc_subbatch_pass`; 1 otherwise).
-    """
-
-    index: Tensor
-    weight: Tensor
-    n_positions: int
-    scale: float | None = None
-    fits: list[tuple[Tensor, Tensor, Tensor]] = field(default_factory=list)
-    a_rows: dict[str, list[Tensor]] = field(default_factory=dict)
-    g_rows: dict[str, list[Tensor]] = field(default_factory=dict)
-    a_sums: dict[str, list[Tensor]] = field(default_factory=dict)
-    g_sums: dict[str, list[Tensor]] = field(default_factory=dict)
-    outputs: list[Tensor] = field(default_factory=list)
-    inputs: dict[str, Tensor] | None = None
-    closed: bool = False
-    replay: bool = False
-    total: Tensor | None = None
-    batch: int = 0
-    usable: Tensor | None = None
-    seq_weight: Tensor | None = None
-    seq_total: Tensor | None = None
-    seq_layers: set[str] = field(default_factory=set)
-    ekfac: Any = None
-    seq_scale: float = 1.0
-
-    def sequence_weight(self) -> Tensor:
-        """``[B]`` float32 weights of the pass's sequence rows (made once, on the device)."""
-        if self.seq_weight is None:
-            self.seq_weight = sequence_usable(self.usable, self.batch).to(torch.float32)
-        return self.seq_weight
-
-    def resolve_scale(self) -> Tensor | float | None:
-        """``c`` of the pass: ``scale`` if set, else the first fit with live rows (a device
-        tensor, NaN if no fit had any), else None (no logits hook fired)."""
-        if self.scale is not None:
-            return self.scale
-        return self._first_live_fit(0)
-
-    def residual(self) -> Tensor | None:
-        """Relative residual of the fit that gave ``c`` (device tensor), None without fits."""
-        return None if self.scale is not None else self._first_live_fit(1)
-
-    def _first_live_fit(self, field: int) -> Tensor | None:
-        """Entry ``field`` of the first fit with live rows (the last fit if none has any)."""
-        if not self.fits:
-            return None
-        out = self.fits[-1][field]
-        for fit in reversed(self.fits[:-1]):
-            out = torch.where(fit[2] > 0, fit[field], out)
-        return out
 
 
 def _batch_input(args: tuple, kwargs: dict[str, Any]) -> Tensor | None:
@@ -240,6 +102,57 @@ def logits_of(output: Any) -> Tensor | None:
     if logits is None and isinstance(output, (tuple, list)):
         logits = next((o for o in output if isinstance(o, Tensor) and o.dim() >= 2), None)
     return logits if isinstance(logits, Tensor) else None
+
+
+def is_encoder_decoder(model: nn.Module) -> bool:
+    """The model's config says it is an encoder-decoder (T5, BART, ...): its logits ``[B, T,
+    V]`` are aligned with its ``labels`` (the decoder's inputs are the labels shifted right),
+    not shifted by one as a causal LM's."""
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+def decoder_side(model: nn.Module, layers: dict[str, nn.Module]) -> set[str]:
+    """The layers of ``layers`` that an encoder-decoder applies at its decoder's positions
+    (or to the encoder's output, `CaptureHooks._space` tells the two apart): those under a
+    module with a ``decoder`` name component, and its LM head. Empty for other models."""
+    if not is_encoder_decoder(model):
+        return set()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return {n for n, m in layers.items() if m is head or any(
+        c == "decoder" or c.endswith("_decoder") for c in n.split("."))}
+
+
+def _is_causal_lm(model: nn.Module) -> bool:
+    """A token-level model whose position ``t`` sees positions ``≤ t`` only: not an
+    encoder-decoder and not a transformers model that cannot generate (an encoder, whose
+    every position sees every other). A model of your own counts as causal, as the MC
+    Fisher's label shift assumes (`mc_fisher.loss_bearing_mask`)."""
+    can = getattr(model, "can_generate", None)
+    return not is_encoder_decoder(model) and (not callable(can) or bool(can()))
+
+
+def _labels(kwargs: dict[str, Any], mode: CaptureMode) -> Tensor | None:
+    """The pass's ``labels`` (the forward's, else the mode's: an MC replay's)."""
+    labels = kwargs.get("labels")
+    return labels if isinstance(labels, Tensor) else mode.labels
+
+
+def _target_usable(kwargs: dict[str, Any], labels: Tensor | None, batch: int,
+                   device: torch.device) -> Tensor | None:
+    """``[B*T_dec]`` bool: the decoder positions of an encoder-decoder's pass that can carry a
+    gradient (``decoder_attention_mask``, and none after a sequence's last labelled one,
+    `gradient_positions`); None when the pass shows no decoder (no labels, no decoder
+    inputs)."""
+    dec = next((kwargs[k] for k in ("decoder_input_ids", "decoder_inputs_embeds")
+                if isinstance(kwargs.get(k), Tensor)), labels)
+    if not isinstance(dec, Tensor) or dec.dim() < 2 or int(dec.shape[0]) != batch:
+        return None
+    shape = (batch, int(dec.shape[1]))
+    mask = kwargs.get("decoder_attention_mask")
+    usable = usable_positions(mask if isinstance(mask, Tensor) else None, shape, device)
+    if isinstance(labels, Tensor) and tuple(labels.shape) == shape:
+        usable = usable & gradient_positions(labels.to(device), shift=False)
+    return usable
 
 
 class CaptureHooks:
@@ -267,11 +180,13 @@ class CaptureHooks:
         self.current: PassRecord | None = None
         self.passes: list[PassRecord] = []
         self.inputs: list[dict[str, Tensor]] = []
-        self._counts_host = [0, 0]  # [usable positions, usable sequences]
-        self._counts_device: Tensor | None = None  # [2] int64, since the last read
-        self.row_space: dict[str, str] = {}  # layer -> its factors' rows: "position" | "sequence"
+        self._counts_host = [0, 0, 0]  # usable [positions, sequences, decoder positions]
+        self._counts_device: Tensor | None = None  # [3] int64, since the last read
+        self.row_space: dict[str, str] = {}  # layer -> its factors' rows (`ROW_SPACES`)
         self._input_space: dict[str, str] = {}  # layer -> its input's rows (first call)
         self._layers = layers
+        self._causal = _is_causal_lm(model)
+        self._decoder_side = decoder_side(model, layers)
         self._a_diagonal = {n: plan.dims[k][1] for n, k in plan.a_key.items()}
         self._group = {n: g for g in plan.groups for n in g}  # layer -> its shared-input group
         # group -> [its input of this call, its rows, members still to be called]; dropped when
@@ -296,13 +211,16 @@ class CaptureHooks:
         head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
         if isinstance(head, nn.Module):
             self.handles.append(head.register_forward_hook(self._on_head_post))
+        encoder = model.get_encoder() if self._decoder_side else None
+        if isinstance(encoder, nn.Module):
+            self.handles.append(encoder.register_forward_hook(self._on_encoder_post))
         for name, module in layers.items():
             self.handles.append(module.register_forward_hook(self._layer_hook(name)))
         self.model = model
         setattr(model, _HANDLE_ATTR, self.handles)
 
     def _read_counts(self) -> list[int]:
-        """``[tokens, sequences]`` so far (reads the device counter once)."""
+        """``[tokens, sequences, decoder tokens]`` so far (reads the device counter once)."""
         if self._counts_device is not None:
             self._counts_host = [a + int(b) for a, b in
                                  zip(self._counts_host, self._counts_device.tolist())]
@@ -321,10 +239,17 @@ class CaptureHooks:
         sequence-space layer; reads the device counter like `tokens_seen`)."""
         return self._read_counts()[1]
 
-    def set_counts(self, tokens: int, sequences: int) -> None:
-        """Set `tokens_seen` and `sequences_seen` (a restored state); the counts of passes
-        not yet read are dropped, nothing is read from the device."""
-        self._counts_host, self._counts_device = [int(tokens), int(sequences)], None
+    @property
+    def target_tokens_seen(self) -> int:
+        """Usable decoder positions of an encoder-decoder's training forward passes (the ``N``
+        of a target-space layer; reads the device counter like `tokens_seen`)."""
+        return self._read_counts()[2]
+
+    def set_counts(self, tokens: int, sequences: int, target_tokens: int = 0) -> None:
+        """Set `tokens_seen`, `sequences_seen` and `target_tokens_seen` (a restored state);
+        the counts of passes not yet read are dropped, nothing is read from the device."""
+        self._counts_host = [int(tokens), int(sequences), int(target_tokens)]
+        self._counts_device = None
 
     def carry_over(self, old: CaptureHooks) -> None:
         """Take ``old``'s state (sampler, counts) and the row spaces it found (`Tracker.attach`
@@ -347,18 +272,18 @@ class CaptureHooks:
             self.mode, self.current = saved, None
 
     def state_dict(self) -> CaptureState:
-        """The sampler's state, ``tokens_seen`` and ``sequences_seen`` (reads the device
-        counter)."""
-        return CaptureState(self.generator.get_state(), self.tokens_seen, self.sequences_seen)
+        """The sampler's state and the counts (reads the device counter)."""
+        tokens, sequences, target = self._read_counts()
+        return CaptureState(self.generator.get_state(), tokens, sequences, target)
 
     def load_state_dict(self, state: CaptureState) -> None:
-        """Restore the sampler, ``tokens_seen`` and ``sequences_seen``.
+        """Restore the sampler and the counts.
 
         Raises:
             RuntimeError: the sampler state is from a generator of another device type (their
                 formats differ); ``tokens_seen`` is restored first.
         """
-        self.set_counts(state.tokens_seen, state.sequences_seen)
+        self.set_counts(state.tokens_seen, state.sequences_seen, state.target_tokens_seen)
         self.generator.set_state(state.sampler)
 
     def reseed(self, seed: int) -> None:
@@ -393,11 +318,11 @@ class CaptureHooks:
             return
         graphs.check_not_capturing(x)
         shape = (int(x.shape[0]), int(x.shape[1]))
-        mask = kwargs.get("attention_mask")
-        usable = usable_positions(mask if isinstance(mask, Tensor) else None, shape, x.device)
         mode = self.mode
+        usable, target = self.streams(kwargs, _labels(kwargs, mode), shape, x.device)
         if mode.count_tokens:
-            count = torch.stack([usable.sum(), sequence_usable(usable, shape[0]).sum()])
+            count = torch.stack([usable.sum(), sequence_usable(usable, shape[0]).sum(),
+                                 target.sum() if target is not None else usable.sum() * 0])
             self._counts_device = count if self._counts_device is None else (
                 self._counts_device + count.to(self._counts_device.device))
         inputs = {k: v.detach() for k, v in kwargs.items() if isinstance(v, Tensor)} \
@@ -410,7 +335,33 @@ class CaptureHooks:
         index, weight = sample_positions(usable, self.token_fraction, gen, slots=mode.slots)
         self.current = PassRecord(index=index, weight=weight, n_positions=shape[0] * shape[1],
                                   inputs=inputs, batch=shape[0], usable=usable)
+        if target is not None:  # the decoder's own draw, after the input's
+            self.current.target = Positions(*sample_positions(
+                target, self.token_fraction, gen, slots=mode.target_slots),
+                n_positions=target.numel(), usable=target)
         self.passes.append(self.current)
+
+    def streams(self, kwargs: dict[str, Any], labels: Tensor | None, shape: tuple[int, int],
+                device: torch.device) -> tuple[Tensor, Tensor | None]:
+        """The usable positions of a pass with forward kwargs ``kwargs`` (``[B, T]`` = ``shape``):
+        ``(usable [B*T] bool, decoder's usable [B*T_dec] bool or None)`` (module docstring)."""
+        mask = kwargs.get("attention_mask")
+        usable = usable_positions(mask if isinstance(mask, Tensor) else None, shape, device)
+        if self._causal and isinstance(labels, Tensor) and tuple(labels.shape) == shape:
+            usable = usable & gradient_positions(labels.to(device), shift=True)
+        target = _target_usable(kwargs, labels, shape[0], device) \
+            if self._decoder_side else None
+        return usable, target
+
+    def _on_encoder_post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        """Note the encoder's output: a decoder-side layer reading it (a cross-attention key
+        or value projection) is in the input's positions, not the decoder's."""
+        if self.current is not None:
+            out = output if isinstance(output, Tensor) else getattr(
+                output, "last_hidden_state", None)
+            if out is None and isinstance(output, (tuple, list)) and output:
+                out = output[0]
+            self.current.encoder_out = out if isinstance(out, Tensor) else None
 
     def _on_model_post(self, module: nn.Module, args: tuple, kwargs: dict[str, Any],
                        output: Any) -> None:
@@ -506,16 +457,20 @@ class CaptureHooks:
             if rec is None or not isinstance(output, Tensor) or not output.requires_grad:
                 return
             x = args[0]
-            space = self._space(name, x, rec)
-            if space == "position":
-                index, weight, n = rec.index, rec.weight, rec.n_positions
+            made, stream = self._space(name, x, rec)
+            usable = rec.target.usable if stream == "target" else rec.usable
+            if made == "position":
+                draw = rec.target if stream == "target" else rec
+                if stream == "target":
+                    rec.target_layers.add(name)
+                index, weight, n = draw.index, draw.weight, draw.n_positions
             else:  # one row per sequence: a [B, d] input, or the reduce form
                 rec.seq_layers.add(name)
                 index, weight, n = None, rec.sequence_weight(), rec.batch
 
             def rows(t: Tensor, mean: bool) -> Tensor:  # [m, d] of an input or a gradient
-                if space == "reduced":
-                    return reduce_rows(t, rec.usable, rec.batch, mean, self.row_dtype)
+                if made == "reduced":
+                    return reduce_rows(t, usable, rec.batch, mean, self.row_dtype)
                 return gather_rows(t, index, n, self.row_dtype)
 
             def gather() -> Tensor:
@@ -539,10 +494,10 @@ class CaptureHooks:
                 if grad is None or rec.closed:
                     return
                 if full is not None:  # squared once over the layer's calls of the pass
-                    usable = rec.usable if space != "sequence" else rec.sequence_weight() > 0
                     if rec.ekfac is None:
                         rec.ekfac = self.ekfac.new_pass(rec.batch)
-                    rec.ekfac.add_call(name, full, grad, usable, basis)
+                    rec.ekfac.add_call(name, full, grad, usable if made != "sequence"
+                                       else rec.sequence_weight() > 0, basis)
                 g = rows(grad, False)  # [m, d_out]
                 if g_diag:
                     rec.g_sums.setdefault(name, []).append(
@@ -555,13 +510,20 @@ class CaptureHooks:
 
         return hook
 
-    def _space(self, name: str, x: Tensor, rec: PassRecord) -> str:
-        """How ``name``'s rows are made in this call: ``"position"`` (sampled positions),
-        ``"sequence"`` (a ``[B, d]`` input: every row) or ``"reduced"`` (the reduce form: one
-        row per sequence from its positions). The input's row space (`ROW_SPACES`) is fixed
-        at the first captured call; a later call in another, or rows that fit neither, raise
-        (`stats.rows.row_space_of`)."""
-        space = row_space_of(name, x, rec.batch, rec.n_positions, self.model)
+    def _space(self, name: str, x: Tensor, rec: PassRecord) -> tuple[str, str]:
+        """How ``name``'s rows are made in this call, and from which stream: ``("position",
+        stream)`` (sampled positions of the input's stream, ``"position"``, or the decoder's,
+        ``"target"``), ``("sequence", "sequence")`` (a ``[B, d]`` input: every row) or
+        ``("reduced", stream)`` (the reduce form: one row per sequence from the stream's
+        positions). A decoder-side layer (`decoder_side`) is in the decoder's positions unless
+        its input is the encoder's output (a cross-attention key or value). The input's row
+        space (`ROW_SPACES`) is fixed at the first captured call; a later call in another, or
+        rows that fit none, raise (`stats.rows.row_space_of`)."""
+        target = rec.target.n_positions if rec.target is not None and \
+            name in self._decoder_side and not (
+                rec.encoder_out is not None and same_data(rec.encoder_out, x)) else None
+        space = row_space_of(name, x, rec.batch, rec.n_positions, target=target,
+                             model=self.model)
         known = self._input_space.setdefault(name, space)
         if known != space:
             raise RuntimeError(
@@ -569,6 +531,7 @@ class CaptureHooks:
                 f"pass but one per {known} before ({tuple(x.shape)} input here); a layer's "
                 "factors need one row space. Exclude it (KFACConfig(exclude=[...])).")
         assert space in ROW_SPACES
-        made = "reduced" if space == "position" and self.reduce else space
-        self.row_space[name] = "position" if made == "position" else "sequence"
-        return made
+        made = "reduced" if space != "sequence" and self.reduce else \
+            "sequence" if space == "sequence" else "position"
+        self.row_space[name] = "sequence" if made != "position" else space
+        return made, space

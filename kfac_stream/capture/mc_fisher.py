@@ -60,17 +60,17 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..stats.rows import sequence_usable, slots_per_pass, usable_positions
-from .hooks import MC_REPLAY, CaptureHooks, CaptureMode, PassRecord, logits_of
+from ..stats.rows import sequence_usable, slots_per_pass
+from .hooks import (
+    MC_REPLAY,
+    CaptureHooks,
+    CaptureMode,
+    PassRecord,
+    is_encoder_decoder,
+    logits_of,
+)
 
 _DROP = ("labels", "num_items_in_batch", "return_loss")
-
-
-def is_encoder_decoder(model: nn.Module) -> bool:
-    """The model's config says it is an encoder-decoder (T5, BART, ...): its logits ``[B, T,
-    V]`` are aligned with its ``labels`` (the decoder's inputs are the labels shifted right),
-    not shifted by one as a causal LM's."""
-    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
 
 
 def loss_bearing_mask(logits: Tensor, inputs: dict[str, Tensor], shift: bool = True
@@ -347,6 +347,20 @@ def replay_forward(model: nn.Module, kwargs: dict[str, Any]) -> Any:
         return model(**kwargs)
 
 
+def replay_kwargs(model: nn.Module, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The forward kwargs of a replay of a recorded micro-batch: its own without the loss's
+    (``labels``, ...); an encoder-decoder gets the decoder inputs the training forward made
+    from the labels (without labels it cannot make them)."""
+    kwargs = {k: v for k, v in inputs.items() if k not in _DROP}
+    labels = inputs.get("labels")
+    make = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    if is_encoder_decoder(model) and "decoder_input_ids" not in kwargs and \
+            "decoder_inputs_embeds" not in kwargs and isinstance(labels, Tensor) and \
+            make is not None:
+        kwargs["decoder_input_ids"] = make(labels=labels)
+    return kwargs
+
+
 def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Tensor],
                    generator: torch.Generator, mode: CaptureMode = MC_REPLAY
                    ) -> PassRecord | None:
@@ -361,16 +375,12 @@ def mc_fisher_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, Te
     Returns:
         The pass's record (None if the forward was not captured).
     """
-    kwargs = {k: v for k, v in inputs.items() if k not in _DROP}
+    kwargs = replay_kwargs(model, inputs)
     seq2seq = is_encoder_decoder(model)
     labels = inputs.get("labels")
-    make = getattr(model, "prepare_decoder_input_ids_from_labels", None)
-    if seq2seq and "decoder_input_ids" not in kwargs and "decoder_inputs_embeds" not in kwargs \
-            and isinstance(labels, Tensor) and make is not None:
-        # the training forward made them from the labels; without labels the model cannot
-        kwargs["decoder_input_ids"] = make(labels=labels)
-    rec = None
-    with capture.using(mode), torch.enable_grad():
+    rec = None  # the labels tell the capture which positions carry the loss
+    labels = labels if isinstance(labels, Tensor) else None
+    with capture.using(dataclasses.replace(mode, labels=labels)), torch.enable_grad():
         try:
             # the ModelOutput goes at once: the cache it carries holds every layer's k/v
             logits = logits_of(replay_forward(model, kwargs))
@@ -453,20 +463,23 @@ def mc_subbatch_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, 
     B, T = shape
     b = min(int(count), B)
     ref = next(v for v in inputs.values() if isinstance(v, Tensor) and v.dim() >= 2)
-    mask = inputs.get("attention_mask")
-    usable = usable_positions(mask if isinstance(mask, Tensor) else None, shape, ref.device)
-    total = usable.sum().to(torch.float32)  # U of the whole micro-batch (device)
+    labels = inputs.get("labels")
+    usable, target = capture.streams(replay_kwargs(model, inputs), labels if isinstance(
+        labels, Tensor) else None, shape, ref.device)  # the whole micro-batch's
     sel = select_sequences(B, b, select_generator, ref.device)  # [b]
     sub = {k: (v.index_select(0, sel.to(v.device))
                if isinstance(v, Tensor) and v.dim() >= 1 and v.shape[0] == B else v)
            for k, v in inputs.items()}
     m = slots_per_pass(token_fraction, B * T)  # the empirical path's slots of this pass
+    m_target = slots_per_pass(token_fraction, target.numel()) if target is not None else None
     rec = mc_fisher_pass(model, capture, sub, label_generator,  # m ≥ b·T: every position
-                         dataclasses.replace(MC_REPLAY, slots=m))
+                         dataclasses.replace(MC_REPLAY, slots=m, target_slots=m_target))
     if rec is None or (share is None and b == B):  # b = B: the full replay, untouched
         return
     scale = 1.0 / share if share is not None else B / b  # × 1/P(sequence drawn)
     rec.weight = rec.weight * scale
+    if rec.target is not None:
+        rec.target.weight = rec.target.weight * scale
     rec.seq_scale = scale  # the EK-FAC correction's sequences (`Tracker._collect`)
     if rec.seq_layers:  # a head's sequence rows: the same first stage, no second
         rec.seq_weight = rec.sequence_weight() * scale
@@ -474,6 +487,8 @@ def mc_subbatch_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, 
         for name, parts in sums.items():
             sums[name] = [x * scale for x in parts]
     if share is None:  # n = U (and the usable sequences) of the whole micro-batch
-        rec.total = total.to(rec.weight.device)
+        rec.total = usable.sum().to(rec.weight)
+        if rec.target is not None and target is not None:
+            rec.target.total = target.sum().to(rec.weight)
         if rec.seq_layers:
             rec.seq_total = sequence_usable(usable, B).sum().to(rec.seq_weight)

@@ -16,20 +16,23 @@ NUM_DATA_WARN_FACTOR = 4.0
 
 
 #: The snapshot counter each unit of ``N`` is read from.
-UNIT_COUNTERS = {"position": "tokens_seen", "sequence": "sequences_seen"}
+UNIT_COUNTERS = {"position": "tokens_seen", "target": "target_tokens_seen",
+                 "sequence": "sequences_seen"}
 
 
 def num_data_unit(meta: dict, names: Sequence[str]) -> str:
-    """What ``num_data`` counts for a posterior over ``names``: ``"sequence"`` when every one
-    of them has one row per sequence (a ``[B, d]`` head, or the reduce form: the manifest's
-    ``layers.<name>.rows``), else ``"position"`` (token positions)."""
-    rows = [meta["layers"][n].get("rows", "position") for n in names]
-    return "sequence" if rows and all(r == "sequence" for r in rows) else "position"
+    """What ``num_data`` counts for a posterior over ``names``: the rows every one of them has
+    (the manifest's ``layers.<name>.rows``): ``"sequence"`` (a ``[B, d]`` head, or the reduce
+    form), ``"target"`` (an encoder-decoder's decoder positions), else ``"position"`` (token
+    positions of the input, also for a mix)."""
+    rows = {meta["layers"][n].get("rows", "position") for n in names}
+    return rows.pop() if len(rows) == 1 else "position"
 
 
 def default_num_data(meta: dict, unit: str = "position") -> float:
-    """``N`` in ``unit``, from the snapshot's counts: the non-padding positions
-    (``tokens_seen``) or the sequences with one (``sequences_seen``) of every training forward,
+    """``N`` in ``unit``, from the snapshot's counts: the usable positions (``tokens_seen``),
+    the usable decoder positions (``target_tokens_seen``) or the sequences with a usable
+    position (``sequences_seen``) of every training forward,
     divided by the epochs run (when known and positive): the data set's size, also after a
     partial epoch."""
     seen = float(meta["counts"][UNIT_COUNTERS[unit]])
@@ -40,9 +43,10 @@ def default_num_data(meta: dict, unit: str = "position") -> float:
 def layer_num_data(meta: dict, names: Sequence[str], num_data: float,
                    unit: str = "position") -> dict[str, float]:
     """``N`` of each layer, for ``num_data`` in ``unit`` (`num_data_unit`): ``num_data`` for a
-    layer whose rows are in that unit; for one whose rows are the other (token positions vs
-    sequences, the manifest's ``layers.<name>.rows``) ``num_data`` times the snapshot's ratio
-    of the two counts (``counts.sequences_seen / counts.tokens_seen`` or its inverse), so the
+    layer whose rows are in that unit; for one whose rows are another (token positions,
+    decoder positions or sequences, the manifest's ``layers.<name>.rows``) ``num_data`` times
+    the snapshot's ratio of the two counts (e.g. ``counts.sequences_seen /
+    counts.tokens_seen``), so the
     default ``num_data`` gives each layer its own count per epoch and a ``num_data`` of your
     own rescales every layer alike."""
     counts = {u: float(meta["counts"].get(c, 0)) for u, c in UNIT_COUNTERS.items()}
@@ -57,7 +61,8 @@ def check_num_data(where: str, num_data: object, meta: dict, unit: str = "positi
                     ) -> float:
     """``N`` in ``unit``: ``num_data`` (a positive finite number) or, when None, the
     snapshot's own."""
-    what = {"position": "training positions", "sequence": "training sequences"}[unit]
+    what = {"position": "training positions", "target": "training decoder positions",
+            "sequence": "training sequences"}[unit]
     allowed = ("None (N from the snapshot's counts) or a positive finite number (N: the "
                f"{what} the factors average over)")
     if num_data is not None:

@@ -168,8 +168,9 @@ class Ekfac:
 @dataclass(kw_only=True)
 class LayerEntry:
     """One tracked layer: its shape and its two factors. ``rows``: "sequence" for one row per
-    sequence (a pooler or head on ``[B, d]``, N counts sequences), absent for one row per
-    token position."""
+    sequence (a pooler or head on ``[B, d]``, N counts sequences), "target" for one per
+    decoder position of an encoder-decoder (N counts those), absent for one row per token
+    position of the input."""
 
     WHAT: ClassVar[str] = "a layer entry"
     kind: str = json_field(Str(choices=("linear", "conv1d")))

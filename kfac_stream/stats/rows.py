@@ -2,9 +2,12 @@
 
 A layer input or output gradient of shape ``[B, T, d]`` (or any ``[..., d]``) is flattened to
 ``[B*T, d]`` (position ``s = b*T + t``), and the rows of the sampled positions are gathered.
-Usable positions are those with ``attention_mask == 1``; padding rows are never gathered.
-A layer applied once per sequence (``[B, d]``) is in the *sequence* row space: all ``B`` rows
-are taken, a sequence without a usable position weighted 0 (`ROW_SPACES`).
+Usable positions are those with ``attention_mask == 1`` that can carry the loss's gradient
+(`gradient_positions`: with labels, none after a sequence's last loss-bearing position);
+padding rows are never gathered. An encoder-decoder's decoder positions are a second stream
+of positions (the *target* row space), usable where the decoder's labels say so. A layer
+applied once per sequence (``[B, d]``) is in the *sequence* row space: all ``B`` rows are
+taken, a sequence without a usable position weighted 0 (`ROW_SPACES`).
 """
 
 from __future__ import annotations
@@ -77,10 +80,36 @@ def sample_positions(usable: Tensor, fraction: float, generator: torch.Generator
     return index, weight
 
 
+def gradient_positions(labels: Tensor, shift: bool) -> Tensor:
+    """Positions that can carry a gradient of the loss in a causal stack (a causal LM, or an
+    encoder-decoder's decoder): those at or before their sequence's last loss-bearing one.
+
+    A position ``t`` bears a loss when its logits are scored: ``labels[:, t+1] != -100`` with
+    the causal LM's shift (``shift``), ``labels[:, t] != -100`` without (a decoder). In a
+    causal stack position ``s`` reaches the losses at ``t ≥ s`` only, so a position after the
+    last loss-bearing one has a zero output gradient (its activations would only dilute the A
+    factor and inflate ``N``); one before it, even with an ignored label of its own (a
+    prompt), reaches the later losses through attention and is kept. No host read.
+
+    Args:
+        labels: ``[B, T]`` int, ``-100`` where no loss is taken.
+        shift: The causal LM's shift.
+
+    Returns:
+        ``[B*T]`` bool.
+    """
+    keep = labels != -100  # [B, T]
+    if shift:
+        keep = torch.cat([keep[:, 1:], torch.zeros_like(keep[:, :1])], dim=1)
+    return (keep.flip(1).cumsum(1).flip(1) > 0).reshape(-1)
+
+
 #: The row spaces of a tracked layer: one row per token position of the input (``[B, T, d]``
-#: inputs, the transformer blocks) or one per sequence (``[B, d]``: a pooler or a head that
-#: reads one token per sequence, e.g. BERT's ``pooler.dense`` and ``classifier``).
-ROW_SPACES = ("position", "sequence")
+#: inputs, the transformer blocks), one per decoder position of an encoder-decoder
+#: (``target``: its decoder's blocks, whatever the decoder's length) or one per sequence
+#: (``[B, d]``: a pooler or a head that reads one token per sequence, e.g. BERT's
+#: ``pooler.dense`` and ``classifier``).
+ROW_SPACES = ("position", "target", "sequence")
 
 
 def sequence_usable(usable: Tensor, batch: int) -> Tensor:
@@ -96,33 +125,35 @@ def sequence_usable(usable: Tensor, batch: int) -> Tensor:
     return usable.reshape(batch, -1).any(dim=1)
 
 
-def row_space_of(name: str, x: Tensor, batch: int, n_positions: int, model=None) -> str:
-    """Which row space a layer input ``x`` (``[..., d]``) is in: ``"position"`` when it has
-    ``B*T`` rows, ``"sequence"`` when it has ``B`` (a head on one token per sequence).
+def row_space_of(name: str, x: Tensor, batch: int, n_positions: int,
+                 target: int | None = None, model=None) -> str:
+    """Which row space a layer input ``x`` (``[..., d]``) is in: ``"target"`` when ``target``
+    is given (a decoder-side layer of an encoder-decoder, not reading the encoder's output)
+    and ``x`` has that many rows (``B*T_dec``), ``"position"`` when it has ``B*T`` rows,
+    ``"sequence"`` when it has ``B`` (a head on one token per sequence).
 
     Raises:
-        RuntimeError: neither; the message names the layer, the shapes and, for an
-            encoder-decoder ``model`` (a decoder longer or shorter than the input), the fix.
+        RuntimeError: none of them; the message names the layer, the shapes and the fix.
     """
     rows = x.numel() // max(1, x.shape[-1])
+    if target is not None and rows == target:
+        return "target"
     if rows == n_positions:
         return "position"
     if rows == batch:
         return "sequence"
-    config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        hint = ("this encoder-decoder's decoder length differs from its input length, which is "
-                "not supported yet: pad the labels to the input length, or exclude the decoder "
-                "layers (KFACConfig(exclude=[r'decoder']))")
-    else:
-        hint = ("kfac_stream tracks layers applied at every position ([batch, seq, features]) "
-                "or once per sequence ([batch, features]); exclude this one (KFACConfig("
-                f"exclude=[{name!r}]))")
+    seq2seq = bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+    also = f", {target} for one at every decoder position" if target is not None else ""
+    if seq2seq and target is None:
+        also = ("; the decoder's positions apply to layers under a module named 'decoder' "
+                "(or the LM head)")
     raise RuntimeError(
         f"kfac_stream: tracked layer {name!r} got an input of shape {tuple(x.shape)}: "
         f"{rows} rows, where the forward pass has {batch} sequences of "
         f"{n_positions // max(1, batch)} positions: {n_positions} rows for a layer applied at "
-        f"every position, {batch} for one applied once per sequence; {hint}")
+        f"every position, {batch} for one applied once per sequence{also}; kfac_stream tracks "
+        "layers applied at every position ([batch, seq, features]) or once per sequence "
+        f"([batch, features]): exclude this one (KFACConfig(exclude=[{name!r}]))")
 
 
 def reduce_rows(x: Tensor, usable: Tensor, batch: int, mean: bool,

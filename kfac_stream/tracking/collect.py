@@ -127,12 +127,13 @@ def collect_update(tracker, passes) -> UpdateJob | None:
         if not (rec.g_rows or rec.g_sums):
             continue
         spaces = {"position": RowWeights.of(rec.weight, rec.total)}
+        if rec.target_layers:  # an encoder-decoder's decoder positions
+            spaces["target"] = RowWeights.of(rec.target.weight, rec.target.total)
         if rec.seq_layers:  # a pooler / head: one row per sequence (`capture.hooks`)
             spaces["sequence"] = RowWeights.of(rec.sequence_weight(), rec.seq_total)
         g_layer = {tracker.plan.g_key(name): name for name in rec.g_rows}
         g_stacks = _stacks({key: rec.g_rows[name] for key, name in g_layer.items()},
-                           {key: "sequence" if name in rec.seq_layers else "position"
-                            for key, name in g_layer.items()})
+                           {key: rec.space_of(name) for key, name in g_layer.items()})
         c = _loss_scale(rec, parts, g_stacks)
         _add_a(tracker, rec, spaces, fold, parts)
         _add_g(tracker, rec, spaces, g_stacks, c=c, fold=fold, parts=parts)
@@ -212,7 +213,7 @@ def _weighted(rows: Tensor, w: RowWeights, root: Tensor, fold) -> Tensor:
 def _add_a(tracker, rec, spaces: dict[str, RowWeights], fold, parts: _Parts) -> None:
     """The pass's A rows (``√w·a``, a bias column appended) and diagonal A sums."""
     a_rows, a_sums = _by_a_key(tracker, rec.a_rows), _by_a_key(tracker, rec.a_sums)
-    space_of = {key: _a_space(tracker, key, rec.seq_layers) for key in a_rows}
+    space_of = {key: _a_space(tracker, key, rec) for key in a_rows}
     bias = [k for k in a_rows if tracker.a_has_bias[k]]
     plain = {k: v for k, v in a_rows.items() if not tracker.a_has_bias[k]}
     for stacks in (_stacks(plain, space_of),
@@ -225,7 +226,7 @@ def _add_a(tracker, rec, spaces: dict[str, RowWeights], fold, parts: _Parts) -> 
                     rows = torch.nn.functional.pad(rows, (0, 1), value=1.0)
                 parts.add_rows(st, _weighted(rows, w, w.root, fold), w)
     for key, found in a_sums.items():
-        w = spaces[_a_space(tracker, key, rec.seq_layers)]
+        w = spaces[_a_space(tracker, key, rec)]
         for a in found:  # Σ w a⊙a [d_in]; the bias entry is Σ w·1²
             if tracker.a_has_bias[key]:
                 a = torch.cat([a, w.w_sum.reshape(1).to(a.dtype)])
@@ -246,7 +247,7 @@ def _add_g(tracker, rec, spaces: dict[str, RowWeights], g_stacks: list[_Stack], 
             parts.add_rows(st, _weighted(rows.to(tracker.row_dtype), w, roots[st.space], fold),
                            w)
     for name, found in rec.g_sums.items():
-        w = spaces["sequence" if name in rec.seq_layers else "position"]
+        w = spaces[rec.space_of(name)]
         for g in found:  # Σ w (c·g)⊙(c·g) / c²
             parts.add_sum(tracker.plan.g_key(name), g / (c * c))
             parts.count(tracker.plan.g_key(name), w.n, w.n_rows)
@@ -267,18 +268,19 @@ def _add_ekfac(tracker, rec, c, parts: _Parts) -> None:
         if name in rec.seq_layers:  # N: the sequences (with their weights)
             n = rec.seq_total if rec.seq_total is not None else rec.sequence_weight().sum()
         else:  # the usable positions, as the factors' n
-            n = rec.total if rec.total is not None else rec.usable.sum() * rec.seq_scale
+            _, total, usable = rec.stream(rec.space_of(name))
+            n = total if total is not None else usable.sum() * rec.seq_scale
         num = torch.stack([t for t, _ in found]).sum(0) * (rec.seq_scale / (c * c))
         parts.ek_num[name] = parts.ek_num[name] + num if name in parts.ek_num else num
         n = n * sum(calls for _, calls in found)
         parts.ek_den[name] = parts.ek_den[name] + n if name in parts.ek_den else n
 
 
-def _a_space(tracker, key: str, seq_layers: set[str]) -> str:
-    """The row space of A factor ``key`` in a pass whose sequence-space layers are
-    ``seq_layers`` (a shared A: its members' one space)."""
-    return "sequence" if seq_layers and not seq_layers.isdisjoint(tracker.a_members[key]) \
-        else "position"
+def _a_space(tracker, key: str, rec) -> str:
+    """The row space of A factor ``key`` in pass ``rec`` (a shared A: its members' one space;
+    a member not called in the pass says "position")."""
+    found = {rec.space_of(name) for name in tracker.a_members[key]} - {"position"}
+    return found.pop() if found else "position"
 
 
 def _by_a_key(tracker, by_layer: dict[str, list[Tensor]]) -> dict[str, list[Tensor]]:

@@ -49,6 +49,7 @@ class Counters(Traffic):
 
     tokens_seen: int = 0  # usable positions of every training forward pass (read lazily)
     sequences_seen: int = 0  # sequences with a usable position, of the same passes
+    target_tokens_seen: int = 0  # usable decoder positions of the same (an encoder-decoder's)
     positions_sampled: int = 0  # positions folded into the factors
     updates: int = 0
     skipped_updates: int = 0  # steps dropped for NaN/Inf statistics or a bad loss scale

@@ -75,8 +75,9 @@ class TrackerRecord:
         capture: The token sampler's state and ``tokens_seen``.
         mc_sampler: The MC label sampler's generator state.
         run_id: The training run's id (`Tracker.run_id`).
-        row_space: ``{layer: "sequence"}`` for the layers whose rows are sequences (a pooler
-            or head on ``[B, d]``, `capture.hooks`); the others' rows are token positions.
+        row_space: ``{layer: "sequence" | "target"}`` for the layers whose rows are sequences
+            (a pooler or head on ``[B, d]``, `capture.hooks`) or an encoder-decoder's decoder
+            positions; the others' rows are the input's token positions.
         answer_tokens: ``{"ids": [K], "texts": [K] or None}``: ``KFACConfig.answer_tokens``
             resolved at train begin, or None.
         run_plan: The run's `RunPlan` as plain JSON (`RunPlan.to_dict`).
@@ -386,6 +387,7 @@ class Tracker:
         """The counters with the device-side ones read (snapshot, checkpoint, log time)."""
         self.counters.tokens_seen = self.capture.tokens_seen
         self.counters.sequences_seen = self.capture.sequences_seen
+        self.counters.target_tokens_seen = self.capture.target_tokens_seen
         return self.counters
 
     def count_snapshot_failure(self) -> int:
@@ -445,7 +447,7 @@ class Tracker:
             capture=self.capture.state_dict(), mc_sampler=self.mc_generator.get_state(),
             run_id=self.run_id, row_space={n: space for n, space in
                                            self.capture.row_space.items()
-                                           if space == "sequence"},
+                                           if space != "position"},
             answer_tokens=self.answer_tokens, run_plan=self.run.to_dict())
 
     def release(self, lent: Mapping[str, Tensor]) -> None:
@@ -478,12 +480,14 @@ class Tracker:
                 setattr(self.counters, name, list(value) if name == "skipped_steps" else value)
         if capture is None:
             self.capture.set_counts(counters.get("tokens_seen", 0),
-                                    counters.get("sequences_seen", 0))
+                                    counters.get("sequences_seen", 0),
+                                    counters.get("target_tokens_seen", 0))
             self.capture.reseed(self.config.seed + 7919 * (reseed_step + 1) + self.rank)
             self.mc_generator.manual_seed(self.config.seed + 7927 * (reseed_step + 1)
                                           + self.rank + 1)
         else:
-            self.capture.set_counts(capture.tokens_seen, capture.sequences_seen)
+            self.capture.set_counts(capture.tokens_seen, capture.sequences_seen,
+                                    capture.target_tokens_seen)
             _set_rng(self.capture.generator, capture.sampler, self.config.seed + self.rank)
             _set_rng(self.mc_generator, mc_sampler, self.config.seed + self.rank + 1)
         self.read_counters()

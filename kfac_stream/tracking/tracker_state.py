@@ -48,6 +48,7 @@ STATE_DIR = "kfac_stream"  # inside a checkpoint
 PENDING_ROOT = "kfac_stream-pending"  # beside the checkpoints: states not yet moved in
 INDEX_FILE = "index.json"
 INDEX_FORMAT = "kfac_stream.tracker_state"  # the format's name, not the module's path
+_SEEN = ("tokens_seen", "sequences_seen", "target_tokens_seen")  # the capture's counts
 _FILE_RE = re.compile(r"^state-rank-(\d{5})-of-(\d{5})\.safetensors$")
 _FIELDS = ("scale", "amax", "weight", "updates", "positions", "diagonal", "sq_norm_sum",
            "weight_sq", "sq_frob")  # each factor's scalars beside its tensor
@@ -101,6 +102,7 @@ def save_tracker_state(record, directory: str, comm: JsonComm = LOCAL,
             "storage_dtype": record.config.storage_dtype, "config": record.config.to_dict(),
             "counters": dict(counters), "tokens_seen": record.capture.tokens_seen,
             "sequences_seen": record.capture.sequences_seen,
+            "target_tokens_seen": record.capture.target_tokens_seen,
             "factors": factors, "step": record.step}
     if ekfac is not None:
         meta["ekfac"] = ekfac[0]
@@ -250,16 +252,16 @@ def load_tracker_state(tracker, directory: str) -> str:
     if same_world:
         own, handle = metas[tracker.rank]
         counters = {k: v for k, v in own["counters"].items()
-                    if k not in ("tokens_seen", "sequences_seen")}
+                    if k not in _SEEN}
         capture = CaptureState(handle.get_tensor("rng.sampler"), int(own["tokens_seen"]),
-                               int(own.get("sequences_seen", 0)))
+                               int(own.get("sequences_seen", 0)),
+                               int(own.get("target_tokens_seen", 0)))
         tracker.load_state(factors, counters, capture, handle.get_tensor("rng.mc"))
     else:
         def total(name: str) -> int:  # counted per rank: rank 0 carries the sum on
             return sum(m.get(name, 0) for m, _ in metas.values()) if tracker.rank == 0 else 0
 
-        counters = {**first["counters"], "tokens_seen": total("tokens_seen"),
-                    "sequences_seen": total("sequences_seen")}
+        counters = {**first["counters"], **{name: total(name) for name in _SEEN}}
         tracker.load_state(factors, counters, reseed_step=int(first["step"] or 0))
     _load_ekfac(tracker, metas, same_world)
     how = "same world size" if same_world else f"re-sharded from {old_world} to " \
