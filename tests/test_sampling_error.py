@@ -197,7 +197,7 @@ def test_window_mean_against_the_exact_expected_fisher(tmp_path):
     ex = text_examples(4, 12, lengths=[12, 9, 12, 7])
     K = 300
     cfg = {"fisher": "mc", "mc_sequences": 2, "token_fraction": 0.3, "final_window": 0.1,
-           "min_window_sequences": 10**6}
+           "min_window_sequences": 10**6, "final_refresh": "off"}  # the window's own mean
     # the window: every update, folded as a mean; the tracker restarts at step 0
     cb_w, _ = _updates(model, ex, {**cfg, "ema_decay": 0.95}, K, tmp_path / "w")
     assert cb_w.tracker.counters.window_start_step == 0
@@ -277,8 +277,8 @@ def test_few_samples_said_once_per_run_and_once_at_query_time(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="kfac_stream"), \
             warnings.catch_warnings(record=True) as during:
         warnings.simplefilter("always")
-        model, _ = _short_run(tmp_path, {"min_window_sequences": 256, "snapshot_every": 3},
-                              steps=12)
+        model, _ = _short_run(tmp_path, {"min_window_sequences": 256, "snapshot_every": 3,
+                                         "final_refresh": "off"}, steps=12)
     logged = [r for r in caplog.records if "few samples" in r.getMessage()]
     assert len(logged) == 1 and logged[0].levelno == logging.WARNING, logged
     assert not [w for w in during if "few samples" in str(w.message)]

@@ -28,7 +28,8 @@ SUMMARY = re.compile(
     r"(?: in stack [\w.]+ \(\d+ blocks\))?, "
     r"(\w+) Fisher, (\w+) form, token_fraction=\S+, ema_decay=\S+, update_every=\d+; ([\d.]+) "
     r"(KiB|MiB) of (\w+) factors on 1 rank; (inline|async) updates, fold on (host|device)"
-    r"(?: \(device budget [^)]+\))?, eigh on [^,]+, (\d+) sequences per update; snapshots "
+    r"(?: \(device budget [^)]+\))?, eigh on [^,]+, (\d+) sequences per update, "
+    r"final-weight refresh: (?:on|off) \([^;]+\); snapshots "
     r"every (\d+) steps and at the end into (.+)$")
 
 

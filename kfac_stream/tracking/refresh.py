@@ -105,12 +105,14 @@ def _prepared(batch: dict[str, Any], device: torch.device, keep: int) -> dict[st
 @contextlib.contextmanager
 def _plain_mean(tracker, step: int) -> Iterator[None]:
     """Within the block, the updates submitted for ``step`` make the factors their plain
-    token-weighted mean (the first restarts the average); the final window's state (its
-    restart step, ``counts.window_start_step``) is as before afterwards, every update
-    folded."""
+    token-weighted mean (the first restarts the average); afterwards, every update folded, the
+    final window's state (its restart step, ``counts.window_start_step``) and the training's
+    update counts (``counts.updates``, ``positions_sampled``) are as before: the manifest's
+    ``final_refresh`` says what the refresh did."""
     updater, counters = tracker.updater, tracker.counters
     tracker.flush()  # the worker is idle: nothing reads the window's state meanwhile
-    saved = updater.restart_step, counters.window_start_step, tracker.step
+    saved = (updater.restart_step, counters.window_start_step, tracker.step, counters.updates,
+             counters.positions_sampled)
     updater.restart_step, counters.window_start_step, tracker.step = step, -1, step
     try:
         yield
@@ -118,7 +120,8 @@ def _plain_mean(tracker, step: int) -> Iterator[None]:
         try:
             tracker.flush()
         finally:
-            updater.restart_step, counters.window_start_step, tracker.step = saved
+            (updater.restart_step, counters.window_start_step, tracker.step, counters.updates,
+             counters.positions_sampled) = saved
 
 
 def _all_have(tracker, have: bool) -> bool:
