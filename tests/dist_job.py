@@ -79,6 +79,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--checkpointing", action="store_true",
                    help="gradient checkpointing (the MC Fisher pass is then replayed)")
     p.add_argument("--ekfac", action="store_true", help="KFACConfig(ekfac=True)")
+    p.add_argument("--final-refresh", default="auto", help="KFACConfig.final_refresh")
     p.add_argument("--lora", action="store_true",
                    help="PEFT LoRA (r=4) on the model's attention and MLP projections, lora_B "
                    "seeded non-zero; only the adapters train and are tracked")
@@ -125,7 +126,8 @@ def main() -> None:
                      async_updates=opts.async_updates or None, fold_on=opts.fold_on,
                      exchange=opts.strategy or "auto",
                      max_dense_dim=opts.max_dense_dim,
-                     fail_on_snapshot_error=opts.fail_fatal, ekfac=opts.ekfac)
+                     fail_on_snapshot_error=opts.fail_fatal, ekfac=opts.ekfac,
+                     final_refresh=opts.final_refresh)
     cb = KFACStreamCallback(cfg, resume_from=opts.resume,
                             spectra_media=os.environ.get("KFAC_TEST_MEDIA", "1") == "1",
                             background_snapshots=not opts.sync_snapshots,

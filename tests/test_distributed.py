@@ -59,6 +59,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "dist_job.py")
 PAD = ["--pad-rows", "2,3"]
 HALF = ["--token-fraction", "0.5"]
+REFRESH = ["--ema-decay", "0.95", "--steps", "10", "--final-refresh", "on"]
 EXACT_TOL = 1e-6
 FP16_TOL = 1e-3
 BF16_TOL = 3e-2
@@ -133,6 +134,10 @@ class Runs:
         # the reduce form (one row per sequence, N in sequences) across ranks
         "ref_reduce": (None, ["--batch", "4", "--factor-form", "reduce", *PAD]),
         "zero3_reduce": ("cpu_zero3", ["--factor-form", "reduce", "--async-updates", *PAD]),
+        # the final-weight refresh: 10 steps x 2 x 2 per rank, 10% = 4 sequences a rank, the
+        # same 8 as one process's 10% of 10 x 2 x 4 (rank r reads batches r, r + 2)
+        "ref_refresh": (None, ["--batch", "4", *REFRESH, *PAD]),
+        "ddp_refresh": ("cpu_ddp", [*REFRESH, *PAD]),
         "ddp_bf16": ("cpu_ddp", ["--bf16", *PAD]),
         "zero2_bf16": ("cpu_zero2", ["--bf16", *PAD]),
         "ddp_fail": ("cpu_ddp", ["--fail-rank", "1", *PAD]),
@@ -225,6 +230,20 @@ def test_two_ranks_equal_one_process(runs, engine):
         ref["counters"]["tokens_seen"]
     assert b["counters"]["tokens_seen"] < a["counters"]["tokens_seen"]  # uneven per rank
     assert a["counters"]["skipped_updates"] == 0
+
+
+def test_final_refresh_across_ranks_equals_one_process(runs):
+    """Each rank refreshes the factors on its own shard of the training batches at the final
+    weights; the factors reduced across ranks equal one process's refresh over the same
+    sequences, and the final manifest counts every rank's."""
+    from kfac_stream import Snapshot
+
+    errs = errors("ddp_refresh", "ref_refresh", runs)
+    print(f"refresh: max relative error vs 1 process {max(errs.values()):.2e}")
+    assert max(errs.values()) <= EXACT_TOL, errs
+    for run in ("ddp_refresh", "ref_refresh"):
+        meta = Snapshot.latest(os.path.join(runs.get(run), "kfac")).meta
+        assert meta["step"] == 10 and meta["final_refresh"]["sequences"] == 8
 
 
 @SLOW
