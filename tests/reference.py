@@ -8,8 +8,8 @@ The micro-batch loss is the SUM of per-token NLLs, L = Σ_t −log p(y_t | x_<t)
 loss-bearing position with the Hugging Face shift (``logits[:, t]`` predicts
 ``labels[:, t+1]``; ``labels == -100`` are ignored).  g_s = ∂L/∂z_s at every non-padding
 position s (``attention_mask == 1``; positions without a label are still used) that can
-carry a gradient: when the forward is given ``labels``, at or before its row's last
-loss-bearing position (a later one has g_s = 0 in a causal model).
+carry a gradient: at or before its row's last loss-bearing position (a later one has
+g_s = 0 in a causal model).
 Over a set S of positions: A = (1/|S|) Σ ā_s ā_sᵀ and G = (1/|S|) Σ g_s g_sᵀ.
 
 Everything is computed in float64 on a private deep copy of the model (all forward /
@@ -240,12 +240,11 @@ def _rows(m: nn.Module, kwargs: Mapping[str, Tensor], layer_names: Sequence[str]
 
 
 def _gradient_mask(kwargs: Mapping[str, Tensor]) -> Tensor:
-    """[B*T] bool: ``attention_mask == 1`` and, when the forward is given ``labels``, at or
-    before the row's last position t with ``labels[b, t+1] != -100`` (a loop, by hand)."""
+    """[B*T] bool: ``attention_mask == 1`` and at or before the row's last position t with
+    ``labels[b, t+1] != -100`` (`labels_of`: without labels, the next real token's), a loop
+    by hand."""
     am = _attention_mask(kwargs).bool()
-    labels = kwargs.get("labels")
-    if labels is None:
-        return am.reshape(-1)
+    labels = labels_of(kwargs)
     keep = torch.zeros_like(am)
     for b in range(am.shape[0]):
         bearing = [t for t in range(am.shape[1] - 1) if int(labels[b, t + 1]) != -100]
@@ -271,7 +270,7 @@ def reference_rows(
     Returns ``(rows, mask)``: ``rows[name] = (abar [B*T, d_in(+1)], g [B*T, d_out])`` for ALL
     B*T positions in row-major (b, t) order, padding included, where g = ∂L/∂z for the
     summed NLL L; ``mask`` [B*T] bool: the positions that can carry a gradient
-    (``attention_mask == 1``, and with ``labels`` none after the row's last loss-bearing one).
+    (``attention_mask == 1``, and none after the row's last loss-bearing one).
     """
     m = float64_copy(model)
     if state is not None:

@@ -304,7 +304,8 @@ def test_mc_share_replay_equals_brute_force_with_its_sampled_labels(tmp_path, mo
     """The default Fisher: the MC replay of a share of each update step's sequences (0.5
     here, systematic over the step's 2 x 2 sequences). The correction is the replayed
     sequences' (with the labels drawn for them at every loss-bearing position), each weighted
-    1/share, over their usable positions times 1/share: the replayed sequences' ratio."""
+    1/share, over their usable positions (up to the last scored one) times 1/share: the
+    replayed sequences' ratio."""
     rec = _RecordReplays(monkeypatch)
     model = tiny_gpt2()
     cfg = {"snapshot_every": 2, "ekfac": True, "fisher": "mc", "mc_sequences": 0.5,
@@ -329,7 +330,8 @@ def test_mc_share_replay_equals_brute_force_with_its_sampled_labels(tmp_path, mo
             sq = _rotated_sq(model, names, snaps[0], ids[i], mask[i], labels)
             for n in names:
                 num[n] = num[n] + sq[n]
-            den += float(mask[i].sum())
+            # N: its positions up to the last one scored (the last real token scores nothing)
+            den += float(keep[i].nonzero().max() + 1)
     worst = max(_rel(snaps[1][n].ekfac_eigvals, num[n] / den) for n in names)
     print(f"MC share replay ({len(window)} replayed sub-batches in the window): max rel err "
           f"{worst:.2e}")

@@ -26,6 +26,7 @@ fails the same bound. Measured (printed): max ratio 1.07 (causal LM), 0.54 (clas
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -111,11 +112,12 @@ def test_subbatch_mc_fisher_is_unbiased_for_the_exact_expected_fisher(tmp_path):
     ref, _ = reference_factors(model, [{"kwargs": batch}], layers)
     exact_A = {n: ref[n][0] for n in layers}
     _check_unbiased(stats, exact_A, exact_G, "causal LM, 2 of 4 sequences, tf 0.3")
-    # the counts are the empirical path's: n = usable positions of the micro-batch (40),
-    # sampled positions = the non-padding slots taken (15 a pass, fewer with padding)
+    # the counts are the empirical path's: n = usable positions of the micro-batch (36: the
+    # real tokens but each sequence's last, which scores nothing), sampled positions = the
+    # usable slots taken (15 a pass, fewer where the two sequences drawn hold fewer)
     state = cb.tracker.store.state_dict()
-    assert all(abs(float(s.weight) - 40) < 1e-9 for s in state.values())
-    assert cb.tracker.counters.tokens_seen == 40 * UPDATES
+    assert all(abs(float(s.weight) - 36) < 1e-9 for s in state.values())
+    assert cb.tracker.counters.tokens_seen == 36 * UPDATES
     assert 13 * UPDATES <= cb.tracker.counters.positions_sampled <= 15 * UPDATES
     # not the empirical Fisher: the observed labels' G is a different matrix
     assert max(rel_err(ref[n][1], exact_G[n]) for n in layers) > 0.5
@@ -312,8 +314,11 @@ def test_share_weights_rows_by_one_over_the_share(monkeypatch):
     monkeypatch.setattr(mc_fisher, "mc_fisher_pass", fake_pass)
     inputs = {"input_ids": torch.zeros(4, 6, dtype=torch.long),
               "attention_mask": torch.ones(4, 6, dtype=torch.long)}
+    # the capture's only part used here: every position of the micro-batch usable, no decoder
+    capture = SimpleNamespace(streams=lambda kwargs, labels, shape, device: (
+        torch.ones(shape[0] * shape[1], dtype=torch.bool), None))
     for share in (None, 0.25):
-        mc_fisher.mc_subbatch_pass(None, None, inputs, torch.Generator(),
+        mc_fisher.mc_subbatch_pass(torch.nn.Module(), capture, inputs, torch.Generator(),
                                    torch.Generator().manual_seed(0), 2, 0.5, share)
     per_b, per_share = recs
     assert torch.equal(per_b.weight, torch.full((6,), 2.0, dtype=torch.float64))  # B/b = 4/2

@@ -64,10 +64,11 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def classified(tmp_path_factory):
-    """A real tiny snapshot of 300 examples of 65 tokens, one epoch: N = 19,500 positions."""
+    """A real tiny snapshot of 300 examples of 66 tokens, one epoch: N = 19,500 positions (the
+    last token of each scores nothing: 65 positions carry the loss's gradient)."""
     tmp = tmp_path_factory.mktemp("n")
     model = tiny_gpt2(torch.float32, n_positions=80)
-    run(model, text_examples(300, 65), {"storage_dtype": "float32"}, batch=50, tmp_path=tmp,
+    run(model, text_examples(300, 66), {"storage_dtype": "float32"}, batch=50, tmp_path=tmp,
         record=False)
     model.eval()
     return model, Snapshot.latest(tmp / "kfac"), tmp

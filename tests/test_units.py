@@ -116,10 +116,11 @@ def test_assign_owners_balances_bytes_and_is_deterministic():
     assert set(single.owner.values()) == {0}
 
 
-def test_training_without_attention_mask_uses_every_position(tmp_path):
+def test_training_without_attention_mask_uses_every_scored_position(tmp_path):
     from harness import run
     from models import text_examples, tiny_gpt2
 
     ex = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in text_examples(4, 12)]
     cb, _, _ = run(tiny_gpt2(), ex, batch=2, tmp_path=tmp_path, record=False)
-    assert cb.tracker.counters.positions_sampled == 48 == cb.tracker.counters.tokens_seen
+    # 4 x 11: every position but each sequence's last, which scores nothing
+    assert cb.tracker.counters.positions_sampled == 44 == cb.tracker.counters.tokens_seen

@@ -22,5 +22,6 @@ def test_an_update_step_adds_a_few_hundred_ops_to_a_plain_step():
     assert r["added"] <= ADDED_OPS, r
     assert max(r["worker_per_update"]) <= WORKER_OPS, r
     # the capture hooks: one gather per layer call (88 inputs, 154 output gradients, the
-    # logits), plus the step's sampling and loss-scale fit
-    assert by["step"] <= 244 + 120, by
+    # logits), plus the step's sampling, the positions that carry the loss (~10 ops a pass:
+    # `stats.rows.gradient_positions`) and the loss-scale fit
+    assert by["step"] <= 244 + 130, by

@@ -5,8 +5,10 @@ One ``PassRecord`` per training forward pass of the model (one micro-batch):
 * a forward pre-hook on the model draws a fixed number of token positions once for the pass
   (same positions for every layer; padding slots weighted 0, `stats.rows.sample_positions`)
   and adds the usable tokens to a counter kept on the device. A usable position is a real
-  token that can carry the loss's gradient: in a causal LM with ``[B, T]`` labels, none after
-  a sequence's last loss-bearing position (`stats.rows.gradient_positions`). An
+  token that can carry the loss's gradient: in a causal LM, none after a sequence's last
+  loss-bearing position (`stats.rows.gradient_positions`; by its ``[B, T]`` labels, or, when
+  the forward gets none, e.g. a Trainer with a ``compute_loss_func``, by the next-token loss
+  of its real tokens, as the MC Fisher's). An
   encoder-decoder's decoder positions are a second stream with a draw of their own (the
   *target* row space: the decoder's blocks and LM head, whatever the decoder's length),
   usable where its labels say so, counted apart (``target_tokens_seen``);
@@ -347,8 +349,10 @@ class CaptureHooks:
         ``(usable [B*T] bool, decoder's usable [B*T_dec] bool or None)`` (module docstring)."""
         mask = kwargs.get("attention_mask")
         usable = usable_positions(mask if isinstance(mask, Tensor) else None, shape, device)
-        if self._causal and isinstance(labels, Tensor) and tuple(labels.shape) == shape:
-            usable = usable & gradient_positions(labels.to(device), shift=True)
+        if self._causal:  # without labels (a loss of the user's): the next token's, as the MC
+            scored = labels if isinstance(labels, Tensor) and tuple(labels.shape) == shape \
+                else torch.where(usable.reshape(shape), 0, -100)  # Fisher's (`mc_fisher`)
+            usable = usable & gradient_positions(scored.to(device), shift=True)
         target = _target_usable(kwargs, labels, shape[0], device) \
             if self._decoder_side else None
         return usable, target
