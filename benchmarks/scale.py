@@ -56,7 +56,8 @@ Method
   settings C and D below) is part of the measured step: no replay term.
 * The final-weight refresh of a short run (`refresh_cost`, the 1.1B autocast setup): FLOPs of
   one forward and backward to the tracked outputs plus its rows' fold per refreshed sequence,
-  as a share of a training sequence's, times the cap of `REFRESH_SHARE` of the run's sequences.
+  as a share of a training sequence's: the sequences its cap of `REFRESH_SHARE` of the
+  training's FLOPs allows.
 * Old code (main at 6a379e5, measured on the H200): the same layout and draw with that code's
   accounting: every update's fp32 ``d²`` statistic, a ``d²`` float64 copy for the sketch, and,
   once per update when the static fp32 size of all owned factors exceeded the 4 GiB budget (else
@@ -90,6 +91,7 @@ from kfac_stream.snapshot.eigen_rule import GPU_SINGLE_EIGH, EighRate, decide
 from kfac_stream.stats.rows import slots_per_pass
 from kfac_stream.store.fold_cost import CHUNK_ENTRIES, entries
 from kfac_stream.tracking.plan import FOLD_DEFER, REFRESH_SHARE
+from kfac_stream.tracking.refresh import REFRESH_TOKEN_FRACTION
 from kfac_stream.tracking.tracker import plan_tracking
 
 from _common import machine, write_json, write_section
@@ -480,11 +482,13 @@ def refresh_cost(s: Setup, lay: dict) -> dict:
     """The final-weight refresh (``KFACConfig.final_refresh``, `kfac_stream.tracking.refresh`)
     as a share of the run's training FLOPs: per refreshed sequence a forward and a backward to
     the tracked layers' outputs (``4·P·T``, no weight gradients: the MC replay's count) and the
-    fold of its sampled rows (``2·m·d²`` per dense factor, ``m = token_fraction·T``; ``2·m·d``
-    per diagonal one), against a training sequence's ``6·P·T``; the refresh runs at most
-    `REFRESH_SHARE` of the run's training sequences (one epoch may bound it lower)."""
+    fold of its rows (``2·m·d²`` per dense factor, ``m = T``: every position,
+    `REFRESH_TOKEN_FRACTION`; ``2·m·d`` per diagonal one), against a training sequence's
+    ``6·P·T`` (`kfac_stream.tracking.refresh.sequence_cost_ratio`, all weights trained); the
+    refresh runs at most `REFRESH_SHARE` of the training's FLOPs: that share of the run's
+    sequences over the ratio (one epoch may bound it lower)."""
     per_token = 4 * lay["params"]
-    rows = CFG.token_fraction * s.seq
+    rows = REFRESH_TOKEN_FRACTION * s.seq
     fold = sum(2 * rows * (d if diag else d * d) for d, diag in lay["dims"].values())
     refresh = per_token * s.seq + fold
     train = 6 * lay["params"] * s.seq
@@ -492,7 +496,7 @@ def refresh_cost(s: Setup, lay: dict) -> dict:
     per_seq_s = step / (s.batch * s.accum) * refresh / train  # at the training's FLOP rate
     return {"flops_per_sequence": refresh, "fold_flops_per_sequence": fold,
             "train_flops_per_sequence": train, "per_sequence_ratio": refresh / train,
-            "cap": REFRESH_SHARE, "share_at_cap": REFRESH_SHARE * refresh / train,
+            "cap": REFRESH_SHARE, "sequences_at_cap": REFRESH_SHARE * train / refresh,
             "seconds_per_sequence": per_seq_s}
 
 
@@ -501,11 +505,11 @@ def refresh_line(s: Setup, r: dict) -> str:
     return (f"- final-weight refresh ({s.key}; `final_refresh`, a short run's, at train end): "
             f"{r['flops_per_sequence'] / 1e12:.3g} TFLOP per refreshed sequence of {s.seq} "
             f"tokens (forward + backward to the tracked outputs 4·P·T, the fold of its "
-            f"{CFG.token_fraction:g}·T rows {r['fold_flops_per_sequence'] / 1e12:.2g}), "
+            f"{REFRESH_TOKEN_FRACTION:g}·T rows {r['fold_flops_per_sequence'] / 1e12:.2g}), "
             f"{r['per_sequence_ratio']:.2f}x a training sequence's 6·P·T; capped at "
-            f"{r['cap']:.0%} of the run's sequences: at most **{r['share_at_cap']:.1%} of the "
-            f"run's training FLOPs** (~{r['seconds_per_sequence'] * 1e3:.0f} ms per sequence at "
-            "the training step's FLOP rate); 0 where 'auto' leaves it off (a long run)")
+            f"**{r['cap']:.0%} of the run's training FLOPs**: {r['sequences_at_cap']:.1%} of its "
+            f"sequences (~{r['seconds_per_sequence'] * 1e3:.0f} ms per sequence at the training "
+            "step's FLOP rate); 0 where 'auto' leaves it off (a long run)")
 
 
 def _amounts_json(x: dict) -> dict:

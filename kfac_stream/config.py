@@ -46,9 +46,9 @@ class KFACConfig:
             mean over the whole run (the tracker says so at train begin). (Default: 0.1)
         final_refresh: ``"auto"``, ``"on"`` or ``"off"``: at train end, before the final
             snapshot, replace the factors by their plain mean over a pass at the final weights
-            (eval mode, the run's Fisher, ``token_fraction``; no optimizer step, the training's
-            weights, gradients, data order and generators untouched), over at most one epoch
-            and 10% of the run's training sequences (`kfac_stream.tracking.refresh`). ``"auto"``:
+            (eval mode, the run's Fisher, every usable position; no optimizer step, the
+            training's weights, gradients, data order and generators untouched), over at most
+            one epoch and 10% of the training's FLOPs (`kfac_stream.tracking.refresh`). ``"auto"``:
             when the planned final window starts in the first half of the run (its factors
             average weights far from the final ones: a short fine-tune whose window
             ``min_window_sequences`` pushed back); off without a window, under ZeRO-3 / FSDP2

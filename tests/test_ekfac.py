@@ -82,21 +82,34 @@ def _rotated_sq(model, names, snap, ids, mask, labels):
     return out
 
 
-def _brute_force(model, names, basis_snap, batches):
+def _usable(labels: torch.Tensor) -> float:
+    """``U_n`` of one sequence (``labels [T]``): its positions up to the last scored logit row
+    (``labels[t+1] != -100``), by hand; the last real token scores nothing."""
+    scored = (labels[1:] != -100).nonzero()
+    return float(scored.max() + 1) if scored.numel() else 0.0
+
+
+def _labels(batch: dict) -> torch.Tensor:
+    """The batch's labels; a compute_loss_func's forward gets none: text_examples' are the ids,
+    -100 at padding."""
+    return batch.get("labels", torch.where(batch["attention_mask"] == 1, batch["input_ids"],
+                                           -100))
+
+
+def _brute_force(model, names, basis_snap, batches, causal: bool = True):
     """``{layer: Σ_n (Q_Gᵀ ∇L_n Q_A)² / Σ_n U_n}`` over the sequences of ``batches`` (``[B,
-    T]`` kwargs), on ``basis_snap``'s eigenvectors."""
+    T]`` kwargs), on ``basis_snap``'s eigenvectors; ``U_n`` as `_usable` for a causal LM, every
+    real position for an encoder (``causal`` False: each reaches the loss both ways)."""
     num = dict.fromkeys(names, 0.0)
     den = 0.0
     for batch in batches:
         ids, mask = batch["input_ids"], batch["attention_mask"]
-        # a compute_loss_func's forward gets no labels: text_examples' are the ids, -100 at
-        # padding
-        labels = batch.get("labels", torch.where(mask == 1, ids, -100))
+        labels = _labels(batch)
         for i in range(ids.shape[0]):
             sq = _rotated_sq(model, names, basis_snap, ids[i], mask[i], labels[i])
             for n in names:
                 num[n] = num[n] + sq[n]
-            den += float(batch["attention_mask"][i].sum())
+            den += _usable(labels[i]) if causal else float(mask[i].sum())
     return {n: num[n] / den for n in names}
 
 
@@ -143,8 +156,8 @@ def test_stored_correction_equals_brute_force(exact):
             assert entry["basis_step"] == prev.step
             assert (entry["first_step"], entry["last_step"], entry["updates"]) == \
                 (steps[0], steps[1], 2)
-            assert entry["weight"] == sum(float(batches[s]["attention_mask"].sum())
-                                          for s in steps)
+            assert entry["weight"] == sum(_usable(row) for s in steps
+                                          for row in _labels(batches[s]))
             worst = max(worst, _rel(got, want[n]))
     print(f"streamed EK-FAC correction vs autograd reference: max rel Frobenius err "
           f"{worst:.2e} over {len(names)} layers x 2 snapshots")
@@ -175,7 +188,8 @@ def test_a_layer_called_twice_squares_its_summed_gradient(tmp_path):
     assert sorted(calls.values()) == [1] + [2] * 5
     worst = 0.0
     for prev, snap, window in ((snaps[0], snaps[1], (2, 3)), (snaps[1], snaps[2], (4, 5))):
-        want = _brute_force(model, names, prev, [batches[s] for s in window])
+        # ALBERT is an encoder: every real position is a row (none is cut after the last scored)
+        want = _brute_force(model, names, prev, [batches[s] for s in window], causal=False)
         positions = sum(float(batches[s]["attention_mask"].sum()) for s in window)
         for n in names:
             got = snap[n].ekfac_eigvals

@@ -20,6 +20,7 @@ from transformers import Trainer, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACConfigError, KFACStreamCallback, Snapshot
 from kfac_stream.tracking.plan import RunPlan, RunShape, plan_refresh, plan_window
+from kfac_stream.tracking.refresh import sequence_cost_ratio
 
 from harness import run
 from models import ListDataset, text_examples, tiny_gpt2
@@ -37,7 +38,8 @@ G_TOL = 1e-6
 MOVED = 1e-3
 LAYERS = [f"transformer.h.{i}.{m}" for i in range(2)
           for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
-#: 8 sequences, batch 4, 20 steps: 80 training sequences, so 10% of them is one epoch (8)
+#: 8 sequences, batch 4, 30 steps: 120 training sequences; 10% of the training's FLOPs is
+#: 120 × 0.1 / 1.35 (`_cost_ratio`) = 8.9 sequences, so one epoch (8) bounds the refresh
 EXACT = dict(token_fraction=1.0, storage_dtype="float64", update_every=1, fisher="empirical",
              ema_decay=0.95, final_window=0.1, min_window_sequences=0)
 
@@ -55,17 +57,17 @@ def _batch(examples: list[dict]) -> dict:
 @pytest.mark.parametrize("refresh", ["on", "off"])
 def test_final_snapshot_factors_at_the_final_weights(tmp_path, refresh):
     """``"on"``: the final snapshot's A and G are the brute-force factors at the trained weights
-    over the epoch's 8 sequences (its budget: 10% of 80), recorded as a refresh in the
-    manifest. ``"off"``: they are the final window's mean (steps 18 and 19, each at the weights
-    it ran with), as without the option, and no refresh is recorded. Each is the other's
+    over the epoch's 8 sequences (its budget: 8.9), recorded as a refresh in the manifest.
+    ``"off"``: they are the final window's mean (steps 27 to 29, each at the weights it ran
+    with), as without the option, and no refresh is recorded. Each is the other's
     control: the two references differ by more than `MOVED`."""
     model, examples = tiny_gpt2(), text_examples(8, 10)
     cb, records, _ = run(model, examples, {**EXACT, "final_refresh": refresh}, batch=4,
-                         steps=20, lr=3e-2, tmp_path=tmp_path)
+                         steps=30, lr=3e-2, tmp_path=tmp_path)
     snap = Snapshot.latest(tmp_path / "kfac")
-    assert snap.step == 20 and len(records) == 20
+    assert snap.step == 30 and len(records) == 30
     final, _ = reference_factors(model, [{"kwargs": _batch(examples)}], LAYERS)
-    window, _ = reference_factors(model, records[18:], LAYERS)
+    window, _ = reference_factors(model, records[27:], LAYERS)
     assert min(max(rel_err(final[n][i], window[n][i]) for i in (0, 1)) for n in LAYERS) > MOVED
     kept = final if refresh == "on" else window
     a_err, g_err = _snapshot_errors(snap, kept)
@@ -76,17 +78,32 @@ def test_final_snapshot_factors_at_the_final_weights(tmp_path, refresh):
         assert cb.refreshed.sequences == 8 and cb.refreshed.batches == 2
         assert snap.meta["run_plan"]["final_refresh"] == {"on": True,
                                                           "reason": "final_refresh='on'"}
-        # the window's own bookkeeping is the training's (restart at step 18)
-        assert snap.meta["counts"]["window_start_step"] == 18
+        # the window's own bookkeeping is the training's (restart at step 27)
+        assert snap.meta["counts"]["window_start_step"] == 27
     else:
         assert "final_refresh" not in snap.meta and cb.refreshed is None
     assert all(p.grad is None for p in model.parameters())  # no gradient left by the pass
 
 
-def test_budget_cuts_the_pass_at_ten_percent_of_the_run(tmp_path):
-    """7 steps at batch 4 train on 28 sequences: the refresh takes 2 (10%, rounded down), the
-    first batch cut to them, not the epoch's 8."""
-    cb, _, _ = run(tiny_gpt2(), text_examples(8, 10), {**EXACT, "final_refresh": "on"},
+def _cost_ratio(model) -> float:
+    """A refreshed sequence's FLOPs over a training one's, per token, by hand for the tiny
+    GPT-2's 8 tracked Conv1D layers (no shared inputs): (4P + Σ 2·(d_in+1)² + 2·d_out²) / 6P."""
+    total = sum(p.numel() for p in model.parameters())
+    fold = sum(2 * (w.shape[0] + 1) ** 2 + 2 * w.shape[1] ** 2
+               for w in (model.get_submodule(n).weight for n in LAYERS))
+    return (4 * total + fold) / (6 * total)
+
+
+def test_budget_cuts_the_pass_at_ten_percent_of_the_flops(tmp_path):
+    """7 steps at batch 4 train on 28 sequences: the refresh takes 2 (10% of the training's
+    FLOPs: 28 × 0.1 / 1.35, rounded down), the first batch cut to them, not the epoch's 8."""
+    model = tiny_gpt2()
+    ratio = _cost_ratio(model)
+    assert 1.3 < ratio < 1.4
+    assert sequence_cost_ratio(model, {f"{n}.{f}": (d, False) for n in LAYERS for f, d in (
+        ("A", model.get_submodule(n).weight.shape[0] + 1),
+        ("G", model.get_submodule(n).weight.shape[1]))}) == pytest.approx(ratio, rel=1e-12)
+    cb, _, _ = run(model, text_examples(8, 10), {**EXACT, "final_refresh": "on"},
                    batch=4, steps=7, tmp_path=tmp_path, record=False)
     snap = Snapshot.latest(tmp_path / "kfac")
     assert snap.meta["final_refresh"]["sequences"] == 2 == cb.refreshed.sequences

@@ -7,15 +7,17 @@ callback (``fisher="empirical"``, ``token_fraction=1``, ``ema_decay=1``, float64
 that laplace-torch then fits at. laplace-torch gets the same ``N_seq`` sequences of ``T``
 tokens (one full batch, and again in batches of 2 sequences), through `SeqLM`, a wrapper
 that maps ``input_ids [B, T]`` to the logits in ``CrossEntropyLoss``'s layout ``[B, V, T]``
-with targets ``y [B, T]`` (``y[:, t]`` is token ``t+1``, the Hugging Face shift;
-``y[:, -1] = -100``, ignored), backend ``CurvlinopsEF`` (empirical Fisher, K-FAC *expand*:
-every position of a sequence is a row of the factors), restricted to the tracked layers by
-``requires_grad=False`` everywhere else.
+with targets ``y [B, T]`` (``y[:, t]`` is token ``t+1``, the Hugging Face shift). The
+callback trains on the same sequences one token longer (``T + 1``): its rows are the
+positions that carry the loss, ``0..T-1`` (the last token scores nothing), laplace-torch's are
+every position of its ``T``, each with a target (the next token): the same rows. Backend
+``CurvlinopsEF`` (empirical Fisher, K-FAC *expand*: every position of a sequence is a row of
+the factors), restricted to the tracked layers by ``requires_grad=False`` everywhere else.
 
 Normalisation mapping (derived from laplace-torch 0.3 / curvlinops 3.0.1 source)
 -----------------------------------------------------------------------------------
-Write ``S_A = Σ_{n,t} a aᵀ`` and ``S_G = Σ_{n,t} g gᵀ`` over all ``N_seq·T`` positions, with
-``g = ∂(Σ_t NLL_t)/∂z`` (SUM loss; ``g = 0`` at the last position, which has no target).
+Write ``S_A = Σ_{n,t} a aᵀ`` and ``S_G = Σ_{n,t} g gᵀ`` over the ``N_seq·T`` positions, with
+``g = ∂(Σ_t NLL_t)/∂z`` (SUM loss over the ``T`` next-token targets).
 
 * laplace-torch: curvlinops' ``KFACLinearOperator`` (loss ``CrossEntropyLoss(reduction="sum")``)
   gives ``A_cl = S_A / (N_data · T)`` — ``N_data`` = the *sequences* in the batch, ``T`` the
@@ -26,7 +28,7 @@ Write ``S_A = Σ_{n,t} a aᵀ`` and ``S_G = Σ_{n,t} g gᵀ`` over all ``N_seq·
   ``H_lt = S_A/(N_seq·T) ⊗ S_G`` and the posterior precision is ``H_lt + τ_lt·I``
   (``_H_factor = 1/σ²/temperature = 1`` for classification).
 * kfac_stream: ``A = S_A / n_tok``, ``G = S_G / n_tok`` (token-weighted means over the
-  ``n_tok`` non-padding positions), posterior precision ``N·(A⊗G) + τ·I``.
+  ``n_tok`` positions that carry the loss), posterior precision ``N·(A⊗G) + τ·I``.
 
 Equal precisions need ``τ = τ_lt`` and ``N / n_tok² = 1 / (N_seq·T)``, i.e.
 ``N = n_tok² / (N_seq·T)``; without padding ``n_tok = N_seq·T``, so ``N = n_tok``: the number
@@ -110,9 +112,9 @@ def _freeze_untracked(model: nn.Module, names: list[str]) -> None:
 
 
 def _fit_peer(model: nn.Module, ids: torch.Tensor, loader_batch: int):
-    """laplace-torch ``KronLaplace`` (empirical Fisher, K-FAC expand) on the training sequences."""
-    y = torch.full_like(ids, -100)  # y[:, t] = ids[:, t+1]; the last position has no target
-    y[:, :-1] = ids[:, 1:]
+    """laplace-torch ``KronLaplace`` (empirical Fisher, K-FAC expand) on the training sequences
+    (``ids [N_seq, T + 1]``: the first ``T`` tokens in, every next token a target)."""
+    ids, y = ids[:, :-1], ids[:, 1:]  # y[:, t] = token t+1 for every t < T
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids, y),
                                          batch_size=loader_batch, shuffle=False)
     wrapped = SeqLM(model)
@@ -129,7 +131,8 @@ def peer(tmp_path_factory):
     tracked = [n for n, m in model.named_modules()
                if isinstance(m, nn.Linear) and (n.startswith("model.layers.") or n == "lm_head")]
     _freeze_untracked(model, tracked)  # laplace-torch's subset of weights = the tracked layers
-    examples = text_examples(N_SEQ, SEQ_LEN, seed=3)  # equal lengths: no padding
+    # equal lengths, no padding; one token more than laplace-torch's T (its last scores nothing)
+    examples = text_examples(N_SEQ, SEQ_LEN + 1, seed=3)
     cfg = {"fisher": "empirical", "token_fraction": 1.0, "ema_decay": 1.0,
            "storage_dtype": "float64", "update_every": 1, "include": INCLUDE}
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -139,7 +142,7 @@ def peer(tmp_path_factory):
     for k, v in model.state_dict().items():  # lr=0: the factors were taken at these weights
         assert torch.equal(v, before[k]), k
     model.eval()
-    ids = torch.stack([e["input_ids"] for e in examples])  # [N_SEQ, SEQ_LEN]
+    ids = torch.stack([e["input_ids"] for e in examples])  # [N_SEQ, SEQ_LEN + 1]
     peers = {b: _fit_peer(model, ids, b) for b in (N_SEQ, 2)}
     test = text_examples(3, 10, seed=11)
     batch = {k: torch.stack([e[k] for e in test]) for k in ("input_ids", "attention_mask")}

@@ -121,7 +121,7 @@ def refresh_start_line(run: RunPlan, budget: int) -> str:
     """Says that the final-weight refresh starts, why, and its bound (``budget`` sequences
     per rank, 0: one epoch alone)."""
     bound = (f"at most one epoch and {budget} sequences per rank "
-             f"({100 * run.refresh.budget_share:g}% of the run's)" if budget > 0
+             f"({100 * run.refresh.budget_share:g}% of the training's FLOPs)" if budget > 0
              else "at most one epoch")
     return (f"kfac_stream: final-weight refresh ({run.refresh.reason}): a pass in eval mode at "
             f"the final weights over {bound}; its mean replaces the factors of the final "

@@ -103,8 +103,9 @@ class WindowPlan:
     sequences_per_update: int
 
 
-#: The refresh's sequences at most, as a share of the run's training sequences: a forward and
-#: a backward each, so at most ~10% of the training's compute (and one epoch at most).
+#: The refresh's compute at most, as a share of the training's (FLOPs: its sequences are
+#: capped at this share of the run's, scaled by a training sequence's cost over a refreshed
+#: one's, `kfac_stream.tracking.refresh.sequence_cost_ratio`; one epoch at most).
 REFRESH_SHARE = 0.1
 
 
@@ -116,8 +117,8 @@ class RefreshPlan:
     Attributes:
         on: Refresh before the final snapshot.
         reason: Why, in words (the train-begin line).
-        budget_share: The most sequences it may run, as a share of the run's training
-            sequences (`REFRESH_SHARE`).
+        budget_share: The most compute it may take, as a share of the training's
+            (`REFRESH_SHARE`).
     """
 
     on: bool

@@ -12,7 +12,9 @@ arithmetic, `FactorUpdater.decay_at`).
 The pass: the model in eval mode (`posterior_mode`), the run's Fisher (the empirical one: the
 model's own loss on the batch's labels, its gradient to the tracked layers' outputs only; a
 sampled-label Fisher: the MC replay of every sequence of each batch, `mc_sequences="all"`),
-positions sampled at ``token_fraction`` as in training, every batch one factor update (with
+every usable position a row (`REFRESH_TOKEN_FRACTION`: the refresh has few sequences, a tenth
+of the run's at most, where the final window it replaces had the whole run's; a row's fold
+is small beside its sequence's forward and backward), every batch one factor update (with
 several ranks the usual exchange, in lockstep: each rank its own shard of the data). No
 optimizer step and no weight gradient (``torch.autograd.grad`` to the layer outputs: every
 parameter's ``.grad`` stays as it was), the Trainer's dataloader state untouched (its
@@ -20,9 +22,10 @@ underlying loader is iterated afresh), and every global generator as it was afte
 (`own_draws`: the pass draws from a seed of the tracker's own, restored on exit), so the
 training run is bit-identical with and without it. ``tokens_seen`` does not count it.
 
-Budget: at most one epoch of this rank's batches and at most `REFRESH_SHARE` of the sequences
-this rank trained on (``max_steps × gradient_accumulation × batch``; the last batch cut to
-fit), whichever comes first, so its forward and backward cost at most ~10% of the training's.
+Budget: at most one epoch of this rank's batches and at most `REFRESH_SHARE` of the training's
+FLOPs: the sequences this rank trained on (``max_steps × gradient_accumulation × batch``)
+times `REFRESH_SHARE` over `sequence_cost_ratio` (the last batch cut to fit), whichever
+comes first.
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ from .collect import collect_update
 
 logger = logging.getLogger("kfac_stream")
 
+#: The share of each refreshed sequence's usable positions that are rows: all of them.
+REFRESH_TOKEN_FRACTION = 1.0
 #: A seed offset of the refresh's draws (the replays' seeds are ``replay_seed`` of a step).
 _SEED_OFFSET = 104_729
 
@@ -70,13 +75,28 @@ class RefreshResult:
         return {"sequences": int(self.sequences), "seconds": float(self.seconds)}
 
 
-def refresh_budget(run) -> int:
+def sequence_cost_ratio(model: nn.Module, dims: dict[str, tuple[int, bool]]) -> float:
+    """A refreshed sequence's FLOPs over a training sequence's, per token: ``(4P + F) / (4P +
+    2P_t)``. ``P`` the model's parameters, ``P_t`` its trainable ones: training takes a
+    forward (``2P``), the activations' backward (``2P``) and the trainable weights' gradients
+    (``2P_t``); the refresh a forward and the activations' backward to the tracked outputs
+    (``4P`` at most) and the fold of each position's rows, ``F = Σ 2d²`` over the dense
+    factors (``dims``: ``{key: (side, diagonal)}``), ``Σ 2d`` over the diagonal ones, times
+    `REFRESH_TOKEN_FRACTION`."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    fold = sum(2 * d * (1 if diagonal else d) for d, diagonal in dims.values())
+    return (4 * total + REFRESH_TOKEN_FRACTION * fold) / max(4 * total + 2 * trainable, 1)
+
+
+def refresh_budget(run, cost_ratio: float = 1.0) -> int:
     """The most sequences this rank's refresh runs: `REFRESH_SHARE` (``run.refresh``) of the
-    sequences it trained on (``max_steps × accumulation × batch`` of ``run.shape``), rounded
-    down; 0 when the run's length is unknown (then one epoch alone bounds it)."""
+    sequences it trained on (``max_steps × accumulation × batch`` of ``run.shape``) over
+    ``cost_ratio`` (`sequence_cost_ratio`), rounded down: that share of the training's FLOPs;
+    0 when the run's length is unknown (then one epoch alone bounds it)."""
     shape = run.shape
     trained = shape.max_steps * max(shape.accumulation, 1) * shape.batch
-    return int(math.floor(run.refresh.budget_share * trained + 1e-9))
+    return int(math.floor(run.refresh.budget_share * trained / cost_ratio + 1e-9))
 
 
 def batch_rows(batch: dict[str, Any]) -> int:
@@ -122,6 +142,16 @@ def _plain_mean(tracker, step: int) -> Iterator[None]:
         finally:
             (updater.restart_step, counters.window_start_step, tracker.step, counters.updates,
              counters.positions_sampled) = saved
+
+
+@contextlib.contextmanager
+def _token_fraction(capture, fraction: float) -> Iterator[None]:
+    """The capture takes ``fraction`` of each pass's usable positions within the block."""
+    saved, capture.token_fraction = capture.token_fraction, fraction
+    try:
+        yield
+    finally:
+        capture.token_fraction = saved
 
 
 def _all_have(tracker, have: bool) -> bool:
@@ -175,7 +205,8 @@ def refresh_factors(tracker, model: nn.Module, batches: Iterable[dict[str, Any]]
     used = count = 0
     source = iter(batches)
     seed = replay_seed(cfg.seed + _SEED_OFFSET, tracker.rank, step)
-    with own_draws(seed, [device]), _plain_mean(tracker, step), posterior_mode(model):
+    with own_draws(seed, [device]), _plain_mean(tracker, step), posterior_mode(model), \
+            _token_fraction(tracker.capture, REFRESH_TOKEN_FRACTION):
         while True:
             batch = None
             if budget <= 0 or used < budget:

@@ -53,7 +53,7 @@ from .lines import (
     window_lines,
 )
 from .plan import RunPlan, RunShape
-from .refresh import RefreshResult, refresh_budget, refresh_factors
+from .refresh import RefreshResult, refresh_budget, refresh_factors, sequence_cost_ratio
 from .tracker import Tracker, plan_tracking
 
 logger = logging.getLogger("kfac_stream")
@@ -205,11 +205,14 @@ class TrackingSession:
             self.tracker.begin_step(step)
 
     def end_step(self, model, step: int, epoch: float | None) -> None:
-        """The step's factor update, and its snapshot when one is due."""
+        """The step's factor update, and its snapshot when one is due (not at the planned last
+        step of a run that refreshes its factors at train end: `finish` writes that one, once,
+        after the refresh)."""
         if self.tracker is None:
             return
         self.tracker.end_step(model)
-        if step % self.config.snapshot_every == 0:
+        if step % self.config.snapshot_every == 0 and not (
+                self.plan.refresh.on and step == self._final_step):
             self.save_snapshot(step, epoch)
 
     def before_checkpoint(self, args, step: int) -> None:
@@ -261,7 +264,7 @@ class TrackingSession:
         if not self.plan.refresh.on or batches is None:
             return None
         self._worker.wait()  # the snapshot in flight is written before the factors change
-        budget = refresh_budget(self.plan)
+        budget = refresh_budget(self.plan, sequence_cost_ratio(model, self.tracker.plan.dims))
         rank0 = self.tracker.rank == 0
         if rank0:
             logger.info("%s", refresh_start_line(self.plan, budget))
