@@ -74,6 +74,9 @@ LM_PARTS = HERE / "results" / "lm_finetune_fit"
 #: Parts of the tasks whose models have dropout made while the MC replays ran in training
 #: mode (before `capture/posterior_mode.py`), kept for the before/after table.
 BEFORE = PARTS / "train_mode_replays"
+#: Every part as it was before the factors moved to the final weights (the refresh,
+#: ``KFACConfig.final_refresh``) and to the positions that carry the loss's gradient.
+BEFORE_FINAL = PARTS / "before_final_weights"
 #: Bumped when what a part holds changes (a cached part of another version is redone).
 VERSION = 1
 TASKS = [*suite.ALL_TASKS]
@@ -165,6 +168,9 @@ def library_part(task, model, snap_dir: str) -> dict:
         "map_gain_se": fit.map_gain_se, "examples": fit.examples, "seconds": fit.seconds,
         "marglik_tau": fit.marglik_tau, "verdict": fit.verdict()}
     out["describe"] = post.describe()
+    meta = Snapshot.load(snap_dir, show_progress=False).meta
+    out["refresh"] = {"done": meta.get("final_refresh"),
+                      "plan": (meta.get("run_plan") or {}).get("final_refresh")}
     return out
 
 
@@ -336,26 +342,30 @@ def report(tasks: dict[str, list[dict]], total_s: float) -> str:
                            for n, x in v.items() if not x["meets"])
         lines.append(f"| {setting} | {sum(x['meets'] for x in v.values())} / {len(v)} | "
                      f"{v[worst]['score']:.3f} ({worst}) | {misses or 'none'} |")
-    lines += replay_mode_table(tasks)
+    lines += before_after(tasks, BEFORE, "MC replays in eval mode (`capture/posterior_mode.py`),"
+                          " on the tasks whose models have dropout: mean test NLL over seeds "
+                          "before (replays in training mode, dropout on) and after.")
+    lines += before_after(tasks, BEFORE_FINAL, "Factors at the final weights (the refresh) "
+                          "and rows only where the loss's gradient can be: mean test NLL over "
+                          "seeds before and after.")
+    lines += refresh_table(tasks)
     lines += ["", f"CPU time of every part: {total_s / 60:.1f} min on {machine()['cpu']} "
               f"({machine()['cores']} cores).", END]
     return "\n".join(lines)
 
 
-def replay_mode_table(tasks: dict[str, list[dict]]) -> list[str]:
-    """The tasks whose models have dropout, before (`BEFORE`: the MC replays in training mode,
-    dropout on) and after (eval mode): mean test NLL over seeds of the rule without held-out
-    data and of the default, against laplace-torch's (the same weights: the tracker does not
-    change the training)."""
-    out = ["", "MC replays in eval mode (`capture/posterior_mode.py`), on the tasks whose "
-           "models have dropout: mean test NLL over seeds before (replays in training mode, "
-           "dropout on) and after.", "",
+def before_after(tasks: dict[str, list[dict]], before_dir, caption: str) -> list[str]:
+    """Mean test NLL over seeds, before (the parts in ``before_dir``) and after, of the rule
+    without held-out data and of the default, against laplace-torch's (the same weights: the
+    tracker does not change the training), per task with parts on both sides."""
+    out = ["", caption, "",
            "| task | no eval before | no eval after | / laplace-torch before → after | "
            "default before | default after |", "|---|---|---|---|---|---|"]
     for name, rows in tasks.items():
         before = [row(json.loads(p.read_text()))
-                  for p in sorted(BEFORE.glob(f"{name}-s*.json"))]
-        if not before or len(before) != len(rows):
+                  for p in sorted(before_dir.glob(f"{name}-s*.json"))]
+        if not before or len(before) != len(rows) or \
+                not all("laplace_torch" in r["scores"] for r in rows):
             continue
 
         def mean(rs, k):
@@ -365,6 +375,26 @@ def replay_mode_table(tasks: dict[str, list[dict]]) -> list[str]:
         out.append(f"| {name} | {mean(before, 'no_eval'):.4f} | {mean(rows, 'no_eval'):.4f} | "
                    f"{mean(before, 'no_eval') / lt:.3f} → {mean(rows, 'no_eval') / lt:.3f} | "
                    f"{mean(before, 'default'):.4f} | {mean(rows, 'default'):.4f} |")
+    return out
+
+
+def refresh_table(tasks: dict[str, list[dict]]) -> list[str]:
+    """Per task: what the plan decided of the final-weight refresh, and its seconds as a share
+    of the training run's (the callback's whole run, with the refresh in it)."""
+    out = ["", "The final-weight refresh (`KFACConfig.final_refresh=\"auto\"`) per task: "
+           "the plan's decision and its seconds / the training run's, per seed.", "",
+           "| task | refresh | share of training time per seed |", "|---|---|---|"]
+    for name in tasks:
+        parts = [json.loads(p.read_text()) for p in
+                 sorted(PARTS.glob(f"{name}-s*.json"))]
+        refresh = [p["library"].get("refresh") for p in parts]
+        if not parts or not all(refresh):
+            continue
+        plan = refresh[0]["plan"] or {}
+        shares = [f"{r['done']['seconds'] / p['library']['train_seconds']:.1%}"
+                  if r["done"] else "0" for r, p in zip(refresh, parts)]
+        out.append(f"| {name} | {'on' if plan.get('on') else 'off'}: {plan.get('reason', '')}"
+                   f" | {', '.join(shares)} |")
     return out
 
 
