@@ -59,8 +59,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 JOB = os.path.join(ROOT, "tests", "dist_job.py")
 PAD = ["--pad-rows", "2,3"]
 HALF = ["--token-fraction", "0.5"]
-REFRESH = ["--ema-decay", "0.95", "--steps", "10", "--final-refresh", "on"]
+# 8 sequences, 20 steps of 8: the refresh's FLOP budget (≥ 8 / 1.35 sequences a rank) exceeds an
+# epoch on one process and on each of 2 ranks alike, so the epoch bounds both: the same 8
+REFRESH = ["--ema-decay", "0.95", "--steps", "20", "--n-seq", "8", "--final-refresh", "on"]
 EXACT_TOL = 1e-6
+#: The refresh runs at the final weights of 20 float32 steps, which DDP's gradient all-reduce
+#: and one process's local sum round apart (measured 1.6e-6 relative in the factors; a wrong
+#: sequence or weight would be off by 1e-2 or more)
+REFRESH_TOL = 5e-6
 FP16_TOL = 1e-3
 BF16_TOL = 3e-2
 MC_TRACE_TOL = 0.15
@@ -240,10 +246,10 @@ def test_final_refresh_across_ranks_equals_one_process(runs):
 
     errs = errors("ddp_refresh", "ref_refresh", runs)
     print(f"refresh: max relative error vs 1 process {max(errs.values()):.2e}")
-    assert max(errs.values()) <= EXACT_TOL, errs
+    assert max(errs.values()) <= REFRESH_TOL, errs
     for run in ("ddp_refresh", "ref_refresh"):
         meta = Snapshot.latest(os.path.join(runs.get(run), "kfac")).meta
-        assert meta["step"] == 10 and meta["final_refresh"]["sequences"] == 8
+        assert meta["step"] == 20 and meta["final_refresh"]["sequences"] == 8
 
 
 @SLOW
