@@ -91,7 +91,7 @@ from kfac_stream.snapshot.eigen_rule import GPU_SINGLE_EIGH, EighRate, decide
 from kfac_stream.stats.rows import slots_per_pass
 from kfac_stream.store.fold_cost import CHUNK_ENTRIES, entries
 from kfac_stream.tracking.plan import FOLD_DEFER, REFRESH_SHARE
-from kfac_stream.tracking.refresh import REFRESH_TOKEN_FRACTION
+from kfac_stream.tracking.refresh import REFRESH_MC_DRAWS, REFRESH_TOKEN_FRACTION
 from kfac_stream.tracking.tracker import plan_tracking
 
 from _common import machine, write_json, write_section
@@ -483,14 +483,15 @@ def refresh_cost(s: Setup, lay: dict) -> dict:
     as a share of the run's training FLOPs: per refreshed sequence a forward and a backward to
     the tracked layers' outputs (``4·P·T``, no weight gradients: the MC replay's count) and the
     fold of its rows (``2·m·d²`` per dense factor, ``m = T``: every position,
-    `REFRESH_TOKEN_FRACTION`; ``2·m·d`` per diagonal one), against a training sequence's
+    `REFRESH_TOKEN_FRACTION`; ``2·m·d`` per diagonal one), `REFRESH_MC_DRAWS` times (the
+    default Fisher samples its labels), against a training sequence's
     ``6·P·T`` (`kfac_stream.tracking.refresh.sequence_cost_ratio`, all weights trained); the
     refresh runs at most `REFRESH_SHARE` of the training's FLOPs: that share of the run's
     sequences over the ratio (one epoch may bound it lower)."""
     per_token = 4 * lay["params"]
     rows = REFRESH_TOKEN_FRACTION * s.seq
     fold = sum(2 * rows * (d if diag else d * d) for d, diag in lay["dims"].values())
-    refresh = per_token * s.seq + fold
+    refresh = REFRESH_MC_DRAWS * (per_token * s.seq + fold)  # the default Fisher: MC
     train = 6 * lay["params"] * s.seq
     step = step_seconds(s, lay["params"])
     per_seq_s = step / (s.batch * s.accum) * refresh / train  # at the training's FLOP rate
@@ -504,7 +505,8 @@ def refresh_line(s: Setup, r: dict) -> str:
     """The RESULTS.md line of `refresh_cost`."""
     return (f"- final-weight refresh ({s.key}; `final_refresh`, a short run's, at train end): "
             f"{r['flops_per_sequence'] / 1e12:.3g} TFLOP per refreshed sequence of {s.seq} "
-            f"tokens (forward + backward to the tracked outputs 4·P·T, the fold of its "
+            f"tokens ({REFRESH_MC_DRAWS} MC draws, each a forward + backward to the tracked "
+            f"outputs 4·P·T and the fold of its "
             f"{REFRESH_TOKEN_FRACTION:g}·T rows {r['fold_flops_per_sequence'] / 1e12:.2g}), "
             f"{r['per_sequence_ratio']:.2f}x a training sequence's 6·P·T; capped at "
             f"**{r['cap']:.0%} of the run's training FLOPs**: {r['sequences_at_cap']:.1%} of its "

@@ -65,6 +65,7 @@ from transformers import Trainer, TrainingArguments
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, metrics
 from kfac_stream.app.data import ExampleDataset
 from kfac_stream.query.calibration import probs_from_gaussian
+from kfac_stream.tracking.refresh import REFRESH_MC_DRAWS
 
 from _common import HERE, machine, train_and_collect, write_json, write_section
 
@@ -77,6 +78,8 @@ BEFORE = PARTS / "train_mode_replays"
 #: Every part as it was before the factors moved to the final weights (the refresh,
 #: ``KFACConfig.final_refresh``) and to the positions that carry the loss's gradient.
 BEFORE_FINAL = PARTS / "before_final_weights"
+#: Every part as it was with one MC label draw per position in the refresh.
+ONE_DRAW = PARTS / "one_draw_refresh"
 #: Bumped when what a part holds changes (a cached part of another version is redone).
 VERSION = 1
 TASKS = [*suite.ALL_TASKS]
@@ -192,6 +195,8 @@ def settings_key(task, what: str) -> str:
             "lr": task.lr, "batch": task.batch_size, "version": VERSION}
     if what == "library":
         base["config"] = {k: str(v) for k, v in dataclasses.asdict(KFACConfig()).items()}
+        if REFRESH_MC_DRAWS != 1:  # (absent at 1: the parts made before it existed)
+            base["refresh_mc_draws"] = REFRESH_MC_DRAWS
     return hashlib.sha1(json.dumps(base, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -348,6 +353,8 @@ def report(tasks: dict[str, list[dict]], total_s: float) -> str:
     lines += before_after(tasks, BEFORE_FINAL, "Factors at the final weights (the refresh) "
                           "and rows only where the loss's gradient can be: mean test NLL over "
                           "seeds before and after.")
+    lines += before_after(tasks, ONE_DRAW, "The refresh's MC label draws per position: one "
+                          f"(before) and `REFRESH_MC_DRAWS` = {REFRESH_MC_DRAWS} (after).")
     lines += refresh_table(tasks)
     lines += ["", f"CPU time of every part: {total_s / 60:.1f} min on {machine()['cpu']} "
               f"({machine()['cores']} cores).", END]

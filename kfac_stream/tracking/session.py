@@ -53,7 +53,13 @@ from .lines import (
     window_lines,
 )
 from .plan import RunPlan, RunShape
-from .refresh import RefreshResult, refresh_budget, refresh_factors, sequence_cost_ratio
+from .refresh import (
+    RefreshResult,
+    refresh_budget,
+    refresh_draws,
+    refresh_factors,
+    sequence_cost_ratio,
+)
 from .tracker import Tracker, plan_tracking
 
 logger = logging.getLogger("kfac_stream")
@@ -264,7 +270,8 @@ class TrackingSession:
         if not self.plan.refresh.on or batches is None:
             return None
         self._worker.wait()  # the snapshot in flight is written before the factors change
-        budget = refresh_budget(self.plan, sequence_cost_ratio(model, self.tracker.plan.dims))
+        budget = refresh_budget(self.plan, sequence_cost_ratio(
+            model, self.tracker.plan.dims, refresh_draws(self.tracker)))
         rank0 = self.tracker.rank == 0
         if rank0:
             logger.info("%s", refresh_start_line(self.plan, budget))
