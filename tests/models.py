@@ -141,6 +141,32 @@ def tiny_llama(dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
     return _build(LlamaForCausalLM, LlamaConfig(**kw), dtype, seed)
 
 
+def tiny_seq2seq(family: str, vocab_size: int, d_model: int = 32):
+    """A one-layer-each-side encoder-decoder from a config, seeded, dropout 0: ``"t5"``
+    (``T5ForConditionalGeneration``; pad 0, eos 1, decoder start 0) or ``"bart"``
+    (``BartForConditionalGeneration``; bos 0, pad 1, eos 2, decoder start 2), 4 heads,
+    feed-forward width ``2·d_model``."""
+    from transformers import (
+        BartConfig,
+        BartForConditionalGeneration,
+        T5Config,
+        T5ForConditionalGeneration,
+    )
+
+    torch.manual_seed(0)
+    if family == "t5":
+        return T5ForConditionalGeneration(T5Config(
+            vocab_size=vocab_size, d_model=d_model, d_kv=d_model // 4, d_ff=2 * d_model,
+            num_layers=1, num_decoder_layers=1, num_heads=4, dropout_rate=0.0,
+            decoder_start_token_id=0, pad_token_id=0, eos_token_id=1))
+    return BartForConditionalGeneration(BartConfig(
+        vocab_size=vocab_size, d_model=d_model, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=2 * d_model,
+        decoder_ffn_dim=2 * d_model, max_position_embeddings=32, dropout=0.0,
+        attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, bos_token_id=0,
+        eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None))
+
+
 def tiny_albert(dtype: torch.dtype = torch.float64, seed: int = 0, **overrides):
     """A byte-level ALBERT LM head model whose ONE shared layer group runs at every depth: its
     Linear layers are called ``num_hidden_layers`` times per forward (ALBERT's sharing).

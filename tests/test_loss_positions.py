@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import run
+from models import tiny_seq2seq
 from reference import float64_copy, rel_err
 
 VOCAB, SRC = 24, 8
@@ -27,29 +28,7 @@ EXACT_TOL = 1e-10
 
 def _model(family: str):
     """A tiny float64 encoder-decoder of ``family`` (``"t5"`` or ``"bart"``)."""
-    return _build(family).to(torch.float64)
-
-
-def _build(family: str):
-    from transformers import (
-        BartConfig,
-        BartForConditionalGeneration,
-        T5Config,
-        T5ForConditionalGeneration,
-    )
-
-    torch.manual_seed(0)
-    if family == "t5":
-        return T5ForConditionalGeneration(T5Config(
-            vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_decoder_layers=1,
-            num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
-            eos_token_id=1))
-    return BartForConditionalGeneration(BartConfig(
-        vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1,
-        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=32,
-        decoder_ffn_dim=32, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
-        activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-        decoder_start_token_id=2, forced_eos_token_id=None))
+    return tiny_seq2seq(family, VOCAB, d_model=16).to(torch.float64)
 
 
 def _examples(tgt: int) -> list[dict[str, torch.Tensor]]:

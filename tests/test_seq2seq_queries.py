@@ -32,10 +32,10 @@ from kfac_stream.exceptions import QueryInputError
 from kfac_stream.query.heldout_tokens import token_grid
 from kfac_stream.query.sampled import sampled_predictive
 
-from models import ListDataset
+from models import ListDataset, tiny_seq2seq
 
-#: Training and the eval set: targets as long as the inputs (the tracker refuses a decoder
-#: length other than the input's, see `kfac_stream.stats.rows`); queries: ``TGT`` < ``SRC``.
+#: Training and the eval set: targets as long as the inputs (other decoder lengths train too:
+#: tests/test_loss_positions.py); queries: ``TGT`` < ``SRC``.
 VOCAB, SRC, TGT = 96, 8, 6
 STEPS, BATCH = 4, 4
 #: The predictive mean is the MAP logits: the same float32 forward, run twice (eval mode).
@@ -49,25 +49,7 @@ MAP_OWN_TOL = 1e-5
 
 
 def _build(family: str):
-    from transformers import (
-        BartConfig,
-        BartForConditionalGeneration,
-        T5Config,
-        T5ForConditionalGeneration,
-    )
-
-    torch.manual_seed(0)
-    if family == "t5":
-        return T5ForConditionalGeneration(T5Config(
-            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1,
-            num_heads=4, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
-            eos_token_id=1))
-    return BartForConditionalGeneration(BartConfig(
-        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
-        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
-        decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.0, attention_dropout=0.0,
-        activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2,
-        decoder_start_token_id=2, forced_eos_token_id=None))
+    return tiny_seq2seq(family, VOCAB)
 
 
 def _examples(n: int, seed: int) -> list[dict[str, torch.Tensor]]:

@@ -464,8 +464,9 @@ def mc_subbatch_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, 
     b = min(int(count), B)
     ref = next(v for v in inputs.values() if isinstance(v, Tensor) and v.dim() >= 2)
     labels = inputs.get("labels")
-    usable, target = capture.streams(replay_kwargs(model, inputs), labels if isinstance(
-        labels, Tensor) else None, shape, ref.device)  # the whole micro-batch's
+    # the whole micro-batch's (a decoder's positions from its inputs, else from the labels)
+    usable, target = capture.streams(inputs, labels if isinstance(labels, Tensor) else None,
+                                     shape, ref.device)
     sel = select_sequences(B, b, select_generator, ref.device)  # [b]
     sub = {k: (v.index_select(0, sel.to(v.device))
                if isinstance(v, Tensor) and v.dim() >= 1 and v.shape[0] == B else v)

@@ -279,6 +279,8 @@ def _add_ekfac(tracker, rec, c, parts: _Parts) -> None:
 def _a_space(tracker, key: str, rec) -> str:
     """The row space of A factor ``key`` in pass ``rec`` (a shared A: its members' one space;
     a member not called in the pass says "position")."""
+    if not (rec.seq_layers or rec.target_layers):  # the common pass: one stream
+        return "position"
     found = {rec.space_of(name) for name in tracker.a_members[key]} - {"position"}
     return found.pop() if found else "position"
 
