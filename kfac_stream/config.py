@@ -13,7 +13,19 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from .curvature import fisher_names
-from .enums import FactorForm, LayerPreset, StorageDtype
+from .enums import (
+    Eigendecompose,
+    EighDevice,
+    ExchangeMode,
+    FactorForm,
+    FinalRefresh,
+    FisherType,
+    FoldOn,
+    LayerPreset,
+    StorageDtype,
+    option_value,
+    option_values,
+)
 from .exceptions import KFACConfigError, did_you_mean
 
 
@@ -21,263 +33,105 @@ from .exceptions import KFACConfigError, did_you_mean
 class KFACConfig:
     """Configuration of the streaming K-FAC tracker.
 
-    Attributes:
-        token_fraction: Share of each forward pass's ``B·T`` positions sampled for the
-            factors: a fixed ``ceil(token_fraction·B·T)`` slots drawn on the device among the
-            usable (non-padding) positions, weighted so the estimate is unbiased
-            (`stats.rows.sample_positions`); the same positions serve every layer of that
-            pass. ``1.0`` gives the exact full-batch factors. (Default: 0.05)
-        ema_decay: Per-update decay ``λ`` of the token-weighted, bias-free EMA
-            ``w ← λ·w + n;  F ← F + (n/w)·(S − F)``; ``1.0`` is the exact running mean
-            over every update of the run: ``final_window`` is then off. (Default: 0.95)
-        final_window: Share of the training steps at the end (``state.max_steps``, known to
-            the Trainer) over which the factors are the exact token-weighted mean of the
-            updates instead of the EMA: the first update step at or after ``(1 −
-            final_window)·max_steps`` restarts the average (``λ = 0``) and the later ones add
-            to it (``λ = 1``), so the last snapshot holds the curvature of the end of training,
-            near the trained weights the posterior is for. On a model that fits its data the
-            Fisher shrinks by orders of magnitude as the loss falls, and an EMA over earlier
-            steps then overstates it by as much (measured on a classifier that reaches 100%
-            training accuracy: ``N·tr A·tr G`` summed over layers 2184 with the EMA against
-            0.032 from a pass at the trained weights, 0.019 with the final mean; the
-            posterior too narrow by that much). Snapshots before the window hold the EMA.
-            ``0``: the EMA throughout. The window starts earlier when it would hold fewer than
-            ``min_window_sequences`` sequences. Off with ``ema_decay=1.0``, which asks for the
-            mean over the whole run (the tracker says so at train begin). (Default: 0.1)
-        final_refresh: ``"auto"``, ``"on"`` or ``"off"``: at train end, before the final
-            snapshot, replace the factors by their plain mean over a pass at the final weights
-            (eval mode, the run's Fisher, every usable position; no optimizer step, the
-            training's weights, gradients, data order and generators untouched), over at most
-            one epoch and 10% of the training's FLOPs (`kfac_stream.tracking.refresh`). ``"auto"``:
-            when the planned final window starts in the first half of the run (its factors
-            average weights far from the final ones: a short fine-tune whose window
-            ``min_window_sequences`` pushed back); off without a window, under ZeRO-3 / FSDP2
-            and with ``ekfac`` (``"on"`` is refused there). (Default: "auto")
-        min_window_sequences: The fewest sequences the final window's mean may rest on: the
-            window's first update is moved back until its updates hold at least this many
-            (``sequences_per_update``: the MC replay's sequences, or every sequence with the
-            empirical Fisher, over micro-batches and ranks), up to the whole run. A factor
-            ``A`` or ``G`` estimated from few sequences is rank-poor and noisy: the posterior
-            falls back to the prior in most directions and comes out far too wide (reported on
-            a 300-sequence classifier with 40 updates: the last 10% held 16 sequences and the
-            predictive's NLL was up to 1.3x the trained model's). In `benchmarks/suite.py` (six
-            tasks) this rule ties the best worst case of the window rules tried (all within
-            0.001), and the plain 10% window is the worst on the sample-starved next-token
-            task. With a share ``mc_sequences`` (the default), a run whose update steps hold too few
-            sequences at that share even over the whole run replays a larger share
-            (`kfac_stream.tracking.plan.window_mc_share`, logged at train begin and recorded as the
-            snapshot's ``config.mc_sequences``): the same whole number of every update step's
-            sequences, so the window then reaches this minimum whenever the run's update steps offer
-            as many sequences (counted for full micro-batches; the window counts each step's own
-            draw of a share). A run too short to reach it even so uses all its updates, and the
-            tracker warns at train begin; snapshots record the window's sequences and each factor's
-            sampling error (``sampling`` in the manifest). ``0``: the window is ``final_window``
-            alone, and the share is never raised. (Default: 256)
-        update_every: Update the factors on every ``update_every``-th optimizer step (steps
-            0, k, 2k, ... counted from 0); other steps cost one Python branch per hook. At
-            ``token_fraction=0.05`` the factor GEMMs (``n·d(d+1)`` FLOPs per factor and update)
-            are ~2.4% of a training step's FLOPs when every step updates, ~0.24% with the
-            default (``benchmarks/RESULTS.md``). With ``ema_decay=0.95`` the EMA then spans
-            ~200 steps.
-            (Default: 10)
-        snapshot_every: Write a snapshot every ``snapshot_every`` optimizer steps; one is
-            also written at the end of training. (Default: 500)
-        fisher: Which Fisher the G factor estimates. ``"mc"``: the Monte-Carlo (type-2)
-            Fisher, labels sampled from the model, ``E_y[g gᵀ]`` of the GGN's quality; on
-            update steps a REPLAY (a forward and a backward to the tracked layers' outputs
-            only, no weight gradients) of ``mc_sequences`` sequences per micro-batch, see
-            `kfac_stream.capture.mc_fisher`. ``"empirical"``: the observed labels' gradients,
-            taken from the training backward itself (no extra pass); it shrinks with the
-            training loss on a model that fits its data, so the posterior it gives is too wide
-            (Kunstner et al. 2019). (Default: "mc")
-        factor_form: How a layer applied at every token position makes its rows
-            (`kfac_stream.curvature`). ``"expand"``: every sampled position is a row, ``N``
-            counts token positions (the form for a loss at every position, a causal LM).
-            ``"reduce"``: one row per sequence, the mean input and the summed output
-            gradient, ``N`` counts sequences (the form for a loss taken once per sequence, a
-            classifier; every sequence of a captured micro-batch, no token sampling).
-            ``"auto"``: ``"reduce"`` for a ``*ForSequenceClassification`` /
-            ``*ForMultipleChoice`` model or a classification / regression ``problem_type``,
-            else ``"expand"``. A pooler or head on ``[batch, features]`` has one row per
-            sequence under either form. (Default: "expand")
-        mc_sequences: What the MC replay runs on (``fisher="mc"``). A share ``f`` in
-            ``(0, 1)`` of each update step's sequences on a rank: every sequence of the
-            step's micro-batches is drawn with probability exactly ``f`` by systematic
-            sampling over them (`kfac_stream.replay_draws.replay_counts`; the same draw
-            on every rank), a micro-batch with no sequence drawn is not replayed, so at
-            micro-batch 1 a share of the MICRO-BATCHES is replayed, and an update whose
-            draw is empty moves no factor (except at step 0, which replays at least one
-            sequence, uniform over the step's, so that no run ends with empty factors); the
-            drawn rows weigh ``1/f`` (``C`` for that one sequence of ``C``). An int ``k ≥ 1``:
-            ``min(k, B)`` sequences of EVERY micro-batch of
-            ``B`` (weights ``B/k``). ``"all"`` / ``1.0``: the whole micro-batch, its gradient
-            taken inside the training forward (replayed after the step under DeepSpeed
-            ZeRO-3, gradient checkpointing, fp16 autocast or active dropout: every replay runs
-            in eval mode, ``capture/posterior_mode.py``). Within a replayed micro-batch the
-            sequences are drawn uniformly without replacement from a generator seeded by
-            ``(seed, rank, step)``, and inside them ``ceil(token_fraction·B·T)`` slots (as
-            many as the empirical path takes from the whole micro-batch) with Horvitz–Thompson
-            weights.
-            A replay (forward + backward to the tracked layers' outputs, no weight
-            gradients) costs ~2/3 of a training step's work on what it replays, so the
-            default costs ~3.3% of an update step, ~0.33% per step at ``update_every=10``,
-            whatever the micro-batch size (`benchmarks/scale.py`: ≤ 1% of a step at
-            Llama-2-7B × 8 H100, micro-batch 1). Earlier versions defaulted to ``0.125`` of
-            EACH micro-batch, at least one sequence: every sequence at micro-batch 1, ~67%
-            extra on update steps. (Default: 0.05)
-        include: Regexes (``re.search``) over module names from ``model.named_modules()``;
-            a supported layer is tracked if one matches. ``None``: every trainable
-            Linear/Conv1D inside the transformer blocks (not the LM head or embeddings).
-            (Default: None)
-        exclude: Regexes; a layer matching one is never tracked, also with a ``preset``.
-            (Default: None)
-        preset: A named selection instead of ``include``: ``"last_layer"`` (the output head:
-            ``lm_head``, or a classifier's ``score``/``classifier``), ``"lora"`` (the PEFT
-            ``lora_A``/``lora_B`` adapters), ``"attention"`` / ``"mlp"`` (the attention /
-            feed-forward layers inside the transformer blocks) or ``"all_linear"`` (every
-            trainable Linear/Conv1D in the blocks, the same as ``include=None``); rules and
-            memory cost in `kfac_stream.capture.presets` and docs/configuration.md. Only
-            trainable layers count; ``exclude`` applies on top; setting ``include`` too is an error.
-            (Default: None)
-        output_dir: Where snapshots go. ``None``: ``<TrainingArguments.output_dir>/kfac``.
-            (Default: None)
-        storage_dtype: CPU dtype of the stored factors: ``"float16"`` (with a float32 scale
-            per factor, EMA arithmetic in float32), ``"float32"`` or ``"float64"`` (EMA in
-            float64; for exact tests with float64 models). (Default: "float16")
-        max_dense_dim: A factor whose side is longer than this is kept diagonal (the diagonal
-            of the same statistic), to bound memory at ``O(d)`` instead of ``O(d²)``.
-            (Default: 8192)
-        seed: Seed of the token sampler's generator. (Default: 0)
-        async_updates: Run the factor arithmetic (second moments, EMA, CPU store) on a
-            background thread. ``None``: on when the model is on a CUDA device (the CPU is then
-            idle during the step), off on CPU-only training, where a second thread only
-            competes with the training thread for the same cores. (Default: None)
-        share_inputs: Layers that read the same input tensor (q/k/v, gate/up) share one A
-            factor: captured, exchanged, stored and eigendecomposed once (found by a 2-token
-            probe forward when training starts; the manifest records it; ``snap[name].A``
-            works for every layer). ``False``: one A per layer. (Default: True)
-        fold_on: Where the second moments ``XᵀX`` are formed and the EMA runs
-            (`kfac_stream.folding`). ``"device"``: on the rows' device (GPU: tensor cores,
-            fp32 accumulation) into pending statistics that stay there until a snapshot,
-            checkpoint or export reads the factors, then stream through the device into the
-            FP16 CPU store (no per-entry host arithmetic); ``"host"``: rows are copied to the
-            CPU store, which folds them. ``"auto"``: ``"device"`` on CUDA, ``"host"`` on CPU.
-            (Default: "auto")
-        device_memory_budget: Bytes of accelerator memory for the resident pending
-            statistics (fp32, ``4·d²`` per dense factor, planned largest first) plus the
-            accumulation's work space; a factor that does not fit is folded into the host
-            store at every update (streamed through the device). ``"auto"``: decided at the
-            first update, after the first optimizer step, as ``min(25% of the device,
-            50% of what training left free)`` (`kfac_stream.settings.device_budget_from_memory`;
-            on an out-of-memory error the store moves its statistics to the host and halves
-            the budget). (Default: "auto")
-        exchange: How each update's contributions reach a factor's owner with several ranks
-            (`distributed.exchange`): ``"rows"`` (the sampled rows, folded by the owner),
-            ``"stats"`` (each rank's folded statistic, reduced at the owner) or ``"auto"``
-            (per factor, whichever moves fewer bytes). (Default: "auto")
-        eigh_device: Where snapshots eigendecompose the factors: ``"auto"`` (the owner's GPU
-            when training on one, one factor at a time, float32 with a float64 CPU fallback for a
-            factor that fails; else the CPU in float64) or ``"cpu"``. (Default: "auto")
-        eigendecompose: When snapshots eigendecompose their factors
-            (`kfac_stream.snapshot.eigen_rule`). Every snapshot holds the exact factors and
-            their spectra estimated by Lanczos; the eigendecomposition of a periodic one runs
-            ``"auto"``: in the run only when its predicted share of the snapshot interval is
-            at most 1%, else at its first use (``Snapshot.load(..., eigen=True)``, a
-            posterior, the CLI), cached beside it; ``"always"``: in the run; ``"final"``:
-            only the final snapshot in the run. The final snapshot is always decomposed.
-            With ``ekfac=True`` every snapshot is (its eigenbasis is the next correction's):
-            ``"final"`` is refused. (Default: "auto")
-        eigh_threads: CPU threads for snapshot eigendecompositions. ``None``: the cores this
-            process may use divided by the processes on the node (``LOCAL_WORLD_SIZE``),
-            whatever ``OMP_NUM_THREADS`` the launcher set. (Default: None)
-        eval_prior_precision: Fit the prior precision ``τ`` and the K-way link on the
-            Trainer's ``eval_dataset`` at the end of training (one process; the held-out NLL
-            of the linearised predictive over a log grid of ``τ`` and the marginal-likelihood
-            value, with the probit link unless the mean-field one wins beyond 2 paired
-            standard errors, and MAP's own probabilities kept unless the posterior beats them
-            by more than 2 paired standard errors:
-            `kfac_stream.query.heldout_tau.fit_prior_precision`: a forward, ``K`` backwards
-            and the features per eval batch for ``K`` classes or answer options, 37 eval passes
-            at ``K = 10`` on the suite's encoder, ``benchmarks/heldout_cost.py``) and store the
-            choice beside the final snapshot (``snap.heldout_prior``), where
-            ``LaplacePosterior(model, snap)`` and ``kfac-stream query`` take it by default.
-            The end of training logs its verdict: which way the guard went and why, the eval
-            NLL of MAP and of the posterior, and MAP's confidence gap.
-            ``"auto"`` and ``True`` fit whenever the Trainer has an ``eval_dataset``: a
-            classification head on its ``labels [B]``, a language model with
-            ``answer_tokens`` on the eval set's answer positions (each row's first labelled
-            position, whose label must be one of the answer tokens), and a language model
-            without them (a causal LM's texts, a seq2seq LM's targets) per label token of its
-            linearised next-token predictive, by Monte Carlo on at most 32 positions of each
-            of the first 64 eval rows at 5 ``τ`` around the marginal likelihood's (about 161
-            forwards of those rows, `kfac_stream.query.heldout_tokens`), under the same
-            guard. ``"auto"`` says in one line why it does not fit (no eval set, an empty
-            one, several ranks); ``True`` warns. ``False`` never fits. Without a fit, queries use
-            the rule without held-out data (`kfac_stream.query.prior_choice`).
-            (Default: "auto")
-        answer_tokens: The answer options of a language model's multiple-choice or
-            answer-token fine-tune (e.g. ``[" A", " B", " C", " D"]``): two or more distinct
-            token ids, or strings that the Trainer's tokenizer (its ``processing_class``)
-            encodes as exactly one token each, without special tokens (tokenised once, at train
-            begin). Every snapshot records them (``Snapshot.answer_tokens`` ids,
-            ``Snapshot.answer_texts``): a query of a language-model head uses them when
-            ``token_ids`` / ``options`` is None, ``kfac-stream query`` takes them as its
-            ``--options`` by default, and ``eval_prior_precision`` fits ``τ`` on them. A model
-            without a language-model head, an id outside its vocabulary, a string that is not
-            one token or two options that are the same token fail at train begin, in one line.
-            (Default: None)
-        fail_on_snapshot_error: Make a failed snapshot (unwritable directory, full disk, a
-            failed eigendecomposition) stop training. By default it is logged and counted
-            (``counts.snapshot_failures`` in later manifests), training goes on and earlier
-            snapshots stay valid. (Default: False)
-        ekfac: Also stream the EK-FAC eigenvalue correction (George et al. 2018; kronfluence's
-            EK-FAC), `kfac_stream.ekfac`: at every update step after a snapshot, the second
-            moment of the per-sequence gradients ``Σ_t g_t ā_tᵀ`` in that snapshot's
-            eigenbasis, ``E[(Q_Gᵀ ∇_W L_n Q_A)²]`` (``[d_out, d_A]`` per layer), from the
-            sequences the factors are built from at that step (the MC replay's with
-            ``fisher="mc"``, every sequence with ``"empirical"``), averaged over the update
-            steps until the next snapshot, which stores it beside its eigenvectors
-            (``snap[name].ekfac_eigvals``; the first snapshot has none). Its basis is one
-            snapshot old (the staleness this accepts: docs/computed.md). Costs, at the
-            defaults, ~0.6% of a training step on a 1B Llama (``benchmarks/ekfac_cost.py``)
-            and holds every factor's eigenvectors and a weight-sized float32 accumulator per
-            layer on the model's device of every rank (counted in the device budget). Several
-            ranks sum their corrections at each snapshot (`kfac_stream.distributed.ekfac_sync`);
-            the state rides with checkpoints. ``False``: nothing of it runs and the snapshots
-            are as without it. (Default: False)
+    Each field's help sits below it; docs/configuration.md explains every field in full, with
+    the measurements behind the defaults. An option field takes its enum's member or its string
+    (``fisher=FisherType.MC`` or ``fisher="mc"``) and holds the plain string once built, so
+    ``asdict``, pickles and the snapshot manifests hold strings.
     """
 
     token_fraction: float = 0.05
+    """Share of each forward pass's ``B·T`` token positions sampled for the factors (among the
+    usable ones, weighted to be unbiased); ``1.0`` gives the exact full-batch factors."""
     ema_decay: float = 0.95
+    """Per-update decay ``λ`` of the token-weighted, bias-free EMA of the factors; ``1.0`` is
+    the exact running mean over the whole run (``final_window`` is then off)."""
     final_window: float = 0.1
-    final_refresh: str = "auto"
+    """Share of the training steps at the end whose updates are averaged exactly instead of by
+    the EMA, so the last snapshot holds the end of training's curvature; ``0``: the EMA
+    throughout."""
+    final_refresh: FinalRefresh | str = "auto"
+    """At train end, replace the factors by their mean over a pass at the final weights (at most
+    one epoch and 10% of the training's FLOPs): ``"auto"`` (when the planned final window starts
+    in the first half of the run), ``"on"`` or ``"off"``."""
     min_window_sequences: int = 256
+    """The fewest sequences the final window's mean may rest on: the window starts earlier (and
+    a short run's MC share is raised) until it holds this many; ``0``: ``final_window`` alone."""
     update_every: int = 10
+    """Update the factors on every ``update_every``-th optimizer step (steps 0, k, 2k, ...);
+    the other steps cost one Python branch per hook."""
     snapshot_every: int = 500
-    fisher: str = "mc"
-    factor_form: str = "expand"
+    """Write a snapshot every ``snapshot_every`` optimizer steps, and one at the end of
+    training."""
+    fisher: FisherType | str = "mc"
+    """Which Fisher the G factor estimates: ``"mc"`` (labels sampled from the model, replayed on
+    update steps), ``"empirical"`` (the observed labels, no extra pass) or a registered
+    estimator's name."""
+    factor_form: FactorForm | str = "expand"
+    """How a layer applied at every token position makes its rows: ``"expand"`` (one per
+    sampled position), ``"reduce"`` (one per sequence) or ``"auto"`` (``"reduce"`` for a
+    sequence-level loss)."""
     mc_sequences: int | float | str = 0.05
+    """What the MC replay runs on: a share in ``(0, 1)`` of each update step's sequences, an int
+    ``k`` (``min(k, B)`` of every micro-batch) or ``"all"`` / ``1.0`` (whole micro-batches)."""
     include: list[str] | None = None
+    """Regexes (``re.search``) over ``model.named_modules()`` names choosing the tracked
+    layers; ``None``: every trainable Linear/Conv1D inside the transformer blocks."""
     exclude: list[str] | None = None
-    preset: str | None = None
+    """Regexes of layers never tracked, also with a ``preset``."""
+    preset: LayerPreset | str | None = None
+    """A named layer selection instead of ``include`` (``"last_layer"``, ``"lora"``,
+    ``"attention"``, ``"mlp"``, ``"all_linear"``); ``exclude`` applies on top."""
     output_dir: str | None = None
-    storage_dtype: str = "float16"
+    """Where snapshots go; ``None``: ``<TrainingArguments.output_dir>/kfac``."""
+    storage_dtype: StorageDtype | str = "float16"
+    """CPU dtype of the stored factors: ``"float16"`` (with a float32 scale per factor),
+    ``"float32"`` or ``"float64"``."""
     max_dense_dim: int = 8192
+    """A factor whose side is longer than this is kept diagonal (``O(d)`` memory instead of
+    ``O(d²)``)."""
     seed: int = 0
+    """Seed of the token sampler's generator."""
     async_updates: bool | None = None
+    """Run the factor arithmetic on a background thread; ``None``: on when the model is on a
+    CUDA device."""
     share_inputs: bool = True
-    fold_on: str = "auto"
+    """Layers that read the same input tensor (q/k/v, gate/up) share one A factor; ``False``:
+    one A per layer."""
+    fold_on: FoldOn | str = "auto"
+    """Where the second moments ``XᵀX`` are formed and the EMA runs: ``"device"``, ``"host"``
+    or ``"auto"`` (``"device"`` on CUDA, ``"host"`` on CPU)."""
     device_memory_budget: int | str = "auto"
-    exchange: str = "auto"
-    eigh_device: str = "auto"
+    """Bytes of accelerator memory for the resident pending statistics and their work space;
+    ``"auto"``: decided at the first update from what training left free."""
+    exchange: ExchangeMode | str = "auto"
+    """How each update's contributions reach a factor's owner with several ranks: ``"rows"``,
+    ``"stats"`` or ``"auto"`` (per factor, whichever moves fewer bytes)."""
+    eigh_device: EighDevice | str = "auto"
+    """Where snapshots eigendecompose the factors: ``"auto"`` (the owner's GPU when training on
+    one, else the CPU) or ``"cpu"``."""
     eigh_threads: int | None = None
-    eigendecompose: str = "auto"
+    """CPU threads for snapshot eigendecompositions; ``None``: this process's cores divided by
+    the processes on the node."""
+    eigendecompose: Eigendecompose | str = "auto"
+    """When snapshots eigendecompose their factors: ``"auto"`` (in the run when cheap, else at
+    first use), ``"always"`` or ``"final"``; the final snapshot always is."""
     eval_prior_precision: bool | str = "auto"
+    """Fit the prior precision ``τ`` and the link on the Trainer's ``eval_dataset`` at the end
+    of training, stored beside the final snapshot: ``"auto"`` / ``True`` whenever there is an
+    eval set, ``False`` never."""
     answer_tokens: list[int | str] | None = None
+    """A language model's answer options (token ids, or strings of one token each such as
+    ``[" A", " B"]``), recorded in every snapshot for the queries and the held-out fit."""
     fail_on_snapshot_error: bool = False
+    """Make a failed snapshot stop training; by default it is logged and counted, and training
+    goes on."""
     ekfac: bool = False
+    """Also stream the EK-FAC eigenvalue correction in the previous snapshot's eigenbasis,
+    stored with each later snapshot (``snap[name].ekfac_eigvals``)."""
 
     def __post_init__(self) -> None:
+        for name, options in _OPTION_FIELDS:  # a member or its string: the string
+            object.__setattr__(self, name, option_value(options, getattr(self, name)))
         self._check_rates()
         self._check_switches()
         self._check_sizes()
@@ -308,14 +162,12 @@ class KFACConfig:
             if not isinstance(getattr(self, name), bool):
                 raise KFACConfigError(f"KFACConfig.{name}={getattr(self, name)!r} is not "
                                       "allowed: must be a bool")
-        for name, allowed in (("fold_on", ("auto", "device", "host")),
-                              ("exchange", ("auto", "rows", "stats")),
-                              ("eigh_device", ("auto", "cpu")),
-                              ("eigendecompose", ("auto", "always", "final")),
-                              ("final_refresh", ("auto", "on", "off"))):
-            if getattr(self, name) not in allowed:
+        for name, options in (("fold_on", FoldOn), ("exchange", ExchangeMode),
+                              ("eigh_device", EighDevice), ("eigendecompose", Eigendecompose),
+                              ("final_refresh", FinalRefresh)):
+            if getattr(self, name) not in options:
                 raise KFACConfigError(f"KFACConfig.{name}={getattr(self, name)!r} is not "
-                                      f"allowed: must be one of {allowed}")
+                                      f"allowed: must be one of {option_values(options)}")
         if self.ekfac and self.eigendecompose == "final":
             raise KFACConfigError("KFACConfig.eigendecompose='final' is not allowed with "
                                   "ekfac=True: each snapshot's eigenbasis is the next EK-FAC "
@@ -366,13 +218,13 @@ class KFACConfig:
         if self.factor_form not in FactorForm:
             raise KFACConfigError(
                 f"KFACConfig.factor_form={self.factor_form!r} is not allowed: "
-                f"must be one of {tuple(f.value for f in FactorForm)}")
+                f"must be one of {option_values(FactorForm)}")
         _check_mc_sequences(self.mc_sequences)
         _check_answer_tokens(self.answer_tokens)
         if self.storage_dtype not in StorageDtype:
             raise KFACConfigError(
                 f"KFACConfig.storage_dtype={self.storage_dtype!r} is not allowed: "
-                f"must be one of {tuple(d.value for d in StorageDtype)}"
+                f"must be one of {option_values(StorageDtype)}"
             )
 
     def _check_layers(self) -> None:
@@ -419,6 +271,15 @@ class KFACConfig:
         return out
 
 
+#: The option fields and their enums: each takes a member or its string and holds the string
+#: (a ``fisher`` outside `FisherType`, a registered estimator's name, is kept as given).
+_OPTION_FIELDS = (("final_refresh", FinalRefresh), ("fisher", FisherType),
+                  ("factor_form", FactorForm), ("preset", LayerPreset),
+                  ("storage_dtype", StorageDtype), ("fold_on", FoldOn),
+                  ("exchange", ExchangeMode), ("eigh_device", EighDevice),
+                  ("eigendecompose", Eigendecompose))
+
+
 def _named_arguments_only(init):
     """``KFACConfig.__init__`` that names a misspelt argument and the closest ones, in one line
     (a ``TypeError``, as Python's own for an unknown keyword), before the dataclass's."""
@@ -440,7 +301,7 @@ KFACConfig.__init__ = _named_arguments_only(KFACConfig.__init__)
 def unknown_preset_error(preset: Any) -> KFACConfigError:
     """The error for a ``preset`` that is no `LayerPreset`: the presets, and the closest ones
     to a misspelt name (``'last-layer'``: did you mean ``'last_layer'``?)."""
-    presets = tuple(p.value for p in LayerPreset)
+    presets = option_values(LayerPreset)
     hint = did_you_mean(preset, presets, repr) if isinstance(preset, str) else None
     return KFACConfigError(f"KFACConfig.preset={preset!r} is not allowed: must be None or one "
                            f"of {presets}" + (f"; {hint}" if hint else ""))

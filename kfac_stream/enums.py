@@ -1,4 +1,6 @@
-"""String enums with membership tests on raw strings (``"mc" in FisherType``)."""
+"""String enums of `KFACConfig`'s options, with membership tests on raw strings
+(``"mc" in FisherType``); a config field holds the option's plain string value
+(`option_value`)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,18 @@ class _MetaEnum(EnumMeta):
         except (ValueError, TypeError):  # TypeError: an unhashable value (a list)
             return False
         return True
+
+
+def option_values(options: type[Enum]) -> tuple[str, ...]:
+    """The allowed strings of an option enum, in declaration order (``('auto', 'on', 'off')``)."""
+    return tuple(member.value for member in options)
+
+
+def option_value(options: type[Enum], value: object) -> object:
+    """``value`` as its plain string if it names one of ``options`` (a member or its string:
+    ``FoldOn.HOST`` and ``"host"`` both give ``"host"``), else ``value`` unchanged (the caller
+    reports it)."""
+    return options(value).value if value in options else value
 
 
 class FisherType(str, Enum, metaclass=_MetaEnum):
@@ -89,3 +103,67 @@ class LayerPreset(str, Enum, metaclass=_MetaEnum):
     ATTENTION = "attention"
     MLP = "mlp"
     ALL_LINEAR = "all_linear"
+
+
+class FinalRefresh(str, Enum, metaclass=_MetaEnum):
+    """Whether the factors are replaced at train end by a pass at the final weights
+    (``KFACConfig.final_refresh``, `kfac_stream.tracking.refresh`).
+
+    ``auto``: when the planned final window starts in the first half of the run.
+    ``on``: always (refused under ZeRO-3 / FSDP2 and with EK-FAC). ``off``: never.
+    """
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+class FoldOn(str, Enum, metaclass=_MetaEnum):
+    """Where the second moments are formed and the EMA runs (``KFACConfig.fold_on``,
+    `kfac_stream.folding`).
+
+    ``device``: on the rows' device, into pending statistics; ``host``: in the CPU store.
+    ``auto``: ``device`` on CUDA, ``host`` on CPU.
+    """
+
+    AUTO = "auto"
+    DEVICE = "device"
+    HOST = "host"
+
+
+class ExchangeMode(str, Enum, metaclass=_MetaEnum):
+    """How each update's contributions reach a factor's owner rank (``KFACConfig.exchange``,
+    `kfac_stream.distributed.exchange`).
+
+    ``rows``: the sampled rows; ``stats``: each rank's folded statistic; ``auto``: per factor,
+    whichever moves fewer bytes.
+    """
+
+    AUTO = "auto"
+    ROWS = "rows"
+    STATS = "stats"
+
+
+class EighDevice(str, Enum, metaclass=_MetaEnum):
+    """Where snapshots eigendecompose the factors (``KFACConfig.eigh_device``).
+
+    ``auto``: the owner's GPU when training on one (float32, float64 CPU fallback per factor),
+    else the CPU in float64. ``cpu``: the CPU in float64.
+    """
+
+    AUTO = "auto"
+    CPU = "cpu"
+
+
+class Eigendecompose(str, Enum, metaclass=_MetaEnum):
+    """When snapshots eigendecompose their factors (``KFACConfig.eigendecompose``,
+    `kfac_stream.snapshot.eigen_rule`).
+
+    ``auto``: a periodic snapshot in the run when its predicted share of the snapshot interval
+    is at most 1%, else at its first use. ``always``: every snapshot in the run. ``final``: only
+    the final snapshot in the run (the final one is always decomposed).
+    """
+
+    AUTO = "auto"
+    ALWAYS = "always"
+    FINAL = "final"

@@ -70,10 +70,24 @@ def _mutable_schema(cls: type) -> type:
     """
     hints = get_type_hints(cls)
     schema = make_dataclass(f"{cls.__name__.removesuffix('Config')}Conf",
-                            [(f.name, hints[f.name], field(default=f.default))
+                            [(f.name, _options_as_str(hints[f.name]), field(default=f.default))
                              for f in fields(cls)])
     schema.__module__ = __name__
     return schema
+
+
+def _options_as_str(hint: Any) -> Any:
+    """A `KFACConfig` option's type for the schema: its string enum is a string there
+    (``FisherType | str`` is ``str``, ``LayerPreset | str | None`` is ``str | None``: the config
+    takes the strings); any other type as it is."""
+    if get_origin(hint) not in (Union, types.UnionType):
+        return hint
+    args = get_args(hint)
+    if not any(isinstance(a, type) and issubclass(a, Enum) for a in args):
+        return hint
+    plain = dict.fromkeys(str if isinstance(a, type) and issubclass(a, Enum) else a
+                          for a in args)
+    return functools.reduce(operator.or_, plain)
 
 
 KFACConf = _mutable_schema(KFACConfig)
