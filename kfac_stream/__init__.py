@@ -3,7 +3,17 @@
 import importlib
 
 from .config import KFACConfig
-from .enums import FisherType, StorageDtype
+from .enums import (
+    Eigendecompose,
+    EighDevice,
+    ExchangeMode,
+    FactorForm,
+    FinalRefresh,
+    FisherType,
+    FoldOn,
+    LayerPreset,
+    StorageDtype,
+)
 from .exceptions import (
     AppConfigError,
     EigendecompositionError,
@@ -82,9 +92,16 @@ __all__ = [
     "influence_scores", "Influence", "InfluenceScores", "self_influence", "influence_memory",
     "trajectory_influence", "checkpoint_snapshots", "trajectory_posteriors",
     "whole_model",
-    # enums
+    # enums: KFACConfig's options
     "FisherType",
     "StorageDtype",
+    "FactorForm",
+    "LayerPreset",
+    "FinalRefresh",
+    "FoldOn",
+    "ExchangeMode",
+    "EighDevice",
+    "Eigendecompose",
     # errors
     "KFACStreamError",
     "KFACConfigError",

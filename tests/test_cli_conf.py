@@ -146,6 +146,12 @@ def test_hydra_schema_mirrors_kfac_config():
 
     assert [f.name for f in fields(KFACConf)] == [f.name for f in fields(KFACConfig)]
     assert kfac_config(KFACConf()) == KFACConfig()
+    types = {f.name: f.type for f in fields(KFACConf)}  # an option's enum is a str there
+    assert types["fisher"] is str and types["fold_on"] is str and types["preset"] == str | None
+    assert types["mc_sequences"] == int | float | str  # the other unions as written
+    kfac = _compose("kfac.fold_on=host", "kfac.preset=lora", "trainer.report_to=[]").kfac
+    cfg = kfac_config(kfac)
+    assert (cfg.fold_on, cfg.preset) == ("host", "lora") and type(cfg.fold_on) is str
 
 
 def _compose(*overrides):

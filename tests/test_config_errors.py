@@ -53,6 +53,45 @@ def test_misspelt_argument_names_the_closest_in_one_line():
     assert "token_fraction" in inspect.signature(KFACConfig).parameters  # docs still see them
 
 
+def test_option_fields_take_the_enum_or_its_string_and_hold_the_string():
+    """``fold_on=FoldOn.HOST`` and ``fold_on="host"`` build the same config, whose fields,
+    ``asdict`` and pickle hold plain strings (as the manifests and checkpoints always had)."""
+    import pickle
+
+    from kfac_stream import (
+        Eigendecompose,
+        EighDevice,
+        ExchangeMode,
+        FactorForm,
+        FinalRefresh,
+        FisherType,
+        FoldOn,
+        LayerPreset,
+        StorageDtype,
+    )
+
+    strings = dict(final_refresh="off", fisher="empirical", factor_form="reduce", preset="mlp",
+                   storage_dtype="float32", fold_on="host", exchange="rows", eigh_device="cpu",
+                   eigendecompose="always")
+    members = dict(final_refresh=FinalRefresh.OFF, fisher=FisherType.EMPIRICAL,
+                   factor_form=FactorForm.REDUCE, preset=LayerPreset.MLP,
+                   storage_dtype=StorageDtype.FLOAT32, fold_on=FoldOn.HOST,
+                   exchange=ExchangeMode.ROWS, eigh_device=EighDevice.CPU,
+                   eigendecompose=Eigendecompose.ALWAYS)
+    by_member, by_string = KFACConfig(**members), KFACConfig(**strings)
+    assert by_member == by_string
+    assert pickle.dumps(by_member) == pickle.dumps(by_string)
+    held = dataclasses.asdict(by_member)
+    assert {k: held[k] for k in strings} == strings
+    assert all(type(held[k]) is str for k in strings)
+    with pytest.raises(KFACConfigError, match=r"KFACConfig.fold_on='gpu' is not allowed: must "
+                                              r"be one of \('auto', 'device', 'host'\)"):
+        KFACConfig(fold_on="gpu")
+    with pytest.raises(KFACConfigError, match="KFACConfig.eigendecompose=<FisherType.MC: 'mc'> "
+                                              "is not allowed"):
+        KFACConfig(eigendecompose=FisherType.MC)  # another option's member
+
+
 def _trainer(cb, tmp_path):
     args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=2,
                              report_to=[], use_cpu=True, save_strategy="no", disable_tqdm=True)
