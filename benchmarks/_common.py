@@ -15,6 +15,7 @@ script). Contents, by the scripts that use them:
 * the peers' view of GPT-2 (peers, uncertainty): `conv1d_to_linear`;
 * the small LM of the uncertainty benchmarks (uncertainty, uncertainty_classification):
   `SEQ_LEN`, `pick`, `lm_datasets`, `train_lm`, `train_and_collect`, `save_base_lm`;
+* row slices of a batch dict (the classification scripts and tasks): `batches`;
 * metrics: `nll_ece`, `auroc`;
 * over seeds (uncertainty, uncertainty_classification): `mean_std`.
 """
@@ -434,6 +435,13 @@ def save_base_lm(model: nn.Module, path: str, steps: int) -> None:
 
 
 # -- metrics -------------------------------------------------------------------------------------
+
+def batches(batch: dict[str, torch.Tensor], size: int):
+    """Consecutive row slices of ``size`` of ``batch`` (a dict of ``[n, ...]`` tensors)."""
+    n = batch["input_ids"].shape[0]
+    for i in range(0, n, size):
+        yield {k: v[i:i + size] for k, v in batch.items()}
+
 
 def nll_ece(probs: torch.Tensor, y: torch.Tensor, bins: int = 15) -> tuple[float, float]:
     """Mean NLL (nats) of the labels ``y [n]`` under ``probs [n, C]``, and the ECE over

@@ -35,8 +35,9 @@ import statistics
 import tempfile
 import time
 
-import suite_tasks as st
 import torch
+from tasks import suite_tasks as st
+from tasks.pools import file_kind_pools
 from transformers import Trainer, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
@@ -55,7 +56,7 @@ class Task(st.EncoderFileKind):
     """The suite's encoder task with 20 eval examples per class (200 in all)."""
 
     def __init__(self, seed: int):
-        st._Classifier.__init__(self, seed, st.file_kind_pools(64), (30, 20, 30))
+        st.Classifier.__init__(self, seed, file_kind_pools(64), (30, 20, 30))
 
 
 def batches(trainer: Trainer):
