@@ -1,6 +1,7 @@
-"""The exact-curvature helpers of benchmarks/influence_peers.py: the GGN from ``d``
-rows per position at the LM head's input equals the direct ``V``-row form, the hooks' per-example
-gradients equal autograd's, and the dense solve gives the damped inverse's inner products."""
+"""The exact-curvature helpers (benchmarks/exact_curvature.py, influence_peers.py's part 2):
+the GGN from ``d`` rows per position at the LM head's input equals the direct ``V``-row form,
+the hooks' per-example gradients equal autograd's, and the dense solve gives the damped
+inverse's inner products."""
 
 import sys
 from pathlib import Path
