@@ -1,7 +1,12 @@
-"""What the benchmark scripts share; the one module they import besides the library.
+"""What the benchmark scripts share.
 
-Every script in ``benchmarks/`` answers one question and imports only this module (never another
-script). Contents, by the scripts that use them:
+Every script in ``benchmarks/`` answers one question; besides the library it imports this
+module, the helper modules beside it (`multiple_choice`, `kron_laplace`,
+`classification_figures`, `exact_curvature`, and a large script's own parts: ``gpu_check_*``,
+``influence_peers_report``, ``scale_inputs``) and the task definitions of ``tasks/``; only
+``suite_default.py`` imports another script (``suite.py``). tests/test_benchmark_layout.py
+holds them to 800 lines a module, 120 a function and no import circle. Contents, by the
+scripts that use them:
 
 * results: `write_section` (one script's section of ``benchmarks/RESULTS.md``), `machine`
   (CPU, cores, threads, versions), `dist_version`, `log`, `free_port`;
