@@ -1,7 +1,12 @@
-"""What the benchmark scripts share; the one module they import besides the library.
+"""What the benchmark scripts share.
 
-Every script in ``benchmarks/`` answers one question and imports only this module (never another
-script). Contents, by the scripts that use them:
+Every script in ``benchmarks/`` answers one question; besides the library it imports this
+module, the helper modules beside it (`multiple_choice`, `kron_laplace`,
+`classification_figures`, `exact_curvature`, and a large script's own parts: ``gpu_check_*``,
+``influence_peers_report``, ``scale_inputs``) and the task definitions of ``tasks/``; only
+``suite_default.py`` imports another script (``suite.py``). tests/test_benchmark_layout.py
+holds them to 800 lines a module, 120 a function and no import circle. Contents, by the
+scripts that use them:
 
 * results: `write_section` (one script's section of ``benchmarks/RESULTS.md``), `machine`
   (CPU, cores, threads, versions), `dist_version`, `log`, `free_port`;
@@ -15,6 +20,7 @@ script). Contents, by the scripts that use them:
 * the peers' view of GPT-2 (peers, uncertainty): `conv1d_to_linear`;
 * the small LM of the uncertainty benchmarks (uncertainty, uncertainty_classification):
   `SEQ_LEN`, `pick`, `lm_datasets`, `train_lm`, `train_and_collect`, `save_base_lm`;
+* row slices of a batch dict (the classification scripts and tasks): `batches`;
 * metrics: `nll_ece`, `auroc`;
 * over seeds (uncertainty, uncertainty_classification): `mean_std`.
 """
@@ -434,6 +440,13 @@ def save_base_lm(model: nn.Module, path: str, steps: int) -> None:
 
 
 # -- metrics -------------------------------------------------------------------------------------
+
+def batches(batch: dict[str, torch.Tensor], size: int):
+    """Consecutive row slices of ``size`` of ``batch`` (a dict of ``[n, ...]`` tensors)."""
+    n = batch["input_ids"].shape[0]
+    for i in range(0, n, size):
+        yield {k: v[i:i + size] for k, v in batch.items()}
+
 
 def nll_ece(probs: torch.Tensor, y: torch.Tensor, bins: int = 15) -> tuple[float, float]:
     """Mean NLL (nats) of the labels ``y [n]`` under ``probs [n, C]``, and the ECE over

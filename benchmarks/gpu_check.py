@@ -96,93 +96,27 @@ import torch  # noqa: E402
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULT = HERE / "results" / "gpu_check.json"
+sys.path.insert(0, str(HERE))  # its plan and summary beside it (also when loaded by path)
 
-# -- what runs, how big, how long ----------------------------------------------------------------
-
-#: The whole check's wall-clock budget on a GPU (seconds): 6 minutes less the start-up.
-DEADLINE_S = 345
-
-
-@dataclasses.dataclass(frozen=True)
-class Part:
-    name: str
-    title: str
-    limit_s: int  # its own limit on a GPU
-    reserve_s: int  # kept for it while earlier parts run (a part may overrun into no one's)
-    dry_limit_s: int  # its limit in a dry run (CI machines are slow; the test bounds the sum)
-
-
-PARTS = [
-    Part("cuda_tests", "1. CUDA tests", 110, 60, 90),
-    Part("micro", "2. eigh, fold, store device path", 45, 20, 90),
-    Part("train_fp32_autocast", "3a. Llama 1.1B fp32 + bf16 autocast, 4x1024, accum 2",
-         110, 60, 120),
-    Part("train_bf16", "3b. Llama 1.1B bf16 weights, 1x2048", 80, 45, 120),
-    Part("exchange", "4. one-rank NCCL exchange", 30, 15, 60),
-]
-
-CUDA_TEST_FILES = ["tests/test_hot_path.py", "tests/test_lifecycle.py"]
-#: One CUDA test's limit (pytest-timeout, where installed: it is on the GPU machine).
-TEST_TIMEOUT_S = 60
-TINYLLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
-                 num_attention_heads=32, num_key_value_heads=4, vocab_size=32000)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=256)
-FULL = {"eigh": (4096, 11008), "fold_rows": 6560, "fold_d": 4096,
-        "store_d": 4096, "store_rows": 6560, "store_updates": 20,
-        "steps": 10, "warmup": 10, "blocks": 3, "llama": TINYLLAMA,
-        "settings": {"fp32_autocast": dict(batch=4, seq=1024, accumulation=2,
-                                           weights="float32", autocast=True),
-                     "bf16": dict(batch=1, seq=2048, accumulation=1, weights="bfloat16",
-                                  autocast=False)}}
-DRY = {"eigh": (64, 96), "fold_rows": 64, "fold_d": 128,
-       "store_d": 128, "store_rows": 64, "store_updates": 5,
-       "steps": 10, "warmup": 10, "blocks": 1, "llama": TINY,
-       "settings": {"fp32_autocast": dict(batch=2, seq=32, accumulation=2,
-                                          weights="float32", autocast=True),
-                    "bf16": dict(batch=1, seq=64, accumulation=1, weights="bfloat16",
-                                 autocast=False)}}
-#: The runs of one training setting, in the order of each block (``sizes["blocks"]`` blocks,
-#: interleaved: plain and tracked runs alternate, so a drift of the card's speed shows in each
-#: block's plain run instead of in a ratio), then one plain run after the last block. The
-#: ablation at ``update_every=1``: "replay only" runs the MC replay, the capture hooks and the
-#: collection of the rows but drops each update before the worker (`ABLATION_DROP`); "fold
-#: only" is the empirical Fisher (its rows captured in the training backward: no replay;
-#: hooks, collection and fold), whose updates fold more rows (every sequence's sampled
-#: positions) than the MC share's.
-RUNS = {"plain": None, "defaults": {}, "update_every=1": {"update_every": 1},
-        "replay only": {"update_every": 1, "ablation": "replay only"},
-        "fold only": {"update_every": 1, "fisher": "empirical"}}
-FINAL_RUN = "plain-2"
-#: The ablation key of a run's config: not a KFACConfig field.
-ABLATION_DROP = "replay only"
-#: Every tracked run: the long-run MC share on a short run, no snapshot inside the steps.
-TRACKED = dict(min_window_sequences=0, snapshot_every=10**6)
-#: Steps at the start of a run in which host syncs on the training thread are counted.
-SYNC_COUNT_STEPS = 2
-
-# targets (the summary's PASS/MISS)
-RATIO_DEFAULTS, RATIO_EVERY_STEP, TOTAL_S = 1.02, 1.10, 360
-# ≤ 6560 bf16 products per entry (each exact in fp32), accumulated by the tensor cores: a
-# sequential IEEE fp32 sum would give ~2^-24·sqrt(m) ≈ 5e-6 against the Gram of the rounded
-# rows, but the tensor cores' accumulation is not that sum: 1.8e-5 measured on an H200 (both
-# runs, 2026-11-26). Loose on purpose: what matters is that the fold's error stays well under
-# the fp16 storage rounding every stored entry gets (2^-11 = 4.9e-4), 5x here.
-FOLD_TOL = 1e-4
-# the store's flushed factor against the float64 EMA of the *unrounded* rows: one fp16
-# rounding of every stored entry at the flush (unit roundoff 2^-11 = 4.9e-4) plus the rows'
-# bf16 rounding (2^-9 per entry; ≤ 1.5e-3 relative Frobenius on the Gram of one update of
-# Gaussian rows, tests/test_hot_path.py; less after an EMA of several)
-STORE_TOL = 2e-3
-# against the EMA of the bf16-rounded rows only the fp16 rounding and fp32 accumulation remain
-STORE_ROUNDED_TOL = 2.0**-11 + FOLD_TOL
-
-
-def eigh_tol(d: int) -> float:
-    """float32 eigh, reconstruction ``Q diag(w) Qᵀ`` against the factor: backward error of
-    order ``d·2^-24`` of the top eigenvalue at worst (seen: ~5e-7 at d = 4096)."""
-    return d * 2.0**-24
-
+from gpu_check_plan import (  # noqa: E402
+    ABLATION_DROP,
+    CUDA_TEST_FILES,
+    DEADLINE_S,
+    DRY,
+    FINAL_RUN,
+    FOLD_TOL,
+    FULL,
+    PARTS,
+    RUNS,
+    STORE_ROUNDED_TOL,
+    STORE_TOL,
+    SYNC_COUNT_STEPS,
+    TEST_TIMEOUT_S,
+    TRACKED,
+    Part,
+    eigh_tol,
+)
+from gpu_check_summary import fmt_bytes, fmt_gb, print_table, summarise, timed_steps  # noqa: E402
 
 # -- helpers (the parts') ------------------------------------------------------------------------
 
@@ -204,19 +138,6 @@ def _write(path: Path, payload: dict) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(payload, indent=1, default=str))
     os.replace(tmp, path)
-
-
-def _gb(n: float | None) -> str:
-    return "?" if n is None else f"{n / 1e9:.2f} GB"
-
-
-def _bytes(n: float | None) -> str:
-    if n is None:
-        return "?"
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def cuda_test_files() -> list[str]:
@@ -339,8 +260,8 @@ def store_part(d: int, m: int, k: int, device: torch.device) -> dict:
            "tol_rounded_rows": STORE_ROUNDED_TOL, "bytes_moved_by_updates": per_update_traffic,
            "traffic_before_flush": before, "traffic_after_flush": after, "ok": ok}
     print(f"store device path, {k} updates of [{m}, {d}] bf16 rows: {out['update_ms']:.2f} ms "
-          f"per update ({_bytes(per_update_traffic)} moved, {before['host_entries']} host "
-          f"entries), one flush {out['flush_ms']:.2f} ms ({_bytes(moved)}, "
+          f"per update ({fmt_bytes(per_update_traffic)} moved, {before['host_entries']} host "
+          f"entries), one flush {out['flush_ms']:.2f} ms ({fmt_bytes(moved)}, "
           f"{out['flush_gb_per_s'] or 0:.1f} GB/s both ways, {after['flush_syncs']} host sync); "
           f"relative error {err:.2e} against the float64 EMA (≤ {STORE_TOL:.0e}: fp16 storage "
           f"2^-11 + bf16 rows), {err_r:.2e} against that of the rounded rows "
@@ -472,13 +393,6 @@ def _clocks(device: torch.device, count_steps: int, warmup: int):
             return [b - a for a, b in zip(marks, marks[1:])]
 
     return First(), Last(), state
-
-
-def timed_steps(seconds: list[float], warmup: int) -> list[float]:
-    """The timed steps' seconds (``seconds[i-1]`` is step ``i``'s; the timed steps are
-    ``warmup, warmup+1, ...``: whole update cycles when ``warmup`` and their number are
-    multiples of ``update_every``)."""
-    return seconds[warmup - 1:]
 
 
 def update_probability(cfg: dict, setting: dict) -> float:
@@ -633,7 +547,7 @@ def train_main(which: str, sizes: dict, device: torch.device, out: Path) -> int:
                   + (f", {row['updates_in_timed_steps']} updates in them (expected "
                      f"{row['expected_updates_in_timed_steps']:.1f})"
                      if "updates_in_timed_steps" in row else "")
-                  + (f", peak {_gb(row.get('peak_bytes'))}" if cuda else "")
+                  + (f", peak {fmt_gb(row.get('peak_bytes'))}" if cuda else "")
                   + (f", updates {row['updates']}, waits {row['waits']}, fold "
                      f"{row['fold_ms_per_update']:.1f} ms/update, final flush "
                      f"{row['final_flush_seconds']:.3f} s" if "updates" in row else "")
@@ -763,183 +677,6 @@ def run_part(part: Part, limit: float, dry: bool, a, env: dict, tmp: Path) -> di
         if rc != 0:
             res["tail"] = tail[-25:]
     return res
-
-
-def _verdict(ok: bool | None, dry: bool = False, judged_in_dry: bool = True) -> str:
-    if ok is None:
-        return "—"
-    if dry and not judged_in_dry:
-        return "n/a (dry)"
-    return "PASS" if ok else "MISS"
-
-
-def summarise(report: dict, dry: bool) -> list[dict]:
-    """The summary's rows: part, status, figures, target, verdict (``gate``: counts for the
-    exit status)."""
-    rows: list[dict] = []
-    parts = report["parts"]
-
-    def add(part, status, figures, target="", ok=None, perf=False):
-        verdict = _verdict(ok, dry, judged_in_dry=not perf)
-        if status in ("timeout", "error", "failed", "missing") and ok is None:
-            verdict = "MISS"
-        rows.append({"part": part, "status": status, "figures": figures, "target": target,
-                     "verdict": verdict})
-
-    r = parts.get("cuda_tests", {})
-    st = r.get("status", "missing")
-    if dry:
-        add("1 CUDA tests", st, f"{r.get('collected', 0)} collected in "
-            f"{len(r.get('files', []))} files (dry run: not run)", "collect",
-            st == "ok" and r.get("collected", 0) > 0)
-    else:
-        add("1 CUDA tests", st, f"{r.get('passed', 0)} passed, {r.get('failed', 0)} failed, "
-            f"{r.get('skipped', 0)} skipped, {r.get('errors', 0)} errors "
-            f"({r.get('seconds', 0):.0f} s)", "0 failed, 0 skipped",
-            st == "ok" and r.get("passed", 0) > 0 and not r.get("failed")
-            and not r.get("skipped") and not r.get("errors"))
-
-    m = parts.get("micro", {})
-    st = m.get("status", "missing")
-    if "eigh" in m:
-        e = m["eigh"]
-        fig = ", ".join(f"{d}: {v['seconds']:.3f} s (err {v['max_err_rel_to_top']:.1e})"
-                        for d, v in e.items())
-        cpu = next((v["cpu_float64_seconds"] for v in e.values()
-                    if "cpu_float64_seconds" in v), None)
-        if cpu is not None:
-            fig += f"; CPU float64 {next(iter(e))}: {cpu:.2f} s"
-        add("2 eigh", st, fig, "err ≤ d·2^-24", all(v["ok"] for v in e.values()))
-    else:
-        add("2 eigh", st, "not reached")
-    if "fold" in m:
-        f = m["fold"]
-        add("2 fold (gram_fp32)", st, f"[{report['sizes']['fold_rows']}, "
-            f"{report['sizes']['fold_d']}] bf16: {f['seconds'] * 1e3:.2f} ms, err "
-            f"{f['rel_err']:.1e}", f"err ≤ {FOLD_TOL:.0e}", f["ok"])
-    else:
-        add("2 fold (gram_fp32)", st, "not reached")
-    if "store" in m:
-        s = m["store"]
-        add("2 store device path", st,
-            f"{s['updates']} x [{s['rows']}, {s['d']}]: {s['update_ms']:.2f} ms/update "
-            f"({_bytes(s['bytes_moved_by_updates'])} moved, "
-            f"{s['traffic_before_flush']['host_entries']} host entries); flush "
-            f"{s['flush_ms']:.2f} ms, {s['flush_gb_per_s'] or 0:.1f} GB/s both ways; err "
-            f"{s['rel_err']:.1e}"
-            f" (rounded rows {s['rel_err_rounded_rows']:.1e})",
-            f"err ≤ {STORE_TOL:.0e}, 0 B/update", s["ok"])
-    else:
-        add("2 store device path", st, "not reached")
-
-    for key, label in (("train_fp32_autocast", "3a fp32+autocast"), ("train_bf16", "3b bf16")):
-        t = parts.get(key, {})
-        st = t.get("status", "missing")
-        runs = t.get("runs", {})
-        blocks = t.get("blocks", {name: [row] for name, row in runs.items()})
-        plains = blocks.get("plain", []) + blocks.get(FINAL_RUN, [])
-        if not plains:
-            add(f"{label} plain", st, "not reached")
-            continue
-        plain = statistics.fmean(
-            [s for q in plains for s in timed_steps(q["step_seconds"], q["warmup"])])
-        peak_plain = min((q["peak_bytes"] for q in plains if "peak_bytes" in q), default=None)
-        add(f"{label} plain", st, f"{plain * 1e3:.1f} ms/step mean"
-            + (" (" + " / ".join(f"{q['mean_s_per_step'] * 1e3:.1f}" for q in plains)
-               + " before / after)" if len(plains) > 1 else "")
-            + f", median {plains[0]['median_s_per_step'] * 1e3:.1f}"
-            + (f", peak {_gb(peak_plain)}" if peak_plain is not None else ""))
-        ratio_of = {name: block_ratio(blocks, name) for name in RUNS if name != "plain"}
-        for name, target in (("defaults", RATIO_DEFAULTS), ("update_every=1", RATIO_EVERY_STEP)):
-            r = runs.get(name)
-            tgt = f"≤ {target:.2f}x" + (" (and projected), no waits" if name == "defaults"
-                                        else "") + \
-                ", extra mem ≤ budget, 0 kfac syncs"
-            if r is None:
-                add(f"{label} {name}", st, "not reached", tgt)
-                continue
-            ratio = ratio_of[name] or r["mean_s_per_step"] / plain
-            extra = r["peak_bytes"] - peak_plain if "peak_bytes" in r and \
-                peak_plain is not None else None
-            n_upd = r.get("updates_in_timed_steps")
-            per_update = (r["mean_s_per_step"] - plain) * (len(
-                timed_steps(r["step_seconds"], r["warmup"]))) / n_upd if n_upd else None
-            # the defaults' ratio projected from update_every=1's (every step an update step,
-            # 10x the update steps: lower variance): 1 + (r1 - 1)/update_every
-            projected = None
-            if name == "defaults" and ratio_of["update_every=1"] and r.get("update_every"):
-                projected = 1 + (ratio_of["update_every=1"] - 1) / r["update_every"]
-            r.update(ratio_to_plain=ratio, extra_peak_bytes=extra,
-                     extra_seconds_per_update=per_update, projected_ratio=projected)
-            fig = (f"{r['mean_s_per_step'] * 1e3:.1f} ms/step = {ratio:.3f}x"
-                   + (f" (median of {len(blocks[name])} blocks' ratios)"
-                      if len(blocks.get(name, [])) > 1 else "")
-                   + (f" (projected from update_every=1: {projected:.3f}x)"
-                      if projected is not None else "")
-                   + f" (median {r['median_s_per_step'] * 1e3:.1f}), {n_upd} updates in the"
-                   f" timed steps (expected {r.get('expected_updates_in_timed_steps', 0):.1f})"
-                   + (f", +{per_update * 1e3:.0f} ms each" if per_update is not None else "")
-                   + f"; waits {r.get('waits', '?')} ({r.get('wait_seconds', 0):.2f} s)"
-                   f"; fold {r.get('fold_ms_per_update', float('nan')):.1f} ms/upd"
-                   f", to host {_bytes(r.get('bytes_to_host_per_update'))}/upd"
-                   f", to dev {_bytes(r.get('bytes_to_device_per_update'))}/upd"
-                   f"; final flush {r.get('final_flush_seconds', float('nan')):.3f} s"
-                   f" ({_bytes(r.get('final_flush_bytes_to_host'))} each way"
-                   f", {r.get('final_flush_syncs', '?')} syncs)"
-                   f"; host entries {r.get('host_entries', '?')}"
-                   f", budget flushes {r.get('budget_flushes', '?')}"
-                   f", budget {_bytes(r.get('device_budget'))}"
-                   f", resident peak {_bytes(r.get('peak_resident_bytes'))}"
-                   f", extra peak mem {_bytes(extra) if extra is not None else 'n/a'}"
-                   f"; kfac syncs {sum(r['kfac_host_syncs'].values())}")
-            perf_ok = ratio <= target and (projected is None or projected <= target) and \
-                (name != "defaults" or r.get("waits", 1) == 0)
-            mem_ok = extra is None or r.get("device_budget", -1) < 0 or \
-                extra <= r["device_budget"]
-            sync_ok = not r["kfac_host_syncs"] and r.get("updates", 0) > 0
-            if dry:  # the timing targets are not judged on a tiny CPU model
-                add(f"{label} {name}", st, fig, tgt, sync_ok)
-                rows[-1]["verdict"] += " (ratio n/a: dry)"
-            else:
-                add(f"{label} {name}", st, fig, tgt, perf_ok and mem_ok and sync_ok)
-
-        for name in ("replay only", "fold only"):  # the ablation: figures, no target
-            if ratio_of.get(name):
-                add(f"{label} {name}", st, f"{ratio_of[name]:.3f}x plain at update_every=1 "
-                    f"(update_every=1 with both: {ratio_of['update_every=1'] or 0:.3f}x)")
-
-    x = parts.get("exchange", {})
-    st = x.get("status", "missing")
-    fig = (f"{x.get('backend', '?')}: {x.get('exchange_seconds', 0) * 1e3:.1f} ms, rows back "
-           f"exactly: {x.get('exact')}") if "exact" in x else "not reached"
-    add("4 exchange", st, fig, "exact", x.get("exact") if "exact" in x else None)
-    add("total", "ok", f"{report['seconds']:.0f} s", f"≤ {TOTAL_S} s",
-        report["seconds"] <= TOTAL_S, perf=True)
-    for row in rows:  # a part that did not finish is missed, whatever it measured
-        if row["status"] != "ok" and row["part"] != "total" and row["verdict"].startswith("PASS"):
-            row["verdict"] = "MISS"
-    return rows
-
-
-def block_ratio(blocks: dict[str, list[dict]], name: str) -> float | None:
-    """The median over the blocks of run ``name``'s mean step time over the same block's
-    plain run's (None: not run)."""
-    plain = {row["block"]: row["mean_s_per_step"] for row in blocks.get("plain", [])
-             if "block" in row}
-    ratios = [row["mean_s_per_step"] / plain[row["block"]] for row in blocks.get(name, [])
-              if row.get("block") in plain]
-    return statistics.median(ratios) if ratios else None
-
-
-def print_table(rows: list[dict]) -> None:
-    cols = ("part", "status", "verdict", "target", "figures")
-    width = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols[:-1]}
-    line = "  ".join(f"{c:<{width[c]}}" if c in width else c for c in cols)
-    print("\n" + "=" * 30 + " gpu_check summary " + "=" * 30)
-    print(line)
-    print("-" * len(line))
-    for r in rows:
-        print("  ".join(f"{str(r[c]):<{width[c]}}" if c in width else str(r[c]) for c in cols))
 
 
 def main(argv=None) -> int:

@@ -35,8 +35,9 @@ import statistics
 import tempfile
 import time
 
-import suite_tasks as st
 import torch
+from tasks import suite_tasks as st
+from tasks.pools import file_kind_pools
 from transformers import Trainer, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
@@ -55,7 +56,7 @@ class Task(st.EncoderFileKind):
     """The suite's encoder task with 20 eval examples per class (200 in all)."""
 
     def __init__(self, seed: int):
-        st._Classifier.__init__(self, seed, st.file_kind_pools(64), (30, 20, 30))
+        st.Classifier.__init__(self, seed, file_kind_pools(64), (30, 20, 30))
 
 
 def batches(trainer: Trainer):
@@ -116,6 +117,42 @@ def exact_path(post, evals, taus) -> None:
                 probs_from_gaussian(mean, cov, link)[torch.arange(len(y)), y].log()
 
 
+def timed_repeats(model, snap_path: str, evals: list[dict], repeats: int):
+    """``({what: [seconds per repeat]}, the last repeat's fit)``: the eval pass, the Jacobian
+    pass, the fit (both links and probit only), the exact per-τ path and the end-of-training
+    step, interleaved over ``repeats``."""
+    times: dict[str, list[float]] = {"eval_pass": [], "jacobian": [], "fit": [],
+                                     "fit_probit": [], "exact_path": [],
+                                     "end_of_training": []}
+    for _ in range(repeats):
+        t = time.perf_counter()
+        with torch.no_grad():
+            for b in evals:
+                model(**{k: v for k, v in b.items() if k != "labels"})
+        times["eval_pass"].append(time.perf_counter() - t)
+        post = LaplacePosterior(model, Snapshot.load(snap_path, show_progress=False), 1.0)
+        t = time.perf_counter()
+        for b in evals:  # what every candidate shares: the forward, K backwards, features
+            _, feats = post.jacobian_features(b)
+            for _ in feats:
+                pass
+        times["jacobian"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        fit = fit_prior_precision(post, evals)
+        times["fit"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        fit_prior_precision(post, evals, link="probit")
+        times["fit_probit"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        exact_path(post, evals, fit.grid)
+        times["exact_path"].append(time.perf_counter() - t)
+        t = time.perf_counter()
+        post = LaplacePosterior(model, Snapshot.load(snap_path, show_progress=False), 1.0)
+        write_heldout_prior(snap_path, fit_prior_precision(post, evals))
+        times["end_of_training"].append(time.perf_counter() - t)
+    return times, fit
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=5)
@@ -145,35 +182,7 @@ def main(argv=None) -> None:
         model.eval()
         evals = batches(trainer)
         K = task.n_classes
-        times: dict[str, list[float]] = {"eval_pass": [], "jacobian": [], "fit": [],
-                                         "fit_probit": [], "exact_path": [],
-                                         "end_of_training": []}
-        for _ in range(a.repeats):
-            t = time.perf_counter()
-            with torch.no_grad():
-                for b in evals:
-                    model(**{k: v for k, v in b.items() if k != "labels"})
-            times["eval_pass"].append(time.perf_counter() - t)
-            post = LaplacePosterior(model, Snapshot.load(snap_path, show_progress=False), 1.0)
-            t = time.perf_counter()
-            for b in evals:  # what every candidate shares: the forward, K backwards, features
-                _, feats = post.jacobian_features(b)
-                for _ in feats:
-                    pass
-            times["jacobian"].append(time.perf_counter() - t)
-            t = time.perf_counter()
-            fit = fit_prior_precision(post, evals)
-            times["fit"].append(time.perf_counter() - t)
-            t = time.perf_counter()
-            fit_prior_precision(post, evals, link="probit")
-            times["fit_probit"].append(time.perf_counter() - t)
-            t = time.perf_counter()
-            exact_path(post, evals, fit.grid)
-            times["exact_path"].append(time.perf_counter() - t)
-            t = time.perf_counter()
-            post = LaplacePosterior(model, Snapshot.load(snap_path, show_progress=False), 1.0)
-            write_heldout_prior(snap_path, fit_prior_precision(post, evals))
-            times["end_of_training"].append(time.perf_counter() - t)
+        times, fit = timed_repeats(model, snap_path, evals, a.repeats)
         flops = flop_counts(model, LaplacePosterior(
             model, Snapshot.load(snap_path, show_progress=False), 1.0), evals)
     med = {k: statistics.median(v) for k, v in times.items()}

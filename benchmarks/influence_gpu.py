@@ -264,18 +264,73 @@ def query_groups(queries: int, row_bytes: int, free: int | None, need: int) -> i
 
 # -- part 1: ours ---------------------------------------------------------------------------------
 
-def ours_part(a, out: Partial) -> None:
+def train_with_callback(a, s: dict, model, train_ex: list[dict], tmp: str, out: Partial) -> str:
+    """The factors of part 1: a short real run of ``model`` with the callback (under ``tmp``);
+    returns its final snapshot's path. The optimizer and the tracker are freed after."""
     from transformers import Trainer, TrainingArguments
 
-    from kfac_stream import (
-        Influence,
-        KFACConfig,
-        KFACStreamCallback,
-        LaplacePosterior,
-        Snapshot,
-        influence_memory,
-    )
+    from kfac_stream import KFACConfig, KFACStreamCallback
     from kfac_stream.app.data import ExampleDataset
+
+    device = device_of(a)
+    cuda = device.type == "cuda"
+    kfac = KFACStreamCallback(KFACConfig(
+        **TRACKED, output_dir=os.path.join(tmp, "kfac"),
+        **({} if cuda else {"async_updates": True, "fold_on": "device"})),
+        report_spectra=False, report_media=False, spectra_media=False)
+    args = TrainingArguments(
+        os.path.join(tmp, "trainer"), per_device_train_batch_size=s["train_batch"],
+        max_steps=s["steps"], learning_rate=1e-5, lr_scheduler_type="constant",
+        report_to=[], use_cpu=not cuda, bf16=True, logging_strategy="no",
+        save_strategy="no", disable_tqdm=True, seed=0, dataloader_pin_memory=False,
+        max_grad_norm=0.0)
+    fit = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in train_ex]
+    trainer = Trainer(model=model, args=args, train_dataset=ExampleDataset(fit),
+                      callbacks=[kfac])
+    t = time.perf_counter()
+    trainer.train()
+    sync(device)
+    path = kfac.snapshots[-1]
+    out.put(train_and_snapshot_s=time.perf_counter() - t, steps=s["steps"],
+            updates=kfac.tracker.counters.updates,
+            snapshot_bytes=sum(p.stat().st_size for p in Path(path).rglob("*")
+                               if p.is_file()))
+    del trainer, kfac  # the optimizer's state, the tracker's device statistics
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return path
+
+
+def plan_query_groups(a, post, query_ex: list[dict], device, out: Partial) -> list[list[dict]]:
+    """Part 1's plan: the fewest query groups whose preconditioned rows fit the device."""
+    from kfac_stream import influence_memory
+
+    s = sizes_of(a)
+    mem = influence_memory(post, s["queries"], s["batch"], s["seq"])
+    item = mem["query_rows"] // (s["queries"] * mem["tracked_weights"])
+    qmem = influence_memory(post, s["query_batch"], s["query_batch"], s["seq"])
+    need = max(mem["batch_hooks"] + 2 * mem["batch_gradients"],
+               qmem["batch_hooks"] + 2 * qmem["query_rows"]) + int(a.reserve_gb * GB)
+    free = free_device_bytes(device)
+    if a.query_budget_gb is not None:
+        free, need = int(a.query_budget_gb * GB), 0
+    groups = query_groups(s["queries"], mem["tracked_weights"] * item, free, need)
+    per = math.ceil(s["queries"] / groups)
+    qgroups = [query_ex[i:i + per] for i in range(0, s["queries"], per)]
+    out.put(memory_plan={**mem, "itemsize": item, "device_free_bytes": free,
+                         "need_besides_rows_bytes": need},
+            query_groups=len(qgroups), queries_per_group=[len(g) for g in qgroups])
+    print(f"ours: {len(post.layer_names)} layers, {mem['tracked_weights'] / 1e9:.3f}e9 "
+          f"tracked weights, {s['queries']} query rows "
+          f"{mem['query_rows'] / GB:.1f} GB ({post.feature_dtype}); device free "
+          f"{'-' if free is None else f'{free / GB:.1f} GB'}, besides the rows "
+          f"{need / GB:.1f} GB: {len(qgroups)} query group(s)", flush=True)
+    return qgroups
+
+
+def ours_part(a, out: Partial) -> None:
+    from kfac_stream import Influence, LaplacePosterior, Snapshot
 
     class TimedInfluence(Influence):
         """`Influence` with the queries' preconditioning timed (synchronised) in the call."""
@@ -302,31 +357,7 @@ def ours_part(a, out: Partial) -> None:
     # the factors: a short real run with the callback, its final snapshot
     tmp = tempfile.mkdtemp(prefix="kfac-infl-gpu-", dir=a.tmp)
     try:
-        kfac = KFACStreamCallback(KFACConfig(
-            **TRACKED, output_dir=os.path.join(tmp, "kfac"),
-            **({} if cuda else {"async_updates": True, "fold_on": "device"})),
-            report_spectra=False, report_media=False, spectra_media=False)
-        args = TrainingArguments(
-            os.path.join(tmp, "trainer"), per_device_train_batch_size=s["train_batch"],
-            max_steps=s["steps"], learning_rate=1e-5, lr_scheduler_type="constant",
-            report_to=[], use_cpu=not cuda, bf16=True, logging_strategy="no",
-            save_strategy="no", disable_tqdm=True, seed=0, dataloader_pin_memory=False,
-            max_grad_norm=0.0)
-        fit = [{"input_ids": e["input_ids"], "labels": e["labels"]} for e in train_ex]
-        trainer = Trainer(model=model, args=args, train_dataset=ExampleDataset(fit),
-                          callbacks=[kfac])
-        t = time.perf_counter()
-        trainer.train()
-        sync(device)
-        path = kfac.snapshots[-1]
-        out.put(train_and_snapshot_s=time.perf_counter() - t, steps=s["steps"],
-                updates=kfac.tracker.counters.updates,
-                snapshot_bytes=sum(p.stat().st_size for p in Path(path).rglob("*")
-                                   if p.is_file()))
-        del trainer, kfac  # the optimizer's state, the tracker's device statistics
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
+        path = train_with_callback(a, s, model, train_ex, tmp, out)
         model.eval()
         model.zero_grad(set_to_none=True)
         t = time.perf_counter()
@@ -346,26 +377,7 @@ def ours_part(a, out: Partial) -> None:
         del warm
         sync(device)
 
-        # the plan: the fewest query groups whose preconditioned rows fit the device
-        mem = influence_memory(post, s["queries"], s["batch"], s["seq"])
-        item = mem["query_rows"] // (s["queries"] * mem["tracked_weights"])
-        qmem = influence_memory(post, s["query_batch"], s["query_batch"], s["seq"])
-        need = max(mem["batch_hooks"] + 2 * mem["batch_gradients"],
-                   qmem["batch_hooks"] + 2 * qmem["query_rows"]) + int(a.reserve_gb * GB)
-        free = free_device_bytes(device)
-        if a.query_budget_gb is not None:
-            free, need = int(a.query_budget_gb * GB), 0
-        groups = query_groups(s["queries"], mem["tracked_weights"] * item, free, need)
-        per = math.ceil(s["queries"] / groups)
-        qgroups = [query_ex[i:i + per] for i in range(0, s["queries"], per)]
-        out.put(memory_plan={**mem, "itemsize": item, "device_free_bytes": free,
-                             "need_besides_rows_bytes": need},
-                query_groups=len(qgroups), queries_per_group=[len(g) for g in qgroups])
-        print(f"ours: {len(post.layer_names)} layers, {mem['tracked_weights'] / 1e9:.3f}e9 "
-              f"tracked weights, {s['queries']} query rows "
-              f"{mem['query_rows'] / GB:.1f} GB ({post.feature_dtype}); device free "
-              f"{'-' if free is None else f'{free / GB:.1f} GB'}, besides the rows "
-              f"{need / GB:.1f} GB: {len(qgroups)} query group(s)", flush=True)
+        qgroups = plan_query_groups(a, post, query_ex, device, out)
         reset_peak(device)
         inf = TimedInfluence(post)
         read, parts, q_bytes, per_group = 0, [], 0, []

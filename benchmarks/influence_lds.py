@@ -106,10 +106,10 @@ import time
 import warnings
 from pathlib import Path
 
-import lds_tasks as T
 import torch
 import torch.nn.functional as F
 from scipy.stats import spearmanr
+from tasks import lds_tasks as T
 
 from kfac_stream import (
     Influence,

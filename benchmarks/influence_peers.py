@@ -161,7 +161,16 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from exact_curvature import (
+    check_per_example_grad,
+    exact_ggn,
+    exact_scores,
+    ggn_direct_check,
+    per_example_grads,
+    rel,
+    sum_nll,
+)
+from influence_peers_report import BEGIN, END, MMAP_THRESHOLD, SPEARMAN_BAR, report
 from torch import nn
 from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
 
@@ -180,12 +189,7 @@ from _common import conv1d_to_linear, dist_version, log, machine, write_json, wr
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-BEGIN, END = "<!-- influence-peers:begin -->", "<!-- influence-peers:end -->"
 BATCH = 8
-SPEARMAN_BAR = 0.95
-#: glibc's ``MALLOC_MMAP_THRESHOLD_`` of the live-set runs of part 4 (bytes): every block from
-#: 64 KiB up is mapped on its own and unmapped when freed, so the RSS follows what is alive.
-MMAP_THRESHOLD = 65536
 HEURISTIC_SCALE = 0.1  # kfac_stream.query.influence.HEURISTIC_FACTOR, kronfluence's scale
 LR0_CONFIG = dict(token_fraction=1.0, ema_decay=1.0, fisher="empirical", update_every=1,
                   final_window=0.0, storage_dtype="float64", min_window_sequences=0)
@@ -235,13 +239,6 @@ def demo_model_config() -> dict:
 
 
 # -- training runs ------------------------------------------------------------------------------
-
-def sum_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``[B]``: each example's summed NLL over its labelled tokens (HF shift), in the logits'
-    dtype (float64 stays float64)."""
-    logits, labels = logits[:, :-1], labels[:, 1:].to(logits.device)
-    nll = F.cross_entropy(logits.transpose(1, 2), labels.clamp(min=0), reduction="none")
-    return (nll * (labels != -100)).sum(1)
 
 
 def mean_nll_loss(outputs, labels, num_items_in_batch=None):
@@ -414,158 +411,8 @@ def max_rel(x: torch.Tensor, y: torch.Tensor) -> list[float]:
     return [float((x[q] - y[q]).abs().max() / y[q].abs().max()) for q in range(len(x))]
 
 
-def rel(x: torch.Tensor, y: torch.Tensor) -> float:
-    x, y = x.double(), y.double()
-    return float(torch.linalg.norm(x - y) / torch.linalg.norm(y))
-
-
 def summary(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "worst": min(xs), "per_query": xs}
-
-
-# -- exact curvature (part 2) -------------------------------------------------------------------
-
-class Hooks:
-    """Forward hooks: each tracked layer's input (detached) and output (in the graph), and the
-    LM head's input ``h`` (in the graph)."""
-
-    def __init__(self, model: nn.Module, layers: list[str]):
-        self.acts, self.outs, self.h = {}, {}, None
-        mods = dict(model.named_modules())
-        self.bias = {n: mods[n].bias is not None for n in layers}
-        self.handles = [mods[n].register_forward_hook(self._hook(n)) for n in layers]
-        self.handles.append(model.lm_head.register_forward_hook(self._head))
-
-    def _hook(self, name):
-        def fn(module, args, out):
-            self.acts[name] = args[0].detach()
-            self.outs[name] = out
-        return fn
-
-    def _head(self, module, args, out):
-        self.h = args[0]
-
-    def abar(self, name: str) -> torch.Tensor:
-        a = self.acts[name]
-        return torch.cat([a, a.new_ones(*a.shape[:-1], 1)], -1) if self.bias[name] else a
-
-    def close(self):
-        for h in self.handles:
-            h.remove()
-
-
-def per_example_grads(model, layers, batch_list) -> dict[str, torch.Tensor]:
-    """``{layer: [N, d_out·d_A]}``: each example's gradient of its summed NLL with respect to
-    ``[W b]`` (row-major ``[d_out, d_A]``, bias column last), ``Σ_t δ_t ā_tᵀ``."""
-    hooks = Hooks(model, layers)
-    out = {n: [] for n in layers}
-    try:
-        for b in batch_list:
-            with torch.enable_grad():
-                logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
-                losses = sum_nll(logits, b["labels"])
-                deltas = torch.autograd.grad(losses.sum(), [hooks.outs[n] for n in layers])
-            for n, d in zip(layers, deltas):
-                out[n].append(torch.einsum("bti,btj->bij", d, hooks.abar(n)).flatten(1))
-    finally:
-        hooks.close()
-    return {n: torch.cat(v) for n, v in out.items()}
-
-
-def check_per_example_grad(model, layers, ex: dict) -> float:
-    """Max relative difference of `per_example_grads` against autograd's parameter gradients
-    (Conv1D weight ``[d_in, d_out]``, transposed, bias appended) on one example."""
-    mine = per_example_grads(model, layers, batches([ex], 1))
-    mods = dict(model.named_modules())
-    params = [p for n in layers for p in (mods[n].weight, mods[n].bias)]
-    with torch.enable_grad():
-        logits = model(input_ids=ex["input_ids"][None]).logits
-        grads = torch.autograd.grad(sum_nll(logits, ex["labels"][None]).sum(), params)
-    worst = 0.0
-    for i, n in enumerate(layers):
-        ref = torch.cat([grads[2 * i].T, grads[2 * i + 1][:, None]], 1).flatten()
-        worst = max(worst, rel(mine[n][0], ref))
-    return worst
-
-
-def exact_ggn(model, layers, exs: list[dict], chunk: int = 4) -> dict[str, torch.Tensor]:
-    """``{layer: Σ_{n,t} J_tᵀ H_t J_t}`` (dense ``[P, P]``, float64; not yet divided by the
-    positions), by ``d`` backward rows per position at the LM head's input (module
-    docstring)."""
-    w_e = model.lm_head.weight.detach()  # [V, d]
-    d = w_e.shape[1]
-    hooks = Hooks(model, layers)
-    ggn = {}
-    try:
-        for i in range(0, len(exs), chunk):
-            ids = torch.stack([e["input_ids"] for e in exs[i:i + chunk]])  # [b, T]
-            b, seq = ids.shape
-            rows = (seq - 1) * d  # per sequence: positions with a target × d
-            with torch.enable_grad():
-                logits = model(input_ids=ids.repeat_interleave(rows, 0)).logits  # [b·rows, T, V]
-                p = torch.softmax(logits.detach()[::rows, :-1], -1)  # [b, T-1, V]
-                wp = p @ w_e  # [b, T-1, d]
-                m = (torch.einsum("vi,btv,vj->btij", w_e, p, w_e)
-                     - wp[..., :, None] * wp[..., None, :])
-                val, vec = torch.linalg.eigh(m)
-                k = vec * val.clamp(min=0).sqrt()[..., None, :]  # [b, T-1, d, d]: M = K Kᵀ
-                cot = torch.zeros_like(hooks.h)  # [b·rows, T, d]
-                r = torch.arange(b * rows)
-                t = (r % rows) // d
-                cot[r, t] = k[r // rows, t, :, r % d]
-                deltas = torch.autograd.grad(hooks.h, [hooks.outs[n] for n in layers],
-                                             grad_outputs=cot)
-            for n, dl in zip(layers, deltas):
-                a = hooks.abar(n)
-                jac = torch.einsum("rsi,rsj->rij", dl, a).flatten(1)
-                ggn[n] = ggn.get(n, 0) + jac.T @ jac
-    finally:
-        hooks.close()
-    return ggn
-
-
-def ggn_direct_check(model, layers, ex: dict) -> float:
-    """Max relative difference of `exact_ggn` against the direct ``V``-row form on one
-    sequence: backward rows ``√p_c (e_c − p_t)`` at the logits, one per (position, class)."""
-    fast = exact_ggn(model, layers, [ex], chunk=1)
-    hooks = Hooks(model, layers)
-    try:
-        ids = ex["input_ids"][None]
-        seq = ids.shape[1]
-        with torch.enable_grad():
-            logits = model(input_ids=ids).logits
-            v = logits.shape[-1]
-            p = torch.softmax(logits.detach()[0, :-1], -1)  # [T-1, V]
-            t_all = torch.arange(seq - 1).repeat_interleave(v)
-            c_all = torch.arange(v).repeat(seq - 1)
-            direct = {}
-            for i in range(0, len(t_all), 512):  # rows (position, class) in chunks
-                t, c = t_all[i:i + 512], c_all[i:i + 512]
-                sq = p[t, c].sqrt()
-                cot = torch.zeros(len(t), 1, seq, v, dtype=logits.dtype)
-                cot[torch.arange(len(t)), 0, t] = -sq[:, None] * p[t]
-                cot[torch.arange(len(t)), 0, t, c] += sq
-                deltas = torch.autograd.grad(logits, [hooks.outs[n] for n in layers],
-                                             grad_outputs=cot, is_grads_batched=True,
-                                             retain_graph=True)
-                for n, dl in zip(layers, deltas):
-                    jac = torch.einsum("rsi,sj->rij", dl[:, 0], hooks.abar(n)[0]).flatten(1)
-                    direct[n] = direct.get(n, 0) + jac.T @ jac
-        worst = max(rel(fast[n], direct[n]) for n in layers)
-    finally:
-        hooks.close()
-    return worst
-
-
-def exact_scores(curv: dict[str, torch.Tensor], damping: dict[str, float],
-                 gq: dict[str, torch.Tensor], gt: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``[Q, N]``: ``Σ_l g_qᵀ (F_l + λ_l I)⁻¹ g_n`` by Cholesky solves."""
-    total = 0
-    for n, f in curv.items():
-        chol = torch.linalg.cholesky(f + damping[n] * torch.eye(len(f), dtype=f.dtype))
-        x = torch.cholesky_solve(gq[n].T, chol)  # [P, Q]
-        total = total + x.T @ gt[n].T
-    return total
 
 
 # -- part 1 and 2 -------------------------------------------------------------------------------
@@ -856,176 +703,6 @@ def demo_parts(a, tmp: str, parts: set[int]) -> dict:
             f"at N={last['n']}); queries once {fl['queries_once']:.3g}")
     if 3 in parts:
         out["timing"] = timing("demo", model, run, train_ex[:a.demo_timing_n], qb, a, tmp)
-    return out
-
-
-# -- report -------------------------------------------------------------------------------------
-
-def fmt_s(x: float) -> str:
-    return f"{x:.2f}" if x < 100 else f"{x:.0f}"
-
-
-def report(r: dict, a, info: dict) -> str:
-    t, d = r["tiny"], r.get("demo", {})
-    L = [BEGIN, "## Influence: kronfluence, exact GGN, cost (`benchmarks/influence_peers.py`)", "",
-         f"- date: {info['date']}",
-         f"- machine: {info['cpu']}, {info['cores']} cores ({info['torch_threads']} torch "
-         f"threads); torch {info['torch']}, transformers {info['transformers']}, kronfluence "
-         f"{info['kronfluence']}, Python {info['python']}",
-         f"- load average (1 min) at start / end: {info['load_start']:.2f} / "
-         f"{info['load_end']:.2f} (shared 2-core machine: the timings are noisy; medians)",
-         f"- command: `{a.command}` ({info['wall_s']:.0f} s)",
-         "- method, mappings and every setting: the script's docstring. Tiny model: byte-level "
-         f"GPT-2 2×16, T={a.tiny_seq}, {t['n_train']} training windows, {t['n_queries']} "
-         "queries (labelled on their second half), 8 tracked layers; trained "
-         f"{a.tiny_steps} steps with the callback at defaults (logged losses "
-         f"{', '.join(f'{x:.3f}' for x in t['real_run']['losses'])} nats per byte).", ""]
-    if "kronfluence_agreement" in t:
-        k = t["kronfluence_agreement"]
-        L += ["### Agreement with kronfluence (K-FAC, empirical Fisher, float64, fixed weights)",
-              "",
-              f"Ours: a learning-rate-0 pass ({t['lr0']['counts']['updates']} updates, "
-              f"{t['lr0']['counts']['positions_sampled']} positions) with `token_fraction=1, "
-              "ema_decay=1, fisher=\"empirical\", update_every=1, final_window=0, "
-              "storage_dtype=\"float64\", min_window_sequences=0`; kronfluence: "
-              "`fit_all_factors(strategy=\"kfac\", use_empirical_fisher=True)` post hoc on the "
-              "same weights (Linear copy). Factors: max relative Frobenius difference A "
-              f"{k['factors_worst']['A']:.1e}, G {k['factors_worst']['G']:.1e}.", "",
-              "| damping | Spearman, queries 1 … Q | worst | max rel. score diff. | "
-              "≥ 0.95 every query |", "|---|---|---|---|---|"]
-        for s, label in (("explicit", f"explicit λ = {t['lr0']['explicit_damping']:.3g} "
-                                      "(both sides, every layer)"),
-                         ("heuristic", "heuristic (ours `\"heuristic\"`, kronfluence "
-                                       "`damping_factor=None`)")):
-            x = k[s]
-            rho = x["spearman"]["per_query"]
-            L.append(f"| {label} | {' '.join(f'{v:.6f}' for v in rho)} | {min(rho):.6f} | "
-                     f"{x['max_rel_diff']:.1e} | {'yes' if x['ok'] else 'NO'} |")
-        hd = k["heuristic_damping"]
-        L += ["", "Heuristic damping per layer (ours `0.1·mean(γ αᵀ)`, kronfluence "
-              "`HEURISTIC_DAMPING_SCALE·mean(kron(α, γ))` from its eigenvalues): max relative "
-              f"difference {max(v['rel_diff'] for v in hd.values()):.1e} (values "
-              + ", ".join(f"{v['ours']:.3g}" for v in hd.values()) + ").", ""]
-    if "exact" in t:
-        e = t["exact"]
-        L += ["### Rank correlation with exact-curvature influence (tiny model, float64)", "",
-              "Exact block-diagonal curvature of the tracked layers (dense blocks of "
-              + ", ".join(str(v) for v in e["block_sizes"].values())
-              + f" parameters), divided by the {e['positions']} positions as `A⊗G` is; the "
-              "same damping per layer. Checks: per-example gradients vs autograd "
-              f"{e['per_example_grad_check']:.0e}, GGN (d rows per position) vs the direct "
-              f"V-row form {e['ggn_direct_check']:.0e}; dense `G⊗A` through the same solve "
-              f"vs our scores {e['explicit']['pipeline_check_rel']:.0e} (explicit λ), "
-              f"{e['heuristic']['pipeline_check_rel']:.0e} (heuristic).", "",
-              "| damping | scores | vs exact GGN: median / worst Spearman | vs exact empirical "
-              "Fisher: median / worst |", "|---|---|---|---|"]
-        names = {"ours": "ours (lr-0 pass, empirical-Fisher K-FAC)",
-                 "kronfluence": "kronfluence K-FAC (empirical Fisher)",
-                 "ours_real_run": "ours from the real run's snapshot (defaults: MC Fisher, "
-                                  "token_fraction 0.05, final window)",
-                 "grad_dot": "gradient dot product (no curvature)",
-                 "exact_ef": "exact empirical Fisher"}
-        for s in ("explicit", "heuristic"):
-            row = e[s]
-            for key, label in names.items():
-                if key == "exact_ef":
-                    g = row["exact_ef_vs_ggn"]
-                    L.append(f"| {s} | {label} | {g['median']:.3f} / {g['worst']:.3f} | — |")
-                    continue
-                if f"{key}_vs_ggn" not in row:
-                    continue
-                g, f = row[f"{key}_vs_ggn"], row[f"{key}_vs_ef"]
-                L.append(f"| {s} | {label} | {g['median']:.3f} / {g['worst']:.3f} | "
-                         f"{f['median']:.3f} / {f['worst']:.3f} |")
-        L.append("")
-    timings = [x for x in (t.get("timing"), d.get("timing")) if x]
-    if timings:
-        L += ["### Run time: kronfluence fit-factors-then-score vs ours score-from-snapshot",
-              "",
-              f"Medians of {a.repeats} interleaved repeats after one warm-up (float32, the "
-              "trained weights; kronfluence: `strategy=\"kfac\"`, its true Fisher, its "
-              "eigendecomposition on one thread, its heuristic damping, its disk writes "
-              "included; ours: the real run's final snapshot, heuristic damping, "
-              "snapshot load included). The factors came with training: the tracker's own "
-              "time in that run is shown beside it.", "",
-              "| model | N × Q | kronfluence fit (covariances + eigh) | kronfluence score | "
-              "kronfluence total | ours load | ours score | ours total | kronfluence ÷ ours | "
-              "tracker in training |", "|---|---|---|---|---|---|---|---|---|---|"]
-        for x in timings:
-            kf, o = x["kronfluence"], x["ours"]
-            L.append(f"| {x['model']} | {x['n_train']} × {x['n_queries']} | {fmt_s(kf['fit_s'])} s"
-                     f" ({fmt_s(kf['cov_s'])} + {fmt_s(kf['eig_s'])})"
-                     f" | {fmt_s(kf['score_s'])} s | {fmt_s(kf['total_s'])} s | "
-                     f"{fmt_s(o['load_s'])} s | {fmt_s(o['score_s'])} s | {fmt_s(o['total_s'])} s"
-                     f" | {x['speedup_total']:.1f}× | {x['tracker_s']:.2f} s of "
-                     f"{x['callback_train_s']:.1f} s ({100 * x['tracker_share']:.1f}%, "
-                     f"{x['updates']} updates) |")
-        L += ["", "Spearman of ours (streamed MC-Fisher factors) vs kronfluence (its post-hoc "
-              "true-Fisher factors) in these timed runs, median / worst over queries: "
-              + "; ".join(f"{x['model']} {x['spearman_vs_kf']['median']:.3f} / "
-                          f"{x['spearman_vs_kf']['worst']:.3f}" for x in timings)
-              + " (different factors: context, not the acceptance comparison).", ""]
-    if "cost" in d:
-        c = d["cost"]
-        fl = c["flops_per_example"]
-        L += ["### Cost on the demo's model", "",
-              f"`conf/model/tiny.yaml`: GPT-2 {d['config']['n_layer']} × "
-              f"{d['config']['n_embd']}, byte vocabulary, T = {d['config']['seq_len']}; "
-              f"trained {a.demo_steps} steps with the callback at defaults; scores of N "
-              f"training sequences × {a.queries} queries from its snapshot (heuristic damping, "
-              f"batches of 8), each N in a fresh process: {a.cost_repeats} timed runs in "
-              "rotated order (median time, each run beside it) and one live-set run under "
-              f"`MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD}` (freed blocks go back to the system, so "
-              "the peak RSS increase is what the call holds at once). Under glibc's default "
-              "the heap keeps freed blocks (`malloc_trim(0)` returns them; live tensors do not "
-              "grow: checked by counting them), so the timed runs' peaks, shown last, drift up "
-              "with N by retention, not use.", "",
-              "| N | scoring time (median) | per training example | runs | peak RSS increase, "
-              "live set | RSS before | [Q, N] scores | peak RSS increase, default allocator "
-              "(timed runs) |", "|---|---|---|---|---|---|---|---|"]
-        for row in c["rows"]:
-            L.append(f"| {row['n']} | {row['score_s']:.1f} s | "
-                     f"{1e3 * row['s_per_example']:.1f} ms | "
-                     + ", ".join(f"{x['score_s']:.1f}" for x in row["runs"])
-                     + f" s | {row['live_peak_increase_mb']:.1f} MB | "
-                     f"{row['live_run']['rss_before_mb']:.0f} MB | "
-                     f"{row['scores_bytes'] / 1024:.1f} KiB | "
-                     + ", ".join(f"{x['peak_increase_mb']:.1f}" for x in row["runs"]) + " MB |")
-        L += ["", f"Flop model per training example: forward {fl['forward']:.3g}, backward to "
-              f"the tracked outputs ≈ {fl['backward_to_outputs']:.3g}, per-example gradients "
-              f"(dense form) {fl['per_example_grads']:.3g}, inner products with the "
-              f"{a.queries} preconditioned query rows {fl['inner_products']:.3g}: total "
-              f"{fl['total']:.3g} flops ({c['achieved_gflops']:.2f} GFLOP/s achieved at "
-              f"N = {c['rows'][-1]['n']}); once per call, the queries' preconditioning "
-              f"{fl['queries_once']:.3g}.", ""]
-    L += verdict_lines(r)
-    L.append(END)
-    return "\n".join(L)
-
-
-def verdict_lines(r: dict) -> list[str]:
-    t, d = r["tiny"], r.get("demo", {})
-    out = []
-    k = t.get("kronfluence_agreement")
-    if k:
-        out.append(f"- kronfluence agreement (Spearman ≥ {SPEARMAN_BAR} for every query): "
-                   + ", ".join(f"{s} damping {'MET' if k[s]['ok'] else 'NOT met'} (worst "
-                               f"{k[s]['spearman']['worst']:.6f})"
-                               for s in ("explicit", "heuristic")))
-    e = t.get("exact")
-    if e:
-        g = e["explicit"]["ours_vs_ggn"]
-        out.append(f"- rank correlation with exact-GGN influence (explicit λ): median "
-                   f"{g['median']:.3f}, worst {g['worst']:.3f} over {len(g['per_query'])} "
-                   "queries (reported, no threshold)")
-    if "cost" in d:
-        rows = d["cost"]["rows"]
-        out.append(f"- cost: {rows[-1]['n']} training sequences × {r['queries']}"
-                   f" queries in {rows[-1]['score_s']:.1f} s "
-                   f"({1e3 * rows[-1]['s_per_example']:.1f} ms per training example, median); "
-                   "peak RSS increase of the live set "
-                   + ", ".join(f"{x['live_peak_increase_mb']:.1f} MB at N={x['n']}"
-                               for x in rows))
     return out
 
 

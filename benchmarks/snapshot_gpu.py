@@ -228,6 +228,48 @@ def plain_run(model, data, sizes: dict, cuda: bool, tmp: str, name: str) -> floa
     return statistics.fmean(secs)
 
 
+def tracked_host_figures(report: dict) -> None:
+    """The tracked run's host-memory figures (its spares plus what each snapshot's background
+    added while it ran) into ``report["tracked"]``, and its line printed."""
+    t = report["tracked"]
+    b, buffers = t["s_per_step_before_snapshot"], t["spare_bytes"]
+    at, done_step = t["periodic"]["at_step"], t["periodic"]["complete_by_step"]
+    f = report["tracked"]["final"]
+    # beyond the factor store: the spares plus what a snapshot's background adds while
+    # it runs (RSS peak less RSS when it began)
+    f["host_transient_bytes"] = f["rss_peak"] - f["rss_at_last_step"]
+    f["host_added_bytes"] = buffers + f["host_transient_bytes"]
+    f["host_added_vs_size"] = f["host_added_bytes"] / f["bytes"]
+    p = report["tracked"]["periodic"]
+    if p["host_added_bytes"] is not None:
+        p["host_transient_bytes"] = p.pop("host_added_bytes")
+        p["host_added_vs_size"] = (buffers + p["host_transient_bytes"]) / f["bytes"]
+    print(f"tracked: {b * 1e3:.1f} ms/step before the snapshot "
+          f"({b / report['plain_s_per_step']:.3f}x plain); periodic snapshot at step {at}: "
+          f"hold {p['hold_s']:.3f} s, complete by step {done_step} "
+          f"({p['background_s_upper']} s), "
+          f"{p['s_per_step_during']} s/step during; final {f['seconds']:.1f} s "
+          f"(eigh {f['eigh_s']} s overlapping the write, the writer waited "
+          f"{f['writer_waited_s']} s; media {f['media_s']} s), {f['bytes'] / 1e9:.2f} GB; "
+          f"host: spares {buffers / 1e9:.2f} GB + {f['host_transient_bytes'] / 1e9:.2f} GB "
+          "while it ran", flush=True)
+
+
+def reference_part(a, report: dict, final_path: str, device: torch.device, tmp: str) -> None:
+    """Part 4: the final snapshot's unavoidable work (eigh + one write) when time is left."""
+    f = report["tracked"]["final"]
+    left = a.deadline - (time.perf_counter() - _STARTED)
+    if a.reference and left > a.reference_s:
+        report["reference"] = snapshot_reference(final_path, device, tmp)
+        r = report["reference"]
+        r["final_vs_unavoidable"] = f["seconds"] / r["unavoidable_s"]
+        print(f"unavoidable: eigh {r['eigh_s']:.1f} s + write {r['write_s']:.1f} s = "
+              f"{r['unavoidable_s']:.1f} s; final snapshot {r['final_vs_unavoidable']:.2f}x",
+              flush=True)
+    elif a.reference:
+        report["reference"] = f"skipped: {left:.0f} s left, {a.reference_s} s needed"
+
+
 def run(a, sizes: dict, device: torch.device, out: Path | None) -> dict:
     cuda = device.type == "cuda"
     report: dict = {"device": torch.cuda.get_device_name(device) if cuda else "cpu",
@@ -318,25 +360,7 @@ def run(a, sizes: dict, device: torch.device, out: Path | None) -> dict:
                 "rss_peak": rss.peak(t_last, t_end),
                 "bytes": _dir_bytes(final_path)},
             "phases": phases}
-        f = report["tracked"]["final"]
-        # beyond the factor store: the spares plus what a snapshot's background adds while
-        # it runs (RSS peak less RSS when it began)
-        f["host_transient_bytes"] = f["rss_peak"] - f["rss_at_last_step"]
-        f["host_added_bytes"] = buffers + f["host_transient_bytes"]
-        f["host_added_vs_size"] = f["host_added_bytes"] / f["bytes"]
-        p = report["tracked"]["periodic"]
-        if p["host_added_bytes"] is not None:
-            p["host_transient_bytes"] = p.pop("host_added_bytes")
-            p["host_added_vs_size"] = (buffers + p["host_transient_bytes"]) / f["bytes"]
-        print(f"tracked: {b * 1e3:.1f} ms/step before the snapshot "
-              f"({b / report['plain_s_per_step']:.3f}x plain); periodic snapshot at step {at}: "
-              f"hold {p['hold_s']:.3f} s, complete by step {driver.done_step} "
-              f"({p['background_s_upper']} s), "
-              f"{p['s_per_step_during']} s/step during; final {f['seconds']:.1f} s "
-              f"(eigh {f['eigh_s']} s overlapping the write, the writer waited "
-              f"{f['writer_waited_s']} s; media {f['media_s']} s), {f['bytes'] / 1e9:.2f} GB; "
-              f"host: spares {buffers / 1e9:.2f} GB + {f['host_transient_bytes'] / 1e9:.2f} GB "
-              "while it ran", flush=True)
+        tracked_host_figures(report)
         _write(out, report)
         del trainer
         # plain again: drift of the machine between the runs shows
@@ -354,16 +378,7 @@ def run(a, sizes: dict, device: torch.device, out: Path | None) -> dict:
         _write(out, report)
 
         # 4. the unavoidable work
-        left = a.deadline - (time.perf_counter() - _STARTED)
-        if a.reference and left > a.reference_s:
-            report["reference"] = snapshot_reference(final_path, device, tmp)
-            r = report["reference"]
-            r["final_vs_unavoidable"] = f["seconds"] / r["unavoidable_s"]
-            print(f"unavoidable: eigh {r['eigh_s']:.1f} s + write {r['write_s']:.1f} s = "
-                  f"{r['unavoidable_s']:.1f} s; final snapshot {r['final_vs_unavoidable']:.2f}x",
-                  flush=True)
-        elif a.reference:
-            report["reference"] = f"skipped: {left:.0f} s left, {a.reference_s} s needed"
+        reference_part(a, report, final_path, device, tmp)
         _write(out, report)
     finally:
         rss.stop()

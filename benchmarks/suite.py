@@ -68,9 +68,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import suite_tasks as st
+import classification_figures as cf
+import multiple_choice as mc
 import torch
-import uncertainty_classification as uc
+from tasks import suite_tasks as st
+from tasks.registry import ALL_TASKS, make_task
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, metrics
@@ -519,7 +521,7 @@ def verdicts(tasks: dict) -> dict:
                                for c in candidates(tasks)), key=lambda r: (max(r[0], 1.0), r[1]))}
 
 
-LIBRARY_LINK = uc.LINK
+LIBRARY_LINK = cf.LINK
 SHIPPED = ("default", LIBRARY_LINK, "marglik")  # the library's default as it is
 
 
@@ -626,19 +628,6 @@ def uc_args() -> argparse.Namespace:
         train_per_class=48, val_per_class=24, test_per_class=72, ft_steps=500, batch=16,
         lr=2e-3, man_train_per_class=48, man_val_per_class=32, man_test_per_class=64,
         man_steps=500, man_lr=2e-3, man_width=64, man_layers=2, kron_batch=32)
-
-
-def make_task(name: str, seed: int, a, base):
-    if name == "docstring-lora":
-        return st.Docstring(seed, a, base)
-    if name == "manpage-section":
-        return st.Manpage(seed, a)
-    return st.NEW_TASKS[name](seed)
-
-
-ALL_TASKS = ["license-fit", "manpage-section", "glyph-digits", "source-small", "docstring-lora",
-             "lm-heldout", "encoder-filekind"]
-ALL_TASKS += [n for n in st.NEW_TASKS if n not in ALL_TASKS]  # the pre-train-then-fine-tune tasks
 
 
 def head_layers(model) -> dict:
@@ -750,7 +739,7 @@ def main(argv=None) -> None:
         ua.man_steps, ua.ft_steps = 60, 40
     torch.manual_seed(0)
     torch.set_flush_denormal(True)
-    base = (uc.base_lm(str(HERE.parent / "out" / "bench" / "tiny_lm"), 1000)[0]
+    base = (mc.base_lm(str(HERE.parent / "out" / "bench" / "tiny_lm"), 1000)[0]
             if "docstring-lora" in a.tasks else None)
     command = "python benchmarks/suite.py " + shlex.join(argv if argv is not None
                                                          else sys.argv[1:])

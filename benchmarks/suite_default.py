@@ -56,10 +56,10 @@ import os
 import tempfile
 import time
 
+import multiple_choice as mc
 import suite
-import suite_tasks as st
 import torch
-import uncertainty_classification as uc
+from tasks import suite_tasks as st
 from transformers import Trainer, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, metrics
@@ -99,7 +99,7 @@ def eval_items(task) -> list[dict[str, torch.Tensor]]:
         return [{"input_ids": r, "attention_mask": torch.ones_like(r), "labels": r.clone()}
                 for r in w]
     if isinstance(task, st.Docstring):
-        return [uc.train_example(s, c) for s, c in task.splits["val"]]
+        return [mc.train_example(s, c) for s, c in task.splits["val"]]
     make = task.t.example if isinstance(task, st.Manpage) else task.example
     return [make(s, c) for s, c in task.splits["val"]]
 
@@ -109,7 +109,7 @@ def answer_tokens(task) -> list[int] | None:
     task sets ``KFACConfig(answer_tokens=...)``); None for classifier heads and next-token
     tasks."""
     if task.name in ("docstring-lora", "ft-lora-mc"):
-        return list(uc.ANSWER_IDS)
+        return list(mc.ANSWER_IDS)
     return list(task.label_ids) if task.name == "ft-seq2seq" else None
 
 
@@ -420,7 +420,7 @@ def main(argv=None) -> None:
     torch.set_flush_denormal(True)
     base = None
     if "docstring-lora" in a.tasks and not a.table:
-        base = uc.base_lm(str(HERE.parent / "out" / "bench" / "tiny_lm"), 1000)[0]
+        base = mc.base_lm(str(HERE.parent / "out" / "bench" / "tiny_lm"), 1000)[0]
     tasks: dict[str, list[dict]] = {}
     for name in a.tasks:
         for seed in a.seeds:

@@ -17,6 +17,8 @@ from models import text_examples, tiny_gpt2
 from reference import rel_err
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import classification_figures as cf  # noqa: E402
+import multiple_choice as mc  # noqa: E402
 import uncertainty_classification as uc  # noqa: E402
 
 EXACT_TOL = 1e-12  # the same float64 arithmetic in a different order
@@ -24,50 +26,50 @@ PAD_TOL = 1e-5  # float32 model: padded vs unpadded batches take different kerne
 
 
 def test_choice_splits_balanced_disjoint_and_labelled_by_their_package():
-    splits = uc.choice_splits(6, 3, 5, seed=1)
-    per = {p: set(uc.docstring_snippets(p)) for p in uc.PACKAGES}
+    splits = mc.choice_splits(6, 3, 5, seed=1)
+    per = {p: set(mc.docstring_snippets(p)) for p in mc.PACKAGES}
     seen = set()
     for name, n in (("train", 6), ("val", 3), ("test", 5)):
         items = splits[name]
         assert sorted(c for _, c in items) == sorted(list(range(4)) * n)
         for s, c in items:
-            assert s in per[uc.PACKAGES[c]]
-            assert all(s not in per[p] for p in uc.PACKAGES if p != uc.PACKAGES[c])
-            assert 40 <= len(s.encode()) <= uc.SNIPPET_BYTES
+            assert s in per[mc.PACKAGES[c]]
+            assert all(s not in per[p] for p in mc.PACKAGES if p != mc.PACKAGES[c])
+            assert 40 <= len(s.encode()) <= mc.SNIPPET_BYTES
             assert s not in seen
             seen.add(s)
-    assert uc.choice_splits(6, 3, 5, seed=1) == splits  # deterministic
+    assert mc.choice_splits(6, 3, 5, seed=1) == splits  # deterministic
 
 
 def test_train_example_loss_only_at_the_answer_and_collate_pads():
-    a = uc.train_example("short docstring of something useful here, long enough", 2)
-    b = uc.train_example("x" * 60, 0)
+    a = mc.train_example("short docstring of something useful here, long enough", 2)
+    b = mc.train_example("x" * 60, 0)
     assert a["input_ids"][-1] == ord("C") and b["input_ids"][-1] == ord("A")
     assert (a["labels"][:-1] == -100).all() and a["labels"][-1] == ord("C")
-    batch = uc.collate([a, b])
+    batch = mc.collate([a, b])
     T = max(len(a["input_ids"]), len(b["input_ids"]))
     assert batch["input_ids"].shape == (2, T)
     n = len(b["input_ids"])
     assert batch["attention_mask"][1].tolist() == [1] * n + [0] * (T - n)
     assert (batch["labels"][1, n:] == -100).all() and (batch["input_ids"][1, n:] == 0).all()
-    assert len(uc.prompt_ids("y" * uc.SNIPPET_BYTES)) + 1 <= 128  # fits the base LM
+    assert len(mc.prompt_ids("y" * mc.SNIPPET_BYTES)) + 1 <= 128  # fits the base LM
 
 
 def test_answer_logits_under_right_padding_equal_unpadded_ones():
     model = app_gpt2(seed=3).eval()
     items = [("a fairly long docstring about event loops, futures and their tasks", 0),
              ("short one, yet forty characters long....", 1)]
-    batch, y = uc.prompt_batch(items)
+    batch, y = mc.prompt_batch(items)
     assert y.tolist() == [0, 1]
-    got = uc.map_answer_logits(model, batch)
-    head = uc.AnswerHead(model)
+    got = mc.map_answer_logits(model, batch)
+    head = mc.AnswerHead(model)
     head.answers_only = True
     with torch.no_grad():
         via_head = head(batch["input_ids"]).double()
     for i, (s, _) in enumerate(items):
-        ids = torch.tensor([uc.prompt_ids(s)])
+        ids = torch.tensor([mc.prompt_ids(s)])
         with torch.no_grad():
-            ref = model(input_ids=ids).logits[0, -1, uc.ANSWER_IDS].double()
+            ref = model(input_ids=ids).logits[0, -1, mc.ANSWER_IDS].double()
         assert (got[i] - ref).abs().max() < PAD_TOL
         assert (via_head[i] - ref).abs().max() < PAD_TOL
 
@@ -84,9 +86,9 @@ def posterior(tmp_path_factory):
 def test_covs_for_many_tau_equal_the_librarys_predictive(posterior):
     ex = text_examples(3, 10, seed=4, lengths=[10, 8, 6])
     batch = {k: torch.stack([e[k] for e in ex]) for k in ("input_ids", "attention_mask")}
-    tokens = uc.ANSWER_IDS
+    tokens = mc.ANSWER_IDS
     taus = [1e-3, 0.7, 50.0]
-    covs = uc.stream_covs(posterior, batch, taus)  # one predictive_covariances pass
+    covs = mc.stream_covs(posterior, batch, taus)  # one predictive_covariances pass
     for t in taus:
         posterior.prior_precision = t
         _, ref = posterior.predictive(batch, -1, tokens)
@@ -95,9 +97,9 @@ def test_covs_for_many_tau_equal_the_librarys_predictive(posterior):
         assert err < EXACT_TOL
 
 
-# -- the man-page task (benchmarks/classification_tasks.py) ---------------------------------------
+# -- the man-page task (benchmarks/tasks/classification_tasks.py) ----------------------------------
 
-import classification_tasks as ct  # noqa: E402
+from tasks import classification_tasks as ct  # noqa: E402
 
 
 def test_troff_text_keeps_macro_text_and_drops_requests_and_escapes():
@@ -163,33 +165,33 @@ def test_tracker_settings_default_first_and_distinct():
 
 
 def test_mean_std_and_acceptance_from_numbers():
-    assert uc.mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0)
-    assert uc.mean_std([4.0]) == (4.0, 0.0)
+    assert cf.mean_std([1.0, 2.0, 3.0]) == (2.0, 1.0)
+    assert cf.mean_std([4.0]) == (4.0, 0.0)
 
     def seed(map_nll, lap_nll, map_ece, lap_ece, map_acc, lap_acc, kron_nll):
         # laplace-torch's own default predictive (probit) is the peer of the NLL criterion; its
         # covariance under our link (here 0.5, which would fail every ratio) is only printed
         return {"results": {
             "MAP": {"nll": map_nll, "ece": map_ece, "accuracy": map_acc},
-            uc.MAIN: {"nll": lap_nll, "ece": lap_ece, "accuracy": lap_acc},
-            uc.KRON: {"nll": 0.5, "ece": 0.1, "accuracy": 0.5,
+            cf.MAIN: {"nll": lap_nll, "ece": lap_ece, "accuracy": lap_acc},
+            cf.KRON: {"nll": 0.5, "ece": 0.1, "accuracy": 0.5,
                       "investigation": {"nll_probit": kron_nll}}},
-            "taus": {}, "cost_seconds": {"MAP": 0.0, uc.MAIN: 0.0, uc.KRON: 0.0}}
+            "taus": {}, "cost_seconds": {"MAP": 0.0, cf.MAIN: 0.0, cf.KRON: 0.0}}
 
     per = [seed(1.5, 1.4, 0.2, 0.05, 0.6, 0.595, 1.45), seed(1.6, 1.61, 0.3, 0.1, 0.5, 0.5, 1.55)]
-    acc = uc.acceptance(per, uc.summarise(per))
+    acc = cf.acceptance(per, cf.summarise(per))
     assert [c["met"] for c in acc] == [False, True, True, True]
     assert "vs 1.5000 (ratio 1.003)" in acc[3]["figures"]
     assert "0.5000 (ratio 3.010)" in acc[3]["figures"]  # the same-link figure, printed
-    per[1]["results"][uc.MAIN]["nll"] = 1.59
-    per[1]["results"][uc.MAIN]["accuracy"] = 0.47
-    per[0]["results"][uc.KRON]["investigation"]["nll_probit"] = 1.2
-    acc = uc.acceptance(per, uc.summarise(per))
+    per[1]["results"][cf.MAIN]["nll"] = 1.59
+    per[1]["results"][cf.MAIN]["accuracy"] = 0.47
+    per[0]["results"][cf.KRON]["investigation"]["nll_probit"] = 1.2
+    acc = cf.acceptance(per, cf.summarise(per))
     assert [c["met"] for c in acc] == [True, True, False, False]  # 1.495 / 1.375 > 1.03
 
 
 def test_sample_kinds_compares_both_kinds_per_seed_and_by_the_worst_seed():
-    w, lin = uc.kind_rule(False, 32), uc.kind_rule(True, 32)
+    w, lin = cf.kind_rule(False, 32), cf.kind_rule(True, 32)
     assert "linearized=False" in w and "linearized=True" in lin
 
     def seed(s, w_acc, l_acc, w_nll, l_nll):
@@ -200,7 +202,7 @@ def test_sample_kinds_compares_both_kinds_per_seed_and_by_the_worst_seed():
     # linearised better by accuracy on every seed; by NLL on one seed only, yet its worst NLL
     # (1.3) is below the weight samples' worst (1.5)
     per = [seed(0, 0.25, 0.50, 1.5, 1.3), seed(1, 0.30, 0.45, 1.2, 1.25)]
-    c = uc.sample_kinds(per, 32)
+    c = cf.sample_kinds(per, 32)
     assert [r["seed"] for r in c["per_seed"]] == [0, 1]
     assert c["per_seed"][1]["linearised"]["nll"] == 1.25
     v = c["verdict"]
@@ -210,12 +212,12 @@ def test_sample_kinds_compares_both_kinds_per_seed_and_by_the_worst_seed():
     assert v["nll"]["worst"] == {"weight": 1.5, "linearised": 1.3}
     assert v["ece"] == {"every_seed": None, "worst_seed": None,
                         "worst": {"weight": 0.1, "linearised": 0.1}}  # ties: neither
-    line = uc.kinds_verdict(c)
+    line = cf.kinds_verdict(c)
     assert "by majority accuracy **linearised**" in line and "NLL of the mean probabilities " \
         "**neither**" in line and "NLL **linearised (1.3000 linearised vs 1.5000 weight)**" in line
     assert uc.kinds_table(c)[-1].startswith("- sample kinds: ")
     del per[1]["selective"][lin]  # a run from before both kinds were run
-    assert uc.sample_kinds(per, 32) is None and uc.kinds_table(None) == []
+    assert cf.sample_kinds(per, 32) is None and uc.kinds_table(None) == []
 
 
 # -- over seeds (benchmarks/_common.py, uncertainty.py, headline.py) ---------------------------
@@ -227,7 +229,7 @@ import _common  # noqa: E402
 
 
 def test_mean_std_is_shared_by_both_uncertainty_scripts():
-    assert uc.mean_std is _common.mean_std and un.mean_std is _common.mean_std
+    assert cf.mean_std is _common.mean_std and un.mean_std is _common.mean_std
     m, s = _common.mean_std([1.0, 4.0])
     assert m == 2.5 and abs(s - 1.5 * 2 ** 0.5) < 1e-12
 

@@ -15,7 +15,7 @@ pytest.importorskip("sklearn", reason="peer not installed (Makefile PEER_PKGS)")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import influence_lds as il  # noqa: E402
-import lds_tasks as lt  # noqa: E402
+from tasks import lds_tasks as lt  # noqa: E402
 
 
 def test_lds_is_one_for_additive_truth_and_minus_one_reversed():

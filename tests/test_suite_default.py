@@ -13,7 +13,7 @@ from kfac_stream.snapshot.heldout_prior import HeldoutPrior
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import suite_default as sd  # noqa: E402
-import suite_tasks as st  # noqa: E402
+from tasks import suite_tasks as st  # noqa: E402
 
 #: The suite symmetrises each covariance and adds ``1e-12 · max diag`` (`suite.psd`); the
 #: posterior's own probabilities take the covariance as it is. The NLLs then differ by
@@ -21,7 +21,7 @@ import suite_tasks as st  # noqa: E402
 ROUTE_TOL = 1e-9
 
 
-class TinyTask(st._Classifier):
+class TinyTask(st.Classifier):
     """A 3-class byte classifier small enough for a test: class ``c``'s sequences hold bytes
     of one range (``1 + 80c`` to ``80 + 80c``) with random noise bytes, 12 tokens."""
 

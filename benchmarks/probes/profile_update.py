@@ -11,12 +11,13 @@ wall time, and the tracker's counters, and writes the tables to ``--out`` (a dir
 Without CUDA (``--dry-run``): the same on a 2-layer Llama on the CPU (the device path with the
 CPU standing in for the device), to check the script.
 
-Usage (GPU machine, docs/gpu.md): ``python3 benchmarks/profile_update.py --out DIR``
+Usage (GPU machine, docs/gpu.md): ``python3 benchmarks/probes/profile_update.py --out DIR``
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -32,7 +33,8 @@ from transformers import (
 
 from kfac_stream import KFACConfig, KFACStreamCallback
 
-from _common import RandomTokens
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+from _common import RandomTokens  # noqa: E402
 
 TINYLLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                  num_attention_heads=32, num_key_value_heads=4, vocab_size=32000)

@@ -45,11 +45,11 @@ from __future__ import annotations
 
 import math
 import random
-import sysconfig
 from pathlib import Path
 
+import kron_laplace as kl
+import multiple_choice as mc
 import torch
-import uncertainty_classification as uc
 from torch import nn
 from transformers import (
     BertConfig,
@@ -60,59 +60,10 @@ from transformers import (
 
 from kfac_stream.app import data as app_data
 from kfac_stream.app.models import tiny_gpt2
+from tasks import uncertainty_tasks as ut
+from tasks.pools import file_kind_pools, license_pool, source_pool, split_pools
 
-
-def _windows(text: bytes, n: int) -> list[bytes]:
-    """Non-overlapping ``n``-byte windows of ``text`` that are not mostly whitespace and hold no
-    byte 0 (the classifiers' padding token)."""
-    out = []
-    for i in range(0, len(text) - n + 1, n):
-        w = text[i:i + n]
-        if 0 not in w and len(w.split()) >= 3:
-            out.append(w)
-    return out
-
-
-def source_pool(packages: tuple[str, ...], n: int) -> list[bytes]:
-    """``n``-byte windows of the ``.py`` files of stdlib ``packages`` (test folders left out),
-    files in sorted order."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    out: list[bytes] = []
-    for package in packages:
-        path = root / package
-        files = sorted(path.rglob("*.py")) if path.is_dir() else [root / f"{package}.py"]
-        for f in files:
-            if any(p.startswith("test") for p in f.relative_to(root).parts[:-1]):
-                continue
-            out += _windows(f.read_bytes(), n)
-    return out
-
-
-def license_pool(name: str, n: int, root: str = "/usr/share/common-licenses") -> list[bytes]:
-    """``n``-byte windows of one license text, whitespace collapsed."""
-    text = b" ".join(Path(root, name).read_bytes().split())
-    return _windows(text, n)
-
-
-def split_pools(pools: list[list], sizes: tuple[int, int, int], seed: int
-                ) -> dict[str, list[tuple]]:
-    """``{"train" | "val" | "test": [(item, class)]}``: per class ``sizes`` items drawn without
-    replacement (shuffled with ``seed``), so the three sets are disjoint and balanced."""
-    rng = random.Random(seed)
-    out: dict[str, list[tuple]] = {"train": [], "val": [], "test": []}
-    need = sum(sizes)
-    for c, pool in enumerate(pools):
-        if len(pool) < need:
-            raise SystemExit(f"class {c}: {len(pool)} items, {need} needed")
-        items = rng.sample(pool, need)
-        a, b = sizes[0], sizes[0] + sizes[1]
-        out["train"] += [(x, c) for x in items[:a]]
-        out["val"] += [(x, c) for x in items[a:b]]
-        out["test"] += [(x, c) for x in items[b:]]
-    for v in out.values():
-        rng.shuffle(v)
-    return out
-
+from _common import batches
 
 # -- glyphs ---------------------------------------------------------------------------------------
 
@@ -150,7 +101,7 @@ def glyph_pools(per_class: int, seed: int) -> list[list[bytes]]:
 
 # -- tasks ----------------------------------------------------------------------------------------
 
-class _Classifier:
+class Classifier:
     """A tiny GPT-2 sequence classifier trained from scratch on byte-like token sequences of
     one length (no padding; token 0 never occurs): the shared part of the new tasks."""
 
@@ -194,25 +145,25 @@ class _Classifier:
 
     @torch.no_grad()
     def logits(self, model, batch):
-        return torch.cat([model(**b).logits.double() for b in uc.batches(batch, 64)])
+        return torch.cat([model(**b).logits.double() for b in batches(batch, 64)])
 
     def covs(self, post, batch, taus):
         covs = [post.predictive_covariances(b, -1, None, prior_precisions=taus)[1]
-                for b in uc.batches(batch, 64)]
+                for b in batches(batch, 64)]
         return dict(zip(taus, torch.cat(covs, dim=1), strict=True))
 
     def kron(self, model, layers: list[str]):
-        head = uc.SeqClassifierHead(model, layers)
+        head = kl.SeqClassifierHead(model, layers)
         b, y = self.batch(self.splits["train"])
         loader = torch.utils.data.DataLoader(
             torch.utils.data.TensorDataset(b["input_ids"], y), batch_size=32)
-        return uc._fit_kron(head, loader)
+        return kl.fit_kron(head, loader)
 
     def kron_covs(self, la, head, batch):
-        return uc.kron_covs(la, head, batch, size=1)  # jacrev's cost grows with B²
+        return kl.kron_covs(la, head, batch, size=1)  # jacrev's cost grows with B²
 
 
-class SourceSmall(_Classifier):
+class SourceSmall(Classifier):
     name = "source-small"
     title = ("source window → stdlib package, 4-way, 300 sequences × 65 tokens, 400 steps at "
              "batch 30 (40 updates), 3-layer classifier from scratch")
@@ -223,7 +174,7 @@ class SourceSmall(_Classifier):
         super().__init__(seed, [source_pool(p, 65) for p in self.PACKAGES], (75, 30, 75))
 
 
-class LicenseFit(_Classifier):
+class LicenseFit(Classifier):
     name = "license-fit"
     title = ("license window → license, 4-way, 256 sequences × 64 tokens, 1200 steps (fits "
              "its training set), 2-layer classifier from scratch")
@@ -234,7 +185,7 @@ class LicenseFit(_Classifier):
         super().__init__(seed, [license_pool(n, 64) for n in self.LICENSES], (64, 30, 50))
 
 
-class GlyphDigits(_Classifier):
+class GlyphDigits(Classifier):
     name = "glyph-digits"
     title = ("rendered digit, 8×8 pixels at 16 grey levels → 64 tokens, 10-way, 400 images, "
              "600 steps, 2-layer classifier from scratch")
@@ -245,7 +196,7 @@ class GlyphDigits(_Classifier):
         super().__init__(seed, glyph_pools(40 + 12 + 24, seed), (40, 12, 24))
 
 
-class LastTokenHead(uc.SeqClassifierHead):
+class LastTokenHead(kl.SeqClassifierHead):
     """laplace-torch view of the LM: ``input_ids [B, T]`` -> next-token logits at the last
     position ``[B, V]`` (the classifier head's copy and frozen weights, another output)."""
 
@@ -315,12 +266,12 @@ class LMHeldout:
 
     @torch.no_grad()
     def logits(self, model, batch):
-        return torch.cat([model(**b).logits[:, -1].double() for b in uc.batches(batch, 32)])
+        return torch.cat([model(**b).logits[:, -1].double() for b in batches(batch, 32)])
 
     def covs(self, post, batch, taus):
         vocab = list(range(CHAR_CLASSES))
         covs = [post.predictive_covariances(b, -1, vocab, prior_precisions=taus)[1]
-                for b in uc.batches(batch, 32)]
+                for b in batches(batch, 32)]
         return dict(zip(taus, torch.cat(covs, dim=1), strict=True))
 
     def kron(self, model, layers: list[str]):
@@ -328,22 +279,22 @@ class LMHeldout:
         ids = self.kron_windows
         loader = torch.utils.data.DataLoader(
             torch.utils.data.TensorDataset(ids[:, :-1], ids[:, -1]), batch_size=16)
-        return uc._fit_kron(head, loader)
+        return kl.fit_kron(head, loader)
 
     def kron_covs(self, la, head, batch):
-        return uc.kron_covs(la, head, batch, size=1)
+        return kl.kron_covs(la, head, batch, size=1)
 
 
 # -- the two tasks of uncertainty_classification.py, adapted ------------------------------------
 
 class Manpage:
-    """`uc.ManpageTask` (its default sizes) with the suite's interface."""
+    """`ut.ManpageTask` (its default sizes) with the suite's interface."""
 
-    name, title = uc.ManpageTask.name, uc.ManpageTask.title
+    name, title = ut.ManpageTask.name, ut.ManpageTask.title
     scheduler, warmup, collate = "linear", 0, None
 
     def __init__(self, seed: int, a):
-        self.seed, self.t = seed, uc.ManpageTask(a, seed)
+        self.seed, self.t = seed, ut.ManpageTask(a, seed)
         self.steps, self.batch_size, self.lr = a.man_steps, a.batch, a.man_lr
         self.train_items, self.evals, self.splits = (self.t.train_items, self.t.evals,
                                                      self.t.splits)
@@ -365,29 +316,29 @@ class Manpage:
         return self.t.kron(model, layers)
 
     def kron_covs(self, la, head, batch):
-        return uc.kron_covs(la, head, batch, size=1)
+        return kl.kron_covs(la, head, batch, size=1)
 
 
 class Docstring:
-    """`uc.DocstringTask` (its default sizes, LoRA on the cached base LM) with the suite's
+    """`ut.DocstringTask` (its default sizes, LoRA on the cached base LM) with the suite's
     interface."""
 
-    name, title = uc.DocstringTask.name, uc.DocstringTask.title
+    name, title = ut.DocstringTask.name, ut.DocstringTask.title
     scheduler, warmup = "linear", 0
-    collate = staticmethod(uc.collate)
+    collate = staticmethod(mc.collate)
 
     def __init__(self, seed: int, a, base):
-        self.seed, self.base, self.t = seed, base, uc.DocstringTask(a, seed, base)
+        self.seed, self.base, self.t = seed, base, ut.DocstringTask(a, seed, base)
         self.steps, self.batch_size, self.lr = a.ft_steps, a.batch, a.lr
         self.train_items, self.evals, self.splits = (self.t.train_items, self.t.evals,
                                                      self.t.splits)
         self.a = a
 
     def model(self):
-        return uc.lora_model(self.base, self.seed)
+        return mc.lora_model(self.base, self.seed)
 
     def train_batch(self):
-        return uc.prompt_batch(self.splits["train"])
+        return mc.prompt_batch(self.splits["train"])
 
     def logits(self, model, batch):
         return self.t.logits(model, batch)
@@ -399,55 +350,10 @@ class Docstring:
         return self.t.kron(model)
 
     def kron_covs(self, la, head, batch):
-        return uc.kron_covs(la, head, batch, size=1)
+        return kl.kron_covs(la, head, batch, size=1)
 
 
-def _file_windows(files, n: int = 64, cap: int = 4000) -> list[bytes]:
-    """``n``-byte windows (whitespace collapsed per file) of ``files`` in sorted order, until
-    more than ``cap`` are gathered; unreadable files are skipped."""
-    out: list[bytes] = []
-    for f in sorted(files):
-        try:
-            text = b" ".join(Path(f).read_bytes().split())
-        except OSError:
-            continue
-        out += _windows(text, n)
-        if len(out) > cap:
-            break
-    return out
-
-
-def _sh_scripts(root: str = "/usr/bin") -> list[Path]:
-    out = []
-    for p in Path(root).iterdir():
-        try:
-            if p.is_file() and p.open("rb").read(9) == b"#!/bin/sh":
-                out.append(p)
-        except OSError:
-            continue
-    return out
-
-
-def file_kind_pools(n: int = 64) -> list[list[bytes]]:
-    """``n``-byte windows of 10 kinds of text file a Debian machine with Python holds: Python
-    source (asyncio), C headers, license texts, pydoc text, Perl modules, ``/bin/sh``
-    scripts, JSON, CSS, glibc locale definitions, HTML documentation."""
-    lib = Path(sysconfig.get_paths()["stdlib"])
-    pydoc = b" ".join(" ".join(app_data.pydoc_documents()[:300]).encode().split())
-    return [_file_windows((lib / "asyncio").glob("*.py"), n),
-            _file_windows(Path("/usr/include").glob("*.h"), n),
-            _file_windows([Path("/usr/share/common-licenses", x)
-                           for x in ("GPL-3", "Apache-2.0", "MPL-2.0", "Artistic")], n),
-            _windows(pydoc, n)[:4000],
-            _file_windows(Path("/usr/share/perl5").rglob("*.pm"), n),
-            _file_windows(_sh_scripts(), n),
-            _file_windows(lib.rglob("*.json"), n),
-            _file_windows(Path("/usr/share").rglob("*.css"), n),
-            _file_windows(Path("/usr/share/i18n/locales").glob("*"), n),
-            _file_windows(Path("/usr/share/doc").glob("*/*.html"), n)]
-
-
-class EncoderFileKind(_Classifier):
+class EncoderFileKind(Classifier):
     """The regime the first suite lacked: a BERT-style bidirectional encoder with a pooled
     head, trained from scratch on little data, 10 classes, tens of factor updates. Each
     64-byte window is preceded by a ``[CLS]`` token (id 256) whose pooled state the head
@@ -479,20 +385,9 @@ class EncoderFileKind(_Classifier):
             pad_token_id=0))
 
 
-NEW_TASKS = {t.name: t for t in (SourceSmall, LicenseFit, GlyphDigits, LMHeldout,
-                                 EncoderFileKind)}
-
-
-def _finetune_tasks() -> None:
-    """The fine-tune tasks (`finetune_tasks`: a pre-trained small model fine-tuned
-    briefly, MAP calibrated or underconfident): ``ft-encoder``, ``ft-lora-mc``,
-    ``ft-seq2seq``. Imported here, after this module's helpers they use exist."""
-    import finetune_tasks
-
-    NEW_TASKS.update(finetune_tasks.TASKS)
-
-
-_finetune_tasks()
+#: the suite's tasks trained from scratch, by name (`tasks.registry`: every suite task)
+TASKS = {t.name: t for t in (SourceSmall, LicenseFit, GlyphDigits, LMHeldout,
+                             EncoderFileKind)}
 
 
 def updates_per_run(steps: int, update_every: int) -> int:

@@ -1,6 +1,6 @@
 r"""How long the walkthroughs take as a user runs them, and the callback's share of it.
 
-Usage: ``python benchmarks/walkthrough_times.py [--repeats 2] [--only classification ...]``;
+Usage: ``python benchmarks/probes/walkthrough_times.py [--repeats 2] [--only classification ...]``;
 ``--quick`` is a smoke run (each script shortened by its own step arguments) that writes
 nothing. Writes ``benchmarks/results/walkthrough_times.json`` and the ``walkthrough-times``
 section of ``benchmarks/RESULTS.md``.
@@ -37,8 +37,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-from _common import HERE, machine, write_json, write_section
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+from _common import HERE, machine, write_json, write_section  # noqa: E402
 
 BEGIN, END = "<!-- walkthrough-times:begin -->", "<!-- walkthrough-times:end -->"
 ROOT = HERE.parent
@@ -136,12 +138,12 @@ def main(argv=None) -> None:
         slowest = max(r["wall_s"] for r in rs if r["variant"] == VARIANTS[0])
         verdicts[name] = {"where": where, "stated": said, "bound_s": bound,
                           "slowest_wall_s": slowest, "holds": slowest <= bound}
-    lines = [BEGIN, "## The walkthroughs' times (`benchmarks/walkthrough_times.py`)", "",
+    lines = [BEGIN, "## The walkthroughs' times (`benchmarks/probes/walkthrough_times.py`)", "",
              f"- date: {info['date']}",
              f"- machine: {info['cpu']}, {info['cores']} cores, {info['torch_threads']} torch "
              f"threads; torch {info['torch']}, transformers {info['transformers']}, peft "
              f"{info['peft']}, Python {info['python']}",
-             f"- command: `python benchmarks/walkthrough_times.py --repeats {a.repeats}"
+             f"- command: `python benchmarks/probes/walkthrough_times.py --repeats {a.repeats}"
              + (" --quick" if a.quick else "")
              + ("" if a.only == list(WALKTHROUGHS) else " --only " + " ".join(a.only)) + "`",
              "- each script at its default steps, in a fresh process, as a user runs it; wall: "

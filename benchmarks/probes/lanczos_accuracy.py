@@ -16,13 +16,14 @@ medians). Bounds (the test's): λ_max 1e-3, eff_rank 2%, W1 0.1 decades.
 
 ``--quick``: the tiny Llama (hidden 64, 2 layers), 2 steps of 2 x 16 tokens; writes nothing.
 
-Usage: ``python benchmarks/lanczos_accuracy.py [--steps 6] [--device cpu|cuda] [--quick]``
+Usage: ``python benchmarks/probes/lanczos_accuracy.py [--steps 6] [--device cpu|cuda] [--quick]``
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,7 +41,8 @@ from kfac_stream.stats.lanczos import (
 )
 from kfac_stream.stats.spectrum import spectrum_stats
 
-from _common import MID_LLAMA, QUICK_LLAMA, RandomTokens, machine, write_json
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+from _common import MID_LLAMA, QUICK_LLAMA, RandomTokens, machine, write_json  # noqa: E402
 
 MID = dict(MID_LLAMA, vocab_size=4096)
 QUICK = dict(QUICK_LLAMA, vocab_size=256)

@@ -18,7 +18,7 @@ Prints the figures and writes ``benchmarks/results/snapshot_periodic.json``. Tar
 periodic snapshot launches no eigh at the default rule and holds the training thread
 <= 0.1 s. ``--quick``: a tiny model, nothing written.
 
-Usage: ``python benchmarks/snapshot_periodic.py [--steps 9] [--reps 3]``
+Usage: ``python benchmarks/probes/snapshot_periodic.py [--steps 9] [--reps 3]``
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,7 +40,8 @@ import kfac_stream.tracking.session as session_module
 from kfac_stream import KFACConfig, KFACStreamCallback, Snapshot
 from kfac_stream.stats import spectrum
 
-from _common import MID_LLAMA, QUICK_LLAMA, RandomTokens, machine, write_json
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+from _common import MID_LLAMA, QUICK_LLAMA, RandomTokens, machine, write_json  # noqa: E402
 
 HOLD_S = 0.1
 

@@ -43,11 +43,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import kron_laplace as kl
+import multiple_choice as mc
 import torch
-import uncertainty_classification as uc
 from torch import nn
 
 from kfac_stream.app import data as app_data
+from tasks import uncertainty_tasks as ut
+from tasks.pools import file_kind_pools, file_windows, split_pools, windows
+
+from _common import batches
 
 CACHE = Path(tempfile.gettempdir()) / "kfac_suite_cache"
 
@@ -107,25 +112,21 @@ def pretrain(model: nn.Module, batch_fn, steps: int, lr: float, seed: int = 0) -
 
 def pydoc_windows(n: int) -> list[bytes]:
     """``n``-byte windows of Python's reference documentation (whitespace collapsed)."""
-    import suite_tasks as st
-
     text = b" ".join(" ".join(app_data.pydoc_documents()).encode().split())
-    return st._windows(text, n)
+    return windows(text, n)
 
 
 def source_windows(n: int) -> list[bytes]:
     """``n``-byte windows of stdlib source (whitespace collapsed; tests left out)."""
-    import suite_tasks as st
-
     root = Path(sysconfig.get_paths()["stdlib"])
     files = [f for p in ("asyncio", "email", "json", "http", "logging", "xml", "unittest",
                          "importlib", "concurrent") for f in sorted((root / p).rglob("*.py"))]
-    return st._file_windows(files, n, cap=40_000)
+    return file_windows(files, n, cap=40_000)
 
 
 def _eval_mean(model, batch, fn, size: int = 64) -> torch.Tensor:
     with torch.no_grad():
-        return torch.cat([fn(model, b) for b in uc.batches(batch, size)])
+        return torch.cat([fn(model, b) for b in batches(batch, size)])
 
 
 class _Task:
@@ -145,7 +146,7 @@ CLS, MASK = 256, 257
 class FtEncoder(_Task):
     """Pre-trained BERT-style encoder, fine-tuned briefly: 64-byte window → the kind of file
     it is from, 6-way (Python source, C header, license text, Perl module, JSON, HTML:
-    `suite_tasks.file_kind_pools`' windows, whitespace collapsed), ``[CLS]`` + 64 bytes.
+    `tasks.pools.file_kind_pools`' windows, whitespace collapsed), ``[CLS]`` + 64 bytes.
 
     Pre-training (once, cached): ``BertForMaskedLM`` (2 × 64, 4 heads, dropout 0.1) on pydoc's
     64-byte windows, BERT's masking (15%: 80% [MASK], 10% random, 10% kept), 400 steps at
@@ -171,11 +172,9 @@ class FtEncoder(_Task):
            "lr": 1e-3}
 
     def __init__(self, seed: int):
-        import suite_tasks as st
-
         self.seed = seed
-        pools = st.file_kind_pools(64)
-        self.splits = st.split_pools([pools[k] for k in self.KINDS], self.SIZES, seed)
+        pools = file_kind_pools(64)
+        self.splits = split_pools([pools[k] for k in self.KINDS], self.SIZES, seed)
         self.n_classes = len(self.KINDS)
         self.train_items = [self.example(s, c) for s, c in self.splits["train"]]
         self.evals = {k: self.batch(self.splits[k]) for k in ("val", "test")}
@@ -235,18 +234,18 @@ class FtEncoder(_Task):
 
     def covs(self, post, batch, taus):
         covs = [post.predictive_covariances(b, -1, None, prior_precisions=taus)[1]
-                for b in uc.batches(batch, 64)]
+                for b in batches(batch, 64)]
         return dict(zip(taus, torch.cat(covs, dim=1), strict=True))
 
     def kron(self, model, layers):
-        head = uc.SeqClassifierHead(model, layers)
+        head = kl.SeqClassifierHead(model, layers)
         b, y = self.train_batch()
         loader = torch.utils.data.DataLoader(
             torch.utils.data.TensorDataset(b["input_ids"], y), batch_size=32)
-        return uc._fit_kron(head, loader)
+        return kl.fit_kron(head, loader)
 
     def kron_covs(self, la, head, batch):
-        return uc.kron_covs(la, head, batch, size=1)
+        return kl.kron_covs(la, head, batch, size=1)
 
 
 class FtEncoderMan(FtEncoder):
@@ -269,10 +268,10 @@ class FtEncoderMan(FtEncoder):
     SIZES = (40, 40, 60)
 
     def __init__(self, seed: int):
-        import classification_tasks as ct
+        from tasks import classification_tasks as ct
 
         self.seed = seed
-        cut = ct.manpage_splits(*self.SIZES, seed=seed, pools=uc.MAN_POOLS())
+        cut = ct.manpage_splits(*self.SIZES, seed=seed, pools=ut.MAN_POOLS())
         self.splits = {k: [(s[:64], c) for s, c in v] for k, v in cut.items()}
         self.n_classes = len(ct.SECTIONS)
         self.train_items = [self.example(s, c) for s, c in self.splits["train"]]
@@ -312,7 +311,7 @@ class FtLoraMC(_Task):
     title = ("man page → section as 4-way multiple choice with answer tokens: LoRA on a tiny "
              "Llama (2×64, GQA) pre-trained on pydoc, fine-tuned briefly")
     steps, batch_size, lr = 150, 16, 5e-3
-    collate = staticmethod(uc.collate)
+    collate = staticmethod(mc.collate)
     SIZES = (32, 40, 60)
     PRE = {"v": 1, "arch": "llama", "hidden": 64, "layers": 2, "heads": 4, "kv_heads": 2,
            "ffn": 176, "vocab": 256, "positions": 256, "corpus": "pydoc-128", "steps": 400,
@@ -320,10 +319,10 @@ class FtLoraMC(_Task):
     TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
     def __init__(self, seed: int):
-        import classification_tasks as ct
+        from tasks import classification_tasks as ct
 
         self.seed = seed
-        self.splits = ct.manpage_splits(*self.SIZES, seed=seed, pools=uc.MAN_POOLS())
+        self.splits = ct.manpage_splits(*self.SIZES, seed=seed, pools=ut.MAN_POOLS())
         self.train_items = [self.example(s, c) for s, c in self.splits["train"]]
         self.evals = {k: self.batch(self.splits[k]) for k in ("val", "test")}
         from transformers import LlamaForCausalLM
@@ -351,14 +350,14 @@ class FtLoraMC(_Task):
 
     @staticmethod
     def example(s: bytes, c: int):
-        ids = torch.tensor([*mc_prompt(s), uc.ANSWER_IDS[c]])
+        ids = torch.tensor([*mc_prompt(s), mc.ANSWER_IDS[c]])
         labels = torch.full_like(ids, -100)
         labels[-1] = ids[-1]
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": labels}
 
     @staticmethod
     def batch(items):
-        return uc.padded_batch([mc_prompt(s) for s, _ in items], [c for _, c in items])
+        return mc.padded_batch([mc_prompt(s) for s, _ in items], [c for _, c in items])
 
     def model(self):
         from peft import LoraConfig, get_peft_model
@@ -370,23 +369,23 @@ class FtLoraMC(_Task):
             return get_peft_model(copy.deepcopy(self.base), cfg)
 
     def logits(self, model, batch):
-        return _eval_mean(model, batch, uc.map_answer_logits, 32)
+        return _eval_mean(model, batch, mc.map_answer_logits, 32)
 
     def covs(self, post, batch, taus):
-        return uc.stream_covs(post, batch, taus)
+        return mc.stream_covs(post, batch, taus)
 
     def kron(self, model, layers):
         lm = copy.deepcopy(model).eval()
         for n, p in lm.named_parameters():
             p.requires_grad_("lora_" in n)
         b, y = self.train_batch()
-        targets = torch.tensor([uc.ANSWER_IDS[c] for c in y.tolist()])
+        targets = torch.tensor([mc.ANSWER_IDS[c] for c in y.tolist()])
         loader = torch.utils.data.DataLoader(
             torch.utils.data.TensorDataset(b["input_ids"], targets), batch_size=32)
-        return uc._fit_kron(uc.AnswerHead(lm), loader)
+        return kl.fit_kron(mc.AnswerHead(lm), loader)
 
     def kron_covs(self, la, head, batch):
-        return uc.kron_covs(la, head, batch, size=1)
+        return kl.kron_covs(la, head, batch, size=1)
 
 
 # -- (c) seq2seq classifier on a tiny T5 ----------------------------------------------------------
@@ -423,7 +422,7 @@ class T5LabelHead(nn.Module):
 class FtSeq2Seq(_Task):
     """Pre-trained tiny T5, fine-tuned briefly as a seq2seq classifier: 64-byte window → the
     kind of file it is from, 4-way (pydoc text, ``/bin/sh`` script, CSS, glibc locale:
-    `suite_tasks.file_kind_pools`' windows), the label as ONE token at decoder position 0
+    `tasks.pools.file_kind_pools`' windows), the label as ONE token at decoder position 0
     (``labels = [label, </s>]``, padded with -100 to the input's 65 positions: the tracker
     needs the decoder as long as the input; label tokens the bytes ``d s y l``).
 
@@ -450,11 +449,9 @@ class FtSeq2Seq(_Task):
            "batch": 32, "lr": 2e-3}
 
     def __init__(self, seed: int):
-        import suite_tasks as st
-
         self.seed = seed
-        pools = st.file_kind_pools(64)
-        self.splits = st.split_pools([pools[k] for k in self.KINDS], self.SIZES, seed)
+        pools = file_kind_pools(64)
+        self.splits = split_pools([pools[k] for k in self.KINDS], self.SIZES, seed)
         self.label_ids = [b + BYTE0 for b in self.LABELS]
         self.train_items = [self.example(s, c) for s, c in self.splits["train"]]
         self.evals = {k: self.batch(self.splits[k]) for k in ("val", "test")}
@@ -518,7 +515,7 @@ class FtSeq2Seq(_Task):
 
     def covs(self, post, batch, taus):
         covs = [post.predictive_covariances(b, None, self.label_ids, prior_precisions=taus)[1]
-                for b in uc.batches(batch, 64)]
+                for b in batches(batch, 64)]
         return dict(zip(taus, torch.cat(covs, dim=1), strict=True))
 
     def kron(self, model, layers):
@@ -527,10 +524,10 @@ class FtSeq2Seq(_Task):
         targets = torch.tensor(self.label_ids)[y]
         loader = torch.utils.data.DataLoader(
             torch.utils.data.TensorDataset(b["input_ids"], targets), batch_size=32)
-        return uc._fit_kron(head, loader)
+        return kl.fit_kron(head, loader)
 
     def kron_covs(self, la, head, batch):
-        return uc.kron_covs(la, head, batch, size=1)
+        return kl.kron_covs(la, head, batch, size=1)
 
 
 TASKS = {t.name: t for t in (FtEncoder, FtEncoderMan, FtLoraMC, FtSeq2Seq)}

@@ -19,22 +19,25 @@ which the posterior variance weighs most, by up to 1e-4·‖F‖).
 Prints per step count the median and worst residual, the share of factors that pass and the
 time against eigh, and writes ``benchmarks/results/eigh_refresh.json``.
 
-Usage: ``python benchmarks/eigh_refresh.py [--every 50] [--quick]``
+Usage: ``python benchmarks/probes/eigh_refresh.py [--every 50] [--quick]``
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback, Snapshot
 
-from _common import BATCH, MODEL, log, machine, make_data, write_json
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+from _common import BATCH, MODEL, log, machine, make_data, write_json  # noqa: E402
 
 BOUND = 1e-4
 STEPS = (1, 2, 4, 8)

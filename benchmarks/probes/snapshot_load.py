@@ -30,7 +30,7 @@ Prints the figures and the ratio (target ≥ 1.5x for the warm load) and writes
 directory by default) and removed at the end; ``--gb`` sizes the shard instead of
 ``--layers``.
 
-Usage: ``python benchmarks/snapshot_load.py [--gb 2] [--reps 5] [--threads 2]``
+Usage: ``python benchmarks/probes/snapshot_load.py [--gb 2] [--reps 5] [--threads 2]``
 """
 
 from __future__ import annotations
@@ -42,8 +42,10 @@ import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -59,7 +61,8 @@ from kfac_stream.snapshot.manifest_types import (
     Spectrum,
 )
 
-from _common import machine, write_json
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+from _common import machine, write_json  # noqa: E402
 
 TARGET = 1.5
 SHARD = shard_name(0, 1)

@@ -15,7 +15,7 @@ relative Frobenius error of each form per layer, and the median and worst over a
 layers. A head on ``[B, d]`` (BERT's pooler and classifier) has one row per sequence under
 either form, so both equal its exact block; it is listed once.
 
-Usage: ``python benchmarks/factor_forms.py [--n 48] [--steps 150]``; writes
+Usage: ``python benchmarks/probes/factor_forms.py [--n 48] [--steps 150]``; writes
 ``benchmarks/results/factor_forms.json`` and its RESULTS.md section.
 """
 
@@ -26,14 +26,17 @@ import inspect
 import json as jsonlib
 import random
 import statistics
+import sys
 import time
+from pathlib import Path
 from pydoc_data.topics import topics
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from _common import machine, write_json, write_section
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common
+from _common import machine, write_json, write_section  # noqa: E402
 
 BEGIN, END = "<!-- factor-forms:begin -->", "<!-- factor-forms:end -->"
 SEQ, CLASSES = 24, 3
@@ -167,7 +170,7 @@ def main() -> None:
     xq = xq[torch.randperm(len(xq), generator=torch.Generator().manual_seed(0))[:a.n]]
     result = {}
     lines = [BEGIN, "## Factor forms against the exact GGN", "",
-             f"`python benchmarks/factor_forms.py --n {a.n} --steps {a.steps}`: relative "
+             f"`python benchmarks/probes/factor_forms.py --n {a.n} --steps {a.steps}`: relative "
              "Frobenius error of each form's Kronecker block against the exact GGN block of the "
              f"same layer, float64, over {a.n} held-out sequences of {SEQ} tokens, after "
              f"{a.steps} AdamW steps on prose / Python / JSON windows (3 classes). Exact class "
