@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 #: content (a key ending in ``_seconds`` is a duration and left out too).
 VOLATILE = frozenset(("created_unix", "run_id", "output_dir", "logging_dir", "format_version",
                       "version", "library_version", "transformers_version", "torch_version",
-                      "seconds", "hostname", "pid",
+                      "seconds", "hostname", "pid", "finished_unix",
                       # a checkpoint file's hash and size cover its header's timings; its
                       # tensors and header values are compared themselves
                       "sha256", "bytes"))
