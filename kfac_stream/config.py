@@ -12,7 +12,6 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .curvature import fisher_names
 from .enums import FactorForm, LayerPreset, StorageDtype
 from .exceptions import KFACConfigError, did_you_mean
 
@@ -86,13 +85,15 @@ class KFACConfig:
             Fisher, labels sampled from the model, ``E_y[g gᵀ]`` of the GGN's quality; on
             update steps a REPLAY (a forward and a backward to the tracked layers' outputs
             only, no weight gradients) of ``mc_sequences`` sequences per micro-batch, see
-            `kfac_stream.capture.mc_fisher`. ``"empirical"``: the observed labels' gradients,
+            `kfac_stream.fisher.mc_replay`. ``"empirical"``: the observed labels' gradients,
             taken from the training backward itself (no extra pass); it shrinks with the
             training loss on a model that fits its data, so the posterior it gives is too wide
-            (Kunstner et al. 2019). (Default: "mc")
+            (Kunstner et al. 2019). Or the name of an estimator registered with
+            `kfac_stream.fisher.register_fisher`; the run plan refuses a name no estimator is
+            registered under at train begin. (Default: "mc")
         factor_form: How a layer applied at every token position makes its rows
-            (`kfac_stream.curvature`). ``"expand"``: every sampled position is a row, ``N``
-            counts token positions (the form for a loss at every position, a causal LM).
+            (`kfac_stream.fisher.curvature`). ``"expand"``: every sampled position is a row,
+            ``N`` counts token positions (the form for a loss at every position, a causal LM).
             ``"reduce"``: one row per sequence, the mean input and the summed output
             gradient, ``N`` counts sequences (the form for a loss taken once per sequence, a
             classifier; every sequence of a captured micro-batch, no token sampling).
@@ -103,7 +104,7 @@ class KFACConfig:
         mc_sequences: What the MC replay runs on (``fisher="mc"``). A share ``f`` in
             ``(0, 1)`` of each update step's sequences on a rank: every sequence of the
             step's micro-batches is drawn with probability exactly ``f`` by systematic
-            sampling over them (`kfac_stream.replay_draws.replay_counts`; the same draw
+            sampling over them (`kfac_stream.fisher.replay_draws.replay_counts`; the same draw
             on every rank), a micro-batch with no sequence drawn is not replayed, so at
             micro-batch 1 a share of the MICRO-BATCHES is replayed, and an update whose
             draw is empty moves no factor (except at step 0, which replays at least one
@@ -358,11 +359,10 @@ class KFACConfig:
                                   "allowed: must be None or a bool")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise KFACConfigError(f"KFACConfig.seed={self.seed!r} is not allowed: must be an int")
-        if self.fisher not in fisher_names():
-            raise KFACConfigError(
-                f"KFACConfig.fisher={self.fisher!r} is not allowed: "
-                f"must be one of {fisher_names()}"
-            )
+        if not isinstance(self.fisher, str) or not self.fisher:
+            raise KFACConfigError(  # the name: checked against the registry by the run plan
+                f"KFACConfig.fisher={self.fisher!r} is not allowed: must be one of the Fisher "
+                "estimators' names (a non-empty string)")
         if self.factor_form not in FactorForm:
             raise KFACConfigError(
                 f"KFACConfig.factor_form={self.factor_form!r} is not allowed: "

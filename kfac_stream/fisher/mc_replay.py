@@ -60,8 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..stats.rows import sequence_usable, slots_per_pass
-from .hooks import (
+from ..capture.hooks import (
     MC_REPLAY,
     CaptureHooks,
     CaptureMode,
@@ -69,6 +68,7 @@ from .hooks import (
     is_encoder_decoder,
     logits_of,
 )
+from ..stats.rows import sequence_usable, slots_per_pass
 
 _DROP = ("labels", "num_items_in_batch", "return_loss")
 
