@@ -398,7 +398,7 @@ def _clocks(device: torch.device, count_steps: int, warmup: int):
 def update_probability(cfg: dict, setting: dict) -> float:
     """The chance that an update step updates the factors at the long-run MC share ``f``:
     the replay draws each of the step's ``C`` sequences with probability ``f`` (systematic
-    sampling, `kfac_stream.replay_draws.replay_counts`), and a step that draws none
+    sampling, `kfac_stream.fisher.replay_draws.replay_counts`), and a step that draws none
     captures no rows (A's and G's both come from the replayed sub-batch) and brings no
     update: ``min(1, f·C)`` (step 0 always draws one)."""
     from kfac_stream import KFACConfig

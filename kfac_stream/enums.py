@@ -43,7 +43,7 @@ class FisherType(str, Enum, metaclass=_MetaEnum):
 
 class FactorForm(str, Enum, metaclass=_MetaEnum):
     """How a layer applied at every token position turns positions into factor rows
-    (`kfac_stream.curvature`).
+    (`kfac_stream.fisher.curvature`).
 
     ``expand``: every sampled position is a row; ``N`` counts token positions.
     ``reduce``: one row per sequence (mean input, summed output gradient); ``N`` counts

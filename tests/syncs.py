@@ -84,7 +84,7 @@ def attribute(frames: Sequence[traceback.FrameSummary], torch_dir: str = TORCH_D
     (``torch_dir``) and not seen through (``skip``). Returns ``("ours", frame)`` when that
     frame lies in kfac_stream's package directory (``ours_dir``); otherwise the model's (or
     the Trainer's, a collator's: any code but kfac_stream's): ``("replayed", frame)`` when
-    kfac_stream's MC replay (``capture/mc_fisher.py``) is on the stack (the model's own syncs
+    kfac_stream's MC replay (``fisher/mc_replay.py``) is on the stack (the model's own syncs
     in the forward kfac_stream replays), else ``("model", frame)``. ``frame`` is None when
     every frame is torch's or seen through.
     """
@@ -93,7 +93,7 @@ def attribute(frames: Sequence[traceback.FrameSummary], torch_dir: str = TORCH_D
     frame = asked[-1] if asked else None
     if frame is not None and _inside(frame.filename, ours_dir):
         return "ours", frame
-    replay = _real(os.path.join(ours_dir, "capture", "mc_fisher.py"))
+    replay = _real(os.path.join(ours_dir, "fisher", "mc_replay.py"))
     if any(_real(f.filename) == replay for f in frames):
         return "replayed", frame
     return "model", frame

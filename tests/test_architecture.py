@@ -16,7 +16,7 @@ PACKAGE = pathlib.Path(kfac_stream.__file__).resolve().parent
 # lower number = lower layer; a module may import its own layer or lower ones
 LAYERS = {
     "exceptions": 0, "enums": 0, "factor_keys": 0, "config": 0, "files": 0, "progress": 0,
-    "log_setup": 0, "curvature": 0, "replay_draws": 0, "own_rng": 0,
+    "log_setup": 0, "own_rng": 0,
     "stats": 1, "metrics": 1, "settings": 1, "ekfac": 1,
     "capture": 2, "store": 2, "distributed": 2, "snapshot": 2, "fisher": 2,
     "query": 3, "folding": 3, "cost": 3,

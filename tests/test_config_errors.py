@@ -21,8 +21,7 @@ from models import ListDataset, text_examples, tiny_gpt2
     ("update_every", 0, "KFACConfig.update_every=0 is not allowed: must be a positive integer"),
     ("update_every", 2.5, "KFACConfig.update_every=2.5 is not allowed: must be a positive int"),
     ("snapshot_every", -3, "KFACConfig.snapshot_every=-3 is not allowed: must be a positive"),
-    ("fisher", "true",
-     "KFACConfig.fisher='true' is not allowed: must be one of ('empirical', 'mc')"),
+    ("fisher", "", "KFACConfig.fisher='' is not allowed: must be one of the Fisher estimators"),
     ("storage_dtype", "bfloat16", "KFACConfig.storage_dtype='bfloat16' is not allowed"),
     ("include", ["(unclosed"], "KFACConfig.include has an invalid regex '(unclosed'"),
     ("exclude", "mlp", "KFACConfig.exclude='mlp' is not allowed: must be a list of regex"),
@@ -106,6 +105,9 @@ def _trainer(cb, tmp_path):
     (dict(include=[r"wte$"]), UnsupportedModuleError,
      "matches module 'transformer.wte' of type Embedding, which kfac_stream cannot track"),
     (dict(exclude=[r".*"]), KFACConfigError, "select no layer"),
+    # a Fisher name is checked against the estimators registered when the run starts
+    (dict(fisher="true"), KFACConfigError, "KFACConfig.fisher='true' is not allowed: must be "
+     "one of the registered Fisher estimators ('empirical', 'mc')"),
 ])
 def test_model_dependent_errors_at_train_begin(cfg, err, needle, tmp_path):
     cb = KFACStreamCallback(KFACConfig(**cfg))

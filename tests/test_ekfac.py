@@ -292,7 +292,7 @@ class _RecordReplays(TrainerCallback):
     labels drawn for it and the optimizer step it belongs to (a callback: the step)."""
 
     def __init__(self, monkeypatch):
-        import kfac_stream.capture.mc_fisher as mc
+        import kfac_stream.fisher.mc_replay as mc
 
         self.passes, self.step = [], None
         real_pass, real_sample = mc.mc_fisher_pass, mc.sample_labels
@@ -350,7 +350,7 @@ def test_mc_share_replay_equals_brute_force_with_its_sampled_labels(tmp_path, mo
     print(f"MC share replay ({len(window)} replayed sub-batches in the window): max rel err "
           f"{worst:.2e}")
     assert entry["weight"] == pytest.approx(2 * den, rel=1e-12)  # N, each weighted 1/share
-    assert worst <= 1e-6  # the MC loss takes the logits in float32 (mc_fisher)
+    assert worst <= 1e-6  # the MC loss takes the logits in float32 (mc_replay)
 
 
 class _SetBasis(TrainerCallback):

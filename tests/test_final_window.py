@@ -13,7 +13,7 @@ from transformers import Trainer, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACConfigError, KFACStreamCallback, Snapshot
 from kfac_stream.config import mc_full_batch
-from kfac_stream.replay_draws import replay_counts
+from kfac_stream.fisher.replay_draws import replay_counts
 from kfac_stream.snapshot.adequacy import sampling_problems, sampling_summary
 from kfac_stream.tracking.factor_updates import Counters, FactorUpdater
 from kfac_stream.tracking.plan import (

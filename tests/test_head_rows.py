@@ -205,7 +205,7 @@ def test_auto_form_reduces_for_a_sequence_level_loss_only():
     from transformers import GPT2ForSequenceClassification
 
     from kfac_stream import KFACConfig
-    from kfac_stream.curvature import Curvature
+    from kfac_stream.fisher.curvature import Curvature
 
     auto = KFACConfig(factor_form="auto")
     assert Curvature.of(auto, _bert()).form == "reduce"

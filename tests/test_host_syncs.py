@@ -12,7 +12,7 @@ model's (transformers). The MC Fisher gradient is taken inside the training forw
 process, no checkpointing): no extra forward, so no extra syncs at all. Where it must be
 replayed after the step (ZeRO-3, gradient checkpointing, fp16 autocast) the replayed forward
 makes whatever syncs the model's forward makes, counted separately as the only difference
-allowed there. The replay (`kfac_stream.capture.mc_fisher.replay_forward`) makes none on a
+allowed there. The replay (`kfac_stream.fisher.mc_replay.replay_forward`) makes none on a
 Llama-family model: a batch without ``attention_mask`` gets an empty cache (the mask builder's
 packed-sequence check is skipped), and a padded batch on a full causal SDPA model hands the
 decoder the 4-D boolean mask transformers would build (its host reads that choose
@@ -32,8 +32,8 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback
-from kfac_stream.capture import mc_fisher
-from kfac_stream.capture.mc_fisher import (
+from kfac_stream.fisher import mc_replay
+from kfac_stream.fisher.mc_replay import (
     MASK_FAMILIES,
     full_causal_sdpa_decoder,
     replay_forward,
@@ -155,7 +155,7 @@ def test_replayed_mc_pass_adds_only_the_models_own_forward_syncs(tmp_path, extra
       ``masking_utils.py:292`` (5.17 ``:269``) and, for a sub-batch with padding,
       ``fast_all(padding_mask[:, :q_length])`` at ``:298`` (5.17 ``:275``): 1–2 per forward,
       as the Trainer's own training forward still does here (asserted on the plain run). The
-      replay hands the decoder the 4-D mask instead (`mc_fisher.padded_causal_mask`), which
+      replay hands the decoder the 4-D mask instead (`mc_replay.padded_causal_mask`), which
       skips them (a 4-D mask is returned as is, 5.24 ``masking_utils.py:818``, 5.17 ``:812``).
 
     The replay kinds: the whole batch under gradient checkpointing, a sub-batch of every
@@ -163,7 +163,7 @@ def test_replayed_mc_pass_adds_only_the_models_own_forward_syncs(tmp_path, extra
     0.5 here so that both update steps replay: the default 0.05 of 2 x 2 sequences would
     replay in about one update of five; min_window_sequences=0 keeps the share: this 20-step
     run would otherwise raise it to every sequence, "all", whose gradient is taken inside the
-    training forward) (kfac_stream/capture/mc_fisher.py).
+    training forward) (kfac_stream/fisher/mc_replay.py).
     """
     cfg = {"async_updates": True, "snapshot_every": 10_000, "fisher": "mc", **extra}
     plain = _count(tmp_path / "plain", None, batch, attn, gradient_checkpointing=ckpt)
@@ -344,7 +344,7 @@ def test_every_mask_family_replays_bit_identically(family):
 def _with_full_causal_mask(model, kwargs):
     """The 4-D full causal mask forced on a model the replay refuses it to."""
     mask = kwargs["attention_mask"]
-    with mc_fisher._decoder_mask(model.base_model, mask, mc_fisher.padded_causal_mask(mask)):
+    with mc_replay._decoder_mask(model.base_model, mask, mc_replay.padded_causal_mask(mask)):
         return model(**kwargs)
 
 

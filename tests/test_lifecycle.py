@@ -122,7 +122,7 @@ def test_snapshot_every_and_final_snapshot(tmp_path):
 
 def test_mc_fisher_under_gradient_checkpointing(tmp_path):
     # Without checkpointing the MC gradient is taken inside the training forward; with it the
-    # pass is replayed after the optimizer step (kfac_stream/capture/mc_fisher.py). With lr=0 the
+    # pass is replayed after the optimizer step (kfac_stream/fisher/mc_replay.py). With lr=0 the
     # weights are the same before and after the step and the label sampler draws the same numbers
     # in the same order: both ways must give the same factors.
     ex = text_examples(4, 12, lengths=[12, 9, 12, 7])

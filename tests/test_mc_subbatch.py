@@ -33,9 +33,9 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from kfac_stream import KFACStreamCallback
-from kfac_stream.capture.mc_fisher import select_sequences
 from kfac_stream.config import KFACConfig
-from kfac_stream.replay_draws import selection_seed
+from kfac_stream.fisher.mc_replay import select_sequences
+from kfac_stream.fisher.replay_draws import selection_seed
 from kfac_stream.tracking.plan import mc_sequences_of
 
 from harness import run
@@ -271,7 +271,7 @@ def test_replay_counts_draw_each_sequence_with_the_share():
     micro-batch; a batch that is not ``[B, T]`` (None) is replayed whole; step 0 (the tracker's
     ``at_least_one``) takes one sequence when the draw is empty, uniform over the step's
     (probability ``1/C``, which the rows' weight then uses)."""
-    from kfac_stream.replay_draws import replay_counts
+    from kfac_stream.fisher.replay_draws import replay_counts
 
     assert replay_counts(2, [1, 4, None], 0, 7) == ([1, 2, None], None)
     steps, f = 4000, 0.05
@@ -301,8 +301,8 @@ def test_share_weights_rows_by_one_over_the_share(monkeypatch):
     test above) instead of ``B/b``, and the pass's EMA weight is ``Σ w``: the int path's
     estimator (unbiased: the 2000-update tests above) with the sequence stage's weight
     replaced by the inverse of its inclusion probability, hence unbiased too."""
-    from kfac_stream.capture import mc_fisher
     from kfac_stream.capture.hooks import PassRecord
+    from kfac_stream.fisher import mc_replay
 
     recs = []
 
@@ -311,14 +311,14 @@ def test_share_weights_rows_by_one_over_the_share(monkeypatch):
                                n_positions=12))
         return recs[-1]
 
-    monkeypatch.setattr(mc_fisher, "mc_fisher_pass", fake_pass)
+    monkeypatch.setattr(mc_replay, "mc_fisher_pass", fake_pass)
     inputs = {"input_ids": torch.zeros(4, 6, dtype=torch.long),
               "attention_mask": torch.ones(4, 6, dtype=torch.long)}
     # the capture's only part used here: every position of the micro-batch usable, no decoder
     capture = SimpleNamespace(streams=lambda kwargs, labels, shape, device: (
         torch.ones(shape[0] * shape[1], dtype=torch.bool), None))
     for share in (None, 0.25):
-        mc_fisher.mc_subbatch_pass(torch.nn.Module(), capture, inputs, torch.Generator(),
+        mc_replay.mc_subbatch_pass(torch.nn.Module(), capture, inputs, torch.Generator(),
                                    torch.Generator().manual_seed(0), 2, 0.5, share)
     per_b, per_share = recs
     assert torch.equal(per_b.weight, torch.full((6,), 2.0, dtype=torch.float64))  # B/b = 4/2

@@ -412,12 +412,12 @@ def test_factors_without_rows_are_flagged(tmp_path, monkeypatch):
     flagged, by name, at query time; a normal run's is not."""
     import dataclasses
 
-    import kfac_stream.capture.mc_fisher as mc_fisher
+    import kfac_stream.fisher.mc_replay as mc_replay
     from kfac_stream.snapshot.adequacy import empty_factors
 
     _, ok = _short_run(tmp_path / "ok", {"min_window_sequences": 0, "final_window": 0.0})
     assert empty_factors(ok.meta) == []
-    monkeypatch.setattr(mc_fisher, "MC_REPLAY", dataclasses.replace(mc_fisher.MC_REPLAY,
+    monkeypatch.setattr(mc_replay, "MC_REPLAY", dataclasses.replace(mc_replay.MC_REPLAY,
                                                                     replay=False))
     model, snap = _short_run(tmp_path / "none", {"min_window_sequences": 0,
                                                  "final_window": 0.0})

@@ -290,7 +290,7 @@ VARIANTS = [
      ["{L}.G.spectrum.cond is nan"]),
     ("spectrum max -Infinity", _set(["layers", "{L}", "G", "spectrum", "max"], -math.inf),
      ["{L}.G.spectrum.max is -inf"]),
-    ("fisher unknown", _set(["fisher"], "mcmc"), ['fisher is "mcmc"']),
+    ("fisher empty", _set(["fisher"], ""), ['fisher is ""']),
     ("storage_dtype int8", _set(["storage_dtype"], "int8"), ['storage_dtype is "int8"']),
     ("factor dtype float32", _set(["layers", "{L}", "A", "dtype"], "float32"),
      ['{L}.A.dtype is "float32"; expected "float16"']),
@@ -587,8 +587,9 @@ def fill_in(text, fill):
 
 def test_valid_variants_load(pristine, guard, tmp_path):
     """The checks refuse only what is wrong: the pristine copy, unknown extra keys (at the top
-    and in a record), the optional keys left out, and a symlinked snapshot directory given by
-    the user all load, opening nothing outside the snapshot directory."""
+    and in a record), the optional keys left out, a Fisher estimator's name not registered
+    here (one its writer registered), and a symlinked snapshot directory given by the user
+    all load, opening nothing outside the snapshot directory."""
     src, manifest = pristine
     w = Work(pristine, tmp_path / "ok")
     snap, msg, _ = guard.load(w.dir, w.dir)
@@ -602,9 +603,13 @@ def test_valid_variants_load(pristine, guard, tmp_path):
             entry[f].pop("sampling", None)  # absent where not recorded
             entry[f]["added_by_a_later_writer"] = 1
     w.m["added_by_a_later_writer"] = {"anything": [1, 2.5, None]}
+    w.m["fisher"] = w.m["config"]["fisher"] = "mcmc"
+    if "run_plan" in w.m:
+        w.m["run_plan"]["fisher"] = "mcmc"
     w.save()
     snap1, msg, _ = guard.load(w.dir, w.dir)
     assert msg is None and all(torch.equal(snap1[n].A, reference[n]) for n in reference)
+    assert snap1.meta["fisher"] == "mcmc"
 
     link = tmp_path / "link-to-snapshot"
     os.symlink(src, link)

@@ -1,7 +1,7 @@
 """Whose code asked for a host sync (`syncs.attribute`, used by `syncs.SyncCounter`).
 
 A GPU run (Python under /opt/torch/.venv) blamed 8 of the model's own ``.item()`` calls on
-kfac_stream's MC replay (``capture/mc_fisher.py``, ``out = model(**kwargs)``): the counter
+kfac_stream's MC replay (``fisher/mc_replay.py``, ``out = model(**kwargs)``): the counter
 dropped every frame whose path contained ``/torch/``, and under /opt/torch/ that is every
 installed package's, transformers' too. Frames are now told apart by the package directory
 they lie in: torch's own (``os.path.dirname(torch.__file__)``), kfac_stream's, or anything
@@ -25,7 +25,7 @@ from syncs import OURS_DIR, TORCH_DIR, SyncCounter, attribute
 
 SITE = "/opt/torch/.venv/lib/python3.12/site-packages"  # the GPU machine's layout
 GPU_TORCH = f"{SITE}/torch"
-MC_FISHER = os.path.join(OURS_DIR, "capture", "mc_fisher.py")
+MC_FISHER = os.path.join(OURS_DIR, "fisher", "mc_replay.py")
 
 
 def frame(filename: str, lineno: int, name: str) -> traceback.FrameSummary:
@@ -53,7 +53,7 @@ def test_the_models_sync_in_the_mc_replay_is_the_models_under_a_torch_named_pref
     mask = frame(f"{SITE}/transformers/masking_utils.py", 230, "sdpa_mask")
     stack = replay_stack(mask, frame(f"{GPU_TORCH}/_tensor.py", 1100, "__bool__"))
     assert attribute(stack, GPU_TORCH, OURS_DIR) == ("replayed", mask)
-    assert old_rule(stack)  # the bug: transformers' frames dropped, mc_fisher.py:185 blamed
+    assert old_rule(stack)  # the bug: transformers' frames dropped, mc_replay.py:185 blamed
     # the same sync outside the replay (the Trainer's own forward) is the model's alone
     assert attribute([stack[0], *stack[2:]], GPU_TORCH, OURS_DIR) == ("model", mask)
 
@@ -110,7 +110,7 @@ def _torch_named_module(tmp_path):
 
 def test_counter_end_to_end_a_model_under_a_torch_named_prefix_is_not_ours(tmp_path):
     model = _torch_named_module(tmp_path)
-    # kfac_stream's MC replay calling the model: code compiled under mc_fisher.py's real path
+    # kfac_stream's MC replay calling the model: code compiled under mc_replay.py's real path
     # puts that file's frame on the stack without running a model
     scope: dict = {}
     exec(compile("def replay(check, mask):\n    return check(mask)\n", MC_FISHER, "exec"),

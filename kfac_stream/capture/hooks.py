@@ -128,7 +128,7 @@ def _is_causal_lm(model: nn.Module) -> bool:
     """A token-level model whose position ``t`` sees positions ``≤ t`` only: not an
     encoder-decoder and not a transformers model that cannot generate (an encoder, whose
     every position sees every other). A model of your own counts as causal, as the MC
-    Fisher's label shift assumes (`mc_fisher.loss_bearing_mask`)."""
+    Fisher's label shift assumes (`mc_replay.loss_bearing_mask`)."""
     can = getattr(model, "can_generate", None)
     return not is_encoder_decoder(model) and (not callable(can) or bool(can()))
 
@@ -173,7 +173,7 @@ class CaptureHooks:
                  device: torch.device, sum_dtype: torch.dtype = torch.float32,
                  reduce: bool = False) -> None:
         self.token_fraction = token_fraction
-        self.reduce = reduce  # the reduce form (`kfac_stream.curvature`): per-sequence rows
+        self.reduce = reduce  # the reduce form (`kfac_stream.fisher.curvature`): per-sequence rows
         self.row_dtype = row_dtype
         self.sum_dtype = sum_dtype
         self._diagonal = {key for key, (_, diag) in plan.dims.items() if diag}
@@ -351,7 +351,7 @@ class CaptureHooks:
         usable = usable_positions(mask if isinstance(mask, Tensor) else None, shape, device)
         if self._causal:  # without labels (a loss of the user's): the next token's, as the MC
             scored = labels if isinstance(labels, Tensor) and tuple(labels.shape) == shape \
-                else torch.where(usable.reshape(shape), 0, -100)  # Fisher's (`mc_fisher`)
+                else torch.where(usable.reshape(shape), 0, -100)  # Fisher's (`mc_replay`)
             usable = usable & gradient_positions(scored.to(device), shift=True)
         target = _target_usable(kwargs, labels, shape[0], device) \
             if self._decoder_side else None

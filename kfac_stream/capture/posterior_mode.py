@@ -1,11 +1,11 @@
 """The model as the posterior evaluates it, for the tracker's own forwards (the MC replays).
 
 A posterior is queried in eval mode: no dropout, normalisation layers on their running
-statistics. The Monte-Carlo Fisher's replay (`kfac_stream.capture.mc_fisher`) runs the same
+statistics. The Monte-Carlo Fisher's replay (`kfac_stream.fisher.mc_replay`) runs the same
 way (`posterior_mode`), so its factors are the curvature of the function the posterior
 describes, not of a dropout-perturbed one, and a replay moves no running statistic of the
 training. Where the MC gradient would be taken inside the training forward instead (whole
-micro-batches, `mc_fisher.mc_grad_in_forward`), a model with active dropout is replayed after
+micro-batches, `mc_replay.mc_grad_in_forward`), a model with active dropout is replayed after
 the step instead (`has_active_dropout`, read by the tracker's ``backward_in_forward_ok``).
 """
 

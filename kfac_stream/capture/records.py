@@ -127,7 +127,7 @@ class PassRecord:
             ``weight.sum()``: the MC sub-batch replay weights its slots by the inverse of
             their inclusion probability in two stages (sequences, then positions), whose sum
             varies with the sequences drawn, while ``n`` is the micro-batch's usable positions
-            (`mc_fisher.mc_subbatch_pass`). None: ``weight.sum()``.
+            (`mc_replay.mc_subbatch_pass`). None: ``weight.sum()``.
         batch: ``B`` of the pass (the rows of a sequence-space layer).
         usable: ``[B*T]`` bool, the pass's usable positions (device).
         seq_weight: ``[B]`` float32 weights of the sequence rows: 1 for a sequence with a usable
@@ -140,7 +140,7 @@ class PassRecord:
             gradient summed over the layer's calls (``g`` still scaled by ``c``); None unless
             the tracker streams the EK-FAC correction and has a basis.
         seq_scale: The weight of each of the pass's sequences (``1/P(drawn)`` in an MC
-            sub-batch replay, `mc_fisher.mc_subbatch_pass`; 1 otherwise).
+            sub-batch replay, `mc_replay.mc_subbatch_pass`; 1 otherwise).
         target: The decoder positions of an encoder-decoder's pass (None: other models);
             ``index``, ``weight``, ``n_positions``, ``usable`` and ``total`` above are the
             model input's (its encoder's).

@@ -5,7 +5,7 @@ logits' gradient (`kfac_stream.stats.loss_scale`)."""
 from __future__ import annotations
 
 from ..capture.hooks import CaptureMode
-from .base import FisherEstimator, register_fisher
+from .base import FisherEstimator, StepContext, register_fisher
 
 
 @register_fisher
@@ -13,8 +13,8 @@ class EmpiricalFisher(FisherEstimator):
     name = "empirical"
     sampled_labels = False
 
-    def capture_mode(self, update_step: bool) -> CaptureMode:
+    def capture_mode(self, ctx: StepContext, update_step: bool) -> CaptureMode:
         return CaptureMode(rows=update_step, record_inputs=False, estimate_scale=True)
 
-    def passes(self, model, passes: list, inputs: list[dict]) -> list:
+    def passes(self, ctx: StepContext, model, passes: list, inputs: list[dict]) -> list:
         return passes

@@ -26,7 +26,6 @@ import typing
 from dataclasses import MISSING, dataclass
 from typing import Any, ClassVar
 
-from ..curvature import fisher_names
 from ..stats.rows import ROW_SPACES
 from ..store.traffic import Traffic
 from .layout import FORMAT_NAME, FORMAT_VERSION, READ_VERSIONS
@@ -41,7 +40,6 @@ from .schema import (
     SHARD_NAME,
     STORAGE_DTYPES,
     Bool,
-    Ctx,
     Field,
     Int,
     ListOf,
@@ -279,16 +277,10 @@ class ModelIdentity:
     model_type: str | None = json_field(Nullable(Str(what="a config.model_type")))
 
 
-class FisherName(Rule):
-    """A registered Fisher estimator's name (`kfac_stream.curvature.fisher_names`, read when
-    a manifest is checked: an estimator registered by the user is known then)."""
-
-    @property
-    def expected(self) -> str:
-        return Str(choices=fisher_names()).expected
-
-    def check(self, value: Any, path: str, ctx: Ctx) -> None:
-        Str(choices=fisher_names()).check(value, path, ctx)
+#: A Fisher estimator's name: any one, so that a snapshot made with an estimator registered by
+#: its writer (`kfac_stream.fisher.register_fisher`) reads where that estimator is not
+#: registered; the run plan checks the name against the registry when a run starts.
+FISHER_NAME = Str(pattern=re.compile(r".+"), what="a Fisher estimator's name")
 
 
 @dataclass(kw_only=True)
@@ -332,7 +324,7 @@ class RunPlanEntry:
     EMA throughout)."""
 
     WHAT: ClassVar[str] = "the run plan"
-    fisher: str = json_field(FisherName())
+    fisher: str = json_field(FISHER_NAME)
     form: str = json_field(Str(choices=("expand", "reduce")))
     batch: int = json_field(COUNT)
     accumulation: int = json_field(COUNT)
@@ -493,7 +485,7 @@ class Manifest:
     world_size: int = json_field(Int(1, MAX_WORLD_SIZE))
     rank: int | None = json_field(_RANK, optional=True)
     ownership: Ownership = json_field()
-    fisher: str = json_field(FisherName())
+    fisher: str = json_field(FISHER_NAME)
     ema_decay: float = json_field(Num(0.0, 1.0))
     token_fraction: float = json_field(Num(0.0, 1.0, lo_open=True))
     update_every: int = json_field(Int(1))

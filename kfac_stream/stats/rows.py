@@ -160,7 +160,7 @@ def reduce_rows(x: Tensor, usable: Tensor, batch: int, mean: bool,
                 dtype: torch.dtype | None) -> Tensor:
     """One row per sequence from a position-space tensor: the sum (``mean=False``, an output
     gradient ``ĝ = Σ_t g_t``) or the mean (``mean=True``, an input ``ā``) over each sequence's
-    usable positions (the reduce form, `kfac_stream.curvature`). A sequence without a usable
+    usable positions (the reduce form, `kfac_stream.fisher.curvature`). A sequence without a usable
     position gives a zero row. One batched matrix product per call (accumulated in float32 by
     the 16-bit kernels), no host read.
 

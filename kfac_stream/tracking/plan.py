@@ -50,9 +50,10 @@ import torch
 from torch import nn
 
 from ..config import KFACConfig, mc_full_batch
-from ..curvature import Curvature
 from ..exceptions import KFACConfigError
-from ..replay_draws import replay_counts
+from ..fisher.base import registered_fisher
+from ..fisher.curvature import Curvature
+from ..fisher.replay_draws import replay_counts
 
 #: Device path: updates whose rows a factor group holds before one fold into its pending sums
 #: (one read-modify-write of its ``G·d²`` pending entries per fold instead of per update). At
@@ -168,7 +169,10 @@ class RunPlan:
                 device: torch.device | None = None, shape: RunShape | None = None) -> RunPlan:
         """Resolve every ``"auto"`` and derived setting of ``config`` for ``model`` on
         ``device`` (default: the model's; the CPU without a model) in a run of ``shape``
-        (default: unknown, the MC share kept as configured and no final window planned)."""
+        (default: unknown, the MC share kept as configured and no final window planned).
+        A ``config.fisher`` no estimator is registered under is refused (`KFACConfigError`
+        naming the registered ones)."""
+        registered_fisher(config.fisher)
         shape = shape or RunShape()
         if device is None:
             p = next(model.parameters(), None) if model is not None else None

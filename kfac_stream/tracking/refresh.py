@@ -45,8 +45,8 @@ from torch import Tensor, nn
 
 from ..capture.posterior_mode import posterior_mode
 from ..fisher import estimator_for
+from ..fisher.replay_draws import replay_seed
 from ..own_rng import own_draws
-from ..replay_draws import replay_seed
 from .collect import collect_update
 
 logger = logging.getLogger("kfac_stream")
@@ -179,10 +179,11 @@ def _all_have(tracker, have: bool) -> bool:
 
 def _passes(tracker, model: nn.Module, batch: dict[str, Any], replays) -> list:
     """The pass records of one batch at the final weights (the model in eval mode)."""
-    fisher, capture = tracker.fisher, tracker.capture
+    fisher, capture, ctx = tracker.fisher, tracker.capture, tracker.fisher_context()
     if replays is not None:  # sampled labels: MC replays of every sequence of the batch
-        return [rec for _ in range(REFRESH_MC_DRAWS) for rec in replays.passes(model, [], [batch])]
-    mode = dataclasses.replace(fisher.capture_mode(True), count_tokens=False, replay=True,
+        return [rec for _ in range(REFRESH_MC_DRAWS)
+                for rec in replays.passes(ctx, model, [], [batch])]
+    mode = dataclasses.replace(fisher.capture_mode(ctx, True), count_tokens=False, replay=True,
                                keep_outputs=True, on_forward_end=None, record_inputs=False)
     capture.take()  # nothing of the training's steps is left in it
     with capture.using(mode), torch.enable_grad():
@@ -198,7 +199,7 @@ def _passes(tracker, model: nn.Module, batch: dict[str, Any], replays) -> list:
         finally:
             for rec in records:  # outputs -> hooks -> rec -> outputs: a GC-invisible cycle
                 rec.outputs = []
-    return fisher.passes(model, capture.take()[0], [])
+    return fisher.passes(ctx, model, capture.take()[0], [])
 
 
 class _NoLoss(Exception):
@@ -217,7 +218,7 @@ def refresh_factors(tracker, model: nn.Module, batches: Iterable[dict[str, Any]]
     device, cfg = tracker.device, tracker.config
     replays = None
     if tracker.fisher.sampled_labels:
-        replays = estimator_for(dataclasses.replace(cfg, mc_sequences="all"))(tracker)
+        replays = estimator_for(dataclasses.replace(cfg, mc_sequences="all"))()
     used = count = 0
     source = iter(batches)
     seed = replay_seed(cfg.seed + _SEED_OFFSET, tracker.rank, step)

@@ -43,10 +43,10 @@ from ..distributed.ownership import Ownership, assign_owners
 from ..ekfac import EkfacState, ekfac_device_bytes
 from ..enums import StorageDtype
 from ..exceptions import KFACConfigError
-from ..fisher import estimator_for
+from ..fisher import StepContext, estimator_for
+from ..fisher.replay_draws import replay_seed
 from ..folding import Folding
 from ..own_rng import own_draws
-from ..replay_draws import replay_seed
 from ..store.factor_store import FactorState
 from ..store.traffic import Traffic
 from .collect import collect_update
@@ -177,7 +177,7 @@ class Tracker:
             {n: self.plan.keys_of(n) for n in specs}, self.plan.dims, wide) \
             if self.ekfac else None
         _check_ekfac_budget(self.run, self.ekfac_bytes)  # before any hook goes on the model
-        self.fisher = estimator_for(config)(self)  # what the steps capture, which rows count
+        self.fisher = estimator_for(config)()  # what the steps capture, which rows count
         self.capture = self._make_capture()
         self._backward_in_forward = engine_for(model).allows_backward_in_forward(model)
         self._dropout: bool | None = None  # `has_active_dropout`, read once
@@ -225,7 +225,16 @@ class Tracker:
         if self.ekfac is not None:
             self.ekfac.begin_step()  # a snapshot's eigenbasis that has arrived goes into use
         self.capture.take()
-        self.capture.set_mode(self.fisher.capture_mode(self.is_update_step))
+        self.capture.set_mode(self.fisher.capture_mode(self.fisher_context(),
+                                                       self.is_update_step))
+
+    def fisher_context(self) -> StepContext:
+        """What the Fisher estimator reads of this tracker at the current step."""
+        return StepContext(config=self.config, model=self._model, capture=self.capture,
+                           rank=self.rank, step=int(self.step or 0),
+                           mc_generator=self.mc_generator,
+                           select_generator=self.select_generator,
+                           backward_in_forward_ok=self.backward_in_forward_ok)
 
     def backward_in_forward_ok(self) -> bool:
         """A gradient can be taken inside the training forward (the MC Fisher's on whole
@@ -275,7 +284,7 @@ class Tracker:
             # draws comes from the tracker's stream, the training's untouched
             with own_draws(replay_seed(self.config.seed, self.rank, self.step or 0),
                            [self.device]), posterior_mode(model):
-                passes = self.fisher.passes(model, passes, inputs)
+                passes = self.fisher.passes(self.fisher_context(), model, passes, inputs)
             self.dissolve_groups(self.capture.dissolved)
             job = self._collect(passes)
             if job is None:

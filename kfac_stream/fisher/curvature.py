@@ -1,13 +1,16 @@
 """What the factors estimate, in one place: the Fisher type and the factor form.
 
-The capture (`kfac_stream.capture.hooks`), the MC replay and the tracker ask a `Curvature`
-instead of testing ``config.fisher`` or the form themselves; a new Fisher type or form is a
-change here and in its tests.
+The run plan (`kfac_stream.tracking.plan.RunPlan`) resolves a `Curvature` once; the capture
+(`kfac_stream.capture.hooks`), the MC replay and the tracker ask it instead of testing
+``config.fisher`` or the form themselves. A new Fisher type is an estimator registered in
+`kfac_stream.fisher.base` (the one table of Fisher names); a new form is a change here and
+in its tests.
 
-**Fisher type** (``KFACConfig.fisher``, `FisherType`): ``"empirical"`` takes the training
-backward's gradients (the observed labels); ``"mc"`` samples labels from the model and takes
-their gradients in a replay of ``mc_sequences`` sequences per micro-batch (or inside the
-training forward for the whole micro-batch), `kfac_stream.capture.mc_fisher`.
+**Fisher type** (``KFACConfig.fisher``: `FisherType` for the built-in ones, else a registered
+estimator's name): ``"empirical"`` takes the training backward's gradients (the observed
+labels); ``"mc"`` samples labels from the model and takes their gradients in a replay of
+``mc_sequences`` sequences per micro-batch (or inside the training forward for the whole
+micro-batch), `kfac_stream.fisher.mc_replay`.
 
 **Factor form** (``KFACConfig.factor_form``, `FactorForm`), for a layer applied at every token
 position of a sequence (Eschenhagen et al. 2023, "Kronecker-Factored Approximate Curvature for
@@ -37,7 +40,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .enums import FactorForm, FisherType
+from ..enums import FactorForm
+from .base import registered_fisher
 
 #: ``config.problem_type`` values of a loss taken once per sequence (transformers)
 SEQUENCE_PROBLEMS = ("single_label_classification", "multi_label_classification",
@@ -60,23 +64,13 @@ def sequence_level_loss(model: nn.Module) -> bool:
     return getattr(getattr(inner, "config", None), "problem_type", None) in SEQUENCE_PROBLEMS
 
 
-#: ``{KFACConfig.fisher name: whether its G comes from labels sampled from the model}``: the
-#: built-in estimators here (a config is checked before they are imported), every other one
-#: added by `kfac_stream.fisher.register_fisher`.
-FISHER_LABELS: dict[str, bool] = {FisherType.EMPIRICAL.value: False, FisherType.MC.value: True}
-
-
-def fisher_names() -> tuple[str, ...]:
-    """The valid ``KFACConfig.fisher`` values (built in, then registered)."""
-    return tuple(FISHER_LABELS)
-
-
 @dataclass(frozen=True)
 class Curvature:
     """The resolved Fisher type and factor form of a tracker.
 
     Attributes:
-        fisher: ``"empirical"`` or ``"mc"``.
+        fisher: A registered estimator's name (``"empirical"``, ``"mc"`` or one registered
+            with `kfac_stream.fisher.register_fisher`).
         form: ``"expand"`` or ``"reduce"`` (``"auto"`` resolved for the model).
     """
 
@@ -96,8 +90,9 @@ class Curvature:
     @property
     def sampled_labels(self) -> bool:
         """G comes from labels sampled from the model (the MC Fisher), not the training
-        backward."""
-        return FISHER_LABELS[self.fisher]
+        backward (the registered estimator's ``sampled_labels``; a `KFACConfigError` naming
+        the registered ones for a name none is registered under)."""
+        return registered_fisher(self.fisher).sampled_labels
 
     @property
     def reduces(self) -> bool:

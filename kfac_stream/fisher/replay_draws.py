@@ -1,5 +1,5 @@
 """The MC replay's draws of an update step's sequences (`replay_counts`) and their seed
-(`selection_seed`): pure host arithmetic, shared by the replay (`capture.mc_fisher`) and the
+(`selection_seed`): pure host arithmetic, shared by the replay (`mc_replay`) and the
 planning of the final window (`config.update_sequences`), so both count the same draw."""
 
 from __future__ import annotations

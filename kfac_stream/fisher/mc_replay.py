@@ -60,8 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..stats.rows import sequence_usable, slots_per_pass
-from .hooks import (
+from ..capture.hooks import (
     MC_REPLAY,
     CaptureHooks,
     CaptureMode,
@@ -69,6 +68,7 @@ from .hooks import (
     is_encoder_decoder,
     logits_of,
 )
+from ..stats.rows import sequence_usable, slots_per_pass
 
 _DROP = ("labels", "num_items_in_batch", "return_loss")
 
@@ -447,7 +447,7 @@ def mc_subbatch_pass(model: nn.Module, capture: CaptureHooks, inputs: dict[str, 
         inputs: The micro-batch's recorded tensor kwargs (``[B, ...]`` batch-first tensors
             are cut to the sub-batch; others pass unchanged).
         label_generator: The MC label sampler.
-        select_generator: The sequence sampler (seeded per step by the tracker).
+        select_generator: The sequence sampler (seeded per step by `MCSubBatch`).
         count: Sequences to replay (`replay_counts`, ``≥ 1``; None: the whole micro-batch).
         token_fraction: ``KFACConfig.token_fraction`` (slots of the WHOLE micro-batch).
         share: The probability ``f`` with which `replay_counts` drew every sequence of the
