@@ -242,7 +242,7 @@ class KFACConfig:
             defaults, ~0.6% of a training step on a 1B Llama (``benchmarks/ekfac_cost.py``)
             and holds every factor's eigenvectors and a weight-sized float32 accumulator per
             layer on the model's device of every rank (counted in the device budget). Several
-            ranks sum their corrections at each snapshot (`kfac_stream.distributed.ekfac_sync`);
+            ranks sum their corrections at each snapshot (`kfac_stream.ekfac.sync`);
             the state rides with checkpoints. ``False``: nothing of it runs and the snapshots
             are as without it. (Default: False)
     """
