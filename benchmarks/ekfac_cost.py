@@ -16,9 +16,9 @@ training step: a cost model for real configs, and a measured CPU ratio on a smal
    bases in bf16, the float32 accumulators) are printed beside it.
 2. Measured on this CPU: a small GPT-2 (``_common.MODEL``: 4 layers, 256 wide, batch 8 x 256
    tokens) trained by the HF Trainer with the callback; ONE run per configuration whose blocks
-   of ``--block`` steps alternate the correction off and on (``tracker.capture.ekfac`` set to
-   None and back: the K-FAC tracking itself runs in both), a random orthonormal basis installed
-   at train begin so that the correction runs from the first update. Step time is
+   of ``--block`` steps alternate the correction off and on (``tracker.capture.extensions``
+   emptied and set back: the K-FAC tracking itself runs in both), a random orthonormal basis
+   installed at train begin so that the correction runs from the first update. Step time is
    ``on_step_begin`` -> ``on_step_end``; per pair of blocks the ratio of their mean step, the
    median over ``--pairs`` pairs. Two configurations: the defaults (MC replay of 5% of an update
    step's sequences; ``min_window_sequences=0`` keeps the share of a long run) and a stress one
@@ -132,7 +132,7 @@ class _Clock(TrainerCallback):
 
     def start(self, step: int) -> None:
         tr = self.kfac.tracker
-        tr.capture.ekfac = tr.ekfac if self.schedule[step] == "on" else None
+        tr.capture.extensions = tr.extensions if self.schedule[step] == "on" else []
         self._t0 = time.perf_counter()
 
 
@@ -153,7 +153,7 @@ class _RandomBasis(TrainerCallback):
     def on_train_begin(self, args, state, control, **kw):
         tr = self.kfac.tracker
         gen = torch.Generator().manual_seed(0)
-        tr.ekfac.set_basis(0, {k: None if diag else torch.linalg.qr(
+        tr.extension("ekfac").state.set_basis(0, {k: None if diag else torch.linalg.qr(
             torch.randn(d, d, generator=gen))[0] for k, (d, diag) in tr.dims.items()})
 
 

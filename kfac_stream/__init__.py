@@ -2,6 +2,7 @@
 
 import importlib
 
+from . import ekfac as _ekfac  # noqa: F401 (registers the EK-FAC tracker extension)
 from .config import KFACConfig
 from .enums import (
     Eigendecompose,

@@ -17,9 +17,9 @@ PACKAGE = pathlib.Path(kfac_stream.__file__).resolve().parent
 LAYERS = {
     "exceptions": 0, "enums": 0, "factor_keys": 0, "config": 0, "files": 0, "progress": 0,
     "log_setup": 0, "own_rng": 0,
-    "stats": 1, "metrics": 1, "settings": 1, "ekfac": 1,
+    "stats": 1, "metrics": 1, "settings": 1, "extensions": 1,
     "capture": 2, "store": 2, "distributed": 2, "snapshot": 2, "fisher": 2,
-    "query": 3, "folding": 3, "cost": 3,
+    "query": 3, "folding": 3, "cost": 3, "ekfac": 3,
     "integrations": 4, "tracking": 4,
     "app": 5, "train": 5, "cli": 5, "": 5,  # "": the package's __init__
 }

@@ -257,7 +257,7 @@ def test_default_writes_no_correction_and_the_same_snapshot(exact, tmp_path):
     from harness import hf_like_loss
 
     _, cb_off, _ = _exact_run(tmp_path, ekfac=False, loss=hf_like_loss)
-    assert cb_off.tracker.ekfac is None and cb_off.tracker.capture.ekfac is None
+    assert cb_off.tracker.extension("ekfac") is None and not cb_off.tracker.capture.extensions
     for path in cb_off.snapshots:
         text = (Path(path) / "manifest.json").read_text()
         assert "ekfac" not in text
@@ -366,7 +366,7 @@ class _SetBasis(TrainerCallback):
         basis = {k: None if diag else torch.linalg.qr(torch.randn(d, d, generator=gen,
                                                                   dtype=torch.float64))[0]
                  for k, (d, diag) in tr.dims.items()}
-        tr.ekfac.set_basis(0, basis)
+        tr.extension("ekfac").state.set_basis(0, basis)
 
 
 @pytest.mark.parametrize("extra", [{"fisher": "empirical"},

@@ -1,5 +1,5 @@
 """EK-FAC (``KFACConfig(ekfac=True)``) on several ranks, carried by checkpoints and counted in
-the device budget (`kfac_stream.ekfac`, `kfac_stream.distributed.ekfac_sync`).
+the device budget (`kfac_stream.ekfac`, `kfac_stream.ekfac.sync`).
 
 The runs are ``tests/dist_job.py`` through the real launchers, as in tests/test_distributed.py:
 2 ranks × batch 2 (DeepSpeed ZeRO-3, FSDP2, DDP; gloo on CPU) against 1 process × batch 4 over
@@ -163,8 +163,9 @@ def test_a_state_without_ekfac_loads_and_the_correction_restarts(runs):
         msg = load_tracker_state(tracker, os.path.join(runs.get("plain_cut"), "checkpoint-2",
                                                        "kfac_stream"))
         assert "restored" in msg and tracker.counters.updates == 2
-        assert tracker.ekfac.basis_step is None and not tracker.ekfac.num
-        assert tracker.ekfac.ready_step() == -1
+        ek = tracker.extension("ekfac").state
+        assert ek.basis_step is None and not ek.num
+        assert ek.ready_step() == -1
     finally:
         tracker.close()
 
@@ -187,7 +188,7 @@ def test_resume_with_another_world_size_sums_onto_rank_0(runs):
         try:
             msg = load_tracker_state(tracker, os.path.join(runs.get(name), "checkpoint-5",
                                                            "kfac_stream"))
-            ek = tracker.ekfac
+            ek = tracker.extension("ekfac").state
             assert ek.basis_step == 3 and ek.updates == 2 and set(ek.num) == set(specs)
             assert all(q is not None for pair in ek.basis.values() for q in pair)
             got[name] = ({n: t.clone() for n, t in ek.num.items()},
@@ -208,7 +209,7 @@ class _Held(TrainerCallback):
         self.kfac, self.held = kfac, []
 
     def on_step_end(self, args, state, control, **kwargs):
-        ek = self.kfac.tracker.ekfac
+        ek = self.kfac.tracker.extension("ekfac").state
         self.held.append((ek.basis_step, len(ek.num), ek.device_bytes()))
 
 
@@ -232,7 +233,7 @@ def test_counted_device_bytes_are_the_bytes_held(tmp_path, caplog, model_fn, ext
     with caplog.at_level("INFO", logger="kfac_stream"):
         Trainer(model=model_fn(), args=args, train_dataset=ListDataset(text_examples(8, 12)),
                 callbacks=[cb, held]).train()
-    counted = cb.tracker.ekfac_bytes
+    counted = cb.tracker.extension("ekfac").bytes
     layers = len(cb.tracker.specs)
     assert any(diag for _, diag in cb.tracker.dims.values()) == bool(extra)
     in_use = [h for h in held.held if h[0] is not None and h[1] == layers]

@@ -196,8 +196,9 @@ class CaptureHooks:
         self._shared_input: dict[tuple[str, ...], list] = {}
         self.dissolved: list[tuple[str, ...]] = []  # groups dissolved, not yet taken
         self._warned_dissolve = False
-        # the tracker's `kfac_stream.ekfac.EkfacState` with KFACConfig(ekfac=True), else None
-        self.ekfac = None
+        # the tracker's extensions (`kfac_stream.extensions`): each keeps what it asks for of
+        # a tracked call (`keep_call`) and gets the call's output gradient (`add_call`)
+        self.extensions: list = []
         stale = getattr(model, _HANDLE_ATTR, None)
         if stale:  # a previous tracker that never reached on_train_end (e.g. crashed run)
             logging.getLogger("kfac_stream").warning(
@@ -489,19 +490,18 @@ class CaptureHooks:
                 a = gather()
             if self.mode.keep_outputs:  # MC pass only: the driver differentiates w.r.t. them
                 rec.outputs.append(output)
-            # EK-FAC (`kfac_stream.ekfac`): the whole input, for the per-sequence gradients
-            basis = self.ekfac.basis_of(name) if self.ekfac is not None else None
-            full = x if basis is not None else None
+            # the extensions that keep this call: the whole input, for their gradients
+            kept = [(ext, token) for ext in self.extensions
+                    if (token := ext.keep_call(name)) is not None]
+            full = x if kept else None
 
             def on_grad(grad: Tensor, rec: PassRecord = rec, a: Tensor = a,
                         full: Tensor | None = full) -> None:
                 if grad is None or rec.closed:
                     return
-                if full is not None:  # squared once over the layer's calls of the pass
-                    if rec.ekfac is None:
-                        rec.ekfac = self.ekfac.new_pass(rec.batch)
-                    rec.ekfac.add_call(name, full, grad, usable if made != "sequence"
-                                       else rec.sequence_weight() > 0, basis)
+                for ext, token in kept:
+                    ext.add_call(rec, name, full, grad, usable if made != "sequence"
+                                 else rec.sequence_weight() > 0, token)
                 g = rows(grad, False)  # [m, d_out]
                 if g_diag:
                     rec.g_sums.setdefault(name, []).append(

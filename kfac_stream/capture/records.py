@@ -135,10 +135,9 @@ class PassRecord:
             replay); made at the first sequence-space call (`sequence_weight`).
         seq_total: Like ``total``, for the sequence rows (None: ``seq_weight.sum()``).
         seq_layers: Layers whose rows in this pass are sequences (`CaptureHooks.row_space`).
-        ekfac: The pass's `kfac_stream.ekfac.PassCorrections`: per layer
-            ``Σ_n (Q_Gᵀ ∇_W L_n Q_A)² [d_out, d_A]`` over the pass's whole sequences, the
-            gradient summed over the layer's calls (``g`` still scaled by ``c``); None unless
-            the tracker streams the EK-FAC correction and has a basis.
+        extensions: ``{name: the pass's state}`` of the tracker's extensions that kept a call
+            of it (`kfac_stream.extensions.TrackerExtension.add_call`; EK-FAC's
+            `kfac_stream.ekfac.PassCorrections`).
         seq_scale: The weight of each of the pass's sequences (``1/P(drawn)`` in an MC
             sub-batch replay, `mc_replay.mc_subbatch_pass`; 1 otherwise).
         target: The decoder positions of an encoder-decoder's pass (None: other models);
@@ -168,7 +167,7 @@ class PassRecord:
     seq_weight: Tensor | None = None
     seq_total: Tensor | None = None
     seq_layers: set[str] = field(default_factory=set)
-    ekfac: Any = None
+    extensions: dict[str, Any] = field(default_factory=dict)
     seq_scale: float = 1.0
     target: Positions | None = None
     target_layers: set[str] = field(default_factory=set)

@@ -199,7 +199,7 @@ class ExchangeRequest:
             gloo; the tracker passes its own for an NCCL ``group``).
         extra: Host ints this rank adds to the host table (the same count on every rank),
             handed back from every rank in ``Exchanged.extra`` (the EK-FAC basis each rank
-            holds ready, `kfac_stream.distributed.ekfac_sync`).
+            holds ready, `kfac_stream.ekfac.sync`).
     """
 
     local: dict[str, Tensor]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -16,7 +17,6 @@ from .layout import layer_fingerprint, shard_name
 from .manifest_types import (
     AnswerTokens,
     Counts,
-    Ekfac,
     FactorEntry,
     LayerEntry,
     Manifest,
@@ -27,10 +27,12 @@ from .manifest_types import (
     Sampling,
     WeightsFingerprint,
     WindowEntry,
+    json_name,
 )
 
 
-def snapshot_contents(record, step: int, epoch: float | None = None, ekfac=None,
+def snapshot_contents(record, step: int, epoch: float | None = None,
+                      extensions: Mapping[str, Any] | None = None,
                       weights: dict[str, dict[str, Any]] | None = None,
                       model: dict[str, Any] | None = None
                       ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -47,11 +49,12 @@ def snapshot_contents(record, step: int, epoch: float | None = None, ekfac=None,
             (``Tracker.export()``); its factor tensors become the shard's (not copied again).
         step: Optimizer step.
         epoch: Trainer epoch (fractional), recorded for the data-size estimate.
-        ekfac: ``({layer: λ [d_out, d_A]}, {layer: entry})``, the EK-FAC correction
-            (`kfac_stream.tracking.tracker.Tracker.take_ekfac`): tensor ``<layer>.ekfac`` in the
-            shard of the layer's G factor and ``layers[<layer>]["ekfac"]`` in the manifest (basis
-            step, update steps, ``N``); None or empty: neither (the snapshot is as without
-            EK-FAC).
+        extensions: ``{name: ExtensionExport}`` of the tracker's extensions
+            (`kfac_stream.tracking.tracker.Tracker.export_extensions`): each layer's tensor
+            as ``<layer>.<name>`` in this rank's shard (EK-FAC: ``<layer>.ekfac``, ``λ [d_out,
+            d_A]``, in the shard of the layer's G factor) and its entry as
+            ``layers[<layer>][<name>]`` in the manifest (EK-FAC: basis step, update steps,
+            ``N``); None or empty: neither.
         weights: The tracked weights' fingerprint (`kfac_stream.snapshot.weights`), or None.
         model: The model's architecture (`kfac_stream.snapshot.architecture`), or None.
 
@@ -64,17 +67,23 @@ def snapshot_contents(record, step: int, epoch: float | None = None, ekfac=None,
         tensors[key] = f.data
         tensors[f"{key}.scale"] = torch.tensor([f.scale], dtype=torch.float32)
     layers = {name: _layer_entry(record, name) for name in record.specs}
-    for name in record.specs if ekfac is not None else ():
-        if name in ekfac[1]:
-            tensors[f"{name}.ekfac"] = ekfac[0][name]
-            layers[name].ekfac = Ekfac(**ekfac[1][name])
+    exported = extensions or {}
+    for ext, export in exported.items():
+        for name in record.specs:
+            if name in export.entries and name in export.tensors:
+                tensors[f"{name}.{ext}"] = export.tensors[name]
     manifest = _manifest(record, step, epoch, layers)
     manifest.weights = None if weights is None else {
         name: WeightsFingerprint(**w) for name, w in weights.items()}
     if model is not None:
         manifest.model = ModelIdentity(class_name=model["class"],
                                        model_type=model["model_type"])
-    return tensors, manifest.to_json()
+    out = manifest.to_json()
+    for ext, export in exported.items():  # each layer's entry, after its own keys
+        for name in record.specs:
+            if name in export.entries:
+                out["layers"][name][ext] = dict(export.entries[name])
+    return tensors, out
 
 
 def _layer_entry(record, name: str) -> LayerEntry:
@@ -137,7 +146,8 @@ def merge_manifests(parts: list[dict[str, Any]]) -> dict[str, Any]:
     """One manifest from every rank's part (rank order), as rank 0 writes it.
 
     Each factor's statistics (weight, updates, positions, dtype, spectrum) come from its
-    owner's part, a layer's EK-FAC entry from its G factor's owner's; ``tokens_seen`` and
+    owner's part, a layer's tracker-extension entries (EK-FAC's, and any key the layer entry
+    does not define) from its G factor's owner's; ``tokens_seen`` and
     the other ``*_seen`` (counted per rank) are summed; ``tracker_seconds``,
     ``exchange_seconds``, ``fold_seconds`` and ``wait_seconds`` are the slowest rank's;
     ``comm_bytes`` lists every rank's. Everything else is the same on all ranks and is
@@ -162,4 +172,11 @@ def merge_manifests(parts: list[dict[str, Any]]) -> dict[str, Any]:
         setattr(counts, key, max(getattr(p.counts, key) for p in ranks))
     counts.comm_bytes = [b for p in ranks for b in p.counts.comm_bytes]
     out.rank = None
-    return out.to_json()
+    merged = out.to_json()
+    known = {json_name(f) for f in dataclasses.fields(LayerEntry)}
+    for part, raw in zip(ranks, parts):  # other extensions' entries: the schema knows none
+        for name, entry in raw["layers"].items():
+            if part.layers[name].G.owner == part.rank:
+                merged["layers"][name].update(
+                    {k: v for k, v in entry.items() if k not in known})
+    return merged

@@ -8,14 +8,14 @@
    (`kfac_stream.snapshot.contents.snapshot_contents`) and the weights' fingerprint is read
    (`kfac_stream.snapshot.weights`), with the model's architecture
    (`kfac_stream.snapshot.architecture`). Nothing else touches a factor entry on this thread.
-   With ``KFACConfig(ekfac=True)`` the tracker also hands over the EK-FAC correction it
-   accumulated on the previous snapshot's eigenbasis (`kfac_stream.ekfac`) and starts waiting
-   for this one's.
+   Each tracker extension (`kfac_stream.extensions`) hands over what the snapshot stores of
+   it (EK-FAC: the correction accumulated on the previous snapshot's eigenbasis,
+   `kfac_stream.ekfac`, which then waits for this one's).
 2. `finish_snapshot`, anywhere (the callback's background thread): the eigendecompositions
    stream into the shard as it is written and hashed (`kfac_stream.snapshot.eigen_stream`,
    `kfac_stream.snapshot.writer.write_snapshot`: atomic, every rank its shard, rank 0 the
-   manifest; with EK-FAC each factor's eigenvectors also go to the tracker, its next basis,
-   and with several ranks from their owner to every rank once the shard is written);
+   manifest; each factor's eigenvectors also go to the extensions' sinks, EK-FAC's next
+   basis, and with several ranks from their owner to every rank once the shard is written);
    returns the directory and the eigenvalues (for the spectra media).
 
 `take_snapshot` runs both in a row; `write_record` writes a `TrackerRecord` made elsewhere
@@ -47,9 +47,9 @@ class CapturedSnapshot:
     with ``weights``, as JSON: `kfac_stream.snapshot.manifest_types.Manifest.to_json`; the
     eigendecomposition adds the spectra), ``step``, and ``lent`` (``{key: stored factor}``:
     the tracker's own tensors, unchanged until passed back with the next
-    `capture_snapshot`'s ``release``, once this snapshot is written). ``basis_sink``: with
-    ``KFACConfig(ekfac=True)``, where the eigenvectors go as they are computed (the tracker's
-    next EK-FAC basis, `kfac_stream.ekfac.EkfacState.sink`), else None."""
+    `capture_snapshot`'s ``release``, once this snapshot is written). ``basis_sink``: where the
+    eigenvectors go as they are computed (the tracker extensions' sinks,
+    `kfac_stream.extensions.ExtensionExport`: EK-FAC's next basis), else None."""
 
     step: int
     tensors: dict[str, Any]
@@ -65,15 +65,15 @@ def capture_snapshot(tracker, step: int, epoch: float | None = None,
     step). ``release``: the previous capture's ``lent``, its snapshot written."""
     tracker.release(release or {})  # before the flush: it writes those factors in place
     record = tracker.export(lend=True)
-    ekfac = tracker.take_ekfac(step)  # None without KFACConfig(ekfac=True)
+    exports = tracker.export_extensions(step)  # empty without tracker extensions
     tensors, manifest = snapshot_contents(
-        record, step, epoch, ekfac=ekfac[:2] if ekfac is not None else None,
+        record, step, epoch, extensions=exports,
         weights=weights_fingerprint(tracker.layers),
         # the architecture: a query on another one says so
         model=model_identity(getattr(tracker, "model", None)))
     return CapturedSnapshot(int(step), tensors, manifest,
                             {k: f.data for k, f in record.factors.items()},
-                            ekfac[2] if ekfac is not None else None)
+                            _sink([e.sink for e in exports.values() if e.sink is not None]))
 
 
 def queue_capture(tracker, step: int, epoch: float | None = None,
@@ -83,9 +83,9 @@ def queue_capture(tracker, step: int, epoch: float | None = None,
     and the counters are read now (they belong to this step), the fold and the lending are
     queued behind this step's update (`kfac_stream.tracking.tracker.Tracker.queue_export`:
     the training thread only enqueues), and the returned call waits for them and makes the
-    contents (call it on the snapshot's thread). With ``KFACConfig(ekfac=True)`` it is
-    `capture_snapshot` (the correction is taken with the factors, on this thread)."""
-    if getattr(tracker, "ekfac", None) is not None:
+    contents (call it on the snapshot's thread). With a tracker extension it is
+    `capture_snapshot` (what it exports is taken with the factors, on this thread)."""
+    if getattr(tracker, "extensions", None):
         captured = capture_snapshot(tracker, step, epoch, release)
         return lambda: captured
     weights = weights_fingerprint(tracker.layers)  # collective under ZeRO-3 and FSDP2
@@ -100,6 +100,30 @@ def queue_capture(tracker, step: int, epoch: float | None = None,
                                 {k: f.data for k, f in record.factors.items()})
 
     return contents
+
+
+class _Sinks:
+    """Several extensions' eigenvector sinks as one (each gets every result; `share`: theirs,
+    in order)."""
+
+    def __init__(self, sinks: list[Callable[[str, torch.Tensor | None], None]]) -> None:
+        self.sinks = sinks
+
+    def __call__(self, key: str, q: torch.Tensor | None) -> None:
+        for sink in self.sinks:
+            sink(key, q)
+
+    def share(self, comm) -> None:
+        for sink in self.sinks:
+            share = getattr(sink, "share", None)
+            if share is not None:
+                share(comm)
+
+
+def _sink(sinks: list[Callable[[str, torch.Tensor | None], None]]
+          ) -> Callable[[str, torch.Tensor | None], None] | None:
+    """The extensions' sinks as the one `EigenStream` calls (None: none)."""
+    return None if not sinks else sinks[0] if len(sinks) == 1 else _Sinks(sinks)
 
 
 @dataclasses.dataclass
@@ -150,7 +174,7 @@ def finish_snapshot(captured: CapturedSnapshot, root: str, comm=None,
     share = getattr(captured.basis_sink, "share", None)
     if share is not None and not (eigen is not None and eigen.final):  # (the last: no use)
         share(comm)  # several ranks: every factor's eigenvectors reach every rank (collective,
-        # `kfac_stream.distributed.ekfac_sync.RankedSink`; ``final`` is the same on every rank)
+        # EK-FAC's `kfac_stream.ekfac.sync.RankedSink`; ``final`` is the same on every rank)
     if eigen is not None:
         eigen.rate.measured(sides, stream.eigh_seconds)
     return path, stream.eigvals

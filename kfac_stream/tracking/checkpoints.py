@@ -43,7 +43,7 @@ class CheckpointProtocol:
         s.wait_for_snapshot()  # the snapshot in flight uses the same process group
         s.tracker.release(s.released())  # the flush below writes in place
         save_tracker_state(s.tracker.export(), pending_state_dir(checkpoint_dir(args, step)),
-                           s.comm, step=step, ekfac=s.tracker.ekfac_state())
+                           s.comm, step=step, extensions=s.tracker.extension_states())
         self.pending_step = step
 
     def saved(self, args, step: int) -> None:
@@ -59,7 +59,7 @@ class CheckpointProtocol:
         else:
             s.tracker.release(s.released())  # the flush below writes in place
             save_tracker_state(s.tracker.export(), os.path.join(checkpoint, STATE_DIR),
-                               s.comm, step=step, ekfac=s.tracker.ekfac_state())
+                               s.comm, step=step, extensions=s.tracker.extension_states())
         self.pending_step = None
 
     def resume(self, args, state) -> None:

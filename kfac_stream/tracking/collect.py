@@ -1,13 +1,15 @@
 """From an update step's pass records to the `UpdateJob` the factor updater folds: each
 captured row weighted by the square root of its sampling weight and divided by the pass's loss
-scale ``c``, per factor key; diagonal factors as sums; the step's finiteness and the EK-FAC
-correction's squares. Device ops only (no host read). Each part is scaled in the wide dtype
-and cast to the fold dtype (`Folding.row_dtype`) at once, so at most one part is held wide at
-a time (a 16-bit fold never holds every key's rows in fp32)."""
+scale ``c``, per factor key; diagonal factors as sums; the step's finiteness; each tracker
+extension's share of every pass (`kfac_stream.extensions`). Device ops only (no host read).
+Each part is scaled in the wide dtype and cast to the fold dtype (`Folding.row_dtype`) at
+once, so at most one part is held wide at a time (a 16-bit fold never holds every key's rows
+in fp32)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -55,8 +57,8 @@ class _Group:
 
 @dataclass
 class _Parts:
-    """What one update collects: stacks of rows by factor group, and per factor key (layer
-    for EK-FAC) what does not stack."""
+    """What one update collects: stacks of rows by factor group, per factor key what does not
+    stack, and per tracker extension what its `collect_pass` returned."""
 
     groups: dict[tuple[str, ...], _Group] = field(default_factory=dict)
     rows: dict[str, list[Tensor]] = field(default_factory=dict)
@@ -65,8 +67,7 @@ class _Parts:
     positions: dict[str, Tensor] = field(default_factory=dict)
     bad: list[Tensor] = field(default_factory=list)
     residuals: list[Tensor] = field(default_factory=list)
-    ek_num: dict[str, Tensor] = field(default_factory=dict)  # Σ_n w_n (Q_Gᵀ ∇L_n Q_A)²
-    ek_den: dict[str, Tensor] = field(default_factory=dict)  # its N
+    extensions: dict[str, Any] = field(default_factory=dict)  # by extension name
 
     def count(self, key: str, w_sum: Tensor, n: Tensor) -> None:
         self.weights[key] = self.weights[key] + w_sum if key in self.weights else w_sum
@@ -123,6 +124,7 @@ def collect_update(tracker, passes) -> UpdateJob | None:
     ``tracker``'s current step; None when no pass holds rows on a single process."""
     fold = tracker.folding.row_dtype(_captured_dtype(passes))
     parts = _Parts()
+    extensions = getattr(tracker, "extensions", ())
     for rec in passes:
         if not (rec.g_rows or rec.g_sums):
             continue
@@ -137,7 +139,8 @@ def collect_update(tracker, passes) -> UpdateJob | None:
         c = _loss_scale(rec, parts, g_stacks)
         _add_a(tracker, rec, spaces, fold, parts)
         _add_g(tracker, rec, spaces, g_stacks, c=c, fold=fold, parts=parts)
-        _add_ekfac(tracker, rec, c, parts)
+        for ext in extensions:
+            parts.extensions[ext.name] = ext.collect_pass(rec, c, parts.extensions.get(ext.name))
     if not parts.rows and not parts.sums and not parts.groups and tracker.world_size == 1:
         return None
     parts.settle()
@@ -148,8 +151,9 @@ def collect_update(tracker, passes) -> UpdateJob | None:
         ok = ok & ~torch.stack(parts.bad).any().to(ok.device)
     residual = torch.stack(parts.residuals).max() if parts.residuals else None
     step = int(tracker.step or 0)
-    if parts.ek_num:
-        tracker.ekfac.add(step, parts.ek_num, parts.ek_den, ok)
+    for ext in extensions:
+        if ext.name in parts.extensions:
+            ext.add_update(step, parts.extensions[ext.name], ok)
     return UpdateJob(step, cat, parts.weights, parts.positions, ok, residual, sums=parts.sums,
                      groups=groups)
 
@@ -251,29 +255,6 @@ def _add_g(tracker, rec, spaces: dict[str, RowWeights], g_stacks: list[_Stack], 
         for g in found:  # Σ w (c·g)⊙(c·g) / c²
             parts.add_sum(tracker.plan.g_key(name), g / (c * c))
             parts.count(tracker.plan.g_key(name), w.n, w.n_rows)
-
-
-def _add_ekfac(tracker, rec, c, parts: _Parts) -> None:
-    """The EK-FAC correction's squares ``(c·g)² / c²`` of the pass, each sequence weighted,
-    and their count (``N`` once per call of the layer, as its factors count its rows); notes
-    each layer's calls that received a gradient (`kfac_stream.ekfac.EkfacState.learn_calls`)."""
-    state = getattr(tracker, "ekfac", None)
-    if state is None:
-        return
-    state.learn_calls({name: len(found) for by in (rec.g_rows, rec.g_sums)
-                               for name, found in by.items()})
-    if rec.ekfac is None:
-        return
-    for name, found in rec.ekfac.settle().items():
-        if name in rec.seq_layers:  # N: the sequences (with their weights)
-            n = rec.seq_total if rec.seq_total is not None else rec.sequence_weight().sum()
-        else:  # the usable positions, as the factors' n
-            _, total, usable = rec.stream(rec.space_of(name))
-            n = total if total is not None else usable.sum() * rec.seq_scale
-        num = torch.stack([t for t, _ in found]).sum(0) * (rec.seq_scale / (c * c))
-        parts.ek_num[name] = parts.ek_num[name] + num if name in parts.ek_num else num
-        n = n * sum(calls for _, calls in found)
-        parts.ek_den[name] = parts.ek_den[name] + n if name in parts.ek_den else n
 
 
 def _a_space(tracker, key: str, rec) -> str:

@@ -51,11 +51,8 @@ def tracking_summary(tracker, output_dir: str, model=None) -> str:
     memory = (f"{_mib(per_rank)} of {cfg.storage_dtype} factors"
               + (f" on the fullest of {ranks} ranks ({_mib(sum(own.bytes_per_rank))} in all)"
                  if ranks > 1 else " on 1 rank"))
-    ekfac = getattr(tracker, "ekfac_bytes", None)
-    if ekfac is not None:  # on every rank's device, counted in the device budget
-        memory += (f"; EK-FAC {_mib(ekfac['total'])} on the model's device of each rank "
-                   f"({_mib(ekfac['basis'])} eigenvectors, {_mib(ekfac['accumulators'])} "
-                   "accumulators)")
+    for ext in getattr(tracker, "extensions", ()):  # what each holds on the model's device
+        memory += ext.memory_line()
     return (f"kfac_stream: tracking {len(tracker.specs)} layers, {len(tracker.dims)} factors "
             f"({len(tracker.dims) - diagonal} dense, {diagonal} diagonal){where}, "
             f"{tracker.curvature.describe()}, token_fraction={cfg.token_fraction:g}, "

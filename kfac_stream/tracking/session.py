@@ -328,7 +328,7 @@ class TrackingSession:
         self.snapshot_hold_seconds.append(time.perf_counter() - held)
         self._last_snapshot_step = step
         cfg = self.tracker.config
-        eigen = EigenPlan("always" if cfg.ekfac else cfg.eigendecompose,
+        eigen = EigenPlan("always" if self.tracker.needs_eigenbasis else cfg.eigendecompose,
                           final=final or step == self._final_step,
                           step_seconds=self.tracker.step_seconds,
                           snapshot_every=cfg.snapshot_every, rate=self._eigh_rate)

@@ -37,12 +37,10 @@ from ..capture.selection import LayerSpec, select_layers
 from ..capture.sharing import FactorPlan, plan_factors, probe_shared_inputs
 from ..config import KFACConfig
 from ..distributed.context import DistContext
-from ..distributed.ekfac_sync import RankedSink, sum_to_owners
 from ..distributed.engines import engine_for
 from ..distributed.ownership import Ownership, assign_owners
-from ..ekfac import EkfacState, ekfac_device_bytes
 from ..enums import StorageDtype
-from ..exceptions import KFACConfigError
+from ..extensions import ExtensionExport, TrackerExtension, extensions_for
 from ..fisher import StepContext, estimator_for
 from ..fisher.replay_draws import replay_seed
 from ..folding import Folding
@@ -167,16 +165,9 @@ class Tracker:
         self._capture_kwargs = dict(token_fraction=config.token_fraction, seed=seed,
                                     row_dtype=None if on_gpu else wide, device=self.device,
                                     sum_dtype=wide, reduce=self.curvature.reduces)
-        # EK-FAC from the stream (`kfac_stream.ekfac`), only when asked for: nothing else runs
-        self.ekfac: EkfacState | None = None
-        if config.ekfac:  # several ranks: bases switched in lockstep (`distributed.ekfac_sync`)
-            self.ekfac = EkfacState(specs, {n: self.plan.keys_of(n) for n in specs},
-                                    self.device, wide, lockstep=self.world_size > 1)
-        # the EK-FAC state's device bytes, counted in the device budget (`ekfac_device_bytes`)
-        self.ekfac_bytes = ekfac_device_bytes(
-            {n: self.plan.keys_of(n) for n in specs}, self.plan.dims, wide) \
-            if self.ekfac else None
-        _check_ekfac_budget(self.run, self.ekfac_bytes)  # before any hook goes on the model
+        # the extensions the configuration enables (`kfac_stream.extensions`), built before any
+        # hook goes on the model (one may refuse the configuration); none: nothing else runs
+        self.extensions: list[TrackerExtension] = [cls(self) for cls in extensions_for(config)]
         self.fisher = estimator_for(config)()  # what the steps capture, which rows count
         self.capture = self._make_capture()
         self._backward_in_forward = engine_for(model).allows_backward_in_forward(model)
@@ -197,7 +188,7 @@ class Tracker:
         self.updater = FactorUpdater(self.run, self.dims, self.ownership, dist_ctx,
                                      device=self.device, folding=self.folding,
                                      counters=self.counters,
-                                     reserved=self.ekfac_bytes["total"] if self.ekfac else 0)
+                                     reserved=sum(e.reserved_bytes() for e in self.extensions))
         self.store = self.updater.store  # this rank's factors
 
     @property
@@ -213,7 +204,7 @@ class Tracker:
 
     def _make_capture(self) -> CaptureHooks:
         hooks = CaptureHooks(self._model, self._layers, self.plan, **self._capture_kwargs)
-        hooks.ekfac = self.ekfac
+        hooks.extensions = self.extensions
         return hooks
 
     # -- step protocol -------------------------------------------------------------------------
@@ -222,8 +213,8 @@ class Tracker:
         """Arm the hooks for optimizer step ``step`` (0-based) if it is an update step."""
         self.step = step
         self.is_update_step = step % self.config.update_every == 0
-        if self.ekfac is not None:
-            self.ekfac.begin_step()  # a snapshot's eigenbasis that has arrived goes into use
+        for ext in self.extensions:
+            ext.begin_step()
         self.capture.take()
         self.capture.set_mode(self.fisher.capture_mode(self.fisher_context(),
                                                        self.is_update_step))
@@ -292,11 +283,11 @@ class Tracker:
             if self.updater.stream is not None:  # on the model device's training stream
                 job.event = torch.cuda.Event()  # (not the current device's, which may differ)
                 job.event.record(torch.cuda.current_stream(self.device))
-            if self.ekfac is not None:  # this rank's ready basis, in the exchange's table
-                job.agree = (self.ekfac.ready_step(),)
+            tables = [ext.step_table() for ext in self.extensions]  # in the exchange's table
+            job.agree = tuple(v for table in tables for v in table)
             self.updater.submit(job, self._step_seconds)
-            if self.ekfac is not None and job.agreed:
-                self.ekfac.agree([row[0] for row in job.agreed])
+            if job.agreed:
+                _agree(self.extensions, tables, job.agreed)
             return True
         finally:
             self.is_update_step = False
@@ -347,8 +338,8 @@ class Tracker:
         self.ownership = assign_owners(self.dims, self.world_size,
                                        StorageDtype(self.config.storage_dtype).itemsize)
         self.updater.dims, self.updater.ownership = self.dims, self.ownership
-        if self.ekfac is not None:  # the basis in use is per layer: unchanged
-            self.ekfac.keys_of = {n: plan.keys_of(n) for n in self.specs}
+        for ext in self.extensions:
+            ext.plan_changed(plan)
 
     # -- factor arithmetic (worker thread, or the training thread without async_updates) -------
 
@@ -365,32 +356,36 @@ class Tracker:
         self.counters.window_sequences = window.sequences if window is not None else 0
         return restart
 
-    def take_ekfac(self, step: int) -> tuple[dict[str, Tensor], dict[str, dict[str, Any]],
-                                             Any] | None:
-        """For snapshot ``step`` (`kfac_stream.snapshot.sequence.capture_snapshot`): the EK-FAC
-        correction accumulated on the previous snapshot's eigenbasis (``{layer: λ}``, ``{layer:
-        manifest entry}``; empty for the first snapshot) and the sink its eigenvectors go to
-        (`EkfacState.take`, `EkfacState.sink`); None without ``ekfac``."""
-        if self.ekfac is None:
-            return None
-        keys_of = {n: self.plan.keys_of(n) for n in self.specs}
-        if self.world_size == 1:
-            tensors, entries = self.ekfac.take(step, keys_of)
-            return tensors, entries, self.ekfac.sink(step)
-        owner = self.ownership.owner
-        dims = {n: (self.dims[g][0], self.dims[a][0]) for n, (a, g) in keys_of.items()}
-        tensors, entries = self.ekfac.take(step, keys_of, combine=lambda window: sum_to_owners(
-            window, dims, {n: owner[g] for n, (_, g) in keys_of.items()}, self.dist))
-        keys = {k: self.dims[k] for pair in keys_of.values() for k in pair}
-        return tensors, entries, RankedSink(self.ekfac, step, keys, owner, self.rank)
+    def extension(self, name: str) -> TrackerExtension | None:
+        """The extension registered as ``name`` that this run enabled, else None."""
+        return next((ext for ext in self.extensions if ext.name == name), None)
 
-    def ekfac_state(self) -> tuple[dict[str, Any], dict[str, Tensor]] | None:
-        """The EK-FAC state for a checkpoint (`EkfacState.state_dict`: this rank's
-        accumulators, the eigenvectors of the factors it owns); None without ``ekfac``."""
-        if self.ekfac is None:
-            return None
-        owner = self.ownership.owner
-        return self.ekfac.state_dict(keep=lambda key: owner.get(key, 0) == self.rank)
+    @property
+    def needs_eigenbasis(self) -> bool:
+        """An extension takes every snapshot's eigenvectors: each snapshot eigendecomposes in
+        the run (`TrackerExtension.needs_eigenbasis`)."""
+        return any(ext.needs_eigenbasis for ext in self.extensions)
+
+    def export_extensions(self, step: int) -> dict[str, ExtensionExport]:
+        """For snapshot ``step`` (`kfac_stream.snapshot.sequence.capture_snapshot`): ``{name:
+        what the extension stores}`` (`TrackerExtension.export`; collective with several
+        ranks); empty without extensions."""
+        out = {}
+        for ext in self.extensions:
+            export = ext.export(step)
+            if export is not None:
+                out[ext.name] = export
+        return out
+
+    def extension_states(self) -> dict[str, tuple[dict[str, Any], dict[str, Tensor]]]:
+        """``{name: (meta, tensors)}`` of the extensions' states for a checkpoint
+        (`TrackerExtension.state_dict`)."""
+        out = {}
+        for ext in self.extensions:
+            state = ext.state_dict()
+            if state is not None:
+                out[ext.name] = state
+        return out
 
     def read_counters(self) -> Counters:
         """The counters with the device-side ones read (snapshot, checkpoint, log time)."""
@@ -559,19 +554,14 @@ def _check_same_plan(ctx: DistContext, plan: FactorPlan) -> None:
                            "set KFACConfig(share_inputs=False)")
 
 
-def _check_ekfac_budget(run: RunPlan, need: dict[str, int] | None) -> None:
-    """An explicit device budget of the device fold must hold the EK-FAC state's bytes and
-    the accumulation's work space (`kfac_stream.store.residency.Residency`); an ``"auto"``
-    budget (decided at the first update) that cannot says so there and keeps no pending
-    statistic on the device."""
-    budget = run.device_budget
-    if need is None or run.fold_on != "device" or budget is None or budget >= need["total"]:
-        return
-    raise KFACConfigError(
-        f"KFACConfig(ekfac=True) holds {need['total']} bytes on the model's device "
-        f"({need['basis']} of eigenvectors, {need['accumulators']} of accumulators) but "
-        f"device_memory_budget={budget}; raise the budget, lower max_dense_dim (diagonal "
-        "factors hold no basis) or track fewer layers")
+def _agree(extensions: list[TrackerExtension], tables: list[tuple[int, ...]],
+           agreed: list[list[int]]) -> None:
+    """Hand each extension its columns of every rank's exchange table (``agreed``:
+    ``[world][Σ len(table)]``, the extensions' `step_table` s side by side)."""
+    start = 0
+    for ext, table in zip(extensions, tables):
+        ext.agree([row[start:start + len(table)] for row in agreed])
+        start += len(table)
 
 
 def _set_rng(generator: torch.Generator, state: Tensor, fallback_seed: int) -> None:

@@ -33,6 +33,7 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Mapping
 
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -67,7 +68,8 @@ def pending_state_dir(checkpoint: str) -> str:
 
 
 def save_tracker_state(record, directory: str, comm: JsonComm = LOCAL,
-                       step: int | None = None, ekfac: tuple[dict, dict] | None = None) -> str:
+                       step: int | None = None,
+                       extensions: Mapping[str, tuple[dict, dict]] | None = None) -> str:
     """Write this rank's state into ``directory`` (created); rank 0 then writes the index.
 
     Collective over ``comm`` (every rank calls it with the same ``directory``); returns once
@@ -79,9 +81,10 @@ def save_tracker_state(record, directory: str, comm: JsonComm = LOCAL,
         comm: The ranks' JSON communicator (`DistContext.snapshot_comm`).
         step: The checkpoint's step (the Trainer's ``global_step``), written into the index
             (default: the last step the tracker began).
-        ekfac: ``(meta, tensors)`` of the EK-FAC state (`Tracker.ekfac_state`; tensors
-            ``ekfac.*``: this rank's accumulators, the eigenvectors of the factors it owns),
-            or None (``KFACConfig(ekfac=False)``).
+        extensions: ``{name: (meta, tensors)}`` of the tracker extensions' states
+            (`Tracker.extension_states`: meta under the key ``<name>``, tensors named
+            ``<name>.*``; EK-FAC's: this rank's accumulators, the eigenvectors of the factors
+            it owns), or None.
     """
     if comm.rank == 0 and os.path.isdir(directory):  # a stale state of the same step
         shutil.rmtree(directory)
@@ -104,9 +107,9 @@ def save_tracker_state(record, directory: str, comm: JsonComm = LOCAL,
             "sequences_seen": record.capture.sequences_seen,
             "target_tokens_seen": record.capture.target_tokens_seen,
             "factors": factors, "step": record.step}
-    if ekfac is not None:
-        meta["ekfac"] = ekfac[0]
-        tensors.update(ekfac[1])
+    for ext_name, (ext_meta, ext_tensors) in (extensions or {}).items():
+        meta[ext_name] = ext_meta
+        tensors.update(ext_tensors)
     name = state_file(record.rank, record.world_size)
     path = os.path.join(directory, name)
     tmp = path + ".tmp"
@@ -263,32 +266,37 @@ def load_tracker_state(tracker, directory: str) -> str:
 
         counters = {**first["counters"], **{name: total(name) for name in _SEEN}}
         tracker.load_state(factors, counters, reseed_step=int(first["step"] or 0))
-    _load_ekfac(tracker, metas, same_world)
+    for ext in getattr(tracker, "extensions", ()):
+        _load_extension(ext, tracker.rank, metas, same_world)
     how = "same world size" if same_world else f"re-sharded from {old_world} to " \
         f"{tracker.world_size} ranks (token samplers reseeded)"
     return (f"restored {len(factors)} factors, {tracker.counters.updates} updates "
             f"from {directory} ({how})")
 
 
-def _load_ekfac(tracker, metas: dict[int, tuple[dict, safe_open]], same_world: bool) -> None:
-    """Restore the EK-FAC state (`kfac_stream.ekfac.EkfacState.load_state_dict`): each
-    factor's eigenvectors from whichever file holds them; the accumulators from this rank's own
-    file, or, with another world size, their sum over every file on rank 0 (the snapshot's
-    ``λ`` sums over ranks anyway). A state written without EK-FAC (an older checkpoint, or
-    ``ekfac=False``) leaves it as it starts: the next snapshot carries no correction."""
-    if getattr(tracker, "ekfac", None) is None or "ekfac" not in metas[0][0]:
+def _load_extension(ext, rank: int, metas: dict[int, tuple[dict, safe_open]],
+                    same_world: bool) -> None:
+    """Restore a tracker extension's state (`TrackerExtension.load_state_dict`; EK-FAC's:
+    `kfac_stream.ekfac.EkfacState.load_state_dict`): each tensor from whichever file holds
+    it; those named by ``ext.summed_state`` (per-rank sums: EK-FAC's accumulators) from this
+    rank's own file, or, with another world size, their sum over every file on rank 0 (the
+    snapshot's ``λ`` sums over ranks anyway). A state written without the extension (an older
+    checkpoint, or the extension off) leaves it as it starts (EK-FAC: the next snapshot carries
+    no correction)."""
+    if ext.name not in metas[0][0]:
         return
+    prefix = f"{ext.name}."
     where: dict[str, list[int]] = {}
     for r in sorted(metas):
         for name in metas[r][1].keys():
-            if name.startswith("ekfac."):
+            if name.startswith(prefix):
                 where.setdefault(name, []).append(r)
 
     def get(name: str):
         ranks = where.get(name, [])
-        if name.startswith(("ekfac.num.", "ekfac.den.")):
-            ranks = ([tracker.rank] if tracker.rank in ranks else []) if same_world else (
-                ranks if tracker.rank == 0 else [])
+        if ext.summed_state and name.startswith(tuple(ext.summed_state)):
+            ranks = ([rank] if rank in ranks else []) if same_world else (
+                ranks if rank == 0 else [])
             out = None
             for r in ranks:
                 t = metas[r][1].get_tensor(name)
@@ -296,5 +304,4 @@ def _load_ekfac(tracker, metas: dict[int, tuple[dict, safe_open]], same_world: b
             return out
         return metas[ranks[0]][1].get_tensor(name) if ranks else None
 
-    meta = metas[tracker.rank if same_world else 0][0]["ekfac"]
-    tracker.ekfac.load_state_dict(meta, get)
+    ext.load_state_dict(metas[rank if same_world else 0][0][ext.name], get)

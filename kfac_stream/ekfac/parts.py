@@ -1,6 +1,6 @@
 """The EK-FAC state's per-window and per-pass parts (`kfac_stream.ekfac`): what one rank
 accumulated over a window (`EkfacWindow`, summed across ranks by
-`kfac_stream.distributed.ekfac_sync`) and one forward pass's corrections, squared once per layer
+`kfac_stream.ekfac.sync`) and one forward pass's corrections, squared once per layer
 over its calls (`PassCorrections`)."""
 
 from __future__ import annotations

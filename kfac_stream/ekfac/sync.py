@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .context import JsonComm
+from ..distributed.context import JsonComm
 
 logger = logging.getLogger("kfac_stream")
 
