@@ -67,4 +67,4 @@ def test_registered_estimator_makes_the_factors_of_its_passes(tmp_path, toy_fish
     every, _ = reference_factors(model, records, LAYERS)  # the plain empirical Fisher's
     assert max(factor_errors(cb, every).values()) > 1e-3
     snap = Snapshot.load(cb.snapshots[-1])  # the manifest knows the registered name
-    assert snap.meta["fisher"] == snap.meta["run_plan"]["fisher"] == "first_micro_batch"
+    assert snap.manifest.fisher == snap.manifest.run_plan.fisher == "first_micro_batch"
