@@ -349,7 +349,7 @@ def test_mc_share_replay_equals_brute_force_with_its_sampled_labels(tmp_path, mo
     worst = max(_rel(snaps[1][n].ekfac_eigvals, num[n] / den) for n in names)
     print(f"MC share replay ({len(window)} replayed sub-batches in the window): max rel err "
           f"{worst:.2e}")
-    assert entry["weight"] == pytest.approx(2 * den, rel=1e-12)  # N, each weighted 1/share
+    assert entry.weight == pytest.approx(2 * den, rel=1e-12)  # N, each weighted 1/share
     assert worst <= 1e-6  # the MC loss takes the logits in float32 (mc_fisher)
 
 

@@ -193,19 +193,13 @@ class Snapshot(LayerView):
     def __init__(self, path: str, manifest: Manifest, layers: dict[str, LayerFactors],
                  meta: dict[str, Any] | None = None):
         super().__init__(path, manifest.step, layers)
-        self._manifest = manifest
+        self.manifest = manifest
         self.meta = manifest.to_json() if meta is None else meta
         # the stored tensors of a deferred eigendecomposition (`load`; None: built by hand)
         self._stored: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._eigen_tensors: dict[str, torch.Tensor] | None = None
         self.eigen_record = None
         self._eigen_lock = threading.Lock()
-
-    @property
-    def manifest(self) -> Manifest:
-        """The checked manifest (`manifest_types.Manifest`): step, counts, configuration,
-        layer entries, shards."""
-        return self._manifest
 
     @property
     def heldout_prior(self):
