@@ -440,10 +440,10 @@ def tiny_parts(a, tmp: str, parts: set[int]) -> dict:
     m64 = copy.deepcopy(model).double().eval()
     t0 = time.perf_counter()
     snap = lr0_pass(m64, train_ex, os.path.join(tmp, "tiny-lr0"))
-    c = snap.meta["counts"]
+    c = snap.manifest.counts
     n_pos = a.tiny_n * a.tiny_seq
-    log(f"[tiny] lr-0 pass {time.perf_counter() - t0:.1f} s: {c['updates']} updates, "
-        f"{c['positions_sampled']} positions of {c['tokens_seen']} (N·T = {n_pos})")
+    log(f"[tiny] lr-0 pass {time.perf_counter() - t0:.1f} s: {c.updates} updates, "
+        f"{c.positions_sampled} positions of {c.tokens_seen} (N·T = {n_pos})")
     post = LaplacePosterior(m64, snap, 1.0)
     eig = {n: post.eig.eigvals(n) for n in layers}
     lam = HEURISTIC_SCALE * statistics.fmean(
@@ -452,8 +452,8 @@ def tiny_parts(a, tmp: str, parts: set[int]) -> dict:
     settings = {"explicit": dict.fromkeys(layers, lam), "heuristic": dict(inf_h.damping)}
     ours = {"explicit": Influence(post, lam).scores(qb, tb, show_progress=False).scores,
             "heuristic": inf_h.scores(qb, tb, show_progress=False).scores}
-    out["lr0"] = {"counts": {k: c[k] for k in ("updates", "positions_sampled", "tokens_seen",
-                                               "sequences_seen")},
+    out["lr0"] = {"counts": {k: getattr(c, k) for k in ("updates", "positions_sampled",
+                                                        "tokens_seen", "sequences_seen")},
                   "explicit_damping": lam, "heuristic_damping": settings["heuristic"]}
 
     kf = Kronfluence(m64, layers, os.path.join(tmp, "kf-tiny64"))

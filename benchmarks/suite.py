@@ -363,9 +363,9 @@ def run_seed(task, a, real_default: bool) -> dict:
                         float((getattr(snap[n], f) - getattr(snap_def[n], f)).norm()
                               / getattr(snap_def[n], f).norm())
                         for n in snap_def.layer_names for f in ("A", "G"))
-                    res["rebuild_num_data"] = [snap.meta["counts"]["tokens_seen"],
-                                               snap_def.meta["counts"]["tokens_seen"],
-                                               snap.meta.get("epoch"), snap_def.meta.get("epoch")]
+                    res["rebuild_num_data"] = [snap.manifest.counts.tokens_seen,
+                                               snap_def.manifest.counts.tokens_seen,
+                                               snap.manifest.epoch, snap_def.manifest.epoch]
                     rd = res["real_default"]["scores"]["marglik"][LIBRARY_LINK]["nll"]
                     print(f"  rebuilt default rule vs the real default run: factors within "
                           f"{res['rebuild_error']:.2e} (rel. Frobenius, fp16 storage); tokens, "

@@ -37,7 +37,7 @@ trainer.train()
 # 3. the newest snapshot: factors, eigenbases, counts
 snap = Snapshot.latest(f"{args.out}/kfac")
 print(f"snapshot of step {snap.step}: {len(snap.layer_names)} layers, "
-      f"{snap.meta['counts']['tokens_seen']} tokens seen")
+      f"{snap.manifest.counts.tokens_seen} tokens seen")
 name = snap.layer_names[0]
 print(name, "A", tuple(snap[name].A.shape), "G", tuple(snap[name].G.shape))
 

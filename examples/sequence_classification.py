@@ -139,7 +139,7 @@ if held is not None:
     print(held.verdict())
 N = post.layer_num_data  # per layer: its rows in the data set, token positions or sequences
 for kind, unit in (("position", "token positions"), ("sequence", "sequences")):
-    names = [n for n in N if snap.meta["layers"][n].get("rows", "position") == kind]
+    names = [n for n in N if (snap.manifest.layers[n].rows or "position") == kind]
     if names:  # the manifest says which rows each layer has
         shown = ", ".join(names) if len(names) <= 2 else f"{len(names)} layers ({names[0]}, ...)"
         print(f"N = {N[names[0]]:.0f} {unit} for {shown}")

@@ -99,7 +99,7 @@ def _prompt_batch(examples: list[dict]) -> tuple[dict, list[int]]:
 def test_the_snapshot_records_the_answer_tokens_and_queries_default_to_them(answered):
     model, snap, held = answered
     assert snap.answer_tokens == tuple(ANSWERS)
-    assert snap.meta["answer_tokens"]["ids"] == ANSWERS
+    assert snap.manifest.answer_tokens.ids == ANSWERS
     post = LaplacePosterior(model, snap, prior_precision=3.0)
     prompts, last = _prompt_batch(held)
     m0, c0 = post.predictive(prompts, positions=last, token_ids=ANSWERS)

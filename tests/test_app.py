@@ -144,7 +144,7 @@ def test_app_under_accelerate_deepspeed_zero3(tmp_path):
     _, out = _app(tmp_path, run_dir, *TINY, "kfac.fisher=mc", launch="cpu_zero3.yaml")
     snaps = _snapshots(run_dir)
     assert [s.step for s in snaps] == [3, 6]
-    assert all(s.meta["world_size"] == 2 for s in snaps)
+    assert all(s.manifest.world_size == 2 for s in snaps)
     assert sorted(os.listdir(snaps[-1].path)) == [
         "manifest.json", "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
     runs = [e for e in os.listdir(run_dir / "wandb") if e.startswith("offline-run-")]

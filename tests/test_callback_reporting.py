@@ -75,7 +75,7 @@ def train(root, report_to: list[str], **callback_kwargs) -> dict:
 
 def documented(snap: Snapshot) -> dict[str, float]:
     """The snapshot's statistics under the names W&B and TensorBoard show."""
-    return {f"train/{key}": value for key, value in snapshot_metrics(snap.meta).items()}
+    return {f"train/{key}": value for key, value in snapshot_metrics(snap.manifest).items()}
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from kfac_stream.capture.presets import preset_layers
 from kfac_stream.cli import main as cli_main
 from kfac_stream.exceptions import KFACConfigError, SnapshotMismatchError
 from kfac_stream.snapshot.adequacy import REL_SE_WARN, sampling_summary
+from kfac_stream.snapshot.manifest_types import to_json
 
 from harness import run
 from models import lora_gpt2, save_bpe_tokenizer, text_examples, tiny_gpt2
@@ -200,9 +201,9 @@ def test_snapshot_of_another_architecture_is_named_before_any_merge_hint(lm, ber
                                                                          tmp_path):
     lm_tmp, _, lm_snap = lm
     bert_tmp, bert_model, bert_snap = bert
-    assert lm_snap.meta["model"] == {"class": "GPT2LMHeadModel", "model_type": "gpt2"}
-    assert bert_snap.meta["model"] == {"class": "BertForSequenceClassification",
-                                       "model_type": "bert"}
+    assert to_json(lm_snap.manifest.model) == {"class": "GPT2LMHeadModel", "model_type": "gpt2"}
+    assert to_json(bert_snap.manifest.model) == {"class": "BertForSequenceClassification",
+                                                 "model_type": "bert"}
     with pytest.raises(SnapshotMismatchError) as e:
         LaplacePosterior(bert_model, lm_snap, prior_precision=1.0)
     msg = str(e.value)
@@ -223,7 +224,8 @@ def test_snapshot_of_another_architecture_is_named_before_any_merge_hint(lm, ber
     run(lora, text_examples(8, 12), {"preset": "lora", "storage_dtype": "float32"}, batch=2,
         tmp_path=tmp_path / "lora", record=False)
     lora_snap = Snapshot.latest(tmp_path / "lora" / "kfac")
-    assert lora_snap.meta["model"] == {"class": "GPT2LMHeadModel", "model_type": "gpt2"}
+    assert to_json(lora_snap.manifest.model) == {"class": "GPT2LMHeadModel",
+                                                 "model_type": "gpt2"}
     merged = lora.merge_and_unload().eval()
     with pytest.raises(SnapshotMismatchError, match="merge_and_unload") as e:
         LaplacePosterior(merged, lora_snap, prior_precision=1.0)
@@ -265,7 +267,7 @@ def _inspect_line(capsys, path) -> str:
 
 def test_inspect_gives_the_standard_error_with_threshold_and_verdict(lm, capsys, tmp_path):
     _, _, snap = lm
-    s = sampling_summary(snap.meta)
+    s = sampling_summary(snap.manifest)
     assert s["in_window"] and s["max_rel_se"] <= REL_SE_WARN, s
     line = _inspect_line(capsys, snap.path)
     assert (f"largest relative standard error of a factor {s['max_rel_se']:.3g} "
@@ -277,7 +279,7 @@ def test_inspect_gives_the_standard_error_with_threshold_and_verdict(lm, capsys,
                                       "min_window_sequences": 0},
         batch=2, steps=4, tmp_path=tmp_path / "short", record=False)
     short = Snapshot.latest(tmp_path / "short" / "kfac")
-    s = sampling_summary(short.meta)
+    s = sampling_summary(short.manifest)
     assert s["in_window"] and s["max_rel_se"] > REL_SE_WARN, s
     line = _inspect_line(capsys, short.path)
     assert (f"factor {s['max_rel_se']:.3g} (> {REL_SE_WARN:g}: too few samples") in line, line
@@ -287,7 +289,7 @@ def test_inspect_gives_the_standard_error_with_threshold_and_verdict(lm, capsys,
     run(model, text_examples(4, 12), {**WINDOW, "final_window": 0.0}, batch=2,
         tmp_path=tmp_path / "ema", record=False, steps=2)
     ema = Snapshot.latest(tmp_path / "ema" / "kfac")
-    s = sampling_summary(ema.meta)
+    s = sampling_summary(ema.manifest)
     assert not s["in_window"] and not math.isnan(s["max_rel_se"]), s
     line = _inspect_line(capsys, ema.path)
     assert (f"factor {s['max_rel_se']:.3g} (not judged: the threshold {REL_SE_WARN:g} applies "

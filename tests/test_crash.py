@@ -201,10 +201,10 @@ def check_invariants(root: str, world_size: int) -> Snapshot:
     for e in finals:
         snap = Snapshot.load(os.path.join(root, e))  # raises on any partial/altered directory
         assert snap.step == int(STEP_DIR_RE.match(e).group(1))
-        assert snap.meta["world_size"] == world_size and len(snap) == N_LAYERS
+        assert snap.manifest.world_size == world_size and len(snap) == N_LAYERS
         assert names is None or snap.layer_names == names
         names = snap.layer_names
-        assert sorted(snap.meta["shards"]) == [f"shard-{r:05d}-of-{world_size:05d}.safetensors"
+        assert sorted(snap.manifest.shards) == [f"shard-{r:05d}-of-{world_size:05d}.safetensors"
                                                for r in range(world_size)]
     latest = Snapshot.latest(root)
     assert os.path.dirname(latest.path) == root

@@ -248,8 +248,8 @@ def test_final_refresh_across_ranks_equals_one_process(runs):
     print(f"refresh: max relative error vs 1 process {max(errs.values()):.2e}")
     assert max(errs.values()) <= REFRESH_TOL, errs
     for run in ("ddp_refresh", "ref_refresh"):
-        meta = Snapshot.latest(os.path.join(runs.get(run), "kfac")).meta
-        assert meta["step"] == 20 and meta["final_refresh"]["sequences"] == 8
+        manifest = Snapshot.latest(os.path.join(runs.get(run), "kfac")).manifest
+        assert manifest.step == 20 and manifest.final_refresh.sequences == 8
 
 
 @SLOW
@@ -355,16 +355,16 @@ def test_sharding_log_and_disk_agree_and_query_matches(runs):
     assert on_disk == table, (on_disk, table)
     one, two = Snapshot.load(os.path.join(runs.get("ref"), "kfac", "step-00000003")), \
         Snapshot.load(snap_dir)
-    assert two.meta["world_size"] == 2 and one.meta["world_size"] == 1
-    assert two.meta["counts"]["tokens_seen"] == one.meta["counts"]["tokens_seen"]
-    assert two.meta["fingerprint"] == one.meta["fingerprint"]
+    assert two.manifest.world_size == 2 and one.manifest.world_size == 1
+    assert two.manifest.counts.tokens_seen == one.manifest.counts.tokens_seen
+    assert two.manifest.fingerprint == one.manifest.fingerprint
     # the weight fingerprint under ZeRO-3 gathers each partitioned weight: whole numel, and the
     # sums of the one-process run's weights up to the two runs' training round-off (gradients
     # reduced in another order; WEIGHTS_TRAIN_TOL)
-    for name, rec in one.meta["weights"].items():
-        got = two.meta["weights"][name]
-        assert got["numel"] == rec["numel"], name
-        assert abs(got["sumsq"] - rec["sumsq"]) <= WEIGHTS_TRAIN_TOL * rec["sumsq"], name
+    for name, rec in one.manifest.weights.items():
+        got = two.manifest.weights[name]
+        assert got.numel == rec.numel, name
+        assert abs(got.sumsq - rec.sumsq) <= WEIGHTS_TRAIN_TOL * rec.sumsq, name
     model = tiny_gpt2(torch.float32, n_embd=32, n_layer=2, n_head=2, attn_implementation="eager")
     batch = {k: torch.stack([e[k] for e in text_examples(3, 16, seed=7)])
              for k in ("input_ids", "attention_mask")}
@@ -405,7 +405,7 @@ def test_failed_shard_leaves_no_snapshot(runs, fatal):
                              r"rank 1: OSError: injected.*training goes on", log), log[-3000:]
     assert snapshot_dirs(root) == ["step-00000002"]  # no step-3, no temporary leftovers
     snap = Snapshot.latest(root)
-    assert snap.step == 2 and snap.meta["world_size"] == 2
+    assert snap.step == 2 and snap.manifest.world_size == 2
 
 
 @SLOW
@@ -529,11 +529,11 @@ def test_fsdp2_whole_model_and_query_after_training(runs):
     assert saved.lm_head.weight.data_ptr() == saved.transformer.wte.weight.data_ptr()
     one = Snapshot.load(os.path.join(ref, "kfac", "step-00000003"))
     two = Snapshot.load(os.path.join(out, "kfac", "step-00000003"))
-    assert two.meta["world_size"] == 2 and two.meta["fingerprint"] == one.meta["fingerprint"]
-    for name, rec in one.meta["weights"].items():
-        got_w = two.meta["weights"][name]
-        assert got_w["numel"] == rec["numel"], name
-        assert abs(got_w["sumsq"] - rec["sumsq"]) <= WEIGHTS_TRAIN_TOL * rec["sumsq"], name
+    assert two.manifest.world_size == 2 and two.manifest.fingerprint == one.manifest.fingerprint
+    for name, rec in one.manifest.weights.items():
+        got_w = two.manifest.weights[name]
+        assert got_w.numel == rec.numel, name
+        assert abs(got_w.sumsq - rec.sumsq) <= WEIGHTS_TRAIN_TOL * rec.sumsq, name
 
 
 @SLOW
@@ -586,7 +586,7 @@ def test_fsdp2_mc_fisher_equals_ddp(runs):
     assert max(errs.values()) <= EXACT_TOL, errs
     one = Snapshot.load(os.path.join(runs.get(ddp), "kfac", "step-00000003"))
     two = Snapshot.load(os.path.join(runs.get(fsdp), "kfac", "step-00000003"))
-    for name, rec in one.meta["weights"].items():
-        assert abs(two.meta["weights"][name]["sumsq"] - rec["sumsq"]) <= \
-            WEIGHTS_TRAIN_TOL * rec["sumsq"], name
+    for name, rec in one.manifest.weights.items():
+        assert abs(two.manifest.weights[name].sumsq - rec.sumsq) <= \
+            WEIGHTS_TRAIN_TOL * rec.sumsq, name
     assert info(runs.get(fsdp), 0)["counters"]["skipped_updates"] == 0

@@ -26,6 +26,7 @@ from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
 from kfac_stream.integrations.best_model import reloaded_best_model
+from kfac_stream.snapshot.manifest_types import WeightsFrom, to_json
 from kfac_stream.snapshot.weights import weights_fingerprint
 
 from logreaders import Lines
@@ -118,20 +119,22 @@ def test_final_snapshot_describes_the_reloaded_weights(tmp_path, kfac, factors):
 
     snap = Snapshot.latest(tmp_path / "kfac")
     assert snap.step == LAST and snap.weights_step == BEST
-    assert snap.meta["weights_from"] == {"step": BEST, "reason": "load_best_model_at_end",
-                                         "checkpoint": trainer.state.best_model_checkpoint}
-    assert snap.meta["counts"]["updates"] == LAST  # the factors: every update up to step 8
+    assert snap.manifest.weights_from == WeightsFrom(
+        step=BEST, reason="load_best_model_at_end",
+        checkpoint=trainer.state.best_model_checkpoint)
+    assert snap.manifest.counts.updates == LAST  # the factors: every update up to step 8
     if "snapshot_every" in kfac:  # step 4's own snapshot: the same weights, as taken then
         own = Snapshot.load(tmp_path / "kfac" / f"step-{BEST:08d}")
-        assert own.weights_step == BEST and "weights_from" not in own.meta
-        assert own.meta["weights"] == snap.meta["weights"]
+        assert own.weights_step == BEST and own.manifest.weights_from is None
+        assert own.manifest.weights == snap.manifest.weights
 
     best, last = _checkpoint_model(trainer, BEST), _checkpoint_model(trainer, LAST)
     modules = dict(best.named_modules())
-    assert weights_fingerprint({n: modules[n] for n in snap.layer_names}) == snap.meta["weights"]
+    assert weights_fingerprint({n: modules[n] for n in snap.layer_names}) == \
+        to_json(snap.manifest.weights)
     last_modules = dict(last.named_modules())
     assert weights_fingerprint({n: last_modules[n] for n in snap.layer_names}) \
-        != snap.meta["weights"]
+        != to_json(snap.manifest.weights)
 
     assert _mismatch_warnings(best, snap) == []
     (warned,) = _mismatch_warnings(last, snap)

@@ -25,6 +25,7 @@ from kfac_stream.exceptions import KFACConfigError, SnapshotError
 from kfac_stream.snapshot import eigen_rule, eigen_sidecar
 from kfac_stream.snapshot.contents import snapshot_contents
 from kfac_stream.snapshot.eigen_rule import IN_RUN_SHARE, EighRate, decide
+from kfac_stream.snapshot.manifest_types import to_json
 from kfac_stream.snapshot.sequence import CapturedSnapshot, EigenPlan, finish_snapshot
 from kfac_stream.stats import spectrum
 from kfac_stream.tracking.factor_updates import FactorUpdater
@@ -173,11 +174,12 @@ def test_cached_eigendecomposition_equals_the_eager_one_byte_for_byte(pair, tmp_
                 if a is not None:
                     assert a.dtype == b.dtype and a.numpy().tobytes() == b.numpy().tobytes()
     # the record's exact spectra are the eager manifest's
-    for entry in eager.meta["layers"].values():
+    for entry in eager.manifest.layers.values():
         for f in ("A", "G"):
-            got = again.eigen_record.spectra[entry[f]["key"]]
+            want = getattr(entry, f)
+            got = again.eigen_record.spectra[want.key]
             assert {k: getattr(got, k) for k in ("max", "trace", "cond", "eff_rank")} == \
-                entry[f]["spectrum"]
+                to_json(want.spectrum)
     assert again.eigen_record.finished_unix == first.eigen_record.finished_unix  # read, once
 
 
@@ -188,10 +190,12 @@ def test_deferred_manifest_has_estimates_and_no_eigen_tensors(pair):
     shard = next(Path(pair["deferred"]).glob("shard-*.safetensors"))
     with safe_open(str(shard), "pt") as fh:
         assert not [k for k in fh.keys() if k.endswith((".eigvals", ".eigvecs"))]
-    e = snap.meta["eigen"]
-    assert e == {**e, "in_run": False, "policy": "final", "final": False, "device": None}
-    for entry in snap.meta["layers"].values():
-        assert {"max", "trace", "cond", "eff_rank"} <= set(entry["A"]["spectrum"])
+    e = snap.manifest.eigen
+    assert (e.in_run, e.policy, e.final, e.device) == (False, "final", False, None)
+    for entry in snap.manifest.layers.values():
+        st = entry.A.spectrum
+        assert all(isinstance(getattr(st, k), float) for k in ("max", "trace", "cond",
+                                                               "eff_rank"))
 
 
 _LOADER = """

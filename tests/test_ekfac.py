@@ -152,11 +152,11 @@ def test_stored_correction_equals_brute_force(exact):
         for n in names:
             got = snap[n].ekfac_eigvals
             assert got is not None and got.dtype == torch.float64
-            entry = snap[n].meta["ekfac"]
-            assert entry["basis_step"] == prev.step
-            assert (entry["first_step"], entry["last_step"], entry["updates"]) == \
+            entry = snap[n].entry.ekfac
+            assert entry.basis_step == prev.step
+            assert (entry.first_step, entry.last_step, entry.updates) == \
                 (steps[0], steps[1], 2)
-            assert entry["weight"] == sum(_usable(row) for s in steps
+            assert entry.weight == sum(_usable(row) for s in steps
                                           for row in _labels(batches[s]))
             worst = max(worst, _rel(got, want[n]))
     print(f"streamed EK-FAC correction vs autograd reference: max rel Frobenius err "
@@ -193,7 +193,7 @@ def test_a_layer_called_twice_squares_its_summed_gradient(tmp_path):
         positions = sum(float(batches[s]["attention_mask"].sum()) for s in window)
         for n in names:
             got = snap[n].ekfac_eigvals
-            assert snap[n].meta["ekfac"]["weight"] == calls[n] * positions
+            assert snap[n].entry.ekfac.weight == calls[n] * positions
             worst = max(worst, _rel(got, want[n] / calls[n]))
     # what squaring each call apart would store: per-call gradients from the calls' own
     # inputs and output gradients (hooks), not the parameters' summed one
@@ -240,8 +240,8 @@ def test_first_snapshot_has_none(exact):
     _, cb, _ = exact
     first = Snapshot.load(cb.snapshots[0])
     assert all(first[n].ekfac_eigvals is None for n in first.layer_names)
-    assert "ekfac" not in json.dumps(first.meta["layers"])
-    assert first.meta["config"]["ekfac"] is True
+    assert all(entry.ekfac is None for entry in first.manifest.layers.values())
+    assert first.manifest.config["ekfac"] is True
 
 
 def _shard_hashes(path):
@@ -330,9 +330,9 @@ def test_mc_share_replay_equals_brute_force_with_its_sampled_labels(tmp_path, mo
     snaps = [Snapshot.load(p) for p in cb.snapshots]
     assert [s.step for s in snaps] == [2, 4]
     names = snaps[0].layer_names
-    entry = snaps[1][names[0]].meta["ekfac"]
+    entry = snaps[1][names[0]].entry.ekfac
     window = [p for p in rec.passes if p["step"] in (2, 3)]
-    assert window and (entry["basis_step"], entry["updates"]) == (2, 2)
+    assert window and (entry.basis_step, entry.updates) == (2, 2)
     num = dict.fromkeys(names, 0.0)
     den = 0.0
     for p in window:
@@ -349,7 +349,7 @@ def test_mc_share_replay_equals_brute_force_with_its_sampled_labels(tmp_path, mo
     worst = max(_rel(snaps[1][n].ekfac_eigvals, num[n] / den) for n in names)
     print(f"MC share replay ({len(window)} replayed sub-batches in the window): max rel err "
           f"{worst:.2e}")
-    assert entry["weight"] == pytest.approx(2 * den, rel=1e-12)  # N, each weighted 1/share
+    assert entry.weight == pytest.approx(2 * den, rel=1e-12)  # N, each weighted 1/share
     assert worst <= 1e-6  # the MC loss takes the logits in float32 (mc_replay)
 
 
@@ -410,8 +410,8 @@ def test_correction_adds_no_host_sync(tmp_path, extra):
     assert tracked.count == without.count
     assert tracked.count - tracked.replayed == plain.count
     final = Snapshot.load(cb.snapshots[-1])  # the end-of-training snapshot takes it
-    entry = final[final.layer_names[0]].meta["ekfac"]
-    assert entry["basis_step"] == 0 and entry["updates"] == -(-STEPS // 10)
+    entry = final[final.layer_names[0]].entry.ekfac
+    assert entry.basis_step == 0 and entry.updates == -(-STEPS // 10)
     assert all(final[n].ekfac_eigvals is not None for n in final.layer_names)
 
 
@@ -426,13 +426,13 @@ def test_background_snapshots_hand_their_basis_over(tmp_path):
     assert [s.step for s in snaps] == [3, 6, 9, 12]
     carried = 0
     for prev, snap in zip(snaps, snaps[1:]):
-        entries = [snap[n].meta.get("ekfac") for n in snap.layer_names]
+        entries = [snap[n].entry.ekfac for n in snap.layer_names]
         if entries[0] is None:
             assert all(e is None for e in entries)
             continue
         carried += 1
-        assert all(e["basis_step"] == prev.step and prev.step <= e["first_step"]
-                   <= e["last_step"] < snap.step for e in entries)
+        assert all(e.basis_step == prev.step and prev.step <= e.first_step
+                   <= e.last_step < snap.step for e in entries)
     assert snaps[0][snaps[0].layer_names[0]].ekfac_eigvals is None
     assert carried >= 1
 
@@ -516,7 +516,7 @@ def test_staleness_against_a_post_hoc_correction(tmp_path):
         snaps = [Snapshot.load(p) for p in cb.snapshots]
         final, prev = snaps[-1], snaps[-2]
         names = final.layer_names
-        assert final[names[0]].meta["ekfac"]["basis_step"] == prev.step == 30
+        assert final[names[0]].entry.ekfac.basis_step == prev.step == 30
         model.eval()
         for label, part in (("window", batches[30:40]), ("all data", batches)):
             f = _figures(final, prev, _brute_force(model, names, final, part))

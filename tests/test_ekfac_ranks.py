@@ -98,11 +98,11 @@ def test_two_ranks_store_what_one_process_stores(runs, engine):
             if b.ekfac_eigvals is None:
                 assert step == 2 and a.ekfac_eigvals is None
                 continue
-            assert a.meta["ekfac"] == b.meta["ekfac"]
-            assert a.meta["ekfac"]["basis_step"] == {4: 2, 5: 4}[step]
+            assert a.entry.ekfac == b.entry.ekfac
+            assert a.entry.ekfac.basis_step == {4: 2, 5: 4}[step]
             worst = max(worst, rel(a.ekfac_eigvals, b.ekfac_eigvals))
             carried += 1
-    shards = {got[4][n].meta["G"]["shard"] for n in got[4].layer_names}
+    shards = {got[4][n].entry.G.shard for n in got[4].layer_names}
     print(f"{engine}: EK-FAC eigenvalues vs 1 process, max rel err {worst:.2e} over "
           f"{carried} layer-snapshots, stored in {len(shards)} shards")
     assert carried == 2 * len(want[2].layer_names)
@@ -119,15 +119,15 @@ def test_background_snapshots_switch_where_every_rank_agreed(runs):
     assert sorted(snaps) == [3, 6, 9]
     carried = 0
     for prev, step in ((3, 6), (6, 9)):
-        entries = [snaps[step][n].meta.get("ekfac") for n in snaps[step].layer_names]
+        entries = [snaps[step][n].entry.ekfac for n in snaps[step].layer_names]
         if entries[0] is None:
             assert all(e is None for e in entries)
             continue
         carried += 1
         assert all(e == entries[0] for e in entries)
         e = entries[0]
-        assert e["basis_step"] == prev <= e["first_step"] <= e["last_step"] < step
-        assert e["updates"] == e["last_step"] - e["first_step"] + 1
+        assert e.basis_step == prev <= e.first_step <= e.last_step < step
+        assert e.updates == e.last_step - e.first_step + 1
     assert carried >= 1
 
 
@@ -143,8 +143,8 @@ def test_resume_between_snapshots_is_bit_exact(runs, kind):
     for name in a.layer_names:
         assert a[name].ekfac_eigvals is not None, name
         assert torch.equal(a[name].ekfac_eigvals, b[name].ekfac_eigvals), name
-        assert a[name].meta["ekfac"] == b[name].meta["ekfac"] and \
-            a[name].meta["ekfac"]["first_step"] < 5  # the window spans the checkpoint
+        assert a[name].entry.ekfac == b[name].entry.ekfac and \
+            a[name].entry.ekfac.first_step < 5  # the window spans the checkpoint
     assert "restored" in open(os.path.join(runs.get(f"{kind}_resumed"), "log.txt")).read()
 
 

@@ -314,15 +314,15 @@ def test_classifier_family_preset_trains_and_answers(family, preset, tmp_path):
     Trainer(model=model, args=args, train_dataset=ListDataset(ex), callbacks=[cb]).train()
     model.eval()
     snap = Snapshot.latest(tmp_path / "kfac")
-    rows = {n: snap.meta["layers"][n].get("rows", "position") for n in snap.layer_names}
+    rows = {n: snap.manifest.layers[n].rows or "position" for n in snap.layer_names}
     if preset == "last_layer":  # the head: a [B, d] layer for an encoder's pooled head
         (head,) = rows
         assert head.rsplit(".", 1)[-1] in ("classifier", "out_proj", "score"), head
         assert rows[head] == ("position" if family in DECODER_CLASSIFIERS else "sequence")
     else:  # the blocks: one row per token position
         assert len(rows) >= 6 and set(rows.values()) == {"position"}
-    counts = snap.meta["counts"]  # 24 sequences of 16 tokens, one half padded, one epoch
-    assert (counts["sequences_seen"], counts["tokens_seen"]) == (24, 24 * SEQ - SEQ // 2)
+    counts = snap.manifest.counts  # 24 sequences of 16 tokens, one half padded, one epoch
+    assert (counts.sequences_seen, counts.tokens_seen) == (24, 24 * SEQ - SEQ // 2)
     post = LaplacePosterior(model, snap, prior_precision="marglik")
     for n, space in rows.items():  # N: the sequences of a head on [B, d], else the tokens
         assert post.layer_num_data[n] == (24.0 if space == "sequence" else 24.0 * SEQ - SEQ // 2)

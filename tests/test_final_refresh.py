@@ -19,6 +19,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from kfac_stream import KFACConfig, KFACConfigError, KFACStreamCallback, Snapshot
+from kfac_stream.snapshot.manifest_types import RefreshDecision
 from kfac_stream.tracking.plan import RunPlan, RunShape, plan_refresh, plan_window
 from kfac_stream.tracking.refresh import sequence_cost_ratio
 
@@ -74,14 +75,14 @@ def test_final_snapshot_factors_at_the_final_weights(tmp_path, refresh):
     print(f"{refresh}: largest relative error of A {a_err:.1e}, of G {g_err:.1e}")
     assert a_err < A_TOL and g_err < G_TOL
     if refresh == "on":
-        assert snap.meta["final_refresh"]["sequences"] == 8
+        assert snap.manifest.final_refresh.sequences == 8
         assert cb.refreshed.sequences == 8 and cb.refreshed.batches == 2
-        assert snap.meta["run_plan"]["final_refresh"] == {"on": True,
-                                                          "reason": "final_refresh='on'"}
+        assert snap.manifest.run_plan.final_refresh == RefreshDecision(
+            on=True, reason="final_refresh='on'")
         # the window's own bookkeeping is the training's (restart at step 27)
-        assert snap.meta["counts"]["window_start_step"] == 27
+        assert snap.manifest.counts.window_start_step == 27
     else:
-        assert "final_refresh" not in snap.meta and cb.refreshed is None
+        assert snap.manifest.final_refresh is None and cb.refreshed is None
     assert all(p.grad is None for p in model.parameters())  # no gradient left by the pass
 
 
@@ -106,7 +107,7 @@ def test_budget_cuts_the_pass_at_ten_percent_of_the_flops(tmp_path):
     cb, _, _ = run(model, text_examples(8, 10), {**EXACT, "final_refresh": "on"},
                    batch=4, steps=7, tmp_path=tmp_path, record=False)
     snap = Snapshot.latest(tmp_path / "kfac")
-    assert snap.meta["final_refresh"]["sequences"] == 2 == cb.refreshed.sequences
+    assert snap.manifest.final_refresh.sequences == 2 == cb.refreshed.sequences
     assert cb.refreshed.batches == 1
     assert all(snap[n].A.diagonal().sum() > 0 for n in LAYERS)
 
@@ -212,6 +213,6 @@ def test_auto_in_a_real_run_says_it_at_train_begin(tmp_path, caplog, steps, on):
     begin = next(r.getMessage() for r in caplog.records if "tracking 8 layers" in r.getMessage())
     assert said in begin
     snap = Snapshot.latest(tmp_path / "kfac")
-    assert ("final_refresh" in snap.meta) == on == (cb.refreshed is not None)
+    assert (snap.manifest.final_refresh is not None) == on == (cb.refreshed is not None)
     end = [r.getMessage() for r in caplog.records if "s in the callback" in r.getMessage()]
     assert ("the final-weight refresh over" in end[0]) == on

@@ -75,9 +75,9 @@ def test_final_window_factors_are_the_mean_over_the_window(tmp_path):
     errs = factor_errors(cb, ref)
     assert max(errs.values()) <= ORACLE_TOL, errs
     snaps = {Snapshot.load(p).step: Snapshot.load(p) for p in cb.snapshots}
-    assert snaps[3].meta["counts"]["window_start_step"] == 2
-    assert snaps[4].meta["counts"]["window_start_step"] == 2
-    assert snaps[4].meta["config"]["final_window"] == 0.5
+    assert snaps[3].manifest.counts.window_start_step == 2
+    assert snaps[4].manifest.counts.window_start_step == 2
+    assert snaps[4].manifest.config["final_window"] == 0.5
 
     ema_model = tiny_gpt2(torch.float64)
     ema_cb, _, _ = run(ema_model, examples, {"ema_decay": 0.5, "final_window": 0.0}, batch=2,
@@ -252,13 +252,13 @@ def test_real_run_window_holds_min_window_sequences(tmp_path, monkeypatch, batch
     Trainer(model=model, args=args, train_dataset=ListDataset(text_examples(16, 12)),
             callbacks=[cb]).train()
     snap = Snapshot.load(cb.snapshots[-1])
-    counts = snap.meta["counts"]
-    assert snap.meta["config"]["mc_sequences"] == pytest.approx(share, rel=1e-15)
-    assert counts["window_start_step"] == start
-    assert counts["window_sequences"] == held >= need
-    s = sampling_summary(snap.meta)
+    counts = snap.manifest.counts
+    assert snap.manifest.config["mc_sequences"] == pytest.approx(share, rel=1e-15)
+    assert counts.window_start_step == start
+    assert counts.window_sequences == held >= need
+    s = sampling_summary(snap.manifest)
     assert s["window_sequences"] >= s["min_window_sequences"] == need
-    assert not any("fewer than min_window_sequences" in p for p in sampling_problems(snap.meta))
+    assert not any("fewer than min_window_sequences" in p for p in sampling_problems(snap.manifest))
     if share < 1.0:  # the sub-batch replays: what they ran in the window is what is recorded
         assert sorted(seen) == list(range(steps))
         assert sum(n for step, n in seen.items() if step >= start) == held

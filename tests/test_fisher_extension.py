@@ -87,7 +87,7 @@ def test_registered_estimator_makes_the_factors_of_its_passes(tmp_path, toy_fish
     every, _ = reference_factors(model, records, LAYERS)  # the plain empirical Fisher's
     assert max(factor_errors(cb, every).values()) > 1e-3
     snap = Snapshot.load(cb.snapshots[-1])  # the manifest knows the registered name
-    assert snap.meta["fisher"] == snap.meta["run_plan"]["fisher"] == "first_micro_batch"
+    assert snap.manifest.fisher == snap.manifest.run_plan.fisher == "first_micro_batch"
 
 
 def test_a_snapshot_of_a_registered_estimator_reads_where_it_is_not_registered(tmp_path,
@@ -101,7 +101,7 @@ def test_a_snapshot_of_a_registered_estimator_reads_where_it_is_not_registered(t
     path = cb.snapshots[-1]
     unregister_fisher(toy_fisher)  # and in this process: the reader checks no Fisher name
     snap = Snapshot.load(path)
-    assert snap.meta["fisher"] == "first_micro_batch" and len(snap.layer_names) == len(LAYERS)
+    assert snap.manifest.fisher == "first_micro_batch" and len(snap.layer_names) == len(LAYERS)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "kfac_stream.cli", "inspect", str(path)],

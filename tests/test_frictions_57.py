@@ -66,7 +66,7 @@ def trained(tmp_path_factory):
     model.eval()
     snap = Snapshot.latest(tmp / "kfac")
     assert len(snap.layer_names) == 6 and not set(FROZEN) & set(snap.layer_names)
-    assert adequacy.sampling_problems(snap.meta)  # the few-samples warning applies
+    assert adequacy.sampling_problems(snap.manifest)  # the few-samples warning applies
     return tmp, model, snap
 
 
@@ -186,7 +186,7 @@ def test_few_samples_said_once_per_snapshot_also_without_a_run_id(trained):
         warnings.simplefilter("always")
         for _ in range(2):
             again = Snapshot.load(snap.path)
-            again.meta.pop("run_id")
+            again.manifest.run_id = None
             LaplacePosterior(model, again, 1.0)
     assert len(_few(said)) == 1, _few(said)
 

@@ -104,18 +104,18 @@ def test_head_posterior_takes_sequences_as_n(tmp_path):
         tmp_path=tmp_path, record=False)
     model.eval()
     snap = Snapshot.latest(tmp_path / "kfac")
-    assert snap.meta["layers"]["classifier"]["rows"] == "sequence"
-    assert "rows" not in snap.meta["layers"]["bert.encoder.layer.0.output.dense"]
-    counts = snap.meta["counts"]
-    assert counts["sequences_seen"] == N_SEQ - 1  # one epoch; the all-padding one not counted
+    assert snap.manifest.layers["classifier"].rows == "sequence"
+    assert snap.manifest.layers["bert.encoder.layer.0.output.dense"].rows is None
+    counts = snap.manifest.counts
+    assert counts.sequences_seen == N_SEQ - 1  # one epoch; the all-padding one not counted
     post = LaplacePosterior(model, snap, prior_precision=TAU, layers=["classifier"])
     n_seq = post.layer_num_data["classifier"]  # a posterior of sequence rows: N in sequences
     assert n_seq == post.num_data == N_SEQ - 1 and post.num_data_unit == "sequence"
     both = LaplacePosterior(model, snap, prior_precision=TAU)  # mixed: N in token positions
-    assert both.num_data_unit == "position" and both.num_data == counts["tokens_seen"]
-    assert both.layer_num_data == {n: N_SEQ - 1 if n == "classifier" else counts["tokens_seen"]
+    assert both.num_data_unit == "position" and both.num_data == counts.tokens_seen
+    assert both.layer_num_data == {n: N_SEQ - 1 if n == "classifier" else counts.tokens_seen
                                    for n in snap.layer_names}
-    half = LaplacePosterior(model, snap, prior_precision=TAU, num_data=counts["tokens_seen"] / 2)
+    half = LaplacePosterior(model, snap, prior_precision=TAU, num_data=counts.tokens_seen / 2)
     assert half.layer_num_data["classifier"] == (N_SEQ - 1) / 2  # your N rescales every layer
     batch = {k: torch.stack([e[k] for e in ex[:2]]) for k in ("input_ids", "attention_mask")}
     _, cov = post.predictive(batch)

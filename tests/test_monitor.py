@@ -16,9 +16,17 @@ import pytest
 import torch
 from transformers import Trainer, TrainerControl, TrainerState, TrainingArguments
 
-from kfac_stream import KFACConfig, KFACStreamCallback, LayerFactors, Snapshot
+from kfac_stream import KFACConfig, KFACStreamCallback, Snapshot
 from kfac_stream.integrations.spectrum_monitor import SpectraReporter, snapshot_metrics
-from kfac_stream.snapshot.media import log10_histograms
+from kfac_stream.snapshot.manifest_types import (
+    Counts,
+    FactorEntry,
+    LayerEntry,
+    Manifest,
+    Ownership,
+    Spectrum,
+)
+from kfac_stream.snapshot.media import LayerSpectra, Spectra, log10_histograms
 from kfac_stream.stats.spectrum import spectrum_stats
 
 from logreaders import (
@@ -101,7 +109,7 @@ def test_wandb_and_tensorboard_scalars_match_recomputed_spectra(run):
     for i, snap in enumerate(run["snapshots"]):
         assert rows[i]["train/kfac/spectra_estimated"] == float(not snap.in_run_eigen)
         if not snap.in_run_eigen:
-            for key, value in snapshot_metrics(snap.meta).items():
+            for key, value in snapshot_metrics(snap.manifest).items():
                 assert rows[i][f"train/{key}"] == pytest.approx(value, rel=1e-12), key
             continue
         for key, value in recomputed(snap).items():
@@ -174,14 +182,30 @@ def test_reporter_without_a_trainer_logs_scalars_to_active_wandb_run(run, tmp_pa
     rows = read_wandb_offline(latest_wandb_run_dir(str(tmp_path)))
     assert [r["kfac/snapshot_step"] for r in rows] == [3, 6, 7]
     for row, snap in zip(rows, run["snapshots"]):
-        assert row == pytest.approx({**snapshot_metrics(snap.meta), "_step": row["_step"],
+        assert row == pytest.approx({**snapshot_metrics(snap.manifest), "_step": row["_step"],
                                      "_runtime": row["_runtime"],
                                      "_timestamp": row["_timestamp"]})
 
 
-def manifest(spectra: dict[str, tuple[dict, dict]]) -> dict:
-    return {"step": 12, "layers": {name: {"A": {"spectrum": a}, "G": {"spectrum": g}}
-                                   for name, (a, g) in spectra.items()}}
+def manifest(spectra: dict[str, tuple[dict, dict]]) -> Manifest:
+    """The manifest of a made-up one-process snapshot at step 12 whose layers' factors have
+    the spectrum statistics ``spectra`` (``{layer: (A's, G's)}``)."""
+    def factor(name: str, f: str, stats: dict) -> FactorEntry:
+        return FactorEntry(key=f"{name}.{f}", dim=4, diagonal=False, dtype="float32", owner=0,
+                           shard=SHARD, weight=1.0, updates=1, positions=4,
+                           spectrum=Spectrum(**stats))
+
+    layers = {name: LayerEntry(kind="linear", d_in=4, d_out=4, has_bias=False,
+                               A=factor(name, "A", a), G=factor(name, "G", g))
+              for name, (a, g) in spectra.items()}
+    return Manifest(step=12, epoch=None, created_unix=0.0, world_size=1,
+                    ownership=Ownership(bytes_per_rank=[0], eigh_flops_per_rank=[0.0]),
+                    fisher="mc", ema_decay=0.95, token_fraction=1.0, update_every=1,
+                    storage_dtype="float32", config={}, counts=Counts(), skipped_steps=[],
+                    shared_inputs=[], fingerprint="0" * 64, layers=layers)
+
+
+SHARD = "shard-00000-of-00001.safetensors"
 
 
 def spec(top: float, trace: float, cond: float, eff_rank: float) -> dict[str, float]:
@@ -213,9 +237,7 @@ def test_snapshot_metrics_summaries_on_hand_built_manifest():
 def test_log10_histograms_count_positive_eigenvalues():
     a = torch.tensor([0.0, 0.0, 1e-6, 1e-3, 1.0, 10.0])
     g = torch.zeros(3)
-    layer = LayerFactors("lin", torch.diag(a), torch.diag(g), {"has_bias": False},
-                         A_eigvals=a, G_eigvals=g)
-    hists = log10_histograms(Snapshot("unused", {"step": 1}, {"lin": layer}), bins=8)
+    hists = log10_histograms(Spectra("unused", 1, {"lin": LayerSpectra(a, g)}), bins=8)
     assert list(hists) == ["lin/A"]  # a factor without a positive eigenvalue is left out
     counts, edges = hists["lin/A"]
     assert sum(counts) == 4 and len(counts) == 8

@@ -189,8 +189,8 @@ def test_resumed_two_nodes_equal_one_process(chain):
     for step in (1, 2, 3, 4):  # before and after the kill
         two = Snapshot.load(os.path.join(root, f"step-{step:08d}"))
         one = Snapshot.load(os.path.join(ref, "kfac", f"step-{step:08d}"))
-        assert two.meta["world_size"] == 2 and one.meta["world_size"] == 1
-        assert two.meta["counts"]["tokens_seen"] == one.meta["counts"]["tokens_seen"]
+        assert two.manifest.world_size == 2 and one.manifest.world_size == 1
+        assert two.manifest.counts.tokens_seen == one.manifest.counts.tokens_seen
         worst = max(max(rel(two[n].A, one[n].A), rel(two[n].G, one[n].G))
                     for n in one.layer_names)
         print(f"snapshot of step {step}: max relative error {worst:.2e}")
@@ -261,7 +261,7 @@ def test_node_local_snapshot_directory_with_gathered_shards(chain):
     assert listing == []  # while the shared directory holds steps 1-4: node 1 saw its own
     for step in (3, 4):
         snap = Snapshot.load(os.path.join(out, "kfac", f"step-{step:08d}"))
-        assert sorted(v["rank"] for v in snap.meta["shards"].values()) == [0, 1]
+        assert sorted(v.rank for v in snap.manifest.shards.values()) == [0, 1]
 
 
 def test_node_local_snapshot_directory_without_gather_fails_clearly(tmp_path):

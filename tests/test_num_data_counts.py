@@ -46,7 +46,7 @@ def test_expand_form_counts_every_non_padding_position(tmp_path, fisher):
     cb, _, _ = run(model, _answer_token_examples(), {**EXACT, **fisher}, batch=2, epochs=2,
                    loss=sum_nll_loss, tmp_path=tmp_path, record=False)
     snap = Snapshot.load(cb.snapshots[-1])
-    assert snap.meta["counts"]["tokens_seen"] == 2 * (sum(LENGTHS) - len(LENGTHS)) == 2 * SCORED
+    assert snap.manifest.counts.tokens_seen == 2 * (sum(LENGTHS) - len(LENGTHS)) == 2 * SCORED
     post = LaplacePosterior(model.eval(), snap)
     assert post.num_data_unit == "position"
     assert post.num_data == SCORED  # per epoch: the prompts' positions too, not 8

@@ -62,5 +62,5 @@ def test_snapshot_on_disk_equals_live_factors(tmp_path):
     live = cb.factors()
     for n in snap.layer_names:
         assert torch.equal(snap[n].A, live[n][0]) and torch.equal(snap[n].G, live[n][1])
-    assert snap.meta["counts"]["updates"] == 4 and snap.meta["world_size"] == 1
-    assert snap.meta["layers"][GPT2_LAYERS[0]]["A"]["owner"] == 0
+    assert snap.manifest.counts.updates == 4 and snap.manifest.world_size == 1
+    assert snap.manifest.layers[GPT2_LAYERS[0]].A.owner == 0

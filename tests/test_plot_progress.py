@@ -20,7 +20,8 @@ from kfac_stream.cli import main as cli_main
 from kfac_stream.query.num_data import NUM_DATA_WARN_FACTOR, default_num_data
 from kfac_stream.query.topk import topk_predictive
 from kfac_stream.snapshot import media
-from kfac_stream.snapshot.snapshot import LayerFactors
+from kfac_stream.snapshot.manifest_types import FactorEntry, LayerEntry
+from kfac_stream.snapshot.snapshot import LayerFactors, LayerView
 
 from harness import run
 from models import text_examples, tiny_gpt2
@@ -34,9 +35,19 @@ LLAMA_TYPES = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
 
 # -- fixtures --------------------------------------------------------------------------------------
 
-def synthetic_snapshot(names: list[str], diagonal: set[str] = frozenset()) -> Snapshot:
-    """A `Snapshot` of made-up factors (small dims, distinct spectra per layer); the layers in
-    ``diagonal`` are stored as diagonals (no eigenvectors)."""
+def layer_entry(name: str, d_a: int, d_g: int, diagonal: bool) -> LayerEntry:
+    """The manifest entry of a made-up layer ``[d_g, d_a]`` without bias (one process)."""
+    def factor(f: str, d: int) -> FactorEntry:
+        return FactorEntry(key=f"{name}.{f}", dim=d, diagonal=diagonal and f == "A", owner=0,
+                           shard="shard-00000-of-00001.safetensors")
+
+    return LayerEntry(kind="linear", d_in=d_a, d_out=d_g, has_bias=False, A=factor("A", d_a),
+                      G=factor("G", d_g))
+
+
+def synthetic_snapshot(names: list[str], diagonal: set[str] = frozenset()) -> LayerView:
+    """The layers of a made-up snapshot at step 7 (small dims, distinct spectra per layer);
+    the layers in ``diagonal`` store A as a diagonal (no eigenvectors)."""
     layers = {}
     for i, name in enumerate(names):
         d_a, d_g = 6 + i % 5, 4 + i % 3
@@ -44,10 +55,10 @@ def synthetic_snapshot(names: list[str], diagonal: set[str] = frozenset()) -> Sn
             d_a, generator=torch.Generator().manual_seed(i))]  # unsorted: the plot sorts
         g = torch.logspace(-6, -1, d_g) * (1 + i / len(names))
         layers[name] = LayerFactors(
-            name, a.diag(), g.diag(), {"has_bias": False},
+            name, a.diag(), g.diag(), layer_entry(name, d_a, d_g, name in diagonal),
             A_eigvals=a, A_eigvecs=None if name in diagonal else torch.eye(d_a),
             G_eigvals=g, G_eigvecs=torch.eye(d_g))
-    return Snapshot("synthetic", {"step": 7}, layers)
+    return LayerView("synthetic", 7, layers)
 
 
 def gpt2_names(blocks: int) -> list[str]:
@@ -175,7 +186,7 @@ def test_detached_plot_is_the_same_image(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["child.png", "here.png"]
     # layers that share an A factor share its eigenvalue tensor (q/k/v, gate/up)
     shared = torch.logspace(-3, 1, 6)
-    spectra = media.Spectra("s", {"step": 3}, {
+    spectra = media.Spectra("s", 3, {
         n: media.LayerSpectra(shared, torch.logspace(-2, 0, 4) * (i + 1))
         for i, n in enumerate(["l.0.q_proj", "l.0.k_proj", "l.0.v_proj"])})
     assert media.plot_spectra_detached(spectra, str(tmp_path / "shared.png"))
@@ -214,7 +225,7 @@ def test_make_media_on_a_real_snapshot(classified):
 
 def test_num_data_far_from_the_snapshots_count_warns(classified):
     model, snap, _ = classified
-    own = default_num_data(snap.meta)
+    own = default_num_data(snap.manifest)
     assert own == 300 * 65
     with pytest.warns(UserWarning, match="num_data=300 is 65x below") as rec:
         post = LaplacePosterior(model, snap, num_data=300)
@@ -292,7 +303,7 @@ def test_progress_of_snapshot_loading(classified, capsys, monkeypatch):
     assert "loading snapshot" not in capsys.readouterr().err
     loud = Snapshot.latest(os.path.dirname(snap.path), show_progress=True)
     err = capsys.readouterr().err
-    total = sum(i["bytes"] for i in snap.meta["shards"].values())
+    total = sum(i.bytes for i in snap.manifest.shards.values())
     assert f"loading snapshot {os.path.basename(snap.path)}" in err, err
     assert f"/{tqdm.format_sizeof(total, divisor=1024)}" in err, (total, err)  # bytes, 1024-based
     assert loud.layer_names == quiet.layer_names

@@ -99,7 +99,7 @@ def test_nothing_widened_before_a_query_and_shared_A_once(trained):
     assert not [k for k in post.eig._cache if k[1] == "eigvecs"]  # marglik: eigenvalues only
     assert not post._qf._cache
     q, k = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"
-    assert snap.meta["layers"][k]["A"]["key"] == q + ".A"
+    assert snap.manifest.layers[k].A.key == q + ".A"
     assert post.eigenbases(q)[0] is post.eigenbases(k)[0]  # one conversion for the group
     assert post.eig[q][0] is post.eig[k][0]
     assert post.eig[q][0].dtype == torch.float64

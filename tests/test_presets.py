@@ -203,7 +203,7 @@ def test_last_layer_end_to_end_with_a_diagonal_vocabulary_G(fisher, tmp_path):
     assert list(cb.tracker.specs) == ["lm_head"]
     assert cb.tracker.dims == {"lm_head.A": (16, False), "lm_head.G": (64, True)}
     snap = Snapshot.latest(tmp_path / "kfac")
-    assert snap.layer_names == ["lm_head"] and snap.meta["config"]["preset"] == "last_layer"
+    assert snap.layer_names == ["lm_head"] and snap.manifest.config["preset"] == "last_layer"
     A, G = snap["lm_head"].A, snap["lm_head"].G
     assert A.shape == (16, 16) and G.shape == (64,)  # A dense, G diagonal (1-D)
     assert (G >= 0).all() and G.sum() > 0

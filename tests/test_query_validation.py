@@ -7,6 +7,7 @@ One tiny byte-level GPT-2 is trained once for the module (float32, saved with
 """
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -142,7 +143,8 @@ def test_num_data(trained, value, shown):
 def test_num_data_from_unusable_snapshot_counts(trained):
     model, snap, _ = trained
     bad = copy.copy(snap)
-    bad.meta = {**snap.meta, "counts": {**snap.meta["counts"], "tokens_seen": -1000}}
+    bad.manifest = dataclasses.replace(
+        snap.manifest, counts=dataclasses.replace(snap.manifest.counts, tokens_seen=-1000))
     raises(lambda: LaplacePosterior(model, bad, TAU),
            "LaplacePosterior: num_data=None takes N from the snapshot's counts, which give "
            "N=-1000.0 (counts.tokens_seen=-1000", "pass num_data, a positive finite number")

@@ -62,16 +62,16 @@ def _no_warning(model, snap) -> LaplacePosterior:
 def test_manifest_fingerprints_the_weights_and_names_the_run(tmp_path):
     model, cb = _train(tmp_path, 4)
     snap = Snapshot.latest(tmp_path / "kfac")
-    assert snap.step == 4 and snap.meta["run_id"] == cb.tracker.run_id
-    assert len(snap.meta["run_id"]) == 32
-    assert set(snap.meta["weights"]) == set(snap.layer_names)
+    assert snap.step == 4 and snap.manifest.run_id == cb.tracker.run_id
+    assert len(snap.manifest.run_id) == 32
+    assert set(snap.manifest.weights) == set(snap.layer_names)
     for name in snap.layer_names:
         w = model.get_submodule(name).weight
         entries = _windows(w)
-        rec = snap.meta["weights"][name]
-        assert rec["numel"] == w.numel() and w.numel() > 256
-        assert rec["sum"] == pytest.approx(float(entries.sum()), rel=1e-12, abs=1e-12)
-        assert rec["sumsq"] == pytest.approx(float(entries.square().sum()), rel=1e-12)
+        rec = snap.manifest.weights[name]
+        assert rec.numel == w.numel() and w.numel() > 256
+        assert rec.sum == pytest.approx(float(entries.sum()), rel=1e-12, abs=1e-12)
+        assert rec.sumsq == pytest.approx(float(entries.square().sum()), rel=1e-12)
     _no_warning(model, snap)  # the model it was taken from: no warning
 
 
@@ -86,8 +86,8 @@ def test_model_of_another_step_or_run_warns_naming_the_snapshot(tmp_path):
         LaplacePosterior(other, Snapshot.latest(tmp_path / "a" / "kfac"))
     # each layer's recorded sum of squares really moved by more than the tolerance
     late = Snapshot.latest(tmp_path / "a" / "kfac")
-    moved = [abs(late.meta["weights"][n]["sumsq"] - early.meta["weights"][n]["sumsq"])
-             / early.meta["weights"][n]["sumsq"] for n in late.layer_names]
+    moved = [abs(late.manifest.weights[n].sumsq - early.manifest.weights[n].sumsq)
+             / early.manifest.weights[n].sumsq for n in late.layer_names]
     assert min(moved) > 100 * WEIGHTS_RTOL, moved
 
 
@@ -103,7 +103,7 @@ def test_new_run_sets_the_earlier_run_aside_and_latest_reads_the_new_one(tmp_pat
     assert sorted(e for e in os.listdir(root) if e.startswith("step-")) == [
         "step-00000002", "step-00000002.spectra.png"]  # the new run's PNG only
     snap = Snapshot.latest(root)
-    assert snap.step == 2 and snap.meta["run_id"] == second.tracker.run_id != old_id
+    assert snap.step == 2 and snap.manifest.run_id == second.tracker.run_id != old_id
     assert any("another training run" in r.getMessage() for r in caplog.records)
     _no_warning(model, snap)
     old = Snapshot.load(root / "earlier-runs" / old_id / "step-00000006")  # kept, whole
@@ -117,7 +117,7 @@ def test_snapshots_without_run_id_are_set_aside_too(tmp_path):
     manifest = json.loads((path / "manifest.json").read_text())
     del manifest["run_id"], manifest["weights"]  # as written before manifests named their run
     (path / "manifest.json").write_text(json.dumps(manifest))
-    assert Snapshot.load(path).meta.get("run_id") is None  # still loads
+    assert Snapshot.load(path).manifest.run_id is None  # still loads
     _train(tmp_path, 2, seed=1)
     aside = os.listdir(tmp_path / "kfac" / "earlier-runs")
     assert len(aside) == 1 and aside[0].startswith("unknown-")
@@ -127,12 +127,12 @@ def test_resumed_run_keeps_its_id_and_its_snapshots(tmp_path):
     kw = dict(save_strategy="steps", save_steps=2)
     with pytest.raises(KeyboardInterrupt):
         _train(tmp_path, 4, callbacks=[Interrupt(3)], **kw)
-    first = Snapshot.load(tmp_path / "kfac" / "step-00000002").meta["run_id"]
+    first = Snapshot.load(tmp_path / "kfac" / "step-00000002").manifest.run_id
     _, cb = _train(tmp_path, 4, resume=str(tmp_path / "checkpoint-2"), **kw)
     assert cb.tracker.run_id == first
     assert not (tmp_path / "kfac" / "earlier-runs").exists()
     snap = Snapshot.latest(tmp_path / "kfac")
-    assert snap.step == 4 and snap.meta["run_id"] == first
+    assert snap.step == 4 and snap.manifest.run_id == first
 
 
 def test_earlier_runs_keep_leaves_them_and_bad_values_are_refused(tmp_path):

@@ -109,11 +109,11 @@ def test_short_run_raises_the_mc_share_to_fill_its_window(tmp_path):
                                                    "min_window_sequences": 40},
                    batch=4, steps=40, tmp_path=tmp_path, record=False, lr=1e-3)
     snap = Snapshot.load(cb.snapshots[-1])
-    assert snap.meta["config"]["mc_sequences"] == pytest.approx(0.5)  # 40 / 80
-    counts = snap.meta["counts"]
-    assert counts["sequences_per_update"] == 2  # 0.5 of 4
-    assert counts["window_sequences"] >= 40
-    assert not any("fewer than min_window_sequences" in p for p in sampling_problems(snap.meta))
+    assert snap.manifest.config["mc_sequences"] == pytest.approx(0.5)  # 40 / 80
+    counts = snap.manifest.counts
+    assert counts.sequences_per_update == 2  # 0.5 of 4
+    assert counts.window_sequences >= 40
+    assert not any("fewer than min_window_sequences" in p for p in sampling_problems(snap.manifest))
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "256"])
@@ -141,11 +141,11 @@ def test_extended_window_factors_are_the_mean_over_its_updates(tmp_path):
     last, _ = reference_factors(model, records[3:], LAYERS)
     assert min(factor_errors(cb, last).values()) > 1e3 * ORACLE_TOL
     snap = Snapshot.load(cb.snapshots[-1])
-    assert snap.meta["counts"]["window_sequences"] == 4
-    assert snap.meta["counts"]["sequences_per_update"] == 2
+    assert snap.manifest.counts.window_sequences == 4
+    assert snap.manifest.counts.sequences_per_update == 2
     for name in LAYERS:  # two updates of unequal weight (padding): (n1+n2)²/(n1²+n2²) ≤ 2
-        s = snap.meta["layers"][name]["G"]["sampling"]
-        assert 1.5 < s["effective_updates"] <= 2.0 + 1e-12
+        s = snap.manifest.layers[name].G.sampling
+        assert 1.5 < s.effective_updates <= 2.0 + 1e-12
 
 
 REPLICATES = 400
@@ -246,9 +246,9 @@ def test_short_run_warns_at_query_time_and_in_the_report(tmp_path, capsys, caplo
         model, snap = _short_run(tmp_path / "short", {"min_window_sequences": 256})
     few = [r.getMessage() for r in caplog.records if "few samples" in r.getMessage()]
     assert len(few) == 1 and "said once" in few[0], few  # train begin; not at the snapshot
-    s = sampling_summary(snap.meta)
+    s = sampling_summary(snap.manifest)
     assert s["window_sequences"] == 4 * 1  # 4 updates (the whole run) × 1 sequence
-    problems = sampling_problems(snap.meta)
+    problems = sampling_problems(snap.manifest)
     assert any("fewer than min_window_sequences=256" in p for p in problems), problems
     # said once in training (train begin, above) and once more at query time: the
     # first posterior built on the run's snapshots in this process, none after it; a later
@@ -285,9 +285,9 @@ def test_few_samples_said_once_per_run_and_once_at_query_time(tmp_path, caplog):
     snaps = [Snapshot.load(p) for p in sorted((tmp_path / "kfac").glob("step-*")) if p.is_dir()]
     assert [s.step for s in snaps] == [3, 6, 9, 12]
     for snap in snaps:  # not lost: every manifest records the short window
-        assert sampling_summary(snap.meta)["window_sequences"] == 12  # 12 updates × 1
+        assert sampling_summary(snap.manifest)["window_sequences"] == 12  # 12 updates × 1
         assert any("fewer than min_window_sequences=256" in p for p in sampling_problems(
-            snap.meta))
+            snap.manifest))
     with warnings.catch_warnings(record=True) as queried:
         warnings.simplefilter("always")
         for snap in snaps + snaps:
@@ -302,7 +302,7 @@ def test_enough_samples_give_no_warning(tmp_path):
     # 24 steps: a window of 12 updates × 4 sequences (the whole batch)
     model, snap = _short_run(tmp_path / "ok", {"min_window_sequences": 48, "mc_sequences": 4},
                              steps=24, batch=4)
-    s = sampling_summary(snap.meta)
+    s = sampling_summary(snap.manifest)
     assert s["window_sequences"] >= 4
     if s["max_rel_se"] > REL_SE_WARN:  # the second sign alone may still fire: say which
         pytest.fail(f"rel_se {s['max_rel_se']:.3g} > {REL_SE_WARN}: choose a larger run")
@@ -398,12 +398,12 @@ def test_one_update_window_is_flagged_by_its_sampling_error(tmp_path):
     relative error is infinite and the snapshot is flagged for it; the same run with the EMA
     throughout is not judged by that figure (its spread is the curvature's drift)."""
     _, snap = _short_run(tmp_path / "one", {"min_window_sequences": 0, "final_window": 0.2})
-    s = sampling_summary(snap.meta)
+    s = sampling_summary(snap.manifest)
     assert s["in_window"] and s["max_rel_se"] == math.inf
-    assert any("relative sampling error of inf" in p for p in sampling_problems(snap.meta))
+    assert any("relative sampling error of inf" in p for p in sampling_problems(snap.manifest))
     _, ema = _short_run(tmp_path / "ema", {"min_window_sequences": 0, "final_window": 0.0})
-    assert not sampling_summary(ema.meta)["in_window"]
-    assert sampling_problems(ema.meta) == []
+    assert not sampling_summary(ema.manifest)["in_window"]
+    assert sampling_problems(ema.manifest) == []
 
 
 def test_factors_without_rows_are_flagged(tmp_path, monkeypatch):
@@ -416,15 +416,15 @@ def test_factors_without_rows_are_flagged(tmp_path, monkeypatch):
     from kfac_stream.snapshot.adequacy import empty_factors
 
     _, ok = _short_run(tmp_path / "ok", {"min_window_sequences": 0, "final_window": 0.0})
-    assert empty_factors(ok.meta) == []
+    assert empty_factors(ok.manifest) == []
     monkeypatch.setattr(mc_replay, "MC_REPLAY", dataclasses.replace(mc_replay.MC_REPLAY,
                                                                     replay=False))
     model, snap = _short_run(tmp_path / "none", {"min_window_sequences": 0,
                                                  "final_window": 0.0})
-    empty = empty_factors(snap.meta)
+    empty = empty_factors(snap.manifest)
     assert len(empty) == 2 * len(snap.layer_names)
     assert all(float(snap[n].A.abs().sum()) == 0.0 for n in snap.layer_names)
-    problems = sampling_problems(snap.meta)
+    problems = sampling_problems(snap.manifest)
     assert any(p.startswith(f"{len(empty)} of its factors hold no rows at all ({empty[0]}, ")
                for p in problems), problems
     with pytest.warns(UserWarning, match="hold no rows at all"):

@@ -59,14 +59,14 @@ def test_shared_A_equals_per_layer_A_bit_for_bit(tmp_path):
         assert torch.equal(a[n].G, b[n].G), n
         assert torch.equal(a[n].A_eigvals, b[n].A_eigvals), n
     q, k = "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj"
-    assert a.meta["shared_inputs"] == [list(g) for g in shared.tracker.plan.groups]
-    assert a.meta["layers"][k]["A"]["key"] == q + ".A"
+    assert a.manifest.shared_inputs == [list(g) for g in shared.tracker.plan.groups]
+    assert a.manifest.layers[k].A.key == q + ".A"
     assert a[k].A is a[q].A  # loaded once, not once per layer
-    assert a.meta["layers"][k]["A"]["spectrum"] == a.meta["layers"][q]["A"]["spectrum"]
+    assert a.manifest.layers[k].A.spectrum == a.manifest.layers[q].A.spectrum
     with safe_open(f"{a.path}/shard-00000-of-00001.safetensors", "pt") as f:
         stored = {key for key in f.keys() if key.endswith(".A")}
     assert q + ".A" in stored and k + ".A" not in stored
-    assert len(stored) == 8 and len(b.meta["layers"]) == 14  # 2 blocks × (qkv, o, gate/up, down)
+    assert len(stored) == 8 and len(b.manifest.layers) == 14  # 2 blocks × (qkv, o, gate/up, down)
     assert shared.tracker.counters.comm_bytes == 0
     # the posterior does not care how the factors were stored
     model = alone.tracker.capture.model
@@ -94,7 +94,7 @@ def test_call_order_groups_share_A_bit_for_bit(tmp_path, build, caplog):
     a, b = Snapshot.latest(tmp_path / "s" / "kfac"), Snapshot.latest(tmp_path / "a" / "kfac")
     groups = shared.tracker.plan.groups
     assert len(groups) == 2 and all(g[-1].endswith("q_proj") for g in groups)  # k, v, q
-    assert a.meta["shared_inputs"] == [list(g) for g in groups]
+    assert a.manifest.shared_inputs == [list(g) for g in groups]
     for n in a.layer_names:
         assert torch.equal(a[n].A, b[n].A), n
         assert torch.equal(a[n].G, b[n].G), n
@@ -167,8 +167,8 @@ def test_group_dissolved_mid_run_keeps_its_history(tmp_path, caplog):
     warned = [r for r in caplog.records if "share one A" in r.getMessage()]
     assert len(warned) == 1 and k in warned[0].getMessage()
     a, b = (Snapshot.latest(tmp_path / str(s) / "kfac") for s in (True, False))
-    assert len(a.meta["shared_inputs"]) == 3  # layer 1's q/k/v group dissolved; 3 left
-    assert a.meta["layers"][k]["A"]["key"] == k + ".A"
+    assert len(a.manifest.shared_inputs) == 3  # layer 1's q/k/v group dissolved; 3 left
+    assert a.manifest.layers[k].A.key == k + ".A"
     assert a[k].A.abs().sum() > 0
     for n in a.layer_names:
         assert torch.equal(a[n].A, b[n].A), n

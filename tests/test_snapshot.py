@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kfac_stream import Snapshot, SnapshotError
+from kfac_stream.snapshot.manifest_types import to_json
 from kfac_stream.stats.spectrum import safe_psd_eigh, spectrum_stats
 
 from harness import run
@@ -40,7 +41,7 @@ def test_round_trip_is_bit_identical_and_eigendecomposition_reconstructs(snapsho
     root, cb = snapshots
     snap = Snapshot.latest(root)
     live = cb.factors()
-    assert snap.step == 4 and snap.meta["format_version"] == 3
+    assert snap.step == 4 and snap.manifest.format_version == 3
     n_diag = 0
     for name in snap.layer_names:
         lf = snap[name]
@@ -55,7 +56,7 @@ def test_round_trip_is_bit_identical_and_eigendecomposition_reconstructs(snapsho
                 continue
             recon = (vecs.double() * vals.double()) @ vecs.double().T
             assert rel_err(recon, mat.double()) <= EIG_FP16_TOL
-            st = lf.meta[f]["spectrum"]
+            st = to_json(getattr(lf.entry, f).spectrum)
             assert st == spectrum_stats(safe_psd_eigh(mat)[0])
     assert n_diag == 4  # mlp.c_fc G (64) and mlp.c_proj A (65) > max_dense_dim=60, two blocks
 
@@ -168,7 +169,7 @@ def test_layer_table_prints_long_layer_names_whole(snapshots):
     prefix = "base_model.model.model.layers.0.mlp.down_proj.lora_A.default."
 
     class Renamed:  # the same factors under 80-character names
-        path, step, meta = snap.path, snap.step, snap.meta
+        path, step, manifest = snap.path, snap.step, snap.manifest
         layer_names = [prefix + n for n in snap.layer_names]
 
         def __getitem__(self, name):
@@ -225,14 +226,16 @@ def test_a_path_argument_that_is_not_a_path_is_refused(bad):
 
 def test_manifest_alone_is_checked_against_the_schema(snapshots, tmp_path):
     """`read_manifest` (what the spectrum monitor reads on the training thread) applies the
-    same schema as `Snapshot.load`, without opening a shard."""
-    from kfac_stream.snapshot.snapshot import read_manifest
+    same schema as `Snapshot.load`, without opening a shard; `read_manifest_json` gives the
+    same document as its JSON dict."""
+    from kfac_stream.snapshot.snapshot import read_manifest, read_manifest_json
 
     root, _ = snapshots
     _, newest = copy_of(root, tmp_path)
-    assert read_manifest(newest)["step"] == 4
+    assert read_manifest(newest).step == 4
     _shard(newest).unlink()
-    assert read_manifest(newest)["step"] == 4  # shards are not its business
+    assert read_manifest(newest).step == 4  # shards are not its business
+    assert read_manifest_json(newest) == _manifest(newest) == read_manifest(newest).to_json()
     m = _manifest(newest)
     m["counts"]["tokens_seen"] = -1000
     (newest / "manifest.json").write_text(json.dumps(m))
@@ -250,8 +253,10 @@ def test_manifest_dataclasses_hold_every_key_written(snapshots):
     from kfac_stream.snapshot.schema import MapOf, Record
 
     root, _ = snapshots
-    meta = Snapshot.latest(root).meta
+    snap = Snapshot.latest(root)
+    meta = snap.meta
     assert Manifest.from_json(meta).to_json() == meta
+    assert snap.manifest == Manifest.from_json(meta)  # what the package reads
 
     def unknown(value, rule, path):
         if isinstance(rule, MapOf):

@@ -80,6 +80,6 @@ def test_wrong_inputs_are_refused_in_one_line(trained):
         trajectory_influence([], batch, [batch])
     other = LaplacePosterior(_load(pairs[1][1]).eval(), Snapshot.load(pairs[1][2]),
                              prior_precision=1.0)
-    other.snapshot.meta["run_id"] = "0" * 32
+    other.snapshot.manifest.run_id = "0" * 32
     with pytest.raises(QueryInputError, match="one run's snapshots only"):
         trajectory_influence([post, other], batch, [batch])

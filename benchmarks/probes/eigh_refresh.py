@@ -62,7 +62,7 @@ def compare(prev: Snapshot, new: Snapshot) -> list[dict]:
     seen = set()
     for name in new.layer_names:
         for kind in "AG":
-            key = new.meta["layers"][name][kind]["key"]
+            key = getattr(new.manifest.layers[name], kind).key
             old_q = getattr(prev[name], f"{kind}_eigvecs")
             if key in seen or old_q is None:
                 continue

@@ -48,11 +48,11 @@ def end_of_run_report(cfg, model, tokenizer, seq_len: int, kfac, wall: float,
         ``{"snapshot", "spectra_png", "report"[, "contrast"]}``.
     """
     snap = Snapshot.load(kfac.snapshots[-1])
-    c = snap.meta["counts"]
+    c = snap.manifest.counts
     lines = ["", "=" * 78, f"kfac_stream report — snapshot {snap.path}", "", layer_table(snap),
-             "", f"tracker: {c['updates']} updates, {c['positions_sampled']} positions sampled "
-             f"of {c['tokens_seen']} seen, {c['skipped_updates']} skipped; "
-             + overhead_text(c["tracker_seconds"], wall, kfac.train_seconds)]
+             "", f"tracker: {c.updates} updates, {c.positions_sampled} positions sampled "
+             f"of {c.tokens_seen} seen, {c.skipped_updates} skipped; "
+             + overhead_text(c.tracker_seconds, wall, kfac.train_seconds)]
     png = f"{snap.path}.spectra.png"
     result: dict[str, Any] = {"snapshot": snap.path, "spectra_png": png if os.path.exists(png)
                               else None}

@@ -19,14 +19,14 @@ def run_inspect(args) -> int:
 
     snap = load_snapshot("path", args.path)
     print(layer_table(snap))
-    s = sampling_summary(snap.meta)
+    s = sampling_summary(snap.manifest)
     if s["max_rel_se"] == s["max_rel_se"]:  # recorded (not NaN)
         window = (f"; final window: {s['window_sequences']:,} sequences (min_window_sequences="
                   f"{s['min_window_sequences']:,})" if s["window_sequences"] else "")
         print(f"sampling: largest relative standard error of a factor {rel_se_verdict(s)}, "
               f"factor {s['max_rel_se_factor']}, at least {s['min_effective_updates']:.3g} "
               f"effective updates{window}")
-    few = sampling_warning("warning", snap.meta)
+    few = sampling_warning("warning", snap.manifest)
     if few is not None:
         print(few)
     print(_prior_line(snap))

@@ -88,6 +88,7 @@ from transformers.integrations import INTEGRATION_TO_CALLBACK, TensorBoardCallba
 from transformers.trainer_callback import CallbackHandler
 
 from ..factor_keys import FACTOR_KINDS, split_factor_key
+from ..snapshot.manifest_types import Manifest, Spectrum
 from ..snapshot.snapshot import read_manifest
 
 if TYPE_CHECKING:
@@ -106,24 +107,24 @@ _EVENT_KWARGS = ("model", "processing_class", "optimizer", "lr_scheduler", "trai
                  "eval_dataloader")
 
 
-def factor_stats(spectrum: dict[str, float]) -> dict[str, float]:
+def factor_stats(spectrum: Spectrum) -> dict[str, float]:
     """The logged statistics of one factor from its manifest ``spectrum`` entry
     (``log10_cond`` in place of ``cond``, absent when ``cond`` is infinite)."""
-    out = {stat: float(spectrum[stat]) for stat in ("max", "trace", "eff_rank")}
-    if math.isfinite(spectrum["cond"]):
-        out["log10_cond"] = math.log10(spectrum["cond"])
+    out = {stat: float(getattr(spectrum, stat)) for stat in ("max", "trace", "eff_rank")}
+    if math.isfinite(spectrum.cond):
+        out["log10_cond"] = math.log10(spectrum.cond)
     return out
 
 
-def snapshot_metrics(meta: dict[str, Any], prefix: str = "kfac") -> dict[str, float]:
+def snapshot_metrics(manifest: Manifest, prefix: str = "kfac") -> dict[str, float]:
     """Per-factor spectrum statistics, their summaries over layers and the snapshot's step.
 
     Args:
-        meta: A snapshot manifest (``Snapshot.meta``).
+        manifest: A snapshot's manifest (``Snapshot.manifest``, `read_manifest`).
         prefix: First component of every name (see the module's table).
     """
-    per_factor = {(layer, f): factor_stats(entry[f]["spectrum"])
-                  for layer, entry in meta["layers"].items() for f in FACTORS}
+    per_factor = {(layer, f): factor_stats(getattr(entry, f).spectrum)
+                  for layer, entry in manifest.layers.items() for f in FACTORS}
     out = {f"{prefix}/{layer}/{f}/{stat}": value
            for (layer, f), stats in per_factor.items() for stat, value in stats.items()}
     for f in FACTORS:
@@ -132,10 +133,11 @@ def snapshot_metrics(meta: dict[str, Any], prefix: str = "kfac") -> dict[str, fl
             if values:
                 out.update({f"{prefix}/summary/{f}/{stat}_{name}": float(agg(values))
                             for name, agg in AGGREGATES.items()})
-    out[f"{prefix}/snapshot_step"] = float(meta["step"])
+    out[f"{prefix}/snapshot_step"] = float(manifest.step)
     # 1: the snapshot's eigendecomposition was deferred, its statistics are Lanczos estimates
     # (`kfac_stream.snapshot.spectra_estimate`); 0: exact, from its eigenvalues
-    out[f"{prefix}/spectra_estimated"] = float(not (meta.get("eigen") or {}).get("in_run", True))
+    eigen = manifest.eigen
+    out[f"{prefix}/spectra_estimated"] = float(eigen is not None and not eigen.in_run)
     return out
 
 
@@ -243,12 +245,12 @@ class SpectraReporter:
                 not self.reporters(after_end) and _active_wandb_run() is None):
             return  # nowhere to report: not even the manifest is read
         for path in paths:
-            meta = read_manifest(path)  # the manifest only: cheap on the training thread
-            media = self._snapshot_media(meta, kfac.media.get(path)) if self.media else {}
-            self.emit(args, state, control, snapshot_metrics(meta, self.prefix), media,
+            manifest = read_manifest(path)  # the manifest only: cheap on the training thread
+            media = self._snapshot_media(manifest, kfac.media.get(path)) if self.media else {}
+            self.emit(args, state, control, snapshot_metrics(manifest, self.prefix), media,
                       after_end=after_end)
 
-    def _snapshot_media(self, meta: dict[str, Any], made: dict | None) -> dict[str, Any]:
+    def _snapshot_media(self, manifest: Manifest, made: dict | None) -> dict[str, Any]:
         """W&B objects for the histograms and PNG the K-FAC callback made on its snapshot
         thread (``KFACStreamCallback.media``); nothing without an active W&B run."""
         if made is None or _active_wandb_run() is None:
@@ -260,7 +262,7 @@ class SpectraReporter:
             for key, hist in made["histograms"].items()}
         if made["png"]:
             out[f"{self.prefix}_media/spectra"] = wandb.Image(made["png"],
-                                                              caption=f"step {meta['step']}")
+                                                              caption=f"step {manifest.step}")
         return out
 
     def emit(self, args, state, control, scalars: dict[str, float], media: dict[str, Any],

@@ -87,6 +87,6 @@ def source_key(snapshot: Snapshot, name: str, factor: str) -> str:
     one key they share, manifest ``shared_inputs``); the layer's own name when the manifest
     does not say (a hand-built snapshot)."""
     try:
-        return stored_key(snapshot.meta, name, factor)
+        return stored_key(snapshot.manifest, name, factor)
     except (KeyError, TypeError, AttributeError):
         return f"{name}/{factor}"

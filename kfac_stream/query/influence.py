@@ -509,8 +509,8 @@ def influence_memory(post: LaplacePosterior, rows: int, batch: int, tokens: int,
     "batch_gradients": B·max d_out·d_A·s, "tracked_weights": W}`` (``s``: ``itemsize``, by
     default the posterior's feature dtype's)."""
     s = itemsize or torch.empty((), dtype=post.feature_dtype).element_size()
-    metas = [post.snapshot[n].meta for n in post.layer_names]
-    shapes = [(int(m["d_out"]), int(m["d_in"]) + bool(m["has_bias"])) for m in metas]
+    entries = [post.snapshot.manifest.layers[n] for n in post.layer_names]
+    shapes = [(int(e.d_out), int(e.d_in) + bool(e.has_bias)) for e in entries]
     weights = sum(o * a for o, a in shapes)
     return {"query_rows": rows * weights * s,
             "batch_hooks": batch * tokens * sum(o + a for o, a in shapes) * s,

@@ -129,15 +129,15 @@ class LaplacePosterior:
                                "a kfac_stream.Snapshot (load one with Snapshot.load(path), or "
                                "Snapshot.latest(dir) for the newest in a directory)", typed=True)
         self.layer_names = chosen_layers(where, model, snapshot, layers)
-        self.num_data_unit = unit = num_data_unit(snapshot.meta, self.layer_names)
-        self.num_data = check_num_data(where, num_data, snapshot.meta, unit)
+        manifest = snapshot.manifest
+        self.num_data_unit = unit = num_data_unit(manifest, self.layer_names)
+        self.num_data = check_num_data(where, num_data, manifest, unit)
         if num_data is not None:
-            warn_far_num_data(where, self.num_data, snapshot.meta, unit)
-        few = sampling_warning(where, snapshot.meta, once=True, source=str(snapshot.path))
+            warn_far_num_data(where, self.num_data, manifest, unit)
+        few = sampling_warning(where, manifest, once=True, source=str(snapshot.path))
         if few is not None:
             warnings.warn(few, UserWarning, stacklevel=2)
-        self.layer_num_data = layer_num_data(snapshot.meta, self.layer_names, self.num_data,
-                                             unit)
+        self.layer_num_data = layer_num_data(manifest, self.layer_names, self.num_data, unit)
         words = isinstance(prior_precision, str) and prior_precision in PRIOR_WORDS
         choice = resolve_prior(
             where, prior_precision if words else None, link, snapshot.heldout_prior,

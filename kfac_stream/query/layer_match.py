@@ -17,6 +17,7 @@ from ..capture.selection import layer_spec, select_layers
 from ..distributed.engines import engine_for
 from ..enums import LayerPreset
 from ..exceptions import KFACConfigError, PartitionedModelError, SnapshotMismatchError
+from ..snapshot.manifest_types import to_json
 from ..snapshot.snapshot import Snapshot
 from ..snapshot.weights import compare_weights
 from . import inputs
@@ -26,12 +27,12 @@ def warn_other_weights(where: str, snapshot: Snapshot, modules: dict[str, nn.Mod
     """One ``UserWarning`` when the model's tracked weights are not those the snapshot was
     taken at (its ``weights`` fingerprint, `snapshot.weights`; snapshots written before it
     existed are not checked): a model of another run, or of another step of the same run."""
-    recorded = snapshot.meta.get("weights")
+    recorded = snapshot.manifest.weights
     if not recorded:
         return
-    differ = compare_weights(recorded, modules)
+    differ = compare_weights(to_json(recorded), modules)
     if differ:
-        run = snapshot.meta.get("run_id")
+        run = snapshot.manifest.run_id
         at = f"step {snapshot.step}" if snapshot.weights_step == snapshot.step else (
             f"step {snapshot.weights_step}, the best model the Trainer reloaded at the end of "
             f"training (load_best_model_at_end; its factors run to step {snapshot.step})")
@@ -115,24 +116,24 @@ def match_layers(model: nn.Module, snapshot: Snapshot,
     out = {}
     where = f"snapshot {snapshot.path}"
     for name in names:
-        info = snapshot[name].meta
+        entry = snapshot[name].entry
         if name not in modules:  # another architecture; a LoRA layer of a merged model
             missing = [n for n in names if n not in modules]
             count = (f" ({len(missing)} of the {len(names)} layers asked for are not modules "
                      f"of the model: {inputs.names_shown(missing)})" if len(missing) > 1 else "")
             raise SnapshotMismatchError(
-                (other_architecture(where, snapshot.meta, model, modules,
+                (other_architecture(where, snapshot.manifest, model, modules,
                                     names=snapshot.layer_names, name=name,
                                     problem="is not a module of the model")
                  or missing_layer_message(where, name, modules)) + count)
         spec = layer_spec(name, modules[name])
-        want = (info["d_in"], info["d_out"], bool(info["has_bias"]))
+        want = (entry.d_in, entry.d_out, bool(entry.has_bias))
         have = (spec.d_in, spec.d_out, spec.has_bias)
         if want != have:
             shapes = (f"has (d_in, d_out, bias) = {have} in the model but {want} in the "
                       "snapshot")
             raise SnapshotMismatchError(
-                other_architecture(where, snapshot.meta, model, modules,
+                other_architecture(where, snapshot.manifest, model, modules,
                                    names=snapshot.layer_names, name=name, problem=shapes)
                 or f"{where}: layer {name!r} {shapes}")
         out[name] = modules[name]
@@ -144,7 +145,7 @@ def untracked_layers(model: nn.Module, snapshot: Snapshot) -> list[str]:
     ``exclude`` and ``preset``, as the snapshot's manifest records them, applied to ``model``
     as the tracker does: `select_layers`) picks but the snapshot does not hold, in
     ``named_modules`` order; empty when the selection picks nothing in ``model``."""
-    cfg = snapshot.meta.get("config") or {}
+    cfg = snapshot.manifest.config
     try:
         chosen = select_layers(model, cfg.get("include"), cfg.get("exclude"), cfg.get("preset"))
     except (KFACConfigError, re.error):  # selects nothing here: the layer match says why
@@ -153,9 +154,8 @@ def untracked_layers(model: nn.Module, snapshot: Snapshot) -> list[str]:
     return [n for n in chosen if n not in held]
 
 
-def _selection(meta: dict) -> str:
+def _selection(cfg: dict) -> str:
     """The run's layer selection in words, from a manifest's ``config``."""
-    cfg = meta.get("config") or {}
     parts = [f"{k}={cfg[k]!r}" for k in ("include", "preset") if cfg.get(k) is not None]
     parts = parts or ["the default: the trainable Linear/Conv1D layers in the blocks"]
     if cfg.get("exclude"):
@@ -180,11 +180,12 @@ def check_untracked_layers(where: str, model: nn.Module, snapshot: Snapshot,
     extra = untracked_layers(model, snapshot)
     if not extra:
         return
-    recorded = snapshot.meta.get("weights")
-    differ = compare_weights(recorded, modules) if recorded else []
+    recorded = snapshot.manifest.weights
+    differ = compare_weights(to_json(recorded), modules) if recorded else []
     names = snapshot.layer_names
     found = (f"the model has {len(extra)} layer(s) that the run's layer selection "
-             f"({_selection(snapshot.meta)}) picks but snapshot {snapshot.path} does not hold "
+             f"({_selection(snapshot.manifest.config)}) picks but snapshot {snapshot.path} "
+             "does not hold "
              f"({len(names)} layers): {inputs.names_shown(extra)}")
     if differ:
         raise SnapshotMismatchError(

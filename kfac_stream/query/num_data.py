@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Sequence
 
 from ..exceptions import QueryInputError
+from ..snapshot.manifest_types import Manifest
 from . import inputs
 
 #: `LaplacePosterior` warns when ``num_data`` is more than this factor away (either way) from
@@ -20,27 +21,27 @@ UNIT_COUNTERS = {"position": "tokens_seen", "target": "target_tokens_seen",
                  "sequence": "sequences_seen"}
 
 
-def num_data_unit(meta: dict, names: Sequence[str]) -> str:
+def num_data_unit(m: Manifest, names: Sequence[str]) -> str:
     """What ``num_data`` counts for a posterior over ``names``: the rows every one of them has
     (the manifest's ``layers.<name>.rows``): ``"sequence"`` (a ``[B, d]`` head, or the reduce
     form), ``"target"`` (an encoder-decoder's decoder positions), else ``"position"`` (token
     positions of the input, also for a mix)."""
-    rows = {meta["layers"][n].get("rows", "position") for n in names}
+    rows = {m.layers[n].rows or "position" for n in names}
     return rows.pop() if len(rows) == 1 else "position"
 
 
-def default_num_data(meta: dict, unit: str = "position") -> float:
-    """``N`` in ``unit``, from the snapshot's counts: the usable positions (``tokens_seen``),
-    the usable decoder positions (``target_tokens_seen``) or the sequences with a usable
-    position (``sequences_seen``) of every training forward,
-    divided by the epochs run (when known and positive): the data set's size, also after a
-    partial epoch."""
-    seen = float(meta["counts"][UNIT_COUNTERS[unit]])
-    epoch = meta.get("epoch")
+def default_num_data(m: Manifest, unit: str = "position") -> float:
+    """``N`` in ``unit``, from the counts of the snapshot's manifest ``m``: the usable
+    positions (``tokens_seen``), the usable decoder positions (``target_tokens_seen``) or the
+    sequences with a usable position (``sequences_seen``) of every training forward, divided
+    by the epochs run (when known and positive): the data set's size, also after a partial
+    epoch."""
+    seen = float(getattr(m.counts, UNIT_COUNTERS[unit]))
+    epoch = m.epoch
     return seen / epoch if epoch and epoch > 0 else seen
 
 
-def layer_num_data(meta: dict, names: Sequence[str], num_data: float,
+def layer_num_data(m: Manifest, names: Sequence[str], num_data: float,
                    unit: str = "position") -> dict[str, float]:
     """``N`` of each layer, for ``num_data`` in ``unit`` (`num_data_unit`): ``num_data`` for a
     layer whose rows are in that unit; for one whose rows are another (token positions,
@@ -49,15 +50,15 @@ def layer_num_data(meta: dict, names: Sequence[str], num_data: float,
     counts.tokens_seen``), so the
     default ``num_data`` gives each layer its own count per epoch and a ``num_data`` of your
     own rescales every layer alike."""
-    counts = {u: float(meta["counts"].get(c, 0)) for u, c in UNIT_COUNTERS.items()}
+    counts = {u: float(getattr(m.counts, c)) for u, c in UNIT_COUNTERS.items()}
     out = {}
     for name in names:
-        rows = meta["layers"][name].get("rows", "position")
+        rows = m.layers[name].rows or "position"
         out[name] = num_data if rows == unit else num_data * counts[rows] / counts[unit]
     return out
 
 
-def check_num_data(where: str, num_data: object, meta: dict, unit: str = "position"
+def check_num_data(where: str, num_data: object, m: Manifest, unit: str = "position"
                     ) -> float:
     """``N`` in ``unit``: ``num_data`` (a positive finite number) or, when None, the
     snapshot's own."""
@@ -69,25 +70,25 @@ def check_num_data(where: str, num_data: object, meta: dict, unit: str = "positi
         return inputs.check_positive(where, "num_data", num_data, allowed)
     counter = UNIT_COUNTERS[unit]
     try:
-        n = default_num_data(meta, unit)
+        n = default_num_data(m, unit)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise QueryInputError(f"{where}: num_data=None takes N from the snapshot's counts, which "
                               f"are unreadable ({type(e).__name__}: {e}): pass num_data, "
                               "a positive finite number") from None
     if not (math.isfinite(n) and n > 0):
         raise QueryInputError(f"{where}: num_data=None takes N from the snapshot's counts, which "
-                              f"give N={n!r} (counts.{counter}={meta['counts'][counter]!r},"
-                              f" epoch={meta.get('epoch')!r}): pass num_data, a positive finite "
+                              f"give N={n!r} (counts.{counter}={getattr(m.counts, counter)!r},"
+                              f" epoch={m.epoch!r}): pass num_data, a positive finite "
                               "number")
     return n
 
 
-def warn_far_num_data(where: str, num_data: float, meta: dict, unit: str = "position"
+def warn_far_num_data(where: str, num_data: float, m: Manifest, unit: str = "position"
                        ) -> None:
     """Warn (``UserWarning``) when ``num_data`` is more than `NUM_DATA_WARN_FACTOR` times away
     from the snapshot's own count; silent when the counts are unreadable (nothing to compare)."""
     try:
-        own = default_num_data(meta, unit)
+        own = default_num_data(m, unit)
     except (KeyError, TypeError, ValueError, AttributeError):
         return
     if not (math.isfinite(own) and own > 0):
@@ -95,7 +96,7 @@ def warn_far_num_data(where: str, num_data: float, meta: dict, unit: str = "posi
     ratio = num_data / own
     if 1 / NUM_DATA_WARN_FACTOR <= ratio <= NUM_DATA_WARN_FACTOR:
         return
-    epoch = meta.get("epoch")
+    epoch = m.epoch
     per = f" over {epoch:.3g} epochs" if isinstance(epoch, (int, float)) and epoch > 0 else ""
     factor = max(ratio, 1 / ratio)
     times = f"{factor:,.0f}x" if factor >= 10 else f"{factor:.2g}x"
@@ -109,7 +110,7 @@ def warn_far_num_data(where: str, num_data: float, meta: dict, unit: str = "posi
            "per sequence).")
     warnings.warn(
         f"{where}: num_data={num_data:,.6g} is {far} the snapshot's own count N={own:,.0f} "
-        f"(counts.{counter}={meta['counts'][counter]:,}{per}). {why} The data term "
+        f"(counts.{counter}={getattr(m.counts, counter):,}{per}). {why} The data term "
         f"N*(A(x)G) of the posterior precision scales with N, so it is {times} too {small} "
         f"here (the posterior up to {times} too {wide}). Pass num_data=None for the "
         "snapshot's count.", UserWarning, stacklevel=3)

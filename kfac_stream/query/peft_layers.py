@@ -20,11 +20,11 @@ Either way the way out is ``PeftModel.from_pretrained(base, adapter_dir)``, or t
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from torch import nn
 
 from ..snapshot.architecture import describe, model_identity
+from ..snapshot.manifest_types import Manifest, to_json
 
 #: Name components of PEFT LoRA adapter layers (as `kfac_stream.capture.presets.LORA_NAMES`).
 LORA_PARTS = frozenset({"lora_A", "lora_B"})
@@ -77,24 +77,23 @@ def missing_layer_message(where: str, name: str, modules: Mapping[str, nn.Module
     return plain
 
 
-def other_architecture(where: str, meta: Mapping[str, Any], model: nn.Module,
+def other_architecture(where: str, manifest: Manifest, model: nn.Module,
                        modules: Mapping[str, nn.Module], names: Sequence[str], name: str,
                        problem: str) -> str | None:
-    """The message for a snapshot (manifest ``meta``, tracked layers ``names``) of another
+    """The message for a snapshot (its ``manifest``, tracked layers ``names``) of another
     architecture than ``model`` (``modules``: its ``dict(named_modules())``), or None when it
     is not one (the same recorded class and ``model_type``; for a snapshot that records none,
     any of its layers, or its base layer, is a module of the model). ``where`` opens it;
     ``name`` and ``problem`` are the first layer that does not match and how (``"is not a
     module of the model"``)."""
     have = model_identity(model)
-    recorded = meta.get("model")
-    if recorded:
-        if (recorded.get("class"), recorded.get("model_type")) == (have["class"],
-                                                                    have["model_type"]):
+    recorded = manifest.model
+    if recorded is not None:
+        if (recorded.class_name, recorded.model_type) == (have["class"], have["model_type"]):
             return None
         return (f"{where} is a snapshot of another architecture: it was taken on a "
-                f"{describe(recorded)}, the model is a {describe(have)} (its tracked layer "
-                f"{name!r} {problem}); pass the model the snapshot was taken on, or a "
+                f"{describe(to_json(recorded))}, the model is a {describe(have)} (its tracked "
+                f"layer {name!r} {problem}); pass the model the snapshot was taken on, or a "
                 "snapshot of a run of this model")
     if any(n in modules or base_layer_name(n) in modules for n in names):
         return None

@@ -82,7 +82,7 @@ def trajectory_influence(posteriors: Iterable[LaplacePosterior],
                                   "once per step: pass a list of batches or a DataLoader")
     total, steps, run = None, [], None
     for post in posteriors:
-        step, run_id = post.snapshot.step, post.snapshot.meta.get("run_id")
+        step, run_id = post.snapshot.step, post.snapshot.manifest.run_id
         if step in steps:
             raise QueryInputError(f"trajectory_influence: step {step} is given twice; each "
                                   "posterior must be a distinct step of the run")

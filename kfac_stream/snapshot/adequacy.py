@@ -31,6 +31,9 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
+from ..factor_keys import FACTOR_KINDS
+from .manifest_types import Manifest
+
 #: Relative sampling error of a factor above which a final-window snapshot is reported as
 #: resting on too few samples. Set from `benchmarks/suite.py`, which prints each rule's largest
 #: value beside its predictive NLL: windows of 4-120 updates (16-240 sequences) gave 0.7-1.5
@@ -40,35 +43,35 @@ from typing import Any
 REL_SE_WARN = 3.0
 
 
-def sampling_summary(meta: dict[str, Any]) -> dict[str, Any]:
+def sampling_summary(m: Manifest) -> dict[str, Any]:
     """``{"max_rel_se", "max_rel_se_factor", "min_effective_updates", "window_sequences",
-    "min_window_sequences", "in_window"}`` of a manifest (NaN / 0 / None where the snapshot
-    did not record them: no update, or no final window)."""
+    "min_window_sequences", "in_window"}`` of manifest ``m`` (NaN / 0 / None where the
+    snapshot did not record them: no update, or no final window)."""
     worst, worst_key, k_min = math.nan, None, math.nan
-    for name, entry in meta.get("layers", {}).items():
-        for factor in ("A", "G"):
-            s = entry.get(factor, {}).get("sampling")
-            if not s:
+    for entry in m.layers.values():
+        for factor in FACTOR_KINDS:
+            f = getattr(entry, factor)
+            s = f.sampling
+            if s is None:
                 continue
-            key = entry[factor].get("key", f"{name}.{factor}")
-            if math.isnan(worst) or s["rel_se"] > worst:
-                worst, worst_key = float(s["rel_se"]), key
-            k_min = min(k_min, s["effective_updates"]) if not math.isnan(k_min) \
-                else float(s["effective_updates"])
-    cfg, counts = meta.get("config", {}), meta.get("counts", {})
-    window = int(counts.get("window_sequences", 0)) if cfg.get("final_window", 0) else 0
+            if math.isnan(worst) or s.rel_se > worst:
+                worst, worst_key = float(s.rel_se), f.key
+            k_min = min(k_min, s.effective_updates) if not math.isnan(k_min) \
+                else float(s.effective_updates)
+    cfg, counts = m.config, m.counts
+    window = int(counts.window_sequences) if cfg.get("final_window", 0) else 0
     return {"max_rel_se": worst, "max_rel_se_factor": worst_key, "min_effective_updates": k_min,
             "window_sequences": window,
             "min_window_sequences": int(cfg.get("min_window_sequences", 0) or 0),
-            "in_window": int(counts.get("window_start_step", -1)) >= 0}
+            "in_window": int(counts.window_start_step) >= 0}
 
 
-def empty_factors(meta: dict[str, Any]) -> list[str]:
-    """The keys of a manifest's factors whose EMA weight is 0: no row was ever folded into
+def empty_factors(m: Manifest) -> list[str]:
+    """The keys of manifest ``m``'s factors whose EMA weight is 0: no row was ever folded into
     them (a layer no captured pass reached), so the posterior's block there is the prior's.
     A rank's part leaves another rank's factor's weight None: not counted."""
-    return [entry[f].get("key", f"{name}.{f}") for name, entry in meta.get("layers", {}).items()
-            for f in ("A", "G") if entry.get(f, {}).get("weight") == 0]
+    return [getattr(entry, f).key for entry in m.layers.values()
+            for f in FACTOR_KINDS if getattr(entry, f).weight == 0]
 
 
 def rel_se_verdict(summary: dict[str, Any]) -> str:
@@ -90,22 +93,22 @@ def rel_se_verdict(summary: dict[str, Any]) -> str:
             "final_window)")
 
 
-def sampling_problems(meta: dict[str, Any]) -> list[str]:
-    """One sentence per sign that the snapshot's factors rest on too few samples (empty: none
-    seen)."""
-    return [text for _, text in _problems(meta)]
+def sampling_problems(m: Manifest) -> list[str]:
+    """One sentence per sign that the snapshot (manifest ``m``) rests on too few samples
+    (empty: none seen)."""
+    return [text for _, text in _problems(m)]
 
 
-def _problems(meta: dict[str, Any]) -> list[tuple[str, str]]:
+def _problems(m: Manifest) -> list[tuple[str, str]]:
     """`sampling_problems` with each sentence's kind: ``"window"`` or ``"rel_se"``."""
-    s = sampling_summary(meta)
+    s = sampling_summary(m)
     out = []
     if 0 < s["window_sequences"] < s["min_window_sequences"]:
         out.append(("window",
                     f"its final window holds {s['window_sequences']:,} sequences, fewer than "
                     f"min_window_sequences={s['min_window_sequences']:,} (the run has too few "
                     "factor updates to reach it; lower update_every or raise mc_sequences)"))
-    empty = empty_factors(meta)
+    empty = empty_factors(m)
     if empty:
         out.append(("empty",
                     f"{len(empty)} of its factors hold no rows at all ("
@@ -174,19 +177,19 @@ def width_unused() -> Iterator[None]:
         _WIDTH_UNUSED.reset(token)
 
 
-def sampling_warning(where: str, meta: dict[str, Any], once: bool = False,
+def sampling_warning(where: str, m: Manifest, once: bool = False,
                      scope: str | None = None, source: str | None = None) -> str | None:
-    """The warning text for `sampling_problems` (None: nothing to warn about; with ``once``
-    the problems this process warned about already in ``scope`` (None: the `said_scope`,
-    ``"query"`` by default) are left out: a short window once per run, a sampling error once
-    per snapshot; a manifest without a run id is keyed by ``source``, the snapshot's path, so
-    once per snapshot; and nothing inside `width_unused`)."""
+    """The warning text for `sampling_problems` of manifest ``m`` (None: nothing to warn
+    about; with ``once`` the problems this process warned about already in ``scope`` (None:
+    the `said_scope`, ``"query"`` by default) are left out: a short window once per run, a
+    sampling error once per snapshot; a manifest without a run id is keyed by ``source``, the
+    snapshot's path, so once per snapshot; and nothing inside `width_unused`)."""
     if once and _WIDTH_UNUSED.get():
         return None
-    run_id = meta.get("run_id") or (f"path:{os.path.realpath(source)}" if source else "")
-    step = meta.get("step")
+    run_id = m.run_id or (f"path:{os.path.realpath(source)}" if source else "")
+    step = m.step
     scope = _SCOPE.get() if scope is None else scope
-    problems = [(k, t) for k, t in _problems(meta)
+    problems = [(k, t) for k, t in _problems(m)
                 if not (once and run_id and _key(scope, run_id, step, k) in _SAID)]
     if not problems:
         return None

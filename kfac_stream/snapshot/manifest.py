@@ -73,10 +73,10 @@ def checked_manifest(meta: Any, file: str) -> Manifest:
     return manifest
 
 
-def stored_key(meta: dict[str, Any], layer: str, factor: str) -> str:
-    """Key of the stored tensor of ``layer``'s ``factor`` in the manifest dict ``meta`` (a
-    shared A: its group leader's)."""
-    return meta["layers"][layer][factor]["key"]
+def stored_key(m: Manifest, layer: str, factor: str) -> str:
+    """Key of the stored tensor of ``layer``'s ``factor`` in manifest ``m`` (a shared A: its
+    group leader's)."""
+    return getattr(m.layers[layer], factor).key
 
 
 def _check_agreement(m: Manifest, ctx: Ctx) -> None:

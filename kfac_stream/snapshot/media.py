@@ -43,7 +43,7 @@ class LayerSpectra:
 class Spectra(LayerView):
     """The eigenvalues of a snapshot's factors without the factors: ``layer_names``, ``step``
     and ``spectra[name].A_eigvals`` / ``.G_eigvals``, as a `Snapshot` has them (the media
-    take either)."""
+    take any `LayerView`: a hand-built one too)."""
 
     @classmethod
     def from_memory(cls, path: str, eigvals: Mapping[str, torch.Tensor]) -> Spectra | None:
@@ -51,20 +51,20 @@ class Spectra(LayerView):
         shard) and ``eigvals`` (``{stored key: [d] eigenvalues}``, the ``<key>.eigvals``
         tensors just written, by key without the suffix); None when ``eigvals`` lacks a
         factor of the snapshot (another rank's)."""
-        meta = read_manifest(path)
+        manifest = read_manifest(path)
         layers = {}
-        for name in meta["layers"]:
+        for name in manifest.layers:
             found = {}
             for f in FACTOR_KINDS:
-                ev = eigvals.get(stored_key(meta, name, f))
+                ev = eigvals.get(stored_key(manifest, name, f))
                 if ev is None:
                     return None
                 found[f"{f}_eigvals"] = ev.detach().cpu()
             layers[name] = LayerSpectra(**found)
-        return cls(path, meta, layers)
+        return cls(path, manifest.step, layers)
 
 
-def log10_histograms(snap: Snapshot | Spectra, bins: int = 32
+def log10_histograms(snap: LayerView, bins: int = 32
                      ) -> dict[str, tuple[list[int], list[float]]]:
     """``{"<layer>/<A|G>": (counts [bins], edges [bins + 1])}`` of log10 of the positive
     eigenvalues; factors without a positive eigenvalue are left out."""
@@ -113,7 +113,7 @@ def make_media(path: str, bins: int = 32,
 DETACHED_PLOT_TIMEOUT = 300
 
 
-def plot_spectra_detached(snap: Snapshot | Spectra, path: str) -> str:
+def plot_spectra_detached(snap: LayerView, path: str) -> str:
     """`plot_spectra` in a child Python process (``python -m kfac_stream.snapshot.media``):
     the eigenvalues go to it in a temporary safetensors file beside ``path``; this thread only
     waits (without the GIL). Raises ImportError where the child lacks matplotlib, RuntimeError
@@ -152,13 +152,13 @@ def _plot_from_file(eigvals_file: str, png: str) -> int:
     from safetensors import safe_open
 
     with safe_open(eigvals_file, "pt") as fh:
-        meta = fh.metadata()
-        names = json.loads(meta["layers"])
+        header = fh.metadata()
+        names = json.loads(header["layers"])
         keys = set(fh.keys())
         layers = {n: LayerSpectra(*(fh.get_tensor(f"{n}/{f}") if f"{n}/{f}" in keys else None
                                     for f in FACTOR_KINDS)) for n in names}
     try:
-        plot_spectra(Spectra(eigvals_file, {"step": int(meta["step"])}, layers), png)
+        plot_spectra(Spectra(eigvals_file, int(header["step"]), layers), png)
     except ImportError as e:
         print(e, file=sys.stderr)
         return _NO_MATPLOTLIB
@@ -250,7 +250,7 @@ def depth_colors(n: int) -> list[tuple[float, float, float, float]]:
     return [tuple(float(v) for v in ramp(i / max(n - 1, 1))) for i in range(n)]
 
 
-def spectra_figure(snap: Snapshot | Spectra):
+def spectra_figure(snap: LayerView):
     """The matplotlib ``Figure`` of `plot_spectra` (not saved; close it with
     ``matplotlib.pyplot.close(fig)``).
 
@@ -413,7 +413,7 @@ def short_name(name: str, width: int = 28) -> str:
     return name if len(name) <= width else "…" + name[-(width - 1):]
 
 
-def plot_spectra(snap: Snapshot | Spectra, path: str) -> str:
+def plot_spectra(snap: LayerView, path: str) -> str:
     """Draw `spectra_figure` of ``snap`` into the image ``path`` (written whole, then renamed:
     never a torn file); returns ``path``."""
     fig = spectra_figure(snap)

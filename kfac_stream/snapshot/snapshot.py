@@ -10,7 +10,8 @@ check it).
    directory in its place is refused before it is opened;
 2. reads ``manifest.json`` (at most `layout.MAX_MANIFEST_BYTES`) and checks it against the
    schema, `manifest.validate_manifest`, before any shard is opened (the checked manifest is
-   read as a `manifest_types.Manifest`; ``meta`` keeps the JSON dict);
+   read as a `manifest_types.Manifest`, ``Snapshot.manifest``; ``meta`` keeps the JSON
+   dict);
 3. for each shard listed: checks its size against the manifest's ``bytes`` and against the
    size of the tensors the manifest places in it before reading, reads it once and checks the
    digests of exactly the bytes read: with chunked digests (``chunks``, `manifest_types.
@@ -46,7 +47,7 @@ from .layout import (
     where_snapshots_are,
 )
 from .manifest import decomposed, implied_tensors
-from .manifest_types import Manifest
+from .manifest_types import LayerEntry, Manifest, to_json
 from .reading import SnapshotDir, check_values, read_manifest_in, read_shard
 
 
@@ -60,7 +61,9 @@ class LayerFactors:
             from the stored tensor at its first access and kept (an A several layers share:
             once for all of them); `Snapshot.load` makes no float copy.
         G: ``[d_out, d_out]`` dense or ``[d_out]`` diagonal (as ``A``).
-        meta: The layer's manifest entry.
+        entry: The layer's manifest entry (`manifest_types.LayerEntry`: shape, factors'
+            keys and statistics, EK-FAC origin).
+        meta: The same entry as its JSON dict (what the file holds).
         A_eigvals: ``[d_A]`` eigenvalues of A (ascending, ≥ 0).
         A_eigvecs: ``[d_A, d_A]`` orthonormal eigenvectors (columns), None if A is diagonal.
         G_eigvals: ``[d_out]``.
@@ -76,15 +79,18 @@ class LayerFactors:
     (`Snapshot.eigen`).
     """
 
-    __slots__ = ("name", "_A", "_G", "meta", "_eigen", "_deferred", "_keys", "ekfac_eigvals")
+    __slots__ = ("name", "_A", "_G", "entry", "meta", "_eigen", "_deferred", "_keys",
+                 "ekfac_eigvals")
 
-    def __init__(self, name: str, A: Any, G: Any, meta: dict[str, Any],
+    def __init__(self, name: str, A: Any, G: Any, entry: LayerEntry,
                  A_eigvals: torch.Tensor | None = None, A_eigvecs: torch.Tensor | None = None,
                  G_eigvals: torch.Tensor | None = None,
                  G_eigvecs: torch.Tensor | None = None,
                  ekfac_eigvals: torch.Tensor | None = None,
-                 deferred: Any = None, keys: dict[str, str] | None = None) -> None:
-        self.name, self._A, self._G, self.meta = name, A, G, meta
+                 deferred: Any = None, keys: dict[str, str] | None = None,
+                 meta: dict[str, Any] | None = None) -> None:
+        self.name, self._A, self._G, self.entry = name, A, G, entry
+        self.meta = to_json(entry) if meta is None else meta
         self._eigen = {"A_eigvals": A_eigvals, "A_eigvecs": A_eigvecs,
                        "G_eigvals": G_eigvals, "G_eigvecs": G_eigvecs}
         # a deferred eigendecomposition: ``deferred()`` gives {"<key>.eigvals": ...} (once
@@ -117,7 +123,7 @@ class LayerFactors:
     @property
     def has_bias(self) -> bool:
         """Whether ``A`` includes the bias row/column."""
-        return bool(self.meta["has_bias"])
+        return bool(self.entry.has_bias)
 
     def __repr__(self) -> str:
         return f"LayerFactors({self.name!r})"
@@ -142,12 +148,13 @@ class _Dequantised:
 
 
 class LayerView:
-    """A snapshot's layers by name: ``meta``, ``layer_names``, ``step``, ``view[name]``
-    (`Snapshot` with the factors, `kfac_stream.snapshot.media.Spectra` with eigenvalues only)."""
+    """A snapshot's layers by name at its ``step``: ``layer_names``, ``step``, ``view[name]``
+    (`Snapshot` with the factors and the manifest, `kfac_stream.snapshot.media.Spectra` with
+    eigenvalues only)."""
 
-    def __init__(self, path: str, meta: dict[str, Any], layers: dict[str, Any]):
+    def __init__(self, path: str, step: int, layers: dict[str, Any]):
         self.path = path
-        self.meta = meta
+        self._step = int(step)
         self._layers = layers
 
     @property
@@ -158,7 +165,7 @@ class LayerView:
     @property
     def step(self) -> int:
         """Optimizer step of the snapshot."""
-        return int(self.meta["step"])
+        return self._step
 
     def __getitem__(self, name: str):
         try:
@@ -168,7 +175,13 @@ class LayerView:
 
 
 class Snapshot(LayerView):
-    """A verified, immutable snapshot: ``snap.meta``, ``snap.layer_names``, ``snap[name]``.
+    """A verified, immutable snapshot: ``snap.manifest``, ``snap.layer_names``, ``snap[name]``.
+
+    ``manifest``: the checked ``manifest.json`` as a `manifest_types.Manifest` (what the
+    package reads); ``meta``: the same document as its JSON dict, as parsed (keys this version
+    does not know included). ``layers``: `LayerFactors` by module name, as the manifest lists
+    them. Made by `load` and `latest`; one built by hand holds what it is given (its
+    eigendecomposition is never deferred).
 
     ``eigen_source``: what computes or reads a deferred eigendecomposition (`eigen`), set by
     `kfac_stream.snapshot.eigen_sidecar` (the package imports it; it writes with the writer,
@@ -176,6 +189,17 @@ class Snapshot(LayerView):
     """
 
     eigen_source: Any = None
+
+    def __init__(self, path: str, manifest: Manifest, layers: dict[str, LayerFactors],
+                 meta: dict[str, Any] | None = None):
+        super().__init__(path, manifest.step, layers)
+        self.manifest = manifest
+        self.meta = manifest.to_json() if meta is None else meta
+        # the stored tensors of a deferred eigendecomposition (`load`; None: built by hand)
+        self._stored: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._eigen_tensors: dict[str, torch.Tensor] | None = None
+        self.eigen_record = None
+        self._eigen_lock = threading.Lock()
 
     @property
     def heldout_prior(self):
@@ -191,14 +215,14 @@ class Snapshot(LayerView):
         """The answer options' token ids (``KFACConfig.answer_tokens``, resolved at train
         begin), or None when the run set none: the default ``token_ids`` of a language-model
         head's queries and the CLI's ``--options``."""
-        answers = self.meta.get("answer_tokens")
-        return None if answers is None else tuple(int(i) for i in answers["ids"])
+        answers = self.manifest.answer_tokens
+        return None if answers is None else tuple(int(i) for i in answers.ids)
 
     @property
     def answer_texts(self) -> tuple[str, ...] | None:
         """The answer options as text (as given, or decoded), or None."""
-        texts = (self.meta.get("answer_tokens") or {}).get("texts")
-        return None if texts is None else tuple(texts)
+        answers = self.manifest.answer_tokens
+        return None if answers is None or answers.texts is None else tuple(answers.texts)
 
     @property
     def weights_step(self) -> int | None:
@@ -206,8 +230,8 @@ class Snapshot(LayerView):
         describe: its own ``step``, or, where the Trainer reloaded the best checkpoint before
         the final snapshot (``load_best_model_at_end``; the manifest's ``weights_from``), that
         checkpoint's step (None if unknown). The factors run to ``step`` either way."""
-        origin = self.meta.get("weights_from")
-        return self.step if origin is None else origin.get("step")
+        origin = self.manifest.weights_from
+        return self.step if origin is None else origin.step
 
     def __len__(self) -> int:
         return len(self._layers)
@@ -220,8 +244,7 @@ class Snapshot(LayerView):
         """Whether the snapshot was eigendecomposed in the run (its shards hold the
         eigenvalues and eigenvectors; a hand-built one holds what it was given); False:
         deferred to its first use (`eigen`)."""
-        manifest = getattr(self, "_manifest", None)
-        return manifest is None or decomposed(manifest)
+        return self._stored is None or decomposed(self.manifest)
 
     def eigen(self, device: torch.device | str | None = "auto",
               threads: int | None = None) -> dict[str, torch.Tensor]:
@@ -237,7 +260,7 @@ class Snapshot(LayerView):
                 if device == "auto":
                     device = "cuda" if torch.cuda.is_available() else None
                 self._eigen_tensors, self.eigen_record = Snapshot.eigen_source(
-                    self.path, self._manifest, self._stored, device, threads)
+                    self.path, self.manifest, self._stored, device, threads)
         return self._eigen_tensors
 
     @classmethod
@@ -278,9 +301,7 @@ class Snapshot(LayerView):
                                     f"{spec.shard!r}; expected it, as the manifest says "
                                     f"({spec.source})")
         check_values(tensors, origin)
-        snap = cls(path, meta, {})
-        snap._manifest, snap._eigen_tensors, snap.eigen_record = manifest, None, None
-        snap._eigen_lock = threading.Lock()
+        snap = cls(path, manifest, {}, meta)
         snap._stored = {spec_key: (tensors[spec_key], tensors[f"{spec_key}.scale"])
                         for spec_key in implied if f"{spec_key}.scale" in implied}
         snap._layers = _layers(manifest, meta, tensors,
@@ -316,7 +337,7 @@ class Snapshot(LayerView):
 def _layers(manifest: Manifest, meta: dict[str, Any], tensors: dict[str, torch.Tensor],
             deferred=None) -> dict[str, LayerFactors]:
     """Every layer's `LayerFactors` from the verified ``tensors`` (``meta``: the manifest's
-    dict, whose layer entries the layers keep; ``deferred``: the eigendecomposition's
+    JSON dict, whose layer entries the layers keep as theirs; ``deferred``: the eigendecomposition's
     provider when the shards hold none)."""
     layers = {}
     values: dict[str, _Dequantised] = {}  # one per stored key (a shared A: once)
@@ -331,17 +352,26 @@ def _layers(manifest: Manifest, meta: dict[str, Any], tensors: dict[str, torch.T
             eigen[f"{factor}_eigvals"] = tensors.get(f"{key}.eigvals")
             eigen[f"{factor}_eigvecs"] = tensors.get(f"{key}.eigvecs")
         keys = {f: getattr(entry, f).key for f in FACTOR_KINDS}
-        layers[name] = LayerFactors(name, parts["A"], parts["G"], meta["layers"][name],
+        layers[name] = LayerFactors(name, parts["A"], parts["G"], entry,
                                     ekfac_eigvals=tensors.get(f"{name}.ekfac"),
-                                    deferred=deferred, keys=keys, **eigen)
+                                    deferred=deferred, keys=keys, meta=meta["layers"][name],
+                                    **eigen)
     return layers
 
 
-def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+def read_manifest(path: str | os.PathLike) -> Manifest:
     """The checked ``manifest.json`` of a snapshot directory (schema and agreement, see
-    `manifest.validate_manifest`) without reading the shards, as its JSON dict; raises
+    `manifest.validate_manifest`) without reading the shards, as a `Manifest`; raises
     `SnapshotError` like `Snapshot.load`."""
     path = _path_arg(path, "read_manifest", "path")
+    with SnapshotDir(path) as d:
+        return read_manifest_in(d)[1]
+
+
+def read_manifest_json(path: str | os.PathLike) -> dict[str, Any]:
+    """`read_manifest` as the file's JSON dict (keys this version does not know included):
+    for rewriting the file."""
+    path = _path_arg(path, "read_manifest_json", "path")
     with SnapshotDir(path) as d:
         return read_manifest_in(d)[0]
 

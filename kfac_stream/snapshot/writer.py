@@ -54,7 +54,7 @@ from .layout import (
 from .manifest import validate_manifest
 from .manifest_json import parse_json
 from .manifest_types import Manifest, ShardEntry, to_json
-from .snapshot import Snapshot, read_manifest
+from .snapshot import Snapshot, read_manifest, read_manifest_json
 
 #: safetensors' dtype names in the order of its ``Dtype`` enum (safetensors 0.4-0.8): the file
 #: lists the tensors by this rank descending, then by name, and lays their data out in that
@@ -293,7 +293,7 @@ def set_aside_other_runs(root: str, run_id: str) -> list[str]:
         if not STEP_DIR_RE.match(entry) or os.path.islink(path) or not os.path.isdir(path):
             continue
         try:
-            other = read_manifest(path).get("run_id")
+            other = read_manifest(path).run_id
         except SnapshotError:
             other = None
         if other == run_id:
@@ -500,7 +500,7 @@ def relabel_weights(path: str, weights: dict[str, dict], weights_from: dict) -> 
     does (`write_snapshot`). The eigendecomposition cache of a deferred snapshot, keyed to the
     old manifest (`kfac_stream.snapshot.eigen_sidecar`), is not carried over: it is computed
     again at the first use."""
-    manifest = dict(read_manifest(path), weights=weights, weights_from=weights_from)
+    manifest = dict(read_manifest_json(path), weights=weights, weights_from=weights_from)
     try:
         validate_manifest(parse_json(json.dumps(manifest).encode(), MANIFEST), MANIFEST)
     except SnapshotError as e:

@@ -4,6 +4,7 @@ window, a raised MC share) and at train end (the callback's cost). Text only: no
 from __future__ import annotations
 
 from ..capture.presets import block_stack
+from ..snapshot.manifest_types import Manifest
 from .plan import RunPlan
 
 
@@ -135,35 +136,36 @@ def refresh_end_line(result) -> str:
             "factors are their mean at the final weights")
 
 
-def reloaded_weights_line(path: str, manifest: dict) -> str:
+def reloaded_weights_line(path: str, manifest: Manifest) -> str:
     """The end-of-train line of a run whose Trainer reloaded the best checkpoint before train
     end (the manifest's ``weights_from``, `kfac_stream.integrations.best_model`): which step's
     weights the final snapshot at ``path`` describes, and which updates its factors hold (the
     final window's mean from its start to the last step, or the EMA when the window had not
     started or the run has none). The factors are not re-estimated at the reloaded weights."""
-    origin, last = manifest["weights_from"], int(manifest["step"])
-    best = f"step {origin['step']}" if origin.get("step") is not None else "an unknown step"
-    started = int(manifest["counts"].get("window_start_step", -1))
-    plan = manifest.get("run_plan") or {}
-    refreshed = manifest.get("final_refresh")
-    if refreshed:
+    origin, last = manifest.weights_from, int(manifest.step)
+    best = f"step {origin.step}" if origin.step is not None else "an unknown step"
+    started = int(manifest.counts.window_start_step)
+    plan = manifest.run_plan
+    window = plan.window if plan is not None else None
+    refreshed = manifest.final_refresh
+    if refreshed is not None:
         return (f"kfac_stream: load_best_model_at_end: the Trainer reloaded the best model "
-                f"({best}, {origin['checkpoint']}) before train end, so the final snapshot "
+                f"({best}, {origin.checkpoint}) before train end, so the final snapshot "
                 f"{path} describes the weights of {best} (its weight fingerprint, the held-out "
                 f"fit, Snapshot.weights_step; the manifest's weights_from), and its factors "
-                f"were refreshed at those weights over {refreshed['sequences']} sequences "
+                f"were refreshed at those weights over {refreshed.sequences} sequences "
                 "(final_refresh). Query the reloaded model with it")
     if started >= 0:
         factors = f"the final window's mean of the factor updates from step {started} to {last}"
-    elif manifest["ema_decay"] == 1.0:
+    elif manifest.ema_decay == 1.0:
         factors = f"the mean of every factor update up to step {last}"
     else:
         factors = f"the EMA of the factor updates up to step {last}"
-        if plan.get("window"):
-            factors += (f" (the final window, planned from step {plan['window']['restart_step']}"
-                        f" of {plan['max_steps']}, had not started when training stopped)")
+        if plan is not None and window is not None:
+            factors += (f" (the final window, planned from step {window.restart_step}"
+                        f" of {plan.max_steps}, had not started when training stopped)")
     return (f"kfac_stream: load_best_model_at_end: the Trainer reloaded the best model ({best}, "
-            f"{origin['checkpoint']}) before train end, so the final snapshot {path} describes "
+            f"{origin.checkpoint}) before train end, so the final snapshot {path} describes "
             f"the weights of {best} (its weight fingerprint, the held-out fit, "
             f"Snapshot.weights_step; the manifest's weights_from) while its factors are those "
             f"of the run up to step {last}: {factors}, not re-estimated at the {best} weights. "
