@@ -23,7 +23,7 @@ DERIVING = {"window_mc_share", "sequences_per_update", "update_sequences", "plan
             "mc_sequences_of", "resolve_settings"}
 #: the config's run settings whose "auto" the plan resolves
 AUTO_SETTINGS = {"fold_on", "device_memory_budget", "eigh_device", "async_updates",
-                 "factor_form"}
+                 "factor_form", "eval_prior_precision"}
 
 
 def _offences(path: pathlib.Path) -> list[str]:
@@ -59,6 +59,7 @@ def test_the_scan_finds_a_derivation_outside_the_plan(tmp_path):
                    "z = c.fold_on == 'auto'\nw = c.async_updates is None\n")
     assert len(_offences(bad)) == 4
     assert _offences(PLAN)  # the plan itself does all of it
+    assert any(o.endswith("resolves eval_prior_precision") for o in _offences(PLAN))
 
 
 def test_plan_resolves_the_run_and_the_tracker_runs_with_it():
