@@ -9,6 +9,8 @@ for code paths the other tests do not import.
 import ast
 import pathlib
 
+import pytest
+
 import kfac_stream
 from kfac_stream import exceptions
 
@@ -202,3 +204,15 @@ def test_the_size_check_finds_an_offender(tmp_path):
     body = "\n".join(f"    x{i} = {i}" for i in range(90))
     big.write_text(f"def f():\n{body}\n\n\nf(1, 2, 3, 4, 5, 6, 7)\n")
     assert _over_limits(big, "big") == {"big:f": 91, "big:94 call": 7}
+
+
+def test_the_callback_forwards_nothing_implicitly():
+    """`KFACStreamCallback` declares what it exposes (no ``__getattr__`` reading through to
+    the session): an unknown name is an AttributeError, a declared one is the session's."""
+    from kfac_stream import KFACStreamCallback
+
+    assert "__getattr__" not in vars(KFACStreamCallback)
+    cb = KFACStreamCallback()
+    assert cb.snapshots is cb.session.snapshots and cb.tracker is None and cb.plan is None
+    with pytest.raises(AttributeError):
+        cb.background_snapshots  # noqa: B018 (a session option, not the callback's)
