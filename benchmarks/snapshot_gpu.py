@@ -154,7 +154,8 @@ class Driver(TrainerCallback):
         if step == self.at:
             self.t_snapshot = time.perf_counter()
             self.path = self.kfac.save_snapshot(step, state.epoch)
-        elif self.path is not None and self.done_step is None and not self.kfac.snapshot_in_flight:
+        elif (self.path is not None and self.done_step is None
+              and not self.kfac.session.snapshot_in_flight):
             self.done_step, self.t_done = step, time.perf_counter()
         if self.done_step is not None and step >= self.at + self.after:
             control.should_training_stop = True

@@ -154,7 +154,7 @@ class KFACConfig:
     def _check_switches(self) -> None:
         """Validate the switches and the device choices."""
         if not (isinstance(self.eval_prior_precision, bool)
-                or self.eval_prior_precision == "auto"):
+                or self.eval_prior_precision in ("auto",)):  # resolved in the RunPlan
             raise KFACConfigError(f"KFACConfig.eval_prior_precision={self.eval_prior_precision!r}"
                                   " is not allowed: must be 'auto', True or False")
         for name in ("share_inputs", "fail_on_snapshot_error", "ekfac"):

@@ -1,12 +1,15 @@
 """The package's import structure: layers only import downwards, no import cycle, no private
 name imported across modules, every error class in `kfac_stream.exceptions`.
 
-Read from the source with `ast` (every import, also those inside functions, except those under
-``if TYPE_CHECKING:``), so it holds for code paths the other tests do not import.
+Read from the source with `ast`: every import, also those inside functions and those under
+``if TYPE_CHECKING:`` (a circle of type annotations is a circle of the design), so it holds
+for code paths the other tests do not import.
 """
 
 import ast
 import pathlib
+
+import pytest
 
 import kfac_stream
 from kfac_stream import exceptions
@@ -20,48 +23,40 @@ LAYERS = {
     "stats": 1, "metrics": 1, "settings": 1, "extensions": 1,
     "capture": 2, "store": 2, "distributed": 2, "snapshot": 2, "fisher": 2,
     "query": 3, "folding": 3, "cost": 3, "ekfac": 3,
-    "integrations": 4, "tracking": 4,
-    "app": 5, "train": 5, "cli": 5, "": 5,  # "": the package's __init__
+    "tracking": 4,
+    "integrations": 5,
+    "app": 6, "train": 6, "cli": 6, "": 6,  # "": the package's __init__
 }
 
 
-def _module_name(path: pathlib.Path) -> str:
-    rel = path.relative_to(PACKAGE).with_suffix("")
+def _module_name(path: pathlib.Path, root: pathlib.Path = PACKAGE) -> str:
+    rel = path.relative_to(root).with_suffix("")
     parts = [p for p in rel.parts if p != "__init__"]
-    return ".".join(["kfac_stream", *parts])
+    return ".".join([root.name, *parts])
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _imports(path: pathlib.Path) -> list[tuple[str, list[str]]]:
-    """``[(imported module, names)]`` of every kfac_stream import in ``path``."""
-    name = _module_name(path)
+def _imports(path: pathlib.Path, root: pathlib.Path = PACKAGE) -> list[tuple[str, list[str]]]:
+    """``[(imported module, names)]`` of every import of the package at ``root`` in ``path``
+    (module level, inside functions, under ``if TYPE_CHECKING:``: all of them)."""
+    name = _module_name(path, root)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     out = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if target.startswith("kfac_stream"):
+            if target.split(".")[0] == root.name:
                 names = [a.name for a in node.names]
                 if not node.module:  # `from . import x`: x is a module
                     out.extend((f"{target}.{n}", []) for n in names)
                 else:
                     out.append((target, names))
         elif isinstance(node, ast.Import):
-            out.extend((a.name, []) for a in node.names if a.name.startswith("kfac_stream"))
+            out.extend((a.name, []) for a in node.names if a.name.split(".")[0] == root.name)
         for child in ast.iter_child_nodes(node):
             visit(child)
 
@@ -69,8 +64,8 @@ def _imports(path: pathlib.Path) -> list[tuple[str, list[str]]]:
     return out
 
 
-def _graph() -> dict[str, list[tuple[str, list[str]]]]:
-    return {_module_name(p): _imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
+def _graph(root: pathlib.Path = PACKAGE) -> dict[str, list[tuple[str, list[str]]]]:
+    return {_module_name(p, root): _imports(p, root) for p in sorted(root.rglob("*.py"))}
 
 
 def _layer(module: str) -> int:
@@ -85,16 +80,23 @@ def test_layers_only_import_downwards():
     assert not upward, "\n".join(upward)
 
 
-def test_no_import_cycle():
-    graph = _graph()
+def _cycles(graph: dict[str, list[tuple[str, list[str]]]]) -> list[str]:
+    """Every import circle of ``graph`` (`_graph`) found by a depth-first walk, as
+    ``"a -> b -> a"``."""
     modules = set(graph)
 
-    def resolve(target: str) -> str | None:  # a module, or the package that defines a name
+    def resolve(target: str, names: list[str]) -> set[str | None]:
+        """The submodules ``from target import names`` names, or the module (the package)
+        that defines the names."""
+        subs = {f"{target}.{n}" for n in names} & modules
+        if subs and len(subs) == len(names):
+            return subs
         while target and target not in modules:
             target = target.rpartition(".")[0]
-        return target or None
+        return subs | {target or None}
 
-    edges = {m: {resolve(t) for t, _ in imports} - {None, m} for m, imports in graph.items()}
+    edges = {m: set().union(*(resolve(t, ns) for t, ns in imports)) - {None, m}
+             for m, imports in graph.items()}
     # a package's __init__ importing its own submodules is not a cycle through them
     edges = {m: {t for t in ts if not t.startswith(m + ".")} for m, ts in edges.items()}
     state: dict[str, int] = {}
@@ -115,7 +117,31 @@ def test_no_import_cycle():
     for m in sorted(edges):
         if m not in state:
             dfs(m)
+    return cycles
+
+
+def test_no_import_cycle():
+    cycles = _cycles(_graph())
     assert not cycles, "\n".join(cycles)
+
+
+def test_the_cycle_check_finds_a_type_level_circle(tmp_path):
+    """A circle whose one arrow is an import under ``if TYPE_CHECKING:`` (and one inside a
+    function) is found; the same package without that import has none."""
+    root = tmp_path / "fakepkg"
+    (root / "inner").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "inner" / "__init__.py").write_text("")
+    (root / "a.py").write_text("from .inner import b\n")
+    (root / "inner" / "b.py").write_text("def f():\n    from . import c\n")
+    typed = ("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+             "    from ..a import A\n")
+    (root / "inner" / "c.py").write_text(typed)
+    graph = _graph(root)
+    assert graph["fakepkg.inner.c"] == [("fakepkg.a", ["A"])]
+    assert _cycles(graph) == ["fakepkg.a -> fakepkg.inner.b -> fakepkg.inner.c -> fakepkg.a"]
+    (root / "inner" / "c.py").write_text("from typing import TYPE_CHECKING\n")
+    assert _cycles(_graph(root)) == []
 
 
 def test_no_private_name_imported_across_modules():
@@ -178,3 +204,15 @@ def test_the_size_check_finds_an_offender(tmp_path):
     body = "\n".join(f"    x{i} = {i}" for i in range(90))
     big.write_text(f"def f():\n{body}\n\n\nf(1, 2, 3, 4, 5, 6, 7)\n")
     assert _over_limits(big, "big") == {"big:f": 91, "big:94 call": 7}
+
+
+def test_the_callback_forwards_nothing_implicitly():
+    """`KFACStreamCallback` declares what it exposes (no ``__getattr__`` reading through to
+    the session): an unknown name is an AttributeError, a declared one is the session's."""
+    from kfac_stream import KFACStreamCallback
+
+    assert "__getattr__" not in vars(KFACStreamCallback)
+    cb = KFACStreamCallback()
+    assert cb.snapshots is cb.session.snapshots and cb.tracker is None and cb.plan is None
+    with pytest.raises(AttributeError):
+        cb.background_snapshots  # noqa: B018 (a session option, not the callback's)

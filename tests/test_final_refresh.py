@@ -76,13 +76,13 @@ def test_final_snapshot_factors_at_the_final_weights(tmp_path, refresh):
     assert a_err < A_TOL and g_err < G_TOL
     if refresh == "on":
         assert snap.manifest.final_refresh.sequences == 8
-        assert cb.refreshed.sequences == 8 and cb.refreshed.batches == 2
+        assert cb.session.refreshed.sequences == 8 and cb.session.refreshed.batches == 2
         assert snap.manifest.run_plan.final_refresh == RefreshDecision(
             on=True, reason="final_refresh='on'")
         # the window's own bookkeeping is the training's (restart at step 27)
         assert snap.manifest.counts.window_start_step == 27
     else:
-        assert snap.manifest.final_refresh is None and cb.refreshed is None
+        assert snap.manifest.final_refresh is None and cb.session.refreshed is None
     assert all(p.grad is None for p in model.parameters())  # no gradient left by the pass
 
 
@@ -107,8 +107,8 @@ def test_budget_cuts_the_pass_at_ten_percent_of_the_flops(tmp_path):
     cb, _, _ = run(model, text_examples(8, 10), {**EXACT, "final_refresh": "on"},
                    batch=4, steps=7, tmp_path=tmp_path, record=False)
     snap = Snapshot.latest(tmp_path / "kfac")
-    assert snap.manifest.final_refresh.sequences == 2 == cb.refreshed.sequences
-    assert cb.refreshed.batches == 1
+    assert snap.manifest.final_refresh.sequences == 2 == cb.session.refreshed.sequences
+    assert cb.session.refreshed.batches == 1
     assert all(snap[n].A.diagonal().sum() > 0 for n in LAYERS)
 
 
@@ -152,7 +152,7 @@ def _same_generators(a: tuple, b: tuple) -> bool:
 def test_training_is_bit_identical_with_and_without_the_refresh(tmp_path, cfg):
     plain, plain_rng, _ = _train(tmp_path / "plain", None)
     tracked, tracked_rng, cb = _train(tmp_path / "tracked", cfg)
-    assert (cb.refreshed is not None) == (cfg.get("final_refresh") != "off")
+    assert (cb.session.refreshed is not None) == (cfg.get("final_refresh") != "off")
     apart = [n for n in plain if not torch.equal(plain[n], tracked[n])]
     assert not apart, f"{len(apart)} weights differ"
     assert _same_generators(plain_rng, tracked_rng)
@@ -213,6 +213,6 @@ def test_auto_in_a_real_run_says_it_at_train_begin(tmp_path, caplog, steps, on):
     begin = next(r.getMessage() for r in caplog.records if "tracking 8 layers" in r.getMessage())
     assert said in begin
     snap = Snapshot.latest(tmp_path / "kfac")
-    assert (snap.manifest.final_refresh is not None) == on == (cb.refreshed is not None)
+    assert (snap.manifest.final_refresh is not None) == on == (cb.session.refreshed is not None)
     end = [r.getMessage() for r in caplog.records if "s in the callback" in r.getMessage()]
     assert ("the final-weight refresh over" in end[0]) == on

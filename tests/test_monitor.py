@@ -176,7 +176,7 @@ def test_reporter_without_a_trainer_logs_scalars_to_active_wandb_run(run, tmp_pa
     reporter.start(None, 0)  # no Trainer's callback handler: no reporters
     wandb.init()
     try:
-        reporter.snapshots(kfac, None, TrainerState(), TrainerControl(), after_end=True)
+        reporter.snapshots(kfac.session, None, TrainerState(), TrainerControl(), after_end=True)
     finally:
         finish_wandb()
     rows = read_wandb_offline(latest_wandb_run_dir(str(tmp_path)))

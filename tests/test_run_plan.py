@@ -23,7 +23,7 @@ DERIVING = {"window_mc_share", "sequences_per_update", "update_sequences", "plan
             "mc_sequences_of", "resolve_settings"}
 #: the config's run settings whose "auto" the plan resolves
 AUTO_SETTINGS = {"fold_on", "device_memory_budget", "eigh_device", "async_updates",
-                 "factor_form"}
+                 "factor_form", "eval_prior_precision"}
 
 
 def _offences(path: pathlib.Path) -> list[str]:
@@ -59,6 +59,7 @@ def test_the_scan_finds_a_derivation_outside_the_plan(tmp_path):
                    "z = c.fold_on == 'auto'\nw = c.async_updates is None\n")
     assert len(_offences(bad)) == 4
     assert _offences(PLAN)  # the plan itself does all of it
+    assert any(o.endswith("resolves eval_prior_precision") for o in _offences(PLAN))
 
 
 def test_plan_resolves_the_run_and_the_tracker_runs_with_it():
@@ -81,3 +82,33 @@ def test_plan_resolves_the_run_and_the_tracker_runs_with_it():
     d = plan.to_dict()
     assert d["window"]["restart_step"] == window.restart_step and d["mc_share_raised"] == 0.05
     assert "sequences per update" in plan.describe()
+
+
+class _Eval:
+    """A front end's eval set (`EvalBatches`) holding ``dataset``."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def batches(self):
+        return iter(())
+
+
+def test_plan_resolves_the_heldout_fit():
+    """``eval_prior_precision``: on for True and "auto" with a non-empty eval set in one
+    process; off, each for its own reason, otherwise (True only says it louder)."""
+    def plan(mode, world=1, eval_set=None):
+        got = RunPlan.resolve(KFACConfig(eval_prior_precision=mode),
+                              shape=RunShape(world=world), eval_set=eval_set).heldout
+        return got.on, got.why, got.asked
+
+    assert plan("auto", eval_set=_Eval([1, 2])) == (True, "on", False)
+    assert plan(True, eval_set=_Eval({"a": [1], "b": []})) == (True, "on", True)
+    assert plan(True, eval_set=_Eval(x for x in ())) == (True, "on", True)  # no length
+    assert plan(False, eval_set=_Eval([1]))[:2] == (False, "off")
+    assert plan("auto", world=2, eval_set=_Eval([1])) == (False, "ranks", False)
+    assert plan(True) == (False, "no front end", True)
+    assert plan("auto", eval_set=_Eval(None)) == (False, "no eval set", False)
+    assert plan(True, eval_set=_Eval([])) == (False, "empty", True)
+    assert plan("auto", eval_set=_Eval({"a": [], "b": []})) == (False, "empty", False)
+    assert RunPlan.resolve(KFACConfig()).heldout.on is False  # no eval set handed: no fit

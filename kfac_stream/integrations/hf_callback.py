@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
+from torch import Tensor
 from transformers import TrainerCallback
 
 from ..config import KFACConfig
@@ -15,8 +16,11 @@ from ..exceptions import KFACConfigError
 from ..log_setup import show_info_by_default
 from ..own_rng import kept_generators
 from ..tracking.lines import cost_line
+from ..tracking.plan import RunPlan
 from ..tracking.session import SessionOptions, TrackingSession
+from ..tracking.tracker import Tracker
 from .best_model import reloaded_best_model
+from .eval_set import trainer_eval_set
 from .spectrum_monitor import SpectraReporter, find_callback_handler
 from .train_begin import (
     check_engine_start,
@@ -46,9 +50,8 @@ class KFACStreamCallback(TrainerCallback):
             ``earlier_runs`` (``"set_aside"`` / ``"keep"``), ``gather_shards``.
 
     Attributes:
-        session: The `TrackingSession`; its attributes read through the callback (``tracker``,
-            ``snapshots``, ``media``, ``output_dir``, ``snapshot_hold_seconds``,
-            ``save_snapshot``, ``factors``, ``close``, ...).
+        session: The `TrackingSession` that owns the run; the properties below are its
+            (``callback.session.<name>`` for the rest).
         train_seconds: From ``on_train_begin`` to ``on_train_end`` (after the engine's
             start-up, which ``Trainer.train()``'s own time includes; None before the end).
         callback_seconds: The training thread's time inside this callback's events from
@@ -73,14 +76,55 @@ class KFACStreamCallback(TrainerCallback):
         self.callback_seconds = 0.0
         self.callback_parts = dict.fromkeys(("set-up", "steps", "end"), 0.0)
 
-    def __getattr__(self, name: str):  # the session's (and its options') attributes
-        session = self.__dict__.get("session")
-        if session is None or name.startswith("__"):
-            raise AttributeError(name)
-        try:
-            return getattr(session, name)
-        except AttributeError:
-            return getattr(session.options, name)
+    # -- the session's, read here -----------------------------------------------------------
+
+    @property
+    def tracker(self) -> Tracker | None:
+        """The live `Tracker` (None before train begin; kept after train end)."""
+        return self.session.tracker
+
+    @property
+    def plan(self) -> RunPlan | None:
+        """The run's `RunPlan` (None before train begin)."""
+        return self.session.plan
+
+    @property
+    def snapshots(self) -> list[str]:
+        """Paths of the snapshots written, in order."""
+        return self.session.snapshots
+
+    @property
+    def output_dir(self) -> str | None:
+        """The snapshot directory (None before train begin)."""
+        return self.session.output_dir
+
+    @property
+    def media(self) -> dict[str, dict]:
+        """``{snapshot path: histograms and PNG}`` (rank 0, ``spectra_media``)."""
+        return self.session.media
+
+    @property
+    def snapshot_hold_seconds(self) -> list[float]:
+        """Seconds each snapshot held the training thread."""
+        return self.session.snapshot_hold_seconds
+
+    def save_snapshot(self, step: int, epoch: float | None = None, wait: bool = False) -> str:
+        """Snapshot the factors now as ``<output_dir>/step-<step>/`` and return that path
+        (``wait``: until it is written; `TrackingSession.save_snapshot`)."""
+        return self.session.save_snapshot(step, epoch, wait)
+
+    def factors(self) -> dict[str, tuple[Tensor, Tensor]]:
+        """``{layer: (A [d_A, d_A], G [d_out, d_out])}`` of the live tracker, dequantised (a
+        diagonal factor's a vector); with several ranks only the layers whose A and G this
+        rank owns (`TrackingSession.factors`)."""
+        return self.session.factors()
+
+    def close(self) -> None:
+        """Finish the snapshot in flight, remove the hooks, stop the snapshot thread
+        (`TrackingSession.close`)."""
+        self.session.close()
+
+    # -- the Trainer's events ----------------------------------------------------------------
 
     def on_init_end(self, args, state, control, **kwargs):
         """Refuse DeepSpeed on CPU without ``use_cpu`` before its engine fails on every rank."""
@@ -104,7 +148,7 @@ class KFACStreamCallback(TrainerCallback):
         self.session.close()
         self._reporter.start(handler, len(self.session.snapshots))  # not earlier runs'
         warn_engines_not_applied(model)
-        self.session.start(model, args, state, answers)
+        self.session.start(model, args, state, answers, trainer_eval_set())
         return control
 
     @timed("steps")
@@ -122,7 +166,7 @@ class KFACStreamCallback(TrainerCallback):
         if self.report_spectra:
             if control.should_training_stop:  # last step: the snapshot in flight reaches
                 self.session.wait_for_snapshot()  # every reporter before they end their runs
-            self._reporter.step(self, args, state, control)
+            self._reporter.step(self.session, args, state, control)
         return control
 
     @timed("steps")
@@ -147,7 +191,7 @@ class KFACStreamCallback(TrainerCallback):
         with kept_generators(run_devices(args)):  # what runs after train() draws the same
             self.session.finish(model, state.global_step, state.epoch, batches)
         if self.report_spectra:  # the reporters ended their runs before this event
-            self._reporter.snapshots(self, args, state, control, after_end=True)
+            self._reporter.snapshots(self.session, args, state, control, after_end=True)
         now = time.perf_counter()
         self.callback_seconds += now - entered
         self.callback_parts["end"] += now - entered

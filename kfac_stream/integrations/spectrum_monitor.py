@@ -92,7 +92,7 @@ from ..snapshot.manifest_types import Manifest, Spectrum
 from ..snapshot.snapshot import read_manifest
 
 if TYPE_CHECKING:
-    from .hf_callback import KFACStreamCallback
+    from ..tracking.session import TrackingSession
 
 FACTORS = FACTOR_KINDS
 STATS = ("max", "trace", "log10_cond", "eff_rank")
@@ -223,30 +223,30 @@ class SpectraReporter:
         return [cb for cb in callbacks
                 if isinstance(cb, AFTER_END if after_end else REPORTERS)]
 
-    def step(self, kfac: KFACStreamCallback, args, state, control) -> None:
+    def step(self, session: TrackingSession, args, state, control) -> None:
         """``on_step_end``: the snapshots finished since the last call, then maybe
         `step_metrics`."""
         self.steps += 1
-        self.snapshots(kfac, args, state, control)
+        self.snapshots(session, args, state, control)
         every = self.log_every
         due = (control.should_log if every is None
                else every > 0 and state.global_step % every == 0)
-        if (due and kfac.tracker is not None and state.is_world_process_zero
+        if (due and session.tracker is not None and state.is_world_process_zero
                 and (self.reporters() or _active_wandb_run() is not None)):
-            self.emit(args, state, control, step_metrics(kfac.tracker, self.prefix, self.steps),
-                      {})
+            self.emit(args, state, control,
+                      step_metrics(session.tracker, self.prefix, self.steps), {})
 
-    def snapshots(self, kfac: KFACStreamCallback, args, state, control,
+    def snapshots(self, session: TrackingSession, args, state, control,
                   after_end: bool = False) -> None:
-        """Report each snapshot of ``kfac`` finished since the last call (main process)."""
-        paths = kfac.snapshots[self.logged:]  # appended by the snapshot thread
+        """Report each snapshot of ``session`` finished since the last call (main process)."""
+        paths = session.snapshots[self.logged:]  # appended by the snapshot thread
         self.logged += len(paths)
         if not paths or not state.is_world_process_zero or (
                 not self.reporters(after_end) and _active_wandb_run() is None):
             return  # nowhere to report: not even the manifest is read
         for path in paths:
             manifest = read_manifest(path)  # the manifest only: cheap on the training thread
-            media = self._snapshot_media(manifest, kfac.media.get(path)) if self.media else {}
+            media = self._snapshot_media(manifest, session.media.get(path)) if self.media else {}
             self.emit(args, state, control, snapshot_metrics(manifest, self.prefix), media,
                       after_end=after_end)
 

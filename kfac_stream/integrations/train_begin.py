@@ -14,7 +14,7 @@ from ..config import KFACConfig
 from ..distributed.engines import engines_not_applied
 from ..log_setup import show_info_by_default
 from ..own_rng import kept_generators
-from .answer_tokens import resolve_answer_tokens, text_tokenizer
+from ..query.answer_tokens import resolve_answer_tokens, text_tokenizer
 from .zero3 import check_deepspeed_device, deepspeed_requested
 
 logger = logging.getLogger("kfac_stream")

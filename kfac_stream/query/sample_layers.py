@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -22,15 +22,41 @@ from ..capture.hooks import logits_of
 from ..capture.selection import layer_spec
 from . import kron_eigen as ke
 
-if TYPE_CHECKING:
-    from .laplace import LaplacePosterior
+
+class SampledPosterior(Protocol):
+    """What a posterior gives the samples here (`kfac_stream.query.laplace.LaplacePosterior`).
+
+    Attributes:
+        model: The model whose tracked layers are sampled.
+        modules: ``{layer: module}`` of the tracked layers.
+        eig: ``eig[layer]``: ``(Q_A [d_A, d_A], α [d_A], Q_G [d_out, d_out], γ [d_out])``
+            (``d_A = d_in + 1`` with a bias; float64 on the CPU, ``Q`` None for a diagonal
+            factor).
+        layer_num_data: ``{layer: N}`` each layer's data count.
+        snapshot: ``snapshot[layer].has_bias``: whether the layer's ``A`` holds a bias row.
+        feature_dtype: The dtype the batched draws compute in.
+    """
+
+    model: nn.Module
+    modules: Mapping[str, nn.Module]
+    eig: Any
+    layer_num_data: Mapping[str, float]
+    snapshot: Any
+    feature_dtype: torch.dtype
+
+    def tau(self, name: str) -> float:
+        """The prior precision of layer ``name``."""
+
+    def eigenbases(self, name: str) -> tuple[Tensor | None, Tensor | None]:
+        """``(Q_A [d_A, d_A], Q_G [d_out, d_out])`` of layer ``name`` in ``feature_dtype``
+        on the model's device (None for a diagonal factor)."""
 
 #: ``{layer: (W_s [S_c, d_out, d_in], b_s [S_c, d_out] or None)}``: sampled weights of a chunk.
 Samples = dict[str, tuple[Tensor, "Tensor | None"]]
 
 
 @contextlib.contextmanager
-def weights_sampled(post: LaplacePosterior, seed: int) -> Iterator[None]:
+def weights_sampled(post: SampledPosterior, seed: int) -> Iterator[None]:
     """Inside the block, ``post``'s tracked weights are one posterior sample (drawn with a
     generator seeded ``seed``, layer by layer); restored bit-identically on exit, also when the
     body raises (`LaplacePosterior.sampled_weights`, with the seed checked)."""
@@ -63,7 +89,7 @@ class SampledLayers:
     """The tracked layers of a posterior: posterior draws, and forwards of the model with
     per-sample weights (exact) or per-sample tangents (linearised)."""
 
-    def __init__(self, post: LaplacePosterior) -> None:
+    def __init__(self, post: SampledPosterior) -> None:
         self.post = post
         self.specs = {n: layer_spec(n, m) for n, m in post.modules.items()}
         self._bases: dict[str, Tensor] = {}

@@ -34,6 +34,9 @@ setting                     resolved to
                             the first half of the run
 ``exchange``                as configured: ``"auto"`` is chosen per factor and update by the
                             bytes each way moves (`distributed.exchange`), not here
+``eval_prior_precision``    whether train end fits ``τ`` and the link on the eval set
+                            (`plan_heldout`): ``"auto"`` whenever the front end hands one
+                            that is not empty (`EvalBatches`) to a run in one process
 ==========================  ===============================================================
 """
 
@@ -42,9 +45,9 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -127,6 +130,47 @@ class RefreshPlan:
     budget_share: float = REFRESH_SHARE
 
 
+class EvalBatches(Protocol):
+    """The eval set a front end hands the session for the held-out fit
+    (`kfac_stream.tracking.heldout_fit`; the HF callback's: the Trainer's,
+    `kfac_stream.integrations.eval_set`).
+
+    Attributes:
+        dataset: The eval set as given, read when asked (at train begin and at train end): a
+            dataset, a dict of named ones, or None (none).
+    """
+
+    @property
+    def dataset(self) -> Any:
+        """The eval set as given (None: none)."""
+
+    def batches(self) -> Iterable[Mapping[str, Any]]:
+        """One pass over the eval set: collated batches ``{name: tensor [B, ...] or other}``
+        (on any device)."""
+
+
+@dataclass(frozen=True)
+class HeldoutPlan:
+    """Whether the end of training fits ``τ`` and the link on the eval set
+    (``eval_prior_precision``, `plan_heldout`; its train-begin lines:
+    `kfac_stream.tracking.heldout_fit.heldout_lines`).
+
+    Attributes:
+        on: Fit after the final snapshot.
+        why: Why not, when off: ``"off"`` (``eval_prior_precision=False``), ``"ranks"``
+            (several processes), ``"no front end"`` (none handed an eval set: not said),
+            ``"no eval set"`` (its dataset is None), ``"empty"`` (0 examples); ``"on"``.
+        asked: ``eval_prior_precision=True`` (not ``"auto"``): a missing eval set is a
+            warning.
+        world: Ranks.
+    """
+
+    on: bool
+    why: str
+    asked: bool = False
+    world: int = 1
+
+
 @dataclass(frozen=True)
 class RunPlan:
     """One run's resolved settings (the module table). Build it with `resolve`.
@@ -149,6 +193,7 @@ class RunPlan:
             ranks (0: unknown; an MC share's expectation, rounded).
         window: The final window (None: the EMA throughout).
         refresh: Whether train end refreshes the factors at the final weights.
+        heldout: Whether train end fits ``τ`` and the link on the eval set.
     """
 
     requested: KFACConfig
@@ -163,15 +208,18 @@ class RunPlan:
     sequences_per_update: int
     window: WindowPlan | None
     refresh: RefreshPlan = RefreshPlan(False, "not planned")
+    heldout: HeldoutPlan = HeldoutPlan(False, "no front end")
 
     @classmethod
     def resolve(cls, config: KFACConfig, model: nn.Module | None = None, *,
-                device: torch.device | None = None, shape: RunShape | None = None) -> RunPlan:
+                device: torch.device | None = None, shape: RunShape | None = None,
+                eval_set: EvalBatches | None = None) -> RunPlan:
         """Resolve every ``"auto"`` and derived setting of ``config`` for ``model`` on
         ``device`` (default: the model's; the CPU without a model) in a run of ``shape``
-        (default: unknown, the MC share kept as configured and no final window planned).
-        A ``config.fisher`` no estimator is registered under is refused (`KFACConfigError`
-        naming the registered ones)."""
+        (default: unknown, the MC share kept as configured and no final window planned) with
+        the held-out fit on ``eval_set`` (None: none handed, no fit). A ``config.fisher`` no
+        estimator is registered under is refused (`KFACConfigError` naming the registered
+        ones)."""
         registered_fisher(config.fisher)
         shape = shape or RunShape()
         if device is None:
@@ -201,7 +249,8 @@ class RunPlan:
                    fold_defer=FOLD_DEFER if fold_on == "device" else 1,
                    sequences_per_update=per_update, window=window,
                    refresh=plan_refresh(resolved, window, shape.max_steps,
-                                        _sharding_engine(model)))
+                                        _sharding_engine(model)),
+                   heldout=plan_heldout(config, shape.world, eval_set))
 
     @property
     def async_updates(self) -> bool:
@@ -292,6 +341,42 @@ def plan_refresh(config: KFACConfig, window: WindowPlan | None, max_steps: int,
         return RefreshPlan(True, f"the final window spans {share:.0f}% of the run: factors "
                                  "averaged over weights far from the final ones")
     return RefreshPlan(False, f"the final window spans the last {share:.0f}% of the run")
+
+
+def plan_heldout(config: KFACConfig, world: int, eval_set: EvalBatches | None
+                 ) -> HeldoutPlan:
+    """Whether train end fits ``τ`` and the link on ``eval_set`` (``eval_prior_precision``):
+    never for ``False``; not with several ranks (the fit runs in one process), nor without an
+    eval set handed (None), nor when its dataset is None or empty (`_empty`); else on, for
+    ``True`` and for ``"auto"`` alike (which differ only in how loudly an eval set's absence
+    is said)."""
+    mode = config.eval_prior_precision
+    if mode is False:
+        return HeldoutPlan(False, "off")
+    auto = config.eval_prior_precision == "auto"  # True: asked for, said louder
+    asked = not auto
+    world = max(int(world), 1)
+    if world > 1:
+        return HeldoutPlan(False, "ranks", asked, world)
+    if eval_set is None:
+        return HeldoutPlan(False, "no front end", asked)
+    dataset = eval_set.dataset
+    if dataset is None:
+        return HeldoutPlan(False, "no eval set", asked)
+    if _empty(dataset):
+        return HeldoutPlan(False, "empty", asked)
+    return HeldoutPlan(True, "on", asked)
+
+
+def _empty(dataset) -> bool:
+    """The eval set has no example: a sized dataset of length 0, or a dict of them (several
+    named eval sets) all empty; one without a length (an iterable dataset) is not judged."""
+    if isinstance(dataset, dict):
+        return bool(dataset) and all(_empty(d) for d in dataset.values())
+    try:
+        return len(dataset) == 0
+    except TypeError:
+        return False
 
 
 def _host_standin_budget() -> int:

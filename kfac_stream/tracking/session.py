@@ -31,7 +31,6 @@ import torch
 from ..config import KFACConfig
 from ..distributed.context import LOCAL, DistContext, release_process_groups_at_exit
 from ..exceptions import KFACConfigError, SnapshotError
-from ..integrations.heldout import fit_heldout_prior, plan_heldout_fit
 from ..snapshot.adequacy import mark_said, said_scope, sampling_warning
 from ..snapshot.background import SnapshotWorker
 from ..snapshot.eigen_rule import EighRate
@@ -44,6 +43,7 @@ from ..snapshot.weights import weights_fingerprint
 from ..snapshot.writer import clean_stale_tmp, relabel_weights, set_aside_other_runs
 from ..stats.spectrum import default_eigh_threads
 from .checkpoints import CheckpointProtocol
+from .heldout_fit import fit_heldout_prior, heldout_lines
 from .lines import (
     raised_share_line,
     refresh_end_line,
@@ -52,7 +52,7 @@ from .lines import (
     tracking_summary,
     window_lines,
 )
-from .plan import RunPlan, RunShape
+from .plan import EvalBatches, RunPlan, RunShape
 from .refresh import (
     RefreshResult,
     refresh_budget,
@@ -137,7 +137,7 @@ class TrackingSession:
         self._worker = SnapshotWorker()
         self._comm = LOCAL
         self._checkpoints = CheckpointProtocol(self)
-        self._fit_heldout = False  # the end of training fits tau and link (`plan_heldout_fit`)
+        self._eval_set: EvalBatches | None = None  # the held-out fit's (`start`, `finish`)
         self._final_step = 0  # the run's last step: its snapshot is checked for sample size
         self._last_snapshot_step: int | None = None
         self._lent: dict = {}  # the stored factors the last snapshot holds (released next)
@@ -147,9 +147,12 @@ class TrackingSession:
 
     # -- the run -------------------------------------------------------------------------------
 
-    def start(self, model, args, state, answers: dict | None = None) -> None:
+    def start(self, model, args, state, answers: dict | None = None,
+              eval_set: EvalBatches | None = None) -> None:
         """Train begin: plan the run, build the tracker (collective with several processes),
-        restore a resumed run's state, use the final window and say what is tracked."""
+        restore a resumed run's state, use the final window and say what is tracked.
+        ``answers``: the resolved answer tokens (`kfac_stream.query.answer_tokens`);
+        ``eval_set``: the eval set the held-out fit reads at train end (None: no fit)."""
         self.close()
         cfg = KFACConfig(**self.config.to_dict())  # re-validate (the config may be a copy)
         specs, factor_plan = plan_tracking(model, cfg)  # collective under ZeRO-3 (probe)
@@ -160,7 +163,9 @@ class TrackingSession:
             release_process_groups_at_exit()
         world = dist_ctx.world_size if dist_ctx else 1
         self.plan = run = RunPlan.resolve(cfg, model, device=device,
-                                          shape=RunShape.of_trainer(args, state, world))
+                                          shape=RunShape.of_trainer(args, state, world),
+                                          eval_set=eval_set)
+        self._eval_set = eval_set if run.heldout.on else None
         rank0 = dist_ctx is None or dist_ctx.rank == 0
         if run.mc_share_raised is not None and rank0:
             logger.info("%s", raised_share_line(run))
@@ -181,8 +186,8 @@ class TrackingSession:
         if rank0:
             self._prepare_directory()
             logger.info("%s", tracking_summary(self.tracker, self.output_dir, model))
-        self._fit_heldout = plan_heldout_fit(self.tracker, run.config.eval_prior_precision)
-        if rank0:
+            for level, line in heldout_lines(run.heldout):
+                getattr(logger, level)("%s", line)
             self._say_window()
 
     def _prepare_directory(self) -> None:
@@ -257,10 +262,11 @@ class TrackingSession:
             path = os.path.join(self.output_dir, step_dir_name(step))
             if path in self.snapshots:  # written
                 logger.info("%s", reloaded_weights_line(path, read_manifest(path)))
-        if self._fit_heldout:
+        if self._eval_set is not None:  # the plan's held-out fit
             self._worker.wait()
             with said_scope("train"):  # told once in training; the user's posterior too
-                fit_heldout_prior(self, model)
+                fit_heldout_prior(self.snapshots, model, self._eval_set,
+                                  self.tracker.answer_tokens)
         self.close()
 
     def _refresh(self, model, step: int, batches: Iterable[dict] | None
@@ -412,6 +418,7 @@ class TrackingSession:
     def close(self) -> None:
         """Finish the snapshot in flight, remove hooks, stop the background worker and release
         the private process groups; re-raises a fatal snapshot error only after all of that."""
+        self._eval_set = None  # no reference to the front end's data past the run
         try:
             self._worker.wait()
         finally:

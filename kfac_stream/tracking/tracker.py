@@ -146,7 +146,7 @@ class Tracker:
         # the run's id (32 hex digits): in every snapshot's manifest, restored from checkpoints
         # (`tracker_state`), so a resumed run keeps it; rank 0's on every rank
         self.run_id = uuid.uuid4().hex
-        # the answer options resolved at train begin (`integrations.answer_tokens`): {"ids",
+        # the answer options resolved at train begin (`query.answer_tokens`): {"ids",
         # "texts"} or None, in every snapshot's manifest
         self.answer_tokens: dict[str, list] | None = None
         if dist_ctx is not None:  # before any hook goes on the model

@@ -17,7 +17,7 @@ from typing import Any
 from torch import nn
 
 from ..exceptions import KFACConfigError
-from ..query.inputs import output_vocab
+from .inputs import output_vocab
 
 WHERE = "KFACConfig.answer_tokens"
 
