@@ -451,13 +451,13 @@ def batches(batch: dict[str, torch.Tensor], size: int):
 def nll_ece(probs: torch.Tensor, y: torch.Tensor, bins: int = 15) -> tuple[float, float]:
     """Mean NLL (nats) of the labels ``y [n]`` under ``probs [n, C]``, and the ECE over
     ``bins`` equal-width bins of the top-1 confidence (right-closed, the first bin includes 0):
-    `kfac_stream.metrics.nll` and `kfac_stream.metrics.ece`."""
+    `kfac_stream.query.metrics.nll` and `kfac_stream.query.metrics.ece`."""
     return metrics.nll(probs, y), metrics.ece(probs, y, bins)
 
 
 def auroc(score_in: torch.Tensor, score_out: torch.Tensor) -> float:
     """P(score of a random OOD item > that of a random ID item), ties 1/2; ``[n_in]``,
-    ``[n_out]``: `kfac_stream.metrics.auroc`."""
+    ``[n_out]``: `kfac_stream.query.metrics.auroc`."""
     return metrics.auroc(score_in, score_out)
 
 

@@ -105,7 +105,7 @@ def selective_answers(task, post, map_logits: torch.Tensor, cov: torch.Tensor, y
       the library call; other random draws than ``linearized=True``'s).
 
     Per rule: accuracy of its answers at full coverage, AURC and accuracy at 80% / 50% coverage
-    (`kfac_stream.metrics`; ties in the uncertainty, frequent for the agreement with ``S``
+    (`kfac_stream.query.metrics`; ties in the uncertainty, frequent for the agreement with ``S``
     votes, averaged over every order), how often its answer is MAP's, NLL and ECE (15 bins) of
     its probabilities where it has some (MAP's softmax; for the votes the mean of the samples'
     softmax over the four answers, `AnswerDistribution.probs`), and for the votes the coverage

@@ -187,7 +187,7 @@ def eigh_part(sizes, device: torch.device) -> dict:
 
 def fold_part(rows: int, d: int, device: torch.device) -> dict:
     """The bf16 fold (`gram_fp32`) against the Gram of the rounded rows in float64."""
-    from kfac_stream.folding import gram_fp32
+    from kfac_stream.store.folding import gram_fp32
 
     gen = torch.Generator().manual_seed(1)
     xb = torch.randn(rows, d, generator=gen).to(device, torch.bfloat16)

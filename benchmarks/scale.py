@@ -21,7 +21,7 @@ Method
   An update with an empty draw moves no factor. Every figure "per update" is the EXPECTATION
   over the draw; amounts are shown for an update that replays.
 * Counted terms (the formulas the store counts with at run time, `kfac_stream.store.fold_cost`,
-  summed by `kfac_stream.cost`; tests/test_cost_model.py checks formula = counters on a real
+  summed by `store.cost_model`; tests/test_cost_model.py checks formula = counters on a real
   run): ``update_cost`` (fold FLOPs, fold device bytes, bytes to the host and factors the budget
   forces to flush, host entries touched) with the rank's owned dims, the rows ``M`` per factor,
   16-bit rows on CUDA (``in_bytes=2``; the batched tensor-core Gram with fp32 output straight
@@ -99,12 +99,12 @@ from scale_inputs import (
 )
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from kfac_stream.cost import flush_cost, held_fold_cost, update_cost
 from kfac_stream.distributed.exchange import choose_strategy, rows_bytes
 from kfac_stream.distributed.ownership import assign_owners
-from kfac_stream.settings import device_budget_from_memory
 from kfac_stream.snapshot.eigen_rule import EighRate, decide
 from kfac_stream.stats.rows import slots_per_pass
+from kfac_stream.store.cost_model import flush_cost, held_fold_cost, update_cost
+from kfac_stream.store.device_budget import device_budget_from_memory
 from kfac_stream.store.fold_cost import CHUNK_ENTRIES, entries
 from kfac_stream.tracking.plan import FOLD_DEFER, REFRESH_SHARE
 from kfac_stream.tracking.refresh import REFRESH_MC_DRAWS, REFRESH_TOKEN_FRACTION
@@ -621,7 +621,7 @@ def summary(results: dict, recon: list[dict]) -> tuple[str, str, str]:
                f"periodic snapshots' eigendecomposition {pct(eigh_in_run)}, which "
                f"eigendecompose='auto' runs in the run ({auto['reason']}; 'final' defers it "
                f"to first use); {pct(one)} at update_every=1.** Every term from the counted "
-               "bytes and FLOPs above (`kfac_stream.cost` with the rank's owned dims and rows) "
+               "bytes and FLOPs above (`store.cost_model` with the rank's owned dims and rows) "
                "or named as a code-reading estimate. Where 'auto' defers the eigendecomposition "
                "(the 1.1B setups), it costs the run nothing; counted on the training GPU it "
                "would add its share (last columns).")
@@ -642,7 +642,7 @@ def report(results: dict, recon: list[dict], meas: dict, info: dict, command: st
         f"- date: {info['date']}; machine: {info['cpu']}, {info['cores']} cores; torch "
         f"{info['torch']}, transformers {info['transformers']}; command: `{command}`",
         "- a cost model, not a GPU measurement: the layouts of real configs built on `meta`, the "
-        "store's own per-operation formulas (`kfac_stream.cost`, checked against the tracker's "
+        "store's own per-operation formulas (`store.cost_model`, checked against the tracker's "
         "counters by tests/test_cost_model.py), device rates below; method in the script's "
         "docstring. 7B: ZeRO-3 data parallel on one node of 8, micro-batch 1 x 4096 tokens, 4 "
         "accumulation steps (16,384 tokens per rank per step), bf16. KFACConfig defaults "

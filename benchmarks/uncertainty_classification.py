@@ -98,7 +98,7 @@ Running one task keeps the other's results: ``--tasks docstring-lora --merge`` r
 LoRA task's results and keeps the man-page task's from the last written JSON (which then records
 its own command).
 
-Metrics on the test set (`kfac_stream.metrics`): accuracy, NLL (nats), ECE (15 equal-width
+Metrics on the test set (`kfac_stream.query.metrics`): accuracy, NLL (nats), ECE (15 equal-width
 bins of top-1 confidence), Brier, AURC and accuracy at 80% coverage (selective prediction,
 uncertainty = 1 − max probability of the method's predictive), and for task 2 the OOD AUROC
 (ID = test set) by predictive entropy and, for Laplace, by the predictive variance (trace of
@@ -519,7 +519,7 @@ def report(r: dict, a, info: dict) -> str:
         "fitted on the training set with the training likelihood, tau by its marginal "
         f"likelihood, the same {LINK!r} link on its GLM covariance (its own default link, "
         "probit, in the investigation table).",
-        "- metrics (`kfac_stream.metrics`, test set): accuracy, NLL (nats), ECE (15 equal-width "
+        "- metrics (`query.metrics`, test set): accuracy, NLL (nats), ECE (15 equal-width "
         "bins), Brier (multiclass, not divided by C), AURC and accuracy at 80% coverage "
         "(uncertainty 1 − max probability of the method's predictive), OOD AUROC (ID = test "
         "set; score: predictive entropy, and for Laplace also the predictive variance = trace "

@@ -12,7 +12,7 @@ from pydoc_data.topics import topics
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
-from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, whole_model
+from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, gather_model
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", default="out/causal_lm")
@@ -43,10 +43,10 @@ print(name, "A", tuple(snap[name].A.shape), "G", tuple(snap[name].G.shape))
 
 # 4. Laplace posterior over the tracked weights. The default call takes the prior precision
 # and link fitted on the Trainer's eval set when one was given (here none: tau by marginal
-# likelihood, the probit link; post.describe() says which). whole_model saves the trained
+# likelihood, the probit link; post.describe() says which). gather_model saves the trained
 # model (for `kfac-stream query --model`) and returns it; after DeepSpeed ZeRO-3 (weights
 # partitioned across ranks) a whole copy on the main process, None on the other ranks.
-model = whole_model(trainer, f"{args.out}/model")
+model = gather_model(trainer, f"{args.out}/model")
 if model is None:
     raise SystemExit
 model.eval()

@@ -24,7 +24,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, whole_model
+from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, gather_model
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", default="out/lora")
@@ -94,7 +94,7 @@ trainer = Trainer(model=model, train_dataset=train, callbacks=[kfac], processing
 trainer.train()
 
 # 4. save adapter + base (out/lora/model, for `kfac-stream query --model` and from_pretrained)
-model = whole_model(trainer, f"{args.out}/model").eval()
+model = gather_model(trainer, f"{args.out}/model").eval()
 snap = Snapshot.latest(f"{args.out}/kfac")
 print("tracked:", snap.layer_names[:2], f"... ({len(snap.layer_names)} layers)")
 print("answer tokens:", snap.answer_tokens, snap.answer_texts)

@@ -4,17 +4,6 @@ import importlib
 
 from . import ekfac as _ekfac  # noqa: F401 (registers the EK-FAC tracker extension)
 from .config import KFACConfig
-from .enums import (
-    Eigendecompose,
-    EighDevice,
-    ExchangeMode,
-    FactorForm,
-    FinalRefresh,
-    FisherType,
-    FoldOn,
-    LayerPreset,
-    StorageDtype,
-)
 from .exceptions import (
     AppConfigError,
     EigendecompositionError,
@@ -27,6 +16,17 @@ from .exceptions import (
     TrackerStateError,
     UnsupportedLayoutError,
     UnsupportedModuleError,
+)
+from .utils.enums import (
+    Eigendecompose,
+    EighDevice,
+    ExchangeMode,
+    FactorForm,
+    FinalRefresh,
+    FisherType,
+    FoldOn,
+    LayerPreset,
+    StorageDtype,
 )
 
 __version__ = "0.1.0"
@@ -48,7 +48,7 @@ _LAZY = {
     "answer_distribution": "query.answers", "generated_answers": "query.answers",
     "AnswerDistribution": "query.answers", "GeneratedAnswers": "query.answers",
     "abstain": "query.answers",
-    "whole_model": "integrations.zero3",
+    "gather_model": "integrations.unshard",
     "fit_prior_precision": "query.heldout_tau", "HeldoutPrior": "snapshot.heldout_prior",
     "influence_scores": "query.influence", "Influence": "query.influence",
     "InfluenceScores": "query.influence", "self_influence": "query.influence",
@@ -58,7 +58,17 @@ _LAZY = {
 }
 
 
+#: Old public names, still answered with a FutureWarning that names the new one.
+_RENAMED = {"whole_model": "gather_model"}
+
+
 def __getattr__(name: str):
+    if name in _RENAMED:
+        import warnings
+
+        warnings.warn(f"kfac_stream.{name} is now kfac_stream.{_RENAMED[name]}", FutureWarning,
+                      stacklevel=2)
+        return __getattr__(_RENAMED[name])
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'kfac_stream' has no attribute {name!r}")
@@ -92,7 +102,7 @@ __all__ = [
     "fit_prior_precision", "HeldoutPrior",
     "influence_scores", "Influence", "InfluenceScores", "self_influence", "influence_memory",
     "trajectory_influence", "checkpoint_snapshots", "trajectory_posteriors",
-    "whole_model",
+    "gather_model",
     # enums: KFACConfig's options
     "FisherType",
     "StorageDtype",

@@ -12,7 +12,8 @@ import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from .enums import (
+from .exceptions import KFACConfigError, did_you_mean
+from .utils.enums import (
     Eigendecompose,
     EighDevice,
     ExchangeMode,
@@ -25,7 +26,6 @@ from .enums import (
     option_value,
     option_values,
 )
-from .exceptions import KFACConfigError, did_you_mean
 
 
 @dataclass(frozen=True, kw_only=True)

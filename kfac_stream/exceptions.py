@@ -65,7 +65,7 @@ class QueryInputError(KFACStreamError, ValueError):
 class PartitionedModelError(QueryInputError):
     """The model given to a query has its weights partitioned across ranks by DeepSpeed ZeRO-3
     (the engine gathers them only inside its own forward); query a whole copy instead
-    (`kfac_stream.whole_model`, or the saved model loaded in one process)."""
+    (`kfac_stream.gather_model`, or the saved model loaded in one process)."""
 
 
 def did_you_mean(word: str, choices: Iterable[str],

@@ -1,6 +1,6 @@
-"""Run ``kfac-stream train``'s entry point (`kfac_stream.train.cli_main`) once per command line
+"""Run ``kfac-stream train``'s entry point (`kfac_stream.app.main.cli_main`) once per command line
 in ONE process: tests/test_app.py's bad-override cases, each a real Hydra composition and
-validation as ``python -m kfac_stream.train ARGS`` does it, without a process start per case.
+validation as ``python -m kfac_stream.app ARGS`` does it, without a process start per case.
 
     python tests/app_overrides_job.py OUT.json 'ARGS...' ['ARGS...' ...]
 
@@ -21,13 +21,13 @@ import traceback
 def run_one(argv: list[str]) -> dict:
     from hydra.core.global_hydra import GlobalHydra
 
-    from kfac_stream.train import cli_main
+    from kfac_stream.app.main import cli_main
 
     GlobalHydra.instance().clear()
     out = io.StringIO()
     rc = 0
     saved = sys.argv
-    sys.argv = ["kfac_stream.train", *argv]
+    sys.argv = ["kfac_stream.app.main", *argv]
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
             cli_main()

@@ -74,7 +74,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--sync-snapshots", action="store_true",
                    help="snapshots on the training thread (background_snapshots=False)")
     p.add_argument("--query", action="store_true",
-                   help="after training: whole_model on every rank, then on the main process a "
+                   help="after training: gather_model on every rank, then on the main process a "
                    "predictive query of the last snapshot into DIR/query.safetensors")
     p.add_argument("--checkpointing", action="store_true",
                    help="gradient checkpointing (the MC Fisher pass is then replayed)")
@@ -222,12 +222,12 @@ def fsdp_on_cpu() -> None:
 
 def query(trainer, out: str) -> None:
     """What a user's script does after (FSDP2, ZeRO-3 or plain) training: the partitioned
-    model is refused by `LaplacePosterior`, `whole_model` (every rank) gives a whole copy on
+    model is refused by `LaplacePosterior`, `gather_model` (every rank) gives a whole copy on
     the main process, and that copy answers a predictive query of the newest snapshot and
     influence scores (`influence_scores`, saved as ``influence`` [2, 4])."""
     from safetensors.torch import save_file
 
-    from kfac_stream import LaplacePosterior, Snapshot, influence_scores, whole_model
+    from kfac_stream import LaplacePosterior, Snapshot, gather_model, influence_scores
     from kfac_stream.exceptions import PartitionedModelError
 
     def stack(examples):
@@ -240,7 +240,7 @@ def query(trainer, out: str) -> None:
             LaplacePosterior(trainer.model, snap, prior_precision=1.0)
         except PartitionedModelError as e:
             refused = str(e)
-    model = whole_model(trainer, os.path.join(out, "model"))
+    model = gather_model(trainer, os.path.join(out, "model"))
     if model is None:
         return
     batch = {k: torch.stack([e[k] for e in text_examples(3, 16, seed=7)])

@@ -1,4 +1,4 @@
-"""The Hydra app (`python -m kfac_stream.train`) end to end, in real subprocesses.
+"""The Hydra app (`python -m kfac_stream.app`) end to end, in real subprocesses.
 
 * one process with ``report_to=[wandb, tensorboard]`` (W&B offline): the W&B run files and
   TensorBoard event files are read back (tests/logreaders.py) and every logged spectrum
@@ -52,14 +52,14 @@ def _env(tmp) -> dict[str, str]:
 
 
 def _app(tmp, run_dir, *overrides, launch=None, check=True):
-    cmd = [sys.executable, "-m", "kfac_stream.train"]
+    cmd = [sys.executable, "-m", "kfac_stream.app"]
     if launch:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                os.path.join(ROOT, "launch", launch), "--main_process_port", str(port),
-               "-m", "kfac_stream.train"]
+               "-m", "kfac_stream.app"]
     # cwd: the launch configs name their DeepSpeed JSON relative to the repository root
     proc = subprocess.run(cmd + [f"hydra.run.dir={run_dir}", *overrides], cwd=ROOT,
                           env=_env(tmp), capture_output=True, text=True, timeout=600)

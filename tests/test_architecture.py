@@ -18,15 +18,16 @@ PACKAGE = pathlib.Path(kfac_stream.__file__).resolve().parent
 
 # lower number = lower layer; a module may import its own layer or lower ones
 LAYERS = {
-    "exceptions": 0, "enums": 0, "factor_keys": 0, "config": 0, "files": 0, "progress": 0,
-    "log_setup": 0, "own_rng": 0,
-    "stats": 1, "metrics": 1, "settings": 1, "extensions": 1,
+    "exceptions": 0, "config": 0, "utils": 0,
+    "stats": 1, "extensions": 1,
     "capture": 2, "store": 2, "distributed": 2, "snapshot": 2, "fisher": 2,
-    "query": 3, "folding": 3, "cost": 3, "ekfac": 3,
+    "query": 3, "ekfac": 3,
     "tracking": 4,
     "integrations": 5,
-    "app": 6, "train": 6, "cli": 6, "": 6,  # "": the package's __init__
+    "app": 6, "cli": 6, "": 6,  # "": the package's __init__
 }
+#: The only modules at the package's root; everything else lives in a folder of its layer.
+ROOT_MODULES = {"__init__.py", "config.py", "exceptions.py"}
 
 
 def _module_name(path: pathlib.Path, root: pathlib.Path = PACKAGE) -> str:
@@ -72,6 +73,12 @@ def _layer(module: str) -> int:
     top = module.removeprefix("kfac_stream").lstrip(".").split(".")[0]
     assert top in LAYERS, f"{module}: place {top!r} in a layer of tests/test_architecture.py"
     return LAYERS[top]
+
+
+def test_the_root_holds_only_the_config_the_errors_and_the_package():
+    loose = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ROOT_MODULES)
+    assert not loose, f"move {loose} into the folder of their layer (docs/layout.md)"
+    assert {p.name for p in PACKAGE.glob("*.py")} == ROOT_MODULES
 
 
 def test_layers_only_import_downwards():

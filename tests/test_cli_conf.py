@@ -170,8 +170,8 @@ def test_trainer_takes_any_training_arguments_field(tmp_path):
     default config builds the same arguments as before (transformers' defaults but the app's)."""
     from transformers import TrainingArguments
 
+    from kfac_stream.app.main import training_arguments
     from kfac_stream.app.schema import AppTrainerDefaults, TrainerConf
-    from kfac_stream.train import training_arguments
 
     declared = {f.name for f in dataclasses.fields(TrainerConf)}
     every = {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
@@ -225,12 +225,12 @@ def test_checkout_reads_top_level_conf_from_any_directory(tmp_path):
     import subprocess
     import sys
 
-    from kfac_stream.train import CONF_DIR
+    from kfac_stream.app.main import CONF_DIR
 
     root = CONF.parent
     assert CONF_DIR == str(CONF) and (CONF / "config.yaml").is_file()
     env = dict(os.environ, PYTHONPATH=str(root))
-    proc = subprocess.run([sys.executable, "-m", "kfac_stream.train", "--cfg", "job",
+    proc = subprocess.run([sys.executable, "-m", "kfac_stream.app", "--cfg", "job",
                            "trainer.max_grad_norm=0.5"], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -242,7 +242,7 @@ def test_app_refuses_a_missing_local_model_path_at_once(tmp_path, monkeypatch):
     """``model=hf model.name_or_path=./nomodel`` (or ``out/x`` beside ``out/``) is refused by
     the app's checks, before ``from_pretrained`` would ask the hub for it."""
     from kfac_stream import AppConfigError
-    from kfac_stream.train import _check_choices
+    from kfac_stream.app.main import _check_choices
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "out").mkdir()

@@ -63,9 +63,9 @@ def app_run(tmp_path_factory):
     from omegaconf import OmegaConf
     from transformers import GPT2LMHeadModel
 
+    from kfac_stream.app.main import CONF_DIR
+    from kfac_stream.app.main import run as app
     from kfac_stream.app.schema import register
-    from kfac_stream.train import CONF_DIR
-    from kfac_stream.train import run as app
 
     out = tmp_path_factory.mktemp("influence_app") / "run"
     register()
@@ -322,16 +322,16 @@ def test_prompt_completion_training_records(app_run, capsys, tmp_path):
 
 
 def test_a_lora_adapter_directory(capsys, tmp_path):
-    """A PEFT LoRA run saved by `whole_model` (adapter + base): the scores are over the
+    """A PEFT LoRA run saved by `gather_model` (adapter + base): the scores are over the
     adapter layers only and equal the API's on the trained model."""
     pytest.importorskip("peft")
-    from kfac_stream import whole_model
+    from kfac_stream import gather_model
 
     from models import lora_gpt2
 
     model = lora_gpt2(torch.float32)
     _, _, trainer = run(model, text_examples(8, 12), batch=2, tmp_path=tmp_path, record=False)
-    whole_model(trainer, str(tmp_path / "model"))
+    gather_model(trainer, str(tmp_path / "model"))
     model.eval()
     train = tmp_path / "train.jsonl"
     train.write_text("\n".join(json.dumps({"text": t}) for t in TEXTS))

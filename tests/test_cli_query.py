@@ -346,7 +346,7 @@ def test_missing_local_model_fails_at_once(trained, capsys, monkeypatch):
     """``--model out/nomodel`` beside a directory ``out/`` is a local path, not a hub name: one
     line at once, before the snapshot loads and before any hub request (``from_pretrained``
     spent 49 s on hub retries offline). A name that may be a hub id is not refused here."""
-    from kfac_stream.files import local_path_problem
+    from kfac_stream.utils.files import local_path_problem
 
     tmp, _, _ = trained
     monkeypatch.chdir(tmp)

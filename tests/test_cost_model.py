@@ -1,7 +1,7 @@
 """The cost model's formulas equal the tracker's counters on a real run.
 
 A real ``Trainer`` run of a tiny Llama on the device path (CPU tensors standing in for the
-accelerator) counts what its store did (`Traffic` in the tracker's counters); `kfac_stream.cost`
+accelerator) counts what its store did (`Traffic` in the tracker's counters); `store.cost_model`
 predicts the same fields from the layer shapes, the rows one update folds and the number of
 updates and flushes. With ``token_fraction=1`` and no padding the rows of an update are known
 in advance (``batch · seq · accumulation``), so prediction and count must agree exactly.
@@ -9,7 +9,7 @@ in advance (``batch · seq · accumulation``), so prediction and count must agre
 
 import pytest
 
-from kfac_stream.cost import ADDITIVE, add, flush_cost, held_fold_cost, update_cost
+from kfac_stream.store.cost_model import ADDITIVE, add, flush_cost, held_fold_cost, update_cost
 from kfac_stream.store.traffic import Traffic
 from kfac_stream.tracking.plan import FOLD_DEFER
 

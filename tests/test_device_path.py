@@ -221,7 +221,7 @@ def test_out_of_memory_moves_pending_to_host_and_halves_budget(monkeypatch, capl
 
 
 def test_auto_budget_rule():
-    from kfac_stream.settings import device_budget_from_memory
+    from kfac_stream.store.device_budget import device_budget_from_memory
 
     gib = 2**30
     # H200 and the 1.1B run of the first GPU check: 141 GB, 31.1 GB peak → a quarter (35 GB)

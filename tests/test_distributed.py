@@ -112,9 +112,9 @@ class Runs:
         "ddp_mc": ("cpu_ddp", ["--fisher", "mc", *PAD]),
         "ref_bf16": (None, ["--batch", "4", "--bf16", *PAD]),
         "ddp": ("cpu_ddp", PAD),
-        # FSDP2 (fully_shard) through accelerate on CPU/gloo; then whole_model + query
+        # FSDP2 (fully_shard) through accelerate on CPU/gloo; then gather_model + query
         "fsdp2": ("cpu_fsdp2", ["--query", *PAD]),
-        # a PEFT LoRA Llama; whole_model saves the adapter with its base and reloads
+        # a PEFT LoRA Llama; gather_model saves the adapter with its base and reloads
         "ref_lora": (None, ["--batch", "4", "--model", "llama", "--lora", "--query", *PAD]),
         "zero3_lora": ("cpu_zero3", ["--model", "llama", "--lora", "--query", *PAD]),
         # the default MC estimator: replayed on a sub-batch after the optimizer step
@@ -375,7 +375,7 @@ def test_sharding_log_and_disk_agree_and_query_matches(runs):
     assert rel(res[1][1], res[0][1]) <= 10 * EXACT_TOL  # the factors' 1e-6, through eigh
 
 
-#: Influence scores of the whole copy `whole_model` gives after 2-rank training
+#: Influence scores of the whole copy `gather_model` gives after 2-rank training
 #: against the one-process run's: the factors' and weights' round-off, as for the predictive
 #: (measured 6.7e-7 after FSDP2, 3.7e-7 after ZeRO-3 with LoRA).
 INFLUENCE_TOL = 10 * EXACT_TOL
@@ -507,7 +507,7 @@ def test_fsdp2_two_ranks_equal_one_process(runs):
 
 
 def test_fsdp2_whole_model_and_query_after_training(runs):
-    """After FSDP2 training: `LaplacePosterior` refuses the sharded model, `whole_model`
+    """After FSDP2 training: `LaplacePosterior` refuses the sharded model, `gather_model`
     gathers a plain copy on the main process (saved, loadable), and its predictive equals
     the one-process run's; the snapshot's weight fingerprint was read from whole weights."""
     out, ref = runs.get("fsdp2"), runs.get("ref")
@@ -538,7 +538,7 @@ def test_fsdp2_whole_model_and_query_after_training(runs):
 
 @SLOW
 def test_zero3_lora_whole_model_saves_the_adapter_with_its_base(runs):
-    """A PEFT LoRA model under ZeRO-3: `whole_model` saves the adapter and the base model
+    """A PEFT LoRA model under ZeRO-3: `gather_model` saves the adapter and the base model
     (gathered) beside it, reloads both on the main process outside DeepSpeed as a PeftModel
     whose layer names are the snapshot's, and its predictive equals the one-process run's; a
     ``PeftModel.from_pretrained`` of the saved directory gives the same numbers."""

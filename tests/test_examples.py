@@ -76,7 +76,7 @@ def test_example_runs(tmp_path, script):
 def _check_classification(out, stdout: str) -> None:
     """The walkthrough's figures (docs/classification.md), recomputed here from what it saved
     (``results.json``: the test labels, every row's probabilities, every "don't know" score)
-    in plain Python, not by `kfac_stream.metrics`, and compared with what it printed."""
+    in plain Python, not by `kfac_stream.query.metrics`, and compared with what it printed."""
     r = json.loads((out / "results.json").read_text())
     y = r["test"]["labels"]
     C = len(r["classes"])
@@ -184,7 +184,7 @@ def test_readme_shows_causal_lm_example_verbatim():
 def test_causal_lm_example_under_zero3_from_outside_the_repo(tmp_path):
     """The quickstart unchanged under 2-process DeepSpeed ZeRO-3 on CPU, launched from an
     unrelated directory with `launch/cpu_zero3.yaml` (inline DeepSpeed settings, no relative
-    path): it trains, and its query works: `whole_model` saves the partitioned model and
+    path): it trains, and its query works: `gather_model` saves the partitioned model and
     reloads it whole on the main process (the saved weights prove that path ran; without it
     `LaplacePosterior` raises `PartitionedModelError`, see test_query_validation)."""
     with socket.socket() as s:

@@ -121,7 +121,7 @@ def _issue_worker(rank, world, init_file, q, fold_on="host"):
     import kfac_stream.distributed.exchange as exchange
     from kfac_stream.config import KFACConfig
     from kfac_stream.distributed.context import DistContext
-    from kfac_stream.folding import Folding
+    from kfac_stream.store.folding import Folding
     from kfac_stream.tracking.factor_updates import Counters, FactorUpdater, UpdateJob
     from kfac_stream.tracking.plan import RunPlan
 

@@ -115,7 +115,7 @@ def test_packages_listed_in_pyproject_are_the_package_directories():
 
 def test_installed_copy_is_the_one_imported(installed, tmp_path):
     site, env = installed
-    out = subprocess.run([sys.executable, "-c", "import kfac_stream, kfac_stream.train as t; "
+    out = subprocess.run([sys.executable, "-c", "import kfac_stream, kfac_stream.app.main as t; "
                           "print(kfac_stream.__file__); print(t.CONF_DIR)"],
                          cwd=_cwd(tmp_path), env=env, capture_output=True, text=True,
                          check=True, timeout=120).stdout.split()

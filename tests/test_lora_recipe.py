@@ -2,7 +2,7 @@
 with a BPE tokenizer trained offline, a 4-way multiple-choice task on real text (which license
 an excerpt is from: answers " A" … " D", one token each, labels -100 except the answer), PEFT
 LoRA r=8, a real ``transformers.Trainer`` with the callback (``preset="lora"``), then
-``kfac_stream.whole_model``. The saved directory loads back: ``kfac-stream query --options``
+``kfac_stream.gather_model``. The saved directory loads back: ``kfac-stream query --options``
 on it and `LaplacePosterior` on a ``PeftModel.from_pretrained`` reload give the in-process
 posterior's answers; a merged model and an adapter loaded by transformers are refused with
 the way to load it (docs/lora.md)."""
@@ -19,7 +19,7 @@ import pytest
 import torch
 from test_cli_query import cli_error
 
-from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, whole_model
+from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, gather_model
 from kfac_stream.cli import main as cli_main
 from kfac_stream.exceptions import SnapshotMismatchError
 from kfac_stream.integrations.peft_adapter import SIDECAR, base_state_dict
@@ -97,7 +97,7 @@ def _llama(vocab: int, pad_id: int):
 
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory):
-    """The recipe as docs/lora.md shows it: fine-tune, ``whole_model``, the newest snapshot,
+    """The recipe as docs/lora.md shows it: fine-tune, ``gather_model``, the newest snapshot,
     the in-process posterior at ``τ = TAU``; four held-out prompts (one per license)."""
     from peft import LoraConfig, get_peft_model
     from transformers import Trainer, TrainingArguments
@@ -126,7 +126,7 @@ def recipe(tmp_path_factory):
     trainer = Trainer(model=model, args=args, train_dataset=ListDataset(train), callbacks=[cb],
                       processing_class=tok)
     trainer.train()
-    saved = whole_model(trainer, str(tmp / "model"))
+    saved = gather_model(trainer, str(tmp / "model"))
     assert saved is model  # without ZeRO-3: the trained model itself
     model.eval()
     snap = Snapshot.latest(tmp / "run" / "kfac")
@@ -156,7 +156,7 @@ def _argv(r, text: str, *extra: str, model=None) -> list[str]:
 
 
 def test_the_saved_directory_holds_the_adapter_and_the_frozen_base(recipe):
-    """``whole_model`` of a PeftModel: the adapter at the directory, the base model's weights
+    """``gather_model`` of a PeftModel: the adapter at the directory, the base model's weights
     under its own names in base/ (equal to the base before LoRA wrapped it: frozen), the
     tokenizer in both, and where the base is (sidecar, adapter_config.json)."""
     from safetensors.torch import load_file
@@ -253,7 +253,7 @@ def test_a_merged_model_is_refused_with_the_way_to_load_the_adapter(recipe, caps
     with torch.no_grad():  # the same function, without the LoRA layers
         torch.testing.assert_close(merged(**batch).logits, want, atol=1e-5, rtol=1e-5)
     needles = ("has no LoRA layers", "merge_and_unload()", "folded into the base weights",
-               "PeftModel.from_pretrained(base, adapter_dir)", "kfac_stream.whole_model")
+               "PeftModel.from_pretrained(base, adapter_dir)", "kfac_stream.gather_model")
     with pytest.raises(SnapshotMismatchError) as e:
         LaplacePosterior(merged, r.snap, prior_precision=TAU)
     assert "\n" not in str(e.value) and all(n in str(e.value) for n in needles), str(e.value)
@@ -358,7 +358,7 @@ def test_base_state_dict_is_the_base_before_peft_wrapped_it(kind):
 
 def test_a_lora_classifier_from_whole_model_queries_from_the_cli(capsys, tmp_path):
     """A LoRA sequence classifier (``task_type="SEQ_CLS"``: the ``score`` head trained as a
-    ``modules_to_save`` copy, so the base's own head stays untrained): ``whole_model`` saves
+    ``modules_to_save`` copy, so the base's own head stays untrained): ``gather_model`` saves
     adapter + base, and ``kfac-stream query --file`` on the directory prints the in-process
     posterior's class probabilities (the base's head is loaded, the adapter's trained copy
     replaces it)."""
@@ -380,7 +380,7 @@ def test_a_lora_classifier_from_whole_model_queries_from_the_cli(capsys, tmp_pat
         e["labels"] = torch.tensor(i % 3)
     _, _, trainer = run(model, examples, {"preset": "lora"}, batch=2, lr=5e-2,
                         tmp_path=tmp_path, record=False)
-    assert whole_model(trainer, str(tmp_path / "model")) is model
+    assert gather_model(trainer, str(tmp_path / "model")) is model
     model.eval()
     snap = Snapshot.latest(tmp_path / "kfac")
     lines = ["def f(x):", "return x + 1", "import os"]

@@ -1,4 +1,4 @@
-"""`kfac_stream.metrics`: hand computations on tiny inputs, independent brute-force
+"""`kfac_stream.query.metrics`: hand computations on tiny inputs, independent brute-force
 implementations, invariances, and the one-line input errors."""
 
 import itertools

@@ -198,7 +198,7 @@ def test_tracker_generators_are_restored_around_its_events():
 
     import numpy as np
 
-    from kfac_stream.own_rng import kept_generators, own_draws
+    from kfac_stream.utils.own_rng import kept_generators, own_draws
 
     torch.manual_seed(5)
     random.seed(5)

@@ -18,7 +18,7 @@ from kfac_stream import KFACConfig, KFACConfigError, LaplacePosterior, Snapshot
 from kfac_stream.capture.preset_memory import preset_dims, preset_factor_bytes
 from kfac_stream.capture.presets import preset_layers
 from kfac_stream.capture.selection import select_layers
-from kfac_stream.enums import LayerPreset
+from kfac_stream.utils.enums import LayerPreset
 
 from harness import run, sum_nll_loss
 from models import lora_gpt2, text_examples, tiny_gpt2, tiny_llama, tiny_opt
@@ -225,8 +225,8 @@ def test_last_layer_end_to_end_with_a_diagonal_vocabulary_G(fisher, tmp_path):
 def test_hydra_override_sets_the_preset():
     from hydra import compose, initialize_config_dir
 
+    from kfac_stream.app.main import CONF_DIR
     from kfac_stream.app.schema import kfac_config, register
-    from kfac_stream.train import CONF_DIR
 
     register()
     conf_dir = pathlib.Path(CONF_DIR)

@@ -197,7 +197,7 @@ def test_zero3_partitioned_weights_fail_at_construction_saying_what_to_do(traine
                 "LaplacePosterior: the model's weights are partitioned across ranks by DeepSpeed "
                 f"ZeRO-3 ({name + '.weight'!r} holds {held} of its {full.numel()} values in this "
                 "process, and the engine gathers them only inside its own forward): query a "
-                "whole copy: model = kfac_stream.whole_model(trainer, save_dir) on every rank "
+                "whole copy: model = kfac_stream.gather_model(trainer, save_dir) on every rank "
                 "(it saves the model and loads it on the main process), or save it with "
                 "trainer.save_model(dir) and load it with from_pretrained(dir) in a process "
                 "without DeepSpeed")

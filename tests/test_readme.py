@@ -62,10 +62,10 @@ README_COMMANDS = {
     "kfac-stream train model=hf model.name_or_path=gpt2 data=hf data.path=wikitext "
     "data.name=wikitext-2-raw-v1": "compose",
     "DS_ACCELERATOR=cpu accelerate launch --config_file launch/cpu_zero3.yaml "
-    "-m kfac_stream.train trainer.use_cpu=true": "zero3_app",
-    "accelerate launch --config_file launch/deepspeed_zero3.yaml -m kfac_stream.train "
+    "-m kfac_stream.app trainer.use_cpu=true": "zero3_app",
+    "accelerate launch --config_file launch/deepspeed_zero3.yaml -m kfac_stream.app "
     "kfac.fisher=mc": "compose",
-    "deepspeed --num_gpus 8 --module kfac_stream.train "
+    "deepspeed --num_gpus 8 --module kfac_stream.app "
     "trainer.deepspeed=launch/deepspeed/zero3.json": "compose",
     'kfac-stream query --snapshot out/demo/kfac --model out/demo/model --byte-level '
     '--text "def f(x):"': "on_demo",
@@ -251,8 +251,8 @@ def compose_job(overrides: list[str]) -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
+    from kfac_stream.app.main import CONF_DIR
     from kfac_stream.app.schema import check_override_keys, register
-    from kfac_stream.train import CONF_DIR
 
     check_override_keys(overrides)
     register()
@@ -265,7 +265,7 @@ def test_hub_and_gpu_lines_compose():
     launch configs they name exist."""
     for line in commands("compose"):
         argv = shlex.split(line)
-        i = argv.index("kfac_stream.train") + 1 if "kfac_stream.train" in argv else 2
+        i = argv.index("kfac_stream.app.main") + 1 if "kfac_stream.app.main" in argv else 2
         for a in argv:
             if a.startswith("launch/") or "=launch/" in a:
                 assert (ROOT / a.split("=", 1)[-1]).is_file(), a
@@ -296,4 +296,4 @@ def test_lines_run_by_other_tests():
     assert argv[:5] == ["DS_ACCELERATOR=cpu", "accelerate", "launch", "--config_file",
                         "launch/cpu_zero3.yaml"]
     assert 'launch="cpu_zero3.yaml"' in source and 'DS_ACCELERATOR="cpu"' in source
-    assert all(f'"{a}"' in source for a in argv[argv.index("kfac_stream.train") + 1:])
+    assert all(f'"{a}"' in source for a in argv[argv.index("kfac_stream.app.main") + 1:])

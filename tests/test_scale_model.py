@@ -1,5 +1,5 @@
 """The cost model of ``benchmarks/scale.py`` on hand-derived counts, no measurement:
-the Llama-2-7B layout on 8 ranks, `kfac_stream.cost` on one owner's factors, the MC draw, the
+the Llama-2-7B layout on 8 ranks, `store.cost_model` on one owner's factors, the MC draw, the
 exchange bytes, the residency plan against the store's own, and the acceptance (7B x 8 at the
 defaults ≤ 0.5% of a step) with every term present."""
 
@@ -16,9 +16,9 @@ from kfac_stream.snapshot.eigen_rule import IN_RUN_SHARE
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import scale
 
-from kfac_stream.cost import update_cost
 from kfac_stream.distributed.ownership import assign_owners
-from kfac_stream.settings import device_budget_from_memory
+from kfac_stream.store.cost_model import update_cost
+from kfac_stream.store.device_budget import device_budget_from_memory
 from kfac_stream.store.factor_store import FactorStore
 
 D, DI = 4096, 11008  # Llama-2-7B: hidden (dense factors), intermediate (diagonal: > 8192)

@@ -15,18 +15,18 @@ from safetensors.torch import save
 
 from kfac_stream import files
 from kfac_stream.exceptions import SnapshotError
-from kfac_stream.files import (
+from kfac_stream.snapshot import writer
+from kfac_stream.snapshot.manifest import stored_key
+from kfac_stream.snapshot.media import Spectra, log10_histograms, make_media
+from kfac_stream.snapshot.snapshot import Snapshot, read_manifest
+from kfac_stream.snapshot.writer import safetensors_chunks, write_safetensors, write_shard
+from kfac_stream.utils.files import (
     file_chunk_digests,
     hash_chunked,
     read_verified,
     write_chunk_hashed,
     write_hashed,
 )
-from kfac_stream.snapshot import writer
-from kfac_stream.snapshot.manifest import stored_key
-from kfac_stream.snapshot.media import Spectra, log10_histograms, make_media
-from kfac_stream.snapshot.snapshot import Snapshot, read_manifest
-from kfac_stream.snapshot.writer import safetensors_chunks, write_safetensors, write_shard
 
 from chunk_digests import chunked, root_of
 from harness import run

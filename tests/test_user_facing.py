@@ -1,5 +1,5 @@
 """What a new user of the callback meets in a script of their own: the one-line summary at train
-begin (shown with no logging set up), ``whole_model`` saving on a single process too, and one
+begin (shown with no logging set up), ``gather_model`` saving on a single process too, and one
 clear line for DeepSpeed on CPU without ``use_cpu=True``."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import GPT2LMHeadModel, TrainerControl, TrainingArguments
 
-from kfac_stream import KFACConfigError, KFACStreamCallback, whole_model
+from kfac_stream import KFACConfigError, KFACStreamCallback, gather_model
 from kfac_stream.capture.preset_memory import factor_bytes
 from kfac_stream.tracking.lines import tracking_summary
 
@@ -63,7 +63,7 @@ def test_summary_is_shown_when_no_logging_is_set_up(tmp_path):
     logger nobody configured shows only warnings); one that configures logging decides."""
     script = textwrap.dedent("""
         import logging, sys
-        from kfac_stream.log_setup import show_info_by_default
+        from kfac_stream.utils.log_setup import show_info_by_default
         if sys.argv[1] == "configured":
             logging.basicConfig(level=logging.WARNING)
         show_info_by_default().info("kfac_stream: tracking 8 layers")
@@ -80,13 +80,13 @@ def test_summary_is_shown_when_no_logging_is_set_up(tmp_path):
 
 
 def test_whole_model_saves_on_a_single_process(tmp_path):
-    """Without ZeRO-3 ``whole_model(trainer, dir)`` returns the trained model and saves it, so
+    """Without ZeRO-3 ``gather_model(trainer, dir)`` returns the trained model and saves it, so
     ``kfac-stream query --model dir`` works without another ``save_model``."""
     model = tiny_gpt2(torch.float32)
     _, _, trainer = run(model, text_examples(4, 12), {}, batch=2, tmp_path=tmp_path / "run",
                         record=False)
     out = tmp_path / "model"
-    assert whole_model(trainer, str(out)) is model
+    assert gather_model(trainer, str(out)) is model
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     saved = GPT2LMHeadModel.from_pretrained(out)
     for (name, p), q in zip(model.state_dict().items(), saved.state_dict().values()):

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..progress import progress
 from ..query.laplace import LaplacePosterior
+from ..utils.progress import progress
 
 
 @dataclass

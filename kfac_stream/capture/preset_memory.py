@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ..enums import LayerPreset
+from ..utils.enums import LayerPreset
 from .selection import select_layers
 from .sharing import plan_factors, probe_shared_inputs
 

@@ -50,8 +50,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..enums import LayerPreset
 from ..exceptions import KFACConfigError
+from ..utils.enums import LayerPreset
 
 try:  # transformers is a dependency, but keep the math importable without it
     from transformers.pytorch_utils import Conv1D

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..factor_keys import factor_key
+from ..utils.factor_keys import factor_key
 from .selection import LayerSpec
 
 logger = logging.getLogger("kfac_stream")

@@ -56,7 +56,7 @@ from .output import (
 #
 # The training data (``--train``), cut into examples as documented in `TRAIN_RULES`:
 #
-# * ``app``: the training app's own data (`kfac_stream.train.training_documents` and
+# * ``app``: the training app's own data (`kfac_stream.app.main.training_documents` and
 #   `training_windows`, exactly the windows the run trained on), from the run's composed config
 #   (``<run dir>/.hydra/config.yaml``, found beside ``--model`` or ``--snapshot``, or
 #   ``--app-config``);
@@ -153,7 +153,7 @@ def add_influence_parser(sub) -> None:
                    "default: found beside --model or --snapshot")
     p.add_argument("--tokenizer", help="tokenizer directory (default: --model)")
     p.add_argument("--base", help="the base model of a PEFT (LoRA) adapter directory given as "
-                   "--model (default: the base/ that kfac_stream.whole_model saves beside it)")
+                   "--model (default: the base/ that kfac_stream.gather_model saves beside it)")
     p.add_argument("--byte-level", action="store_true", help="token id = UTF-8 byte (the demo; "
                    "implied by --train app for the app's byte-level model)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",

@@ -250,7 +250,7 @@ def read_app_config(path: str):
 
 def _app_examples(args, cfg, tokenizer) -> list[TrainExample]:
     from ..app.data import ByteTokenizer
-    from ..train import training_documents, training_windows
+    from ..app.main import training_documents, training_windows
 
     docs, _ = training_documents(cfg)
     tok = ByteTokenizer() if tokenizer is None else tokenizer

@@ -10,7 +10,7 @@ import re
 from typing import TYPE_CHECKING
 
 from ..exceptions import QueryInputError
-from ..files import local_path_problem
+from ..utils.files import local_path_problem
 from .output import query_status
 
 if TYPE_CHECKING:
@@ -165,7 +165,7 @@ def load_model(name: str, task: str = CAUSAL_LM, adapter: AdapterLocation | None
 
 def adapter_of(args) -> AdapterLocation | None:
     """The PEFT adapter and base model of ``--model`` (`peft_adapter.adapter_location`: the
-    base ``kfac_stream.whole_model`` saved beside it, else ``--base``'s, else
+    base ``kfac_stream.gather_model`` saved beside it, else ``--base``'s, else
     ``adapter_config.json``'s ``base_model_name_or_path``), or None for a model directory or
     hub name that is no adapter."""
     from ..integrations.peft_adapter import adapter_location

@@ -72,7 +72,7 @@ def add_query_parser(sub) -> None:
     q.add_argument("--tokenizer", help="tokenizer directory (default: --model; it must hold "
                    "tokenizer files, else pass --byte-level)")
     q.add_argument("--base", help="the base model of a PEFT (LoRA) adapter directory given as "
-                   "--model (default: the base/ that kfac_stream.whole_model saves beside the "
+                   "--model (default: the base/ that kfac_stream.gather_model saves beside the "
                    "adapter, else adapter_config.json's base_model_name_or_path)")
     q.add_argument("--byte-level", action="store_true", help="token id = UTF-8 byte (the demo)")
     q.add_argument("--mode", choices=MODES, help="causal LMs: tokens: per position the next "

@@ -1,4 +1,4 @@
-"""``kfac-stream train``: the Hydra training app (`kfac_stream.train`), which parses its own
+"""``kfac-stream train``: the Hydra training app (`kfac_stream.app.main`), which parses its own
 command line."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from .arguments import unknown_option_hints, unknown_options
 
 def add_train_parser(sub) -> None:
     """``train`` in ``kfac-stream --help`` (its arguments are Hydra's: `run_train`)."""
-    sub.add_parser("train", help="the Hydra training app (kfac_stream.train): "
+    sub.add_parser("train", help="the Hydra training app (kfac_stream.app.main): "
                    "kfac-stream train [-cd DIR] [-cn NAME] key=value ... (configs shipped in "
                    "conf/; --help: Hydra's help)", add_help=False)
 
@@ -19,7 +19,7 @@ def add_train_parser(sub) -> None:
 def run_train(argv: Sequence[str], leading: Sequence[str] = ()) -> int:
     """The training app on ``argv`` (``train ...`` or ``demo ...``): Hydra reads ``sys.argv``,
     set to the command's name, the ``leading`` flags, then the user's flags and overrides."""
-    from ..train import cli_main as train_main
+    from ..app.main import cli_main as train_main
 
     sys.argv = [f"kfac-stream {argv[0]}", *leading, *argv[1:]]
     _check_hydra_flags(sys.argv[1:])

@@ -174,7 +174,7 @@ def release_process_groups_at_exit() -> None:
     """Register `release_process_groups` to run at interpreter exit (once per process): before
     shutdown begins, while every thread may still take the GIL. The callback does it at train
     begin with several processes, so a user's script (the quickstart under ZeRO-3, whose other
-    ranks return from `whole_model` and exit at once) is safe without calling it itself."""
+    ranks return from `gather_model` and exit at once) is safe without calling it itself."""
     global _RELEASE_REGISTERED
     if not _RELEASE_REGISTERED:
         atexit.register(release_process_groups)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..enums import FactorForm
+from ..utils.enums import FactorForm
 from .base import registered_fisher
 
 #: ``config.problem_type`` values of a loss taken once per sequence (transformers)

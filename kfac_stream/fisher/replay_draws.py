@@ -18,7 +18,7 @@ def selection_seed(seed: int, rank: int, step: int) -> int:
 
 def replay_seed(seed: int, rank: int, step: int) -> int:
     """Seed of the global generators while the tracker replays optimizer step ``step``'s
-    micro-batches on ``rank`` (their dropout masks, `kfac_stream.own_rng.own_draws`): a fixed
+    micro-batches on ``rank`` (their dropout masks, `kfac_stream.utils.own_rng.own_draws`): a fixed
     function of the three like `selection_seed`, and another stream than its."""
     return selection_seed(seed ^ 0x5EED_D409, rank, step)
 

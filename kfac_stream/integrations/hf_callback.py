@@ -13,12 +13,12 @@ from transformers import TrainerCallback
 
 from ..config import KFACConfig
 from ..exceptions import KFACConfigError
-from ..log_setup import show_info_by_default
-from ..own_rng import kept_generators
 from ..tracking.lines import cost_line
 from ..tracking.plan import RunPlan
 from ..tracking.session import SessionOptions, TrackingSession
 from ..tracking.tracker import Tracker
+from ..utils.log_setup import show_info_by_default
+from ..utils.own_rng import kept_generators
 from .best_model import reloaded_best_model
 from .eval_set import trainer_eval_set
 from .spectrum_monitor import SpectraReporter, find_callback_handler

@@ -1,9 +1,9 @@
-"""PEFT (LoRA) models saved so that they load back: `whole_model`'s layout and the CLI's loader.
+"""PEFT (LoRA) models saved so that they load back: `gather_model`'s layout and the CLI's loader.
 
 ``trainer.save_model(dir)`` of a ``peft.PeftModel`` writes only the adapter
 (``adapter_config.json``, ``adapter_model.safetensors``), and for a base model built from a
 config the adapter's ``base_model_name_or_path`` is empty: nothing can load it back. For a
-PEFT model `kfac_stream.whole_model(trainer, dir)` therefore writes a self-contained
+PEFT model `kfac_stream.gather_model(trainer, dir)` therefore writes a self-contained
 directory::
 
     dir/                          what trainer.save_model writes for a PeftModel:
@@ -41,15 +41,15 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from ..exceptions import QueryInputError
-from ..files import local_path_problem
+from ..utils.files import local_path_problem
 
-#: The file `whole_model` writes next to a PEFT adapter: where its base model is.
+#: The file `gather_model` writes next to a PEFT adapter: where its base model is.
 SIDECAR = "kfac_stream_peft.json"
 
 #: The sidecar's format version.
 SIDECAR_FORMAT = 1
 
-#: The base model's directory inside `whole_model`'s save directory.
+#: The base model's directory inside `gather_model`'s save directory.
 BASE_DIR = "base"
 
 #: peft's adapter config file: a directory holding it is a PEFT adapter.
@@ -176,7 +176,7 @@ def adapter_location(path: str, base: str | None = None) -> AdapterLocation | No
     directory (neither ``kfac_stream_peft.json`` nor ``adapter_config.json`` in it).
 
     The base is ``base`` when given (``kfac-stream query --base``), else the sidecar's
-    (`whole_model`'s copy, relative to ``path``), else ``adapter_config.json``'s
+    (`gather_model`'s copy, relative to ``path``), else ``adapter_config.json``'s
     ``base_model_name_or_path`` (a directory, relative to the working directory as peft reads
     it, or a hub name).
 
@@ -186,7 +186,7 @@ def adapter_location(path: str, base: str | None = None) -> AdapterLocation | No
     """
     if not os.path.isdir(path):
         return None
-    fix = ("pass --base with the base model's directory or hub name (kfac_stream.whole_model "
+    fix = ("pass --base with the base model's directory or hub name (kfac_stream.gather_model "
            "saves the base next to the adapter, in base/)")
     model = f"--model={path!r}"
     sidecar = os.path.join(path, SIDECAR)
@@ -200,7 +200,7 @@ def adapter_location(path: str, base: str | None = None) -> AdapterLocation | No
             base_from = SIDECAR
             if not os.path.isdir(base):
                 raise QueryInputError(
-                    f"{model} is a PEFT adapter saved by kfac_stream.whole_model whose base "
+                    f"{model} is a PEFT adapter saved by kfac_stream.gather_model whose base "
                     f"model directory {base!r} ({SIDECAR}) is missing: copy the whole "
                     f"directory, base/ included, or {fix}")
     elif os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
@@ -209,7 +209,7 @@ def adapter_location(path: str, base: str | None = None) -> AdapterLocation | No
         return None
     config_path = os.path.join(adapter_dir, ADAPTER_CONFIG)
     if not os.path.isfile(config_path):
-        raise QueryInputError(f"{model} is a PEFT adapter saved by kfac_stream.whole_model "
+        raise QueryInputError(f"{model} is a PEFT adapter saved by kfac_stream.gather_model "
                               f"without its {config_path!r}: copy the whole directory")
     with open(config_path) as f:
         config = json.load(f)

@@ -87,9 +87,9 @@ from typing import TYPE_CHECKING, Any
 from transformers.integrations import INTEGRATION_TO_CALLBACK, TensorBoardCallback, WandbCallback
 from transformers.trainer_callback import CallbackHandler
 
-from ..factor_keys import FACTOR_KINDS, split_factor_key
 from ..snapshot.manifest_types import Manifest, Spectrum
 from ..snapshot.snapshot import read_manifest
+from ..utils.factor_keys import FACTOR_KINDS, split_factor_key
 
 if TYPE_CHECKING:
     from ..tracking.session import TrackingSession

@@ -12,10 +12,10 @@ import time
 from ..capture.graphs import compile_mode_error
 from ..config import KFACConfig
 from ..distributed.engines import engines_not_applied
-from ..log_setup import show_info_by_default
-from ..own_rng import kept_generators
 from ..query.answer_tokens import resolve_answer_tokens, text_tokenizer
-from .zero3 import check_deepspeed_device, deepspeed_requested
+from ..utils.log_setup import show_info_by_default
+from ..utils.own_rng import kept_generators
+from .unshard import check_deepspeed_device, deepspeed_requested
 
 logger = logging.getLogger("kfac_stream")
 
@@ -48,7 +48,7 @@ def run_devices(args) -> list:
 
 def check_engine_start(args) -> None:
     """At the end of ``Trainer.__init__``: refuse DeepSpeed on CPU without ``use_cpu``
-    (`zero3.check_deepspeed_device`) before its engine fails on every rank, and say that its
+    (`unshard.check_deepspeed_device`) before its engine fails on every rank, and say that its
     start inside ``trainer.train()`` takes a while."""
     check_deepspeed_device(args)
     if deepspeed_requested(args) and getattr(args, "process_index", 0) == 0:

@@ -17,7 +17,7 @@ randomness), all ``S`` samples in one ``model.generate`` call (`kfac_stream.samp
 the distinct continuations are counted.
 
 Selective answering. The agreement is a confidence: answer where the samples agree, abstain
-where they do not. With `kfac_stream.metrics` (where higher uncertainty = less certain), use
+where they do not. With `kfac_stream.query.metrics` (where higher uncertainty = less certain), use
 ``1 − agreement`` as the uncertainty::
 
     from kfac_stream import metrics
@@ -29,7 +29,7 @@ where they do not. With `kfac_stream.metrics` (where higher uncertainty = less c
     answered = ~abstain(d.agreement, 0.75)              # answer only where >= 75% agree
 
 Agreement takes only the values ``c/S``, so many examples tie; the metrics average over ties
-(`kfac_stream.metrics`' module docstring), and a larger ``S`` resolves more of them.
+(`kfac_stream.query.metrics`' module docstring), and a larger ``S`` resolves more of them.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class AnswerDistribution:
         majority: ``[B]`` int64: the most frequent answer; of answers tied at the top count, the
             MAP answer if it is one of them, else the lowest index.
         agreement: ``[B]`` float64: ``counts[majority] / S``, in ``[1/K, 1]`` (the majority's
-            share; ``1 − agreement`` is an uncertainty for `kfac_stream.metrics`).
+            share; ``1 − agreement`` is an uncertainty for `kfac_stream.query.metrics`).
         map_agrees: ``[B]`` bool: ``majority == map_answer``.
         n_samples: ``S``.
         seed: The seed of sample 0 (sample ``s`` is ``post.sampled_weights(seed + s)``'s draw).

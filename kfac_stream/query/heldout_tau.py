@@ -55,7 +55,6 @@ import torch
 from torch import Tensor
 
 from ..exceptions import QueryInputError
-from ..metrics import nll_per_example
 from ..snapshot.heldout_prior import GUARD_SE, MAP_LINK, HeldoutPrior
 from . import inputs
 from .calibration import PROBS_METHODS, probs_from_gaussian
@@ -67,6 +66,7 @@ from .heldout_tokens import (
     token_grid,
     token_nll,
 )
+from .metrics import nll_per_example
 
 #: ``τ`` candidates: a log grid over ten decades; the marginal-likelihood ``τ`` is added.
 #: Fixed before the suite that judged the held-out default. At the top (``1e6``)

@@ -79,7 +79,7 @@ from torch import Tensor
 from ..capture.hooks import logits_of
 from ..ekfac import ekfac_denominator
 from ..exceptions import QueryInputError
-from ..progress import progress
+from ..utils.progress import progress
 from . import inputs
 from . import kron_eigen as ke
 from .laplace import LaplacePosterior

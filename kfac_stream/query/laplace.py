@@ -63,7 +63,7 @@ class LaplacePosterior:
     Args:
         model: The trained model (the one the snapshot was tracked on, or a copy), an
             ``nn.Module`` with whole weights (after DeepSpeed ZeRO-3 training:
-            ``kfac_stream.whole_model(trainer, save_dir)``).
+            ``kfac_stream.gather_model(trainer, save_dir)``).
         snapshot: A loaded `Snapshot` (``Snapshot.load(path)`` or ``Snapshot.latest(dir)``).
         prior_precision: ``τ``: ``"auto"`` (default: the ``τ`` fitted on held-out data and
             stored beside the snapshot, ``snap.heldout_prior``, when there is one and
@@ -110,7 +110,7 @@ class LaplacePosterior:
         QueryInputError: an argument of the wrong type or out of range.
         PartitionedModelError: a model whose weights DeepSpeed ZeRO-3 partitions or FSDP2
             shards (also right after ``trainer.train()`` in the same script);
-            `kfac_stream.whole_model` gives a whole copy.
+            `kfac_stream.gather_model` gives a whole copy.
         SnapshotMismatchError: the model's layers differ from the snapshot's (missing, of
             another shape, or more of them with other weights: another, deeper network).
     """

@@ -15,11 +15,11 @@ from torch import nn
 from ..capture.presets import preset_layers
 from ..capture.selection import layer_spec, select_layers
 from ..distributed.engines import engine_for
-from ..enums import LayerPreset
 from ..exceptions import KFACConfigError, PartitionedModelError, SnapshotMismatchError
 from ..snapshot.manifest_types import to_json
 from ..snapshot.snapshot import Snapshot
 from ..snapshot.weights import compare_weights
+from ..utils.enums import LayerPreset
 from . import inputs
 
 

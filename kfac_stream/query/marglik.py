@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..progress import progress
+from ..utils.progress import progress
 from .calibration import minimise_over_log_range
 
 #: Width ``w`` (natural-log units) of the per-factor eigenvalue bins.
@@ -148,7 +148,7 @@ class EvidenceBins:
                  show_progress: bool | None = None) -> tuple[float, int]:
         """The shared ``τ`` in ``[lower, upper]`` maximising the evidence: ``grid`` log-spaced
         points and ``iters`` golden-section steps on the surrogate (`minimise_over_log_range`,
-        ``grid + iters + 2`` evaluations, counted by a progress bar: `kfac_stream.progress`),
+        ``grid + iters + 2`` evaluations, counted by a progress bar: `kfac_stream.utils.progress`),
         then `newton_polish` on the exact slope. Returns ``(τ, exact passes)``."""
         bar = progress(total=grid + iters + 2, desc=f"marglik prior precision "
                        f"({len(self.eigvals)} layers)", unit="eval", show=show_progress)

@@ -14,7 +14,7 @@ so that its adapter layers are missing or renamed.
   ``peft.PeftModel`` that trained (the snapshot's names).
 
 Either way the way out is ``PeftModel.from_pretrained(base, adapter_dir)``, or the directory
-``kfac_stream.whole_model`` saved (docs/lora.md).
+``kfac_stream.gather_model`` saved (docs/lora.md).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ PEFT_PREFIX = "base_model.model."
 
 #: How to load an adapter so that its layers carry the snapshot's names.
 RELOAD = ("load the adapter with peft: PeftModel.from_pretrained(base, adapter_dir) (or the "
-          "directory kfac_stream.whole_model saved, which holds the base model in base/; "
+          "directory kfac_stream.gather_model saved, which holds the base model in base/; "
           "docs/lora.md)")
 
 

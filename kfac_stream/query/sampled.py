@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ..exceptions import QueryInputError
-from ..progress import progress
+from ..utils.progress import progress
 from . import inputs
 from .laplace import LaplacePosterior
 from .sample_layers import SampledLayers, Samples, forwards_replaced
@@ -209,7 +209,7 @@ def sampled_predictive(post: LaplacePosterior, batch: Mapping[str, Tensor],
             d_A)`` flops per sample and layer, as much as a forward of ``d_out + d_A`` tokens
             through the layer, twice); None: drawn here, for this batch.
         show_progress: A progress bar over the samples: None (when stderr is a terminal,
-            `kfac_stream.progress`), True or False.
+            `kfac_stream.utils.progress`), True or False.
 
     Returns:
         A `SampledPredictive` (shapes in its docstring).

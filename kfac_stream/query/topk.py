@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..progress import progress
+from ..utils.progress import progress
 from . import inputs
 from .laplace import LaplacePosterior
 

@@ -31,7 +31,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from ..factor_keys import FACTOR_KINDS
+from ..utils.factor_keys import FACTOR_KINDS
 from .manifest_types import Manifest
 
 #: Relative sampling error of a factor above which a final-window snapshot is reported as

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..factor_keys import FACTOR_KINDS
+from ..utils.factor_keys import FACTOR_KINDS
 from .layout import layer_fingerprint, shard_name
 from .manifest_types import (
     AnswerTokens,

@@ -45,10 +45,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..enums import StorageDtype
 from ..exceptions import SnapshotError
-from ..files import fsync_path
 from ..stats.spectrum import eigh_stored
+from ..utils.enums import StorageDtype
+from ..utils.files import fsync_path
 from .layout import MANIFEST, MAX_MANIFEST_BYTES
 from .manifest import check_chunks, eigen_tensors, wide_dtype_name
 from .manifest_json import parse_json

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from ..enums import StorageDtype
 from ..exceptions import EigendecompositionError
 from ..stats.spectrum import eigh_stored
+from ..utils.enums import StorageDtype
 from .spectra_estimate import owned_entries
 from .writer import Deferred, write_order
 

@@ -10,7 +10,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from ..files import fsync_path
+from ..utils.files import fsync_path
 
 #: Beside a snapshot directory ``step-XXXXXXXX``: ``step-XXXXXXXX.heldout_prior.json``.
 SIDECAR = ".heldout_prior.json"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..factor_keys import FACTOR_KINDS
 from ..stats.spectrum import spectrum_stats
+from ..utils.factor_keys import FACTOR_KINDS
 from .snapshot import Snapshot
 
 

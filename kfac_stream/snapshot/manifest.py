@@ -21,7 +21,7 @@ where ``<key>`` is a path into the document: ``step``, ``counts.tokens_seen``,
 A shard entry with chunked digests (``chunk_bytes``, ``chunks``: one sha256 per
 ``chunk_bytes`` of the file, the last chunk shorter) must list exactly ``ceil(bytes /
 chunk_bytes)`` of them, and its ``sha256`` is their root: the sha256 of the raw 32-byte chunk
-digests concatenated in order (`kfac_stream.files.chunk_root`, recomputed here). Without them,
+digests concatenated in order (`kfac_stream.utils.files.chunk_root`, recomputed here). Without them,
 ``sha256`` is the whole file's (snapshots written before chunked digests; both forms load).
 
 Keys the schema does not know are kept in ``Snapshot.meta`` but never used.
@@ -34,10 +34,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ..enums import StorageDtype
 from ..exceptions import SnapshotError
-from ..factor_keys import FACTOR_KINDS, factor_key, split_factor_key
-from ..files import chunk_count, chunk_root
+from ..utils.enums import StorageDtype
+from ..utils.factor_keys import FACTOR_KINDS, factor_key, split_factor_key
+from ..utils.files import chunk_count, chunk_root
 from .layout import FORMAT_NAME, READ_VERSIONS
 from .manifest_json import child_path, parse_json
 from .manifest_types import SCHEMA, FactorEntry, Manifest, ShardEntry

@@ -370,7 +370,7 @@ class ShardEntry:
     Chunked digests (``chunk_bytes`` and ``chunks``, both or neither): ``chunks[i]`` is the
     sha256 of the file's bytes ``[i * chunk_bytes, (i + 1) * chunk_bytes)`` (the last chunk
     shorter; ``ceil(bytes / chunk_bytes)`` digests), and ``sha256`` is then the **root** over
-    them: the sha256 of the 32-byte digests concatenated in order (`kfac_stream.files.
+    them: the sha256 of the 32-byte digests concatenated in order (`kfac_stream.utils.files.
     chunk_root`), not the sha256 of the file. The writer writes them (the chunks are hashed in
     parallel, as written and as read); without them (snapshots written before), ``sha256`` is
     the sha256 of the whole file, read and checked as one stream.

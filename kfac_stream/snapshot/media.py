@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from ..factor_keys import FACTOR_KINDS
 from ..stats.spectrum import log10_histogram
+from ..utils.factor_keys import FACTOR_KINDS
 from .manifest import stored_key
 from .snapshot import LayerView, Snapshot, read_manifest
 

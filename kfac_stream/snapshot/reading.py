@@ -19,7 +19,7 @@ from typing import Any, BinaryIO
 import torch
 
 from ..exceptions import SnapshotError
-from ..files import read_verified
+from ..utils.files import read_verified
 from .layout import MANIFEST, MAX_MANIFEST_BYTES, MAX_SAFETENSORS_HEADER_BYTES
 from .manifest import TensorSpec, checked_manifest
 from .manifest_json import parse_json

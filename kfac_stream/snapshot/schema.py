@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from ..config import KFACConfig
-from ..enums import StorageDtype
 from ..exceptions import KFACConfigError, SnapshotError
+from ..utils.enums import StorageDtype
 from .layout import SHARD_RE, file_name_problem
 from .manifest_json import child_path, where
 

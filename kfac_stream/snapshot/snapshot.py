@@ -40,8 +40,8 @@ from typing import Any
 import torch
 
 from ..exceptions import SnapshotError
-from ..factor_keys import FACTOR_KINDS
-from ..progress import progress
+from ..utils.factor_keys import FACTOR_KINDS
+from ..utils.progress import progress
 from .layout import (
     STEP_DIR_RE,
     where_snapshots_are,
@@ -269,7 +269,7 @@ class Snapshot(LayerView):
         """Load and verify a snapshot directory (the steps in the module docstring).
 
         A progress bar counts the shard bytes read and verified (``show_progress`` as in
-        `kfac_stream.progress`: by default on a terminal only); a 7B model's snapshot is
+        `kfac_stream.utils.progress`: by default on a terminal only); a 7B model's snapshot is
         several GB. ``eigen``: a snapshot whose eigendecomposition was deferred is
         decomposed now (or its cache read: `eigen`), not at the first access of an
         eigenvalue.

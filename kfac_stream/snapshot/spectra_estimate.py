@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from ..factor_keys import FACTOR_KINDS
 from ..stats.lanczos import FLOOR_REL, SpectrumEstimate, estimate_stored
+from ..utils.factor_keys import FACTOR_KINDS
 
 #: The stated relative error of an estimated effective rank (the bound tests/test_lanczos.py
 #: checks on real factors from a Trainer run; measured worst 0.5%).

@@ -32,7 +32,7 @@ from safetensors.torch import save
 
 from ..distributed.context import LOCAL
 from ..exceptions import SnapshotError
-from ..files import (
+from ..utils.files import (
     ChunkDigests,
     file_chunk_digests,
     fsync_path,

@@ -51,8 +51,8 @@ from collections.abc import Mapping
 import torch
 from torch import Tensor
 
-from ..enums import StorageDtype
 from ..stats.ema import ema_step
+from ..utils.enums import StorageDtype
 from . import host_fold
 from .device_fold import DevicePending, FlushLanes, FoldResult, accumulate, make_lanes, stream_fold
 from .device_groups import GroupRegistry
@@ -75,7 +75,7 @@ class FactorStore:
             the stored factors are pinned.
         device_budget: Bytes of device memory the resident pending statistics (and the
             accumulation's work space) may take; None: decided from the CUDA device's memory
-            at the first `push_device` (`kfac_stream.settings.cuda_budget`).
+            at the first `push_device` (`kfac_stream.store.device_budget.cuda_budget`).
         traffic: Where the store counts its work (`Traffic`; the tracker passes its
             `Counters`).
         defer: Device path, factors folded as a group (`push_group`): updates whose rows are

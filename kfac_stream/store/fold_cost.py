@@ -1,7 +1,7 @@
 """Per-operation cost formulas of the factor store, from shapes alone.
 
 The store counts its work with these (`Traffic`) as it runs, from the actual row counts and
-dtypes; the cost model (`kfac_stream.cost`) sums the same formulas over a model's layer shapes
+dtypes; the cost model (`store.cost_model`) sums the same formulas over a model's layer shapes
 and an update's expected row counts. One formula per operation, so the two cannot drift.
 """
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..settings import cuda_budget
+from .device_budget import cuda_budget
 from .fold_cost import CHUNK_ENTRIES
 from .stored_factor import StoredFactor
 from .traffic import Traffic

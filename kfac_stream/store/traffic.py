@@ -3,7 +3,7 @@ copies across the host–device link, host work over factor entries, host reads.
 
 `Traffic` is a base of the tracker's `Counters` (so every field rides in snapshot manifests
 and checkpoints); the store counts into the object it is given. The cost model
-(`kfac_stream.cost`) predicts the same fields from layer shapes with the same per-operation
+(`store.cost_model`) predicts the same fields from layer shapes with the same per-operation
 formulas; ``tests/test_cost_model.py`` checks that they agree on a real run.
 """
 
@@ -18,9 +18,9 @@ class Traffic:
 
     Attributes:
         device_folds: Factor updates accumulated into pending statistics on the device.
-        fold_flops: FLOPs of those accumulations (`kfac_stream.cost.accumulate_flops`).
+        fold_flops: FLOPs of those accumulations (`kfac_stream.store.cost_model.accumulate_flops`).
         fold_device_bytes: Device memory traffic of those accumulations
-            (`kfac_stream.cost.accumulate_bytes`).
+            (`kfac_stream.store.cost_model.accumulate_bytes`).
         bytes_to_host, bytes_to_device: Bytes copied across the host–device link (the CPU
             stand-in counts the same copies).
         host_entries: Stored factor entries the host touched arithmetically (the host fold

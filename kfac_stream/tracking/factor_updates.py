@@ -8,7 +8,7 @@ stream when ``async_updates`` is on (the default on CUDA), after the event recor
 the step.
 With several ranks it exchanges rows or partial statistics with the owners
 (`distributed.exchange`; a non-finite statistic on any rank skips the update on all of them),
-then folds the second moments where `kfac_stream.folding.Folding` says (on the GPU into
+then folds the second moments where `kfac_stream.store.folding.Folding` says (on the GPU into
 pending statistics resident on the device, which reach the FP16 CPU `FactorStore` only when a
 reader flushes or the device budget forces it; on CPU the store folds rows itself).
 """
@@ -35,8 +35,8 @@ from ..distributed.exchange import (
     start_exchange,
 )
 from ..distributed.ownership import Ownership
-from ..folding import Folding, gram_fp32  # noqa: F401 (gram_fp32: re-exported)
 from ..store.factor_store import FactorStore
+from ..store.folding import Folding, gram_fp32  # noqa: F401 (gram_fp32: re-exported)
 from ..store.traffic import Traffic
 from .plan import RunPlan, WindowPlan
 

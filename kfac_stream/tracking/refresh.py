@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from ..capture.posterior_mode import posterior_mode
 from ..fisher import estimator_for
 from ..fisher.replay_draws import replay_seed
-from ..own_rng import own_draws
+from ..utils.own_rng import own_draws
 from .collect import collect_update
 
 logger = logging.getLogger("kfac_stream")

@@ -39,14 +39,14 @@ from ..config import KFACConfig
 from ..distributed.context import DistContext
 from ..distributed.engines import engine_for
 from ..distributed.ownership import Ownership, assign_owners
-from ..enums import StorageDtype
 from ..extensions import ExtensionExport, TrackerExtension, extensions_for
 from ..fisher import StepContext, estimator_for
 from ..fisher.replay_draws import replay_seed
-from ..folding import Folding
-from ..own_rng import own_draws
 from ..store.factor_store import FactorState
+from ..store.folding import Folding
 from ..store.traffic import Traffic
+from ..utils.enums import StorageDtype
+from ..utils.own_rng import own_draws
 from .collect import collect_update
 from .factor_updates import Counters, FactorUpdater, UpdateJob
 from .plan import RunPlan

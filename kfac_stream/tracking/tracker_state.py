@@ -41,9 +41,9 @@ from safetensors.torch import save_file
 from ..capture.hooks import CaptureState
 from ..distributed.context import LOCAL, JsonComm
 from ..exceptions import TrackerStateError
-from ..factor_keys import split_factor_key
-from ..files import fsync_path, sha256_of, write_json_atomic
 from ..store.factor_store import FactorState
+from ..utils.factor_keys import split_factor_key
+from ..utils.files import fsync_path, sha256_of, write_json_atomic
 
 STATE_DIR = "kfac_stream"  # inside a checkpoint
 PENDING_ROOT = "kfac_stream-pending"  # beside the checkpoints: states not yet moved in

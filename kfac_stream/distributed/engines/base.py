@@ -17,7 +17,7 @@ parameter *values* or *shapes* outside the forward asks the model's adapter:
 - the Trainer callback's warning when the launch asked for an engine that did not take the
   model (`kfac_stream.integrations.hf_callback`): `launch_not_applied`, through
   `engines_not_applied`;
-- `kfac_stream.whole_model`, the whole copy of a sharded model after training: `is_sharded`,
+- `kfac_stream.gather_model`, the whole copy of a sharded model after training: `is_sharded`,
   `whole_copy` and the hooks it names.
 
 The default of every hook is what a plain model (one process, or DDP: every rank holds every
@@ -40,13 +40,13 @@ class EngineAdapter:
 
     Attributes:
         name: The engine's name in messages (``"FSDP2"``, ``"ZeRO-3"``).
-        whole_copy: How `kfac_stream.whole_model` reaches the whole weights of a sharded
+        whole_copy: How `kfac_stream.gather_model` reaches the whole weights of a sharded
             model: ``"state_dict"`` (`gather_full_state_dict` on every rank, then a fresh
             `unsharded_class` instance on the main process loads it) or ``"save"`` (the
             Trainer's own ``save_model`` gathers them into files, checked with
             `saved_weights_problem`, and the main process loads them with ``from_pretrained``).
         manual_copy_hint: How a user makes a whole copy of a sharded model that is no
-            transformers ``PreTrainedModel`` (ends `whole_model`'s refusal).
+            transformers ``PreTrainedModel`` (ends `gather_model`'s refusal).
         save_gather_hint: What makes the engine's ``save_model`` write whole weights
             (``whole_copy="save"`` only).
     """
@@ -108,7 +108,7 @@ class EngineAdapter:
         registered adapter (`engines_not_applied`), matching or not."""
         return None
 
-    # -- whole_model ------------------------------------------------------------------------------
+    # -- gather_model ------------------------------------------------------------------------------
 
     def unsharded_class(self, model: nn.Module) -> type:
         """The class of a plain model that can hold ``model``'s whole weights."""

@@ -8,7 +8,7 @@ number of values) and ``ds_shape`` (the whole shape); its local tensor is a plac
 (``numel`` 0 between forwards). Reading one outside the forward takes
 ``deepspeed.zero.GatheredParameters`` (collective: every rank at the same point).
 
-The whole copy after training (`kfac_stream.whole_model`) goes through the Trainer's
+The whole copy after training (`kfac_stream.gather_model`) goes through the Trainer's
 ``save_model``, which gathers the 16-bit weights into files when the DeepSpeed config has
 ``stage3_gather_16bit_weights_on_model_save`` (``whole_copy = "save"``).
 """
@@ -105,7 +105,7 @@ class DeepSpeedZero3(EngineAdapter):
             f"{where}: the model's weights are partitioned across ranks by DeepSpeed ZeRO-3 "
             f"({name!r} holds {param.numel()} of its {param.ds_numel} values in this process, "
             "and the engine gathers them only inside its own forward): query a whole copy: "
-            "model = kfac_stream.whole_model(trainer, save_dir) on every rank (it saves the "
+            "model = kfac_stream.gather_model(trainer, save_dir) on every rank (it saves the "
             "model and loads it on the main process), or save it with "
             "trainer.save_model(dir) and load it with from_pretrained(dir) in a process "
             "without DeepSpeed")

@@ -7,7 +7,7 @@ backward. Activations and output gradients are never sharded: each rank's hooks 
 (``weight.shape``, ``in_features``) is the global one. So capture and the exchange need
 nothing FSDP-specific; only code that reads parameter *values* outside the forward does: the
 weight fingerprint of a snapshot (`FSDP2Engine.full_tensor`, collective) and queries, which
-refuse a sharded model and take a whole copy instead (`kfac_stream.whole_model`, through
+refuse a sharded model and take a whole copy instead (`kfac_stream.gather_model`, through
 `gather_full_state_dict` and `unsharded_class`).
 """
 
@@ -100,7 +100,7 @@ class FSDP2Engine(EngineAdapter):
             f"{where}: the model's weights are sharded across ranks by FSDP2 (fully_shard): "
             f"{name!r} is a DTensor whose values this process holds only in part, gathered "
             "inside the model's own forward and backward on every rank at once: query a "
-            "whole copy: model = kfac_stream.whole_model(trainer, save_dir) on every rank "
+            "whole copy: model = kfac_stream.gather_model(trainer, save_dir) on every rank "
             "(it gathers the weights and returns a plain model on the main process)")
 
     def launch_not_applied(self, model: nn.Module) -> str | None:

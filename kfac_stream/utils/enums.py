@@ -120,7 +120,7 @@ class FinalRefresh(str, Enum, metaclass=_MetaEnum):
 
 class FoldOn(str, Enum, metaclass=_MetaEnum):
     """Where the second moments are formed and the EMA runs (``KFACConfig.fold_on``,
-    `kfac_stream.folding`).
+    `kfac_stream.store.folding`).
 
     ``device``: on the rows' device, into pending statistics; ``host``: in the CPU store.
     ``auto``: ``device`` on CUDA, ``host`` on CPU.

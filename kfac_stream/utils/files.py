@@ -22,7 +22,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from .exceptions import SnapshotError
+from ..exceptions import SnapshotError
 
 #: Bytes per chunk digest: one sha256 per 64 MiB of a file (the last chunk shorter).
 HASH_CHUNK_BYTES = 64 << 20

@@ -23,9 +23,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .stats.covariance import gram
-from .store.device_fold import gram_mm
-from .store.factor_store import FactorStore
+from ..stats.covariance import gram
+from .device_fold import gram_mm
+from .factor_store import FactorStore
 
 
 def gram_fp32(rows: Tensor, diagonal: bool) -> Tensor:
@@ -45,7 +45,7 @@ class Folding:
     """The fold decisions of one tracker (see the module table).
 
     Args:
-        fold_on: ``"device"`` or ``"host"`` (resolved, `kfac_stream.settings`).
+        fold_on: ``"device"`` or ``"host"`` (resolved, `kfac_stream.store.device_budget`).
         device: The rows' device.
         wide: The wide dtype of the storage (float32, float64 for float64 storage).
     """

@@ -1,4 +1,4 @@
-"""The main job: ``kfac-stream train`` / ``python -m kfac_stream.train`` (Hydra).
+"""The main job: ``kfac-stream train`` / ``python -m kfac_stream.app`` (Hydra).
 
 Trains a causal LM with ``transformers.Trainer`` and `KFACStreamCallback`, logs the factors'
 spectra (W&B, offline unless an API key is set; TensorBoard; the Trainer's own log), and prints
@@ -43,10 +43,10 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from .app.schema import AppTrainerDefaults, check_keys, check_override_keys, kfac_config, register
-from .distributed.context import agree_with_rank0, release_process_groups
-from .exceptions import AppConfigError, KFACConfigError
-from .integrations.zero3 import check_deepspeed_device
+from ..distributed.context import agree_with_rank0, release_process_groups
+from ..exceptions import AppConfigError, KFACConfigError
+from ..integrations.unshard import check_deepspeed_device
+from .schema import AppTrainerDefaults, check_keys, check_override_keys, kfac_config, register
 
 logger = logging.getLogger("kfac_stream")
 register()
@@ -57,7 +57,7 @@ def conf_dir() -> str:
     editable install), which the wheel ships as ``kfac_stream/conf/`` (package data). An
     absolute path, so Hydra reads them as files from any working directory
     (``--config-dir``/``-cd`` adds a directory searched after this one)."""
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # above app/
     installed = os.path.join(package, "conf")
     return installed if os.path.isdir(installed) else os.path.join(os.path.dirname(package),
                                                                    "conf")
@@ -95,8 +95,8 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
 
     from transformers import Trainer
 
-    from .app import data as appdata
-    from .integrations.hf_callback import KFACStreamCallback
+    from ..integrations.hf_callback import KFACStreamCallback
+    from . import data as appdata
 
     if args.process_index == 0:
         logger.info("kfac_stream: run directory %s; building the model and the data (%d "
@@ -120,7 +120,7 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
     result: dict[str, Any] = {"output_dir": out, "snapshots": list(kfac.snapshots),
                               "train_seconds": wall}
     if trainer.is_world_process_zero() and kfac.snapshots:
-        from .app.report import end_of_run_report
+        from .report import end_of_run_report
 
         result.update(end_of_run_report(
             cfg, model, tokenizer, seq_len=seq_len, kfac=kfac, wall=wall,
@@ -141,7 +141,7 @@ def _check_choices(cfg: DictConfig) -> None:
     if cfg.model.kind == "hf" and not cfg.model.name_or_path:
         raise AppConfigError("model.name_or_path is required with model=hf")
     if cfg.model.kind == "hf":
-        from .files import local_path_problem
+        from ..utils.files import local_path_problem
 
         problem = local_path_problem(cfg.model.name_or_path)
         if problem is not None:  # at once: from_pretrained would retry the hub first
@@ -219,8 +219,8 @@ def _setup_reporting(cfg: DictConfig, args, out: str) -> None:
 
 
 def _model(cfg: DictConfig):
-    from .app import data as appdata
-    from .app import models
+    from . import data as appdata
+    from . import models
 
     m = cfg.model
     if m.kind == "tiny":
@@ -238,7 +238,7 @@ def training_documents(cfg: DictConfig) -> tuple[list[str], list[str]]:
     """``(train, heldout)`` documents of the ``data`` and ``model`` groups of a composed
     config (the split is seeded by ``model.seed``): what `run` trains on, and what
     ``kfac-stream influence --train app`` scores."""
-    from .app import data as appdata
+    from . import data as appdata
 
     d = cfg.data
     if d.kind == "pydoc":
@@ -254,14 +254,14 @@ def training_windows(docs: list[str], tokenizer, seq_len: int,
     """The training examples of ``docs``: one token stream (`encode_documents`: joined by a
     blank line, no special tokens) cut into consecutive windows of ``seq_len`` tokens, the
     incomplete tail dropped (`lm_examples`), at most ``max_examples``."""
-    from .app import data as appdata
+    from . import data as appdata
 
     return appdata.lm_examples(appdata.encode_documents(docs, tokenizer), seq_len,
                                max_examples)
 
 
 def _documents(cfg: DictConfig) -> tuple[list[str], list[str], dict[str, list[str]]]:
-    from .app import data as appdata
+    from . import data as appdata
 
     train, heldout = training_documents(cfg)
     ood = {name: getattr(appdata, OOD_SETS[name])() for name in cfg.data.ood}
@@ -280,7 +280,7 @@ def _strip_local_rank_arg() -> None:
 
 
 def cli_main() -> None:
-    """Entry point of ``python -m kfac_stream.train`` and ``kfac-stream train``."""
+    """Entry point of ``python -m kfac_stream.app`` and ``kfac-stream train``."""
     _strip_local_rank_arg()
     try:
         check_override_keys(sys.argv[1:])  # "did you mean", before Hydra composes

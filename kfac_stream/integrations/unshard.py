@@ -1,4 +1,4 @@
-"""`whole_model`: the trained model with whole weights in one process, for queries after
+"""`gather_model`: the trained model with whole weights in one process, for queries after
 DeepSpeed ZeRO-3 or FSDP2 training in the same script.
 
 Under ZeRO-3 each rank holds 1/world of every parameter; the engine gathers them only inside its
@@ -6,7 +6,7 @@ own forward and partitions them again after it. `LaplacePosterior` therefore ref
 model (`PartitionedModelError`). The way out, in the training script itself::
 
     trainer.train()
-    model = kfac_stream.whole_model(trainer, f"{out}/model")   # on EVERY rank (collective)
+    model = kfac_stream.gather_model(trainer, f"{out}/model")   # on EVERY rank (collective)
     if model is not None:                                       # the main process
         post = LaplacePosterior(model, Snapshot.latest(f"{out}/kfac"), prior_precision="marglik")
 
@@ -71,7 +71,7 @@ def check_deepspeed_device(args) -> None:
             "fails on every rank")
 
 
-def whole_model(trainer, save_dir: str, device=None) -> nn.Module | None:
+def gather_model(trainer, save_dir: str, device=None) -> nn.Module | None:
     """The trained model of ``trainer`` with whole weights, for `LaplacePosterior`.
 
     Call it on every rank after ``trainer.train()``. Under DeepSpeed ZeRO-3 it is collective:
@@ -125,14 +125,14 @@ def whole_model(trainer, save_dir: str, device=None) -> nn.Module | None:
 
 
 def _whole_unsharded(trainer, model: nn.Module, save_dir: str) -> nn.Module:
-    """`whole_model` of a model no engine shards: saved (with a PEFT model's base), returned."""
+    """`gather_model` of a model no engine shards: saved (with a PEFT model's base), returned."""
     trainer.save_model(save_dir)  # the main process writes; DDP ranks return at once
     if is_peft_model(model) and trainer.args.should_save:
         problem = _peft_base_problem(model)
         if problem is None:
             save_base(model, model.state_dict(), save_dir, _tokenizer_of(trainer))
         else:
-            logger.warning("kfac_stream: whole_model saved only the PEFT adapter in %s: %s",
+            logger.warning("kfac_stream: gather_model saved only the PEFT adapter in %s: %s",
                            save_dir, problem)
     return model
 
@@ -143,7 +143,7 @@ def _require_pretrained(engine: EngineAdapter, cls: type) -> None:
 
     if not issubclass(cls, PreTrainedModel):
         raise PartitionedModelError(
-            f"whole_model: the {engine.name} model is a {cls.__name__}, not a transformers "
+            f"gather_model: the {engine.name} model is a {cls.__name__}, not a transformers "
             f"PreTrainedModel; {engine.manual_copy_hint}")
 
 
@@ -164,7 +164,7 @@ def _settle(trainer) -> None:
 
 def _whole_saved(trainer, model: nn.Module, engine: EngineAdapter, save_dir: str,
                  device) -> nn.Module | None:
-    """`whole_model` through the engine's own save (ZeRO-3): ``save_model`` gathers the
+    """`gather_model` through the engine's own save (ZeRO-3): ``save_model`` gathers the
     weights into files, the main process loads them outside the engine."""
     _require_pretrained(engine, type(model))
     trainer.save_model(save_dir)  # collective under ZeRO-3: gathers the 16-bit weights
@@ -173,7 +173,7 @@ def _whole_saved(trainer, model: nn.Module, engine: EngineAdapter, save_dir: str
         return None
     problem = engine.saved_weights_problem(save_dir)
     if problem is not None:
-        raise PartitionedModelError(f"whole_model: trainer.save_model({save_dir!r}) {problem}")
+        raise PartitionedModelError(f"gather_model: trainer.save_model({save_dir!r}) {problem}")
     engine.before_local_load()
     copy = type(model).from_pretrained(save_dir)
     return copy.to(trainer.args.device if device is None else device).eval()
@@ -181,19 +181,19 @@ def _whole_saved(trainer, model: nn.Module, engine: EngineAdapter, save_dir: str
 
 def _whole_peft_saved(trainer, model: nn.Module, engine: EngineAdapter, save_dir: str,
                       device) -> nn.Module | None:
-    """`whole_model` of a PeftModel under ZeRO-3: the adapter (``save_model``, which gathers the
+    """`gather_model` of a PeftModel under ZeRO-3: the adapter (``save_model``, which gathers the
     trainable parameters alone), then the whole state dict gathered once more for the base
     model's copy in ``save_dir/base``; the main process loads both outside DeepSpeed."""
     problem = _peft_base_problem(model)
     if problem is not None:  # the same on every rank, before any collective
-        raise PartitionedModelError(f"whole_model: {problem}")
+        raise PartitionedModelError(f"gather_model: {problem}")
     trainer.save_model(save_dir)  # collective: gathers the adapter's parameters
     try:  # collective: every parameter, whole, on the main process
         state = trainer.accelerator.get_state_dict(getattr(trainer, "deepspeed", None)
                                                    or trainer.model_wrapped)
     except ValueError:  # the same on every rank: the DeepSpeed config gathers no weights
         raise PartitionedModelError(
-            f"whole_model: the base model of the PEFT model in {save_dir!r} cannot be saved "
+            f"gather_model: the base model of the PEFT model in {save_dir!r} cannot be saved "
             f"whole: {engine.save_gather_hint}") from None
     if trainer.is_world_process_zero():
         save_base(model, state, save_dir, _tokenizer_of(trainer))
@@ -231,7 +231,7 @@ def _tokenizer_of(trainer):
 
 def _whole_gathered(trainer, model: nn.Module, engine: EngineAdapter, save_dir: str,
                     device) -> nn.Module | None:
-    """`whole_model` by the engine's state-dict gather (FSDP2): the main process loads it into
+    """`gather_model` by the engine's state-dict gather (FSDP2): the main process loads it into
     an unsharded copy, saves that and returns it."""
     cls = engine.unsharded_class(model)
     _require_pretrained(engine, cls)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from .store.fold_cost import (
+from .fold_cost import (
     accumulate_bytes,
     accumulate_flops,
     flush_bytes,
@@ -19,7 +19,7 @@ from .store.fold_cost import (
     host_fold_entries,
     pending_rmw_bytes,
 )
-from .store.traffic import Traffic
+from .traffic import Traffic
 
 #: The fields that add up over operations (the rest are gauges).
 ADDITIVE = ("device_folds", "fold_flops", "fold_device_bytes", "bytes_to_host",

@@ -29,7 +29,7 @@ import math
 import torch
 from torch import Tensor
 
-from .exceptions import QueryInputError
+from ..exceptions import QueryInputError
 
 PROB_FLOOR = 1e-300
 """Probabilities are clamped to at least this before the log in `nll` (so a zero probability
