@@ -46,10 +46,11 @@ import transformers
 from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from kfac_stream import KFACConfig, KFACStreamCallback, metrics
+from kfac_stream import KFACConfig, KFACStreamCallback
 from kfac_stream.app import data as app_data
 from kfac_stream.app.data import ExampleDataset
 from kfac_stream.app.models import tiny_gpt2
+from kfac_stream.query import metrics
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from kfac_stream import metrics
+from kfac_stream.query import metrics
 from kfac_stream.query.calibration import probs_from_gaussian
 from kfac_stream.query.prior_choice import NO_HELDOUT_LINK
 

@@ -75,8 +75,9 @@ from tasks import suite_tasks as st
 from tasks.registry import ALL_TASKS, make_task
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, metrics
+from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
 from kfac_stream.app.data import ExampleDataset
+from kfac_stream.query import metrics
 from kfac_stream.query.calibration import probs_from_gaussian
 from kfac_stream.query.heldout_tau import GRID as HELDOUT_GRID
 from kfac_stream.query.heldout_tau import LINKS as HELDOUT_LINKS

@@ -62,8 +62,9 @@ import torch
 from tasks import suite_tasks as st
 from transformers import Trainer, TrainingArguments
 
-from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, metrics
+from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
 from kfac_stream.app.data import ExampleDataset
+from kfac_stream.query import metrics
 from kfac_stream.query.calibration import probs_from_gaussian
 from kfac_stream.tracking.refresh import REFRESH_MC_DRAWS
 

@@ -149,7 +149,8 @@ from multiple_choice import ANSWERS, PACKAGES, SNIPPET_BYTES, base_lm
 from tasks import classification_tasks as ct
 from tasks.uncertainty_tasks import TASKS, DocstringTask
 
-from kfac_stream import KFACConfig, LaplacePosterior, Snapshot, metrics
+from kfac_stream import KFACConfig, LaplacePosterior, Snapshot
+from kfac_stream.query import metrics
 from kfac_stream.query.calibration import probs_from_gaussian
 
 from _common import (

@@ -25,7 +25,8 @@ from pydoc_data.topics import topics
 import torch
 from transformers import BertConfig, BertForSequenceClassification, Trainer, TrainingArguments
 
-from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, metrics
+from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
+from kfac_stream.query import metrics
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", default="out/classification")

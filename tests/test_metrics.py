@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kfac_stream import metrics as M
 from kfac_stream.exceptions import QueryInputError
+from kfac_stream.query import metrics as M
 
 EXACT = 1e-12  # float64, a different order of the same arithmetic
 

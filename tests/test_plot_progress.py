@@ -14,7 +14,6 @@ import torch
 from tqdm import tqdm
 
 from kfac_stream import LaplacePosterior, Snapshot
-from kfac_stream import progress as qprogress
 from kfac_stream.app.contrast import uncertainty_contrast, uncertainty_contrasts
 from kfac_stream.cli import main as cli_main
 from kfac_stream.query.num_data import NUM_DATA_WARN_FACTOR, default_num_data
@@ -22,6 +21,7 @@ from kfac_stream.query.topk import topk_predictive
 from kfac_stream.snapshot import media
 from kfac_stream.snapshot.manifest_types import FactorEntry, LayerEntry
 from kfac_stream.snapshot.snapshot import LayerFactors, LayerView
+from kfac_stream.utils import progress as qprogress
 
 from harness import run
 from models import text_examples, tiny_gpt2

@@ -265,7 +265,7 @@ def test_hub_and_gpu_lines_compose():
     launch configs they name exist."""
     for line in commands("compose"):
         argv = shlex.split(line)
-        i = argv.index("kfac_stream.app.main") + 1 if "kfac_stream.app.main" in argv else 2
+        i = argv.index("kfac_stream.app") + 1 if "kfac_stream.app" in argv else 2
         for a in argv:
             if a.startswith("launch/") or "=launch/" in a:
                 assert (ROOT / a.split("=", 1)[-1]).is_file(), a
@@ -296,4 +296,4 @@ def test_lines_run_by_other_tests():
     assert argv[:5] == ["DS_ACCELERATOR=cpu", "accelerate", "launch", "--config_file",
                         "launch/cpu_zero3.yaml"]
     assert 'launch="cpu_zero3.yaml"' in source and 'DS_ACCELERATOR="cpu"' in source
-    assert all(f'"{a}"' in source for a in argv[argv.index("kfac_stream.app.main") + 1:])
+    assert all(f'"{a}"' in source for a in argv[argv.index("kfac_stream.app") + 1:])

@@ -42,8 +42,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kfac_stream import Snapshot, SnapshotError, files
+from kfac_stream import Snapshot, SnapshotError
 from kfac_stream.snapshot import writer
+from kfac_stream.utils import files
 
 from chunk_digests import chunked, root_of
 from harness import run

@@ -13,13 +13,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from kfac_stream import files
 from kfac_stream.exceptions import SnapshotError
 from kfac_stream.snapshot import writer
 from kfac_stream.snapshot.manifest import stored_key
 from kfac_stream.snapshot.media import Spectra, log10_histograms, make_media
 from kfac_stream.snapshot.snapshot import Snapshot, read_manifest
 from kfac_stream.snapshot.writer import safetensors_chunks, write_safetensors, write_shard
+from kfac_stream.utils import files
 from kfac_stream.utils.files import (
     file_chunk_digests,
     hash_chunked,

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from kfac_stream import Snapshot, files
+from kfac_stream import Snapshot
 from kfac_stream.snapshot import writer
 from kfac_stream.snapshot.layout import MANIFEST, layer_fingerprint, shard_name
 from kfac_stream.snapshot.manifest_types import (
@@ -60,6 +60,7 @@ from kfac_stream.snapshot.manifest_types import (
     Ownership,
     Spectrum,
 )
+from kfac_stream.utils import files
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: _common
 from _common import machine, write_json  # noqa: E402

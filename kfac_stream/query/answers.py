@@ -20,7 +20,7 @@ Selective answering. The agreement is a confidence: answer where the samples agr
 where they do not. With `kfac_stream.query.metrics` (where higher uncertainty = less certain), use
 ``1 − agreement`` as the uncertainty::
 
-    from kfac_stream import metrics
+    from . import metrics
     d = answer_distribution(post, batch, options)
     correct = d.majority == labels                      # [B] bool, labels: index into options
     coverage, risk = metrics.risk_coverage(correct, 1 - d.agreement)
