@@ -3,7 +3,6 @@ the per-tau covariance reuse (`LaplacePosterior.predictive_covariances`), and th
 answer-position indexing under right padding."""
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +14,9 @@ from kfac_stream.query.laplace import LaplacePosterior
 from harness import run, sum_nll_loss
 from models import text_examples, tiny_gpt2
 from reference import rel_err
+from repo_paths import BENCHMARKS
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(BENCHMARKS))
 import classification_figures as cf  # noqa: E402
 import multiple_choice as mc  # noqa: E402
 import uncertainty_classification as uc  # noqa: E402

@@ -4,13 +4,14 @@ the hooks' per-example gradients equal autograd's, and the dense solve gives the
 inverse's inner products."""
 
 import sys
-from pathlib import Path
 
 import torch
 
 from kfac_stream.app.models import tiny_gpt2
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from repo_paths import BENCHMARKS
+
+sys.path.insert(0, str(BENCHMARKS))
 import exact_curvature as ec  # noqa: E402
 import influence_peers as ip  # noqa: E402
 

@@ -13,8 +13,8 @@ import ast
 import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-BENCHMARKS = ROOT / "benchmarks"
+from repo_paths import BENCHMARKS, ROOT
+
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 800, 120
 
 

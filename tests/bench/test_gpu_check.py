@@ -15,11 +15,11 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from repo_paths import ROOT
+
 # fp32 accumulation of 64 bf16 products per entry: relative error ~2^-24·8; 1e-5 is loose
 FP32_ACCUMULATION_TOL = 1e-5
 # the script checks Q diag(w) Qᵀ against the factor in float32 (where it built the factor):

@@ -11,12 +11,12 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from repo_paths import BENCHMARKS, ROOT
+
+sys.path.insert(0, str(BENCHMARKS))
 
 import influence_gpu  # noqa: E402
 

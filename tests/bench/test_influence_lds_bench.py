@@ -5,7 +5,6 @@ structure and every LDS a finite number in [-1, 1])."""
 import math
 import re
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +12,9 @@ import torch
 pytest.importorskip("dattri", reason="peer not installed (Makefile PEER_PKGS)")
 pytest.importorskip("sklearn", reason="peer not installed (Makefile PEER_PKGS)")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from repo_paths import BENCHMARKS
+
+sys.path.insert(0, str(BENCHMARKS))
 import influence_lds as il  # noqa: E402
 from tasks import lds_tasks as lt  # noqa: E402
 

@@ -5,12 +5,13 @@ leaves as it was; ``--quick`` end to end under ``-m slow``."""
 import itertools
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from repo_paths import BENCHMARKS
+
+sys.path.insert(0, str(BENCHMARKS))
 import influence_quality as iq  # noqa: E402
 
 

@@ -6,14 +6,15 @@ defaults ≤ 0.5% of a step) with every term present."""
 import math
 import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 
 from kfac_stream.snapshot.eigen_rule import IN_RUN_SHARE
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from repo_paths import BENCHMARKS
+
+sys.path.insert(0, str(BENCHMARKS))
 import scale
 
 from kfac_stream.cost import update_cost

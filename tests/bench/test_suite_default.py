@@ -4,14 +4,15 @@ bar is applied as stated."""
 
 import random
 import sys
-from pathlib import Path
 
 import torch
 
 from kfac_stream import LaplacePosterior, Snapshot
 from kfac_stream.snapshot.heldout_prior import HeldoutPrior
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from repo_paths import BENCHMARKS
+
+sys.path.insert(0, str(BENCHMARKS))
 import suite_default as sd  # noqa: E402
 from tasks import suite_tasks as st  # noqa: E402
 

@@ -4,12 +4,13 @@ the bar (≤ MAP's NLL where MAP is overconfident, ≤ 1.01 × where underconfid
 blended link. Figures are chosen so each ratio is known by hand."""
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from repo_paths import BENCHMARKS
+
+sys.path.insert(0, str(BENCHMARKS))
 import suite  # noqa: E402
 
 

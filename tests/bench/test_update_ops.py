@@ -6,9 +6,10 @@ whatever its size, so a count that grows with the number of factors is the updat
 there. Counted at the dispatcher, views included: upper bounds of the profiler's figures."""
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from repo_paths import BENCHMARKS
+
+sys.path.insert(0, str(BENCHMARKS))
 
 from worker_ops import LAYERS, count_update_ops  # noqa: E402
 

@@ -16,7 +16,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import repo_paths
+
+ROOT = str(repo_paths.ROOT)
 EXAMPLES = {  # script: (shortening arguments, a line its output must contain)
     "causal_lm.py": (["--steps", "20"], r"next ' ': logit -?\d+\.\d+ ± \d+\.\d+"),
     "sequence_classification.py": (["--steps", "20"], r"(?m)^Laplace, held-out tau \S+ "

@@ -33,7 +33,8 @@ import pytest
 import yaml
 from test_examples import EXAMPLES, LORA_QUERY, TINY_DEMO, ZERO3_EXAMPLE
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from repo_paths import ROOT
+
 VENV = pathlib.Path(sys.executable).parent.parent
 APP_TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.seq_len=32",
             "trainer.max_steps=4", "trainer.per_device_train_batch_size=4",
@@ -292,7 +293,7 @@ def test_lines_run_by_other_tests():
     assert shlex.split(z3) == ZERO3_EXAMPLE
     (app,) = commands("zero3_app")
     argv = shlex.split(app)
-    source = (ROOT / "tests" / "test_app.py").read_text()
+    source = (ROOT / "tests" / "runs" / "test_hydra_app.py").read_text()
     assert argv[:5] == ["DS_ACCELERATOR=cpu", "accelerate", "launch", "--config_file",
                         "launch/cpu_zero3.yaml"]
     assert 'launch="cpu_zero3.yaml"' in source and 'DS_ACCELERATOR="cpu"' in source

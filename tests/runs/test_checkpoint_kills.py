@@ -33,8 +33,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(ROOT, "tests", "checkpoint_job.py")
+import repo_paths
+
+ROOT = str(repo_paths.ROOT)
+JOB = str(repo_paths.SUPPORT / "checkpoint_job.py")
 STEPS, SAVE_STEPS = 12, 2
 MAX_CHAINS = 16
 MIN_KILLS = 20  # kills each followed by a resume

@@ -48,8 +48,10 @@ from safetensors import safe_open
 from kfac_stream import Snapshot
 from kfac_stream.snapshot.layout import MANIFEST, STEP_DIR_RE
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(ROOT, "tests", "crash_job.py")
+import repo_paths
+
+ROOT = str(repo_paths.ROOT)
+JOB = str(repo_paths.SUPPORT / "crash_job.py")
 TMP_RE = re.compile(r"^\.step-(\d{8})\.tmp-(.+)$")
 MARK_RE = re.compile(r"^CRASH-JOB (\S+) (.*)$", re.M)
 N_LAYERS = 8  # tiny_gpt2: 2 blocks × (c_attn, attn.c_proj, c_fc, mlp.c_proj); the default

@@ -50,13 +50,14 @@ from shared_runs import SharedRuns, session_dir
 from kfac_stream import LaplacePosterior, Snapshot
 
 from models import text_examples, tiny_gpt2
+import repo_paths
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
     reason="deepspeed is not installed (`make test` installs it with --no-build-isolation)")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(ROOT, "tests", "dist_job.py")
+ROOT = str(repo_paths.ROOT)
+JOB = str(repo_paths.SUPPORT / "dist_job.py")
 PAD = ["--pad-rows", "2,3"]
 HALF = ["--token-fraction", "0.5"]
 # 8 sequences, 20 steps of 8: the refresh's FLOP budget (≥ 8 / 1.35 sequences a rank) exceeds an

@@ -32,8 +32,9 @@ from kfac_stream import Snapshot
 from kfac_stream.stats.spectrum import spectrum_stats
 
 from logreaders import latest_wandb_run_dir, read_tensorboard_scalars, read_wandb_offline
+import repo_paths
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(repo_paths.ROOT)
 RTOL = 1e-6
 TINY = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.seq_len=32",
         "trainer.max_steps=6", "trainer.per_device_train_batch_size=4", "trainer.use_cpu=true",
@@ -204,7 +205,7 @@ def test_bad_override_fails_before_training(tmp_path):
     runs = [tmp_path / f"run{i}" for i in range(len(BAD_OVERRIDES))]
     lines = [f"hydra.run.dir={run} {override}" for run, (override, _) in zip(runs, BAD_OVERRIDES)]
     out_json = tmp_path / "results.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "app_overrides_job.py"),
+    proc = subprocess.run([sys.executable, str(repo_paths.SUPPORT / "app_overrides_job.py"),
                            str(out_json), *lines], cwd=ROOT, env=_env(tmp_path),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]

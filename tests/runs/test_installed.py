@@ -24,7 +24,8 @@ import yaml
 
 from kfac_stream import Snapshot
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from repo_paths import ROOT
+
 BIN = pathlib.Path(sys.executable).parent
 # the app's offline defaults, shrunk: one 1 x 32 layer, 4 steps, snapshots at 2 and 4, no
 # trackers (W&B, TensorBoard) and no end-of-run contrast

@@ -39,10 +39,12 @@ from test_distributed import EXACT_TOL, _free_port, factors, info, rel
 
 from kfac_stream import Snapshot
 
+import repo_paths
+
 pytestmark = pytest.mark.slow
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-JOB = os.path.join(ROOT, "tests", "dist_job.py")
+ROOT = str(repo_paths.ROOT)
+JOB = str(repo_paths.SUPPORT / "dist_job.py")
 ARGS = ["--pad-rows", "2,3", "--steps", "4", "--snapshot-every", "1", "--sync-snapshots"]
 NODE_ARGS = [*ARGS, "--save-steps", "2"]
 RUN_TIMEOUT = 300  # s per launch (~15-30 s each on 2 loaded cores)

@@ -1,7 +1,6 @@
 """conf/ mirrors KFACConfig; the CLI reads real snapshots."""
 
 import dataclasses
-import pathlib
 import re
 
 import pytest
@@ -14,8 +13,9 @@ from kfac_stream.stats.spectrum import spectrum_stats
 
 from harness import run
 from models import text_examples, tiny_gpt2
+from repo_paths import ROOT
 
-CONF = pathlib.Path(__file__).resolve().parents[1] / "conf"
+CONF = ROOT / "conf"
 
 
 def test_conf_defaults_match_kfacconfig():
@@ -108,7 +108,7 @@ def test_launch_configs_parse_and_are_self_contained():
 
     from accelerate.commands.config.config_args import load_config_from_file
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     files = sorted(glob.glob(os.path.join(root, "launch", "*.yaml")))
     assert len(files) >= 10
     stages = set()

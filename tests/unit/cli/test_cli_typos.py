@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import argparse
-import pathlib
 import re
 import shutil
 import sys
@@ -26,8 +25,9 @@ from kfac_stream.exceptions import SnapshotError
 
 from harness import run
 from models import text_examples, tiny_gpt2
+from repo_paths import ROOT
 
-DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs"
+DOCS = ROOT / "docs"
 
 # -- 4. the docs state the parser's defaults -------------------------------------------------
 

@@ -30,6 +30,7 @@ from kfac_stream.tracking.plan import RunPlan
 from harness import factor_errors, run, sum_nll_loss
 from models import text_examples, tiny_gpt2
 from reference import reference_factors
+from repo_paths import ROOT
 
 ORACLE_TOL = 1e-10  # float64 end to end: only summation-order rounding differs
 LAYERS = [f"transformer.h.{i}.{m}" for i in range(2)
@@ -102,7 +103,7 @@ def test_a_snapshot_of_a_registered_estimator_reads_where_it_is_not_registered(t
     unregister_fisher(toy_fisher)  # and in this process: the reader checks no Fisher name
     snap = Snapshot.load(path)
     assert snap.manifest.fisher == "first_micro_batch" and len(snap.layer_names) == len(LAYERS)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = str(ROOT)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, "-m", "kfac_stream.cli", "inspect", str(path)],
                           env=env, capture_output=True, text=True, timeout=300)

@@ -19,10 +19,11 @@ from kfac_stream import KFACConfigError, KFACStreamCallback, whole_model
 from kfac_stream.capture.preset_memory import factor_bytes
 from kfac_stream.tracking.lines import tracking_summary
 
+import repo_paths
 from harness import run
 from models import text_examples, tiny_gpt2
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(repo_paths.ROOT)
 SUMMARY = re.compile(
     r"^kfac_stream: tracking (\d+) layers, (\d+) factors \((\d+) dense, (\d+) diagonal\)"
     r"(?: in stack [\w.]+ \(\d+ blocks\))?, "

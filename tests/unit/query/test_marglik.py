@@ -5,7 +5,6 @@ lazily (an A several layers share: once); the benchmark's ``--quick`` smoke run 
 
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +18,7 @@ from kfac_stream.snapshot.snapshot import _Dequantised
 
 from harness import run
 from models import text_examples, tiny_llama
-
-ROOT = Path(__file__).resolve().parents[1]
+from repo_paths import ROOT
 
 
 @pytest.fixture(scope="module")

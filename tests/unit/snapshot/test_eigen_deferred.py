@@ -32,10 +32,7 @@ from kfac_stream.tracking.factor_updates import FactorUpdater
 
 from harness import run
 from models import text_examples, tiny_gpt2
-
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-
+from repo_paths import ROOT as REPO
 
 # -- the rule ------------------------------------------------------------------------------------
 

@@ -12,15 +12,17 @@ import weakref
 
 import pytest
 import torch
-from test_hot_path import EIGH_BACKWARD_C, FP32_UNIT_ROUNDOFF, _eigh_excess
+from test_worker_eigh_and_cuda import EIGH_BACKWARD_C, FP32_UNIT_ROUNDOFF, _eigh_excess
 
 from kfac_stream.snapshot.eigen_stream import EigendecompositionError, EigenStream
 from kfac_stream.snapshot.writer import Deferred, resolved, write_order
 from kfac_stream.stats import spectrum
 from kfac_stream.stats.spectrum import safe_psd_eigh, spectrum_stats
 
+import repo_paths
+
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = str(repo_paths.ROOT)
 
 
 def _shard(storage: str = "float16", seed: int = 0):

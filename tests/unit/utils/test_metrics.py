@@ -4,13 +4,14 @@ implementations, invariances, and the one-line input errors."""
 import itertools
 import math
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kfac_stream import metrics as M
 from kfac_stream.exceptions import QueryInputError
+
+from repo_paths import BENCHMARKS
 
 EXACT = 1e-12  # float64, a different order of the same arithmetic
 
@@ -372,7 +373,7 @@ def test_classification_report_agrees_with_the_functions():
 # -- the benchmarks delegate ----------------------------------------------------------------------
 
 def test_benchmark_helpers_delegate_with_the_old_values():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(BENCHMARKS))
     import _common
 
     p, y = random_probs(400, 6, seed=12)
