@@ -4,7 +4,7 @@ copies across the host–device link, host work over factor entries, host reads.
 `Traffic` is a base of the tracker's `Counters` (so every field rides in snapshot manifests
 and checkpoints); the store counts into the object it is given. The cost model
 (`kfac_stream.cost`) predicts the same fields from layer shapes with the same per-operation
-formulas; ``tests/test_cost_model.py`` checks that they agree on a real run.
+formulas; ``tests/unit/utils/test_cost.py`` checks that they agree on a real run.
 """
 
 from __future__ import annotations

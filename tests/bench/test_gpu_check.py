@@ -74,8 +74,9 @@ def test_gpu_check_dry_run(tmp_path):
     assert len(r["summary"]) == 16  # with the ablation's two rows per training setting
 
     tests = r["parts"]["cuda_tests"]
-    assert "tests/test_hot_path.py" in tests["files"] and tests["collected"] > 0
-    assert "tests/test_gpu_check.py" not in tests["files"]  # no dry run inside part 1
+    assert "tests/unit/tracking/test_worker_eigh_and_cuda.py" in tests["files"]
+    assert tests["collected"] > 0
+    assert "tests/bench/test_gpu_check.py" not in tests["files"]  # no dry run inside part 1
 
     micro = r["parts"]["micro"]
     assert all(e["max_err_rel_to_top"] <= EIGH_CHECK_TOL for e in micro["eigh"].values())
@@ -136,8 +137,8 @@ def test_a_part_past_its_limit_is_killed_and_the_table_says_so():
 def test_pytest_summary_is_parsed():
     gc = _gpu_check()
     counts = gc._pytest_counts([
-        "FAILED tests/test_hot_path.py::test_x - AssertionError: bad",
-        "SKIPPED [1] tests/test_hot_path.py:66: needs a CUDA GPU",
+        "FAILED tests/unit/tracking/test_worker_eigh_and_cuda.py::test_x - AssertionError: bad",
+        "SKIPPED [1] tests/unit/tracking/test_worker_eigh_and_cuda.py:66: needs a CUDA GPU",
         "1 failed, 18 passed, 1 skipped, 2 warnings in 31.2s"])
     assert (counts["passed"], counts["failed"], counts["skipped"]) == (18, 1, 1)
     assert len(counts["failures"]) == 1 and len(counts["skips"]) == 1

@@ -1,6 +1,6 @@
 """The README's quickstart: every `examples/` script runs as written (shortened by its own
 ``--steps``), the README shows `examples/causal_lm.py` verbatim, and the quickstart runs
-unchanged under 2-process ZeRO-3. The README's other commands: tests/test_readme.py."""
+unchanged under 2-process ZeRO-3. The README's other commands: tests/docs/test_readme.py."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ EXAMPLES = {  # script: (shortening arguments, a line its output must contain)
 LORA_QUERY = ('kfac-stream query --model out/lora/model --snapshot out/lora/kfac --text "The GNU '
               'General Public License is a free, copyleft license for Answer:" --options " A" '
               '" B" " C" " D"')
-# the demo shrunk to seconds (tests/test_readme.py: `make demo DEMO_ARGS=...`, then the README's
-# inspect and query commands on its model and snapshot)
+# the demo shrunk to seconds (tests/docs/test_readme.py: `make demo DEMO_ARGS=...`, then the
+# README's inspect and query commands on its model and snapshot)
 TINY_DEMO = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.seq_len=32",
              "trainer.max_steps=4", "trainer.per_device_train_batch_size=4",
              "trainer.report_to=[]", "trainer.disable_tqdm=true", "kfac.update_every=1",
@@ -40,7 +40,7 @@ TINY_DEMO = ["model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.seq_
              "report.enabled=false"]
 
 
-# the README's CPU ZeRO-3 launch of the quickstart (tests/test_readme.py checks it is the
+# the README's CPU ZeRO-3 launch of the quickstart (tests/docs/test_readme.py checks it is the
 # README's line), run by test_causal_lm_example_under_zero3_from_outside_the_repo
 ZERO3_EXAMPLE = ["DS_ACCELERATOR=cpu", "accelerate", "launch", "--config_file",
                  "launch/cpu_zero3.yaml", "examples/causal_lm.py", "--out", "out", "--steps", "20"]
@@ -54,7 +54,7 @@ def _env() -> dict[str, str]:
 
 
 # the classifier example (~50 s on 2 cores) in `make test-slow`; the classifier path itself is
-# covered in `make test` by tests/test_cli_classifier.py
+# covered in `make test` by tests/unit/cli/test_classify.py
 @pytest.mark.parametrize("script", [
     pytest.param(s, marks=pytest.mark.slow) if s == "sequence_classification.py" else s
     for s in sorted(EXAMPLES)])

@@ -16,7 +16,7 @@ its tests cannot drift apart. Long commands run shrunk, with the overrides writt
 * lines that need the hub or a GPU: the app composes their overrides (``--cfg job``), and the
   launch config they name exists.
 * ``python examples/...`` and the CPU ZeRO-3 launches: run by the tests named in the table
-  (`test_examples.py`, `test_app.py`), which build their commands from the same argv.
+  (`test_examples.py`, `test_hydra_app.py`), which build their commands from the same argv.
 """
 
 from __future__ import annotations
@@ -285,7 +285,7 @@ def test_lines_run_by_other_tests():
     """``python examples/...`` runs in `test_examples.test_example_runs` (``--steps`` shrunk);
     the CPU ZeRO-3 example launch is `test_examples.ZERO3_EXAMPLE`, run by
     ``test_causal_lm_example_under_zero3_from_outside_the_repo``; the CPU ZeRO-3 app launch
-    runs in ``test_app.test_app_under_accelerate_deepspeed_zero3`` (with its tiny overrides)."""
+    runs in ``test_hydra_app.test_app_under_accelerate_deepspeed_zero3`` (with its tiny overrides)."""
     for line in commands("example"):
         argv = shlex.split(line)
         assert argv[0] == "python" and os.path.basename(argv[1]) in EXAMPLES

@@ -2,8 +2,8 @@
 
 The Trainer treats a checkpoint as complete once its ``trainer_state.json`` is written, and it
 calls ``on_save`` only after that (and after rotating old checkpoints away). Each chain below
-trains `tests/checkpoint_job.py` (12 steps, a checkpoint every 2, ``save_total_limit=2``) and
-SIGKILLs it, then resumes from the newest checkpoint whose ``trainer_state.json`` parses (with
+trains `tests/support/checkpoint_job.py` (12 steps, a checkpoint every 2, ``save_total_limit=2``)
+and SIGKILLs it, then resumes from the newest checkpoint whose ``trainer_state.json`` parses (with
 ``resume_from_checkpoint=True``, the Trainer's own choice, when that is the newest
 ``checkpoint-*`` directory; by its path when the kill left a newer half-written one), kills the
 resumed run again, and so on until a run finishes. Kills are of two kinds:

@@ -1,6 +1,6 @@
 """Crash safety of snapshots: training jobs killed with SIGKILL.
 
-Every kill is a real ``SIGKILL`` of a real training process (``tests/crash_job.py``: a
+Every kill is a real ``SIGKILL`` of a real training process (``tests/support/crash_job.py``: a
 ``transformers.Trainer`` on a tiny float32 GPT-2, a snapshot every step), either sent by the job
 to itself at a chosen point of its N-th snapshot (N ≥ 2, so one snapshot of the run is complete;
 see the moments in crash_job.py: in the shard write, around the manifest, around the rename, in

@@ -1,7 +1,7 @@
 """Two processes through the real launchers (``accelerate launch``, gloo on CPU) against
 one process over the same global batches.
 
-Every run is ``tests/dist_job.py`` (a real ``Trainer`` on a float32 GPT-2, SGD, gradient
+Every run is ``tests/support/dist_job.py`` (a real ``Trainer`` on a float32 GPT-2, SGD, gradient
 accumulation 2, sequential data): 2 ranks × batch 2 vs 1 process × batch 4 see the same
 sequences per optimizer step. Rows 2 and 3 of the data are pure padding, i.e. rank 1's whole
 first micro-batch (the uneven-tokens case) in every 2-process run.
@@ -28,7 +28,8 @@ RSS_GROWTH_MIB = 64
 RSS_LATE_GROWTH_MIB = 32``: MC Fisher draws labels independently per rank, so G is compared by
   trace per layer (measured within 0.055); the empirical G differs from the MC one by 1.7-2.8x
   on this model, and a wrong loss scale by 2x, so the check is not vacuous. The MC estimator
-  itself is tested against the exact expected Fisher in tests/test_mc_and_sampling.py.
+  itself is tested against the exact expected Fisher in
+  tests/unit/fisher/test_mc_convergence_and_subsampling.py.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ from shared_runs import SharedRuns, session_dir
 
 from kfac_stream import LaplacePosterior, Snapshot
 
-from models import text_examples, tiny_gpt2
 import repo_paths
+from models import text_examples, tiny_gpt2
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None,
@@ -383,7 +384,8 @@ INFLUENCE_TOL = 10 * EXACT_TOL
 
 #: Relative difference of the weights' sums of squares between the 2-rank ZeRO-3 and the
 #: one-process run after 3 steps of lr 1e-2 (float32; the same data, gradients reduced in
-#: another order): round-off, far below what a training step moves (~1e-3, tests/test_runs.py).
+#: another order): round-off, far below what a training step moves (~1e-3,
+#: tests/runs/test_run_identity.py).
 WEIGHTS_TRAIN_TOL = 1e-5
 
 

@@ -1,19 +1,20 @@
 """EK-FAC (``KFACConfig(ekfac=True)``) on several ranks, carried by checkpoints and counted in
 the device budget (`kfac_stream.ekfac`, `kfac_stream.ekfac.sync`).
 
-The runs are ``tests/dist_job.py`` through the real launchers, as in tests/test_distributed.py:
-2 ranks × batch 2 (DeepSpeed ZeRO-3, FSDP2, DDP; gloo on CPU) against 1 process × batch 4 over
-the same global batches, sequential data, SGD, rank 1's first micro-batch all padding; float64
-storage, snapshots every 2 steps on the training thread (``--sync-snapshots``: the basis goes
-into use at the same step as in one process; the background path is checked apart).
+The runs are ``tests/support/dist_job.py`` through the real launchers, as in
+tests/runs/test_distributed.py: 2 ranks × batch 2 (DeepSpeed ZeRO-3, FSDP2, DDP; gloo on CPU)
+against 1 process × batch 4 over the same global batches, sequential data, SGD, rank 1's first
+micro-batch all padding; float64 storage, snapshots every 2 steps on the training thread
+(``--sync-snapshots``: the basis goes into use at the same step as in one process; the background
+path is checked apart).
 
 Tolerances:
-* ``RANKS_TOL = 1e-6`` (relative Frobenius per layer and snapshot, as tests/test_distributed.py's
-  ``EXACT_TOL``): storage, eigendecompositions and the correction's sums are float64, where the
-  order of summation over ranks moves ~1e-16; what is left is the float32 training itself (the
-  engines reduce gradients in another order than one process sums them: weights ~1e-7 apart
-  after the first step, and both the basis and the per-sequence gradients follow them).
-  Measured ≤ 4.3e-7 (ZeRO-3 and FSDP2).
+* ``RANKS_TOL = 1e-6`` (relative Frobenius per layer and snapshot, as
+  tests/runs/test_distributed.py's ``EXACT_TOL``): storage, eigendecompositions and the
+  correction's sums are float64, where the order of summation over ranks moves ~1e-16; what is
+  left is the float32 training itself (the engines reduce gradients in another order than one
+  process sums them: weights ~1e-7 apart after the first step, and both the basis and the
+  per-sequence gradients follow them). Measured ≤ 4.3e-7 (ZeRO-3 and FSDP2).
 * Resume: bit for bit (``torch.equal``), one process and 2 DDP ranks.
 
 Slow (``make test-slow``): the 2-rank resume and the background-snapshot run (five more

@@ -2,8 +2,8 @@
 
 accelerate 1.15 drops its FSDP plugin on CPU (the Trainer then trains with DDP); the callback
 says so at ``on_train_begin`` instead of letting the user believe the run was sharded. The
-FSDP2 runs themselves are in tests/test_distributed.py (``fsdp2*``), two machines in
-tests/test_multinode.py.
+FSDP2 runs themselves are in tests/runs/test_distributed.py (``fsdp2*``), two machines in
+tests/runs/test_multinode.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The Hydra app (`python -m kfac_stream.train`) end to end, in real subprocesses.
 
 * one process with ``report_to=[wandb, tensorboard]`` (W&B offline): the W&B run files and
-  TensorBoard event files are read back (tests/logreaders.py) and every logged spectrum
+  TensorBoard event files are read back (tests/support/logreaders.py) and every logged spectrum
   statistic must equal the one recomputed from the snapshot's eigenvalues;
 * 2 processes under ``accelerate launch`` with the CPU DeepSpeed ZeRO-3 config: the snapshot
   loads and the metrics appear once (one W&B run, one TensorBoard value per snapshot);
@@ -31,8 +31,8 @@ import torch
 from kfac_stream import Snapshot
 from kfac_stream.stats.spectrum import spectrum_stats
 
-from logreaders import latest_wandb_run_dir, read_tensorboard_scalars, read_wandb_offline
 import repo_paths
+from logreaders import latest_wandb_run_dir, read_tensorboard_scalars, read_wandb_offline
 
 ROOT = str(repo_paths.ROOT)
 RTOL = 1e-6
@@ -201,7 +201,7 @@ BAD_OVERRIDES = [
 
 def test_bad_override_fails_before_training(tmp_path):
     """Every case through the app's own entry point, in one process
-    (`tests/app_overrides_job.py`: a process start per case cost ~6 s on CI's 2 cores)."""
+    (`tests/support/app_overrides_job.py`: a process start per case cost ~6 s on CI's 2 cores)."""
     runs = [tmp_path / f"run{i}" for i in range(len(BAD_OVERRIDES))]
     lines = [f"hydra.run.dir={run} {override}" for run, (override, _) in zip(runs, BAD_OVERRIDES)]
     out_json = tmp_path / "results.json"

@@ -6,7 +6,7 @@ loopback at a free port, one shared output directory, DDP over gloo on CPU. Both
 are node-local rank 0 (``LOCAL_RANK=0``) and global ranks 0 and 1, so anything that confused
 the two would write a snapshot twice or not at all.
 
-The chain (``tests/dist_job.py``, 4 steps, a snapshot every step, a Trainer checkpoint every
+The chain (``tests/support/dist_job.py``, 4 steps, a snapshot every step, a Trainer checkpoint every
 2 steps, snapshots on the training thread so the kill lands at a known step):
 
 1. ``killed``: rank 0 (node 0, the one that verifies shards, writes the manifest and renames)
@@ -20,7 +20,7 @@ The chain (``tests/dist_job.py``, 4 steps, a snapshot every step, a Trainer chec
    removed, snapshots 3 and 4 are written.
 3. ``ref``: one plain process over the same global batches (batch 4 = 2 ranks × 2).
 
-``EXACT_TOL`` as in tests/test_distributed.py (fp32 storage, token_fraction 1, ema_decay 1;
+``EXACT_TOL`` as in tests/runs/test_distributed.py (fp32 storage, token_fraction 1, ema_decay 1;
 DDP's all-reduce order vs one process's sum: measured ≤ 2.5e-7).
 """
 

@@ -1,7 +1,7 @@
 """Oracle: streamed factors equal a brute-force float64 reference.
 
-The reference (tests/reference.py) recomputes, for every training micro-batch the Trainer ran,
-the per-position layer inputs and the gradients of the SUMMED NLL w.r.t. each layer output by
+The reference (tests/support/reference.py) recomputes, for every training micro-batch the Trainer
+ran, the per-position layer inputs and the gradients of the SUMMED NLL w.r.t. each layer output by
 autograd on a private float64 copy of the model at that step's weights, independently of the
 hooks under test. With ``token_fraction=1`` and ``ema_decay=1`` the factors are the
 token-weighted means over all micro-batches.

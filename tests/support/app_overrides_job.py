@@ -1,8 +1,8 @@
 """Run ``kfac-stream train``'s entry point (`kfac_stream.train.cli_main`) once per command line
-in ONE process: tests/test_app.py's bad-override cases, each a real Hydra composition and
+in ONE process: tests/runs/test_hydra_app.py's bad-override cases, each a real Hydra composition and
 validation as ``python -m kfac_stream.train ARGS`` does it, without a process start per case.
 
-    python tests/app_overrides_job.py OUT.json 'ARGS...' ['ARGS...' ...]
+    python tests/support/app_overrides_job.py OUT.json 'ARGS...' ['ARGS...' ...]
 
 Writes ``[{"rc": exit code, "out": stdout + stderr}, ...]``; an exception that escapes the
 entry point is recorded with its traceback (rc 99), as a subprocess would print it.

@@ -1,7 +1,8 @@
-"""A training job with Trainer checkpoints that tests/test_checkpoint_kills.py SIGKILLs and resumes
-(the tracker state is never missing from a checkpoint the Trainer considers complete).
+"""A training job with Trainer checkpoints that tests/runs/test_checkpoint_kills.py SIGKILLs and
+resumes (the tracker state is never missing from a checkpoint the Trainer considers complete).
 
-``python tests/checkpoint_job.py --out DIR [--resume CHECKPOINT|latest] [--kill-after-state N]``
+``python tests/support/checkpoint_job.py --out DIR [--resume CHECKPOINT|latest]
+[--kill-after-state N]``
 
 A real ``transformers.Trainer`` trains a tiny float32 GPT-2 with a `KFACStreamCallback`
 (update every step, float32 storage: deterministic and bit-reproducible on CPU) for ``--steps``
@@ -81,7 +82,8 @@ def main(argv=None) -> None:
         TrainerState.save_to_json = save_to_json
 
     # final_refresh off: a chain killed after its last checkpoint ends with that checkpoint's
-    # tracker state, which a refresh at train end (`tests/test_final_refresh.py`) never touches
+    # tracker state, which a refresh at train end never touches
+    # (`tests/unit/tracking/test_refresh.py`)
     cb = KFACStreamCallback(KFACConfig(update_every=1, token_fraction=0.5, ema_decay=0.9,
                                        storage_dtype="float32", snapshot_every=10**6, seed=0,
                                        fisher="empirical", final_refresh="off"))

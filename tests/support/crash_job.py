@@ -1,7 +1,8 @@
-"""A training job that tests/test_crash.py kills with SIGKILL (crash safety of snapshots).
+"""A training job that tests/runs/test_crash.py kills with SIGKILL (crash safety of snapshots).
 
-``python tests/crash_job.py --out DIR [--kill-at MOMENT --kill-snapshot N --kill-rank R]``
-(one process) or ``accelerate launch --config_file launch/cpu_ddp.yaml tests/crash_job.py ...``
+``python tests/support/crash_job.py --out DIR [--kill-at MOMENT --kill-snapshot N --kill-rank R]``
+(one process) or
+``accelerate launch --config_file launch/cpu_ddp.yaml tests/support/crash_job.py ...``
 (2 processes). A real ``transformers.Trainer`` trains a tiny float32 GPT-2 with a
 `KFACStreamCallback` that writes a snapshot every step into ``DIR/kfac``, for ``--steps``
 optimizer steps (many by default: the job is meant to be killed while it runs).

@@ -1,9 +1,9 @@
 """A training job that the distributed tests start through the real launchers.
 
-``accelerate launch --config_file launch/cpu_<engine>.yaml tests/dist_job.py --out DIR ...``
+``accelerate launch --config_file launch/cpu_<engine>.yaml tests/support/dist_job.py --out DIR ...``
 (2 processes; ``cpu_fsdp2``: FSDP2, see `fsdp_on_cpu`; two machines: one launch per machine
-with ``--num_machines 2 --machine_rank R``, tests/test_multinode.py) or
-``python tests/dist_job.py --batch 4 ...`` (the 1-process reference over the same global
+with ``--num_machines 2 --machine_rank R``, tests/runs/test_multinode.py) or
+``python tests/support/dist_job.py --batch 4 ...`` (the 1-process reference over the same global
 batches). Each rank writes ``DIR/rank-<r>.safetensors`` (its owned factors,
 dequantised) and ``DIR/rank-<r>.json`` (ownership, counters, world size); snapshots go to
 ``DIR/kfac``.

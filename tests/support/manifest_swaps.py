@@ -1,6 +1,7 @@
-"""Type swaps of every key of a snapshot manifest, for tests/test_snapshot_fuzz.py: each value
-replaced by values of the other JSON types, a NaN and a 10 001-digit integer (``"@HUGE@"``,
-which the fuzz test's ``dump`` writes as digits), and the swaps the schema accepts by design."""
+"""Type swaps of every key of a snapshot manifest, for tests/unit/snapshot/test_snapshot_fuzz.py:
+each value replaced by values of the other JSON types, a NaN and a 10 001-digit integer
+(``"@HUGE@"``, which the fuzz test's ``dump`` writes as digits), and the swaps the schema accepts by
+design."""
 
 import math
 

@@ -408,8 +408,8 @@ def moved_into_basis(eigvals: Tensor, old: tuple[Tensor | None, Tensor | None],
     ``ekfac_eigvals``, on its ``basis_step`` snapshot's eigenvectors) moved into ``new`` (the
     snapshot's own): the diagonal in ``new`` of the EK-FAC Fisher it defines on ``old``,
     ``(R_G∘R_G) λ (R_A∘R_A)ᵀ`` with ``R = Q_newᵀ Q_old`` (None: the identity). It removes the
-    basis' part of the staleness (measured in tests/test_ekfac.py, docs/computed.md); it needs
-    the previous snapshot's eigenvectors, which a snapshot does not hold."""
+    basis' part of the staleness (measured in tests/unit/ekfac/test_ekfac.py, docs/computed.md); it
+    needs the previous snapshot's eigenvectors, which a snapshot does not hold."""
     out = eigvals.double()
     (oa, og), (na, ng) = old, new
     if ng is not None or og is not None:

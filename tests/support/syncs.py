@@ -1,5 +1,6 @@
-"""Counting host synchronisations on one thread (tests/test_host_syncs.py on CPU, the CUDA
-tests of tests/test_hot_path.py and benchmarks/gpu_check.py on a GPU).
+"""Counting host synchronisations on one thread (tests/unit/tracking/test_host_syncs.py on CPU, the
+CUDA tests of tests/unit/tracking/test_worker_eigh_and_cuda.py and benchmarks/gpu_check.py on a
+GPU).
 
 `SyncCounter` is a ``TorchDispatchMode``: thread-local, it sees only the ops of the thread that
 entered it (the training thread), never the factor worker's or the snapshot thread's.

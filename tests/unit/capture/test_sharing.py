@@ -4,7 +4,7 @@
   stored once, and bit for bit the A each of them gets without sharing.
 * ``fold_on="device"`` (second moments where the rows are, pending sums combined on the
   device, one host copy per flush) equals the float64 brute-force reference, with and without
-  a device budget, exactly as the host path does (tests/test_oracle.py).
+  a device budget, exactly as the host path does (tests/runs/test_oracle.py).
 """
 
 import pytest

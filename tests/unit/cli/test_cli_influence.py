@@ -7,7 +7,7 @@ with one line.
 The app run is the training app's own `run` in-process on a tiny config (1 layer, 32 wide,
 windows of 32 bytes, 6 steps), with its composed config saved where Hydra saves it
 (``<run dir>/.hydra/config.yaml``), so ``--train app`` finds it as it does on ``make demo``'s
-output (tests/test_readme.py runs the README's command on a real ``make demo``).
+output (tests/docs/test_readme.py runs the README's command on a real ``make demo``).
 """
 
 from __future__ import annotations
@@ -478,7 +478,7 @@ def test_bad_arguments_exit_2_with_one_line(app_run, classifier, capsys, tmp_pat
 def test_a_zero_heuristic_damping_is_refused(app_run, capsys, monkeypatch):
     """A layer whose factor is zero (no sampled position carried a gradient: an encoder
     classifier's last block under the defaults) gets heuristic damping 0 and NaN scores: the
-    command refuses it in one line, naming the way out (tests/test_families.py)."""
+    command refuses it in one line, naming the way out (tests/runs/test_families.py)."""
     from kfac_stream.query import influence
 
     real = influence.Influence._damping

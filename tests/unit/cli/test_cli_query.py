@@ -230,7 +230,7 @@ def test_default_mode_is_the_token_table(trained, capsys):
 def cli_error(capsys, args, *needles) -> str:
     """``kfac-stream query`` exits 2 with one line on stderr (after the status lines), holding
     every needle, and prints nothing on stdout; returns stderr (also used by
-    tests/test_cli_classifier.py)."""
+    tests/unit/cli/test_classify.py)."""
     capsys.readouterr()
     assert cli_main(args) == 2
     captured = capsys.readouterr()
@@ -310,7 +310,7 @@ def test_another_task_or_a_headless_checkpoint_is_refused_in_one_line(trained, c
                                                                        tmp_path):
     """Never an LM table from a head the checkpoint lacks. A token classifier's
     config names its task (neither a causal LM nor a sequence classifier, which
-    tests/test_cli_classifier.py answers): refused before any weight loads; a causal LM whose
+    tests/unit/cli/test_classify.py answers): refused before any weight loads; a causal LM whose
     checkpoint lacks its (untied) head: refused naming the missing weights."""
     from safetensors.torch import load_file, save_file
     from transformers import (

@@ -374,8 +374,8 @@ class _SetBasis(TrainerCallback):
                                     "min_window_sequences": 0}],
                          ids=["empirical", "mc-share-replay"])
 def test_correction_adds_no_host_sync(tmp_path, extra):
-    """Counted as in tests/test_host_syncs.py: the training thread with the correction on
-    makes exactly the syncs of the plain Trainer (plus, for the replay, the model's own forward
+    """Counted as in tests/unit/tracking/test_host_syncs.py: the training thread with the correction
+    on makes exactly the syncs of the plain Trainer (plus, for the replay, the model's own forward
     syncs, as without EK-FAC); kfac_stream's own code none."""
     from test_host_syncs import STEPS, StartCounting, StopCounting
     from transformers import Trainer, TrainingArguments
@@ -439,7 +439,7 @@ def test_background_snapshots_hand_their_basis_over(tmp_path):
 
 def test_config():
     """``ekfac`` must be a bool, and appears in the config's dict only when on (several ranks
-    are no longer refused: tests/test_ekfac_ranks.py)."""
+    are no longer refused: tests/runs/test_ekfac_ranks.py)."""
     with pytest.raises(KFACConfigError, match="ekfac"):
         KFACConfig(ekfac="yes")
     assert "ekfac" not in KFACConfig().to_dict() and KFACConfig(ekfac=True).to_dict()["ekfac"]

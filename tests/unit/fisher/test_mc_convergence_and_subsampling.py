@@ -22,7 +22,7 @@ SUBSAMPLE_TOL = 0.1
 
 def test_mc_fisher_converges_to_expected_fisher(tmp_path):
     # the whole-batch MC pass (taken inside the training forward); the sub-batch default:
-    # tests/test_mc_subbatch.py
+    # tests/unit/fisher/test_mc_subbatch.py
     model = tiny_gpt2()
     ex = text_examples(2, 10, lengths=[10, 8])
     cfg = {"fisher": "mc", "mc_sequences": "all", "snapshot_every": 20}

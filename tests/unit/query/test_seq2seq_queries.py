@@ -35,7 +35,7 @@ from kfac_stream.query.sampled import sampled_predictive
 from models import ListDataset, tiny_seq2seq
 
 #: Training and the eval set: targets as long as the inputs (other decoder lengths train too:
-#: tests/test_loss_positions.py); queries: ``TGT`` < ``SRC``.
+#: tests/unit/capture/test_loss_positions.py); queries: ``TGT`` < ``SRC``.
 VOCAB, SRC, TGT = 96, 8, 6
 STEPS, BATCH = 4, 4
 #: The predictive mean is the MAP logits: the same float32 forward, run twice (eval mode).

@@ -1,6 +1,6 @@
 """Influence along the run (`trajectory_influence`, `checkpoint_snapshots`): a real Trainer run
 saving a checkpoint at every snapshot, scored against the dense float64 Kronecker solve of
-tests/test_influence.py at each step's weights and factors, averaged."""
+tests/unit/query/test_influence.py at each step's weights and factors, averaged."""
 
 import os
 
@@ -21,7 +21,8 @@ from kfac_stream import (
 from harness import run, sum_nll_loss
 from models import text_examples, tiny_gpt2
 
-EXACT_TOL = 1e-6  # as tests/test_influence.py: float64 end to end, eigh roundoff relative to λ
+# as tests/unit/query/test_influence.py: float64 end to end, eigh roundoff relative to λ
+EXACT_TOL = 1e-6
 DAMPING = 0.5  # a fixed damping, so the reference needs no rule of ours
 
 

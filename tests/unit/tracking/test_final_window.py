@@ -100,7 +100,7 @@ def test_final_window_range(bad):
 def test_window_restored_from_another_plan_is_dropped(restored, max_steps, kept):
     """A checkpoint's window start counts only within this run's plan: resumed with another
     ``max_steps``, the restart at this plan's step discards the state before it, as an
-    uninterrupted run of this plan does (`tests/test_distributed.py` resumes a 2-step run to
+    uninterrupted run of this plan does (`tests/runs/test_distributed.py` resumes a 2-step run to
     4 steps and compares bit for bit)."""
     up = FactorUpdater.__new__(FactorUpdater)
     up.config, up.counters = KFACConfig(update_every=1, final_window=0.1), Counters()
