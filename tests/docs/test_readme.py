@@ -285,7 +285,8 @@ def test_lines_run_by_other_tests():
     """``python examples/...`` runs in `test_examples.test_example_runs` (``--steps`` shrunk);
     the CPU ZeRO-3 example launch is `test_examples.ZERO3_EXAMPLE`, run by
     ``test_causal_lm_example_under_zero3_from_outside_the_repo``; the CPU ZeRO-3 app launch
-    runs in ``test_hydra_app.test_app_under_accelerate_deepspeed_zero3`` (with its tiny overrides)."""
+    runs in ``test_hydra_app.test_app_under_accelerate_deepspeed_zero3`` (with its tiny
+    overrides)."""
     for line in commands("example"):
         argv = shlex.split(line)
         assert argv[0] == "python" and os.path.basename(argv[1]) in EXAMPLES

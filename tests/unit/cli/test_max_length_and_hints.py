@@ -1,4 +1,6 @@
-"""The user trial's frictions, on real runs, files and CLI calls:
+"""Long inputs cut as training cut them, "did you mean" hints, a snapshot of another
+architecture named, and the sampling error in ``kfac-stream inspect``, on real runs, files and
+CLI calls:
 
 - ``kfac-stream query --max-length N`` cuts a longer input as training did (a causal LM keeps
   the end of its text, a classifier the start) instead of refusing it, and the refusal names

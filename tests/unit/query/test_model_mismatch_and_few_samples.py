@@ -1,16 +1,17 @@
-"""A new user's frictions, each at its exact behaviour:
+"""A model that does not match its snapshot, too long inputs, few samples and an empty eval
+set, each at its exact behaviour:
 
-7. a model with layers the run's selection picks but the snapshot lacks: named (first few and
-   their count) in a warning when the tracked weights are the snapshot's (layers left out of
-   the run, here frozen in training), refused when they are not (another, deeper network:
-   the snapshot's curvature is not its); a model lacking several of the snapshot's layers: the
-   refusal counts and names them;
-8. an input longer than the model's positions: the Python queries raise `QueryInputError` with
-   the CLI's words, before the model's forward (which raised "size 122 vs 64");
-9. the few-samples warning once per snapshot per process (also for a snapshot without a run id),
-   never from influence (the CLI's, `trajectory_posteriors`, `influence_scores`); the raised MC
-   share's line says why in words;
-10. an empty eval set: the train-begin line says it is empty, and the fit's own error too.
+- a model with layers the run's selection picks but the snapshot lacks: named (first few and
+  their count) in a warning when the tracked weights are the snapshot's (layers left out of
+  the run, here frozen in training), refused when they are not (another, deeper network:
+  the snapshot's curvature is not its); a model lacking several of the snapshot's layers: the
+  refusal counts and names them;
+- an input longer than the model's positions: the Python queries raise `QueryInputError` with
+  the CLI's words, before the model's forward (which would raise "size 122 vs 64");
+- the few-samples warning once per snapshot per process (also for a snapshot without a run id),
+  never from influence (the CLI's, `trajectory_posteriors`, `influence_scores`); the raised MC
+  share's line says why in words;
+- an empty eval set: the train-begin line says it is empty, and the fit's own error too.
 
 One short training run (module fixture, ~2 s): a 2-layer byte-level GPT-2 with block 1's MLP
 frozen, 4 steps, a final window of 8 sequences (fewer than min_window_sequences=256: a snapshot
