@@ -23,11 +23,11 @@ $(STAMP): pyproject.toml
 	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation deepspeed==$(DEEPSPEED_VERSION)
 	touch $(STAMP)
 
-# Test-only peer for tests/test_peer_laplace_torch.py. --no-deps: laplace-torch and backpack
+# Test-only peer for tests/unit/query/test_peer_laplace_torch.py. --no-deps: laplace-torch and backpack
 # declare torchvision, which nothing we run imports (and which would drag another torch).
 # If this fails (no registry), the peer test skips and says why.
 # dattri and scikit-learn (with its small deps, pinned) for benchmarks/influence_lds.py and
-# tests/test_influence_lds_bench.py; --no-deps too: dattri's pretty_midi is only for a music
+# tests/bench/test_influence_lds_bench.py; --no-deps too: dattri's pretty_midi is only for a music
 # example, and nothing here may pull torch.
 PEERS := $(VENV)/.peers
 PEER_PKGS := laplace-torch==0.3 asdfghjkl==0.1a4 backpack-for-pytorch==1.7.1 \
@@ -49,7 +49,7 @@ docs: $(STAMP)  ## build the documentation site (docs/, mkdocs.yml) with --stric
 
 # pytest-xdist: TEST_WORKERS processes (auto: one per core), whole files per worker (module
 # fixtures train once); runs that several modules or workers read launch once
-# (tests/shared_runs.py). TEST_WORKERS=0: one process.
+# (tests/support/shared_runs.py). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= auto
 PYTEST := $(PY) -m pytest -q -rs -n $(TEST_WORKERS) --dist loadfile
 
@@ -62,7 +62,7 @@ test-slow: $(STAMP) $(PEERS)  ## run only the slow tests (long runs, kill -9 cam
 gpu-check: $(STAMP)  ## CUDA tests, eigh/fold/store timings, 1.1B Llama steps with the tracker, NCCL exchange, each part under a time limit (≤ 6 min on one H100; without CUDA: a CPU dry run; on the GPU machine without a registry run the script directly: docs/gpu.md)
 	$(PY) benchmarks/gpu_check.py
 
-# DEMO_ARGS: overrides appended to the demo's command line (tests/test_readme.py shrinks it)
+# DEMO_ARGS: overrides appended to the demo's command line (tests/docs/test_readme.py shrinks it)
 demo: $(STAMP)  ## the main job on its offline defaults (tiny GPT-2, Python docs) → out/demo
 	$(VENV)/bin/kfac-stream demo $(DEMO_ARGS)
 

@@ -4,7 +4,7 @@ Every script in ``benchmarks/`` answers one question; besides the library it imp
 module, the helper modules beside it (`multiple_choice`, `kron_laplace`,
 `classification_figures`, `exact_curvature`, and a large script's own parts: ``gpu_check_*``,
 ``influence_peers_report``, ``scale_inputs``) and the task definitions of ``tasks/``; only
-``suite_default.py`` imports another script (``suite.py``). tests/test_benchmark_layout.py
+``suite_default.py`` imports another script (``suite.py``). tests/bench/test_benchmark_layout.py
 holds them to 800 lines a module, 120 a function and no import circle. Contents, by the
 scripts that use them:
 

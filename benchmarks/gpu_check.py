@@ -8,8 +8,9 @@ their figures after every run), and the script still prints the ONE summary tabl
 and writes ``benchmarks/results/gpu_check.json``. Parts:
 
 1. ``cuda_tests``: ``pytest -q -rfs --tb=short -m "not slow"`` on the test files with CUDA
-   tests (`cuda_test_files`: tests/test_hot_path.py, tests/test_lifecycle.py and any file
-   with a ``skipif(not torch.cuda.is_available())`` marker): passed / failed / skipped; none
+   tests (`cuda_test_files`: tests/unit/tracking/test_worker_eigh_and_cuda.py,
+   tests/unit/tracking/test_tracker_lifecycle.py and any file with a ``skipif(not
+   torch.cuda.is_available())`` marker): passed / failed / skipped; none
    may fail or skip on a GPU.
 2. ``micro``: snapshot eigendecompositions (`eigh_factors`) of side 4096 and 11008 on the GPU
    (float32) against float64 on the CPU (4096); the bf16 tensor-core fold (`gram_fp32`) of
@@ -49,7 +50,7 @@ and writes ``benchmarks/results/gpu_check.json``. Parts:
    bytes, and the extra peak GPU memory (``torch.cuda.max_memory_allocated`` with the callback
    minus plain, the peak reset between runs); and host syncs of kfac_stream's on the training
    thread in the first two steps (step 0 is an update step in every setting; counted by
-   `tests/syncs.py`, which slows every op, so only there).
+   `tests/support/syncs.py`, which slows every op, so only there).
 4. ``exchange``: a one-rank NCCL exchange (`start_exchange` from a side stream, the way the
    tracker issues it, then `finish_exchange`): rows back exactly. Kept: a few seconds.
 
@@ -61,7 +62,7 @@ On a machine without CUDA (or with ``--dry-run``) it says so and runs the same p
 subprocesses, on tiny sizes on the CPU (part 1 only collects the CUDA tests; the tracker on
 the device path with the CPU standing in for the device, ``fold_on="device"``, and the worker
 on, as on CUDA; the exchange on gloo): a check that the script works (CI runs it:
-tests/test_gpu_check.py). Performance targets are not judged there; a dry run writes its JSON
+tests/bench/test_gpu_check.py). Performance targets are not judged there; a dry run writes its JSON
 only where ``--json`` or ``GPU_CHECK_JSON`` says.
 
 Usage: ``python benchmarks/gpu_check.py [--dry-run] [--only PART,...] [--steps 30]
@@ -145,7 +146,7 @@ def cuda_test_files() -> list[str]:
     test, which runs the dry run)."""
     found = list(CUDA_TEST_FILES)
     marker = re.compile(r"skipif\(\s*not\s+torch\.cuda\.is_available\(\)")
-    for path in sorted((ROOT / "tests").glob("test_*.py")):
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
         rel = str(path.relative_to(ROOT))
         if rel not in found and path.name != "test_gpu_check.py" and \
                 marker.search(path.read_text()):
@@ -349,7 +350,7 @@ def _clocks(device: torch.device, count_steps: int, warmup: int):
     the wall clock on CPU."""
     from transformers import TrainerCallback
 
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "tests" / "support"))
     from syncs import CudaSyncCounter, SyncCounter
 
     cuda = device.type == "cuda"

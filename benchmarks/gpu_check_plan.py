@@ -28,7 +28,8 @@ PARTS = [
     Part("exchange", "4. one-rank NCCL exchange", 30, 15, 60),
 ]
 
-CUDA_TEST_FILES = ["tests/test_hot_path.py", "tests/test_lifecycle.py"]
+CUDA_TEST_FILES = ["tests/unit/tracking/test_worker_eigh_and_cuda.py",
+                   "tests/unit/tracking/test_tracker_lifecycle.py"]
 #: One CUDA test's limit (pytest-timeout, where installed: it is on the GPU machine).
 TEST_TIMEOUT_S = 60
 TINYLLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
@@ -79,7 +80,7 @@ FOLD_TOL = 1e-4
 # the store's flushed factor against the float64 EMA of the *unrounded* rows: one fp16
 # rounding of every stored entry at the flush (unit roundoff 2^-11 = 4.9e-4) plus the rows'
 # bf16 rounding (2^-9 per entry; ≤ 1.5e-3 relative Frobenius on the Gram of one update of
-# Gaussian rows, tests/test_hot_path.py; less after an EMA of several)
+# Gaussian rows, tests/unit/tracking/test_worker_eigh_and_cuda.py; less after an EMA of several)
 STORE_TOL = 2e-3
 # against the EMA of the bf16-rounded rows only the fp16 rounding and fp32 accumulation remain
 STORE_ROUNDED_TOL = 2.0**-11 + FOLD_TOL

@@ -88,8 +88,8 @@ the posterior, the scoring; kronfluence's three fit stages and its scores), 64 q
 ``--n`` (24) sequences of 16 tokens, side by side (one torch thread each); the memory figure is
 then the process's peak RSS (``ru_maxrss``). The JSON goes to ``--json``/``--out`` (on a GPU by
 default ``benchmarks/results/influence_gpu.json``; in a dry run by default a new temporary
-directory, printed). ``tests/test_influence_gpu.py`` runs the dry run. If kronfluence cannot be
-imported, its part is reported absent with the import error (``make .venv/.bench-peers``
+directory, printed). ``tests/bench/test_influence_gpu.py`` runs the dry run. If kronfluence cannot
+be imported, its part is reported absent with the import error (``make .venv/.bench-peers``
 installs it here; on the GPU machine it goes into ``.gpu-site``, below) and ours still runs.
 
 Running it on the lent GPU (docs/gpu.md: no registry there, so kronfluence and its pure-Python

@@ -3,8 +3,8 @@
 Method: a ``transformers`` Llama built from a ``LlamaConfig`` (hidden 1024, intermediate 2816,
 4 layers, 16 heads, byte vocabulary 256, random init, no download: 28 tracked layers, 44
 factors, ~1.2e8 factor entries), trained ``--steps`` (12) steps of 4 x 128 bytes of real
-English text (CPython's ``pydoc_data`` topics, as ``tests/models.py``'s ``text_examples``) with
-``KFACStreamCallback(KFACConfig(update_every=2, min_window_sequences=0))``; its final
+English text (CPython's ``pydoc_data`` topics, as ``tests/support/models.py``'s ``text_examples``)
+with ``KFACStreamCallback(KFACConfig(update_every=2, min_window_sequences=0))``; its final
 snapshot is then, in this one process with the machine's default threads:
 
 (a) loaded: ``Snapshot.load`` (read, streamed sha256, finiteness; median of ``--reps``);

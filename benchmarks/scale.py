@@ -21,7 +21,8 @@ Method
   An update with an empty draw moves no factor. Every figure "per update" is the EXPECTATION
   over the draw; amounts are shown for an update that replays.
 * Counted terms (the formulas the store counts with at run time, `kfac_stream.store.fold_cost`,
-  summed by `store.cost_model`; tests/test_cost_model.py checks formula = counters on a real
+  summed by `store.cost_model`;
+  tests/unit/store/test_cost_model.py checks formula = counters on a real
   run): ``update_cost`` (fold FLOPs, fold device bytes, bytes to the host and factors the budget
   forces to flush, host entries touched) with the rank's owned dims, the rows ``M`` per factor,
   16-bit rows on CUDA (``in_bytes=2``; the batched tensor-core Gram with fp32 output straight
@@ -643,8 +644,8 @@ def report(results: dict, recon: list[dict], meas: dict, info: dict, command: st
         f"{info['torch']}, transformers {info['transformers']}; command: `{command}`",
         "- a cost model, not a GPU measurement: the layouts of real configs built on `meta`, the "
         "store's own per-operation formulas (`store.cost_model`, checked against the tracker's "
-        "counters by tests/test_cost_model.py), device rates below; method in the script's "
-        "docstring. 7B: ZeRO-3 data parallel on one node of 8, micro-batch 1 x 4096 tokens, 4 "
+        "counters by tests/unit/store/test_cost_model.py), device rates below; method in the "
+        "script's docstring. 7B: ZeRO-3 data parallel on one node of 8, micro-batch 1 x 4096 tokens, 4 "
         "accumulation steps (16,384 tokens per rank per step), bf16. KFACConfig defaults "
         f"(token_fraction {CFG.token_fraction}, update_every {CFG.update_every}, snapshot_every "
         f"{CFG.snapshot_every}, fisher mc at the long-run share {CFG.mc_sequences}, "

@@ -97,7 +97,7 @@ SOURCES = [
     f"host: {RATES['sync_s'] * 1e6:.0f} us per host read on the worker, "
     f"{RATES['op_s'] * 1e6:.0f} us per op dispatched, {RATES['gloo_s'] * 1e3:.0f} ms for the "
     "exchange's gloo host-table all_gather on the training thread (assumed); 0 host reads of "
-    "device values on the training thread (tests/test_host_syncs.py)",
+    "device values on the training thread (tests/unit/tracking/test_host_syncs.py)",
     "training's peak reserved memory, for the auto budget: 7B x 8 ZeRO-3 micro-batch 1 x 4096 "
     "ASSUMED 40 GB (bf16 params and grads 3.4 GB/rank, fp32 Adam 10.1 GB/rank, activations with "
     "flash attention ~18 GB, buffers); 1.1B: MEASURED 31.1 GB (autocast), ASSUMED 20 GB (pure "

@@ -17,7 +17,8 @@ nothing differs. With ``--layout-free`` a JSON leaf is matched by its last key n
 wherever it sits, for a manifest whose layout changed (printed as such).
 
 Run the writer from each version's checkout (``PYTHONPATH=<checkout>``) into its own DIR, then
-compare.
+compare. The writer imports the test helpers (``harness``, ``models``) from the checkout's
+``tests/support/`` itself: no ``PYTHONPATH`` entry is needed for them.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def _cls_run(out: Path) -> None:
 
 
 def write(directory: Path) -> None:
-    sys.path[:0] = [str(ROOT / "tests")]
+    sys.path[:0] = [str(ROOT / "tests" / "support")]
     for name, job in (("lm", _lm_run), ("cls", _cls_run)):
         out = directory / name
         out.mkdir(parents=True, exist_ok=True)

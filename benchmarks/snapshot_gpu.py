@@ -40,7 +40,7 @@ against the targets below:
 
 Without CUDA (or with ``--dry-run``) the same sequence runs on a 2-layer Llama on the CPU
 (the device path with the CPU standing in for the device) and nothing is judged:
-``tests/test_snapshot_gpu.py`` runs it in CI. Figures go to ``--json`` (on a GPU, by default
+``tests/bench/test_snapshot_gpu.py`` runs it in CI. Figures go to ``--json`` (on a GPU, by default
 ``benchmarks/results/snapshot_gpu.json``) after each phase, so a run cut short keeps them.
 
 Usage (on the GPU machine, see docs/gpu.md): ``python3 benchmarks/snapshot_gpu.py``

@@ -1,5 +1,5 @@
-"""Self-checks of the brute-force oracle in tests/reference.py and the builders in
-tests/models.py (no kfac_stream imports)."""
+"""Self-checks of the brute-force oracle in tests/support/reference.py and the builders in
+tests/support/models.py (no kfac_stream imports)."""
 
 from __future__ import annotations
 

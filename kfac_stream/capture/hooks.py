@@ -42,8 +42,8 @@ One ``PassRecord`` per training forward pass of the model (one micro-batch):
 
 No hook reads a device value on the host (no ``.item()``, ``nonzero`` or boolean-mask
 indexing): every shape they use is known from the batch shape, so on a GPU the training
-thread never waits for the device (tests/test_host_syncs.py counts them). The hooks do no math
-beyond gathering rows; everything else happens in the tracker.
+thread never waits for the device (tests/unit/tracking/test_host_syncs.py counts them). The hooks
+do no math beyond gathering rows; everything else happens in the tracker.
 """
 
 from __future__ import annotations

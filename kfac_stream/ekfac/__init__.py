@@ -48,12 +48,12 @@ eigendecompositions are done: the update steps in between add nothing (nothing i
 on a basis that is about to be replaced). The staleness accepted: snapshot ``k`` stores
 ``λ`` measured on snapshot ``k − 1``'s basis (``basis_step`` in its manifest) with the
 gradients of the weights of the window, next to its own eigenvectors; the two bases differ by
-one ``snapshot_every`` of training. Measured in tests/test_ekfac.py and docs/computed.md.
+one ``snapshot_every`` of training. Measured in tests/unit/ekfac/test_ekfac.py and docs/computed.md.
 Resume: the state rides with checkpoints (`EkfacState.state_dict`,
 `kfac_stream.tracking.tracker_state`): the basis in use and its step, a pending basis that
 may go into use, the accumulators and the window's counts, so a run resumed between two
 snapshots stores at the next one what the uninterrupted run stores (bit for bit with the same
-world size: tests/test_ekfac_ranks.py). Each rank writes its own accumulators and the
+world size: tests/runs/test_ekfac_ranks.py). Each rank writes its own accumulators and the
 eigenvectors of the factors it owns (the others' are in their owners' files; a resume with
 another world size sums the accumulators onto rank 0). A checkpoint written without the state
 (older ones) still loads: the correction then restarts (the next snapshot carries none).
@@ -101,9 +101,9 @@ statistic (`kfac_stream.store.residency.Residency`) and refuses an explicit budg
 hold them. With gradient checkpointing each
 tracked layer's input of the captured sequences is held until its backward.
 
-Nothing here reads a device value on the host during training (tests/test_ekfac.py counts):
-the decision whether an update counts (finite, loss scale known) is a ``torch.where`` on the
-device, and the accumulator is read only when a snapshot takes it.
+Nothing here reads a device value on the host during training (tests/unit/ekfac/test_ekfac.py
+counts): the decision whether an update counts (finite, loss scale known) is a ``torch.where`` on
+the device, and the accumulator is read only when a snapshot takes it.
 
 The package: `state` (`EkfacState`, its device bytes, the solve's denominator), `arithmetic`
 (one layer's correction, its order, FLOPs and bytes), `parts` (a window, a pass), `sync` (the

@@ -206,7 +206,8 @@ def sync_free_kwargs(model: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]
 #: transformers families whose causal-LM forward hands its 2-D ``attention_mask`` to the
 #: decoder, where only ``create_causal_mask`` reads it (the positions never depend on it), and
 #: whose layers are full causal attention unless the config says otherwise
-#: (`full_causal_sdpa_decoder`); each one checked bit for bit in tests/test_host_syncs.py
+#: (`full_causal_sdpa_decoder`); each one checked bit for bit in
+#: tests/unit/tracking/test_host_syncs.py
 MASK_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 

@@ -23,7 +23,7 @@ bins per evaluation, not the number of pairs; `EvidenceBins.maximise`), and `new
 then takes Newton steps on the *exact* ``F'`` (one pass over the pairs each, ``λ`` recomputed
 per layer from the eigenvalues, never stored) until the step is below `POLISH_TOL`; a step of
 the surrogate's error ``δ`` leaves ``O(δ²)``, so the tuned ``τ`` is the exact maximiser to
-~1e-8 relative (tests/test_posterior_scale.py checks it against the dense search).
+~1e-8 relative (tests/unit/query/test_marglik.py checks it against the dense search).
 """
 
 from __future__ import annotations

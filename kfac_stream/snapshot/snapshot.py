@@ -1,6 +1,6 @@
 """`Snapshot`: load and verify a snapshot directory (JSON + safetensors only: nothing on this
-path can execute code from a file; tests/test_snapshot.py and tests/test_snapshot_fuzz.py
-check it).
+path can execute code from a file; tests/unit/snapshot/test_snapshot.py and
+tests/unit/snapshot/test_snapshot_fuzz.py check it).
 
 ``Snapshot.load(path)``:
 

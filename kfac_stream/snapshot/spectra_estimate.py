@@ -17,8 +17,8 @@ import torch
 from ..stats.lanczos import FLOOR_REL, SpectrumEstimate, estimate_stored
 from ..utils.factor_keys import FACTOR_KINDS
 
-#: The stated relative error of an estimated effective rank (the bound tests/test_lanczos.py
-#: checks on real factors from a Trainer run; measured worst 0.5%).
+#: The stated relative error of an estimated effective rank (the bound
+#: tests/unit/stats/test_lanczos.py checks on real factors from a Trainer run; measured worst 0.5%).
 EFF_RANK_ERROR = 0.02
 #: Bins of the stored density.
 DENSITY_BINS = 32

@@ -59,7 +59,7 @@ from .snapshot import Snapshot, read_manifest, read_manifest_json
 #: safetensors' dtype names in the order of its ``Dtype`` enum (safetensors 0.4-0.8): the file
 #: lists the tensors by this rank descending, then by name, and lays their data out in that
 #: order (checked byte for byte against ``safetensors.torch.save`` in
-#: tests/test_snapshot_write.py). Packed float4 is left out.
+#: tests/unit/snapshot/test_writer.py). Packed float4 is left out.
 _ST_DTYPES: dict[torch.dtype, str] = {
     dt: name for dt, name in (
         (torch.bool, "BOOL"), (torch.uint8, "U8"), (torch.int8, "I8"),

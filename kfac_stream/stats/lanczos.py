@@ -39,8 +39,8 @@ Method (`estimate_spectrum`):
 Limit: the density is resolved on a log axis only down to ~``λ_top · (π / 2 steps)²`` of the
 part of the spectrum not deflated; below that, eigenvalues spread evenly over many decades are
 lumped into the lowest atoms (log-uniform eigenvalues over 6 decades: W1 ~0.3 decades, see
-tests/test_lanczos.py), while ``max`` and ``eff_rank`` (dominated by the upper decades) stay
-accurate.
+tests/unit/stats/test_lanczos.py), while ``max`` and ``eff_rank`` (dominated by the upper decades)
+stay accurate.
 
 Precision: float32 on a CUDA device (the product reads the factor in float32), float64 on the
 CPU. The Ritz values are clipped at 0 into ``nodes`` (K-FAC factors are PSD; the fp16 storage's

@@ -2,7 +2,8 @@
 store's own per-operation formulas (`kfac_stream.store.fold_cost`).
 
 `update_cost` and `flush_cost` return a `Traffic` (the fields the store counts as it runs),
-so a prediction and a run's counters compare field by field (``tests/test_cost_model.py``).
+so a prediction and a run's counters compare field by field
+(``tests/unit/store/test_cost_model.py``).
 ``benchmarks/scale.py`` turns them into seconds for a 7B model on 8 GPUs with named device
 rates.
 """

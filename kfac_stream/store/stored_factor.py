@@ -83,7 +83,7 @@ class FactorState:
         updates: ``w²/R`` (the number of equal-weight updates with the same variance). NaN
         when not recorded (no update); infinite with one effective update (no spread to
         measure). Tested against replicated runs and the exact expected Fisher in
-        ``tests/test_sampling_error.py``.
+        ``tests/unit/snapshot/test_sampling_error.py``.
         """
         w, r, spread = float(self.weight), float(self.weight_sq), float(self.spread)
         if w <= 0.0 or r <= 0.0:

@@ -3,8 +3,8 @@ copies across the host–device link, host work over factor entries, host reads.
 
 `Traffic` is a base of the tracker's `Counters` (so every field rides in snapshot manifests
 and checkpoints); the store counts into the object it is given. The cost model
-(`store.cost_model`) predicts the same fields from layer shapes with the same per-operation
-formulas; ``tests/test_cost_model.py`` checks that they agree on a real run.
+(`cost_model`) predicts the same fields from layer shapes with the same per-operation
+formulas; ``tests/unit/store/test_cost_model.py`` checks that they agree on a real run.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ micro-batch size, gradient accumulation, ranks, optimizer steps) into an immutab
 ``"auto"`` resolved, the curvature (Fisher type, factor form), the MC share (raised on a run too
 short for its final window), the final window, the fold's place, the device budget, where
 snapshots eigendecompose. The tracker, the factor updater and the store take only these values;
-nothing downstream derives any of them again (`tests/test_run_plan.py` greps for it). The plan
-is logged at train begin (`RunPlan.describe`) and written whole into every snapshot's manifest
+nothing downstream derives any of them again (`tests/unit/tracking/test_plan.py` greps for it). The
+plan is logged at train begin (`RunPlan.describe`) and written whole into every snapshot's manifest
 (``"run_plan"``, `RunPlan.to_dict`).
 
 ==========================  ===============================================================

@@ -8,11 +8,11 @@ and scales the rows (sampling weights, the pass's loss scale ``c``) and hands an
 the `FactorUpdater` (`kfac_stream.tracking.factor_updates`: exchange with the owners, fold into the
 store).
 
-The training thread never reads a device value on the host (tests/test_host_syncs.py counts):
-every decision that needs one (is the update finite? is ``c`` known? how many positions?) is
-a device tensor in the job, read by the updater's worker (``async_updates``, the default on
-CUDA) on its own CUDA stream after an event recorded at the end of the step. The step waits
-only when the worker is a whole update behind; then the wait is counted and logged once.
+The training thread never reads a device value on the host (tests/unit/tracking/test_host_syncs.py
+counts): every decision that needs one (is the update finite? is ``c`` known? how many positions?)
+is a device tensor in the job, read by the updater's worker (``async_updates``, the default on CUDA)
+on its own CUDA stream after an event recorded at the end of the step. The step waits only when the
+worker is a whole update behind; then the wait is counted and logged once.
 
 The tracker's state leaves it only as a frozen `TrackerRecord` (`Tracker.export`: snapshots,
 checkpoints, monitoring) and comes back through `Tracker.load_state` (checkpoints).
