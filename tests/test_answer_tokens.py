@@ -3,8 +3,8 @@
 * ``HeldoutConfig(answer_tokens=...)``: resolved at train begin (strings through the Trainer's
   tokenizer, one token each), recorded in every snapshot, the default ``token_ids`` of the
   queries; every misconfiguration fails at train begin in one line, before the first step.
-* ``HeldoutConfig.prior_precision`` with answer tokens stores the ``τ`` of a brute-force grid search on
-  the eval set's answer positions.
+* ``HeldoutConfig.prior_precision`` with answer tokens stores the ``τ`` of a brute-force grid
+  search on the eval set's answer positions.
 * The answer position: a batch with ``labels [B, T]`` is answered at each row's first labelled
   position (as training scores it) by `predictive`, `predictive_probs`, `answer_distribution`
   and `fit_prior_precision` alike; positions with labels are refused.

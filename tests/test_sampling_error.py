@@ -314,8 +314,9 @@ def test_enough_samples_give_no_warning(tmp_path):
 
 def test_prior_precision_fitted_on_the_eval_dataset(tmp_path):
     """``HeldoutConfig(prior_precision=True)`` on a sequence classifier with an
-    ``eval_dataset``: the stored (tau, link) is the candidate with the lowest held-out NLL, recomputed here by brute
-    force (`LaplacePosterior.predictive` at every candidate tau, both links, per example)."""
+    ``eval_dataset``: the stored (tau, link) is the candidate with the lowest held-out NLL,
+    recomputed here by brute force (`LaplacePosterior.predictive` at every candidate tau, both
+    links, per example)."""
     from transformers import GPT2Config, GPT2ForSequenceClassification, Trainer, TrainingArguments
 
     from kfac_stream import KFACStreamCallback
