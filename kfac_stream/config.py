@@ -10,7 +10,6 @@ import functools
 import math
 import re
 import warnings
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -275,19 +274,14 @@ class KFACConfig:
         _warn_moved(["answer_tokens"], stacklevel=3)
         return self.moved_options.get("answer_tokens")
 
-    def to_dict(self, moved: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Plain-JSON view (lists, not tuples), as written into snapshot manifests.
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON view (lists, not tuples), as written into snapshot manifests (with the
+        held-out options beside it: `kfac_stream.tracking.plan.RunPlan.manifest_config`).
         ``ekfac`` only when on: a run without it writes the manifests it wrote before the
-        option existed. ``moved``: the held-out options' entries under their old names
-        (`HeldoutConfig.manifest_entries`), placed where their fields stood, so a manifest's
-        ``config`` reads as before they moved (None: left out)."""
+        option existed."""
         out = asdict(self)
         if not out["ekfac"]:
             del out["ekfac"]
-        if moved:
-            items = list(out.items())
-            at = [k for k, _ in items].index(_MOVED_BEFORE)
-            out = dict(items[:at] + list(moved.items()) + items[at:])
         return out
 
 
@@ -302,8 +296,6 @@ _OPTION_FIELDS = (("final_refresh", FinalRefresh), ("fisher", FisherType),
 
 #: The held-out options that moved to `HeldoutConfig`: ``{old KFACConfig name: new name}``.
 MOVED_OPTIONS = {"eval_prior_precision": "prior_precision", "answer_tokens": "answer_tokens"}
-#: The field the moved options stood before (where a manifest's ``config`` records them).
-_MOVED_BEFORE = "fail_on_snapshot_error"
 
 
 def _warn_moved(names: list[str], stacklevel: int) -> None:

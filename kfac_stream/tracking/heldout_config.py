@@ -64,6 +64,7 @@ class HeldoutConfig:
 
     def manifest_entries(self) -> dict[str, Any]:
         """``{"eval_prior_precision": ..., "answer_tokens": ...}``: the options as a snapshot
-        manifest's ``config`` records them, under their old names (`KFACConfig.to_dict`)."""
+        manifest's ``config`` records them, under their old names
+        (`kfac_stream.tracking.plan.RunPlan.manifest_config`)."""
         values = {"prior_precision": self.prior_precision, "answer_tokens": self.answer_tokens}
         return {old: copy.deepcopy(values[new]) for old, new in MOVED_OPTIONS.items()}

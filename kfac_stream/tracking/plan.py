@@ -291,8 +291,8 @@ class RunPlan:
 
     def manifest_config(self) -> dict[str, Any]:
         """The resolved config as every snapshot's manifest (``config``) and tracker state
-        record it: `KFACConfig.to_dict` with the held-out options under their old names."""
-        return self.config.to_dict(self.heldout_config.manifest_entries())
+        record it: `KFACConfig.to_dict` and the held-out options under their old names."""
+        return {**self.config.to_dict(), **self.heldout_config.manifest_entries()}
 
     def describe(self) -> str:
         """The plan's part of the train-begin line."""
