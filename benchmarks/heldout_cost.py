@@ -6,9 +6,9 @@ section of ``benchmarks/RESULTS.md``.
 
 The task is the suite's hidden-style encoder (``suite_tasks.EncoderFileKind``: a 2-layer BERT
 classifier with a pooled head, 10 classes, 300 training sequences, 400 steps), trained by a
-real ``Trainer`` with 200 eval examples and the default ``KFACConfig()`` (so
-``eval_prior_precision="auto"`` fits at the end of training). Then, on the trained model and
-its final snapshot, interleaved ``--repeats`` times:
+real ``Trainer`` with 200 eval examples and the defaults (so ``HeldoutConfig.prior_precision=
+"auto"`` fits at the end of training). Then, on the trained model and its final snapshot,
+interleaved ``--repeats`` times:
 
 * one eval pass: the model's forward over the Trainer's eval dataloader (what ``evaluate``
   costs, without the metrics);

@@ -51,7 +51,7 @@ on the mean over seeds, NLL ≤ 1.05 × laplace-torch's default predictive and a
 meets the bar. The default is the candidate with the smallest worst score over the tasks;
 leave-one-task-out: the candidate chosen on six tasks is scored on the seventh. Only tau rules
 a user gets without held-out data are default candidates; the validation tau is reported
-beside (the ``eval_prior_precision`` option).
+beside (the ``HeldoutConfig.prior_precision`` option).
 """
 
 from __future__ import annotations
@@ -563,7 +563,7 @@ def report(out: dict, info: dict) -> str:
               v["loto"].items()]
     lines += ["", "Per task, every rule (tau marglik) mean NLL by link, and the window's "
               "sampling error; the default rule also with the validation-NLL tau (the "
-              "``eval_prior_precision`` option), probit and mean-field links:", ""]
+              "``HeldoutConfig.prior_precision`` option), probit and mean-field links:", ""]
     for name, t in out["tasks"].items():
         lines.append(f"**{name}** — {t['title']}")
         lines.append("")

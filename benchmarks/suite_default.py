@@ -12,9 +12,9 @@ Nothing of the fit is re-implemented here. Per task and seed, one real ``Trainer
 the task's validation split as its ``eval_dataset`` (``per_device_eval_batch_size=32``) and a
 ``KFACStreamCallback(KFACConfig(...))`` whose only settings are the output directory, the
 seed, a snapshot period longer than the run (the final snapshot only) and, for the tasks
-that answer with tokens of a language-model head, ``answer_tokens`` (as such a user would
-set). The callback fits ``τ`` and the link on the eval set at the end of training under its
-guard and stores the fit beside the final snapshot. Then, on the test split:
+that answer with tokens of a language-model head, ``HeldoutConfig(answer_tokens=...)`` (as
+such a user would set). The callback fits ``τ`` and the link on the eval set at the end of
+training under its guard and stores the fit beside the final snapshot. Then, on the test split:
 
 * ``map``: the trained model's own probabilities (over- or underconfident: its mean
   confidence against its accuracy);
@@ -62,7 +62,7 @@ import torch
 from tasks import suite_tasks as st
 from transformers import Trainer, TrainingArguments
 
-from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
+from kfac_stream import HeldoutConfig, KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot
 from kfac_stream.app.data import ExampleDataset
 from kfac_stream.query import metrics
 from kfac_stream.query.calibration import probs_from_gaussian
@@ -107,7 +107,7 @@ def eval_items(task) -> list[dict[str, torch.Tensor]]:
 
 def answer_tokens(task) -> list[int] | None:
     """The ``K`` answer tokens of a task answered by a language-model head (a user of such a
-    task sets ``KFACConfig(answer_tokens=...)``); None for classifier heads and next-token
+    task sets ``HeldoutConfig(answer_tokens=...)``); None for classifier heads and next-token
     tasks."""
     if task.name in ("docstring-lora", "ft-lora-mc"):
         return list(mc.ANSWER_IDS)
@@ -126,8 +126,8 @@ def train(task, tmp: str):
                              disable_tqdm=True, use_cpu=True, seed=task.seed,
                              logging_steps=max(task.steps // 4, 1), remove_unused_columns=False)
     cfg = KFACConfig(output_dir=os.path.join(tmp, "kfac"), snapshot_every=10 * task.steps,
-                     seed=task.seed, answer_tokens=answer_tokens(task))
-    cb = KFACStreamCallback(cfg)
+                     seed=task.seed)
+    cb = KFACStreamCallback(cfg, heldout=HeldoutConfig(answer_tokens=answer_tokens(task)))
     trainer = Trainer(model=model, args=args, train_dataset=ExampleDataset(task.train_items),
                       eval_dataset=ExampleDataset(eval_items(task)),
                       data_collator=task.collate, callbacks=[cb])
@@ -195,7 +195,10 @@ def settings_key(task, what: str) -> str:
     base = {"task": task.name, "title": task.title, "seed": task.seed, "steps": task.steps,
             "lr": task.lr, "batch": task.batch_size, "version": VERSION}
     if what == "library":
-        base["config"] = {k: str(v) for k, v in dataclasses.asdict(KFACConfig()).items()}
+        # the default settings, the held-out options under the names they had in KFACConfig
+        # (the parts' keys stay as they were before they moved to HeldoutConfig)
+        settings = {**dataclasses.asdict(KFACConfig()), **HeldoutConfig().manifest_entries()}
+        base["config"] = {k: str(v) for k, v in settings.items()}
         if REFRESH_MC_DRAWS != 1:  # (absent at 1: the parts made before it existed)
             base["refresh_mc_draws"] = REFRESH_MC_DRAWS
     return hashlib.sha1(json.dumps(base, sort_keys=True).encode()).hexdigest()[:16]

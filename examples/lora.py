@@ -24,7 +24,14 @@ from transformers import (
     TrainingArguments,
 )
 
-from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, gather_model
+from kfac_stream import (
+    HeldoutConfig,
+    KFACConfig,
+    KFACStreamCallback,
+    LaplacePosterior,
+    Snapshot,
+    gather_model,
+)
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", default="out/lora")
@@ -84,8 +91,9 @@ Trainer(model=base, train_dataset=lm,
 # 3. LoRA fine-tune with the callback: only the adapters train, preset="lora" tracks them
 model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
                                         target_modules=["q_proj", "v_proj", "down_proj"]))
-kfac = KFACStreamCallback(KFACConfig(preset="lora", answer_tokens=OPTIONS, token_fraction=0.25,
-                                     update_every=2, snapshot_every=100))
+kfac = KFACStreamCallback(KFACConfig(preset="lora", token_fraction=0.25, update_every=2,
+                                     snapshot_every=100),
+                          heldout=HeldoutConfig(answer_tokens=OPTIONS))
 trainer = Trainer(model=model, train_dataset=train, callbacks=[kfac], processing_class=tok,
                   args=TrainingArguments(args.out, max_steps=args.steps,
                                          per_device_train_batch_size=8, learning_rate=3e-3,

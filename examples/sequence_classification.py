@@ -110,8 +110,8 @@ train, evalset = ([example(*x) for x in split[k]] for k in ("train", "eval"))
 # 2. train with the callback: K-FAC factors of the blocks' layers (rows: token positions) and
 # of the pooled head, bert.pooler.dense and classifier (rows: sequences); the Trainer has an
 # eval set, so at the end of training the callback fits the prior precision tau and the link on
-# it (the default, eval_prior_precision="auto"), stores them beside the snapshot and logs its
-# verdict: the eval NLL of MAP and of the chosen posterior
+# it (the default, HeldoutConfig(prior_precision="auto")), stores them beside the snapshot and
+# logs its verdict: the eval NLL of MAP and of the chosen posterior
 model = BertForSequenceClassification(BertConfig(
     vocab_size=257, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
     intermediate_size=256, max_position_embeddings=WINDOW + 1, num_labels=len(CLASSES),

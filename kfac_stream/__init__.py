@@ -17,6 +17,7 @@ from .exceptions import (
     UnsupportedLayoutError,
     UnsupportedModuleError,
 )
+from .tracking.heldout_config import HeldoutConfig
 from .utils.enums import (
     Eigendecompose,
     EighDevice,
@@ -83,6 +84,7 @@ def __dir__() -> list[str]:
 __all__ = [
     # training-time tracking
     "KFACConfig",
+    "HeldoutConfig",
     "KFACStreamCallback",
     # monitoring: the metrics the callback reports (names: integrations.spectrum_monitor)
     "snapshot_metrics",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import warnings
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -36,6 +37,12 @@ class KFACConfig:
     the measurements behind the defaults. An option field takes its enum's member or its string
     (``fisher=FisherType.MC`` or ``fisher="mc"``) and holds the plain string once built, so
     ``asdict``, pickles and the snapshot manifests hold strings.
+
+    The held-out fit's and the queries' options (the prior precision fitted on the eval set,
+    the answer tokens) are `kfac_stream.tracking.heldout_config.HeldoutConfig`'s, handed over
+    as ``KFACStreamCallback(heldout=HeldoutConfig(...))``. Their old spelling here,
+    ``KFACConfig(eval_prior_precision=..., answer_tokens=...)``, is still accepted (validated
+    as before, with a ``FutureWarning``) and carried to the run (`moved_options`).
     """
 
     token_fraction: float = 0.05
@@ -114,13 +121,6 @@ class KFACConfig:
     eigendecompose: Eigendecompose | str = "auto"
     """When snapshots eigendecompose their factors: ``"auto"`` (in the run when cheap, else at
     first use), ``"always"`` or ``"final"``; the final snapshot always is."""
-    eval_prior_precision: bool | str = "auto"
-    """Fit the prior precision ``τ`` and the link on the Trainer's ``eval_dataset`` at the end
-    of training, stored beside the final snapshot: ``"auto"`` / ``True`` whenever there is an
-    eval set, ``False`` never."""
-    answer_tokens: list[int | str] | None = None
-    """A language model's answer options (token ids, or strings of one token each such as
-    ``[" A", " B"]``), recorded in every snapshot for the queries and the held-out fit."""
     fail_on_snapshot_error: bool = False
     """Make a failed snapshot stop training; by default it is logged and counted, and training
     goes on."""
@@ -153,10 +153,6 @@ class KFACConfig:
 
     def _check_switches(self) -> None:
         """Validate the switches and the device choices."""
-        if not (isinstance(self.eval_prior_precision, bool)
-                or self.eval_prior_precision in ("auto",)):  # resolved in the RunPlan
-            raise KFACConfigError(f"KFACConfig.eval_prior_precision={self.eval_prior_precision!r}"
-                                  " is not allowed: must be 'auto', True or False")
         for name in ("share_inputs", "fail_on_snapshot_error", "ekfac"):
             if not isinstance(getattr(self, name), bool):
                 raise KFACConfigError(f"KFACConfig.{name}={getattr(self, name)!r} is not "
@@ -197,7 +193,7 @@ class KFACConfig:
                                   "be None or a positive integer")
 
     def _check_kinds(self) -> None:
-        """Validate the types and the named kinds (Fisher, form, MC share, answers, storage)."""
+        """Validate the types and the named kinds (Fisher, form, MC share, storage)."""
         if not isinstance(self.fail_on_snapshot_error, bool):
             raise KFACConfigError(f"KFACConfig.fail_on_snapshot_error="
                                   f"{self.fail_on_snapshot_error!r} is not allowed: must be a bool")
@@ -218,7 +214,6 @@ class KFACConfig:
                 f"KFACConfig.factor_form={self.factor_form!r} is not allowed: "
                 f"must be one of {option_values(FactorForm)}")
         _check_mc_sequences(self.mc_sequences)
-        _check_answer_tokens(self.answer_tokens)
         if self.storage_dtype not in StorageDtype:
             raise KFACConfigError(
                 f"KFACConfig.storage_dtype={self.storage_dtype!r} is not allowed: "
@@ -259,8 +254,29 @@ class KFACConfig:
         """The MC pass runs on whole micro-batches (``mc_sequences`` ``"all"`` or ``1.0``)."""
         return mc_full_batch(self.mc_sequences)
 
+    @property
+    def moved_options(self) -> dict[str, Any]:
+        """The held-out options given here in their old place, by their old names
+        (``{"eval_prior_precision": ..., "answer_tokens": ...}``, only those given; empty for
+        the new spelling), which the run takes as its `HeldoutConfig`
+        (`kfac_stream.tracking.heldout_config.HeldoutConfig.of_run`)."""
+        return dict(getattr(self, "_moved", {}))
+
+    @property
+    def eval_prior_precision(self) -> bool | str:
+        """Moved: ``HeldoutConfig.prior_precision`` (given here, or its default)."""
+        _warn_moved(["eval_prior_precision"], stacklevel=3)
+        return self.moved_options.get("eval_prior_precision", "auto")
+
+    @property
+    def answer_tokens(self) -> list[int | str] | None:
+        """Moved: ``HeldoutConfig.answer_tokens`` (given here, or its default)."""
+        _warn_moved(["answer_tokens"], stacklevel=3)
+        return self.moved_options.get("answer_tokens")
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain-JSON view (lists, not tuples), as written into snapshot manifests.
+        """Plain-JSON view (lists, not tuples), as written into snapshot manifests (with the
+        held-out options beside it: `kfac_stream.tracking.plan.RunPlan.manifest_config`).
         ``ekfac`` only when on: a run without it writes the manifests it wrote before the
         option existed."""
         out = asdict(self)
@@ -278,18 +294,40 @@ _OPTION_FIELDS = (("final_refresh", FinalRefresh), ("fisher", FisherType),
                   ("eigendecompose", Eigendecompose))
 
 
+#: The held-out options that moved to `HeldoutConfig`: ``{old KFACConfig name: new name}``.
+MOVED_OPTIONS = {"eval_prior_precision": "prior_precision", "answer_tokens": "answer_tokens"}
+
+
+def _warn_moved(names: list[str], stacklevel: int) -> None:
+    """The one ``FutureWarning`` for ``KFACConfig.<name>`` of each of ``names``, naming their
+    new place."""
+    old = ", ".join(f"KFACConfig.{name}" for name in names)
+    new = ", ".join(f"{MOVED_OPTIONS[name]}=..." for name in names)
+    warnings.warn(f"{old} moved to HeldoutConfig: pass KFACStreamCallback(heldout="
+                  f"HeldoutConfig({new})) (kfac_stream.HeldoutConfig); the old spelling still "
+                  "works for now", FutureWarning, stacklevel=stacklevel)
+
+
 def _named_arguments_only(init):
     """``KFACConfig.__init__`` that names a misspelt argument and the closest ones, in one line
-    (a ``TypeError``, as Python's own for an unknown keyword), before the dataclass's."""
+    (a ``TypeError``, as Python's own for an unknown keyword), before the dataclass's; the
+    moved held-out options (`MOVED_OPTIONS`) are validated, warned about and kept aside
+    (`KFACConfig.moved_options`)."""
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
-        known = [f.name for f in fields(KFACConfig)]
+        known = [f.name for f in fields(KFACConfig)] + list(MOVED_OPTIONS)
         for key in kwargs:
             if key not in known:
                 hint = (did_you_mean(key, known)
                         or "the arguments are listed in docs/configuration.md")
                 raise TypeError(f"KFACConfig: {key!r} is not an argument: {hint}")
+        moved = {name: kwargs.pop(name) for name in MOVED_OPTIONS if name in kwargs}
         init(self, *args, **kwargs)
+        for name, value in moved.items():
+            check_moved_option(name, value)
+        if moved:
+            _warn_moved(list(moved), stacklevel=3)
+        object.__setattr__(self, "_moved", moved)
     return __init__
 
 
@@ -316,7 +354,24 @@ def mc_full_batch(spec: int | float | str) -> bool:
     return spec == "all" or (isinstance(spec, float) and spec >= 1.0)
 
 
-def _check_answer_tokens(value: Any) -> None:
+def check_moved_option(name: str, value: Any) -> None:
+    """Validate a moved held-out option under its old name ``KFACConfig.<name>`` (the old
+    spelling, and a manifest's ``config`` entry): `check_prior_precision` or
+    `check_answer_tokens`."""
+    check = check_prior_precision if name == "eval_prior_precision" else check_answer_tokens
+    check(value, f"KFACConfig.{name}")
+
+
+def check_prior_precision(value: Any, where: str) -> None:
+    """The held-out fit's switch (``HeldoutConfig.prior_precision``): ``"auto"``, True or False
+    (``"auto"`` resolved in the RunPlan); ``where`` names the setting in the error."""
+    if not (isinstance(value, bool) or value in ("auto",)):
+        raise KFACConfigError(f"{where}={value!r} is not allowed: must be 'auto', True or False")
+
+
+def check_answer_tokens(value: Any, where: str) -> None:
+    """The answer options (``HeldoutConfig.answer_tokens``): None, or two or more distinct
+    token ids or one-token strings; ``where`` names the setting in the error."""
     if value is None:
         return
     allowed = ("must be None or a list of two or more distinct answer options, each a token id "
@@ -327,7 +382,7 @@ def _check_answer_tokens(value: Any) -> None:
     if ok and len(set(value)) != len(value):
         ok, allowed = False, "repeats an option: " + allowed
     if not ok:
-        raise KFACConfigError(f"KFACConfig.answer_tokens={value!r} is not allowed: {allowed}")
+        raise KFACConfigError(f"{where}={value!r} is not allowed: {allowed}")
 
 
 def _check_mc_sequences(value: Any) -> None:

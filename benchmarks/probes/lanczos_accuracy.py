@@ -32,7 +32,7 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-from kfac_stream import KFACConfig, KFACStreamCallback
+from kfac_stream import HeldoutConfig, KFACConfig, KFACStreamCallback
 from kfac_stream.stats.lanczos import (
     LANCZOS_PROBES,
     LANCZOS_STEPS,
@@ -57,7 +57,8 @@ def stored_factors(model_cfg: dict, a, tmp: str) -> list[tuple[str, torch.Tensor
     model = LlamaForCausalLM(LlamaConfig(**model_cfg))
     kfac = KFACStreamCallback(KFACConfig(
         token_fraction=1.0, update_every=1, fisher="empirical", final_window=0.0,
-        min_window_sequences=0, eval_prior_precision=False, output_dir=f"{tmp}/kfac"))
+        min_window_sequences=0, output_dir=f"{tmp}/kfac"),
+        heldout=HeldoutConfig(prior_precision=False))
     args = TrainingArguments(output_dir=tmp, use_cpu=True, report_to=[], save_strategy="no",
                              logging_strategy="no", disable_tqdm=True, learning_rate=1e-4,
                              seed=0, per_device_train_batch_size=a.batch, max_steps=a.steps)

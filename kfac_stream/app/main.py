@@ -46,7 +46,14 @@ from omegaconf import DictConfig, OmegaConf
 from ..distributed.context import agree_with_rank0, release_process_groups
 from ..exceptions import AppConfigError, KFACConfigError
 from ..integrations.unshard import check_deepspeed_device
-from .schema import AppTrainerDefaults, check_keys, check_override_keys, kfac_config, register
+from .schema import (
+    AppTrainerDefaults,
+    check_keys,
+    check_override_keys,
+    heldout_config,
+    kfac_config,
+    register,
+)
 
 logger = logging.getLogger("kfac_stream")
 register()
@@ -83,6 +90,7 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
     the report entries)."""
     logging.basicConfig(level=getattr(logging, cfg.logging.level), format="%(message)s")
     kcfg = kfac_config(cfg.kfac)  # range checks first: nothing has loaded yet
+    heldout = heldout_config(cfg)
     _check_choices(cfg)
     out = output_dir or cfg.output_dir or HydraConfig.get().runtime.output_dir
     args = training_arguments(cfg, out)
@@ -108,7 +116,7 @@ def run(cfg: DictConfig, output_dir: str | None = None) -> dict[str, Any]:
         raise AppConfigError(f"data: the training text yields no window of seq_len={seq_len}")
     # the callback reports its spectra and scalars to the Trainer's reporters itself
     kfac = KFACStreamCallback(kcfg, log_every=cfg.logging.log_every,
-                              report_media=cfg.logging.media)
+                              report_media=cfg.logging.media, heldout=heldout)
     trainer = Trainer(model=model, args=args, train_dataset=appdata.ExampleDataset(train),
                       callbacks=[kfac])
     t0 = time.perf_counter()

@@ -11,7 +11,10 @@ group      what it holds
 =========  ==================================================================================
 model      ``tiny`` (GPT-2 built from a config, byte vocabulary) or ``hf`` (from_pretrained)
 data       ``pydoc`` (Python's reference docs, on every machine) or ``hf`` (load_dataset)
-kfac       `KFACConfig` itself: its fields, types and defaults are the schema
+kfac       `KFACConfig` itself: its fields, types and defaults are the schema (and the
+           held-out options' old keys, ``kfac.eval_prior_precision`` and
+           ``kfac.answer_tokens``: unset by default, taken with a ``FutureWarning``)
+heldout    `HeldoutConfig` itself: ``heldout.prior_precision``, ``heldout.answer_tokens``
 trainer    every ``TrainingArguments`` field (``trainer.max_grad_norm=0.5``), app defaults
 logging    W&B project/mode, cheap scalars every ``log_every`` steps
 report     the end-of-run report: uncertainty contrast sizes
@@ -23,6 +26,7 @@ from __future__ import annotations
 import functools
 import operator
 import types
+import warnings
 from dataclasses import MISSING, dataclass, field, fields, make_dataclass
 from enum import Enum
 from typing import Any, Union, get_args, get_origin, get_type_hints
@@ -30,8 +34,9 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from ..config import KFACConfig
+from ..config import MOVED_OPTIONS, KFACConfig, check_moved_option
 from ..exceptions import AppConfigError, did_you_mean
+from ..tracking.heldout_config import HeldoutConfig
 
 
 @dataclass
@@ -61,8 +66,9 @@ class DataConf:
     ood: list[str] = field(default_factory=lambda: ["python_source", "licenses"])
 
 
-def _mutable_schema(cls: type) -> type:
-    """A plain (mutable) dataclass with ``cls``'s fields, resolved types and defaults.
+def _mutable_schema(cls: type, extra: tuple[tuple[str, Any, Any], ...] = ()) -> type:
+    """A plain (mutable) dataclass with ``cls``'s fields, resolved types and defaults, then
+    the ``extra`` ``(name, type, field)`` ones.
 
     `KFACConfig` is frozen (a tracker's settings never change under it), and Hydra cannot
     apply overrides to a frozen structured config; this copy is generated from it, so the
@@ -71,7 +77,7 @@ def _mutable_schema(cls: type) -> type:
     hints = get_type_hints(cls)
     schema = make_dataclass(f"{cls.__name__.removesuffix('Config')}Conf",
                             [(f.name, _options_as_str(hints[f.name]), field(default=f.default))
-                             for f in fields(cls)])
+                             for f in fields(cls)] + list(extra))
     schema.__module__ = __name__
     return schema
 
@@ -90,7 +96,12 @@ def _options_as_str(hint: Any) -> Any:
     return functools.reduce(operator.or_, plain)
 
 
-KFACConf = _mutable_schema(KFACConfig)
+HeldoutConf = _mutable_schema(HeldoutConfig)
+#: The held-out options' old keys in the ``kfac`` group (``kfac.eval_prior_precision``,
+#: ``kfac.answer_tokens``), typed as their `HeldoutConfig` fields; None: not set there.
+_MOVED_KEYS = tuple((old, get_type_hints(HeldoutConfig)[new] | None, field(default=None))
+                    for old, new in MOVED_OPTIONS.items())
+KFACConf = _mutable_schema(KFACConfig, _MOVED_KEYS)
 
 
 @dataclass
@@ -191,6 +202,7 @@ class AppConf:
     model: ModelConf = field(default_factory=ModelConf)
     data: DataConf = field(default_factory=DataConf)
     kfac: KFACConf = field(default_factory=KFACConf)
+    heldout: HeldoutConf = field(default_factory=HeldoutConf)
     trainer: TrainerConf = field(default_factory=TrainerConf)
     logging: LoggingConf = field(default_factory=LoggingConf)
     report: ReportConf = field(default_factory=ReportConf)
@@ -205,16 +217,47 @@ def register() -> None:
 
 def kfac_config(conf) -> KFACConfig:
     """The validated `KFACConfig` of a composed ``kfac`` node (raises `KFACConfigError`; an
-    unknown key, which only ``+kfac.<key>`` can add, is an `AppConfigError` naming it)."""
+    unknown key, which only ``+kfac.<key>`` can add, is an `AppConfigError` naming it). The
+    held-out options' old keys are left to `heldout_config`."""
     values = OmegaConf.to_container(OmegaConf.create(conf), resolve=True)
     check_keys("kfac", values)
-    return KFACConfig(**values)
+    return KFACConfig(**{k: v for k, v in values.items() if k not in MOVED_OPTIONS})
+
+
+def heldout_config(conf) -> HeldoutConfig:
+    """The validated `HeldoutConfig` of a composed app config: its ``heldout`` node, or the
+    old keys set in its ``kfac`` node (``kfac.answer_tokens=...``: one ``FutureWarning``
+    naming ``heldout.answer_tokens``). Raises `KFACConfigError` for a bad value,
+    `AppConfigError` for an unknown ``heldout`` key or an option set both ways."""
+    values = OmegaConf.to_container(OmegaConf.create(conf.heldout), resolve=True)
+    check_keys("heldout", values)
+    kfac = OmegaConf.to_container(OmegaConf.create(conf.kfac), resolve=True)
+    moved = {old: kfac[old] for old in MOVED_OPTIONS if kfac.get(old) is not None}
+    for old, value in moved.items():
+        check_moved_option(old, value)  # a bad value named as before
+    if moved:
+        default = HeldoutConfig()
+        both = [new for new in (MOVED_OPTIONS[old] for old in moved)
+                if values[new] != getattr(default, new)]
+        if both:
+            raise AppConfigError(
+                f"heldout.{both[0]} and kfac.{_old_key(both[0])} are both set: set only "
+                f"heldout.{both[0]} (kfac.{_old_key(both[0])} is its old place)")
+        warnings.warn(", ".join(f"kfac.{old}" for old in moved) + " moved to the heldout "
+                      "group: set " + ", ".join(f"heldout.{MOVED_OPTIONS[old]}" for old in moved)
+                      + " (the old keys still work for now)", FutureWarning, stacklevel=2)
+        values.update({MOVED_OPTIONS[old]: value for old, value in moved.items()})
+    return HeldoutConfig(**values)
+
+
+def _old_key(new: str) -> str:
+    return next(old for old, name in MOVED_OPTIONS.items() if name == new)
 
 
 #: The app's config groups and their schema.
 GROUPS: dict[str, type] = {"model": ModelConf, "data": DataConf, "kfac": KFACConf,
-                           "trainer": TrainerConf, "logging": LoggingConf,
-                           "report": ReportConf}
+                           "heldout": HeldoutConf, "trainer": TrainerConf,
+                           "logging": LoggingConf, "report": ReportConf}
 
 
 def unknown_key_error(group: str, key: str) -> AppConfigError:

@@ -99,7 +99,7 @@ def add_query_parser(sub) -> None:
     q.add_argument("--options", nargs="+", metavar="OPTION", help="causal LMs: answer options, "
                    "one token each (e.g. ' A' ' B' ' C' ' D'): also print which one each "
                    "posterior sample picks at the last position, and their agreement "
-                   "(default: the snapshot's answer tokens, KFACConfig.answer_tokens, if any)")
+                   "(default: the snapshot's answer tokens, HeldoutConfig.answer_tokens, if any)")
     q.add_argument("--json", action="store_true", help="print one JSON document instead of "
                    "the table")
 
@@ -221,7 +221,7 @@ def _option_ids(args, tokenizer, vocab: int | None) -> list[int]:
 
 
 def _recorded_options(snap, tokenizer, vocab: int | None) -> tuple[list[str], list[int]]:
-    """``(texts, ids)`` of the snapshot's answer tokens (``KFACConfig.answer_tokens``), the
+    """``(texts, ids)`` of the snapshot's answer tokens (``HeldoutConfig.answer_tokens``), the
     options of a query without ``--options``: the texts recorded, else the ids decoded."""
     ids = [int(i) for i in snap.answer_tokens]
     texts = getattr(snap, "answer_texts", None)
@@ -245,7 +245,7 @@ def _query_options(args, snap, model, tokenizer) -> tuple[list[int] | None, str 
         args.options, option_ids = _recorded_options(snap, tokenizer, vocab)
         options_from = "snapshot"
         query_status(f"options {' '.join(map(repr, args.options))}: the snapshot's answer tokens "
-                     "(KFACConfig.answer_tokens; --options overrides them)")
+                     "(HeldoutConfig.answer_tokens; --options overrides them)")
     return option_ids, options_from
 
 

@@ -13,6 +13,7 @@ from transformers import TrainerCallback
 
 from ..config import KFACConfig
 from ..exceptions import KFACConfigError
+from ..tracking.heldout_config import HeldoutConfig
 from ..tracking.lines import cost_line
 from ..tracking.plan import RunPlan
 from ..tracking.session import SessionOptions, TrackingSession
@@ -39,6 +40,9 @@ class KFACStreamCallback(TrainerCallback):
 
     Args:
         config: A `KFACConfig` (defaults if None).
+        heldout: A `HeldoutConfig`: the held-out fit's and the queries' options (the prior
+            precision fitted on the eval set, the answer tokens); None: the defaults, or
+            those ``config`` was given in their old place (not both).
         report_spectra: Report each snapshot's spectra and the tracker's scalars through the
             Trainer's reporters (``report_to``), media to an active W&B run; False: no
             ``kfac`` key is logged (`kfac_stream.integrations.spectrum_monitor`).
@@ -63,11 +67,11 @@ class KFACStreamCallback(TrainerCallback):
 
     def __init__(self, config: KFACConfig | None = None, report_spectra: bool = True,
                  log_every: int | None = None, report_media: bool = True,
-                 **options) -> None:
+                 heldout: HeldoutConfig | None = None, **options) -> None:
         if log_every is not None and int(log_every) < 0:
             raise KFACConfigError(f"KFACStreamCallback(log_every={log_every!r}) is not allowed: "
                                   "must be None (with the Trainer's logs), 0 (never) or > 0")
-        self.session = TrackingSession(config, SessionOptions(**options))
+        self.session = TrackingSession(config, SessionOptions(**options), heldout)
         self.report_spectra = report_spectra
         self._reporter = SpectraReporter(log_every, media=report_media)
         self.train_started: float | None = None
@@ -144,7 +148,8 @@ class KFACStreamCallback(TrainerCallback):
                         "go only to an active W&B run")
         show_info_by_default()  # the summary below reaches a script that set up no logging
         answers = check_train_begin(self.session.config, args, model,
-                                    kwargs.get("processing_class"))
+                                    kwargs.get("processing_class"),
+                                    self.session.heldout.answer_tokens)
         self.session.close()
         self._reporter.start(handler, len(self.session.snapshots))  # not earlier runs'
         warn_engines_not_applied(model)

@@ -58,16 +58,17 @@ def check_engine_start(args) -> None:
                     "often tens of seconds without output; tracking begins after it")
 
 
-def check_train_begin(config: KFACConfig, args, model, processing_class=None) -> dict | None:
+def check_train_begin(config: KFACConfig, args, model, processing_class=None,
+                      answer_tokens: list[int | str] | None = None) -> dict | None:
     """Train begin, before any collective: the config re-validated (it may be a copy), CUDA
-    graphs refused (they would replay stale hooks), the answer tokens resolved with the
-    Trainer's tokenizer and checked against the eval set's needs; returns them."""
-    cfg = KFACConfig(**config.to_dict())
+    graphs refused (they would replay stale hooks), the answer tokens
+    (``HeldoutConfig.answer_tokens``) resolved with the Trainer's tokenizer and checked
+    against the eval set's needs; returns them."""
+    KFACConfig(**config.to_dict())
     error = compile_mode_error(args)
     if error is not None:
         raise error
-    answers = resolve_answer_tokens(cfg.answer_tokens, model, text_tokenizer(processing_class))
-    return answers
+    return resolve_answer_tokens(answer_tokens, model, text_tokenizer(processing_class))
 
 
 def warn_engines_not_applied(model) -> None:

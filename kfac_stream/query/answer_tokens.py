@@ -1,4 +1,4 @@
-"""``KFACConfig.answer_tokens``: the answer options of an answer-token fine-tune, resolved at
+"""``HeldoutConfig.answer_tokens``: the answer options of an answer-token fine-tune, resolved at
 train begin to token ids (`resolve_answer_tokens`) and recorded in every snapshot's manifest
 (``"answer_tokens": {"ids": [...], "texts": [...]}``; `Snapshot.answer_tokens`).
 
@@ -19,7 +19,7 @@ from torch import nn
 from ..exceptions import KFACConfigError
 from .inputs import output_vocab
 
-WHERE = "KFACConfig.answer_tokens"
+WHERE = "HeldoutConfig.answer_tokens"
 
 
 def text_tokenizer(processing_class: Any) -> Any:
@@ -34,7 +34,7 @@ def text_tokenizer(processing_class: Any) -> Any:
 
 def resolve_answer_tokens(spec: Sequence[int | str] | None, model: nn.Module,
                           tokenizer: Any) -> dict[str, list] | None:
-    """``{"ids": [K ints], "texts": [K strs] or None}`` of ``KFACConfig.answer_tokens`` on
+    """``{"ids": [K ints], "texts": [K strs] or None}`` of ``HeldoutConfig.answer_tokens`` on
     ``model`` (None when unset); ``texts``: the strings given, or the tokenizer's decoding of
     the ids given (None without a tokenizer, or when one is not printable text).
 

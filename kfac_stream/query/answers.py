@@ -158,7 +158,7 @@ def answer_distribution(post: LaplacePosterior, batch: Mapping[str, Tensor],
             ``[B, K]`` integer tensor or ``B`` sequences of ``K`` ints), as ``token_ids`` of
             `LaplacePosterior.jacobian_features` (``B`` one-int lists are refused as
             ambiguous). None (default): all classes of a classification head; for a
-            language-model head the snapshot's answer tokens (``KFACConfig.answer_tokens``),
+            language-model head the snapshot's answer tokens (``HeldoutConfig.answer_tokens``),
             else required. (A ``[B, K]`` tensor on an accelerator is not checked for range or
             repeats: that would need a host sync.)
         n_samples: ``S``, an int ≥ 2.
@@ -310,7 +310,7 @@ def _check_options_query(where: str, post: object, batch: object, options: objec
     size, length = inputs.check_model_batch(where, "batch", batch, post.model)
     batch = inputs.query_batch(where, "batch", batch, post.model)  # seq2seq: decoder inputs
     if options is None:
-        options = post.answer_tokens  # the run's KFACConfig.answer_tokens, or None
+        options = post.answer_tokens  # the run's HeldoutConfig.answer_tokens, or None
     ids = inputs.check_token_ids(where, "options", options, size, options=True)
     length, _ = inputs.output_positions(batch, length)  # an encoder-decoder's: decoder's
     pos = inputs.answer_positions(where, "positions", positions, batch, size, length,

@@ -3,9 +3,9 @@ linearised predictive has the lowest NLL on labelled examples the model was not 
 
 The marginal likelihood picks ``τ`` from the training data alone, through the Laplace
 approximation's own assumptions; on a small or shifted task it can leave the posterior too wide
-or too narrow. A held-out set measures the predictive directly. With ``KFACConfig(
-eval_prior_precision=True)`` the callback fits it on the Trainer's ``eval_dataset`` at the
-final snapshot and stores it beside that snapshot
+or too narrow. A held-out set measures the predictive directly. With ``HeldoutConfig(
+prior_precision=True)`` (the default ``"auto"`` too) the callback fits it on the Trainer's
+``eval_dataset`` at the final snapshot and stores it beside that snapshot
 (`kfac_stream.snapshot.heldout_prior`); `Snapshot.load` reads it back as
 ``snap.heldout_prior`` (None when absent). `benchmarks/suite.py` reports this rule beside the
 marginal likelihood.
@@ -13,13 +13,13 @@ marginal likelihood.
 Labels: a classification head (logits ``[B, C]``) takes ``labels [B]`` (class ids); a
 language-model head takes ``labels [B, T]`` (an answer-token fine-tune's: -100 except at the
 answer) and ``token_ids`` (the ``K`` answer tokens; default: the snapshot's
-``KFACConfig.answer_tokens``). The answer is read where every query reads it
+``HeldoutConfig.answer_tokens``). The answer is read where every query reads it
 (`inputs.answer_positions`): at each row's first labelled position, whose label must be one of
 the answer tokens; the logit position is that position minus one (a causal LM shifts the
 labels; an encoder-decoder does not: its decoder position ``t`` predicts ``labels[:, t]``).
 
 A language model without answer tokens (``token_ids`` None and no
-``KFACConfig.answer_tokens``: a causal LM's or a seq2seq model's whole-text eval set, its
+``HeldoutConfig.answer_tokens``: a causal LM's or a seq2seq model's whole-text eval set, its
 ``labels [B, T]`` as the collator makes them) is fitted per label token on its linearised
 next-token predictive, by Monte Carlo on the first rows' subsampled positions, at ``τ``
 candidates around the marginal likelihood's (`kfac_stream.query.heldout_tokens`: which
@@ -164,7 +164,7 @@ def _targets(where: str, labels: Tensor, token_ids: Sequence[int] | None) -> Ten
     if token_ids is None:
         raise QueryInputError(f"{where}: labels of shape {tuple(labels.shape)} need token_ids "
                               "(the answer tokens) for a language-model head: pass token_ids, "
-                              "or train with KFACConfig(answer_tokens=...)")
+                              "or train with HeldoutConfig(answer_tokens=...)")
     marked = labels != inputs.IGNORE_INDEX
     if bool((~marked.any(1)).any()):
         b = int((~marked.any(1)).int().argmax())
@@ -207,7 +207,7 @@ def fit_prior_precision(post, batches: Iterable[Mapping[str, Tensor]], *,
             device; one Jacobian pass per batch serves every candidate. A seq2seq model's
             decoder inputs are made from the labels when the batch has none.
         token_ids: The ``K ≥ 2`` answer tokens of a language-model head (one sequence of ints
-            for every example); None: the snapshot's ``KFACConfig.answer_tokens`` (none: a
+            for every example); None: the snapshot's ``HeldoutConfig.answer_tokens`` (none: a
             language model's per-token NLL, module docstring).
         link: None (default: chosen among `LINKS` by the guard, module docstring), or one
             link to fix: ``"meanfield"``, ``"probit"`` or ``"mc"`` (`probs_from_gaussian`);
@@ -265,7 +265,7 @@ def _check_fit(where: str, post, *, token_ids: object, link: object, n_samples: 
     links = LINKS if link is None else (inputs.check_choice(where, "link", link,
                                                             FIT_LINKS),)
     if token_ids is None:
-        token_ids = post.answer_tokens  # the run's KFACConfig.answer_tokens, or None
+        token_ids = post.answer_tokens  # the run's HeldoutConfig.answer_tokens, or None
     if token_ids is not None:
         token_ids = inputs.check_token_ids(where, "token_ids", token_ids, 1, options=True)
         if token_ids.dim() != 1:

@@ -272,7 +272,7 @@ class LaplacePosterior:
 
     @property
     def answer_tokens(self) -> list[int] | None:
-        """The snapshot's answer options (``KFACConfig.answer_tokens`` as token ids), the
+        """The snapshot's answer options (``HeldoutConfig.answer_tokens`` as token ids), the
         default ``token_ids`` of a language-model head's queries; None when the run set none."""
         ids = self.snapshot.answer_tokens
         return None if ids is None else list(ids)
@@ -311,7 +311,7 @@ class LaplacePosterior:
                 k]]``; one id per example only as a ``[B, 1]`` tensor: ``B`` one-int lists,
                 a tokenizer's ``input_ids`` of one-token answers, are refused as ambiguous).
                 Default: all classes of a classification head; for a language-model head the
-                snapshot's answer tokens (``KFACConfig.answer_tokens``), else required. (A
+                snapshot's answer tokens (``HeldoutConfig.answer_tokens``), else required. (A
                 ``[B, K]`` tensor on an accelerator is not range-checked: that would need a
                 host sync.)
 

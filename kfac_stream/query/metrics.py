@@ -262,7 +262,7 @@ def confidence_gap(probs: Tensor, y: Tensor) -> float:
     **overconfident** (gap > 0) that flattening is what lowers the NLL, and the default
     posterior (marginal-likelihood ``τ``) is expected to reach an NLL at or below MAP's. Where
     MAP is already **underconfident** (gap < 0) any added variance raises the NLL; only a
-    ``τ`` fitted on held-out data (``KFACConfig(eval_prior_precision=True)`` or
+    ``τ`` fitted on held-out data (``HeldoutConfig(prior_precision=True)`` or
     `fit_prior_precision`), which can grow until the predictive is MAP's, keeps it at MAP's
     level, and the logit variances remain useful for ranking (OOD, selective prediction).
     """

@@ -81,7 +81,7 @@ def resolve_prior(where: str, prior_precision: Any, link: str | None,
     fit = heldout if applies and heldout is not None and heldout.probs_link in links else None
     if prior_precision == "heldout" and fit is None:
         why = ("no held-out fit is stored beside this snapshot (train with an eval_dataset, "
-               "KFACConfig(eval_prior_precision='auto'), or fit one with "
+               "HeldoutConfig(prior_precision='auto'), or fit one with "
                "kfac_stream.fit_prior_precision)" if heldout is None else
                "the stored held-out fit was made for the snapshot's own layers and N, not "
                "for the layers or num_data asked for here")

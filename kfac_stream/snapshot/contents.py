@@ -124,7 +124,7 @@ def _manifest(record, step: int, epoch: float | None,
         ownership=Ownership(bytes_per_rank=list(record.ownership.bytes_per_rank),
                             eigh_flops_per_rank=list(record.ownership.eigh_flops_per_rank)),
         fisher=cfg.fisher, ema_decay=cfg.ema_decay, token_fraction=cfg.token_fraction,
-        update_every=cfg.update_every, storage_dtype=cfg.storage_dtype, config=cfg.to_dict(),
+        update_every=cfg.update_every, storage_dtype=cfg.storage_dtype, config=_config_json(record),
         counts=Counts(**counters), skipped_steps=list(record.counters.skipped_steps),
         shared_inputs=record.plan.describe(), run_id=record.run_id or None,
         answer_tokens=AnswerTokens(**answers) if answers else None,
@@ -132,6 +132,13 @@ def _manifest(record, step: int, epoch: float | None,
         fingerprint=layer_fingerprint(
             {n: (s.d_in, s.d_out, s.has_bias) for n, s in record.specs.items()}),
         layers=layers)
+
+
+def _config_json(record) -> dict[str, Any]:
+    """The manifest's ``config``: the record's (the held-out options included), else its
+    config's own."""
+    config_json = getattr(record, "config_json", None)
+    return dict(config_json) if config_json is not None else record.config.to_dict()
 
 
 def _run_plan(plan: dict[str, Any] | None) -> RunPlanEntry | None:

@@ -260,7 +260,7 @@ class WeightsFrom:
 
 @dataclass(kw_only=True)
 class AnswerTokens:
-    """``KFACConfig.answer_tokens`` as resolved at train begin (`query.answer_tokens`)."""
+    """``HeldoutConfig.answer_tokens`` as resolved at train begin (`query.answer_tokens`)."""
 
     WHAT: ClassVar[str] = "the answer options"
     ids: list[int] = json_field(ListOf(COUNT, min_len=2))

@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from ..config import KFACConfig
+from ..config import MOVED_OPTIONS, KFACConfig, check_moved_option
 from ..exceptions import KFACConfigError, SnapshotError
 from ..utils.enums import StorageDtype
 from .layout import SHARD_RE, file_name_problem
@@ -327,10 +327,11 @@ class ShardName(Rule):
 
 
 class TrackerConfig(Rule):
-    """The tracker's configuration as written (``KFACConfig.to_dict()``), informational: each
-    key naming a `KFACConfig` field must pass that field's own validation (the dataclass is
-    the one source of the fields' types and ranges); keys naming no field are not checked,
-    like every key the schema does not know."""
+    """The tracker's configuration as written (``KFACConfig.to_dict()``, with the held-out
+    options under their old names), informational: each key naming a `KFACConfig` field must
+    pass that field's own validation (the dataclass is the one source of the fields' types and
+    ranges), a held-out option its own (`check_moved_option`); keys naming neither are not
+    checked, like every key the schema does not know."""
 
     expected = "the tracker's configuration (an object of KFACConfig fields)"
 
@@ -339,9 +340,12 @@ class TrackerConfig(Rule):
             fail(ctx, path, value, self.expected)
         names = {f.name for f in dataclasses.fields(KFACConfig)}
         for name, v in value.items():
-            if name in names:
+            if name in names or name in MOVED_OPTIONS:
                 try:
-                    KFACConfig(**{name: v})
+                    if name in MOVED_OPTIONS:  # the held-out options, under their old names
+                        check_moved_option(name, v)
+                    else:
+                        KFACConfig(**{name: v})
                 except (KFACConfigError, TypeError, ValueError) as e:
                     fail(ctx, child_path(path, name), v, f"a valid value ({e})")
 

@@ -205,14 +205,14 @@ class Snapshot(LayerView):
     def heldout_prior(self):
         """The prior precision fitted on held-out data and stored beside this snapshot
         (`kfac_stream.snapshot.heldout_prior.HeldoutPrior`: ``.tau``, ``.nll``, ...; written
-        with ``KFACConfig(eval_prior_precision=True)``), or None."""
+        with ``HeldoutConfig(prior_precision=True)``), or None."""
         from .heldout_prior import read_heldout_prior
 
         return read_heldout_prior(self.path)
 
     @property
     def answer_tokens(self) -> tuple[int, ...] | None:
-        """The answer options' token ids (``KFACConfig.answer_tokens``, resolved at train
+        """The answer options' token ids (``HeldoutConfig.answer_tokens``, resolved at train
         begin), or None when the run set none: the default ``token_ids`` of a language-model
         head's queries and the CLI's ``--options``."""
         answers = self.manifest.answer_tokens

@@ -1,4 +1,4 @@
-"""``KFACConfig.eval_prior_precision``: the prior precision and link fitted on the eval set at
+"""``HeldoutConfig.prior_precision``: the prior precision and link fitted on the eval set at
 the final snapshot, stored beside it (`kfac_stream.query.heldout_tau`).
 
 The run's plan decides whether the fit runs (`kfac_stream.tracking.plan.plan_heldout`, on the
@@ -44,10 +44,10 @@ def heldout_lines(heldout: HeldoutPlan) -> list[tuple[str, str]]:
                          "kfac_stream.fit_prior_precision (queries use the rule without "
                          "held-out data until then)")]
     if heldout.why == "no eval set" and heldout.asked:
-        return [("warning", "kfac_stream: eval_prior_precision=True but the Trainer has no "
-                            "eval_dataset: no tau will be fitted and Snapshot.heldout_prior "
-                            "will be None (pass eval_dataset=..., or call "
-                            "kfac_stream.fit_prior_precision after training)")]
+        return [("warning", "kfac_stream: HeldoutConfig(prior_precision=True) but the Trainer "
+                            "has no eval_dataset: no tau will be fitted and "
+                            "Snapshot.heldout_prior will be None (pass eval_dataset=..., or "
+                            "call kfac_stream.fit_prior_precision after training)")]
     if heldout.why == "no eval set":
         return [("info", f"kfac_stream: no eval_dataset: queries will use {NO_HELDOUT_RULE} "
                          "(pass eval_dataset=... to fit tau and the link on held-out data, "

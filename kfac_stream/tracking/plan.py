@@ -34,9 +34,11 @@ setting                     resolved to
                             the first half of the run
 ``exchange``                as configured: ``"auto"`` is chosen per factor and update by the
                             bytes each way moves (`distributed.exchange`), not here
-``eval_prior_precision``    whether train end fits ``τ`` and the link on the eval set
-                            (`plan_heldout`): ``"auto"`` whenever the front end hands one
-                            that is not empty (`EvalBatches`) to a run in one process
+``prior_precision``         `HeldoutConfig`'s (``KFACConfig.eval_prior_precision`` in its
+                            old place): whether train end fits ``τ`` and the link on the
+                            eval set (`plan_heldout`): ``"auto"`` whenever the front end
+                            hands one that is not empty (`EvalBatches`) to a run in one
+                            process
 ==========================  ===============================================================
 """
 
@@ -57,6 +59,7 @@ from ..exceptions import KFACConfigError
 from ..fisher.base import registered_fisher
 from ..fisher.curvature import Curvature
 from ..fisher.replay_draws import replay_counts
+from .heldout_config import HeldoutConfig
 
 #: Device path: updates whose rows a factor group holds before one fold into its pending sums
 #: (one read-modify-write of its ``G·d²`` pending entries per fold instead of per update). At
@@ -152,15 +155,15 @@ class EvalBatches(Protocol):
 @dataclass(frozen=True)
 class HeldoutPlan:
     """Whether the end of training fits ``τ`` and the link on the eval set
-    (``eval_prior_precision``, `plan_heldout`; its train-begin lines:
+    (``HeldoutConfig.prior_precision``, `plan_heldout`; its train-begin lines:
     `kfac_stream.tracking.heldout_fit.heldout_lines`).
 
     Attributes:
         on: Fit after the final snapshot.
-        why: Why not, when off: ``"off"`` (``eval_prior_precision=False``), ``"ranks"``
+        why: Why not, when off: ``"off"`` (``prior_precision=False``), ``"ranks"``
             (several processes), ``"no front end"`` (none handed an eval set: not said),
             ``"no eval set"`` (its dataset is None), ``"empty"`` (0 examples); ``"on"``.
-        asked: ``eval_prior_precision=True`` (not ``"auto"``): a missing eval set is a
+        asked: ``prior_precision=True`` (not ``"auto"``): a missing eval set is a
             warning.
         world: Ranks.
     """
@@ -194,6 +197,8 @@ class RunPlan:
         window: The final window (None: the EMA throughout).
         refresh: Whether train end refreshes the factors at the final weights.
         heldout: Whether train end fits ``τ`` and the link on the eval set.
+        heldout_config: The held-out fit's and the queries' options (`HeldoutConfig`; the
+            manifests record them in ``config``, `manifest_config`).
     """
 
     requested: KFACConfig
@@ -209,18 +214,22 @@ class RunPlan:
     window: WindowPlan | None
     refresh: RefreshPlan = RefreshPlan(False, "not planned")
     heldout: HeldoutPlan = HeldoutPlan(False, "no front end")
+    heldout_config: HeldoutConfig = HeldoutConfig()
 
     @classmethod
     def resolve(cls, config: KFACConfig, model: nn.Module | None = None, *,
                 device: torch.device | None = None, shape: RunShape | None = None,
-                eval_set: EvalBatches | None = None) -> RunPlan:
+                eval_set: EvalBatches | None = None,
+                heldout: HeldoutConfig | None = None) -> RunPlan:
         """Resolve every ``"auto"`` and derived setting of ``config`` for ``model`` on
         ``device`` (default: the model's; the CPU without a model) in a run of ``shape``
         (default: unknown, the MC share kept as configured and no final window planned) with
-        the held-out fit on ``eval_set`` (None: none handed, no fit). A ``config.fisher`` no
-        estimator is registered under is refused (`KFACConfigError` naming the registered
-        ones)."""
+        the held-out fit on ``eval_set`` (None: none handed, no fit) as ``heldout`` asks
+        (None: as ``config`` asks in the options' old place, else the defaults:
+        `HeldoutConfig.of_run`). A ``config.fisher`` no estimator is registered under is
+        refused (`KFACConfigError` naming the registered ones)."""
         registered_fisher(config.fisher)
+        heldout = HeldoutConfig.of_run(config, heldout)
         shape = shape or RunShape()
         if device is None:
             p = next(model.parameters(), None) if model is not None else None
@@ -250,7 +259,8 @@ class RunPlan:
                    sequences_per_update=per_update, window=window,
                    refresh=plan_refresh(resolved, window, shape.max_steps,
                                         _sharding_engine(model)),
-                   heldout=plan_heldout(config, shape.world, eval_set))
+                   heldout=plan_heldout(heldout, shape.world, eval_set),
+                   heldout_config=heldout)
 
     @property
     def async_updates(self) -> bool:
@@ -278,6 +288,11 @@ class RunPlan:
             out["window"] = asdict(self.window)
         out["final_refresh"] = {"on": self.refresh.on, "reason": self.refresh.reason}
         return out
+
+    def manifest_config(self) -> dict[str, Any]:
+        """The resolved config as every snapshot's manifest (``config``) and tracker state
+        record it: `KFACConfig.to_dict` and the held-out options under their old names."""
+        return {**self.config.to_dict(), **self.heldout_config.manifest_entries()}
 
     def describe(self) -> str:
         """The plan's part of the train-begin line."""
@@ -343,17 +358,17 @@ def plan_refresh(config: KFACConfig, window: WindowPlan | None, max_steps: int,
     return RefreshPlan(False, f"the final window spans the last {share:.0f}% of the run")
 
 
-def plan_heldout(config: KFACConfig, world: int, eval_set: EvalBatches | None
+def plan_heldout(heldout: HeldoutConfig, world: int, eval_set: EvalBatches | None
                  ) -> HeldoutPlan:
-    """Whether train end fits ``τ`` and the link on ``eval_set`` (``eval_prior_precision``):
+    """Whether train end fits ``τ`` and the link on ``eval_set`` (``heldout.prior_precision``):
     never for ``False``; not with several ranks (the fit runs in one process), nor without an
     eval set handed (None), nor when its dataset is None or empty (`_empty`); else on, for
     ``True`` and for ``"auto"`` alike (which differ only in how loudly an eval set's absence
     is said)."""
-    mode = config.eval_prior_precision
+    mode = heldout.prior_precision
     if mode is False:
         return HeldoutPlan(False, "off")
-    auto = config.eval_prior_precision == "auto"  # True: asked for, said louder
+    auto = heldout.prior_precision == "auto"  # True: asked for, said louder
     asked = not auto
     world = max(int(world), 1)
     if world > 1:

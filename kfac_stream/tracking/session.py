@@ -43,6 +43,7 @@ from ..snapshot.weights import weights_fingerprint
 from ..snapshot.writer import clean_stale_tmp, relabel_weights, set_aside_other_runs
 from ..stats.spectrum import default_eigh_threads
 from .checkpoints import CheckpointProtocol
+from .heldout_config import HeldoutConfig
 from .heldout_fit import fit_heldout_prior, heldout_lines
 from .lines import (
     raised_share_line,
@@ -115,6 +116,8 @@ class TrackingSession:
 
     Attributes:
         config: The user's configuration.
+        heldout: The held-out fit's and the queries' options (`HeldoutConfig`: the one
+            handed over, else those ``config`` carries in their old place, else defaults).
         plan: The run's `RunPlan` (None before `start`).
         tracker: The live `Tracker` (None before `start`; kept after `finish` for inspection).
         output_dir: The snapshot directory (None before `start`).
@@ -125,8 +128,10 @@ class TrackingSession:
     """
 
     def __init__(self, config: KFACConfig | None = None,
-                 options: SessionOptions | None = None) -> None:
+                 options: SessionOptions | None = None,
+                 heldout: HeldoutConfig | None = None) -> None:
         self.config = config or KFACConfig()
+        self.heldout = HeldoutConfig.of_run(self.config, heldout)
         self.options = options or SessionOptions()
         self.plan: RunPlan | None = None
         self.tracker: Tracker | None = None
@@ -151,7 +156,8 @@ class TrackingSession:
               eval_set: EvalBatches | None = None) -> None:
         """Train begin: plan the run, build the tracker (collective with several processes),
         restore a resumed run's state, use the final window and say what is tracked.
-        ``answers``: the resolved answer tokens (`kfac_stream.query.answer_tokens`);
+        ``answers``: the resolved answer tokens (``heldout.answer_tokens``,
+        `kfac_stream.query.answer_tokens`);
         ``eval_set``: the eval set the held-out fit reads at train end (None: no fit)."""
         self.close()
         cfg = KFACConfig(**self.config.to_dict())  # re-validate (the config may be a copy)
@@ -164,7 +170,7 @@ class TrackingSession:
         world = dist_ctx.world_size if dist_ctx else 1
         self.plan = run = RunPlan.resolve(cfg, model, device=device,
                                           shape=RunShape.of_trainer(args, state, world),
-                                          eval_set=eval_set)
+                                          eval_set=eval_set, heldout=self.heldout)
         self._eval_set = eval_set if run.heldout.on else None
         rank0 = dist_ctx is None or dist_ctx.rank == 0
         if run.mc_share_raised is not None and rank0:

@@ -76,9 +76,11 @@ class TrackerRecord:
         row_space: ``{layer: "sequence" | "target"}`` for the layers whose rows are sequences
             (a pooler or head on ``[B, d]``, `capture.hooks`) or an encoder-decoder's decoder
             positions; the others' rows are the input's token positions.
-        answer_tokens: ``{"ids": [K], "texts": [K] or None}``: ``KFACConfig.answer_tokens``
+        answer_tokens: ``{"ids": [K], "texts": [K] or None}``: ``HeldoutConfig.answer_tokens``
             resolved at train begin, or None.
         run_plan: The run's `RunPlan` as plain JSON (`RunPlan.to_dict`).
+        config_json: ``config`` as manifests and tracker states record it, the held-out
+            options included (`RunPlan.manifest_config`; None: ``config.to_dict()``).
     """
 
     step: int | None
@@ -97,6 +99,7 @@ class TrackerRecord:
     row_space: Mapping[str, str] = field(default_factory=dict)
     answer_tokens: Mapping[str, list] | None = None
     run_plan: Mapping[str, Any] | None = None
+    config_json: Mapping[str, Any] | None = None
 
     @property
     def dims(self) -> dict[str, tuple[int, bool]]:
@@ -452,7 +455,8 @@ class Tracker:
             run_id=self.run_id, row_space={n: space for n, space in
                                            self.capture.row_space.items()
                                            if space != "position"},
-            answer_tokens=self.answer_tokens, run_plan=self.run.to_dict())
+            answer_tokens=self.answer_tokens, run_plan=self.run.to_dict(),
+            config_json=self.run.manifest_config())
 
     def release(self, lent: Mapping[str, Tensor]) -> None:
         """Give back ``{key: tensor}`` a lending `export` handed out, no longer read (its

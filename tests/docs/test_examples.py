@@ -84,7 +84,7 @@ def _check_classification(out, stdout: str) -> None:
     C = len(r["classes"])
     assert len(y) == 300 and sorted(set(y)) == list(range(C))
     assert sorted(r["reports"]) == sorted(k for k in r["test"] if k != "labels")
-    assert r["tau_source"] == "held-out"  # eval_prior_precision ran and stored its tau
+    assert r["tau_source"] == "held-out"  # the held-out fit ran and stored its tau
     for name, probs in r["test"].items():
         if name == "labels":
             continue

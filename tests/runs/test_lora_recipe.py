@@ -19,7 +19,14 @@ import pytest
 import torch
 from test_cli_query import cli_error
 
-from kfac_stream import KFACConfig, KFACStreamCallback, LaplacePosterior, Snapshot, gather_model
+from kfac_stream import (
+    HeldoutConfig,
+    KFACConfig,
+    KFACStreamCallback,
+    LaplacePosterior,
+    Snapshot,
+    gather_model,
+)
 from kfac_stream.cli import main as cli_main
 from kfac_stream.exceptions import SnapshotMismatchError
 from kfac_stream.integrations.peft_adapter import SIDECAR, base_state_dict
@@ -116,9 +123,9 @@ def recipe(tmp_path_factory):
         model = get_peft_model(base, LoraConfig(
             r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
             lora_dropout=0.0, task_type="CAUSAL_LM"))
-    cb = KFACStreamCallback(KFACConfig(preset="lora", answer_tokens=list(OPTIONS),
-                                       token_fraction=0.5, update_every=4,
-                                       min_window_sequences=0))
+    cb = KFACStreamCallback(KFACConfig(preset="lora", token_fraction=0.5, update_every=4,
+                                       min_window_sequences=0),
+                            heldout=HeldoutConfig(answer_tokens=list(OPTIONS)))
     args = TrainingArguments(
         str(tmp / "run"), per_device_train_batch_size=8, max_steps=24, learning_rate=1e-2,
         lr_scheduler_type="constant", report_to=[], use_cpu=True, save_strategy="no",
@@ -307,7 +314,7 @@ def test_an_adapter_without_a_base_needs_base(recipe, capsys, tmp_path):
 
 
 def test_the_snapshots_answer_tokens_are_the_default_options(recipe, capsys, monkeypatch):
-    """Without --options, a snapshot that records answer tokens (KFACConfig.answer_tokens:
+    """Without --options, a snapshot that records answer tokens (HeldoutConfig.answer_tokens:
     ``Snapshot.answer_tokens`` ids, ``Snapshot.answer_texts``) gives the options: the status
     line and the JSON say so, and the answers are those of ``--options`` with the same
     strings."""

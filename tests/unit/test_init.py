@@ -14,7 +14,7 @@ def test_every_exported_name_resolves():
 
 
 def test_whole_model_is_gather_model_with_a_warning():
-    with pytest.warns(FutureWarning, match="kfac_stream.whole_model is now kfac_stream.gather_model"):
+    with pytest.warns(FutureWarning, match="whole_model is now kfac_stream.gather_model"):
         old = kfac_stream.whole_model
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the new name warns about nothing

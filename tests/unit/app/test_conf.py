@@ -19,18 +19,24 @@ CONF = ROOT / "conf"
 
 
 def test_conf_defaults_match_kfacconfig():
-    """The app's composed ``kfac`` node is KFACConfig's defaults; conf/kfac/
-    default.yaml repeats none of them (the dataclass is the one source)."""
+    """The app's composed ``kfac`` node is KFACConfig's defaults (the held-out options' old
+    keys unset), its ``heldout`` node HeldoutConfig's; conf/kfac/default.yaml and
+    conf/heldout/default.yaml repeat none of them (the dataclasses are the one source)."""
     from hydra import compose, initialize_config_dir
 
+    from kfac_stream import HeldoutConfig
     from kfac_stream.app.schema import register
 
-    assert yaml.safe_load((CONF / "kfac" / "default.yaml").read_text()) is None
+    for group in ("kfac", "heldout"):
+        assert yaml.safe_load((CONF / group / "default.yaml").read_text()) is None
     register()
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        conf = compose("config").kfac
+        composed = compose("config")
     defaults = {f.name: f.default for f in dataclasses.fields(KFACConfig)}
-    assert dict(conf) == defaults
+    assert dict(composed.kfac) == {**defaults, "eval_prior_precision": None,
+                                   "answer_tokens": None}
+    assert dict(composed.heldout) == {f.name: f.default
+                                      for f in dataclasses.fields(HeldoutConfig)}
 
 
 def test_conf_demo_is_config_into_out_demo():
@@ -137,15 +143,21 @@ def test_launch_configs_parse_and_are_self_contained():
 
 
 def test_hydra_schema_mirrors_kfac_config():
-    """The app's typed `KFACConf` has exactly `KFACConfig`'s fields and defaults, and
-    `kfac_config` turns it into an equal `KFACConfig`."""
+    """The app's typed `KFACConf` has exactly `KFACConfig`'s fields and defaults (then the
+    held-out options' old keys, unset), `HeldoutConf` `HeldoutConfig`'s, and `kfac_config` /
+    `heldout_config` turn them into equal configs."""
     from dataclasses import fields
 
-    from kfac_stream import KFACConfig
-    from kfac_stream.app.schema import KFACConf, kfac_config
+    from kfac_stream import HeldoutConfig, KFACConfig
+    from kfac_stream.app.schema import HeldoutConf, KFACConf, heldout_config, kfac_config
 
-    assert [f.name for f in fields(KFACConf)] == [f.name for f in fields(KFACConfig)]
+    assert [f.name for f in fields(KFACConf)] == [f.name for f in fields(KFACConfig)] + [
+        "eval_prior_precision", "answer_tokens"]
+    assert KFACConf().eval_prior_precision is None and KFACConf().answer_tokens is None
+    assert [f.name for f in fields(HeldoutConf)] == [f.name for f in fields(HeldoutConfig)]
     assert kfac_config(KFACConf()) == KFACConfig()
+    composed = _compose("trainer.report_to=[]")
+    assert heldout_config(composed) == HeldoutConfig()
     types = {f.name: f.type for f in fields(KFACConf)}  # an option's enum is a str there
     assert types["fisher"] is str and types["fold_on"] is str and types["preset"] == str | None
     assert types["mc_sequences"] == int | float | str  # the other unions as written

@@ -1,10 +1,10 @@
 """Answer tokens as a setting, and one convention for where an answer is read.
 
-* ``KFACConfig(answer_tokens=...)``: resolved at train begin (strings through the Trainer's
+* ``HeldoutConfig(answer_tokens=...)``: resolved at train begin (strings through the Trainer's
   tokenizer, one token each), recorded in every snapshot, the default ``token_ids`` of the
   queries; every misconfiguration fails at train begin in one line, before the first step.
-* ``eval_prior_precision`` with answer tokens stores the ``τ`` of a brute-force grid search on
-  the eval set's answer positions.
+* ``HeldoutConfig.prior_precision`` with answer tokens stores the ``τ`` of a brute-force grid
+  search on the eval set's answer positions.
 * The answer position: a batch with ``labels [B, T]`` is answered at each row's first labelled
   position (as training scores it) by `predictive`, `predictive_probs`, `answer_distribution`
   and `fit_prior_precision` alike; positions with labels are refused.
@@ -17,6 +17,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from kfac_stream import (
+    HeldoutConfig,
     KFACConfig,
     KFACConfigError,
     KFACStreamCallback,
@@ -59,8 +60,9 @@ def _stack(examples: list[dict]) -> dict:
     return {k: torch.stack([e[k] for e in examples]) for k in examples[0]}
 
 
-def _trainer(tmp_path, model, cfg: KFACConfig, train, held=None, steps=6, tokenizer=None):
-    cb = KFACStreamCallback(cfg)
+def _trainer(tmp_path, model, cfg: KFACConfig, train, held=None, steps=6, tokenizer=None,
+             heldout: HeldoutConfig | None = None):
+    cb = KFACStreamCallback(cfg, heldout=heldout)
     args = TrainingArguments(str(tmp_path), per_device_train_batch_size=4,
                              per_device_eval_batch_size=5, max_steps=steps, learning_rate=1e-2,
                              report_to=[], save_strategy="no", logging_strategy="no",
@@ -74,13 +76,13 @@ def _trainer(tmp_path, model, cfg: KFACConfig, train, held=None, steps=6, tokeni
 @pytest.fixture(scope="module")
 def answered(tmp_path_factory):
     """A byte-level GPT-2 fine-tuned on answer-token questions with ``answer_tokens`` and
-    ``eval_prior_precision``: ``(model, snapshot, held-out examples)``."""
+    ``prior_precision=True`` (`HeldoutConfig`): ``(model, snapshot, held-out examples)``."""
     tmp = tmp_path_factory.mktemp("answered")
     model = tiny_gpt2()
     train, held = _questions(24, seed=0), _questions(10, seed=1)
     trainer, cb = _trainer(tmp, model, KFACConfig(
-        answer_tokens=ANSWERS, eval_prior_precision=True, output_dir=str(tmp / "kfac"),
-        update_every=1, token_fraction=1.0, fisher="empirical"), train, held)
+        output_dir=str(tmp / "kfac"), update_every=1, token_fraction=1.0, fisher="empirical"),
+        train, held, heldout=HeldoutConfig(answer_tokens=ANSWERS, prior_precision=True))
     trainer.train()
     model.eval()
     return model, Snapshot.load(cb.snapshots[-1]), held
@@ -150,7 +152,7 @@ def test_positions_given_with_labels_are_refused(answered):
         post.predictive(bad)
 
 
-def test_eval_prior_precision_equals_a_grid_search_on_the_answer_positions(answered):
+def test_prior_precision_equals_a_grid_search_on_the_answer_positions(answered):
     """The stored tau is the candidate with the lowest held-out NLL, recomputed here by brute
     force: the prompts, each at its own last position, every candidate tau and link."""
     model, snap, held = answered
@@ -224,8 +226,8 @@ class _Steps(TrainerCallback):
 def test_strings_are_tokenised_once_with_the_trainers_tokenizer(tmp_path):
     options = [" A", " B", " C", " D"]
     trainer, cb = _trainer(tmp_path, tiny_gpt2(), KFACConfig(
-        answer_tokens=options, output_dir=str(tmp_path / "kfac")), _questions(8, 0), steps=2,
-        tokenizer=_word_tokenizer())
+        output_dir=str(tmp_path / "kfac")), _questions(8, 0), steps=2,
+        tokenizer=_word_tokenizer(), heldout=HeldoutConfig(answer_tokens=options))
     trainer.train()
     snap = Snapshot.load(cb.snapshots[-1])
     assert snap.answer_tokens == tuple(ANSWERS)
@@ -257,9 +259,9 @@ def test_misconfigured_answer_tokens_fail_at_train_begin(tmp_path, case):
         data = [dict(e, labels=torch.tensor(i % 4)) for i, e in enumerate(data)]
     held = None
     tok = _word_tokenizer() if case in ("two_tokens", "same_token") else None
-    trainer, _ = _trainer(tmp_path, model, KFACConfig(
-        answer_tokens=answers, eval_prior_precision=held is not None,
-        output_dir=str(tmp_path / "kfac")), data, held, tokenizer=tok)
+    trainer, _ = _trainer(tmp_path, model, KFACConfig(output_dir=str(tmp_path / "kfac")), data,
+                          held, tokenizer=tok, heldout=HeldoutConfig(
+                              answer_tokens=answers, prior_precision=held is not None))
     steps = _Steps()
     trainer.add_callback(steps)
     with pytest.raises(KFACConfigError, match=match) as e:
@@ -269,6 +271,7 @@ def test_misconfigured_answer_tokens_fail_at_train_begin(tmp_path, case):
 
 def test_answer_tokens_checked_in_the_config():
     for bad in ([65], [65, 65], [" A", ""], [True, 2], "AB"):
-        with pytest.raises(KFACConfigError, match=r"KFACConfig.answer_tokens=.* is not allowed"):
-            KFACConfig(answer_tokens=bad)
-    assert KFACConfig(answer_tokens=[" A", 66]).answer_tokens == [" A", 66]
+        with pytest.raises(KFACConfigError,
+                           match=r"HeldoutConfig.answer_tokens=.* is not allowed"):
+            HeldoutConfig(answer_tokens=bad)
+    assert HeldoutConfig(answer_tokens=[" A", 66]).answer_tokens == [" A", 66]

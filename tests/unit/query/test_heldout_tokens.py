@@ -8,7 +8,7 @@ References, each independent of the code under test:
   cross-entropy) on the same batch;
 * the candidates' NLL: ``sampled_predictive(..., linearized=True, return_logits=True)``'s logits
   of each draw, averaged in probability by hand at the scored positions;
-* through the Trainer with its eval set and ``KFACConfig()`` (``eval_prior_precision="auto"``):
+* through the Trainer with its eval set and the defaults (``HeldoutConfig.prior_precision="auto"``):
   the stored fit's every number recomputed by `fit_prior_precision` on the eval loader's
   batches, and the guard's decision by its rule.
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from kfac_stream import (
+    HeldoutConfig,
     KFACConfig,
     LaplacePosterior,
     QueryInputError,
@@ -250,8 +251,8 @@ def test_an_empty_eval_set_is_named(tmp_path, caplog, mode, level):
         pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     ids = torch.randint(1, 64, (8, 10), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": i, "labels": torch.tensor(int(i[0]) % 3)} for i in ids]
-    cb = KFACStreamCallback(KFACConfig(eval_prior_precision=mode,
-                                       output_dir=str(tmp_path / "kfac")))
+    cb = KFACStreamCallback(KFACConfig(output_dir=str(tmp_path / "kfac")),
+                            heldout=HeldoutConfig(prior_precision=mode))
     args = TrainingArguments(str(tmp_path), per_device_train_batch_size=4, max_steps=2,
                              report_to=[], save_strategy="no", logging_strategy="no",
                              disable_tqdm=True, use_cpu=True, seed=0)

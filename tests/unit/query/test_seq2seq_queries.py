@@ -1,6 +1,6 @@
 """Queries on seq2seq models: T5 and BART, tiny, built from their configs (d_model 32,
 one layer each side, vocabulary 96), trained for a few steps by a real ``Seq2SeqTrainer`` with
-``KFACStreamCallback(eval_prior_precision=True)`` and an eval set.
+``KFACStreamCallback(heldout=HeldoutConfig(prior_precision=True))`` and an eval set.
 
 What the numbers must satisfy (computed here, independently of the code under test): a batch
 with ``labels`` only gives the predictive whose mean is the model's own logits with the decoder
@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kfac_stream import (
+    HeldoutConfig,
     KFACConfig,
     KFACStreamCallback,
     LaplacePosterior,
@@ -105,7 +106,8 @@ def run(request, tmp_path_factory):
     model = _build(family)
     train, held = _examples(STEPS * BATCH, seed=1), _examples(6, seed=2)
     cb = KFACStreamCallback(KFACConfig(token_fraction=1.0, update_every=1, snapshot_every=STEPS,
-                                       output_dir=str(tmp / "kfac"), eval_prior_precision=True))
+                                       output_dir=str(tmp / "kfac")),
+                            heldout=HeldoutConfig(prior_precision=True))
     args = Seq2SeqTrainingArguments(str(tmp), per_device_train_batch_size=BATCH,
                                     per_device_eval_batch_size=4, max_steps=STEPS,
                                     learning_rate=1e-3, report_to=[], logging_strategy="no",

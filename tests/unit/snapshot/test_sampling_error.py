@@ -21,7 +21,7 @@ import pytest
 import torch
 from test_mc_subbatch import _updates
 
-from kfac_stream import KFACConfig, KFACConfigError, LaplacePosterior, Snapshot
+from kfac_stream import HeldoutConfig, KFACConfig, KFACConfigError, LaplacePosterior, Snapshot
 from kfac_stream.snapshot import adequacy
 from kfac_stream.snapshot.adequacy import REL_SE_WARN, sampling_problems, sampling_summary
 from kfac_stream.store.factor_store import FactorStore
@@ -313,9 +313,10 @@ def test_enough_samples_give_no_warning(tmp_path):
 
 
 def test_prior_precision_fitted_on_the_eval_dataset(tmp_path):
-    """``eval_prior_precision=True`` on a sequence classifier with an ``eval_dataset``: the
-    stored (tau, link) is the candidate with the lowest held-out NLL, recomputed here by brute
-    force (`LaplacePosterior.predictive` at every candidate tau, both links, per example)."""
+    """``HeldoutConfig(prior_precision=True)`` on a sequence classifier with an
+    ``eval_dataset``: the stored (tau, link) is the candidate with the lowest held-out NLL,
+    recomputed here by brute force (`LaplacePosterior.predictive` at every candidate tau, both
+    links, per example)."""
     from transformers import GPT2Config, GPT2ForSequenceClassification, Trainer, TrainingArguments
 
     from kfac_stream import KFACStreamCallback
@@ -329,8 +330,8 @@ def test_prior_precision_fitted_on_the_eval_dataset(tmp_path):
     data = [{"input_ids": i, "attention_mask": torch.ones_like(i),
              "labels": torch.tensor(int(i[0]) % 3)} for i in ids]
     train, held = data[:24], data[24:]
-    cb = KFACStreamCallback(KFACConfig(eval_prior_precision=True,
-                                       output_dir=str(tmp_path / "kfac")))
+    cb = KFACStreamCallback(KFACConfig(output_dir=str(tmp_path / "kfac")),
+                            heldout=HeldoutConfig(prior_precision=True))
     args = TrainingArguments(str(tmp_path), per_device_train_batch_size=4,
                              per_device_eval_batch_size=4, max_steps=6, learning_rate=1e-2,
                              report_to=[], save_strategy="no", logging_strategy="no",
@@ -365,7 +366,7 @@ def test_prior_precision_fitted_on_the_eval_dataset(tmp_path):
     assert prior.map_confidence == pytest.approx(float(p_map.max(-1).values.mean()), rel=1e-6)
 
 
-def test_eval_prior_precision_without_an_eval_set_warns_once_at_train_begin(tmp_path, caplog):
+def test_prior_precision_without_an_eval_set_warns_once_at_train_begin(tmp_path, caplog):
     """One warning line before the first step, none at the end; the snapshot then
     has no held-out prior (``heldout_prior`` is None, as documented)."""
     import logging
@@ -378,8 +379,8 @@ def test_eval_prior_precision_without_an_eval_set_warns_once_at_train_begin(tmp_
         def on_step_begin(self, args, state, control, **kw):
             logging.getLogger("kfac_stream").info("STEP")
 
-    cb = KFACStreamCallback(KFACConfig(eval_prior_precision=True, answer_tokens=[65, 66],
-                                       output_dir=str(tmp_path / "kfac")))
+    cb = KFACStreamCallback(KFACConfig(output_dir=str(tmp_path / "kfac")),
+                            heldout=HeldoutConfig(prior_precision=True, answer_tokens=[65, 66]))
     args = TrainingArguments(str(tmp_path), per_device_train_batch_size=2, max_steps=2,
                              report_to=[], save_strategy="no", disable_tqdm=True, use_cpu=True)
     with caplog.at_level(logging.INFO, logger="kfac_stream"):
@@ -387,7 +388,7 @@ def test_eval_prior_precision_without_an_eval_set_warns_once_at_train_begin(tmp_
                 train_dataset=ListDataset(text_examples(4, 8)),
                 callbacks=[cb, FirstStep()]).train()
     lines = [r.getMessage() for r in caplog.records]
-    warned = [i for i, m in enumerate(lines) if m.startswith("kfac_stream: eval_prior")]
+    warned = [i for i, m in enumerate(lines) if m.startswith("kfac_stream: HeldoutConfig(")]
     assert len(warned) == 1 and warned[0] < lines.index("STEP"), [lines[i] for i in warned]
     assert "has no eval_dataset" in lines[warned[0]] and "\n" not in lines[warned[0]]
     assert Snapshot.load(cb.snapshots[-1]).heldout_prior is None

@@ -17,7 +17,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-from kfac_stream import KFACConfig, KFACStreamCallback
+from kfac_stream import HeldoutConfig, KFACConfig, KFACStreamCallback
 from kfac_stream.stats.lanczos import (
     LANCZOS_PROBES,
     LANCZOS_STEPS,
@@ -242,8 +242,8 @@ def _stored_factors(tmp_path: pathlib.Path) -> list[tuple[str, torch.Tensor, flo
                          "labels": ids})
     cb = KFACStreamCallback(KFACConfig(
         token_fraction=1.0, update_every=1, min_window_sequences=0, final_window=0.0,
-        fisher="empirical", eval_prior_precision=False, eigh_device="cpu",
-        output_dir=str(tmp_path / "kfac")))
+        fisher="empirical", eigh_device="cpu", output_dir=str(tmp_path / "kfac")),
+        heldout=HeldoutConfig(prior_precision=False))
     args = TrainingArguments(str(tmp_path), per_device_train_batch_size=4, max_steps=3,
                              learning_rate=1e-3, report_to=[], logging_strategy="no",
                              save_strategy="no", disable_tqdm=True, use_cpu=True, seed=0)

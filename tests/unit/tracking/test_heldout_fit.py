@@ -1,7 +1,7 @@
 """The prior precision and the link come from held-out data by default.
 
 * With an ``eval_dataset`` the callback fits ``τ`` and the link at the end of training
-  (``eval_prior_precision="auto"``), logs the method, then one verdict line;
+  (``HeldoutConfig.prior_precision="auto"``), logs the method, then one verdict line;
   ``LaplacePosterior(model, snap)``, ``kfac-stream query`` (text and ``--json``) and
   ``kfac-stream inspect`` use and say that choice.
 * Without one, the rule without held-out data (`prior_choice.NO_HELDOUT_TAU` / ``_LINK``) is
@@ -20,7 +20,14 @@ import torch
 from test_cli_query import cli_error
 from transformers import Trainer, TrainingArguments
 
-from kfac_stream import KFACConfig, KFACConfigError, KFACStreamCallback, LaplacePosterior, Snapshot
+from kfac_stream import (
+    HeldoutConfig,
+    KFACConfig,
+    KFACConfigError,
+    KFACStreamCallback,
+    LaplacePosterior,
+    Snapshot,
+)
 from kfac_stream.cli import main as cli_main
 from kfac_stream.exceptions import QueryInputError
 from kfac_stream.query.calibration import probs_from_gaussian
@@ -79,11 +86,11 @@ def _query(tmp, *extra: str) -> list[str]:
 
 
 def test_the_default_is_auto():
-    assert KFACConfig().eval_prior_precision == "auto"
+    assert HeldoutConfig().prior_precision == "auto"
     for bad in ("yes", 1, None):
-        with pytest.raises(KFACConfigError, match=r"eval_prior_precision=.* must be 'auto', "
-                                                  r"True or False"):
-            KFACConfig(eval_prior_precision=bad)
+        with pytest.raises(KFACConfigError, match=r"HeldoutConfig.prior_precision=.* must be "
+                                                  r"'auto', True or False"):
+            HeldoutConfig(prior_precision=bad)
 
 
 def test_the_stored_choice_is_the_posteriors_default(fitted):

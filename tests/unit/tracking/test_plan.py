@@ -11,7 +11,7 @@ import pathlib
 import torch
 
 import kfac_stream
-from kfac_stream import KFACConfig
+from kfac_stream import HeldoutConfig, KFACConfig
 from kfac_stream.tracking.plan import RunPlan, RunShape, plan_window, sequences_per_update
 
 from models import tiny_gpt2
@@ -23,7 +23,7 @@ DERIVING = {"window_mc_share", "sequences_per_update", "update_sequences", "plan
             "mc_sequences_of", "resolve_settings"}
 #: the config's run settings whose "auto" the plan resolves
 AUTO_SETTINGS = {"fold_on", "device_memory_budget", "eigh_device", "async_updates",
-                 "factor_form", "eval_prior_precision"}
+                 "factor_form", "prior_precision", "eval_prior_precision"}
 
 
 def _offences(path: pathlib.Path) -> list[str]:
@@ -59,7 +59,7 @@ def test_the_scan_finds_a_derivation_outside_the_plan(tmp_path):
                    "z = c.fold_on == 'auto'\nw = c.async_updates is None\n")
     assert len(_offences(bad)) == 4
     assert _offences(PLAN)  # the plan itself does all of it
-    assert any(o.endswith("resolves eval_prior_precision") for o in _offences(PLAN))
+    assert any(o.endswith("resolves prior_precision") for o in _offences(PLAN))
 
 
 def test_plan_resolves_the_run_and_the_tracker_runs_with_it():
@@ -95,10 +95,10 @@ class _Eval:
 
 
 def test_plan_resolves_the_heldout_fit():
-    """``eval_prior_precision``: on for True and "auto" with a non-empty eval set in one
-    process; off, each for its own reason, otherwise (True only says it louder)."""
+    """``HeldoutConfig.prior_precision``: on for True and "auto" with a non-empty eval set in
+    one process; off, each for its own reason, otherwise (True only says it louder)."""
     def plan(mode, world=1, eval_set=None):
-        got = RunPlan.resolve(KFACConfig(eval_prior_precision=mode),
+        got = RunPlan.resolve(KFACConfig(), heldout=HeldoutConfig(prior_precision=mode),
                               shape=RunShape(world=world), eval_set=eval_set).heldout
         return got.on, got.why, got.asked
 
