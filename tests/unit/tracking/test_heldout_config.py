@@ -22,9 +22,10 @@ from safetensors.torch import load_file
 from kfac_stream import AppConfigError, HeldoutConfig, KFACConfig, KFACConfigError, Snapshot
 
 from models import ListDataset, tiny_gpt2
+from repo_paths import ROOT
 
 ANSWERS = [65, 66]  # the bytes "A", "B" of the byte-level model
-CONF = pathlib.Path(__file__).resolve().parents[1] / "conf"
+CONF = ROOT / "conf"
 #: JSON keys that say when or which process wrote (`benchmarks/snapshot_equivalence.py`)
 VOLATILE = {"created_unix", "run_id", "output_dir", "finished_unix", "seconds"}
 
