@@ -4,6 +4,7 @@ window, a raised MC share) and at train end (the callback's cost). Text only: no
 from __future__ import annotations
 
 from ..capture.presets import block_stack
+from ..ekfac.schedule import final_correction_gap, schedule_advice
 from ..snapshot.manifest_types import Manifest
 from .plan import RunPlan
 
@@ -113,6 +114,22 @@ def window_lines(run: RunPlan) -> list[tuple[str, str]]:
                                "its posterior only (it may be too wide); lower update_every or "
                                "raise mc_sequences for more (said once)"))
     return out
+
+
+def ekfac_line(run: RunPlan) -> str | None:
+    """The train-begin warning of a ``KFACConfig(ekfac=True)`` run whose schedule leaves its
+    final snapshot without the EK-FAC correction (`kfac_stream.ekfac.final_correction_gap`):
+    why, what the influence scores do then, and what to change; None otherwise."""
+    cfg, steps = run.config, run.shape.max_steps
+    gap = final_correction_gap(steps, cfg.snapshot_every, cfg.update_every) \
+        if cfg.ekfac else None
+    if gap is None:
+        return None
+    return (f"kfac_stream: KFACConfig(ekfac=True), but this run will end without an EK-FAC "
+            f"correction: {gap}, and the correction accumulates at update steps in the "
+            "eigenbasis of a previous snapshot. Its final snapshot holds K-FAC's eigenvalues "
+            "only: influence scores with eigenvalues='auto' fall back to them, 'ekfac' refuses "
+            f"it; {schedule_advice(steps, cfg.update_every)}")
 
 
 def refresh_start_line(run: RunPlan, budget: int) -> str:

@@ -46,6 +46,7 @@ from .checkpoints import CheckpointProtocol
 from .heldout_config import HeldoutConfig
 from .heldout_fit import fit_heldout_prior, heldout_lines
 from .lines import (
+    ekfac_line,
     raised_share_line,
     refresh_end_line,
     refresh_start_line,
@@ -195,6 +196,9 @@ class TrackingSession:
             for level, line in heldout_lines(run.heldout):
                 getattr(logger, level)("%s", line)
             self._say_window()
+            short = ekfac_line(run)  # a schedule that leaves the final snapshot uncorrected
+            if short is not None:
+                logger.warning("%s", short)
 
     def _prepare_directory(self) -> None:
         clean_stale_tmp(self.output_dir)
