@@ -11,7 +11,13 @@ snapshot_every``) and the final one at ``M = max_steps``; the optimizer step tha
 global step ``b`` (0-based) is an update step iff ``b % U == 0`` (``U = update_every``), and a
 snapshot taken at the end of step ``P`` is in use from the step that begins at ``P`` on (on the
 training thread; with background snapshots from when its eigendecompositions are done, which
-the schedule cannot know, so it says only what is certain)."""
+the schedule cannot know, so it says only what is certain).
+
+A run no longer than ``snapshot_every`` would write only its final snapshot, which has no
+eigenbasis before it: such a run takes one extra snapshot midway (`basis_snapshot_step`, the
+tracking session waits for its eigendecompositions so that its basis is in use from the next
+step), and its final snapshot stores the correction measured in that basis over the rest of
+the run. What is left without one (`final_correction_gap`) is said at train begin."""
 
 from __future__ import annotations
 
@@ -19,16 +25,34 @@ from collections.abc import Mapping
 from typing import Any
 
 
+def basis_snapshot_step(max_steps: int, snapshot_every: int, update_every: int) -> int | None:
+    """The step of the extra snapshot a run no longer than ``snapshot_every`` takes so that its
+    final snapshot carries a correction: its eigenbasis is in use from that step on, and the
+    update steps from it to the end measure the correction the final snapshot stores. The
+    latest update step's index ``L = U·⌊(M − 1)/U⌋`` must be at or after it; within that, half
+    the run (``min(⌊M/2⌋, L)``, at least 1). None: a run longer than ``snapshot_every`` (its
+    own snapshots give one), of unknown length, or with no update step after its first."""
+    M, S, U = int(max_steps), int(snapshot_every), int(update_every)
+    if M <= 0 or S <= 0 or U <= 0 or M > S:
+        return None
+    step = min(max(M // 2, 1), U * ((M - 1) // U))
+    return step if step >= 1 else None
+
+
 def final_correction_gap(max_steps: int, snapshot_every: int, update_every: int) -> str | None:
     """Why a run of ``max_steps`` steps ends with no EK-FAC correction in its final snapshot,
-    whatever the snapshots' timing (module docstring), or None when the schedule leaves room for
-    one (``max_steps`` unknown, ``<= 0``: None)."""
+    whatever the snapshots' timing (module docstring; with the extra snapshot of
+    `basis_snapshot_step` where there is one), or None when the schedule leaves room for one
+    (``max_steps`` unknown, ``<= 0``: None)."""
     M, S, U = int(max_steps), int(snapshot_every), int(update_every)
     if M <= 0 or S <= 0 or U <= 0:
         return None
     if M <= S:
-        return (f"the run's {M} steps end at or before its first snapshot (snapshot_every={S}), "
-                "so the final snapshot is its first and no eigenbasis precedes it")
+        if basis_snapshot_step(M, S, U) is not None:
+            return None
+        return (f"the run's {M} steps end at or before its first snapshot (snapshot_every={S}) "
+                f"and hold one factor update step (update_every={U}), at the start, before any "
+                "eigenbasis exists")
     before = S * ((M - 1) // S)  # the last snapshot before the final one
     if U * ((M - 1) // U) < before:
         return (f"no factor update step runs between snapshot {before} and the final step {M} "
