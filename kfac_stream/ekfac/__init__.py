@@ -42,7 +42,13 @@ first update step after that snapshot's eigenvectors reached the tracker to snap
 A mean, not the tracker's EMA: the basis is fixed for the window, so every step of it measures
 the same quantity, the window is bounded by ``snapshot_every`` anyway, and with ``ema_decay=1``
 the factors are the same kind of mean (the exact test). The first snapshot has no basis before
-it and carries no correction; a snapshot whose basis never arrived (a failed one) neither.
+it and carries no correction; a snapshot whose basis never arrived (a failed one) neither. A run
+no longer than ``snapshot_every`` (its final snapshot would be its first) takes one extra
+snapshot midway whose basis the final snapshot's correction is measured in (`schedule`,
+`basis_snapshot_step`, said at train begin); a run with no update step after its last snapshot
+before the final one ends with NO correction: the train-begin log says so with the reason
+(`final_correction_gap`), and ``eigenvalues="auto"`` of the influence scores falls back to
+K-FAC's eigenvalues with a warning naming it.
 With background snapshots (the default) the eigenvectors arrive when the snapshot's
 eigendecompositions are done: the update steps in between add nothing (nothing is accumulated
 on a basis that is about to be replaced). The staleness accepted: snapshot ``k`` stores
@@ -106,7 +112,8 @@ counts): the decision whether an update counts (finite, loss scale known) is a `
 the device, and the accumulator is read only when a snapshot takes it.
 
 The package: `state` (`EkfacState`, its device bytes, the solve's denominator), `arithmetic`
-(one layer's correction, its order, FLOPs and bytes), `parts` (a window, a pass), `sync` (the
+(one layer's correction, its order, FLOPs and bytes), `parts` (a window, a pass), `schedule`
+(which snapshots of a run can carry a correction), `sync` (the
 ranks' sums and bases), `extension` (`EkfacExtension`: the tracker's extension points,
 `kfac_stream.extensions`, registered as ``"ekfac"`` when this package is imported).
 """
@@ -120,8 +127,15 @@ from .arithmetic import (
 )
 from .extension import EkfacExtension
 from .parts import EkfacWindow, PassCorrections
+from .schedule import (
+    basis_snapshot_step,
+    final_correction_gap,
+    missing_correction_reason,
+    schedule_advice,
+)
 from .state import EkfacState, ekfac_denominator, ekfac_device_bytes
 
 __all__ = ["CHUNK_ENTRIES", "EkfacExtension", "EkfacState", "EkfacWindow", "PassCorrections",
-           "correction_bytes", "correction_flops", "correction_order", "ekfac_denominator",
-           "ekfac_device_bytes", "sequence_correction"]
+           "basis_snapshot_step", "correction_bytes", "correction_flops", "correction_order",
+           "ekfac_denominator", "ekfac_device_bytes", "final_correction_gap",
+           "missing_correction_reason", "schedule_advice", "sequence_correction"]

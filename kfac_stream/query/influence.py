@@ -31,7 +31,10 @@ EK-FAC correction (``KFACConfig(ekfac=True)``, `kfac_stream.ekfac`; ``snap[name]
 the corrected eigenvalues ``λ_ij`` in place of ``γ_i α_j`` (and ``"heuristic"`` damping is then
 ``0.1 · mean(λ)``, as kronfluence's EK-FAC), else K-FAC's; ``"kfac"``: always ``γ αᵀ``;
 ``"ekfac"``: the corrected ones, an error if a layer has none. A run that asked for the
-correction gets it; one that did not is unchanged.
+correction gets it; one that did not is unchanged. A snapshot of a run that asked for it but
+carries none (the run's first snapshot: a run no longer than ``snapshot_every`` ends with it,
+`kfac_stream.ekfac.schedule`) gets K-FAC's under ``"auto"``, with a warning (once per snapshot)
+that names the reason and the schedule that gives one.
 
 Self-influence (`Influence.self_scores`, `self_influence`): ``I(z, z) = Σ_l ∇_l L(z)ᵀ
 (F_l + λ_l I)⁻¹ ∇_l L(z)``, each training example against itself, one forward and backward per
@@ -77,7 +80,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..capture.hooks import logits_of
-from ..ekfac import ekfac_denominator
+from ..ekfac import ekfac_denominator, missing_correction_reason
 from ..exceptions import QueryInputError
 from ..utils.progress import progress
 from . import inputs
@@ -92,6 +95,9 @@ DAMPINGS = ("heuristic", "prior")
 
 #: ``"heuristic"`` damping: this factor times the mean eigenvalue ``mean(γ αᵀ)`` of the layer.
 HEURISTIC_FACTOR = 0.1
+
+#: The snapshots whose missing EK-FAC correction ``"auto"`` has warned of (their paths).
+_TOLD_UNCORRECTED: set[str] = set()
 
 #: Which eigenvalues precondition (module docstring).
 EIGENVALUES = ("auto", "kfac", "ekfac")
@@ -217,6 +223,8 @@ class Influence:
                                   f"{post.snapshot.path} has no EK-FAC correction for "
                                   f"{missing[0]!r} (it needs KFACConfig(ekfac=True), and the "
                                   "run's first snapshot has none); use 'auto' or 'kfac'")
+        if eigenvalues == "auto" and missing and len(missing) == len(self.layers):
+            _say_uncorrected(post.snapshot)
         self.damping = {n: self._damping(n, damping) for n in self.layers}
 
     def _damping(self, name: str, rule: float | str) -> float:
@@ -516,3 +524,18 @@ def influence_memory(post: LaplacePosterior, rows: int, batch: int, tokens: int,
             "batch_hooks": batch * tokens * sum(o + a for o, a in shapes) * s,
             "batch_gradients": batch * max((o * a for o, a in shapes), default=0) * s,
             "tracked_weights": weights}
+
+
+def _say_uncorrected(snapshot) -> None:
+    """Warn, once per snapshot, that ``eigenvalues="auto"`` falls back to K-FAC's eigenvalues
+    on a snapshot of a ``KFACConfig(ekfac=True)`` run that carries no correction, naming why
+    and what to change (`kfac_stream.ekfac.missing_correction_reason`); nothing for a run
+    without ``ekfac``."""
+    config = snapshot.manifest.config
+    if not config.get("ekfac") or str(snapshot.path) in _TOLD_UNCORRECTED:
+        return
+    _TOLD_UNCORRECTED.add(str(snapshot.path))
+    logger.warning("kfac_stream: Influence: snapshot %s of a KFACConfig(ekfac=True) run carries "
+                   "no EK-FAC correction, so eigenvalues='auto' uses K-FAC's eigenvalues: %s "
+                   "(eigenvalues='kfac' says this choice outright)", snapshot.path,
+                   missing_correction_reason(snapshot.step, config))

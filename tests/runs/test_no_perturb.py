@@ -126,6 +126,8 @@ LM_CASES = {  # name: (KFACConfig kwargs, padded data, accumulation, gradient ch
                                  True, 1, False),
     "include-ekfac-share": (dict(LONG_RUN, include=[r"mlp\."], ekfac=True, snapshot_every=8,
                                  mc_sequences=0.5), False, 1, False),
+    # no longer than snapshot_every: EK-FAC's extra snapshot midway (waited for)
+    "ekfac-short-run": (dict(LONG_RUN, include=[r"mlp\."], ekfac=True), False, 1, False),
 }
 
 
