@@ -16,6 +16,7 @@ from torch import Tensor
 from ..config import KFACConfig
 from ..exceptions import KFACConfigError
 from ..extensions import ExtensionExport, TrackerExtension, register_extension
+from .schedule import basis_snapshot_step, train_begin_line
 from .state import EkfacState, ekfac_device_bytes
 from .sync import RankedSink, sum_to_owners
 
@@ -33,6 +34,17 @@ class EkfacExtension(TrackerExtension):
     name = "ekfac"
     needs_eigenbasis = True  # each snapshot's eigenbasis is the next correction's
     summed_state = ("ekfac.num.", "ekfac.den.")
+
+    def extra_snapshot_step(self, max_steps: int) -> int | None:
+        """A run no longer than ``snapshot_every``: the snapshot whose eigenbasis the update
+        steps after it measure the final snapshot's correction in (`basis_snapshot_step`)."""
+        cfg = self.tracker.config
+        return basis_snapshot_step(max_steps, cfg.snapshot_every, cfg.update_every)
+
+    def train_begin_line(self, max_steps: int) -> tuple[str, str] | None:
+        """The extra snapshot, or a final snapshot left without a correction and why
+        (`schedule.train_begin_line`)."""
+        return train_begin_line(self.tracker.config, max_steps)
 
     @classmethod
     def applies(cls, config: KFACConfig) -> bool:

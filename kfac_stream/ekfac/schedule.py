@@ -87,3 +87,29 @@ def missing_correction_reason(step: int, config: Mapping[str, Any]) -> str:
     return (f"{gap}, and the correction accumulates in the eigenbasis of a previous snapshot; "
             f"for a run whose last snapshot at step {step} has one, "
             f"{schedule_advice(step, update)}")
+
+
+def train_begin_line(cfg: Any, steps: int) -> tuple[str, str] | None:
+    """``(level, line)`` at train begin of a ``KFACConfig(ekfac=True)`` run of ``steps``
+    optimizer steps (``cfg`` its `KFACConfig`) whose final
+    snapshot would have no eigenbasis before it: the extra snapshot it takes for one
+    (`basis_snapshot_step`, info), or a warning of a schedule that leaves
+    its final snapshot without the correction (`final_correction_gap`): why,
+    what the influence scores do then, and what to change; None otherwise."""
+    if not cfg.ekfac:
+        return None
+    extra = basis_snapshot_step(steps, cfg.snapshot_every, cfg.update_every)
+    if extra is not None:
+        return ("info", f"kfac_stream: EK-FAC on a run of {steps} steps, no longer than "
+                        f"snapshot_every={cfg.snapshot_every}: an extra snapshot at step {extra} "
+                        "gives the eigenbasis in which the update steps after it measure the "
+                        "correction the final snapshot stores")
+    gap = final_correction_gap(steps, cfg.snapshot_every, cfg.update_every)
+    if gap is None:
+        return None
+    return ("warning", f"kfac_stream: KFACConfig(ekfac=True), but this run will end without an "
+                       f"EK-FAC correction: {gap}, and the correction accumulates at update "
+                       "steps in the eigenbasis of a previous snapshot. Its final snapshot "
+                       "holds K-FAC's eigenvalues only: influence scores with "
+                       "eigenvalues='auto' fall back to them, 'ekfac' refuses it; "
+                       f"{schedule_advice(steps, cfg.update_every)}")

@@ -93,6 +93,17 @@ class TrackerExtension:
         """Words on those bytes for the train-begin line (``"; ..."``), or ``""``."""
         return ""
 
+    # -- the run's plan --------------------------------------------------------------------------
+
+    def extra_snapshot_step(self, max_steps: int) -> int | None:
+        """A step of a ``max_steps``-step run at which the session takes a snapshot beyond the
+        periodic ones and waits for it (its eigenbasis in use from the next step); None: none."""
+        return None
+
+    def train_begin_line(self, max_steps: int) -> tuple[str, str] | None:
+        """``(log level, line)`` the train-begin summary adds for this extension; None: none."""
+        return None
+
     # -- each optimizer step ---------------------------------------------------------------------
 
     def begin_step(self) -> None:

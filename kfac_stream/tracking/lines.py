@@ -4,7 +4,6 @@ window, a raised MC share) and at train end (the callback's cost). Text only: no
 from __future__ import annotations
 
 from ..capture.presets import block_stack
-from ..ekfac.schedule import basis_snapshot_step, final_correction_gap, schedule_advice
 from ..snapshot.manifest_types import Manifest
 from .plan import RunPlan
 
@@ -114,32 +113,6 @@ def window_lines(run: RunPlan) -> list[tuple[str, str]]:
                                "its posterior only (it may be too wide); lower update_every or "
                                "raise mc_sequences for more (said once)"))
     return out
-
-
-def ekfac_line(run: RunPlan) -> tuple[str, str] | None:
-    """``(level, line)`` at train begin of a ``KFACConfig(ekfac=True)`` run whose final
-    snapshot would have no eigenbasis before it: the extra snapshot it takes for one
-    (`kfac_stream.ekfac.basis_snapshot_step`, info), or a warning of a schedule that leaves
-    its final snapshot without the correction (`kfac_stream.ekfac.final_correction_gap`): why,
-    what the influence scores do then, and what to change; None otherwise."""
-    cfg, steps = run.config, run.shape.max_steps
-    if not cfg.ekfac:
-        return None
-    extra = basis_snapshot_step(steps, cfg.snapshot_every, cfg.update_every)
-    if extra is not None:
-        return ("info", f"kfac_stream: EK-FAC on a run of {steps} steps, no longer than "
-                        f"snapshot_every={cfg.snapshot_every}: an extra snapshot at step {extra} "
-                        "gives the eigenbasis in which the update steps after it measure the "
-                        "correction the final snapshot stores")
-    gap = final_correction_gap(steps, cfg.snapshot_every, cfg.update_every)
-    if gap is None:
-        return None
-    return ("warning", f"kfac_stream: KFACConfig(ekfac=True), but this run will end without an "
-                       f"EK-FAC correction: {gap}, and the correction accumulates at update "
-                       "steps in the eigenbasis of a previous snapshot. Its final snapshot "
-                       "holds K-FAC's eigenvalues only: influence scores with "
-                       "eigenvalues='auto' fall back to them, 'ekfac' refuses it; "
-                       f"{schedule_advice(steps, cfg.update_every)}")
 
 
 def refresh_start_line(run: RunPlan, budget: int) -> str:

@@ -30,7 +30,6 @@ import torch
 
 from ..config import KFACConfig
 from ..distributed.context import LOCAL, DistContext, release_process_groups_at_exit
-from ..ekfac.schedule import basis_snapshot_step
 from ..exceptions import KFACConfigError, SnapshotError
 from ..snapshot.adequacy import mark_said, said_scope, sampling_warning
 from ..snapshot.background import SnapshotWorker
@@ -47,7 +46,6 @@ from .checkpoints import CheckpointProtocol
 from .heldout_config import HeldoutConfig
 from .heldout_fit import fit_heldout_prior, heldout_lines
 from .lines import (
-    ekfac_line,
     raised_share_line,
     refresh_end_line,
     refresh_start_line,
@@ -146,7 +144,7 @@ class TrackingSession:
         self._checkpoints = CheckpointProtocol(self)
         self._eval_set: EvalBatches | None = None  # the held-out fit's (`start`, `finish`)
         self._final_step = 0  # the run's last step: its snapshot is checked for sample size
-        self._basis_step: int | None = None  # EK-FAC's extra snapshot (`start`)
+        self._basis_step: int | None = None  # an extension's extra snapshot (`start`)
         self._last_snapshot_step: int | None = None
         self._lent: dict = {}  # the stored factors the last snapshot holds (released next)
         self._eigh_rate = EighRate(None)  # this run's eigendecomposition rate (`start`)
@@ -192,19 +190,16 @@ class TrackingSession:
             self._checkpoints.resume(args, state)
         self.tracker.use_window(run.window)
         self._final_step = run.shape.max_steps
-        # a run no longer than snapshot_every: the snapshot whose basis EK-FAC measures in
-        self._basis_step = basis_snapshot_step(
-            run.shape.max_steps, run.config.snapshot_every,
-            run.config.update_every) if run.config.ekfac else None
+        # a snapshot an extension needs beyond the periodic ones (e.g. an eigenbasis to measure in)
+        self._basis_step = self.tracker.extra_snapshot_step(run.shape.max_steps)
         if rank0:
             self._prepare_directory()
             logger.info("%s", tracking_summary(self.tracker, self.output_dir, model))
             for level, line in heldout_lines(run.heldout):
                 getattr(logger, level)("%s", line)
             self._say_window()
-            said = ekfac_line(run)  # the extra snapshot, or a final snapshot left uncorrected
-            if said is not None:
-                getattr(logger, said[0])("%s", said[1])
+            for level, line in self.tracker.extension_lines(run.shape.max_steps):
+                getattr(logger, level)("%s", line)
 
     def _prepare_directory(self) -> None:
         clean_stale_tmp(self.output_dir)
@@ -238,7 +233,7 @@ class TrackingSession:
         if self.tracker is None:
             return
         self.tracker.end_step(model)
-        if step == self._basis_step:  # its basis in use from the next step (ekfac.schedule)
+        if step == self._basis_step:  # waited for: its eigenbasis in use from the next step
             self.save_snapshot(step, epoch, wait=True)
         elif step % self.config.snapshot_every == 0 and not (
                 self.plan.refresh.on and step == self._final_step):

@@ -363,6 +363,18 @@ class Tracker:
         """The extension registered as ``name`` that this run enabled, else None."""
         return next((ext for ext in self.extensions if ext.name == name), None)
 
+    def extra_snapshot_step(self, max_steps: int) -> int | None:
+        """The first step an extension asks a snapshot at beyond the periodic ones
+        (`TrackerExtension.extra_snapshot_step`), None: none asks."""
+        steps = [s for s in (e.extra_snapshot_step(max_steps) for e in self.extensions)
+                 if s is not None]
+        return min(steps, default=None)
+
+    def extension_lines(self, max_steps: int) -> list[tuple[str, str]]:
+        """``[(log level, line)]`` the extensions add at train begin."""
+        return [said for said in (e.train_begin_line(max_steps) for e in self.extensions)
+                if said is not None]
+
     @property
     def needs_eigenbasis(self) -> bool:
         """An extension takes every snapshot's eigenvectors: each snapshot eigendecomposes in

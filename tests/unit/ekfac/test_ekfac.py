@@ -380,7 +380,7 @@ def test_correction_adds_no_host_sync(tmp_path, extra, monkeypatch):
     (`_SetBasis`), so the short run's extra snapshot (`kfac_stream.ekfac.basis_snapshot_step`,
     whose capture syncs as every snapshot's does) is turned off: what is counted is the
     correction's per-step work."""
-    monkeypatch.setattr("kfac_stream.tracking.session.basis_snapshot_step", lambda *a: None)
+    monkeypatch.setattr("kfac_stream.ekfac.extension.basis_snapshot_step", lambda *a: None)
     from test_host_syncs import STEPS, StartCounting, StopCounting
     from transformers import Trainer, TrainingArguments
 
