@@ -36,7 +36,7 @@ class KFACConfig:
     Each field's help sits below it; docs/configuration.md explains every field in full, with
     the measurements behind the defaults. An option field takes its enum's member or its string
     (``fisher=FisherType.MC`` or ``fisher="mc"``) and holds the plain string once built, so
-    ``asdict``, pickles and the snapshot manifests hold strings.
+    ``asdict`` and the snapshot manifests hold strings.
 
     The held-out fit's and the queries' options (the prior precision fitted on the eval set,
     the answer tokens) are `kfac_stream.tracking.heldout_config.HeldoutConfig`'s, handed over

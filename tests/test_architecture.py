@@ -14,6 +14,8 @@ import pytest
 import kfac_stream
 from kfac_stream import exceptions
 
+from import_graph import import_cycles_in
+
 PACKAGE = pathlib.Path(kfac_stream.__file__).resolve().parent
 
 # lower number = lower layer; a module may import its own layer or lower ones
@@ -104,27 +106,7 @@ def _cycles(graph: dict[str, list[tuple[str, list[str]]]]) -> list[str]:
 
     edges = {m: set().union(*(resolve(t, ns) for t, ns in imports)) - {None, m}
              for m, imports in graph.items()}
-    # a package's __init__ importing its own submodules is not a cycle through them
-    edges = {m: {t for t in ts if not t.startswith(m + ".")} for m, ts in edges.items()}
-    state: dict[str, int] = {}
-    stack: list[str] = []
-    cycles = []
-
-    def dfs(m: str) -> None:
-        state[m] = 1
-        stack.append(m)
-        for t in sorted(edges[m]):
-            if state.get(t) == 1:
-                cycles.append(" -> ".join(stack[stack.index(t):] + [t]))
-            elif t not in state:
-                dfs(t)
-        stack.pop()
-        state[m] = 2
-
-    for m in sorted(edges):
-        if m not in state:
-            dfs(m)
-    return cycles
+    return import_cycles_in(edges)
 
 
 def test_no_import_cycle():

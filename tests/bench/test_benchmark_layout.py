@@ -13,6 +13,7 @@ import ast
 import pathlib
 import re
 
+from import_graph import import_cycles_in
 from repo_paths import BENCHMARKS, ROOT
 
 MAX_MODULE_LINES, MAX_FUNCTION_LINES = 800, 120
@@ -57,27 +58,7 @@ def import_cycles(root: pathlib.Path) -> list[str]:
     """Every import circle among the modules under ``root``, as ``a -> b -> a``."""
     paths = {module_name(p, root): p for p in sorted(root.rglob("*.py"))}
     edges = {m: imported_modules(p, root, set(paths)) for m, p in paths.items()}
-    # a package's __init__ naming its own modules is not a circle through them
-    edges = {m: {t for t in ts if not t.startswith(m + ".")} for m, ts in edges.items()}
-    state: dict[str, int] = {}
-    stack: list[str] = []
-    cycles = []
-
-    def visit(m: str) -> None:
-        state[m] = 1
-        stack.append(m)
-        for t in sorted(edges[m]):
-            if state.get(t) == 1:
-                cycles.append(" -> ".join(stack[stack.index(t):] + [t]))
-            elif t not in state:
-                visit(t)
-        stack.pop()
-        state[m] = 2
-
-    for m in sorted(edges):
-        if m not in state:
-            visit(m)
-    return cycles
+    return import_cycles_in(edges)
 
 
 def over_limits(path: pathlib.Path, name: str) -> dict[str, int]:
