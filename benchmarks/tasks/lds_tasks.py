@@ -134,6 +134,29 @@ def build_data(task: str, n_train: int, n_query: int, noise: float = 0.0,
     return {"train": train, "queries": queries, "noisy": noisy}
 
 
+def split(task: str, seed: int, n_train: int, n_val: int, n_test: int) -> dict:
+    """``{"train", "val", "test": [examples]}``: the LDS protocol's split of seed ``seed``,
+    disjoint, drawn from the task's pool by ``random.Random(seed)`` (digits: the 1,797 images;
+    text: the documentation's windows), a different split per seed. ``val``: the validation
+    queries every tunable setting is chosen on; ``test``: the queries the table reports."""
+    rng = random.Random(seed)
+    need = n_train + n_val + n_test
+    if task == "digits":
+        x, y = digits_arrays()
+        if need > len(y):
+            raise SystemExit(f"digits: {n_train} + {n_val} + {n_test} > {len(y)} images")
+        picked = rng.sample(range(len(y)), need)
+        width = RECIPES["digits"].width
+        exs = [digits_example(x[i], int(y[i]), width) for i in picked]
+    elif task == "text":
+        wins = text_windows()
+        exs = [lm_example(list(wins[i])) for i in rng.sample(range(len(wins)), need)]
+    else:
+        raise ValueError(task)
+    return {"train": exs[:n_train], "val": exs[n_train:n_train + n_val],
+            "test": exs[n_train + n_val:]}
+
+
 def collate(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return {k: torch.stack([e[k] for e in examples]) for k in examples[0]}
 
