@@ -18,10 +18,12 @@ scored model's initialisation and its data order):
 * the outputs recorded: every validation and test query's loss (digits: cross-entropy; text:
   the summed next-byte NLL), float64.
 
-File: ``benchmarks/results/lds_truth/<task>-seed<S>.safetensors`` (committed; tens of kB):
-``subsets`` ``[K, N]`` uint8 (1 = in the half), ``fresh`` ``[K, R, Q]`` and ``fixed`` ``[K, Q]``
-float64 (NaN = not yet retrained), the queries in the split's order, validation first; its
-metadata: the task, seed, sizes, ``K``, ``R`` and the seconds spent. The sizes and recipe are
+File: ``benchmarks/results/lds_truth/<task>-seed<S>.safetensors`` (committed; ~0.5 MB):
+``subsets_packed`` ``[K, ⌈N/8⌉]`` uint8 (the ``[K, N]`` membership bits, 1 = in the half,
+``numpy.packbits``), ``fresh`` ``[K, R, Q]`` and ``fixed`` ``[K, Q]`` float32 (read back as
+float64; NaN = not yet retrained; a loss to 7 digits is ample for ranks), the queries in the
+split's order, validation first; its metadata: the task, seed, sizes, the recipe and the CPU
+seconds spent. The sizes and recipe are
 part of the file's identity: a file with other sizes is refused, never mixed.
 """
 
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 from tasks import lds_tasks as T
@@ -108,8 +111,10 @@ class Truth:
                     T.RECIPES[self.task].__dict__)}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        save_file({"subsets": self.subsets, "fresh": self.fresh, "fixed": self.fixed}, tmp,
-                  metadata=meta)
+        packed = torch.from_numpy(np.packbits(self.subsets.numpy(), axis=1))
+        save_file({"subsets_packed": packed, "fresh": self.fresh.float(),
+                   "fixed": self.fixed.float()}, tmp, metadata=meta)
+        tmp.chmod(0o644)
         tmp.replace(self.path)
 
 
@@ -133,7 +138,10 @@ def load_truth(task: str, seed: int, sizes: tuple[int, int, int] | None = None,
                 T.RECIPES[task].__dict__:
             raise SystemExit(f"{path}: sizes {meta['sizes']} / recipe {meta['recipe']} differ "
                              f"from {sizes} / {T.RECIPES[task].__dict__}: move it away first")
-        return Truth(task, seed, sizes, t["subsets"], t["fresh"], t["fixed"],
+        subsets = (torch.from_numpy(np.unpackbits(t["subsets_packed"].numpy(), axis=1,
+                                                  count=sizes[0]))
+                   if "subsets_packed" in t else t["subsets"])
+        return Truth(task, seed, sizes, subsets, t["fresh"].double(), t["fixed"].double(),
                      float(meta["seconds"]))
     if not create:
         raise FileNotFoundError(f"{path}: no ground truth; run benchmarks/lds_truth.py")
