@@ -8,11 +8,12 @@ one term per step ``k`` that has both a snapshot (its factors ``F_{l,k}``, strea
 and the weights ``θ_k``; each term is `influence_scores` at that step (damping and eigenvalues as
 there, each step's damping from its own factors). A single checkpoint scores with one linear
 model around the final weights; the mean over the run counts how each example pulled the
-model along the way (the segment-averaged unrolling of Bae et al. 2024, "SOURCE", and TracIn's
-sum over checkpoints, here with the curvature the run streamed anyway). Uniform weights over
-the steps (TracIn weights its checkpoints by the learning rate; uniform is what
-benchmarks/influence_lds.py measured: LDS 0.283 on digits, 0.385 on text, against 0.179 and
-0.356 for the final snapshot alone).
+model along the way. What it is: TracIn over checkpoints (Pruthi et al. 2020, "TracIn-CP": a
+sum of gradient dot products at saved checkpoints) with each checkpoint's K-FAC
+preconditioner in the dot product, and uniform weights over the checkpoints where TracIn
+weights them by the learning rate. It is not SOURCE (Bae et al. 2024), which unrolls the
+training between checkpoints segment by segment. Measured against the other settings on held-out
+queries: benchmarks/influence_lds.py and the results it writes.
 
 Cost: ``K`` times `influence_scores` (each step reads the training set once), one step's model
 and factors in memory at a time when ``posteriors`` is a generator.
