@@ -20,11 +20,13 @@ scores' ``(F + λI)⁻¹``: `kfac_stream.query.influence`).
 Convention against kronfluence (1.0.1, ``FactorStrategy.EKFAC``): its ``lambda_matrix`` sums
 the same squared rotated per-sample gradients (``einsum("b...i,b...o->bio")`` of the output
 gradient and the input, Q_Gᵀ·V·Q_A, squared, summed over the batch) and divides by
-``num_lambda_processed``, the number of SEQUENCES, while its K-FAC eigenvalues come from
-factors divided by the number of token positions. Ours divides by the token positions
-``N``: ``λ_ours = λ_kronfluence · (sequences / positions)``, i.e. kronfluence's ``λ`` is the
-mean sequence length times ours (exactly ``T`` for unpadded sequences of ``T`` tokens). Ratios
-such as its heuristic damping ``0.1·mean(λ)`` are unchanged by that constant.
+``num_lambda_processed``, the number ``n`` of SEQUENCES, while its K-FAC eigenvalues come from
+factors divided by the number of token positions. Ours divides by the usable positions ``N``:
+``λ_kronfluence = m·λ_ours``, ``m = N / n`` the mean usable positions per sequence (``T − 1``
+for unpadded causal-LM sequences of ``T`` tokens: the last one scores nothing). Its heuristic
+damping ``0.1·mean(λ)`` scales with ``λ``, so each side's heuristic is the same damping
+relative to ``λ`` and the influence scores are exactly ``m`` times kronfluence's (derived in
+docs/computed.md, pinned by tests/unit/ekfac/test_kronfluence_ekfac.py).
 
 Which sequences, which weights. At an update step the correction comes from the same passes
 as the factors, restricted to WHOLE sequences (a per-sequence gradient needs every token of it,
