@@ -316,7 +316,12 @@ def kf_task(layers: list[str]):
             return list(layers)
 
         def get_attention_mask(self, batch):
-            return batch["attention_mask"]
+            """The positions whose next-token loss carries a gradient: each sequence's real
+            tokens but its last (kfac_stream's usable positions; the attention mask would
+            count the last token too, and fit other factors)."""
+            labels = batch["labels"]
+            lengths = (labels != -100).sum(1)
+            return (torch.arange(labels.shape[1])[None] < (lengths[:, None] - 1)).long()
 
     return LMTask()
 
