@@ -67,7 +67,7 @@ OURS = ("ours_kfac", "ours_ekfac", "ours_trajectory")
 LABELS = {"ours_kfac": "ours, K-FAC final snapshot (damping share tuned)",
           "ours_ekfac": "ours, EK-FAC final snapshot (damping share tuned)",
           "ours_trajectory": "ours, trajectory_influence (damping share tuned)"}
-QUICK_SIZES = {"digits": (64, 6, 8), "text": (64, 4, 6)}
+QUICK_SIZES = {"digits": (64, 6, 8), "text": (64, 4, 6), "mnist": (64, 6, 8)}
 
 
 def peers_module():

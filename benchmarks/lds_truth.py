@@ -47,7 +47,7 @@ from tasks import lds_tasks as T
 
 TRUTH_DIR = Path(__file__).resolve().parent / "results" / "lds_truth"
 #: (training examples, validation queries, test queries) per task.
-SIZES = {"digits": (1000, 100, 200), "text": (600, 100, 200)}
+SIZES = {"digits": (1000, 100, 200), "text": (600, 100, 200), "mnist": (5000, 500, 500)}
 SUBSETS, RETRAINS = 100, 3
 
 

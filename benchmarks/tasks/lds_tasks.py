@@ -1,13 +1,15 @@
-"""The two tasks of `benchmarks/influence_lds.py` and their one training recipe.
+"""The tasks of `benchmarks/influence_lds.py`: two here with their one training recipe, and
+``mnist`` (dattri's MNIST-10 logistic regression, `mnist_task`, its own recipe) behind the same
+functions.
 
 * ``digits``: scikit-learn's 8×8 digits (``sklearn.datasets.load_digits``, shipped inside the
   package), rows as tokens: 8 positions, each row's 8 pixel values / 16 as the first 8 of the
   ``width`` input features (``inputs_embeds``, the rest zero), through a GPT-2 sequence
-  classifier (its last position's hidden state to 10 classes); a fixed split (seeded 0) of
-  the 1,797 images into the training pool and the query pool.
+  classifier (its last position's hidden state to 10 classes); `split` draws the training
+  set and the queries of each seed from the 1,797 images.
 * ``text``: a byte-level GPT-2 language model on non-overlapping windows of Python's reference
   documentation (``pydoc_data.topics``); training windows and query windows disjoint, drawn
-  once (seeded 0); every next-byte position labelled.
+  per seed by `split`; every next-byte position labelled.
 
 The recipe (`Recipe`): AdamW (betas 0.9/0.999, eps 1e-8, no weight decay), cosine schedule with
 5% warm-up, gradient norm clipped at 1.0, ``epochs`` passes of batch ``batch`` over the
@@ -45,7 +47,7 @@ from transformers import (
 from kfac_stream import KFACConfig, KFACStreamCallback
 from kfac_stream.app import data as app_data
 
-TASKS = ("digits", "text")
+TASKS = ("digits", "text", "mnist")
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,9 @@ class Recipe:
 
 #: Fixed by the models' held-out accuracy / loss (docstring of influence_lds.py), not by LDS.
 RECIPES = {"digits": Recipe(layers=2, width=32, heads=4, batch=64, lr=5e-3, epochs=15),
-           "text": Recipe(layers=2, width=32, heads=4, batch=32, lr=3e-3, epochs=10)}
+           "text": Recipe(layers=2, width=32, heads=4, batch=32, lr=3e-3, epochs=10),
+           # dattri's MNIST-10 logistic regression (`mnist_task`: plain SGD, no schedule)
+           "mnist": Recipe(layers=0, width=784, heads=0, batch=32, lr=1e-2, epochs=20)}
 TEXT_SEQ = 32
 
 
@@ -95,50 +99,21 @@ def lm_example(ids: list[int]) -> dict[str, torch.Tensor]:
     return {"input_ids": x, "labels": x.clone()}
 
 
-def build_data(task: str, n_train: int, n_query: int, noise: float = 0.0,
-               noise_seed: int = 0) -> dict:
-    """``{"train": [examples], "queries": [examples], "noisy": [N] bool}``: the task's
-    training and query examples (module docstring); ``noise``: that share of the training
-    examples corrupted (digits: the label replaced by another class drawn uniformly; text:
-    the window's bytes shuffled), drawn from ``noise_seed``."""
-    rng = random.Random(0)
-    if task == "digits":
-        x, y = digits_arrays()
-        order = list(range(len(y)))
-        rng.shuffle(order)
-        if n_train + n_query > len(order):
-            raise SystemExit(f"digits: {n_train} + {n_query} > {len(order)} images")
-        tr, qu = order[:n_train], order[len(order) - n_query:]
-        width = RECIPES["digits"].width
-        labels = [int(y[i]) for i in tr]
-        noisy = [False] * n_train
-        nr = random.Random(10_000 + noise_seed)
-        for i in sorted(nr.sample(range(n_train), round(noise * n_train))):
-            labels[i] = nr.choice([c for c in range(10) if c != labels[i]])
-            noisy[i] = True
-        train = [digits_example(x[i], c, width) for i, c in zip(tr, labels)]
-        queries = [digits_example(x[i], int(y[i]), width) for i in qu]
-    elif task == "text":
-        wins = text_windows()
-        picked = rng.sample(range(len(wins)), n_train + n_query)
-        train_ids = [list(wins[i]) for i in picked[:n_train]]
-        noisy = [False] * n_train
-        nr = random.Random(10_000 + noise_seed)
-        for i in sorted(nr.sample(range(n_train), round(noise * n_train))):
-            nr.shuffle(train_ids[i])
-            noisy[i] = True
-        train = [lm_example(ids) for ids in train_ids]
-        queries = [lm_example(list(wins[i])) for i in picked[n_train:]]
-    else:
-        raise ValueError(task)
-    return {"train": train, "queries": queries, "noisy": noisy}
+def mnist():
+    """`mnist_task`, imported when a task asks for it (its data come from a test peer)."""
+    from tasks import mnist_task
+
+    return mnist_task
 
 
 def split(task: str, seed: int, n_train: int, n_val: int, n_test: int) -> dict:
     """``{"train", "val", "test": [examples]}``: the LDS protocol's split of seed ``seed``,
     disjoint, drawn from the task's pool by ``random.Random(seed)`` (digits: the 1,797 images;
-    text: the documentation's windows), a different split per seed. ``val``: the validation
-    queries every tunable setting is chosen on; ``test``: the queries the table reports."""
+    text: the documentation's windows; mnist: `mnist_task.split`, seed 0 dattri's), a different
+    split per seed. ``val``: the validation queries every tunable setting is chosen on;
+    ``test``: the queries the table reports."""
+    if task == "mnist":
+        return mnist().split(seed, n_train, n_val, n_test)
     rng = random.Random(seed)
     need = n_train + n_val + n_test
     if task == "digits":
@@ -168,7 +143,10 @@ def batches(examples: list[dict], size: int) -> list[dict[str, torch.Tensor]]:
 # -- models -------------------------------------------------------------------------------------
 
 def new_model(task: str, seed: int) -> torch.nn.Module:
-    """The task's GPT-2 (`RECIPES`), initialised from ``seed``, float32, train mode."""
+    """The task's GPT-2 (`RECIPES`; mnist: dattri's logistic regression), initialised from
+    ``seed``, float32, train mode."""
+    if task == "mnist":
+        return mnist().new_model(seed).train()
     r = RECIPES[task]
     common = dict(n_embd=r.width, n_layer=r.layers, n_head=r.heads, resid_pdrop=0.0,
                   embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
@@ -186,9 +164,11 @@ def new_model(task: str, seed: int) -> torch.nn.Module:
 
 
 def tracked_layers(model: torch.nn.Module) -> list[str]:
-    """The Conv1D layers inside the blocks (kfac_stream's default selection)."""
-    return [n for n, m in model.named_modules()
-            if ".h." in n and type(m).__name__ in ("Conv1D", "Linear")]
+    """The Conv1D layers inside the blocks (kfac_stream's default selection); a model without
+    blocks (mnist's logistic regression): its Linear layers."""
+    inside = [n for n, m in model.named_modules()
+              if ".h." in n and type(m).__name__ in ("Conv1D", "Linear")]
+    return inside or [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
 
 
 def example_losses(model: torch.nn.Module, examples: list[dict], size: int = 256
@@ -227,6 +207,8 @@ def accuracy(model: torch.nn.Module, examples: list[dict]) -> float:
 # -- the recipe ---------------------------------------------------------------------------------
 
 def steps_for(task: str, n: int) -> int:
+    if task == "mnist":
+        return mnist().steps_for(n)
     r = RECIPES[task]
     return math.ceil(r.epochs * n / r.batch)
 
@@ -256,6 +238,8 @@ def train_fast(task: str, examples: list[dict], subset: list[int] | None, seed: 
                init_seed: int | None = None) -> torch.nn.Module:
     """The recipe in plain torch on ``examples[subset]`` (None: all), model initialised from
     ``init_seed`` (default ``seed``), data order from ``seed``; returns the model (eval)."""
+    if task == "mnist":
+        return mnist().train_fast(examples, subset, seed, init_seed)
     r = RECIPES[task]
     n = len(examples) if subset is None else len(subset)
     steps = steps_for(task, n)
@@ -301,6 +285,8 @@ def train_tracked(task: str, examples: list[dict], seed: int, out: str, *,
     ``snapshots``⌉ and ``ekfac``; no spectra PNG per snapshot) and a copy of the weights at
     each snapshot step. Returns ``{"model" (eval), "kfac_dir", "ckpt": Checkpoints,
     "train_s", "steps", "snapshot_every"}``."""
+    if task == "mnist":
+        return mnist().train_tracked(examples, seed, out, ekfac=ekfac, snapshots=snapshots)
     r = RECIPES[task]
     steps = steps_for(task, len(examples))
     every = max(math.ceil(steps / snapshots), 1)
