@@ -91,7 +91,9 @@ real Trainer with one `KFACStreamCallback`; its weights equal ``models_full[0]``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import functools
 import hashlib
 import json
 import os
@@ -104,7 +106,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from scipy.stats import rankdata
 from tasks import mnist_task as T
 from torch import nn
 
@@ -115,21 +116,32 @@ from _common import HERE, log, machine, write_json
 #: dattri's bars for LR on MNIST-10 (module docstring), by our method names.
 PUBLISHED = {"if-explicit": 0.80, "if-cg": 0.80, "if-lissa": 0.79, "if-arnoldi": 0.31,
              "TracIn": 0.33, "Grad-Dot": 0.33, "Grad-Cos": 0.19, "RPS": 0.19, "TRAK-1": 0.41,
-             "TRAK-10": 0.64, "TRAK-50": 0.68}
+             "TRAK-10": 0.64, "TRAK-50": 0.68, "TracIn-p512": 0.33, "Grad-Dot-p512": 0.33}
 #: ± on a bar's height read off the figure (its ticks: 0.2 per 72.2 px; edges anti-aliased).
 READ_OFF = 0.005
 #: benchmark_result.py's regularization grid for the IF methods.
 IF_REGS = (1e0, 1e-1, 1e-2, 5e-3, 1e-3, 1e-4, 1e-5)
-#: dattri's projector settings (TracIn's and TRAK's defaults; passed whole: dattri updates a
-#: module-level dict in place with what it is given).
+#: dattri's projector settings (TRAK's, and 0.3.0's TracIn default; passed whole: dattri
+#: updates a module-level dict in place with what it is given).
 PROJ = {"proj_dim": 512, "proj_max_batch_size": 32, "proj_seed": 0, "device": "cpu"}
-GT_SEED, HALF_SEED = 0, 1000
 DATTRI_METHODS = ("if-explicit", "if-cg", "TracIn", "Grad-Dot", "Grad-Cos", "TRAK-1",
-                  "TRAK-10", "TRAK-50")
+                  "TRAK-10", "TRAK-50", "TracIn-p512", "Grad-Dot-p512")
 OURS = ("kfac_stream", "kfac_stream EK-FAC")
 METHODS = DATTRI_METHODS + OURS
+#: run on replicate 0 only (cost, or a variant); their interval borrows the half-width of
+#: the method named (module docstring).
+FIRST_ONLY = {"if-cg": "if-explicit", "TracIn-p512": "TracIn", "Grad-Dot-p512": "Grad-Dot"}
 CACHE = HERE / "results" / "mnist_dattri"
-BOOT = 1000
+
+
+def seeds(r: int) -> dict[str, int]:
+    """Replicate ``r``'s seeds: ``{"gt": ground truth (subset ``i``: NumPy seed gt + i, training
+    seed gt + i·runs + j), "full": models_full[j]'s seed full + j, "half": models_half[k]: subset
+    NumPy seed half + k, training seed half + k}``; replicate 0 is dattri's defaults."""
+    if r == 0:
+        return {"gt": 0, "full": 0, "half": 1000}
+    base = 10_000 * r
+    return {"gt": base, "full": base + 100, "half": base + 200}
 
 
 # -- the ground truth -------------------------------------------------------------------------
@@ -148,55 +160,53 @@ def query_losses(model: nn.Module, queries: list[dict]) -> np.ndarray:
         return F.cross_entropy(logits, b["labels"], reduction="none").numpy()
 
 
-def fingerprint(examples: list[dict]) -> str:
-    """sha256 of the examples' pixels and labels (the cache is for these data only)."""
+def fingerprint(*arrays) -> str:
+    """sha256 of the arrays' bytes (the cache is for these data and subsets only)."""
     h = hashlib.sha256()
-    b = T.collate(examples)
-    h.update(b["inputs_embeds"].numpy().tobytes())
-    h.update(b["labels"].numpy().tobytes())
+    for x in arrays:
+        h.update(np.ascontiguousarray(x).tobytes())
     return h.hexdigest()
 
 
-def ground_truth(d: dict, a, cache: Path | None) -> dict:
+def ground_truth(d: dict, a, r: int, cache: Path | None) -> dict:
     """``{"indices": [S, n/2] int64, "losses": [S, runs, Q] float32 (queries: test then val),
-    "seconds"}``: dattri's ground truth (module docstring), resumed from and saved to
-    ``cache`` after every subset (None: kept in memory)."""
-    n, queries = len(d["train"]), d["test"] + d["val"]
-    protocol = {"seed": GT_SEED, "ratio": 0.5, "runs": a.runs, "epochs": a.epochs,
+    "seconds"}``: dattri's ground truth (module docstring) with replicate ``r``'s seed, resumed
+    from and saved to ``cache`` after every subset (None: kept in memory)."""
+    n, queries, seed = len(d["train"]), d["test"] + d["val"], seeds(r)["gt"]
+    b = T.collate(d["train"]), T.collate(queries)
+    protocol = {"seed": seed, "ratio": 0.5, "runs": a.runs, "epochs": a.epochs,
                 "batch": T.BATCH, "lr": T.LR, "n_train": n, "n_test": len(d["test"]),
-                "n_val": len(d["val"]), "train_sha256": fingerprint(d["train"]),
-                "queries_sha256": fingerprint(queries)}
-    idx, losses, secs = [], [], 0.0
-    npz = meta = None
+                "n_val": len(d["val"]), "data_sha256": fingerprint(
+                    b[0]["inputs_embeds"], b[0]["labels"], b[1]["inputs_embeds"],
+                    b[1]["labels"])}
+    idx = [subset_indices(n, i, seed) for i in range(a.subsets)]
+    losses, secs, npz, meta = [], 0.0, None, None
     if cache is not None:
-        stem = cache / f"ground_truth_runs{a.runs}"
+        stem = cache / f"ground_truth_r{r}_runs{a.runs}"
         npz, meta = stem.with_suffix(".npz"), stem.with_suffix(".json")
         if npz.exists():
             old = json.loads(meta.read_text())
             if old["protocol"] != protocol:
                 raise SystemExit(f"{npz} was made under another protocol: {old['protocol']}")
-            z = np.load(npz)
-            idx, losses, secs = list(z["indices"]), list(z["losses"]), old["seconds"]
-    for i in range(len(idx), a.subsets):
+            losses, secs = list(np.load(npz)["losses"]), old["seconds"]
+    for i in range(len(losses), a.subsets):
         t0 = time.perf_counter()
-        sub = subset_indices(n, i, GT_SEED)
-        runs = [query_losses(T.train_fast(d["train"], sub, GT_SEED + i * a.runs + j,
-                                          epochs=a.epochs), queries) for j in range(a.runs)]
-        idx.append(np.asarray(sub, dtype=np.int16))
-        losses.append(np.stack(runs))
+        losses.append(np.stack([query_losses(T.train_fast(
+            d["train"], idx[i], seed + i * a.runs + j, epochs=a.epochs), queries)
+            for j in range(a.runs)]))
         secs += time.perf_counter() - t0
         if npz is not None:
             tmp = npz.with_suffix(".tmp.npz")
-            np.savez_compressed(tmp, indices=np.stack(idx), losses=np.stack(losses))
+            np.savez_compressed(tmp, losses=np.stack(losses))
             os.replace(tmp, npz)
-            meta.write_text(json.dumps({"protocol": protocol, "subsets": len(idx),
-                                        "seconds": round(secs, 1)}, indent=1))
-    log(f"ground truth: {a.subsets} subsets x {a.runs} runs ({secs:.0f} s of training)")
-    return {"indices": np.stack(idx)[:a.subsets].astype(np.int64),
-            "losses": np.stack(losses)[:a.subsets], "seconds": secs}
+            meta.write_text(json.dumps({
+                "protocol": protocol, "subsets": len(losses), "seconds": round(secs, 1),
+                "indices_sha256": fingerprint(np.asarray(idx[:len(losses)]))}, indent=1))
+    return {"indices": np.asarray(idx, dtype=np.int64), "losses": np.stack(losses)[:a.subsets],
+            "seconds": secs}
 
 
-# -- LDS and its interval ---------------------------------------------------------------------
+# -- LDS ----------------------------------------------------------------------------------------
 
 def dattri_lds(scores: torch.Tensor, gt: dict, cols: slice) -> np.ndarray:
     """``[q]`` float64: ``dattri.metric.lds`` of ``scores [N, Q]`` (dattri's orientation) on the
@@ -208,43 +218,18 @@ def dattri_lds(scores: torch.Tensor, gt: dict, cols: slice) -> np.ndarray:
     return corr.double().numpy()
 
 
-def spearman_cols(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``[Q]``: Spearman correlation of each column of ``a`` and ``b`` ``[S, Q]`` (average ranks
-    for ties, as scipy's; NaN for a constant column)."""
-    ra, rb = rankdata(a, axis=0), rankdata(b, axis=0)
-    ra, rb = ra - ra.mean(0), rb - rb.mean(0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return (ra * rb).sum(0) / np.sqrt((ra * ra).sum(0) * (rb * rb).sum(0))
-
-
-def subset_sums(scores: torch.Tensor, gt: dict, cols: slice) -> np.ndarray:
-    """``[S, q]``: each subset's summed scores per query."""
-    member = torch.zeros(len(gt["indices"]), scores.shape[0], dtype=torch.float64)
-    member.scatter_(1, torch.from_numpy(gt["indices"]), 1.0)
-    return (member @ scores[:, cols].double()).numpy()
-
-
-def bootstrap(scores: torch.Tensor, gt: dict, cols: slice, reps: int = BOOT,
-              seed: int = 0) -> list[float]:
-    """``[lo, hi]``: the 95% percentile interval of the mean LDS over ``reps`` resamples (with
-    replacement) of the ground-truth subsets."""
-    sums, target = subset_sums(scores, gt, cols), -gt["losses"].mean(1)[:, cols]
-    rng = np.random.default_rng(seed)
-    means = []
-    for _ in range(reps):
-        pick = rng.integers(0, len(sums), len(sums))
-        means.append(np.nanmean(spearman_cols(sums[pick], target[pick])))
-    return [float(v) for v in np.percentile(means, [2.5, 97.5])]
-
-
-def evaluate(scores: torch.Tensor, gt: dict, n_test: int, boot: int) -> dict:
-    """A method's entry from its ``scores [N, Q]`` (queries: test then val): per-query LDS of
-    the test and the validation queries, the test mean's bootstrap interval."""
-    test, val = slice(0, n_test), slice(n_test, None)
-    per_test, per_val = dattri_lds(scores, gt, test), dattri_lds(scores, gt, val)
-    return {"test": [round(float(v), 6) for v in per_test],
-            "val": [round(float(v), 6) for v in per_val],
-            "boot95_test": bootstrap(scores, gt, test, boot)}
+def evaluate(scores: torch.Tensor, gt: dict, n_test: int, per_query: bool) -> dict:
+    """A method's entry from its ``scores [N, Q]`` (queries: test then val): the mean LDS of
+    the test and of the validation queries (NaN dropped, as dattri), with the per-query values
+    when ``per_query``."""
+    per_test = dattri_lds(scores, gt, slice(0, n_test))
+    per_val = dattri_lds(scores, gt, slice(n_test, None))
+    out = {"test_mean": float(np.nanmean(per_test)), "val_mean": float(np.nanmean(per_val)),
+           "test_nan": int(np.isnan(per_test).sum())}
+    if per_query:
+        out.update(test=[round(float(v), 5) for v in per_test],
+                   val=[round(float(v), 5) for v in per_val])
+    return out
 
 
 # -- dattri's methods -------------------------------------------------------------------------
@@ -341,9 +326,12 @@ def if_cg(state: dict, train_ds, query_ds, reg: float) -> torch.Tensor:
         return att.attribute(loader(train_ds, n), loader(query_ds, len(query_ds)))
 
 
-def tracin(states: list[dict], train_ds, query_ds, normalized: bool) -> torch.Tensor:
-    """``[N, Q]``: ``TracInAttributor`` over ``states``, weight 1e-3 each, 512-dimension
-    projection (TracIn, Grad-Dot, Grad-Cos of benchmark_result.py)."""
+def tracin(states: list[dict], train_ds, query_ds, normalized: bool, project: bool
+           ) -> torch.Tensor:
+    """``[N, Q]``: ``TracInAttributor`` over ``states``, weight 1e-3 each (TracIn, Grad-Dot,
+    Grad-Cos of benchmark_result.py); ``project``: dattri 0.3.0's default 512-dimension
+    projection, else none (dattri's TracIn had no default projection when the figure was
+    made: module docstring)."""
     from dattri.algorithm.tracin import TracInAttributor
     from dattri.task import AttributionTask
 
@@ -352,6 +340,8 @@ def tracin(states: list[dict], train_ds, query_ds, normalized: bool) -> torch.Te
                            checkpoints=states if len(states) > 1 else states[0])
     att = TracInAttributor(task=task, weight_list=torch.ones(len(states)) * 1e-3,
                            normalized_grad=normalized, projector_kwargs=dict(PROJ), device="cpu")
+    if not project:
+        att.projector_kwargs = None  # 0.3.0's __init__ always sets its default; None: exact
     with torch.no_grad():
         return att.attribute(loader(train_ds, len(train_ds)), loader(query_ds, len(query_ds)))
 
@@ -373,44 +363,46 @@ def trak(states: list[dict], train_ds, query_ds) -> torch.Tensor:
 
 # -- ours -------------------------------------------------------------------------------------
 
-def ours(d: dict, a, ekfac: bool, tmp: str) -> tuple[torch.Tensor, dict]:
+def ours(d: dict, a, seed: int, ekfac: bool, tmp: str) -> tuple[torch.Tensor, dict]:
     """``([N, Q] scores, info)``: ``influence_scores`` at its defaults from the final snapshot of
-    the tracked Trainer run (seed 0: the weights of ``models_full[0]``)."""
-    run = T.train_tracked(d["train"], 0, os.path.join(tmp, f"ours-{int(ekfac)}"), ekfac=ekfac,
-                          epochs=a.epochs)
+    the tracked Trainer run with ``seed`` (the replicate's ``models_full[0]``: its weights)."""
+    run = T.train_tracked(d["train"], seed, os.path.join(tmp, f"ours-{seed}-{int(ekfac)}"),
+                          ekfac=ekfac, epochs=a.epochs)
     post = LaplacePosterior(run["model"], Snapshot.latest(run["kfac_dir"]))
     queries = d["test"] + d["val"]
     res = influence_scores(post, T.batches(queries, len(queries)), T.batches(d["train"], 500),
                            show_progress=False)
-    ref = T.train_fast(d["train"], None, 0, epochs=a.epochs)
+    ref = T.train_fast(d["train"], None, seed, epochs=a.epochs)
     with torch.no_grad():
         same = max(float((p - q).abs().max()) for p, q in zip(run["model"].parameters(),
                                                                 ref.parameters()))
-    return res.scores.T.contiguous(), {"train_s": run["train_s"], "damping": res.damping,
+    return res.scores.T.contiguous(), {"train_s": round(run["train_s"], 2),
+                                       "damping": res.damping,
                                        "weights_max_abs_diff_vs_models_full0": same}
 
 
 # -- the run ----------------------------------------------------------------------------------
 
 class Models:
-    """The checkpoints the methods use, trained once per process (module docstring)."""
+    """Replicate ``r``'s checkpoints for the methods, trained once per process (`seeds`)."""
 
-    def __init__(self, d: dict, a):
-        self.d, self.a = d, a
+    def __init__(self, d: dict, a, r: int):
+        self.d, self.a, self.seeds = d, a, seeds(r)
         self.full: list[dict] = []
         self.half: list[dict] = []
 
     def models_full(self, k: int) -> list[dict]:
         while len(self.full) < k:
-            m = T.train_fast(self.d["train"], None, len(self.full), epochs=self.a.epochs)
+            m = T.train_fast(self.d["train"], None, self.seeds["full"] + len(self.full),
+                             epochs=self.a.epochs)
             self.full.append(m.state_dict())
         return self.full[:k]
 
     def models_half(self, k: int) -> list[dict]:
-        n = len(self.d["train"])
+        n, seed = len(self.d["train"]), self.seeds["half"]
         while len(self.half) < k:
             i = len(self.half)
-            m = T.train_fast(self.d["train"], subset_indices(n, i, HALF_SEED), HALF_SEED + i,
+            m = T.train_fast(self.d["train"], subset_indices(n, i, seed), seed + i,
                              epochs=self.a.epochs)
             self.half.append(m.state_dict())
         return self.half[:k]
@@ -419,7 +411,7 @@ class Models:
 def configs(method: str, a) -> list[str]:
     """The settings a method is run at (IF: the regularization grid; --quick: one)."""
     if method in ("if-explicit", "if-cg"):
-        return [f"reg={r:g}" for r in (IF_REGS[2:3] if a.quick else IF_REGS)]
+        return [f"reg={r:g}" for r in (IF_REGS[1:2] if a.quick else IF_REGS)]
     return ["default"]
 
 
@@ -427,93 +419,138 @@ def run_method(method: str, cfg: str, d: dict, models: Models, a, tmp: str
                ) -> tuple[torch.Tensor, dict]:
     """``([N, Q] scores, info)`` of one method at one setting."""
     train_ds, query_ds = tensors(d["train"]), tensors(d["test"] + d["val"])
-    k = 2 if a.quick else 10
+    k, base = (2 if a.quick else 10), method.removesuffix("-p512")
     if method == "if-explicit":
         reg = float(cfg.split("=")[1])
         return if_explicit(models.models_full(1)[0], train_ds, query_ds, [reg])[reg], {}
     if method == "if-cg":
         return if_cg(models.models_full(1)[0], train_ds, query_ds, float(cfg.split("=")[1])), {}
-    if method == "TracIn":
-        return tracin(models.models_full(k), train_ds, query_ds, False), {"models": k}
-    if method in ("Grad-Dot", "Grad-Cos"):
-        return tracin(models.models_full(1), train_ds, query_ds, method == "Grad-Cos"), {}
+    if base in ("TracIn", "Grad-Dot", "Grad-Cos"):
+        states = models.models_full(k if base == "TracIn" else 1)
+        return tracin(states, train_ds, query_ds, base == "Grad-Cos",
+                      method.endswith("-p512")), {"models": len(states)}
     if method.startswith("TRAK-"):
         k = min(int(method.split("-")[1]), 3 if a.quick else 50)
         return trak(models.models_half(k), train_ds, query_ds), {"models": k}
-    return ours(d, a, method.endswith("EK-FAC"), tmp)
+    return ours(d, a, models.seeds["full"], method.endswith("EK-FAC"), tmp)
 
 
 def load_results(path: Path | None) -> dict:
     return json.loads(path.read_text()) if path is not None and path.exists() else {}
 
 
-def compute(d: dict, gt: dict, a, store: Path | None) -> dict:
-    """``{method: {setting: entry}}``: every asked method at every setting, cached entries
-    reused, new ones saved to ``store`` as they are made."""
-    res = load_results(store)
-    models = Models(d, a)
-    t_start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="kfac-mnist-dattri-") as tmp:
-        for method in a.methods:
-            for cfg in configs(method, a):
-                if cfg in res.get(method, {}) and not a.redo:
-                    continue
+@contextlib.contextmanager
+def quiet_tqdm():
+    """dattri's progress bars off inside the block (its ``tqdm`` calls take no switch)."""
+    from tqdm import tqdm
+
+    init = tqdm.__init__
+    tqdm.__init__ = functools.partialmethod(init, disable=True)
+    try:
+        yield
+    finally:
+        tqdm.__init__ = init
+
+
+def compute(d: dict, a, cache: Path | None, store: Path | None) -> dict:
+    """``{"r<r>": {method: {setting: entry}}}`` over the replicates: every asked method at every
+    setting, cached entries reused, new ones saved to ``store`` as they are made, until
+    ``--budget`` seconds are spent."""
+    res, t_start = load_results(store), time.perf_counter()
+    with quiet_tqdm(), tempfile.TemporaryDirectory(prefix="kfac-mnist-dattri-") as tmp:
+        for r in range(a.replicates):
+            todo = [(m, c) for m in a.methods if r == 0 or m not in FIRST_ONLY
+                    for c in configs(m, a) if a.redo or c not in res.get(f"r{r}", {}).get(m, {})]
+            if not todo:
+                continue
+            if a.budget and time.perf_counter() - t_start > a.budget:
+                log(f"--budget {a.budget:g} s spent: replicate {r} on is left for the next call")
+                return res
+            gt, models = ground_truth(d, a, r, cache), Models(d, a, r)
+            log(f"replicate {r}: ground truth of {a.subsets} subsets x {a.runs} run(s) "
+                f"({gt['seconds']:.0f} s of training), seeds {seeds(r)}")
+            for method, cfg in todo:
                 if a.budget and time.perf_counter() - t_start > a.budget:
-                    log(f"--budget {a.budget:g} s spent: {method} {cfg} and later left for "
-                        "the next call")
+                    log(f"--budget {a.budget:g} s spent: r{r} {method} {cfg} on is left")
                     return res
                 t0 = time.perf_counter()
                 scores, info = run_method(method, cfg, d, models, a, tmp)
                 entry = {"seconds": round(time.perf_counter() - t0, 2), **info,
-                         **evaluate(scores, gt, len(d["test"]), a.boot)}
-                res.setdefault(method, {})[cfg] = entry
-                log(f"{method} {cfg}: test LDS {np.nanmean(entry['test']):.4f} "
-                    f"[{entry['boot95_test'][0]:.4f}, {entry['boot95_test'][1]:.4f}], val "
-                    f"{np.nanmean(entry['val']):.4f} ({entry['seconds']:.0f} s)")
+                         **evaluate(scores, gt, len(d["test"]), per_query=r == 0)}
+                res.setdefault(f"r{r}", {}).setdefault(method, {})[cfg] = entry
+                log(f"r{r} {method} {cfg}: test LDS {entry['test_mean']:.4f}, val "
+                    f"{entry['val_mean']:.4f} ({entry['seconds']:.0f} s)")
                 if store is not None:
                     store.write_text(json.dumps(res, default=str))
     return res
 
 
+def per_replicate(entries: dict) -> tuple[str, float, str, float]:
+    """``(dattri's setting: the best test LDS over the settings, that LDS, the setting chosen on
+    the validation queries, its test LDS)``."""
+    test = {c: e["test_mean"] for c, e in entries.items()}
+    val = {c: e["val_mean"] for c, e in entries.items()}
+    best, chosen = max(test, key=test.get), max(val, key=val.get)
+    return best, test[best], chosen, test[chosen]
+
+
 def summarise(res: dict) -> dict:
-    """Per method: dattri's selection (best test LDS over its settings), the setting chosen on
-    the validation queries and its test LDS, the interval and the verdict."""
+    """Per method: replicate 0's value (dattri's seeds), the mean and s.d. over the replicates,
+    the 95% prediction interval of one run of the protocol (mean ± t·sd·√(1 + 1/K)), the
+    verdict, the validation-chosen setting's test LDS (mean over replicates), seconds."""
+    from scipy.stats import t as student
+
     out = {}
-    for method, entries in res.items():
-        mean = {c: float(np.nanmean(e["test"])) for c, e in entries.items()}
-        val = {c: float(np.nanmean(e["val"])) for c, e in entries.items()}
-        best, chosen = max(mean, key=mean.get), max(val, key=val.get)
-        e = entries[best]
-        per = np.asarray(e["test"], dtype=np.float64)
+    for method in METHODS:
+        reps = [res[k][method] for k in sorted(res, key=lambda k: int(k[1:]))
+                if method in res[k]]
+        if not reps:
+            continue
+        rows = [per_replicate(e) for e in reps]
+        vals = np.asarray([v for _, v, _, _ in rows])
+        per = np.asarray(reps[0][rows[0][0]].get("test", [np.nan]), dtype=np.float64)
         per = per[~np.isnan(per)]
-        lo, hi = e["boot95_test"]
-        pub = PUBLISHED.get(method)
         out[method] = {
-            "setting": best, "lds": mean[best], "se_over_queries": float(
-                per.std(ddof=1) / np.sqrt(len(per))), "boot95": [lo, hi],
-            "published": pub, "val_chosen": chosen, "val_chosen_test_lds": mean[chosen],
-            "verdict": None if pub is None else (
-                "within" if lo - READ_OFF <= pub <= hi + READ_OFF else "outside"),
-            "seconds": sum(x["seconds"] for x in entries.values())}
+            "setting_r0": rows[0][0], "lds_r0": float(vals[0]), "replicates": len(vals),
+            "lds_by_replicate": vals.tolist(), "mean": float(vals.mean()),
+            "sd": float(vals.std(ddof=1)) if len(vals) > 1 else None,
+            "se_over_queries_r0": float(per.std(ddof=1) / np.sqrt(len(per)))
+            if len(per) > 1 else None,
+            "val_chosen_r0": rows[0][2], "val_chosen_test_lds_mean": float(
+                np.mean([c for _, _, _, c in rows])),
+            "seconds": round(sum(x["seconds"] for e in reps for x in e.values()), 1)}
+        s = out[method]
+        s["half_width"] = None if s["sd"] is None else float(
+            student.ppf(0.975, len(vals) - 1) * s["sd"] * np.sqrt(1 + 1 / len(vals)))
+    for method, s in out.items():  # intervals: own, or borrowed (FIRST_ONLY), then verdicts
+        width = s["half_width"] if method not in FIRST_ONLY else out.get(
+            FIRST_ONLY[method], {}).get("half_width")
+        centre = s["mean"] if method not in FIRST_ONLY else s["lds_r0"]
+        s["interval95"] = None if width is None else [centre - width, centre + width]
+        pub = s["published"] = PUBLISHED.get(method)
+        s["verdict"] = None if pub is None or width is None else (
+            "within" if centre - width - READ_OFF <= pub <= centre + width + READ_OFF
+            else "outside")
     return out
 
 
 def report(summary: dict, a) -> str:
     lines = [f"MNIST-10 + LR, dattri's protocol: {a.n_train} training images, {a.n_test} test "
-             f"queries (+{a.n_val} validation), {a.subsets} subsets x {a.runs} run(s)",
-             "| method | dattri reports | ours (dattri's selection) | 95% interval (bootstrap "
-             "over subsets) | ± s.e. over queries | verdict | val-chosen → test | seconds |",
-             "|---|---|---|---|---|---|---|---|"]
-    for method in METHODS:
-        s = summary.get(method)
-        if s is None:
-            continue
+             f"queries (+{a.n_val} validation), {a.subsets} subsets x {a.runs} run(s); "
+             f"replicates of the whole protocol with other seeds: up to {a.replicates}",
+             "| method | dattri reports | replicate 0 (dattri's seeds) | mean ± sd over "
+             "replicates (K) | 95% interval, one run | verdict | val-chosen → test | "
+             "seconds |", "|---|---|---|---|---|---|---|---|"]
+    for method, s in summary.items():
         pub = "—" if s["published"] is None else f"{s['published']:.2f} ± {READ_OFF}"
+        sd = "—" if s["sd"] is None else f"{s['sd']:.3f}"
+        iv = "—" if s["interval95"] is None else \
+            f"[{s['interval95'][0]:.3f}, {s['interval95'][1]:.3f}]" + (
+                f" (width of {FIRST_ONLY[method]})" if method in FIRST_ONLY else "")
         lines.append(
-            f"| {method} ({s['setting']}) | {pub} | {s['lds']:.3f} | "
-            f"[{s['boot95'][0]:.3f}, {s['boot95'][1]:.3f}] | {s['se_over_queries']:.3f} | "
-            f"{s['verdict'] or '—'} | {s['val_chosen']}: {s['val_chosen_test_lds']:.3f} | "
-            f"{s['seconds']:.0f} |")
+            f"| {method} ({s['setting_r0']}) | {pub} | {s['lds_r0']:.3f} | {s['mean']:.3f} ± "
+            f"{sd} ({s['replicates']}) | {iv} | {s['verdict'] or '—'} | "
+            f"{s['val_chosen_r0']}: {s['val_chosen_test_lds_mean']:.3f} | {s['seconds']:.0f} |")
     return "\n".join(lines)
 
 
@@ -522,19 +559,19 @@ def main(argv=None) -> None:
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     p.add_argument("--subsets", type=int, default=50)
     p.add_argument("--runs", type=int, default=1, help="retrainings per subset (dattri: 1)")
-    p.add_argument("--boot", type=int, default=BOOT, help="bootstrap resamples")
+    p.add_argument("--replicates", type=int, default=10,
+                   help="runs of the whole protocol with other seeds (replicate 0: dattri's)")
     p.add_argument("--redo", action="store_true", help="recompute cached methods")
     p.add_argument("--budget", type=float, default=0.0,
-                   help="seconds after which no further method setting is started (0: none); "
-                   "the rest is left for the next call (the cache resumes)")
+                   help="seconds after which no further setting is started (0: none); the "
+                   "rest is left for the next call (the cache resumes)")
     p.add_argument("--quick", action="store_true", help="smoke run; writes nothing")
     a = p.parse_args(argv)
-    os.environ.setdefault("TQDM_DISABLE", "1")  # dattri's progress bars
     a.command = "python benchmarks/mnist_dattri_repro.py " + shlex.join(
         sys.argv[1:] if argv is None else argv)
     a.n_train, a.n_test, a.n_val, a.epochs = T.N_TRAIN, T.N_TEST, T.N_VAL, T.EPOCHS
     if a.quick:
-        a.n_train, a.n_test, a.n_val, a.epochs, a.subsets, a.boot = 300, 30, 30, 3, 8, 50
+        a.n_train, a.n_test, a.n_val, a.epochs, a.subsets, a.replicates = 300, 30, 30, 3, 8, 2
     info = dict(machine({"dattri": "dattri"}),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     t0 = time.perf_counter()
@@ -542,20 +579,19 @@ def main(argv=None) -> None:
     cache = None if a.quick else CACHE
     if cache is not None:
         cache.mkdir(parents=True, exist_ok=True)
-    gt = ground_truth(d, a, cache)
     store = None if cache is None else cache / f"lds_subsets{a.subsets}_runs{a.runs}.json"
-    res = compute(d, gt, a, store)
-    summary = summarise(res)
+    summary = summarise(compute(d, a, cache, store))
     print(report(summary, a), flush=True)
     if a.quick:
         return
     write_json("mnist_dattri", {
         "machine": info, "command": a.command, "args": vars(a),
         "protocol": {"n_train": a.n_train, "n_test": a.n_test, "n_val": a.n_val,
-                     "subsets": a.subsets, "runs": a.runs, "gt_seed": GT_SEED,
-                     "half_seed": HALF_SEED, "projection": PROJ, "if_regs": IF_REGS},
-        "published": PUBLISHED, "read_off": READ_OFF, "ground_truth_train_s": gt["seconds"],
-        "summary": summary, "this_call_s": time.perf_counter() - t0})
+                     "subsets": a.subsets, "runs": a.runs, "seeds": {
+                         r: seeds(r) for r in range(a.replicates)},
+                     "projection": PROJ, "if_regs": IF_REGS},
+        "published": PUBLISHED, "read_off": READ_OFF, "summary": summary,
+        "this_call_s": time.perf_counter() - t0})
 
 
 if __name__ == "__main__":
