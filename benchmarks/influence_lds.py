@@ -23,9 +23,11 @@ Protocol
 * **Tasks** (`lds_tasks`; recipes fixed by held-out accuracy / loss before any LDS was seen):
   ``digits`` (scikit-learn's 8×8 digits as 8 row-tokens through a 2-layer GPT-2 classifier,
   1,000 training images), ``text`` (a 2-layer byte-level GPT-2 LM on 600 32-byte windows of
-  Python's documentation); a query's output is its loss (cross-entropy; summed next-byte NLL).
-* **Split per seed**: the seed draws the training set, 100 validation and 200 test queries
-  (disjoint), the scored model's initialisation and data order.
+  Python's documentation), ``mnist`` (dattri's MNIST-10 logistic regression, 5,000 training
+  images, `mnist_task`); a query's output is its loss (cross-entropy; summed next-byte NLL).
+* **Split per seed**: the seed draws the training set, the validation and the test queries
+  (disjoint; digits and text 100 / 200, mnist 500 / 500, seed 0 dattri's), the scored model's
+  initialisation and data order.
 * **Truth**: 100 random halves, each retrained 3 times with fresh initialisation and order; a
   query's LDS is the Spearman correlation over the halves between the summed scores of the
   half's members and minus the mean retrained loss. The fixed-seed truth (one retrain with the
@@ -229,9 +231,10 @@ def report(results: dict, comp: dict, rec: str, noisy: dict, a, info: dict) -> s
                      for t, v in truth_s.items())
          + "; scores of every method " + "; ".join(
              f"{t} " + "/".join(f"{x / 60:.1f}" for x in v) + " min" for t, v in score_s.items()),
-         "- protocol: the script's docstring (100 halves × 3 fresh retrains per task and seed, "
-         "a different split per seed, settings chosen on 100 validation queries, 200 test "
-         "queries per seed)", ""]
+         f"- protocol: the script's docstring ({LT.SUBSETS} halves × {LT.RETRAINS} fresh "
+         "retrains per task and seed, a different split per seed, settings chosen on the "
+         "validation queries; training examples / validation / test queries per seed: "
+         + "; ".join(f"{t} {'/'.join(map(str, a.sizes[t]))}" for t in results) + ")", ""]
     L += table(results, comp, rec, noisy)
     L.append(END)
     return "\n".join(L)
