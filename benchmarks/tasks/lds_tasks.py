@@ -39,13 +39,13 @@ from transformers import (
     GPT2ForSequenceClassification,
     GPT2LMHeadModel,
     Trainer,
-    TrainerCallback,
     TrainingArguments,
     get_scheduler,
 )
 
 from kfac_stream import KFACConfig, KFACStreamCallback
 from kfac_stream.app import data as app_data
+from tasks.lds_common import Checkpoints, batches, collate  # noqa: F401  (the tasks' API)
 
 TASKS = ("digits", "text", "mnist")
 
@@ -132,12 +132,6 @@ def split(task: str, seed: int, n_train: int, n_val: int, n_test: int) -> dict:
             "test": exs[n_train + n_val:]}
 
 
-def collate(examples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    return {k: torch.stack([e[k] for e in examples]) for k in examples[0]}
-
-
-def batches(examples: list[dict], size: int) -> list[dict[str, torch.Tensor]]:
-    return [collate(examples[i:i + size]) for i in range(0, len(examples), size)]
 
 
 # -- models -------------------------------------------------------------------------------------
@@ -260,22 +254,6 @@ def train_fast(task: str, examples: list[dict], subset: list[int] | None, seed: 
         opt.zero_grad(set_to_none=True)
     return model.eval()
 
-
-class Checkpoints(TrainerCallback):
-    """Copies of the weights and the learning rate at the given optimizer steps."""
-
-    def __init__(self, model: torch.nn.Module, steps: set[int]):
-        self.model, self.steps = model, steps
-        self.states: list[dict[str, torch.Tensor]] = []
-        self.lrs: list[float] = []
-        self.at: list[int] = []
-
-    def on_step_end(self, args, state, control, optimizer=None, lr_scheduler=None, **kw):
-        if state.global_step in self.steps:
-            self.states.append({k: v.detach().clone() for k, v in self.model.state_dict().items()})
-            self.lrs.append(float(lr_scheduler.get_last_lr()[0]) if lr_scheduler is not None
-                            else float("nan"))
-            self.at.append(state.global_step)
 
 
 def train_tracked(task: str, examples: list[dict], seed: int, out: str, *,

@@ -78,7 +78,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.modeling_outputs import SequenceClassifierOutput
 
 from kfac_stream import KFACConfig, KFACStreamCallback
-from tasks.lds_tasks import Checkpoints, batches, collate
+from tasks.lds_common import Checkpoints, batches, collate
 
 __all__ = ["MnistLR", "load_mnist", "split", "new_model", "tracked_layers", "batch_order",
            "train_fast", "train_tracked", "example_losses", "accuracy", "batches", "collate"]
