@@ -240,6 +240,18 @@ def report(results: dict, comp: dict, rec: str, noisy: dict, a, info: dict) -> s
     return "\n".join(L)
 
 
+def slim(results: dict[str, list[dict]], rec: str) -> None:
+    """Keep the per-query LDS of the variants the table uses (each seed's chosen ones and the
+    recommended one); the others keep their means (the cache and the truth give them back)."""
+    for seeds in results.values():
+        for s in seeds:
+            keep = set(s["chosen"].values()) | {rec}
+            for v, r in s["variants"].items():
+                if v not in keep:
+                    r.pop("test_per_query", None)
+                    r.pop("test_fixed_per_query", None)
+
+
 def report_part(a, info: dict) -> dict:
     results = {t: [evaluate(t, s, a) for s in a.seeds] for t in a.tasks}
     rec = recommend(results)
@@ -247,6 +259,7 @@ def report_part(a, info: dict) -> dict:
     noisy = {t: NZ.load_noisy(t, a.seeds) for t in a.tasks} if not a.quick else a.noisy
     section = report(results, comp, rec, noisy, a, info)
     print(section, flush=True)
+    slim(results, rec)
     out = {"machine": info, "command": a.command, "recommended": rec, "comparison": comp,
            "results": results, "noisy": noisy}
     if not (a.quick or a.no_write):
