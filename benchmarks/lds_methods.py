@@ -26,6 +26,7 @@ is computed only when its file is missing, so adding a method retrains nothing.
 from __future__ import annotations
 
 import os
+import random
 import time
 from pathlib import Path
 
@@ -65,12 +66,6 @@ class ScoreCache:
         return {p.stem.replace("@", ":"): torch.load(p) for p in sorted(self.dir.glob("*.pt"))}
 
 
-def ours_variants() -> list[str]:
-    fs = [f"{f:g}" for f in DAMPINGS]
-    return ([f"ours_kfac:{f}" for f in fs] + ["ours_kfac:prior"]
-            + [f"ours_ekfac:{f}" for f in fs] + [f"ours_trajectory:{f}" for f in fs])
-
-
 def scaled(post: LaplacePosterior, share: float, eigenvalues: str = "kfac") -> Influence:
     """`Influence` whose damping per layer is ``share`` × the layer's mean eigenvalue."""
     inf = Influence(post, eigenvalues=eigenvalues)
@@ -91,7 +86,7 @@ def model_at(task: str, state: dict) -> torch.nn.Module:
 
 def ours_scores(task: str, run: dict, ek_run: dict, queries: list[dict], train: list[dict],
                 cache: ScoreCache, ek_eigenvalues: str = "ekfac") -> None:
-    """Every missing ``ours_*`` variant of `ours_variants`, into ``cache`` (``ek_eigenvalues``:
+    """Every missing ``ours_*`` variant (module docstring), into ``cache`` (``ek_eigenvalues``:
     ``"auto"`` lets a run too short for a correction score with K-FAC's, ``--quick`` only)."""
     bs = T.RECIPES[task].batch
     query_b, train_b = T.batches(queries, 64), T.batches(train, bs)
@@ -147,8 +142,6 @@ def extra_models(task: str, train: list[dict], seed: int, k: int) -> dict:
     """TRAK's ensembles: ``k`` models on random halves (as dattri builds TRAK-k) and ``k`` on
     the full set, each from its own initialisation and order (seeds apart from the truth's and
     the scored run's) → ``{"subset_models": [state], "full_models": [state]}``."""
-    import random
-
     rng = random.Random(f"lds-trak-{task}-{seed}")
     n = len(train)
     out: dict = {"subset_models": [], "full_models": []}

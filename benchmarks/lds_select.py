@@ -127,12 +127,3 @@ def verdict(p: dict[str, float]) -> str:
     if p["lo"] > 0:
         return "ahead"
     return "behind" if p["hi"] < 0 else "tie"
-
-
-def mean_se(xs: list[float]) -> tuple[float, float]:
-    """Mean and standard error of the finite values."""
-    vals = [x for x in xs if math.isfinite(x)]
-    m = sum(vals) / len(vals)
-    if len(vals) < 2:
-        return m, 0.0
-    return m, math.sqrt(sum((x - m) ** 2 for x in vals) / (len(vals) - 1) / len(vals))
