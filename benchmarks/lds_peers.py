@@ -8,10 +8,10 @@ queries (the validation queries, then the test queries) × ``N`` training exampl
 the training example helps (lowers the query's loss), the sign of
 ``kfac_stream.influence_scores``. A variant is ``"family:setting"``; the caller chooses, per
 family, the setting of best mean LDS on the validation queries. A row of NaN: a query that
-variant did not score (IF-CG only, `if_rows`). ``seconds``: what producing that variant alone
-costs on the caller's threads, its family's shared work (a fit, the features) included;
-``details`` (optional dict, filled when given): per variant its absolute damping /
-regularisation, the scored rows and the shared work's seconds.
+variant did not score (IF-CG only: `if_rows`, ``choose`` below). ``seconds``: what producing
+that variant alone costs on the caller's threads, its family's shared work (a fit, the
+features) included; ``details`` (optional dict, filled when given): per variant its absolute
+damping / regularisation, the scored rows and the shared work's seconds.
 
 Inputs, read from the examples and the model (no task name is needed for the scores):
 an example is ``{<input key>: tensor, "labels": tensor}``, the input key the one that is not
@@ -58,11 +58,17 @@ Families and settings
   and dattri's default ``λ = 0`` cannot be used) and ``λ = r ×`` the mean over the models of
   ``trace(ΦᵀΦ) / N`` (the mean non-zero eigenvalue), ``r`` in `TRAK_REGS`.
 * ``dattri_ifcg``: dattri's ``IFAttributorCG`` at the final weights (its Hessian of the mean
-  training loss over the whole training set in one batch, ``max_iter`` 10, ``rev-rev``), setting
-  ``{r}``: ``regularization = r ×`` the mean per-example squared gradient norm over the tracked
-  parameters divided by their count (the empirical Fisher's mean eigenvalue, so that one ``r``
-  means the same on both tasks), ``r`` in `IF_REGS`; only the rows of `if_rows` are scored (its
-  cost: the budget in `IF_BUDGET`).
+  training loss over the whole training set in one batch, its defaults ``max_iter`` 10 and
+  ``rev-rev``, one query per solve: five per solve took 4× the time per query and 19 GB on
+  digits), run under ``torch.no_grad()`` (the same numbers; without it every CG step's graph
+  is kept: 49 s and 12 GB for one text query, 6.8 s and 1.5 GB with it). Setting ``{r}``:
+  ``regularization = r ×`` the Hessian's mean eigenvalue (``trace(H) / P``, Hutchinson's
+  estimate from 8 of dattri's own Hessian-vector products), ``r`` in `IF_REGS`. Its cost per
+  query and setting (one core: digits ~3.3 s, text ~6.4 s; `IF_BUDGET`) leaves it rows, not
+  the whole query set: every setting scores the first validation queries of `IF_BUDGET`, then
+  the setting the caller's ``choose`` picks from those rows alone scores the first test
+  queries (without ``choose``: every setting does); the other rows are NaN, ``details`` lists
+  the scored rows.
 * ``grad_dot``: dattri's Grad-Dot (``TracInAttributor`` at the final weights, weight 1, no
   projection), setting ``final``.
 
@@ -93,11 +99,14 @@ TRAK_DIMS = (2048, 4096)
 TRAK_REGS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 #: TRAK-k's ensemble size (subset and full-data models).
 TRAK_MODELS = 10
-#: IF-CG's regularisations (× the empirical Fisher's mean eigenvalue) and its rows per task:
-#: (validation rows, test rows), the first of each part; chosen from the measured cost.
+#: IF-CG's regularisations (× the Hessian's mean eigenvalue) and its rows per task:
+#: (validation rows, test rows), the first of each part, from its measured cost per query and
+#: setting on one core (digits ~3.3 s: 14 × 3 + 50 rows ≈ 300 s; text ~6.4 s: 50 test rows
+#: alone ≈ 320 s, with 5 × 3 validation rows ≈ 420 s).
 IF_REGS = (1e-2, 1e-1, 1.0)
-IF_BUDGET = {"digits": (20, 50), "text": (20, 50)}
+IF_BUDGET = {"digits": (14, 50), "text": (5, 50)}
 IF_QUERY_BATCH = 1
+IF_MODE = "rev-rev"
 #: --quick: the settings of the smoke run.
 QUICK = dict(kf_grid=(1.0,), trak_dims=(2048,), trak_regs=(1e-2,), trak_models=2,
              if_regs=(1.0,), if_rows=(1, 1))
@@ -126,6 +135,8 @@ class Inputs:
                ) -> torch.Tensor:
         """``[B, C]`` or ``[B, T, V]``: the model's logits on ``x [B, ...]`` (``params``: a
         ``torch.func.functional_call`` with them)."""
+        if x.is_floating_point():  # the model's precision (kronfluence's is float64)
+            x = x.to(next(model.parameters()).dtype)
         hf = hasattr(model, "config")
         args, kwargs = ((), {self.key: x}) if hf else ((x,), {})
         out = (model(*args, **kwargs) if params is None
@@ -250,9 +261,12 @@ def timed(fn):
 
 # -- kronfluence ----------------------------------------------------------------------------------
 
-def kf_task(inputs: Inputs, layers: list[str]):
+def kf_task(inputs: Inputs, layers: list[str], labelled_only: bool = False):
     """kronfluence's ``Task``: the training loss summed over the batch (``sample``: with labels
-    drawn from the model, its true Fisher), the measurement the queries' own losses summed."""
+    drawn from the model, its true Fisher), the measurement the queries' own losses summed;
+    every position in its covariances (no attention mask: its default), or with
+    ``labelled_only`` (an LM) the positions that predict a labelled token, kfac_stream's
+    positions for examples without an attention mask."""
     from kronfluence.task import Task
 
     class PeerTask(Task):
@@ -267,18 +281,26 @@ def kf_task(inputs: Inputs, layers: list[str]):
         def get_influence_tracked_modules(self):
             return list(layers)
 
+        def get_attention_mask(self, batch):
+            if not (labelled_only and inputs.per_position):
+                return None
+            labels = batch["labels"]
+            mask = torch.zeros_like(labels)
+            mask[:, :-1] = labels[:, 1:] != -100
+            return mask
+
     return PeerTask()
 
 
 class Kronfluence:
     """kronfluence's ``Analyzer`` on a float64 Linear copy of ``model`` tracking its scored
-    layers (module docstring)."""
+    layers (module docstring; ``labelled_only``: `kf_task`)."""
 
-    def __init__(self, model: nn.Module, inputs: Inputs, out: str):
+    def __init__(self, model: nn.Module, inputs: Inputs, out: str, labelled_only: bool = False):
         from kronfluence.analyzer import Analyzer, prepare_model
 
         self.layers, _ = tracked(model)
-        self.task = kf_task(inputs, self.layers)
+        self.task = kf_task(inputs, self.layers, labelled_only)
         lin = conv1d_to_linear(model, self.layers).double().eval()
         self.model = prepare_model(lin, self.task)
         self.analyzer = Analyzer("lds_peers", self.model, self.task, cpu=True,
@@ -367,7 +389,7 @@ def dattri_tracin(view: DattriView, states: list[dict], weights: list[float],
                            normalized_grad=False, layer_name=view.params)
     att.projector_kwargs = None  # its default would project to 512 dimensions
     tr, qu = view.dataset(train), view.dataset(queries)
-    return att.attribute(loader(tr), loader(qu)).T.double()
+    return att.attribute(loader(tr), loader(qu)).T.detach().double()
 
 
 def hessian_scale(view: DattriView, train: list[dict], probes: int = 8) -> float:
@@ -385,29 +407,32 @@ def hessian_scale(view: DattriView, train: list[dict], probes: int = 8) -> float
     total = 0.0
     for _ in range(probes):
         v = (torch.randint(0, 2, params.shape, generator=gen) * 2 - 1).to(params.dtype)
-        total += float(v @ hvp(v))
+        with torch.no_grad():
+            total += float(v @ hvp(v))
     return total / probes / params.numel()
 
 
-def if_rows(n_queries: int, n_val: int, budget: tuple[int, int]) -> list[int]:
-    """The rows IF-CG scores: the first ``budget[0]`` validation queries and the first
-    ``budget[1]`` test queries (rows ``n_val`` on)."""
+def if_rows(n_queries: int, n_val: int, budget: tuple[int, int]) -> tuple[list[int], list[int]]:
+    """``(validation rows, test rows)`` IF-CG scores: the first ``budget[0]`` validation queries
+    and the first ``budget[1]`` test queries (rows ``n_val`` on)."""
     a, b = budget
-    return list(range(min(a, n_val))) + list(range(n_val, min(n_val + b, n_queries)))
+    return list(range(min(a, n_val))), list(range(n_val, min(n_val + b, n_queries)))
 
 
 def dattri_ifcg(view: DattriView, train: list[dict], queries: list[dict], rows: list[int],
-                reg: float, max_iter: int = 10) -> torch.Tensor:
+                reg: float, max_iter: int = 10, mode: str = IF_MODE) -> torch.Tensor:
     """``[Q, N]``: dattri's ``IFAttributorCG`` on ``rows`` (the others NaN), its Hessian over
     the whole training set in one batch."""
     from dattri.algorithm.influence_function import IFAttributorCG
 
     att = IFAttributorCG(view.task(view.loss),
-                         layer_name=view.params, regularization=reg, max_iter=max_iter)
+                         layer_name=view.params, regularization=reg, max_iter=max_iter,
+                         mode=mode)
     tr = view.dataset(train)
     att.cache(loader(tr))
     few = torch.utils.data.Subset(view.dataset(queries), rows)
-    got = att.attribute(loader(tr), loader(few, IF_QUERY_BATCH)).T.double()
+    with torch.no_grad():  # the same numbers; without it each CG step's graph is kept
+        got = att.attribute(loader(tr), loader(few, IF_QUERY_BATCH)).T.double()
     out = torch.full((len(queries), len(train)), float("nan"), dtype=torch.float64)
     out[rows] = got
     return out
@@ -426,6 +451,7 @@ def trak_features(view: DattriView, states: list[dict], train: list[dict],
     out = []
     for c, state in enumerate(states):
         missing = [d for d in dims if (id(state), c, d) not in cache]
+        t0 = time.perf_counter()
         if missing:
             task = view.task(view.margin, [state])
             params, _ = task.get_param(ckpt_idx=0, layer_name=view.params)
@@ -447,6 +473,8 @@ def trak_features(view: DattriView, states: list[dict], train: list[dict],
                 cache[id(state), c, d] = {"s": s, "U": u, "B": (pq @ pt.T) @ u,
                                           "trace": float(pt.square().sum()),
                                           "q": (1 - p.detach().double().flatten())}
+            for d in missing:  # the model's time, its gradients shared by the dimensions
+                cache[id(state), c, d]["seconds"] = (time.perf_counter() - t0) / len(missing)
         out.append({d: cache[id(state), c, d] for d in dims})
     return out
 
@@ -492,6 +520,24 @@ class Recorder:
         self.seconds[name] = shared + time.perf_counter() - t0
         self.details[name] = dict(info or {}, own_s=time.perf_counter() - t0, shared_s=shared)
 
+    def extend(self, name: str, rows: list[int], fn) -> None:
+        """``rows`` of variant ``name`` filled by ``fn()`` (``[Q, N]``, those rows finite); on
+        a failure the variant is dropped and said."""
+        t0 = time.perf_counter()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                s = fn().detach().double()
+            if not torch.isfinite(s[rows]).all():
+                raise FloatingPointError("scores not finite")
+            self.scores[name][rows] = s[rows]
+            self.details[name]["rows"] = self.details[name]["rows"] + rows
+        except Exception as e:  # a peer that cannot run: said, the others go on
+            self.scores.pop(name, None)
+            self.fail(name, e)
+        self.seconds[name] += time.perf_counter() - t0
+        self.details[name]["own_s"] += time.perf_counter() - t0
+
 
 def trak_families(view: DattriView, run: dict, extra: dict, train, queries, cfg, rec) -> None:
     final = view.final
@@ -508,13 +554,13 @@ def trak_families(view: DattriView, run: dict, extra: dict, train, queries, cfg,
         ensembles[f"dattri_trak_full{len(extra['full_models'][:k])}"] = extra["full_models"][:k]
     cache: dict = {}
     for fam, states in ensembles.items():
-        t0 = time.perf_counter()
         try:
             feats = trak_features(view, states, train, queries, cfg["trak_dims"], cache)
         except Exception as e:  # a peer that cannot run: said, the others go on
             rec.fail(f"{fam}:features", e)
             continue
-        feat_s = time.perf_counter() - t0
+        # its models' features at every dimension, those shared with another family included
+        feat_s = sum(x["seconds"] for f in feats for x in f.values())
         for d in cfg["trak_dims"]:
             for r in cfg["trak_regs"]:
                 rec.run(f"{fam}:{d}/{r:g}", lambda f=feats, d=d, r=r: trak_scores(f, d, r),
@@ -522,14 +568,38 @@ def trak_families(view: DattriView, run: dict, extra: dict, train, queries, cfg,
                                              "models": len(states), "features_s": feat_s})
 
 
+def ifcg_family(view: DattriView, train, queries, n_val: int, cfg: dict, rec, choose) -> None:
+    """IF-CG at every regularisation on its validation rows, then on its test rows at the
+    setting ``choose`` picks from those (None: at every setting)."""
+    val, test = if_rows(len(queries), n_val, cfg["if_rows"])
+    try:
+        scale, scale_s = timed(lambda: hessian_scale(view, train))
+    except Exception as e:  # a peer that cannot run: said, the others go on
+        rec.fail("dattri_ifcg:scale", e)
+        return
+    regs = {f"dattri_ifcg:{r:g}": r * scale for r in cfg["if_regs"]}
+    for name, lam in regs.items():
+        rec.run(name, lambda lam=lam: dattri_ifcg(view, train, queries, val, lam),
+                shared=scale_s, info={"regularization": lam, "hessian_scale": scale,
+                                      "rows": val})
+    done = {k: v.clone() for k, v in rec.scores.items() if k in regs}
+    if not done or not test:
+        return
+    for name in [choose(done)] if choose else list(done):
+        rec.extend(name, test, lambda lam=regs[name]: dattri_ifcg(view, train, queries, test,
+                                                                  lam))
+
+
 def peer_scores(task: str, run: dict, train: list[dict], queries: list[dict],
                 extra_states: dict, out_dir: str, quick: bool = False, *,
-                n_val: int | None = None, details: dict | None = None
+                n_val: int | None = None, choose=None, details: dict | None = None
                 ) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, str]]:
     """Every peer's scores (module docstring): ``({variant: [Q, N] float64}, {variant:
     seconds}, {variant: why it failed})``. ``task`` names the IF-CG budget only
     (`IF_BUDGET`); ``n_val``: the validation queries (the first ``n_val`` rows; default: a
-    third, the split of `lds_truth`); ``details``: filled per variant (module docstring)."""
+    third, the split of `lds_truth`); ``choose``: IF-CG's selection, ``choose({variant:
+    scores [Q, N] with only its validation rows}) -> variant``, whose test rows alone are then
+    scored (None: every setting's); ``details``: filled per variant (module docstring)."""
     cfg = dict(kf_grid=KF_GRID, trak_dims=TRAK_DIMS, trak_regs=TRAK_REGS,
                trak_models=TRAK_MODELS, if_regs=IF_REGS,
                if_rows=IF_BUDGET.get(task, IF_BUDGET["digits"]))
@@ -550,10 +620,5 @@ def peer_scores(task: str, run: dict, train: list[dict], queries: list[dict],
     rec.run("grad_dot:final", lambda: dattri_tracin(view, [view.final], [1.0], train,
                                                      queries))
     trak_families(view, run, extra_states, train, queries, cfg, rec)
-    rows = if_rows(len(queries), n_val, cfg["if_rows"])
-    scale, scale_s = timed(lambda: hessian_scale(view, train))
-    for r in cfg["if_regs"]:
-        rec.run(f"dattri_ifcg:{r:g}", lambda r=r: dattri_ifcg(view, train, queries, rows,
-                                                               r * scale),
-                shared=scale_s, info={"regularization": r * scale, "rows": rows})
+    ifcg_family(view, train, queries, n_val, cfg, rec, choose)
     return rec.scores, rec.seconds, rec.failed

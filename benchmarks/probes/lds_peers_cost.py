@@ -82,6 +82,9 @@ def stage_family(a, run, d, train, queries, extra) -> dict:
                                                            queries))
     elif a.stage == "trak":
         P.trak_families(view, run, extra, train, queries, cfg, rec)
+    elif a.stage == "if":
+        cfg.update(if_regs=P.IF_REGS, if_rows=tuple(a.if_rows or P.IF_BUDGET[a.task]))
+        P.ifcg_family(view, train, queries, SIZES[a.task][1], cfg, rec, lambda c: sorted(c)[0])
     total = time.perf_counter() - t0
     for k, v in rec.details.items():
         print(f"{k}: {rec.seconds[k]:.1f} s (shared {v['shared_s']:.1f}, own {v['own_s']:.2f})",
@@ -97,9 +100,10 @@ def stage_ifcg(a, run, d, train, queries) -> dict:
     scale, scale_s = P.timed(lambda: P.hessian_scale(view, train))
     print(f"Hessian mean eigenvalue {scale:.3e} ({scale_s:.1f} s)", flush=True)
     P.IF_QUERY_BATCH = a.if_batch
+    P.IF_MODE = a.if_mode
     rows = list(range(a.if_queries))
     out, secs = P.timed(lambda: P.dattri_ifcg(view, train, queries, rows, a.if_reg * scale,
-                                              a.if_iter))
+                                              a.if_iter, a.if_mode))
     per_q = secs / len(rows)
     dot = P.dattri_tracin(view, [view.final], [1.0], train, queries[:len(rows)])
     from scipy.stats import spearmanr
@@ -119,13 +123,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--task", choices=list(SIZES), required=True)
     p.add_argument("--stage", required=True,
-                   choices=["train", "kronfluence", "tracin", "trak", "ifcg"])
+                   choices=["train", "kronfluence", "tracin", "trak", "ifcg", "if"])
     p.add_argument("--cache", default=str(Path(tempfile.gettempdir()) / "lds-peers-cost"))
     p.add_argument("--models", type=int, default=P.TRAK_MODELS)
     p.add_argument("--if-queries", type=int, default=2)
     p.add_argument("--if-batch", type=int, default=1)
     p.add_argument("--if-reg", type=float, default=0.1)
     p.add_argument("--if-iter", type=int, default=10)
+    p.add_argument("--if-mode", default="rev-rev", choices=["rev-rev", "rev-fwd"])
+    p.add_argument("--if-rows", type=int, nargs=2, metavar=("VAL", "TEST"),
+                   help="--stage if: its rows (default: lds_peers.IF_BUDGET)")
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -138,7 +145,9 @@ def main() -> None:
     else:
         res = stage_family(a, run, d, train, queries, extra)
     allres = json.loads(OUT.read_text()) if OUT.exists() else {}
-    key = f"{a.task}/{a.stage}" + (f"/b{a.if_batch}/it{a.if_iter}" if a.stage == "ifcg" else "")
+    key = f"{a.task}/{a.stage}"
+    if a.stage == "ifcg":
+        key += f"/b{a.if_batch}/it{a.if_iter}/{a.if_mode}"
     allres[key] = {"threads": a.threads, "sizes": SIZES[a.task], **res}
     OUT.write_text(json.dumps(allres, indent=1, default=str))
 
