@@ -35,7 +35,11 @@ Families and settings
   the model, seeded), every kronfluence dtype float64 (covariances, eigendecomposition, lambda
   matrices, per-sample gradients, preconditioning, scores). Its task: the training loss summed
   over the batch, the measurement each query's own loss (the classifier's cross-entropy of the
-  label; the LM's summed NLL). Settings: ``heuristic`` (``damping_factor=None``: per module
+  label; the LM's summed NLL); every position in its covariances (no attention mask, its
+  default: kfac_stream counts, for examples without one, the positions that predict a label,
+  so an LM window's last position is in kronfluence's ``A`` and not in ours;
+  ``Kronfluence(labelled_only=True)`` aligns them, as the test that pins the two K-FACs equal
+  does). Settings: ``heuristic`` (``damping_factor=None``: per module
   ``0.1 × mean`` of its eigenvalues — EK-FAC: of its corrected ones) and ``mean*f`` for ``f``
   in `KF_GRID`: one absolute damping for every module, ``f ×`` the heuristic's mean over the
   modules.
@@ -59,12 +63,14 @@ Families and settings
   ``trace(ΦᵀΦ) / N`` (the mean non-zero eigenvalue), ``r`` in `TRAK_REGS`.
 * ``dattri_ifcg``: dattri's ``IFAttributorCG`` at the final weights (its Hessian of the mean
   training loss over the whole training set in one batch, its defaults ``max_iter`` 10 and
-  ``rev-rev``, one query per solve: five per solve took 4× the time per query and 19 GB on
-  digits), run under ``torch.no_grad()`` (the same numbers; without it every CG step's graph
-  is kept: 49 s and 12 GB for one text query, 6.8 s and 1.5 GB with it). Setting ``{r}``:
+  ``rev-rev``), one query per solve (a batch of them goes through ``vmap`` and came out 1-18%
+  off a plain CG loop on two random vectors of digits, float32, where one per solve is 1e-4 to
+  2e-3 off, float32's rounding through 10 steps; it saved no time), run under
+  ``torch.no_grad()`` (the same numbers; without it every CG step's graph is kept: 49 s and 12
+  GB for one text query, 6.8 s and 1.5 GB with it). Setting ``{r}``:
   ``regularization = r ×`` the Hessian's mean eigenvalue (``trace(H) / P``, Hutchinson's
   estimate from 8 of dattri's own Hessian-vector products), ``r`` in `IF_REGS`. Its cost per
-  query and setting (one core: digits ~3.3 s, text ~6.4 s; `IF_BUDGET`) leaves it rows, not
+  query and setting (one core: digits ~2.3 s, text ~8.4 s; `IF_BUDGET`) leaves it rows, not
   the whole query set: every setting scores the first validation queries of `IF_BUDGET`, then
   the setting the caller's ``choose`` picks from those rows alone scores the first test
   queries (without ``choose``: every setting does); the other rows are NaN, ``details`` lists
@@ -100,11 +106,13 @@ TRAK_REGS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)
 #: TRAK-k's ensemble size (subset and full-data models).
 TRAK_MODELS = 10
 #: IF-CG's regularisations (× the Hessian's mean eigenvalue) and its rows per task:
-#: (validation rows, test rows), the first of each part, from its measured cost per query and
-#: setting on one core (digits ~3.3 s: 14 × 3 + 50 rows ≈ 300 s; text ~6.4 s: 50 test rows
-#: alone ≈ 320 s, with 5 × 3 validation rows ≈ 420 s).
+#: (validation rows, test rows), the first of each part, from its cost per query and setting
+#: measured on one core of the shared 2-core machine (benchmarks/probes/lds_peers_cost.py:
+#: digits 2.3 s, 14 × 3 + 50 rows in 214 s, so 20 × 3 + 50 ≈ 260 s; text 8.4 s, 5 × 3 + 10
+#: rows in 217 s: the 50 test rows alone ≈ 420 s, past the ~300 s aimed at, and with 5 × 3
+#: validation rows ≈ 550 s).
 IF_REGS = (1e-2, 1e-1, 1.0)
-IF_BUDGET = {"digits": (14, 50), "text": (5, 50)}
+IF_BUDGET = {"digits": (20, 50), "text": (5, 50)}
 IF_QUERY_BATCH = 1
 IF_MODE = "rev-rev"
 #: --quick: the settings of the smoke run.
@@ -187,13 +195,6 @@ def tracked(model: nn.Module) -> tuple[list[str], list[str]]:
     params = [p for n in layers for w in ("weight", "bias")
               for p in [f"{n}.{w}" if n else w] if p in names]
     return layers, params
-
-
-def with_state(model: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
-    """A copy of ``model`` with ``state``, in eval mode."""
-    m = copy.deepcopy(model)
-    m.load_state_dict(state)
-    return m.eval()
 
 
 class DattriView:
@@ -389,7 +390,8 @@ def dattri_tracin(view: DattriView, states: list[dict], weights: list[float],
                            normalized_grad=False, layer_name=view.params)
     att.projector_kwargs = None  # its default would project to 512 dimensions
     tr, qu = view.dataset(train), view.dataset(queries)
-    return att.attribute(loader(tr), loader(qu)).T.detach().double()
+    with torch.no_grad():  # torch.func's gradients are taken all the same; no graph kept
+        return att.attribute(loader(tr), loader(qu)).T.double()
 
 
 def hessian_scale(view: DattriView, train: list[dict], probes: int = 8) -> float:
@@ -440,6 +442,7 @@ def dattri_ifcg(view: DattriView, train: list[dict], queries: list[dict], rows: 
 
 # -- dattri: TRAK ---------------------------------------------------------------------------------
 
+@torch.no_grad()  # torch.func's gradients are taken all the same; no graph kept
 def trak_features(view: DattriView, states: list[dict], train: list[dict],
                   queries: list[dict], dims: tuple[int, ...], cache: dict) -> list[dict]:
     """Per model ``c`` (ensemble id ``c``) and dimension: TRAK's projected features as dattri

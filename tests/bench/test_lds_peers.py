@@ -1,7 +1,8 @@
 """benchmarks/lds_peers.py: every peer family returns finite ``[Q, N]`` scores of the documented
 sign on a tiny digits task (and on a logistic regression, a non-transformers model), the
 gradient dot product equals a central finite difference of the query's loss along a training
-example's gradient, TRAK's one-eigh-for-every-λ form equals dattri's ``TRAKAttributor``, and
+example's gradient, TRAK's one-eigh-for-every-λ form equals dattri's ``TRAKAttributor``, IF-CG
+equals a conjugate gradient written out with autograd's Hessian-vector products, and
 kronfluence's K-FAC equals ``kfac_stream.influence_scores`` from a learning-rate-0 tracked pass
 (same layers, empirical Fisher, same damping: explicit and each side's heuristic)."""
 
@@ -37,6 +38,9 @@ from tasks import lds_tasks as T  # noqa: E402
 KF_AGREEMENT = 1e-12
 #: the finite difference is float64, the dattri scores' gradients the float32 model's
 FLOAT32_GRADS = 1e-4
+#: IF-CG: both sides float64, the same 10 CG steps; the two HVPs' rounding (1e-16, other
+#: summation orders) grows through the steps on the ill-conditioned Hessian: measured 3e-7
+CG_FLOAT64 = 1e-5
 #: TRAK: both sides float64 (model, features, projection), different solves of the same system
 TRAK_SOLVE = 1e-8
 FAMILIES = ("kronfluence_kfac", "kronfluence_ekfac", "dattri_tracin", "grad_dot", "dattri_trak1",
@@ -150,6 +154,45 @@ def test_trak_one_eigh_for_every_lambda_equals_dattri(digits):
     theirs = att.attribute(P.loader(view.dataset(queries))).T.detach()
     assert float((ours - theirs).abs().max() / theirs.abs().max()) < TRAK_SOLVE
     assert torch.allclose(ours, P.trak_scores(feats, 2048, 0.1), rtol=1e-12, atol=0)  # relative
+
+
+def test_ifcg_rows_are_a_plain_conjugate_gradient(digits):
+    """dattri's IF-CG as `lds_peers` runs it (one query per solve, under no_grad) against CG
+    written out with autograd's Hessian-vector products (float64, dattri's start ``x₀ = v``
+    and its 10 iterations), then each training gradient's inner product: the same numbers."""
+    run, train, queries, _, _ = digits
+    model = copy.deepcopy(run["model"]).double().eval()
+    view = P.DattriView(model, P.Inputs.of(train[0]))
+    lam = 0.1 * P.hessian_scale(view, train)
+    got = P.dattri_ifcg(view, train, queries, [1, 2], lam)
+    inputs, (_, names) = view.inputs, P.tracked(model)
+    w = [dict(model.named_parameters())[n] for n in names]
+
+    def flat_grad(examples, **kw):
+        x, y = inputs.tensors(examples)
+        loss = inputs.losses(inputs.logits(model, x), y).mean()
+        return torch.cat([g.flatten() for g in torch.autograd.grad(loss, w, **kw)])
+
+    g_mean = flat_grad(train, create_graph=True)
+
+    def hvp(v):
+        return torch.cat([h.flatten() for h in torch.autograd.grad(
+            g_mean, w, v, retain_graph=True)]) + lam * v
+
+    g_train = torch.stack([flat_grad([e]) for e in train])
+    for row in (1, 2):
+        v = flat_grad([queries[row]])
+        x = v.clone()
+        r = v - hvp(x)
+        d = r.clone()
+        for _ in range(10):
+            ad = hvp(d)
+            alpha = (r @ r) / (d @ ad)
+            x, r_next = x + alpha * d, r - alpha * ad
+            d, r = r_next + (r_next @ r_next) / (r @ r) * d, r_next
+        want = (g_train @ x).detach()
+        assert float((got[row] - want).abs().max() / want.abs().max()) < CG_FLOAT64
+    assert torch.isnan(got[[0, 3]]).all()
 
 
 def test_every_family_runs_on_a_logistic_regression(tmp_path, monkeypatch):
