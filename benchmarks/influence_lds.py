@@ -65,7 +65,7 @@ from _common import machine, write_json, write_section
 BEGIN, END = "<!-- influence-lds:begin -->", "<!-- influence-lds:end -->"
 #: the families of ours; the recommended setting is chosen among all their variants
 OURS = ("ours_kfac", "ours_ekfac", "ours_trajectory")
-#: table labels of the families (peers' families come from lds_peers.FAMILIES when present)
+#: table labels of our families (the peers': lds_peers.family_label)
 LABELS = {"ours_kfac": "ours, K-FAC final snapshot (damping share tuned)",
           "ours_ekfac": "ours, EK-FAC final snapshot (damping share tuned)",
           "ours_trajectory": "ours, trajectory_influence (damping share tuned)"}
@@ -97,16 +97,31 @@ def scores_part(task: str, seed: int, sizes: tuple[int, int, int], a, tmp: str) 
                                                             d["test"]).mean()))
     # --quick's runs (10-20 steps) may end without an EK-FAC correction: K-FAC's stands in
     M.ours_scores(task, run, ek, queries, d["train"], cache, "auto" if a.quick else "ekfac")
+    info.update(ours_s=time.perf_counter() - t0)
     peers = peers_module()
-    failed = {}
-    if peers is not None:
+    done = cache.dir / "peers.json"  # the peers ran on this task and seed: not again
+    if peers is not None and done.exists():
+        info.update(json.loads(done.read_text()))
+    elif peers is not None:
+        val, _ = S.split_truth(LT.load_truth(task, seed, sizes))
+
+        def choose(scores: dict) -> str:  # IF-CG's setting, from its validation rows only
+            return next(iter(S.choose(scores, val).values()))
+
+        t1, details = time.perf_counter(), {}
         extra = M.extra_models(task, d["train"], seed, a.trak_models)
         sc, secs, failed = peers.peer_scores(task, run, d["train"], queries, extra,
-                                             str(Path(tmp) / "peers"), quick=a.quick)
+                                             str(Path(tmp) / "peers"), quick=a.quick,
+                                             n_val=len(d["val"]), choose=choose,
+                                             details=details)
         for v, s in sc.items():
-            if not cache.has(v):
-                cache.put(v, s, secs.get(v, float("nan")))
-    info.update(peers_failed=failed, scores_s=time.perf_counter() - t0)
+            cache.put(v, s, secs.get(v, float("nan")))
+        facts = dict(peers_failed=failed, peers_details=details,
+                     peers_s=time.perf_counter() - t1)
+        cache.dir.mkdir(parents=True, exist_ok=True)
+        done.write_text(json.dumps(facts, indent=1, default=str))
+        info.update(facts)
+    info.update(scores_s=time.perf_counter() - t0)
     cache.dir.mkdir(parents=True, exist_ok=True)
     (cache.dir / "info.json").write_text(json.dumps(info, indent=1, default=str))
     return info
@@ -180,8 +195,7 @@ def compare(results: dict[str, list[dict]], rec: str) -> dict[str, dict]:
 def label(fam: str, peers) -> str:
     if fam in LABELS:
         return LABELS[fam]
-    names = getattr(peers, "FAMILIES", {}) if peers is not None else {}
-    return names.get(fam, fam)
+    return peers.family_label(fam) if peers is not None else fam
 
 
 def fmt(p: dict) -> str:
@@ -219,8 +233,8 @@ def table(results: dict[str, list[dict]], comp: dict, rec: str, noisy: dict) -> 
 
 def report(results: dict, comp: dict, rec: str, noisy: dict, a, info: dict) -> str:
     truth_s = {t: [s["truth_cpu_s"] for s in seeds] for t, seeds in results.items()}
-    score_s = {t: [s["info"].get("scores_s", float("nan")) for s in seeds]
-               for t, seeds in results.items()}
+    score_s = {t: [s["info"].get("ours_s", float("nan")) + s["info"].get("peers_s", 0.0)
+                   for s in seeds] for t, seeds in results.items()}
     L = [BEGIN, "## Influence: LDS by the field's protocol, and noisy labels "
          "(`benchmarks/influence_lds.py`)", "", f"- date: {info['date']}",
          f"- machine: {info['cpu']}, {info['cores']} cores; torch {info['torch']}, "
@@ -229,7 +243,7 @@ def report(results: dict, comp: dict, rec: str, noisy: dict, a, info: dict) -> s
          "- CPU time per task and seed (one core): ground truth "
          + "; ".join(f"{t} " + "/".join(f"{x / 60:.0f}" for x in v) + " min"
                      for t, v in truth_s.items())
-         + "; scores of every method " + "; ".join(
+         + "; our runs and every method's scores " + "; ".join(
              f"{t} " + "/".join(f"{x / 60:.1f}" for x in v) + " min" for t, v in score_s.items()),
          f"- protocol: the script's docstring ({LT.SUBSETS} halves × {LT.RETRAINS} fresh "
          "retrains per task and seed, a different split per seed, settings chosen on the "
@@ -309,7 +323,7 @@ def main(argv=None) -> None:
                 if "scores" in a.part:
                     i = scores_part(task, seed, a.sizes[task], a, tmp)
                     print(f"{task} seed {seed}: scores in {i['scores_s']:.0f} s; peers failed: "
-                          f"{i['peers_failed'] or 'none'}", flush=True)
+                          f"{i.get('peers_failed') or 'none'}", flush=True)
                 if "noisy" in a.part:
                     nz = NZ.noisy_seed(task, seed, a.sizes[task], a.noise, tmp,
                                        write=not (a.quick or a.no_write))

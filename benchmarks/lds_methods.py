@@ -48,7 +48,7 @@ class ScoreCache:
         self.dir = (root or SCORE_DIR) / f"{task}-seed{seed}"
 
     def _path(self, variant: str) -> Path:
-        return self.dir / (variant.replace(":", "@") + ".pt")
+        return self.dir / (variant.replace(":", "@").replace("/", "~") + ".pt")
 
     def has(self, variant: str) -> bool:
         return self._path(variant).exists()
@@ -63,7 +63,8 @@ class ScoreCache:
         """``{variant: {"scores": [Q, N] float32, "seconds"}}``."""
         if not self.dir.exists():
             return {}
-        return {p.stem.replace("@", ":"): torch.load(p) for p in sorted(self.dir.glob("*.pt"))}
+        return {p.stem.replace("@", ":").replace("~", "/"): torch.load(p)
+                for p in sorted(self.dir.glob("*.pt"))}
 
 
 def scaled(post: LaplacePosterior, share: float, eigenvalues: str = "kfac") -> Influence:

@@ -39,7 +39,9 @@ Families and settings
   default: kfac_stream counts, for examples without one, the positions that predict a label,
   so an LM window's last position is in kronfluence's ``A`` and not in ours;
   ``Kronfluence(labelled_only=True)`` aligns them, as the test that pins the two K-FACs equal
-  does). Settings: ``heuristic`` (``damping_factor=None``: per module
+  does; for a causal LM both run, the aligned ones as families ``kronfluence_kfac_labelled`` /
+  ``kronfluence_ekfac_labelled``: refitted against streamed factors on the same positions).
+  Settings: ``heuristic`` (``damping_factor=None``: per module
   ``0.1 × mean`` of its eigenvalues — EK-FAC: of its corrected ones) and ``mean*f`` for ``f``
   in `KF_GRID`: one absolute damping for every module, ``f ×`` the heuristic's mean over the
   modules.
@@ -55,12 +57,13 @@ Families and settings
   ``p → 1`` — divided by the square root of the model's parameter count and projected by
   dattri's ``random_project`` (normal, seed 0, ensemble id = the model's index); per model
   ``φ_q (ΦᵀΦ + λI)⁻¹ Φᵀ``, averaged over the models, times the mean of ``1 − p`` of each
-  training example) but with every model's features computed once for all settings: the solve
-  is written ``φ_q Φᵀ (ΦΦᵀ + λI)⁻¹`` (the same matrix) through one ``eigh`` of ``ΦΦᵀ`` per model,
-  in float64 (tests/bench/test_lds_peers.py checks it against ``TRAKAttributor`` itself).
-  Settings ``{dim}/{r}``: projection ``dim`` in `TRAK_DIMS` (≥ 2048 > N, so ``ΦᵀΦ`` is singular
-  and dattri's default ``λ = 0`` cannot be used) and ``λ = r ×`` the mean over the models of
-  ``trace(ΦᵀΦ) / N`` (the mean non-zero eigenvalue), ``r`` in `TRAK_REGS`.
+  training example) but with every model's features computed once for all settings: one
+  ``eigh`` per model of the smaller Gram matrix, ``ΦΦᵀ`` where ``N ≤ dim`` (the solve written
+  ``φ_q Φᵀ (ΦΦᵀ + λI)⁻¹``, the same matrix), else ``ΦᵀΦ`` (`trak_solve`), in float64
+  (tests/bench/test_lds_peers.py checks it against ``TRAKAttributor`` itself). Settings
+  ``{dim}/{r}``: projection ``dim`` in `TRAK_DIMS` (where ``dim > N``, ``ΦᵀΦ`` is singular and
+  dattri's default ``λ = 0`` cannot be used) and ``λ = r ×`` the mean over the models of
+  ``trace(ΦᵀΦ) / N`` (the mean non-zero eigenvalue where ``N ≤ dim``), ``r`` in `TRAK_REGS`.
 * ``dattri_ifcg``: dattri's ``IFAttributorCG`` at the final weights (its Hessian of the mean
   training loss over the whole training set in one batch, its defaults ``max_iter`` 10 and
   ``rev-rev``), one query per solve (a batch of them goes through ``vmap`` and came out 1-18%
@@ -112,13 +115,34 @@ TRAK_MODELS = 10
 #: rows in 217 s: the 50 test rows alone ≈ 420 s, past the ~300 s aimed at, and with 5 × 3
 #: validation rows ≈ 550 s).
 IF_REGS = (1e-2, 1e-1, 1.0)
-IF_BUDGET = {"digits": (20, 50), "text": (5, 50)}
+IF_BUDGET = {"digits": (20, 50), "text": (5, 50), "mnist": (50, 100)}
 IF_QUERY_BATCH = 1
 IF_MODE = "rev-rev"
 #: --quick: the settings of the smoke run.
 QUICK = dict(kf_grid=(1.0,), trak_dims=(2048,), trak_regs=(1e-2,), trak_models=2,
              if_regs=(1.0,), if_rows=(1, 1))
 BATCH = 64
+
+
+def family_label(fam: str) -> str:
+    """The table's name of a peer family (``fam`` as `peer_scores` names its variants)."""
+    import re
+
+    base = fam.removesuffix("_labelled")
+    kf = {"kronfluence_kfac": "kronfluence K-FAC", "kronfluence_ekfac": "kronfluence EK-FAC"}
+    if base in kf:
+        return (f"{kf[base]}, refitted at the final weights (damping tuned"
+                + ("; labelled positions only)" if fam != base else ")"))
+    m = re.fullmatch(r"dattri_trak_(subsets|full|ckpts)(\d+)", fam)
+    if m:
+        what = {"subsets": "50%-subset models", "full": "full-data models",
+                "ckpts": "checkpoints of the tracked run"}[m[1]]
+        return f"dattri TRAK-{m[2]}, {what} (projection and λ tuned)"
+    return {"dattri_trak1": "dattri TRAK-1 (projection and λ tuned)",
+            "dattri_tracin": "dattri TracIn, the checkpoints, no projection",
+            "grad_dot": "gradient dot product, final weights",
+            "dattri_ifcg": "dattri IF-CG (regularisation tuned; the first test queries)"
+            }.get(fam, fam)
 
 
 # -- the examples ---------------------------------------------------------------------------------
@@ -361,10 +385,18 @@ class Kronfluence:
 
 
 def kronfluence_family(model, inputs, train, queries, out: str, cfg: dict, rec) -> None:
-    """K-FAC and EK-FAC refitted at ``model``'s weights, every damping setting."""
-    kf = Kronfluence(model, inputs, str(Path(out) / "kronfluence"))
+    """K-FAC and EK-FAC refitted at ``model``'s weights, every damping setting; for a causal
+    LM also with kronfluence counting only the positions that predict a label (families
+    ``..._labelled``, the positions kfac_stream's factors count)."""
+    for labelled in (False, True) if inputs.per_position else (False,):
+        kf = Kronfluence(model, inputs, str(Path(out) / f"kronfluence{int(labelled)}"),
+                         labelled_only=labelled)
+        kronfluence_fits(kf, train, queries, cfg, rec, "_labelled" if labelled else "")
+
+
+def kronfluence_fits(kf: Kronfluence, train, queries, cfg: dict, rec, suffix: str) -> None:
     for strategy in ("kfac", "ekfac"):
-        fam = f"kronfluence_{strategy}"
+        fam = f"kronfluence_{strategy}{suffix}"
         try:
             _, fit_s = timed(lambda s=strategy: kf.fit(s, train, s))
             mean = sum(kf.heuristic(strategy, strategy).values()) / len(kf.layers)
@@ -377,6 +409,27 @@ def kronfluence_family(model, inputs, train, queries, out: str, cfg: dict, rec) 
                 s, queries, train, lam), shared=fit_s,
                 info={"damping": "heuristic" if lam is None else lam,
                       "heuristic_mean": mean, "fit_s": fit_s})
+
+
+def dattri_self_scores(task: str, run: dict, train: list[dict]
+                       ) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, str]]:
+    """Self-attribution for noisy-label detection, ``({detector: [N]}, {detector: seconds},
+    {detector: why it failed})``: ``dattri_tracin_self`` (TracIn's ``Σ_c η_c ‖g_c(z)‖²`` over
+    ``run["ckpt"]``, no projection) and ``dattri_trak1_self`` (TRAK-1's diagonal at the final
+    weights, projection 2048, ``λ = 10⁻² ×`` the mean non-zero eigenvalue: fixed before
+    measuring, the middle of `TRAK_REGS`; there are no validation labels to choose it on).
+    ``task`` is unused (the contract of `lds_noisy`)."""
+    quiet_peers()
+    view = DattriView(run["model"].eval(), Inputs.of(train[0]))
+    ck = run["ckpt"]
+    keep = [i for i, lr in enumerate(ck.lrs) if lr > 0]
+    rec = Recorder(None)
+    rec.run("dattri_tracin_self", lambda: dattri_tracin(
+        view, [ck.states[i] for i in keep], [ck.lrs[i] for i in keep], train, train
+    ).diagonal()[None])
+    rec.run("dattri_trak1_self", lambda: trak_scores(trak_features(
+        view, [view.final], train, train, (2048,), {}), 2048, 1e-2).diagonal()[None])
+    return {k: v[0] for k, v in rec.scores.items()}, rec.seconds, rec.failed
 
 
 # -- dattri: TracIn, grad dot, IF-CG --------------------------------------------------------------
@@ -446,9 +499,9 @@ def dattri_ifcg(view: DattriView, train: list[dict], queries: list[dict], rows: 
 def trak_features(view: DattriView, states: list[dict], train: list[dict],
                   queries: list[dict], dims: tuple[int, ...], cache: dict) -> list[dict]:
     """Per model ``c`` (ensemble id ``c``) and dimension: TRAK's projected features as dattri
-    computes them, reduced to what every ``λ`` needs: ``{"s": eigenvalues [N] of ΦΦᵀ, "U":
-    its eigenvectors [N, N], "B": φ_q Φᵀ U [Q, N], "trace": trace(ΦᵀΦ), "q": 1 − p [N]}``
-    (float64). ``cache``: ``{(id(state), c, dim): ...}``, shared between families."""
+    computes them, reduced to what every ``λ`` needs: `trak_solve`'s ``s``, ``B``, ``C``,
+    ``"trace"``: trace(ΦᵀΦ), ``"q"``: 1 − p [N] (float64). ``cache``: ``{(id(state), c,
+    dim): ...}``, shared between families."""
     from dattri.func.projection import random_project
 
     out = []
@@ -472,26 +525,37 @@ def trak_features(view: DattriView, states: list[dict], train: list[dict],
                 kw = dict(proj_dim=d, proj_max_batch_size=32, proj_seed=0, device="cpu")
                 pt = random_project(gt, len(gt), **kw)(gt, ensemble_id=c).double()
                 pq = random_project(gq, len(gq), **kw)(gq, ensemble_id=c).double()
-                s, u = torch.linalg.eigh(pt @ pt.T)
-                cache[id(state), c, d] = {"s": s, "U": u, "B": (pq @ pt.T) @ u,
-                                          "trace": float(pt.square().sum()),
-                                          "q": (1 - p.detach().double().flatten())}
+                cache[id(state), c, d] = dict(trak_solve(pt, pq), trace=float(
+                    pt.square().sum()), q=(1 - p.detach().double().flatten()))
             for d in missing:  # the model's time, its gradients shared by the dimensions
                 cache[id(state), c, d]["seconds"] = (time.perf_counter() - t0) / len(missing)
         out.append({d: cache[id(state), c, d] for d in dims})
     return out
 
 
+def trak_solve(pt: torch.Tensor, pq: torch.Tensor) -> dict[str, torch.Tensor]:
+    """``φ_q (ΦᵀΦ + λI)⁻¹ Φᵀ = (B / (s + λ)) Cᵀ`` for every ``λ`` from one ``eigh`` of the
+    smaller Gram matrix: ``pt`` ``Φ [N, d]``, ``pq`` ``[Q, d]`` → ``{"s": [k], "B": [Q, k],
+    "C": [N, k]}``, ``k = min(N, d)``; ``N ≤ d``: ``ΦΦᵀ = U s Uᵀ``, ``B = φ_q Φᵀ U``,
+    ``C = U``; else ``ΦᵀΦ = V s Vᵀ``, ``B = φ_q V``, ``C = Φ V`` (the same matrix for
+    ``λ > 0``)."""
+    if pt.shape[0] <= pt.shape[1]:
+        s, u = torch.linalg.eigh(pt @ pt.T)
+        return {"s": s, "B": (pq @ pt.T) @ u, "C": u}
+    s, v = torch.linalg.eigh(pt.T @ pt)
+    return {"s": s, "B": pq @ v, "C": pt @ v}
+
+
 def trak_scores(feats: list[dict], dim: int, reg: float, absolute: bool = False
                 ) -> torch.Tensor:
     """``[Q, N]``: TRAK over the models of ``feats`` (`trak_features`) at projection ``dim``,
     ``λ = reg ×`` the mean of ``trace(ΦᵀΦ) / N`` (``absolute``: ``λ = reg``)."""
-    n = len(feats[0][dim]["s"])
+    n = len(feats[0][dim]["C"])
     lam = reg if absolute else reg * sum(f[dim]["trace"] for f in feats) / len(feats) / n
     total = 0
     for f in feats:
         x = f[dim]
-        total = total + (x["B"] / (x["s"].clamp(min=0) + lam)) @ x["U"].T
+        total = total + (x["B"] / (x["s"].clamp(min=0) + lam)) @ x["C"].T
     q = sum(f[dim]["q"] for f in feats) / len(feats)
     return total / len(feats) * q[None, :]
 

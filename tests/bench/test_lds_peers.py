@@ -156,6 +156,41 @@ def test_trak_one_eigh_for_every_lambda_equals_dattri(digits):
     assert torch.allclose(ours, P.trak_scores(feats, 2048, 0.1), rtol=1e-12, atol=0)  # relative
 
 
+@pytest.mark.parametrize("n_train", [12, 40])
+def test_trak_solve_either_gram_side_equals_the_direct_solve(n_train):
+    """``N ≤ d`` (ΦΦᵀ's eigenbasis) and ``N > d`` (ΦᵀΦ's) against ``φ_q (ΦᵀΦ + λI)⁻¹ Φᵀ``
+    solved directly in float64, at two λ (round-off only: 1e-10 relative)."""
+    g = torch.Generator().manual_seed(n_train)
+    pt = torch.randn(n_train, 20, generator=g, dtype=torch.float64)
+    pq = torch.randn(5, 20, generator=g, dtype=torch.float64)
+    x = P.trak_solve(pt, pq)
+    assert x["s"].shape == (min(n_train, 20),) and x["C"].shape == (n_train, min(n_train, 20))
+    for lam in (1e-2, 3.0):
+        direct = pq @ torch.linalg.solve(pt.T @ pt + lam * torch.eye(20, dtype=torch.float64),
+                                         pt.T)
+        got = (x["B"] / (x["s"].clamp(min=0) + lam)) @ x["C"].T
+        assert float((got - direct).abs().max() / direct.abs().max()) < 1e-10
+
+
+def test_self_scores_are_the_diagonals_of_the_pairwise_ones(digits):
+    """`dattri_self_scores` (noisy-label detection) = the diagonal of TracIn's and TRAK-1's
+    train × train matrices, computed here through the pairwise functions."""
+    run, train, _, _, _ = digits
+    few = train[:24]
+    got, secs, failed = P.dattri_self_scores("digits", run, few)
+    assert failed == {} and set(got) == {"dattri_tracin_self", "dattri_trak1_self"}
+    view = P.DattriView(run["model"], P.Inputs.of(few[0]))
+    ck = run["ckpt"]
+    keep = [i for i, lr in enumerate(ck.lrs) if lr > 0]
+    tracin = P.dattri_tracin(view, [ck.states[i] for i in keep], [ck.lrs[i] for i in keep],
+                             few, few).diagonal()
+    trak = P.trak_scores(P.trak_features(view, [view.final], few, few, (2048,), {}), 2048,
+                         1e-2).diagonal()
+    assert torch.allclose(got["dattri_tracin_self"], tracin, rtol=1e-12, atol=0)
+    assert torch.allclose(got["dattri_trak1_self"], trak, rtol=1e-12, atol=0)
+    assert (tracin > 0).all() and (trak > 0).all()  # ‖g‖² and a positive-definite form
+
+
 def test_ifcg_rows_are_a_plain_conjugate_gradient(digits):
     """dattri's IF-CG as `lds_peers` runs it (one query per solve, under no_grad) against CG
     written out with autograd's Hessian-vector products (float64, dattri's start ``x₀ = v``
