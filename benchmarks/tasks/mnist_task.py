@@ -31,8 +31,8 @@ Model (`new_model`, `MnistLR`). dattri's ``LogisticRegressionMnist``: one ``nn.L
 dattri's ``train_mnist_lr`` seeds then calls ``create_lr_model``: equal weights), float32;
 ``forward(inputs_embeds [B, 1, 784], labels [B])`` returns a transformers
 ``SequenceClassifierOutput`` with ``.logits`` ``[B, 10]`` and ``.loss`` the mean
-cross-entropy (dattri's ``nn.CrossEntropyLoss()``); ``can_generate()`` is False, which tells
-kfac_stream's capture that it is a classifier (`MnistLR.can_generate`).
+cross-entropy (dattri's ``nn.CrossEntropyLoss()``); its labels, one per example, tell
+kfac_stream's capture that it is a classifier.
 
 Recipe (`train_fast`). dattri's ``train_mnist_lr``: SGD, lr 0.01, no momentum, no weight decay,
 no clipping, no schedule, 20 epochs of batch 32 (dattri's ``DEFAULT_BATCH_SIZE["mnist_lr"]``),
@@ -167,13 +167,6 @@ class MnistLR(nn.Module):
         logits = self.linear(inputs_embeds.reshape(inputs_embeds.shape[0], 1, PIXELS))[:, 0]
         loss = None if labels is None else F.cross_entropy(logits, labels)
         return SequenceClassifierOutput(loss=loss, logits=logits)
-
-    def can_generate(self) -> bool:
-        """False: a classifier. kfac_stream counts a model of one's own as a causal LM (its
-        position ``t`` scored by label ``t + 1``, so a one-position example would carry no
-        usable position) unless it says, as transformers' classifiers do, that it cannot
-        generate."""
-        return False
 
 
 def new_model(seed: int) -> MnistLR:

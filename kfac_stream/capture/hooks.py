@@ -8,7 +8,8 @@ One ``PassRecord`` per training forward pass of the model (one micro-batch):
   token that can carry the loss's gradient: in a causal LM, none after a sequence's last
   loss-bearing position (`stats.rows.gradient_positions`; by its ``[B, T]`` labels, or, when
   the forward gets none, e.g. a Trainer with a ``compute_loss_func``, by the next-token loss
-  of its real tokens, as the MC Fisher's). An
+  of its real tokens, as the MC Fisher's; labels ``[B]``, one per sequence, are a
+  classifier's: every real position is usable). An
   encoder-decoder's decoder positions are a second stream with a draw of their own (the
   *target* row space: the decoder's blocks and LM head, whatever the decoder's length),
   usable where its labels say so, counted apart (``target_tokens_seen``);
@@ -83,13 +84,15 @@ _HANDLE_ATTR = "_kfac_stream_handles"
 
 
 def _batch_input(args: tuple, kwargs: dict[str, Any]) -> Tensor | None:
-    """The ``[B, T, ...]`` tensor that gives a forward pass its batch shape and device."""
-    for key in ("input_ids", "inputs_embeds", "attention_mask"):
-        x = kwargs.get(key)
+    """The ``[B, T, ...]`` tensor that gives a forward pass its batch shape and device: the
+    first of ``input_ids``, ``inputs_embeds``, ``attention_mask``, else the first positional
+    argument, else the first keyword argument (a model of one's own: ``model(x=…)``) that is
+    not ``labels`` nor a decoder's; at least 2-D."""
+    named = [kwargs.get(k) for k in ("input_ids", "inputs_embeds", "attention_mask")]
+    other = [v for k, v in kwargs.items() if k != "labels" and not k.startswith("decoder_")]
+    for x in [*named, *args[:1], *other]:
         if isinstance(x, Tensor) and x.dim() >= 2:
             return x
-    if args and isinstance(args[0], Tensor) and args[0].dim() >= 2:
-        return args[0]
     return None
 
 
@@ -128,7 +131,8 @@ def _is_causal_lm(model: nn.Module) -> bool:
     """A token-level model whose position ``t`` sees positions ``≤ t`` only: not an
     encoder-decoder and not a transformers model that cannot generate (an encoder, whose
     every position sees every other). A model of your own counts as causal, as the MC
-    Fisher's label shift assumes (`mc_replay.loss_bearing_mask`)."""
+    Fisher's label shift assumes (`mc_replay.loss_bearing_mask`), except in a pass whose
+    labels are one per sequence (``[B]``: a classifier, `CaptureHooks.streams`)."""
     can = getattr(model, "can_generate", None)
     return not is_encoder_decoder(model) and (not callable(can) or bool(can()))
 
@@ -350,9 +354,11 @@ class CaptureHooks:
         ``(usable [B*T] bool, decoder's usable [B*T_dec] bool or None)`` (module docstring)."""
         mask = kwargs.get("attention_mask")
         usable = usable_positions(mask if isinstance(mask, Tensor) else None, shape, device)
-        if self._causal:  # without labels (a loss of the user's): the next token's, as the MC
+        # one label per sequence ([B]): a classifier of the user's own, nothing shifted
+        per_sequence = isinstance(labels, Tensor) and tuple(labels.shape) == shape[:1]
+        if self._causal and not per_sequence:  # without labels (a loss of the user's): the
             scored = labels if isinstance(labels, Tensor) and tuple(labels.shape) == shape \
-                else torch.where(usable.reshape(shape), 0, -100)  # Fisher's (`mc_replay`)
+                else torch.where(usable.reshape(shape), 0, -100)  # next token's (`mc_replay`)
             usable = usable & gradient_positions(scored.to(device), shift=True)
         target = _target_usable(kwargs, labels, shape[0], device) \
             if self._decoder_side else None
