@@ -11,12 +11,14 @@ import torch
 
 pytest.importorskip("dattri", reason="peer not installed (Makefile PEER_PKGS)")
 pytest.importorskip("sklearn", reason="peer not installed (Makefile PEER_PKGS)")
+pytest.importorskip("kronfluence", reason="peer not installed (Makefile PEER_PKGS)")
 
 from repo_paths import BENCHMARKS
 
 sys.path.insert(0, str(BENCHMARKS))
 import influence_lds as il  # noqa: E402
 import lds_noisy as nz  # noqa: E402
+import lds_peers as peers  # noqa: E402
 import lds_select as sel  # noqa: E402
 import lds_truth as lt  # noqa: E402
 from tasks import lds_tasks as tasks  # noqa: E402
@@ -164,5 +166,13 @@ def test_quick_run_prints_a_table_of_finite_lds(capsys):
         assert -1.0 <= float(cells[1]) <= 1.0
         m = re.fullmatch(r"([+-]\d\.\d+) \[([+-]\d\.\d+), ([+-]\d\.\d+)\] \(\d+ q\.\)", cells[3])
         assert m and float(m.group(2)) <= float(m.group(1)) <= float(m.group(3)), cells
+    # the peers' rows, each with its interval
+    for fam in ("kronfluence_kfac", "kronfluence_ekfac", "dattri_tracin", "grad_dot",
+                "dattri_trak1", "dattri_ifcg"):
+        mine = [r for r in rows if r.startswith(f"| {peers.family_label(fam)} |")]
+        assert len(mine) == 1, (fam, rows)
+        assert re.search(r"\(\d+ q\.\) \| (ahead|tie|behind) \|", mine[0]), mine[0]
+    assert re.search(r"streamed factors .*ours_ekfac − kronfluence_ekfac: [+-]\d\.\d+ \[",
+                     section), section
     detect = [r for r in rows if r.startswith(f"| {nz.DETECTORS[0][1]} |")]
     assert len(detect) == 1 and 0.0 <= float(detect[0].split("|")[2].split()[0]) <= 1.0
