@@ -1,9 +1,9 @@
 r"""Noisy-label detection on the LDS protocol's tasks (`influence_lds.py --part noisy`).
 
 Per task and seed: the seed's split (`lds_tasks.split`), ``share`` (10%) of its training
-examples corrupted (`corrupt`: digits: the label replaced by another class; text: the window's
-bytes shuffled), one tracked run on the corrupted set (default `KFACConfig`, as the scored
-runs), and the training examples ranked by each detector (higher = more suspect):
+examples corrupted (`corrupt`: digits and mnist: the label replaced by another class; text:
+the window's bytes shuffled), one tracked run on the corrupted set (default `KFACConfig`, as
+the scored runs), and the training examples ranked by each detector (higher = more suspect):
 
 * ``loss``: the training loss at the final weights (the baseline every detector must beat);
 * ``ours_self``: ``self_influence`` ``I(z, z)`` at the defaults;
@@ -13,8 +13,8 @@ runs), and the training examples ranked by each detector (higher = more suspect)
   the defaults (a harmful example has negative influence on them);
 * ``ours_heldout_loss``: the rank average of ``ours_heldout`` and ``loss`` (two signals that
   need no retraining, combined without a tuned weight);
-* dattri 0.3.0 ``TracInAttributor.self_attribute`` over the checkpoints and TRAK-1's
-  ``self_attribute`` (`lds_peers.dattri_self_scores`), where they run.
+* dattri 0.3.0: TracIn's self-influence ``Σ_c η_c ‖g_c(z)‖²`` over the checkpoints and
+  TRAK-1's diagonal at the final weights (`lds_peers.dattri_self_scores`), where they run.
 
 Reported: the AUC for the corrupted ones and the share of them among the top 10% / 20%.
 Results per task and seed: ``benchmarks/results/lds_noisy/<task>-seed<S>.json`` (committed).
@@ -40,8 +40,8 @@ DETECTORS = (("loss", "training loss (baseline)"),
              ("grad_norm", "squared gradient norm"),
              ("ours_heldout", "ours: −Σ influence on the validation queries"),
              ("ours_heldout_loss", "ours held-out + loss, rank average"),
-             ("dattri_tracin_self", "dattri TracIn self_attribute"),
-             ("dattri_trak1_self", "dattri TRAK-1 self_attribute"))
+             ("dattri_tracin_self", "dattri TracIn, self-influence"),
+             ("dattri_trak1_self", "dattri TRAK-1, self-attribution"))
 
 
 def corrupt(task: str, train: list[dict], share: float, seed: int
