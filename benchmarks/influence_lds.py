@@ -264,8 +264,8 @@ def table(results: dict[str, list[dict]], comp: dict, rec: str, noisy: dict,
 
 def report(results: dict, comp: dict, rec: str, noisy: dict, a, info: dict) -> str:
     truth_s = {t: [s["truth_cpu_s"] for s in seeds] for t, seeds in results.items()}
-    score_s = {t: [s["info"].get("ours_s", float("nan")) + s["info"].get("peers_s", 0.0)
-                   for s in seeds] for t, seeds in results.items()}
+    score_s = {t: [s["info"].get("peers_s", float("nan")) for s in seeds]
+               for t, seeds in results.items()}
     L = [BEGIN, "## Influence: LDS by the field's protocol, and noisy labels "
          "(`benchmarks/influence_lds.py`)", "", f"- date: {info['date']}",
          f"- machine: {info['cpu']}, {info['cores']} cores; torch {info['torch']}, "
@@ -274,7 +274,7 @@ def report(results: dict, comp: dict, rec: str, noisy: dict, a, info: dict) -> s
          "- CPU time per task and seed (one core): ground truth "
          + "; ".join(f"{t} " + "/".join(f"{x / 60:.0f}" for x in v) + " min"
                      for t, v in truth_s.items())
-         + "; our runs and every method's scores " + "; ".join(
+         + "; every peer (its fits, features and extra models included) " + "; ".join(
              f"{t} " + "/".join(f"{x / 60:.1f}" for x in v) + " min" for t, v in score_s.items()),
          f"- protocol: the script's docstring ({LT.SUBSETS} halves × {LT.RETRAINS} fresh "
          "retrains per task and seed, a different split per seed, settings chosen on the "
