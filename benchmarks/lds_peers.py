@@ -418,7 +418,7 @@ def dattri_self_scores(task: str, run: dict, train: list[dict]
     """Self-attribution for noisy-label detection, ``({detector: [N]}, {detector: seconds},
     {detector: why it failed})``: ``dattri_tracin_self`` (TracIn's ``Σ_c η_c ‖g_c(z)‖²`` over
     ``run["ckpt"]``, no projection) and ``dattri_trak1_self`` (TRAK-1's diagonal at the final
-    weights, projection 2048, ``λ = 10⁻² ×`` the mean non-zero eigenvalue: fixed before
+    weights, projection 2048, ``λ = 10⁻² × trace(ΦᵀΦ) / N``, `trak_scores`: fixed before
     measuring, the middle of `TRAK_REGS`; there are no validation labels to choose it on).
     ``task`` is unused (the contract of `lds_noisy`)."""
     quiet_peers()
