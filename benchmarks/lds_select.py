@@ -21,24 +21,24 @@ import math
 from dataclasses import dataclass
 
 import torch
-from scipy.stats import spearmanr
+from scipy.stats import rankdata
 
 
 def lds_per_query(scores: torch.Tensor, members: list[list[int]],
                   outputs: torch.Tensor) -> list[float]:
     """``scores`` ``[Q, N]`` (NaN rows: a method that did not score that query), ``members``
     ``K`` lists of training indices, ``outputs`` ``[K, Q]`` → ``Q`` Spearman correlations
-    (NaN where the scores row is NaN; 0 where a side is constant)."""
+    (NaN where the scores row is NaN; 0 where a side is constant): the Pearson correlation of
+    the average ranks (ties shared), every query at once — `scipy.stats.spearmanr`'s value."""
     scores = scores.double()
     pred = torch.stack([scores[:, m].sum(1) for m in members])  # [K, Q]
-    out = []
-    for q in range(scores.shape[0]):
-        if not torch.isfinite(scores[q]).all():
-            out.append(float("nan"))
-            continue
-        rho = spearmanr(pred[:, q].numpy(), (-outputs[:, q]).numpy()).statistic
-        out.append(float(rho) if math.isfinite(rho) else 0.0)
-    return out
+    finite = torch.isfinite(scores).all(1)
+    rp = torch.from_numpy(rankdata(pred.nan_to_num().numpy(), axis=0))
+    ro = torch.from_numpy(rankdata((-outputs.double()).numpy(), axis=0))
+    rp, ro = rp - rp.mean(0), ro - ro.mean(0)
+    den = (rp.square().sum(0) * ro.square().sum(0)).sqrt()
+    rho = torch.where(den > 0, (rp * ro).sum(0) / den.clamp(min=1e-300), 0.0)
+    return [float(r) if ok else float("nan") for r, ok in zip(rho.tolist(), finite.tolist())]
 
 
 @dataclass(frozen=True)

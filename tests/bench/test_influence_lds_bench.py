@@ -39,6 +39,29 @@ def test_lds_is_one_for_additive_truth_and_minus_one_reversed():
     assert got[0] == pytest.approx(1.0) and math.isnan(got[1]) and sel.nanmean(got) == 1.0
 
 
+def test_lds_equals_scipy_spearman_per_query_with_ties_and_constant_sides():
+    """The vectorised LDS against ``scipy.stats.spearmanr`` query by query: rounded scores
+    (ties on the prediction side), a query whose outputs are constant (0, as spearmanr's NaN
+    is read) and a NaN row."""
+    from scipy.stats import spearmanr
+
+    g = torch.Generator().manual_seed(2)
+    n, k, q = 30, 25, 6
+    scores = torch.randn(q, n, generator=g, dtype=torch.float64).round()
+    scores[4] = float("nan")
+    members = [sorted(torch.randperm(n, generator=g)[:n // 2].tolist()) for _ in range(k)]
+    outputs = torch.randn(k, q, generator=g, dtype=torch.float64).round(decimals=1)
+    outputs[:, 2] = 1.5
+    got = sel.lds_per_query(scores, members, outputs)
+    pred = torch.stack([scores[:, m].sum(1) for m in members])
+    for j in range(q):
+        if j == 4:
+            assert math.isnan(got[j])
+            continue
+        want = spearmanr(pred[:, j].numpy(), (-outputs[:, j]).numpy()).statistic
+        assert got[j] == pytest.approx(0.0 if math.isnan(want) else want, abs=1e-12), j
+
+
 def test_paired_interval_and_verdict():
     a = [[0.5, 0.6, 0.7], [0.4, float("nan")]]
     b = [[0.4, 0.4, 0.4], [0.4, 0.1]]
