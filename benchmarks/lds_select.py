@@ -31,8 +31,11 @@ def lds_per_query(scores: torch.Tensor, members: list[list[int]],
     (NaN where the scores row is NaN; 0 where a side is constant): the Pearson correlation of
     the average ranks (ties shared), every query at once — `scipy.stats.spearmanr`'s value."""
     scores = scores.double()
-    pred = torch.stack([scores[:, m].sum(1) for m in members])  # [K, Q]
     finite = torch.isfinite(scores).all(1)
+    member = torch.zeros(len(members), scores.shape[1], dtype=torch.float64)  # [K, N] 0/1
+    for k, m in enumerate(members):
+        member[k, m] = 1.0
+    pred = member @ scores.nan_to_num().T  # [K, Q]: each half's summed scores
     rp = torch.from_numpy(rankdata(pred.nan_to_num().numpy(), axis=0))
     ro = torch.from_numpy(rankdata((-outputs.double()).numpy(), axis=0))
     rp, ro = rp - rp.mean(0), ro - ro.mean(0)
