@@ -102,6 +102,13 @@ def scores_part(task: str, seed: int, sizes: tuple[int, int, int], a, tmp: str) 
     done = cache.dir / "peers.json"  # the peers ran on this task and seed: not again
     if peers is not None and done.exists():
         info.update(json.loads(done.read_text()))
+        if not a.quick and not all(cache.has(f"kronfluence_kfac:mean*{f:g}")
+                                   for f in peers.KF_GRID):  # the grid grew: kronfluence again
+            sc, secs, _ = peers.kronfluence_scores(run, d["train"], queries,
+                                                   str(Path(tmp) / "peers"))
+            for v, s in sc.items():
+                if not cache.has(v):
+                    cache.put(v, s, secs.get(v, float("nan")))
     elif peers is not None:
         val, _ = S.split_truth(LT.load_truth(task, seed, sizes))
 
