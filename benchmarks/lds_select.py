@@ -36,7 +36,7 @@ def lds_per_query(scores: torch.Tensor, members: list[list[int]],
     for k, m in enumerate(members):
         member[k, m] = 1.0
     pred = member @ scores.nan_to_num().T  # [K, Q]: each half's summed scores
-    rp = torch.from_numpy(rankdata(pred.nan_to_num().numpy(), axis=0))
+    rp = torch.from_numpy(rankdata(pred.numpy(), axis=0))
     ro = torch.from_numpy(rankdata((-outputs.double()).numpy(), axis=0))
     rp, ro = rp - rp.mean(0), ro - ro.mean(0)
     den = (rp.square().sum(0) * ro.square().sum(0)).sqrt()
