@@ -49,6 +49,7 @@ do no math beyond gathering rows; everything else happens in the tracker.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -88,12 +89,10 @@ def _batch_input(args: tuple, kwargs: dict[str, Any]) -> Tensor | None:
     first of ``input_ids``, ``inputs_embeds``, ``attention_mask``, else the first positional
     argument, else the first keyword argument (a model of one's own: ``model(x=…)``) that is
     not ``labels`` nor a decoder's; at least 2-D."""
-    named = [kwargs.get(k) for k in ("input_ids", "inputs_embeds", "attention_mask")]
-    other = [v for k, v in kwargs.items() if k != "labels" and not k.startswith("decoder_")]
-    for x in [*named, *args[:1], *other]:
-        if isinstance(x, Tensor) and x.dim() >= 2:
-            return x
-    return None
+    named = (kwargs.get(k) for k in ("input_ids", "inputs_embeds", "attention_mask"))
+    other = (v for k, v in kwargs.items() if k != "labels" and not k.startswith("decoder_"))
+    return next((x for x in itertools.chain(named, args[:1], other)
+                 if isinstance(x, Tensor) and x.dim() >= 2), None)
 
 
 def logits_of(output: Any) -> Tensor | None:
